@@ -1,0 +1,31 @@
+# kvsim: `make run` sets everything up and runs the default scenario;
+# `make test` sets everything up and runs the whole test suite.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+
+.PHONY: setup run test lint clean
+
+$(VENV)/.installed: pyproject.toml scripts/install_torch.sh
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PIP) install -q --upgrade pip
+	PIP="$(PIP)" PY="$(PY)" bash scripts/install_torch.sh
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+run: setup
+	$(VENV)/bin/kvsim model fetch
+	$(VENV)/bin/kvsim sim
+
+test: setup
+	$(VENV)/bin/kvsim model fetch
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check kvsim tests
+
+clean:
+	rm -rf $(VENV) outputs multirun results .pytest_cache

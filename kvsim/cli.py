@@ -1,0 +1,136 @@
+"""`kvsim` command line: one entry point, subcommands, Hydra overrides.
+
+    kvsim <command> [<subcommand>] [key=value ...] [report=PATH]
+
+Each command lives in `kvsim/commands/<name>.py` and declares COMMAND (its words),
+CONFIG_NAME (conf/<CONFIG_NAME>.yaml), a `Config` dataclass schema and `run(cfg) -> rows`.
+This is the only module that touches Hydra / OmegaConf objects: commands receive their
+typed `Config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import ModuleType
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+class UsageError(Exception):
+    pass
+
+
+def _commands() -> dict[tuple[str, ...], ModuleType]:
+    import kvsim.commands as pkg
+
+    found: dict[tuple[str, ...], ModuleType] = {}
+    for info in pkgutil.iter_modules(pkg.__path__):
+        mod = importlib.import_module(f"kvsim.commands.{info.name}")
+        if hasattr(mod, "COMMAND"):
+            found[tuple(mod.COMMAND)] = mod
+    return found
+
+
+def _usage(commands: dict[tuple[str, ...], ModuleType]) -> str:
+    lines = [
+        "usage: kvsim <command> [key=value ...] [report=PATH]",
+        "",
+        "commands:",
+    ]
+    for words, mod in sorted(commands.items()):
+        lines.append(f"  {' '.join(words):<16} {mod.HELP}")
+    lines += [
+        "",
+        "Overrides are Hydra syntax (e.g. link.bandwidth_gbps=25 'codecs=[bf16,lynx]').",
+        "report=PATH writes the rows and the resolved config as JSON.",
+        "`kvsim <command> --help` shows the command's config with its defaults.",
+    ]
+    return "\n".join(lines)
+
+
+def compose(config_name: str, overrides: list[str], schema: type | None = None):
+    """Compose conf/<config_name>.yaml with overrides; return (typed config, plain dict)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    if schema is not None:
+        ConfigStore.instance().store(name=f"{config_name}_schema", node=schema)
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = hydra_compose(config_name=config_name, overrides=overrides)
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    typed = OmegaConf.to_object(cfg) if schema is not None else plain
+    return typed, plain
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = _commands()
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage(commands))
+        return 0
+    words = [a for a in argv if "=" not in a and not a.startswith("-")]
+    match = max((w for w in commands if tuple(words[: len(w)]) == w), key=len, default=None)
+    if match is None:
+        print(f"kvsim: unknown command {' '.join(words)!r}\n\n{_usage(commands)}", file=sys.stderr)
+        return 2
+    mod = commands[match]
+    rest = [a for a in argv[len(match):]]
+    want_help = any(a in ("-h", "--help") for a in rest)
+    report_path = None
+    overrides = []
+    for arg in rest:
+        if arg in ("-h", "--help"):
+            continue
+        if arg.startswith("report="):
+            report_path = arg.split("=", 1)[1]
+        elif "=" not in arg:
+            print(f"kvsim {' '.join(match)}: unexpected argument {arg!r} "
+                  "(overrides look like key=value)", file=sys.stderr)
+            return 2
+        else:
+            overrides.append(arg)
+    try:
+        cfg, plain = compose(mod.CONFIG_NAME, overrides, getattr(mod, "Config", None))
+    except Exception as exc:  # Hydra/OmegaConf composition and validation errors
+        msg = str(exc).strip()
+        print(f"kvsim {' '.join(match)}: bad configuration: {msg}", file=sys.stderr)
+        return 2
+    if want_help:
+        from omegaconf import OmegaConf
+
+        doc = textwrap.dedent(mod.__doc__ or mod.HELP).strip()
+        print(f"kvsim {' '.join(match)}: {doc}\n\nconfig (conf/{mod.CONFIG_NAME}.yaml) with "
+              f"defaults; override with key=value, add report=PATH for JSON:\n")
+        print(OmegaConf.to_yaml(OmegaConf.create(plain)))
+        return 0
+    from kvsim.report import write_report
+
+    started = time.time()
+    try:
+        rows = mod.run(cfg)
+    except (ValueError, FileNotFoundError, UsageError, TimeoutError) as exc:
+        print(f"kvsim {' '.join(match)}: error: {exc}", file=sys.stderr)
+        return 1
+    if report_path:
+        write_report(report_path, " ".join(match), plain, rows or [], time.time() - started,
+                     overrides)
+        print(f"report written to {report_path}", file=sys.stderr)
+    return 0
+
+
+def config_as_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

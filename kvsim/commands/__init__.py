@@ -1,0 +1,1 @@
+"""One module per `kvsim` subcommand (discovered by kvsim.cli)."""

@@ -1,0 +1,1 @@
+"""Typed configuration objects (dataclass schemas) and loaders for conf/ presets."""
