@@ -1,0 +1,41 @@
+"""Test setup. Triton kernels run under the interpreter on a machine without CUDA:
+TRITON_INTERPRET must be set before any @triton.jit function is defined, so it is set
+here, before test modules import kvsim's kernel modules. Tests never touch torch.cuda at
+import time; `gpu` tests skip cleanly without a device."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+if not _cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def kernel_device() -> str:
+    """Where Triton kernels run in this session: 'cuda', or 'cpu' under TRITON_INTERPRET=1."""
+    return "cuda" if _cuda_available() else "cpu"
