@@ -20,7 +20,7 @@ File format (version 1), JSON:
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -123,4 +123,4 @@ def load_acceptance(name_or_path: str) -> AcceptanceModel:
     return AcceptanceModel(doc["name"], doc["survival"], doc.get("source", "measured"), meta)
 
 
-__all__ = ["AcceptanceModel", "geometric", "seeds_fig10", "load_acceptance", "asdict"]
+__all__ = ["AcceptanceModel", "geometric", "seeds_fig10", "load_acceptance"]
