@@ -112,7 +112,7 @@ def load_acceptance(name_or_path: str) -> AcceptanceModel:
     if not path.is_file():
         path = ACCEPTANCE_DIR / f"{name_or_path}.json"
     if not path.is_file():
-        known = sorted(p.stem for p in ACCEPTANCE_DIR.glob("*.json")) if ACCEPTANCE_DIR.is_dir() else []
+        known = sorted(p.stem for p in ACCEPTANCE_DIR.glob("*.json"))
         raise ValueError(f"unknown acceptance model {name_or_path!r}; use geometric:<a>, "
                          f"seeds-fig10, a path, or one of {known}")
     doc = json.loads(path.read_text())

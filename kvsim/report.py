@@ -78,7 +78,8 @@ def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
                 line.append(str(value))
         cells.append(line)
     widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
-    out = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+    out = ["  ".join(c.rjust(w) if i else c.ljust(w)
+                     for i, (c, w) in enumerate(zip(r, widths, strict=True)))
            for r in cells]
     out.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(out)

@@ -18,13 +18,13 @@ def packed_len(n: int, bits: int) -> int:
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """codes: [..., n] integer in [0, 2**bits) with n % (8 // bits) == 0 -> [..., n*bits/8] uint8."""
+    """codes: [..., n] ints in [0, 2**bits), n % (8 // bits) == 0 -> [..., n*bits/8] uint8."""
     _check_bits(bits)
     if bits == 8:
         return codes.to(torch.uint8)
     per = 8 // bits
     if codes.shape[-1] % per:
-        raise ValueError(f"pack: last dim {codes.shape[-1]} not a multiple of {per} for {bits} bits")
+        raise ValueError(f"pack: last dim {codes.shape[-1]} not a multiple of {per} ({bits} bits)")
     c = codes.to(torch.int32).reshape(*codes.shape[:-1], codes.shape[-1] // per, per)
     shifts = torch.arange(per, device=codes.device, dtype=torch.int32) * bits
     return (c << shifts).sum(dim=-1).to(torch.uint8)

@@ -116,7 +116,7 @@ class Codec(ABC):
         out = self._decode(enc, n, torch.device(device) if device else torch.device("cpu"))
         return out.to(dtype or DTYPES[enc.shape.dtype])
 
-    def check_shape(self, shape: KVShape) -> None:
+    def check_shape(self, shape: KVShape) -> None:  # noqa: B027 (optional hook)
         """Refuse shapes this codec cannot handle, with a clear message (override)."""
 
     @abstractmethod
@@ -174,7 +174,8 @@ def codec_class(name: str) -> type[Codec]:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise CodecError(f"unknown codec {name!r}; registered: {', '.join(sorted(_REGISTRY))}")
+        raise CodecError(
+            f"unknown codec {name!r}; registered: {', '.join(sorted(_REGISTRY))}") from None
 
 
 def make_codec(name: str, params: dict | None = None) -> Codec:
