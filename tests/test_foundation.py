@@ -73,13 +73,15 @@ def test_acceptance_models(tmp_path):
     assert np.mean(draws) == pytest.approx(g.mean_accepted(64), rel=0.05)
     f = seeds_fig10()
     assert f.survival_at(10) == pytest.approx(0.88) and f.survival_at(20) == pytest.approx(0.70)
-    path = AcceptanceModel("t", [1.0, 0.5, 0.25], "measured", {"model": "x"}).save(tmp_path / "t.json")
+    model = AcceptanceModel("t", [1.0, 0.5, 0.25], "measured", {"model": "x"})
+    path = model.save(tmp_path / "t.json")
     assert load_acceptance(str(path)).survival == [1.0, 0.5, 0.25]
     with pytest.raises(ValueError, match="non-increasing"):
         AcceptanceModel("bad", [1.0, 0.2, 0.5])
     with pytest.raises(ValueError, match="unknown acceptance model"):
         load_acceptance("no-such-model")
-    assert geometric(1.0).sample_accepted(5, rng) == 5 and geometric(0.0).sample_accepted(5, rng) == 0
+    assert geometric(1.0).sample_accepted(5, rng) == 5
+    assert geometric(0.0).sample_accepted(5, rng) == 0
 
 
 def test_capture_round_trip(tmp_path):
