@@ -1,0 +1,138 @@
+"""`uniform`: asymmetric min/max quantization in per-token groups along head_dim (INT8/INT4).
+
+Every (layer, K/V, head, token) row of head_dim values is split into groups of `group`
+consecutive channels (0 = one group of head_dim); each group stores an fp16 scale and an
+fp16 zero point (its min), and `bits`-bit codes (groupquant.py gives the exact rounding
+and the no-NaN rule for constant groups). One stream; chunk = one layer x one page.
+
+payload of chunk (layer l, page p), t = tokens of the page, D = head_dim, g = groups/row:
+    codes  uint8 [2, kv_heads, t, D * bits / 8]   bit-packed along head_dim
+    scale  fp16  [2, kv_heads, t, g]
+    zero   fp16  [2, kv_heads, t, g]
+backend: 'triton' runs uniform_triton kernels, 'torch' the reference, 'auto' picks Triton
+for CUDA tensors and torch otherwise; both give identical bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvsim.kernels import uniform_triton
+from kvsim.kernels.codec import Codec, register
+from kvsim.kernels.encoded import Chunk, Encoded
+from kvsim.kernels.groupquant import (
+    QUANT_BITS,
+    ChunkLayout,
+    Field,
+    check_fp16_range,
+    page_bounds,
+)
+from kvsim.layout import KVShape
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class UniformParams:
+    bits: int = 8
+    group: int = 64  # channels per group along head_dim; 0 = the whole head_dim
+    page_tokens: int = 256
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.bits not in QUANT_BITS:
+            raise ValueError(f"bits must be one of {QUANT_BITS}")
+        if self.group < 0:
+            raise ValueError("group must be >= 0 (0 = whole head_dim)")
+        if self.page_tokens < 1:
+            raise ValueError("page_tokens must be >= 1")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}")
+
+
+def use_triton(backend: str, device: torch.device) -> bool:
+    return backend == "triton" or (backend == "auto" and device.type == "cuda")
+
+
+@register
+class UniformCodec(Codec):
+    name = "uniform"
+    Params = UniformParams
+
+    def stream_names(self) -> list[str]:
+        return ["full"]
+
+    def page_tokens(self, shape: KVShape) -> int:
+        return self.params.page_tokens
+
+    def group_of(self, shape: KVShape) -> int:
+        return self.params.group or shape.head_dim
+
+    def check_shape(self, shape: KVShape) -> None:
+        g = self.group_of(shape)
+        if shape.head_dim % g:
+            raise ValueError(f"uniform: head_dim {shape.head_dim} is not a multiple of the "
+                             f"group size {g}")
+        if g % (8 // self.params.bits):
+            raise ValueError(f"uniform: group {g} must be a multiple of {8 // self.params.bits} "
+                             f"for {self.params.bits}-bit packing")
+
+    def layout(self, shape: KVShape, tokens: int) -> ChunkLayout:
+        h, d, bits = shape.kv_heads, shape.head_dim, self.params.bits
+        ng = d // self.group_of(shape)
+        return ChunkLayout([Field("codes", "u8", (2, h, tokens, d * bits // 8)),
+                            Field("scale", "f16", (2, h, tokens, ng)),
+                            Field("zero", "f16", (2, h, tokens, ng))])
+
+    def payload_bytes(self, shape: KVShape) -> np.ndarray:
+        self.check_shape(shape)
+        pages = self.num_pages(shape)
+        out = np.zeros((1, shape.layers, pages), dtype=np.int64)
+        for p in range(pages):
+            t0, t1 = page_bounds(shape.tokens, self.params.page_tokens, p)
+            out[0, :, p] = self.layout(shape, t1 - t0).nbytes
+        return out
+
+    def _encode(self, kv: torch.Tensor, shape: KVShape) -> list[list[Chunk]]:
+        check_fp16_range(kv, "uniform")
+        g, bits = self.group_of(shape), self.params.bits
+        rows = kv.reshape(-1, shape.head_dim)  # [layers*2*heads*tokens, head_dim]
+        fn = (uniform_triton.quantize_pack if use_triton(self.params.backend, kv.device)
+              else uniform_triton.quantize_pack_reference)
+        packed, scale16, zero16 = fn(rows, g, bits)
+        lead = (shape.layers, 2, shape.kv_heads, shape.tokens)
+        packed = packed.reshape(*lead, -1).cpu()
+        scale16 = scale16.reshape(*lead, -1).cpu()
+        zero16 = zero16.reshape(*lead, -1).cpu()
+        chunks = []
+        for layer in range(shape.layers):
+            for p in range(self.num_pages(shape)):
+                t0, t1 = page_bounds(shape.tokens, self.params.page_tokens, p)
+                sl = (layer, slice(None), slice(None), slice(t0, t1))
+                payload = self.layout(shape, t1 - t0).serialize(
+                    {"codes": packed[sl], "scale": scale16[sl], "zero": zero16[sl]})
+                chunks.append(Chunk(0, layer, p, payload))
+        return [chunks]
+
+    def _decode(self, enc: Encoded, streams: int, device: torch.device) -> torch.Tensor:
+        shape, pt = enc.shape, enc.page_tokens
+        g, bits, d = self.group_of(shape), self.params.bits, shape.head_dim
+        packed = torch.empty((shape.layers, 2, shape.kv_heads, shape.tokens, d * bits // 8),
+                             dtype=torch.uint8, device=device)
+        scale16 = torch.empty((shape.layers, 2, shape.kv_heads, shape.tokens, d // g),
+                              dtype=torch.float16, device=device)
+        zero16 = torch.empty_like(scale16)
+        for (layer, p), payload in enc.payloads(0).items():
+            t0, t1 = page_bounds(shape.tokens, pt, p)
+            f = self.layout(shape, t1 - t0).parse(payload, device)
+            packed[layer, :, :, t0:t1] = f["codes"]
+            scale16[layer, :, :, t0:t1] = f["scale"]
+            zero16[layer, :, :, t0:t1] = f["zero"]
+        fn = (uniform_triton.unpack_dequantize if use_triton(self.params.backend, device)
+              else uniform_triton.unpack_dequantize_reference)
+        out = fn(packed.reshape(-1, d * bits // 8), scale16.reshape(-1, d // g),
+                 zero16.reshape(-1, d // g), g, bits)
+        return out.reshape(shape.dims)

@@ -1,0 +1,155 @@
+"""uniform codec (int8/int4) and its Triton quantize+pack / unpack+dequantize kernels."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvsim.kernels import Encoded, make_codec
+from kvsim.kernels import uniform_triton as ut
+from kvsim.kernels.groupquant import dequantize_groups, quantize_groups
+from kvsim.layout import KVShape
+
+
+def rows_with_edge_cases(rows: int, n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """[rows, n] random data plus a constant row, a zero row and a row with one spike."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n, generator=g) * 3 + 0.5
+    x[0] = 1.25  # constant -> every group has max == min
+    x[1] = 0.0
+    x[2, n // 2] = 900.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("rows,n,group", [(37, 48, 16), (5, 96, 48), (19, 64, 64)])
+def test_kernel_codes_match_reference_bit_for_bit(bits, rows, n, group, kernel_device):
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        x = rows_with_edge_cases(rows, n, dtype, seed=bits + rows)
+        ref = ut.quantize_pack_reference(x, group, bits)
+        got = ut.quantize_pack(x.to(kernel_device), group, bits)
+        for r, k in zip(ref, got, strict=True):
+            assert torch.equal(r, k.cpu()), f"{dtype} {bits}-bit differs"
+        deq_ref = ut.unpack_dequantize_reference(*ref, group, bits)
+        deq = ut.unpack_dequantize(*(t.to(kernel_device) for t in got), group, bits)
+        assert torch.equal(deq_ref, deq.cpu())
+
+
+def test_kernel_rejects_bad_group():
+    with pytest.raises(ValueError, match="multiple of the group"):
+        ut.quantize_pack(torch.zeros(3, 10), 4, 4)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        ut.quantize_pack(torch.zeros(3, 12), 6, 2)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_error_bound_half_step(bits):
+    x = torch.randn(64, 128, dtype=torch.float64).to(torch.float32) * 4
+    codes, s16, z16 = quantize_groups(x, 32, bits)
+    xh = dequantize_groups(codes, s16, z16, 32)
+    xg = x.view(64, 4, 32)
+    mn, mx = xg.amin(-1), xg.amax(-1)
+    s_exact = (mx - mn) / (2**bits - 1)
+    s, z = s16.float(), z16.float()
+    # half a step, plus the fp16 rounding of the zero point and of the scale (x qmax)
+    bound = s / 2 + (mn - z).abs() + (2**bits - 1) * (s - s_exact).abs() + 1e-6
+    err = (xh - x).view(64, 4, 32).abs().amax(-1)
+    assert (err <= bound).all()
+    assert codes.max() <= 2**bits - 1
+
+
+def test_constant_groups_no_nan():
+    x = torch.full((4, 64), 3.0)
+    x[1] = 0.0
+    x[2] = 1e-9  # range underflows fp16 scale
+    codes, s16, z16 = quantize_groups(x, 32, 4)
+    xh = dequantize_groups(codes, s16, z16, 32)
+    assert torch.isfinite(xh).all()
+    assert torch.equal(codes, torch.zeros_like(codes))
+    assert torch.allclose(xh, x, atol=1e-3)
+
+
+def kv_sample(shape: KVShape, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(shape.dims, generator=g)
+    kv[:, 0, :, :, 3] *= 20  # an outlier key channel
+    return kv.to(getattr(torch, shape.dtype))
+
+
+def rel_mse(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float(((a - b) ** 2).sum() / (a**2).sum())
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_codec_round_trip_sizes_and_order(dtype):
+    shape = KVShape(2, 3, 75, 64, dtype)
+    kv = kv_sample(shape)
+    errs = {}
+    for bits in (8, 4):
+        codec = make_codec("uniform", {"bits": bits, "group": 32, "page_tokens": 32})
+        enc = codec.encode(kv)
+        blob = enc.to_bytes()
+        assert len(blob) == codec.size_table(shape).total_bytes
+        np.testing.assert_array_equal(enc.chunk_bytes(), codec.size_table(shape).chunk_bytes)
+        out = codec.decode(Encoded.from_bytes(blob))
+        assert out.dtype == kv.dtype and out.shape == kv.shape
+        errs[bits] = rel_mse(kv, out)
+    assert errs[8] < errs[4] / 50
+    assert errs[4] < 0.02
+
+
+def test_bits_per_element_int8_int4():
+    shape = KVShape(1, 2, 256, 128)
+    kv = kv_sample(shape)
+    for bits, group, expect in ((8, 64, 8 + 32 / 64), (4, 64, 4 + 32 / 64), (4, 128, 4.25)):
+        enc = make_codec("uniform", {"bits": bits, "group": group}).encode(kv)
+        payload_bits = 8 * sum(c.payload_bytes for c in enc.streams[0]) / shape.numel
+        assert payload_bits == pytest.approx(expect)
+
+
+def test_triton_backend_same_bytes_as_torch():
+    shape = KVShape(1, 2, 40, 32, "bfloat16")
+    kv = kv_sample(shape, 3)
+    a = make_codec("uniform", {"bits": 4, "group": 16, "backend": "torch"}).encode(kv)
+    b_codec = make_codec("uniform", {"bits": 4, "group": 16, "backend": "triton"})
+    b = b_codec.encode(kv)
+    assert a.to_bytes()[-200:] == b.to_bytes()[-200:]  # preambles differ only in `backend`
+    assert [c.payload.tobytes() for c in a.streams[0]] == [c.payload.tobytes()
+                                                          for c in b.streams[0]]
+    assert torch.equal(b_codec.decode(b), make_codec("uniform", {"bits": 4, "group": 16,
+                                                                 "backend": "torch"}).decode(a))
+
+
+def test_bad_shapes_and_range():
+    codec = make_codec("uniform", {"bits": 4, "group": 48})
+    with pytest.raises(ValueError, match="not a multiple of the group"):
+        codec.encode(torch.zeros(1, 2, 1, 4, 64))
+    big = torch.zeros(1, 2, 1, 4, 64)
+    big[0, 0, 0, 0, 0] = 1e6
+    with pytest.raises(ValueError, match="fp16 range"):
+        make_codec("uniform", {"bits": 8}).encode(big)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gpu_kernel_matches_reference(bits):
+    x = rows_with_edge_cases(1000, 128, torch.bfloat16)
+    ref = ut.quantize_pack_reference(x, 64, bits)
+    got = ut.quantize_pack(x.cuda(), 64, bits)
+    for r, k in zip(ref, got, strict=True):
+        assert torch.equal(r, k.cpu())
+    deq = ut.unpack_dequantize(*got, 64, bits)
+    assert torch.equal(deq.cpu(), ut.unpack_dequantize_reference(*ref, 64, bits))
+
+
+@pytest.mark.gpu
+def test_gpu_codec_auto_backend_same_bytes():
+    shape = KVShape(2, 4, 300, 128)
+    kv = kv_sample(shape)
+    codec = make_codec("uniform", {"bits": 4})
+    a = codec.encode(kv)
+    b = codec.encode(kv.cuda())
+    assert a.to_bytes() == b.to_bytes()
+    assert torch.equal(codec.decode(a, device="cuda").cpu(), codec.decode(a))
