@@ -1,0 +1,119 @@
+"""Load a real causal LM (and its tokenizer) offline with transformers.
+
+`spec` is one of:
+- an LLM preset name (conf/llm/<name>.yaml): its `path` if set, else its fetched .gguf
+  (`kvsim model fetch`);
+- a local .gguf file;
+- a local Hugging Face checkpoint directory (config.json + weights + tokenizer files).
+
+Nothing is downloaded here: HF_HUB_OFFLINE=1 is set before transformers is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvsim.model.fetch import cached_gguf_path
+from kvsim.model.presets import LLMPreset, llm_preset_names, load_llm_preset
+
+_DTYPES = {"float32", "bfloat16", "float16"}
+
+
+@dataclass
+class WeightsLocation:
+    directory: Path  # what from_pretrained gets
+    gguf_file: str | None  # file name inside `directory` for GGUF weights, else None
+    name: str  # what reports call the model
+    preset: LLMPreset | None = None
+
+
+@dataclass
+class LoadedLM:
+    model: Any  # transformers PreTrainedModel (causal LM), eval mode
+    tokenizer: Any
+    name: str
+    location: WeightsLocation | None = None
+    load_s: float = 0.0
+    meta: dict = field(default_factory=dict)
+
+
+def _from_path(path: Path, name: str, preset: LLMPreset | None) -> WeightsLocation:
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path}: a model file must be a .gguf (or give a checkpoint "
+                             "directory)")
+        return WeightsLocation(path.parent, path.name, name, preset)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path}: not a Hugging Face checkpoint directory (no config.json)")
+        return WeightsLocation(path, None, name, preset)
+    raise FileNotFoundError(f"model path {path} does not exist")
+
+
+def locate_weights(spec: str, cache: str | Path | None = None) -> WeightsLocation:
+    """Resolve a preset name or a path to where its weights are on this machine."""
+    if spec in llm_preset_names():
+        preset = load_llm_preset(spec)
+        if preset.path:
+            return _from_path(Path(preset.path).expanduser(), preset.name, preset)
+        if preset.fetchable:
+            gguf = cached_gguf_path(preset, cache)
+            if not gguf.is_file():
+                raise FileNotFoundError(f"{preset.name}: weights not fetched ({gguf} missing); "
+                                        f"run `kvsim model fetch llms=[{preset.name}]` first")
+            return WeightsLocation(gguf.parent, gguf.name, preset.name, preset)
+        raise ValueError(f"LLM preset {preset.name!r} has no weights on this machine "
+                         f"(upstream: {preset.hf_id}); set llm.path=/path/to/checkpoint-or-gguf "
+                         "or pass the path itself as the model")
+    path = Path(spec).expanduser()
+    if path.exists():
+        return _from_path(path, path.stem if path.is_file() else path.name, None)
+    raise ValueError(f"model {spec!r} is neither an LLM preset ({', '.join(llm_preset_names())}) "
+                     "nor an existing .gguf file / checkpoint directory")
+
+
+def load_lm(spec: str, cache: str | Path | None = None, dtype: str = "float32",
+            threads: int | None = None, path_override: str | None = None) -> LoadedLM:
+    """Load model + tokenizer offline. `path_override` replaces a preset's weight location."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"model dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    if threads:
+        torch.set_num_threads(int(threads))
+    if path_override:
+        preset = load_llm_preset(spec) if spec in llm_preset_names() else None
+        loc = _from_path(Path(path_override).expanduser(), spec, preset)
+    else:
+        loc = locate_weights(spec, cache)
+    hf_logging.set_verbosity_error()  # GGUF dequantization logs per tensor otherwise
+    started = time.perf_counter()
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if loc.gguf_file:
+        kwargs["gguf_file"] = loc.gguf_file
+    tokenizer = AutoTokenizer.from_pretrained(str(loc.directory), **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(str(loc.directory), dtype=getattr(torch, dtype),
+                                                 attn_implementation="sdpa", **kwargs)
+    model.eval()
+    load_s = time.perf_counter() - started
+    cfg = model.config
+    meta = {"model": loc.name, "weights": str(loc.directory / (loc.gguf_file or "")),
+            "dtype": dtype, "layers": cfg.num_hidden_layers,
+            "q_heads": cfg.num_attention_heads,
+            "kv_heads": getattr(cfg, "num_key_value_heads", cfg.num_attention_heads),
+            "head_dim": getattr(cfg, "head_dim", None)
+            or cfg.hidden_size // cfg.num_attention_heads}
+    if loc.preset is not None:
+        for key in ("layers", "q_heads", "kv_heads", "head_dim"):
+            if getattr(loc.preset, key) != meta[key]:
+                raise ValueError(f"{loc.preset.name}: preset says {key}={getattr(loc.preset, key)} "
+                                 f"but the weights have {meta[key]}")
+    return LoadedLM(model, tokenizer, loc.name, loc, load_s, meta)
