@@ -1,9 +1,10 @@
 """`uniform`: asymmetric min/max quantization in per-token groups along head_dim (INT8/INT4).
 
 Every (layer, K/V, head, token) row of head_dim values is split into groups of `group`
-consecutive channels (0 = one group of head_dim); each group stores an fp16 scale and an
-fp16 zero point (its min), and `bits`-bit codes (groupquant.py gives the exact rounding
-and the no-NaN rule for constant groups). One stream; chunk = one layer x one page.
+consecutive channels (0, or more than head_dim: one group of head_dim); each group
+stores an fp16 scale and an fp16 zero point (its min), and `bits`-bit codes
+(groupquant.py gives the exact rounding and the no-NaN rule for constant groups).
+One stream; chunk = one layer x one page.
 
 payload of chunk (layer l, page p), t = tokens of the page, D = head_dim, g = groups/row:
     codes  uint8 [2, kv_heads, t, D * bits / 8]   bit-packed along head_dim
@@ -69,7 +70,8 @@ class UniformCodec(Codec):
         return self.params.page_tokens
 
     def group_of(self, shape: KVShape) -> int:
-        return self.params.group or shape.head_dim
+        """Channels per group: `group` capped at head_dim (0 = head_dim)."""
+        return min(self.params.group or shape.head_dim, shape.head_dim)
 
     def check_shape(self, shape: KVShape) -> None:
         g = self.group_of(shape)

@@ -1,0 +1,272 @@
+"""`kivi` and `kcvt`: per-channel keys, per-token values, full-precision recent tokens.
+
+Both quantize keys per channel and values per token (groupquant's asymmetric min/max
+quantizer, fp16 scale + zero point per group):
+
+- kivi: K groups = `group` consecutive tokens of one channel; V groups = `value_group`
+  consecutive channels of one token (0, or more than head_dim = whole head_dim).
+- kcvt: K groups = ALL quantized tokens of one channel (one scale/zero per channel per
+  layer-head, sent in page 0 of the layer); V groups = the whole head_dim of one token.
+
+Full-precision window (exact rule): with T tokens, residual R and key group G (kcvt: G=1)
+the first Tq = max(0, floor((T - R) / G)) * G tokens are quantized; the last T - Tq tokens,
+i.e. the R most recent tokens plus the (T - R) mod G that do not fill a key group, are kept
+in bf16 (T <= R: every token stays bf16). K and V use the same window.
+
+Chunk (layer l, page p) of the single stream; the page holds q quantized tokens and r
+bf16 tokens (q + r = page length; page_tokens is a multiple of G so groups never straddle
+pages):
+    k_codes  bits-packed  [kv_heads, head_dim, q]         channel-major
+    k_scale, k_zero fp16  kivi: [kv_heads, head_dim, q / G]
+                          kcvt: [kv_heads, head_dim, 1] in page 0 only (if Tq > 0)
+    v_codes  bits-packed  [kv_heads, q, head_dim]
+    v_scale, v_zero fp16  [kv_heads, q, head_dim / value_group]
+    resid    bf16         [2, kv_heads, r, head_dim]
+    ...                   fields added by gear / oscar (see BackboneCodec hooks)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvsim.kernels.codec import Codec, register
+from kvsim.kernels.encoded import Chunk, Encoded
+from kvsim.kernels.groupquant import (
+    QUANT_BITS,
+    ChunkLayout,
+    Field,
+    check_fp16_range,
+    dequantize_groups,
+    page_bounds,
+    quantize_groups,
+)
+from kvsim.layout import KVShape
+
+
+@dataclass(frozen=True)
+class Backbone:
+    """The KIVI / KCVT quantizer of one KV cache shape."""
+
+    bits: int
+    key_group: int  # tokens per K group; 0 = kcvt (all quantized tokens of the layer)
+    value_group: int  # channels per V group; 0 = whole head_dim
+    residual: int  # R: most recent tokens kept in bf16
+
+    @property
+    def kcvt(self) -> bool:
+        return self.key_group == 0
+
+    def quantized_tokens(self, tokens: int) -> int:
+        g = self.key_group or 1
+        return max(0, (tokens - self.residual) // g) * g
+
+    def split(self, shape: KVShape, page_tokens: int, page: int) -> tuple[int, int, int]:
+        """(t0, q, r): page start, quantized tokens and bf16 tokens in this page."""
+        t0, t1 = page_bounds(shape.tokens, page_tokens, page)
+        q = min(max(self.quantized_tokens(shape.tokens) - t0, 0), t1 - t0)
+        return t0, q, t1 - t0 - q
+
+    def vgroup(self, shape: KVShape) -> int:
+        """Channels per V group: value_group, capped at head_dim (0 = head_dim)."""
+        return min(self.value_group or shape.head_dim, shape.head_dim)
+
+    def check_shape(self, shape: KVShape, page_tokens: int, who: str) -> None:
+        if shape.head_dim % self.vgroup(shape):
+            raise ValueError(f"{who}: head_dim {shape.head_dim} is not a multiple of "
+                             f"value_group {self.vgroup(shape)}")
+        if self.key_group and page_tokens % self.key_group:
+            raise ValueError(f"{who}: page_tokens {page_tokens} must be a multiple of the key "
+                             f"group {self.key_group}")
+
+    def fields(self, shape: KVShape, page_tokens: int, page: int) -> list[Field]:
+        h, d, b = shape.kv_heads, shape.head_dim, self.bits
+        _, q, r = self.split(shape, page_tokens, page)
+        if self.kcvt:
+            kmeta = (h, d, 1 if page == 0 and self.quantized_tokens(shape.tokens) else 0)
+        else:
+            kmeta = (h, d, q // self.key_group)
+        vmeta = (h, q, d // self.vgroup(shape))
+        return [Field("k_codes", "codes", (h, d, q), b), Field("k_scale", "f16", kmeta),
+                Field("k_zero", "f16", kmeta), Field("v_codes", "codes", (h, q, d), b),
+                Field("v_scale", "f16", vmeta), Field("v_zero", "f16", vmeta),
+                Field("resid", "bf16", (2, h, r, d))]
+
+    def quantize(self, xq: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """xq: [layers, 2, kv_heads, Tq, head_dim] fp32 -> (whole-cache codes/scales keyed
+        like the fields, K as [layers, heads, head_dim, Tq(/G)], V as [layers, heads, Tq, .]),
+        and the dequantized xq."""
+        tq = xq.shape[3]
+        kt = xq[:, 0].transpose(-1, -2)  # [layers, heads, head_dim, Tq]
+        kg = self.key_group or max(tq, 1)
+        kc, ks, kz = quantize_groups(kt, kg, self.bits)
+        vg = min(self.value_group or xq.shape[-1], xq.shape[-1])
+        vc, vs, vz = quantize_groups(xq[:, 1], vg, self.bits)
+        xhat = torch.stack((dequantize_groups(kc, ks, kz, kg).transpose(-1, -2),
+                            dequantize_groups(vc, vs, vz, vg)), dim=1)
+        parts = {"k_codes": kc, "k_scale": ks, "k_zero": kz, "v_codes": vc, "v_scale": vs,
+                 "v_zero": vz}
+        return parts, xhat
+
+    def page_values(self, parts: dict[str, torch.Tensor], layer: int, t0: int, q: int
+                    ) -> dict[str, torch.Tensor]:
+        """The backbone fields of one page, sliced from `quantize`'s whole-cache parts."""
+        g = self.key_group
+        out = {"k_codes": parts["k_codes"][layer, :, :, t0:t0 + q],
+               "v_codes": parts["v_codes"][layer, :, t0:t0 + q]}
+        for key in ("k_scale", "k_zero"):
+            out[key] = (parts[key][layer] if self.kcvt else
+                        parts[key][layer, :, :, t0 // g:(t0 + q) // g])
+        for key in ("v_scale", "v_zero"):
+            out[key] = parts[key][layer, :, t0:t0 + q]
+        return out
+
+    def dequantize_page(self, f: dict[str, torch.Tensor], q: int,
+                        page0: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Parsed fields of one page (page0: of page 0, for kcvt's K scales) ->
+        [2, heads, q, head_dim] fp32."""
+        if self.kcvt:
+            k = dequantize_groups(f["k_codes"], page0["k_scale"], page0["k_zero"], max(q, 1))
+        else:
+            k = dequantize_groups(f["k_codes"], f["k_scale"], f["k_zero"], self.key_group)
+        d = f["v_codes"].shape[-1]
+        vg = min(self.value_group or d, d)
+        v = dequantize_groups(f["v_codes"], f["v_scale"], f["v_zero"], vg)
+        return torch.stack((k.transpose(-1, -2), v), dim=0)
+
+
+class BackboneCodec(Codec):
+    """A single-stream codec built on a Backbone. Subclasses provide `backbone()` and may
+    override the hooks to add fields (gear: low rank + outliers; oscar: rotation + norms)."""
+
+    def backbone(self) -> Backbone:
+        raise NotImplementedError
+
+    # ---- hooks ----------------------------------------------------------------------
+    def extra_fields(self, shape: KVShape, q: int) -> list[Field]:
+        return []
+
+    def pre_quantize(self, xq: torch.Tensor, shape: KVShape) -> tuple[torch.Tensor, Any]:
+        """xq: [layers, 2, heads, Tq, head_dim] fp32 -> (tensor to quantize, state)."""
+        return xq, None
+
+    def page_extras(self, state: Any, layer: int, t0: int, q: int, x_page: torch.Tensor,
+                    xhat_page: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Extra field values of one page (x_page / xhat_page: [2, heads, q, head_dim])."""
+        return {}
+
+    def post_dequantize(self, f: dict[str, torch.Tensor], xhat_page: torch.Tensor
+                        ) -> torch.Tensor:
+        """Undo pre_quantize on one page's [2, heads, q, head_dim] reconstruction."""
+        return xhat_page
+
+    # ---- Codec ----------------------------------------------------------------------
+    def stream_names(self) -> list[str]:
+        return ["full"]
+
+    def page_tokens(self, shape: KVShape) -> int:
+        return self.params.page_tokens
+
+    def check_shape(self, shape: KVShape) -> None:
+        self.backbone().check_shape(shape, self.params.page_tokens, self.name)
+
+    def layout(self, shape: KVShape, page: int) -> ChunkLayout:
+        bb = self.backbone()
+        _, q, _ = bb.split(shape, self.params.page_tokens, page)
+        return ChunkLayout(bb.fields(shape, self.params.page_tokens, page)
+                           + self.extra_fields(shape, q))
+
+    def payload_bytes(self, shape: KVShape) -> np.ndarray:
+        self.check_shape(shape)
+        pages = self.num_pages(shape)
+        out = np.zeros((1, shape.layers, pages), dtype=np.int64)
+        for p in range(pages):
+            out[0, :, p] = self.layout(shape, p).nbytes
+        return out
+
+    def _encode(self, kv: torch.Tensor, shape: KVShape) -> list[list[Chunk]]:
+        check_fp16_range(kv, self.name)
+        bb, pt = self.backbone(), self.params.page_tokens
+        x = kv.detach().to(torch.float32)  # [layers, 2, heads, tokens, head_dim]
+        tq = bb.quantized_tokens(shape.tokens)
+        xq, state = self.pre_quantize(x[:, :, :, :tq], shape)
+        parts, xhat = bb.quantize(xq)
+        chunks = []
+        for layer in range(shape.layers):
+            for p in range(self.num_pages(shape)):
+                t0, q, r = bb.split(shape, pt, p)
+                values = bb.page_values(parts, layer, t0, q)
+                values["resid"] = x[layer, :, :, t0 + q:t0 + q + r]
+                values.update(self.page_extras(state, layer, t0, q,
+                                               xq[layer, :, :, t0:t0 + q],
+                                               xhat[layer, :, :, t0:t0 + q]))
+                chunks.append(Chunk(0, layer, p, self.layout(shape, p).serialize(values)))
+        return [chunks]
+
+    def _decode(self, enc: Encoded, streams: int, device: torch.device) -> torch.Tensor:
+        shape, bb, pt = enc.shape, self.backbone(), enc.page_tokens
+        out = torch.empty(shape.dims, dtype=torch.float32, device=device)
+        payloads = enc.payloads(0)
+        for layer in range(shape.layers):
+            parsed = {p: self.layout(shape, p).parse(payloads[(layer, p)], device)
+                      for p in range(self.num_pages(shape))}
+            for p, f in parsed.items():
+                t0, q, r = bb.split(shape, pt, p)
+                if q:
+                    xhat = bb.dequantize_page(f, q, parsed[0])
+                    out[layer, :, :, t0:t0 + q] = self.post_dequantize(f, xhat)
+                out[layer, :, :, t0 + q:t0 + q + r] = f["resid"].to(torch.float32)
+        return out
+
+
+@dataclass(frozen=True)
+class KiviParams:
+    bits: int = 2
+    group: int = 32  # tokens per key group (per channel)
+    value_group: int = 32  # channels per value group (per token); 0 = head_dim
+    residual: int = 128  # most recent tokens kept in bf16; a multiple of group
+    page_tokens: int = 256  # a multiple of group
+
+    def __post_init__(self) -> None:
+        if self.bits not in QUANT_BITS:
+            raise ValueError(f"bits must be one of {QUANT_BITS}")
+        if self.group < 1 or self.value_group < 0 or self.residual < 0:
+            raise ValueError("group must be >= 1, value_group and residual >= 0")
+        if self.residual % self.group or self.page_tokens % self.group or self.page_tokens < 1:
+            raise ValueError(f"residual ({self.residual}) and page_tokens ({self.page_tokens}) "
+                             f"must be positive multiples of group ({self.group})")
+
+
+@register
+class KiviCodec(BackboneCodec):
+    name = "kivi"
+    Params = KiviParams
+
+    def backbone(self) -> Backbone:
+        p = self.params
+        return Backbone(p.bits, p.group, p.value_group, p.residual)
+
+
+@dataclass(frozen=True)
+class KcvtParams:
+    bits: int = 4
+    residual: int = 0  # most recent tokens kept in bf16 (any count: no token groups)
+    page_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if self.bits not in QUANT_BITS:
+            raise ValueError(f"bits must be one of {QUANT_BITS}")
+        if self.residual < 0 or self.page_tokens < 1:
+            raise ValueError("residual must be >= 0 and page_tokens >= 1")
+
+
+@register
+class KcvtCodec(BackboneCodec):
+    name = "kcvt"
+    Params = KcvtParams
+
+    def backbone(self) -> Backbone:
+        return Backbone(self.params.bits, 0, 0, self.params.residual)
