@@ -1,0 +1,206 @@
+"""`gear` and `gear-l`: a KIVI/KCVT backbone plus error reduction (GEAR).
+
+Per page of quantized tokens (q tokens, heads h, head_dim d), for K and V separately:
+
+1. gear only, outliers: the top and the bottom k entries of every K channel (over the
+   page's q tokens) and of every V token (over head_dim) are kept exactly in fp16 with
+   their index, k = min(ceil(outlier_pct / 200 * n), (n - 1) // 2), n the vector length.
+   Before quantization each outlier slot is filled with clamp(0, min, max) of the
+   vector's remaining entries, so outliers no longer widen the groups' ranges; decode
+   writes the stored values back over those slots.
+2. low rank: the quantization residual E = X_filled - dequant(quant(X_filled)) (zero on
+   the outlier slots) of each head is approximated by A B^T, A [q, r], B [d, r],
+   r = min(rank, q, d), by subspace (power) iteration: B0 ~ N(0, 1) from a generator seeded
+   with `seed`, then `iters` times B = QR(B); A = QR(E B); B = E^T A (GEAR Algorithm 2 with
+   an orthonormalization each round for stability). A and B are stored in fp16.
+   Factors are computed over one page (not the whole layer), so every chunk is
+   self-contained and its size depends on the shape alone.
+
+Extra fields of chunk (layer, page), after the backbone's (kivi.py):
+    lr_a  fp16 [2, heads, q, r]        lr_b  fp16 [2, heads, head_dim, r]
+    gear only:
+    ko_idx u8/u16 [heads, head_dim, 2 kK]   token index in page (u16 if page_tokens > 256)
+    ko_val fp16   [heads, head_dim, 2 kK]
+    vo_idx u8/u16 [heads, q, 2 kV]          channel index (u16 if head_dim > 256)
+    vo_val fp16   [heads, q, 2 kV]
+The bf16 recent-token window of the backbone is stored as is (no low rank, no outliers).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+import torch
+
+from kvsim.kernels.codec import register
+from kvsim.kernels.groupquant import QUANT_BITS, Field
+from kvsim.kernels.kivi import Backbone, BackboneCodec
+from kvsim.layout import KVShape
+
+BACKBONES = ("kivi", "kcvt")
+
+
+def outliers_per_side(n: int, pct: float) -> int:
+    """k entries kept at each end of a vector of n entries (exact rational ceil)."""
+    if n <= 1 or pct <= 0:
+        return 0
+    return min(math.ceil(Fraction(str(pct)) * n / 200), (n - 1) // 2)
+
+
+def index_kind(extent: int) -> str:
+    return "u8" if extent <= 256 else "u16"
+
+
+def split_outliers(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x: [..., n] -> (filled x, idx [..., 2k] int64, values [..., 2k]): the k largest and k
+    smallest entries of each vector, replaced by clamp(0, remaining min, remaining max)."""
+    if k == 0:
+        empty = x.new_zeros((*x.shape[:-1], 0))
+        return x, empty.long(), empty
+    top = torch.topk(x, k + 1, dim=-1, largest=True, sorted=True)
+    bot = torch.topk(x, k + 1, dim=-1, largest=False, sorted=True)
+    idx = torch.cat((top.indices[..., :k], bot.indices[..., :k]), dim=-1)
+    vals = torch.gather(x, -1, idx)
+    fill = torch.clamp(torch.zeros_like(top.values[..., k]), bot.values[..., k],
+                       top.values[..., k])
+    filled = x.scatter(-1, idx, fill.unsqueeze(-1).expand_as(vals))
+    return filled, idx, vals
+
+
+def low_rank(e: torch.Tensor, rank: int, iters: int, seed: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """e: [batch, q, d] fp32 -> A [batch, q, r], B [batch, d, r] with e ~ A B^T."""
+    n, q, d = e.shape
+    r = min(rank, q, d)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    b = torch.randn(d, r, generator=gen, dtype=torch.float32).to(e.device).expand(n, d, r)
+    a = e.new_zeros(n, q, r)
+    for _ in range(iters):
+        b = torch.linalg.qr(b).Q
+        a = torch.linalg.qr(e @ b).Q
+        b = e.transpose(-1, -2) @ a
+    return a, b
+
+
+@dataclass(frozen=True)
+class GearParams:
+    backbone: str = "kivi"  # kivi | kcvt
+    bits: int = 2
+    group: int = 32  # kivi key group (tokens); ignored by kcvt
+    value_group: int = 32  # kivi value group (channels); kcvt uses the whole head_dim
+    residual: int = 128  # bf16 recent tokens (kivi: a multiple of group)
+    rank: int = 4
+    iters: int = 3  # power iterations
+    outlier_pct: float = 2.0  # s: % of each vector kept as outliers (s/2 at each end)
+    seed: int = 0
+    page_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if self.backbone not in BACKBONES:
+            raise ValueError(f"backbone must be one of {BACKBONES}")
+        if self.bits not in QUANT_BITS:
+            raise ValueError(f"bits must be one of {QUANT_BITS}")
+        if self.rank < 1 or self.iters < 1:
+            raise ValueError("rank and iters must be >= 1")
+        if not 0 <= self.outlier_pct < 100:
+            raise ValueError("outlier_pct must be in [0, 100)")
+        if self.page_tokens < 1 or self.residual < 0 or self.group < 1:
+            raise ValueError("page_tokens, group must be >= 1 and residual >= 0")
+        if self.backbone == "kivi" and (self.residual % self.group
+                                        or self.page_tokens % self.group):
+            raise ValueError(f"kivi backbone: residual ({self.residual}) and page_tokens "
+                             f"({self.page_tokens}) must be multiples of group ({self.group})")
+
+
+@register
+class GearCodec(BackboneCodec):
+    name = "gear"
+    Params = GearParams
+    sparse = True
+
+    def backbone(self) -> Backbone:
+        p = self.params
+        if p.backbone == "kcvt":
+            return Backbone(p.bits, 0, 0, p.residual)
+        return Backbone(p.bits, p.group, p.value_group, p.residual)
+
+    def outlier_counts(self, shape: KVShape, q: int) -> tuple[int, int]:
+        """(kK, kV) per side: per K channel over q tokens, per V token over head_dim."""
+        if not self.sparse:
+            return 0, 0
+        pct = self.params.outlier_pct
+        return outliers_per_side(q, pct), outliers_per_side(shape.head_dim, pct)
+
+    def extra_fields(self, shape: KVShape, q: int) -> list[Field]:
+        h, d = shape.kv_heads, shape.head_dim
+        r = min(self.params.rank, q, d)
+        fields = [Field("lr_a", "f16", (2, h, q, r)), Field("lr_b", "f16", (2, h, d, r))]
+        if self.sparse:
+            kk, kv = self.outlier_counts(shape, q)
+            ik = index_kind(self.params.page_tokens)
+            iv = index_kind(d)
+            fields += [Field("ko_idx", ik, (h, d, 2 * kk)), Field("ko_val", "f16", (h, d, 2 * kk)),
+                       Field("vo_idx", iv, (h, q, 2 * kv)), Field("vo_val", "f16", (h, q, 2 * kv))]
+        return fields
+
+    def pre_quantize(self, xq: torch.Tensor, shape: KVShape) -> tuple[torch.Tensor, Any]:
+        """Remove each page's outliers (gear); state[(layer, t0)] = outlier fields."""
+        state: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        if not self.sparse:
+            return xq, state
+        filled = xq.clone()
+        pt, tq = self.params.page_tokens, xq.shape[3]
+        for t0 in range(0, tq, pt):
+            q = min(pt, tq - t0)
+            kk, kv = self.outlier_counts(shape, q)
+            # keys per channel: [layers, heads, d, q]; values per token: [layers, heads, q, d]
+            kf, ki, kvals = split_outliers(xq[:, 0, :, t0:t0 + q].transpose(-1, -2), kk)
+            vf, vi, vvals = split_outliers(xq[:, 1, :, t0:t0 + q], kv)
+            filled[:, 0, :, t0:t0 + q] = kf.transpose(-1, -2)
+            filled[:, 1, :, t0:t0 + q] = vf
+            for layer in range(xq.shape[0]):
+                state[(layer, t0)] = {"ko_idx": ki[layer], "ko_val": kvals[layer],
+                                      "vo_idx": vi[layer], "vo_val": vvals[layer]}
+        return filled, state
+
+    def page_extras(self, state: Any, layer: int, t0: int, q: int, x_page: torch.Tensor,
+                    xhat_page: torch.Tensor) -> dict[str, torch.Tensor]:
+        if q == 0:
+            return {}
+        err = x_page - xhat_page  # [2, heads, q, d]
+        out: dict[str, torch.Tensor] = {}
+        if self.sparse:
+            out = dict(state[(layer, t0)])
+            # outlier slots are overwritten at decode: leave them out of the low-rank fit
+            err = err.clone()
+            ek = err[0].transpose(-1, -2)  # [heads, d, q] view
+            ek.scatter_(-1, out["ko_idx"], 0.0)
+            err[1].scatter_(-1, out["vo_idx"], 0.0)
+        h, d = err.shape[1], err.shape[3]
+        a, b = low_rank(err.reshape(2 * h, q, d), self.params.rank, self.params.iters,
+                        self.params.seed)
+        out["lr_a"] = a.reshape(2, h, q, -1)
+        out["lr_b"] = b.reshape(2, h, d, -1)
+        return out
+
+    def post_dequantize(self, f: dict[str, torch.Tensor], xhat_page: torch.Tensor
+                        ) -> torch.Tensor:
+        a = f["lr_a"].to(torch.float32)
+        b = f["lr_b"].to(torch.float32)
+        x = xhat_page + a @ b.transpose(-1, -2)
+        if self.sparse:
+            k = x[0].transpose(-1, -2)  # [heads, d, q] view into x
+            k.scatter_(-1, f["ko_idx"].long(), f["ko_val"].to(torch.float32))
+            x[1].scatter_(-1, f["vo_idx"].long(), f["vo_val"].to(torch.float32))
+        return x
+
+
+@register
+class GearLCodec(GearCodec):
+    """GEAR-L: backbone + low rank, no outlier matrix."""
+
+    name = "gear-l"
+    sparse = False

@@ -1,0 +1,111 @@
+"""gear / gear-l: backbone + low-rank residual (+ fp16 outliers), exact sizes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvsim.kernels import CodecError, Encoded, make_codec
+from kvsim.kernels.gear import low_rank, outliers_per_side, split_outliers
+from kvsim.layout import KVShape
+
+
+def structured_kv(shape: KVShape, seed: int = 0) -> torch.Tensor:
+    """Low-rank-ish KV (a few shared directions + noise) with outlier key channels."""
+    g = torch.Generator().manual_seed(seed)
+    lead = (shape.layers, 2, shape.kv_heads)
+    basis = torch.randn(*lead, 6, shape.head_dim, generator=g)
+    coef = torch.randn(*lead, shape.tokens, 6, generator=g)
+    kv = coef @ basis + 0.3 * torch.randn(shape.dims, generator=g)
+    kv[:, 0, :, :, 2] += 12.0
+    kv[:, 0, :, :, 9] *= 6
+    spikes = torch.rand(shape.dims, generator=g) < 0.003
+    kv = torch.where(spikes, kv * 8, kv)
+    return kv.to(getattr(torch, shape.dtype))
+
+
+def rel_mse(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float(((a - b) ** 2).sum() / (a**2).sum())
+
+
+def test_outlier_count_is_exact_rational():
+    assert outliers_per_side(100, 2.0) == 1  # 2/200*100 = 1 exactly, no float ceil drift
+    assert outliers_per_side(256, 2.0) == 3  # 2.56 -> 3
+    assert outliers_per_side(128, 2.0) == 2
+    assert outliers_per_side(3, 50.0) == 1  # capped at (n-1)//2
+    assert outliers_per_side(1, 10.0) == 0
+    assert outliers_per_side(64, 0.0) == 0
+
+
+def test_split_outliers_removes_extremes():
+    x = torch.tensor([[0.5, 9.0, -1.0, 0.2, -7.0, 0.1, 3.0]])
+    filled, idx, vals = split_outliers(x, 1)
+    assert sorted(idx[0].tolist()) == [1, 4]
+    assert sorted(vals[0].tolist()) == [-7.0, 9.0]
+    assert filled[0, 1] == 0.0 and filled[0, 4] == 0.0  # 0 lies within the remaining range
+    assert filled.max() == 3.0 and filled.min() == -1.0
+
+
+def test_low_rank_recovers_rank_two_and_is_deterministic():
+    g = torch.Generator().manual_seed(1)
+    e = torch.randn(3, 40, 2, generator=g) @ torch.randn(3, 2, 16, generator=g)
+    a, b = low_rank(e, 2, 3, seed=7)
+    assert torch.allclose(a @ b.transpose(-1, -2), e, atol=1e-4)
+    a2, b2 = low_rank(e, 2, 3, seed=7)
+    assert torch.equal(a, a2) and torch.equal(b, b2)
+    a0, b0 = low_rank(torch.zeros(2, 5, 8), 4, 2, seed=0)
+    assert torch.isfinite(a0).all()
+    assert torch.equal(a0 @ b0.transpose(-1, -2), torch.zeros(2, 5, 8))
+
+
+@pytest.mark.parametrize("backbone,bits", [("kivi", 2), ("kcvt", 4)])
+def test_gear_beats_gear_l_beats_backbone(backbone, bits):
+    shape = KVShape(2, 2, 400, 64)
+    kv = structured_kv(shape)
+    common = {"bits": bits, "residual": 0 if backbone == "kcvt" else 32}
+    base = make_codec(backbone, common if backbone == "kcvt" else {**common})
+    errs = {"base": rel_mse(kv, base.decode(base.encode(kv)))}
+    for name in ("gear-l", "gear"):
+        c = make_codec(name, {"backbone": backbone, **common})
+        errs[name] = rel_mse(kv, c.decode(c.encode(kv)))
+    assert errs["gear"] < errs["gear-l"] < errs["base"]
+    assert errs["gear-l"] < 0.9 * errs["base"]
+
+
+@pytest.mark.parametrize("name", ["gear", "gear-l"])
+@pytest.mark.parametrize("params", [{"page_tokens": 32, "group": 8, "residual": 16},
+                                    {"backbone": "kcvt", "bits": 4, "residual": 3,
+                                     "page_tokens": 300},  # u16 token indices
+                                    {"rank": 8, "group": 4, "residual": 0, "page_tokens": 4}])
+@pytest.mark.parametrize("tokens", [1, 9, 45])
+def test_sizes_exact_irregular(name, params, tokens):
+    shape = KVShape(2, 3, tokens, 16, "float16")
+    kv = structured_kv(shape, tokens)
+    codec = make_codec(name, params)
+    enc = codec.encode(kv)
+    blob = enc.to_bytes()
+    assert len(blob) == codec.size_table(shape).total_bytes
+    np.testing.assert_array_equal(enc.chunk_bytes(), codec.size_table(shape).chunk_bytes)
+    out = codec.decode(Encoded.from_bytes(blob))
+    assert torch.isfinite(out).all()
+    assert codec.encode(kv).to_bytes() == blob  # deterministic
+
+
+def test_outliers_restored_to_fp16_precision():
+    shape = KVShape(1, 2, 256, 32)
+    kv = structured_kv(shape)
+    codec = make_codec("gear", {"residual": 0})
+    out = codec.decode(codec.encode(kv))
+    k = kv[0, 0].float()  # [heads, tokens, d]
+    top = k.argmax(dim=1, keepdim=True)  # the largest entry of each channel is an outlier
+    want = k.gather(1, top).half().float()
+    assert torch.equal(out[0, 0].float().gather(1, top), want)
+
+
+def test_bad_params():
+    with pytest.raises(CodecError, match="backbone"):
+        make_codec("gear", {"backbone": "int4"})
+    with pytest.raises(CodecError, match="multiples of group"):
+        make_codec("gear-l", {"residual": 20})
