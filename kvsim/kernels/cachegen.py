@@ -1,0 +1,506 @@
+"""`cachegen`: the CacheGen baseline (Liu et al., SIGCOMM 2024), as the Lynx paper ran it.
+
+Lossy part (token-wise quantization with delta encoding):
+- Tokens of a page are split into groups of `group_tokens` consecutive tokens. The first
+  token of a group is its *anchor*; it is quantized at `anchor_bits`. Every other token is
+  encoded as its difference from the *reconstructed* anchor (so errors do not compound),
+  quantized at the bits of its layer band. group_tokens = 1 turns delta encoding off.
+- Quantization is token-wise and symmetric: one fp16 scale per (K/V, kv head, token) row of
+  head_dim elements, scale = max|row| / qmax rounded *up* to fp16, qmax = 2^(bits-1) - 1,
+  codes round(x / scale) in [-qmax, qmax].
+- Layers are split into bands by depth (`band_edges`, fractions of the layer count); earlier
+  bands get more bits (CacheGen's layer-wise sensitivity; Lynx evaluated a mixed INT8/INT4
+  setting, which is the default here: k_bits = v_bits = (8, 4)).
+
+Lossless part: the codes are entropy coded with `constriction`'s range coder under
+categorical models whose frequency tables are measured per chunk and sent with it.
+
+Monolithic: one stream ("full"); chunk = layer x page; every chunk decodes on its own.
+
+Chunk payload (little-endian), n = tokens in the page, H = kv heads:
+  scales   fp16 [2 (K, V), H, n]        anchor tokens: anchor scale, others: delta scale
+  4 tables, one per segment in the order K-anchor, K-delta, V-anchor, V-delta:
+           u16 lo | u16 nsym | nsym x u16 freq   (symbol s = code + qmax; lo = smallest used,
+                                                  lo + nsym - 1 = largest used; zero freq =
+                                                  unused; nsym = 0: empty segment; nsym = 1:
+                                                  every symbol is lo, nothing coded)
+  words    u32 [...] range-coder output for the segments with nsym > 1, in segment order;
+           segment symbols are codes [H, tokens of that kind in the page, head_dim] in C order.
+
+Sizes are data dependent, so `exact_sizes = False`: payload_bytes(shape) is an estimate that
+counts scales and table headers exactly and the coded bits with bits-per-symbol measured on KV
+(data/cachegen_ratio.json, which names the KV it was measured on). Re-measure on a capture:
+    python -m kvsim.kernels.cachegen measure --capture NAME [--out data/cachegen_ratio.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import constriction
+import numpy as np
+import torch
+
+from kvsim.kernels.codec import Codec, CodecError, register
+from kvsim.kernels.encoded import Chunk, Encoded
+from kvsim.layout import KVShape
+
+RATIO_FILE = Path(__file__).resolve().parents[2] / "data" / "cachegen_ratio.json"
+SEGMENTS = (("K", "anchor"), ("K", "delta"), ("V", "anchor"), ("V", "delta"))
+MIN_BITS, MAX_BITS = 2, 8
+MAX_FREQ = 65535  # frequencies are stored as u16
+
+
+@dataclass(frozen=True)
+class CacheGenParams:
+    page_tokens: int = 256
+    group_tokens: int = 10  # tokens per delta group (first = anchor); 1 = no delta encoding
+    anchor_bits: int = 8  # bits of anchor tokens (all layers)
+    band_edges: tuple[float, ...] = (0.5,)  # depth fractions where the next band starts
+    k_bits: tuple[int, ...] = (8, 4)  # bits of key deltas per band (len(band_edges) + 1)
+    v_bits: tuple[int, ...] = (8, 4)  # bits of value deltas per band
+
+    def __post_init__(self) -> None:
+        for name in ("band_edges", "k_bits", "v_bits"):
+            value = getattr(self, name)
+            if not isinstance(value, (list, tuple)):
+                raise ValueError(f"{name} must be a list, got {value!r}")
+            object.__setattr__(self, name, tuple(value))
+        if self.page_tokens < 1 or self.group_tokens < 1:
+            raise ValueError("page_tokens and group_tokens must be >= 1")
+        edges = self.band_edges
+        if any(not 0.0 < e < 1.0 for e in edges) or list(edges) != sorted(set(edges)):
+            raise ValueError(f"band_edges must be strictly increasing fractions in (0, 1), "
+                             f"got {list(edges)}")
+        bands = len(edges) + 1
+        if len(self.k_bits) != bands or len(self.v_bits) != bands:
+            raise ValueError(f"k_bits and v_bits need {bands} entries (one per band), got "
+                             f"{list(self.k_bits)} and {list(self.v_bits)}")
+        for bits in (self.anchor_bits, *self.k_bits, *self.v_bits):
+            if not (isinstance(bits, int) and MIN_BITS <= bits <= MAX_BITS):
+                raise ValueError(f"bits must be ints in {MIN_BITS}..{MAX_BITS}, got {bits!r}")
+
+
+# ---- quantizer (shared by encoder, decoder and the size model) ------------------------------
+def _fp16_scale_up(scale: torch.Tensor) -> torch.Tensor:
+    """fp32 scales >= 0 -> the smallest fp16 values >= them (so |x / scale| <= qmax holds)."""
+    s16 = scale.to(torch.float16)
+    if torch.isinf(s16).any():
+        raise CodecError("cachegen: |values| too large for fp16 token scales "
+                         f"(max scale {float(scale.max()):.3g} > 65504)")
+    bits = s16.view(torch.int16)
+    # the bit pattern of a positive finite fp16 + 1 is the next larger fp16 value
+    bits = bits + (s16.to(torch.float32) < scale).to(torch.int16)
+    return bits.view(torch.float16)
+
+
+def quantize_rows(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [..., head_dim] fp32 -> (codes int32 [..., head_dim] in [-qmax, qmax],
+    fp16 scales [...])."""
+    qmax = 2 ** (bits - 1) - 1
+    scale16 = _fp16_scale_up(x.abs().amax(dim=-1) / qmax)
+    scale = scale16.to(torch.float32)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))[..., None]
+    codes = torch.round(x / safe).clamp_(-qmax, qmax).to(torch.int32)
+    return codes, scale16
+
+
+def dequantize_rows(codes: torch.Tensor, scale16: torch.Tensor) -> torch.Tensor:
+    """Inverse of quantize_rows: [..., head_dim] fp32 (the decoder runs exactly this)."""
+    return codes.to(torch.float32) * scale16.to(torch.float32)[..., None]
+
+
+def _token_roles(tokens: int, page_tokens: int, group_tokens: int) -> tuple[torch.Tensor,
+                                                                            torch.Tensor]:
+    """(is_anchor bool [tokens], anchor_rank int64 [tokens]: index among anchors of the anchor
+    each token is coded against). Groups never cross a page boundary."""
+    t = torch.arange(tokens)
+    page_start = (t // page_tokens) * page_tokens
+    anchor_pos = page_start + ((t - page_start) // group_tokens) * group_tokens
+    is_anchor = anchor_pos == t
+    rank = torch.cumsum(is_anchor.to(torch.int64), 0) - 1  # [tokens]
+    return is_anchor, rank[anchor_pos]
+
+
+@dataclass
+class _LayerCodes:
+    """One layer, quantized. Na = anchor tokens, Nd = delta tokens of the layer."""
+
+    anchor_codes: torch.Tensor  # int32 [2, H, Na, D]
+    anchor_scales: torch.Tensor  # fp16 [2, H, Na]
+    delta_codes: torch.Tensor  # int32 [2, H, Nd, D]
+    delta_scales: torch.Tensor  # fp16 [2, H, Nd]
+
+
+def _reconstruct(codes: _LayerCodes, is_anchor: torch.Tensor, rank: torch.Tensor,
+                 device: torch.device) -> torch.Tensor:
+    """fp32 [2, H, T, D] from the codes: anchors, then anchors + deltas."""
+    anchors = dequantize_rows(codes.anchor_codes.to(device), codes.anchor_scales.to(device))
+    two, heads, _, dim = anchors.shape
+    out = torch.empty(two, heads, is_anchor.numel(), dim, dtype=torch.float32, device=device)
+    is_anchor = is_anchor.to(device)
+    out[:, :, is_anchor] = anchors
+    delta_rank = rank.to(device)[~is_anchor]
+    out[:, :, ~is_anchor] = anchors[:, :, delta_rank] + dequantize_rows(
+        codes.delta_codes.to(device), codes.delta_scales.to(device))
+    return out
+
+
+# ---- entropy coding of one segment ------------------------------------------------------------
+def _frequency_table(symbols: np.ndarray) -> tuple[int, np.ndarray]:
+    """symbols: int32 >= 0 -> (lo, u16 frequencies of symbols lo..hi); every used symbol > 0."""
+    counts = np.bincount(symbols)
+    used = np.nonzero(counts)[0]
+    lo, hi = int(used[0]), int(used[-1])
+    freq = counts[lo : hi + 1].astype(np.float64)
+    if freq.max() > MAX_FREQ:
+        # ceil keeps every used symbol > 0; min guards 65535.000001 -> 65536 (u16 overflow)
+        freq = np.where(freq > 0, np.minimum(np.ceil(freq * (MAX_FREQ / freq.max())), MAX_FREQ),
+                        0.0)
+    return lo, freq.astype(np.uint16)
+
+
+def _model(freq: np.ndarray) -> constriction.stream.model.Categorical:
+    probs = freq.astype(np.float64)
+    return constriction.stream.model.Categorical(probs / probs.sum(), perfect=False)
+
+
+def _encode_segment(encoder: constriction.stream.queue.RangeEncoder,
+                    symbols: np.ndarray) -> bytes:
+    """Append `symbols` (int32 >= 0) to the encoder; return the segment's table bytes."""
+    if symbols.size == 0:
+        return np.array([0, 0], dtype="<u2").tobytes()
+    lo, freq = _frequency_table(symbols)
+    table = np.concatenate([np.array([lo, freq.size], dtype="<u2"), freq.astype("<u2")])
+    if freq.size > 1:
+        encoder.encode((symbols - lo).astype(np.int32), _model(freq))
+    return table.tobytes()
+
+
+def _table_size_bytes(nsym: int) -> int:
+    return 4 + 2 * nsym
+
+
+@register
+class CacheGenCodec(Codec):
+    name = "cachegen"
+    Params = CacheGenParams
+    exact_sizes = False
+
+    def stream_names(self) -> list[str]:
+        return ["full"]
+
+    def page_tokens(self, shape: KVShape) -> int:
+        return self.params.page_tokens
+
+    def band(self, layer: int, layers: int) -> int:
+        """Band index of a layer: how many band edges lie at or below its depth fraction."""
+        return sum(layer / layers >= e for e in self.params.band_edges)
+
+    def layer_bits(self, layer: int, layers: int) -> tuple[int, int]:
+        """(key delta bits, value delta bits) of one layer."""
+        b = self.band(layer, layers)
+        return self.params.k_bits[b], self.params.v_bits[b]
+
+    # ---- size model -------------------------------------------------------------------------
+    def payload_bytes(self, shape: KVShape) -> np.ndarray:
+        """Estimated payload bytes [1, layers, pages]: scales and table headers exact; table
+        lengths and coded bits from the measured ratio file (see module docstring)."""
+        ratios = load_ratios()
+        p = self.params
+        pages = self.num_pages(shape)
+        n = np.full(pages, p.page_tokens, dtype=np.int64)  # tokens per page
+        n[-1] = shape.tokens - p.page_tokens * (pages - 1)
+        n_anchor = -(-n // p.group_tokens)
+        n_delta = n - n_anchor
+        row = shape.kv_heads * shape.head_dim  # symbols per token of K (or V)
+        out = np.empty((1, shape.layers, pages), dtype=np.int64)
+        for layer in range(shape.layers):
+            kb, vb = self.layer_bits(layer, shape.layers)
+            coded_bits = np.zeros(pages, dtype=np.float64)
+            tables = np.zeros(pages, dtype=np.float64)
+            for (tensor, kind), count in zip(SEGMENTS, (n_anchor, n_delta, n_anchor, n_delta),
+                                             strict=True):
+                bits = p.anchor_bits if kind == "anchor" else (kb if tensor == "K" else vb)
+                entry = ratio_entry(ratios, tensor, kind, bits)
+                coded_bits += count * row * entry["bits_per_symbol"]
+                tables += np.where(count > 0, _table_size_bytes(0) + 2 * entry["table_symbols"],
+                                   _table_size_bytes(0))
+            scales = 2 * 2 * shape.kv_heads * n
+            words = np.ceil(coded_bits / 32.0) * 4
+            out[0, layer] = scales + np.round(tables).astype(np.int64) + words.astype(np.int64)
+        return out
+
+    # ---- encode -------------------------------------------------------------------------------
+    def quantize_layer(self, x: torch.Tensor, layer: int, layers: int) -> _LayerCodes:
+        """x: [2, H, T, D] one layer -> its codes and scales (fp32 arithmetic)."""
+        p = self.params
+        x = x.to(torch.float32)
+        is_anchor, rank = _token_roles(x.shape[2], p.page_tokens, p.group_tokens)
+        is_anchor, rank = is_anchor.to(x.device), rank.to(x.device)
+        a_codes, a_scales = quantize_rows(x[:, :, is_anchor], p.anchor_bits)
+        anchors = dequantize_rows(a_codes, a_scales)  # [2, H, Na, D] reconstructed anchors
+        delta = x[:, :, ~is_anchor] - anchors[:, :, rank[~is_anchor]]  # [2, H, Nd, D]
+        kb, vb = self.layer_bits(layer, layers)
+        k_codes, k_scales = quantize_rows(delta[0], kb)
+        v_codes, v_scales = quantize_rows(delta[1], vb)
+        return _LayerCodes(a_codes, a_scales, torch.stack([k_codes, v_codes]),
+                           torch.stack([k_scales, v_scales]))
+
+    def reference(self, kv: torch.Tensor) -> torch.Tensor:
+        """What decode(encode(kv)) must return (fp32, [layers, 2, H, T, D]): the quantized
+        values, computed without entropy coding. Decoding must match it bit for bit."""
+        shape = KVShape.of(kv)
+        is_anchor, rank = _token_roles(shape.tokens, self.params.page_tokens,
+                                       self.params.group_tokens)
+        return torch.stack([
+            _reconstruct(self.quantize_layer(kv[layer], layer, shape.layers), is_anchor, rank,
+                         kv.device)
+            for layer in range(shape.layers)])
+
+    def _chunk_segments(self, codes: _LayerCodes, bits: tuple[int, int, int],
+                        a_range: tuple[int, int], d_range: tuple[int, int]) -> list[np.ndarray]:
+        """Symbols (int32 >= 0, flattened [H, tokens, D]) of the 4 segments of one chunk."""
+        anchor_bits, kb, vb = bits
+        segs = []
+        for t, delta_bits in ((0, kb), (1, vb)):
+            a = codes.anchor_codes[t, :, a_range[0] : a_range[1]] + (2 ** (anchor_bits - 1) - 1)
+            d = codes.delta_codes[t, :, d_range[0] : d_range[1]] + (2 ** (delta_bits - 1) - 1)
+            segs += [a.contiguous().numpy().reshape(-1), d.contiguous().numpy().reshape(-1)]
+        return segs
+
+    def _page_ranges(self, shape: KVShape) -> list[tuple[int, int, tuple[int, int],
+                                                         tuple[int, int]]]:
+        """Per page: (t0, t1, anchor index range, delta index range) within the layer."""
+        is_anchor, _ = _token_roles(shape.tokens, self.params.page_tokens,
+                                    self.params.group_tokens)
+        before = torch.cat([torch.zeros(1, dtype=torch.int64),
+                            torch.cumsum(is_anchor.to(torch.int64), 0)]).tolist()
+        pt, out = self.params.page_tokens, []
+        for page in range(self.num_pages(shape)):
+            t0, t1 = page * pt, min((page + 1) * pt, shape.tokens)
+            a0, a1 = before[t0], before[t1]
+            out.append((t0, t1, (a0, a1), (t0 - a0, t1 - a1)))
+        return out
+
+    def _encode(self, kv: torch.Tensor, shape: KVShape) -> list[list[Chunk]]:
+        p = self.params
+        is_anchor, _ = _token_roles(shape.tokens, p.page_tokens, p.group_tokens)
+        pages = self._page_ranges(shape)
+        chunks = []
+        for layer in range(shape.layers):
+            codes = self.quantize_layer(kv[layer], layer, shape.layers)
+            codes = _LayerCodes(*(c.cpu() for c in (codes.anchor_codes, codes.anchor_scales,
+                                                    codes.delta_codes, codes.delta_scales)))
+            # per-token scales of the layer: [2, H, T] fp16
+            scales = torch.empty(2, shape.kv_heads, shape.tokens, dtype=torch.float16)
+            scales[:, :, is_anchor] = codes.anchor_scales
+            scales[:, :, ~is_anchor] = codes.delta_scales
+            bits = (p.anchor_bits, *self.layer_bits(layer, shape.layers))
+            for page, (t0, t1, a_range, d_range) in enumerate(pages):
+                encoder = constriction.stream.queue.RangeEncoder()
+                tables = [_encode_segment(encoder, s)
+                          for s in self._chunk_segments(codes, bits, a_range, d_range)]
+                words = encoder.get_compressed().astype("<u4")
+                page_scales = scales[:, :, t0:t1].contiguous().view(torch.int16).numpy()
+                payload = np.frombuffer(b"".join([page_scales.astype("<i2").tobytes(), *tables,
+                                                  words.tobytes()]), dtype=np.uint8)
+                chunks.append(Chunk(0, layer, page, payload))
+        return [chunks]
+
+    # ---- decode -------------------------------------------------------------------------------
+    def _decode(self, enc: Encoded, streams: int, device: torch.device) -> torch.Tensor:
+        shape, p = enc.shape, self.params
+        heads, dim = shape.kv_heads, shape.head_dim
+        is_anchor, rank = _token_roles(shape.tokens, p.page_tokens, p.group_tokens)
+        n_anchor = int(is_anchor.sum())
+        payloads = enc.payloads(0)
+        out = torch.empty(shape.dims, dtype=torch.float32, device=device)
+        for layer in range(shape.layers):
+            bits = (p.anchor_bits, *self.layer_bits(layer, shape.layers))
+            codes = _LayerCodes(
+                torch.empty(2, heads, n_anchor, dim, dtype=torch.int32),
+                torch.empty(2, heads, n_anchor, dtype=torch.float16),
+                torch.empty(2, heads, shape.tokens - n_anchor, dim, dtype=torch.int32),
+                torch.empty(2, heads, shape.tokens - n_anchor, dtype=torch.float16))
+            for page, (t0, t1, a_range, d_range) in enumerate(self._page_ranges(shape)):
+                self._decode_chunk(payloads[(layer, page)], layer, page, codes, bits,
+                                   (t0, t1), a_range, d_range, is_anchor, heads, dim)
+            out[layer] = _reconstruct(codes, is_anchor, rank, device)
+        return out
+
+    def _decode_chunk(self, payload: np.ndarray, layer: int, page: int, codes: _LayerCodes,
+                      bits: tuple[int, int, int], t_range: tuple[int, int],
+                      a_range: tuple[int, int], d_range: tuple[int, int],
+                      is_anchor: torch.Tensor, heads: int, dim: int) -> None:
+        """Parse one chunk's payload into the layer's code/scale tensors (in place)."""
+        where = f"cachegen chunk (layer {layer}, page {page})"
+        buf = np.ascontiguousarray(payload, dtype=np.uint8)
+        t0, t1 = t_range
+        n = t1 - t0
+        off = 2 * 2 * heads * n
+        if buf.size < off:
+            raise CodecError(f"{where}: payload of {buf.size} bytes is shorter than its scales")
+        scales = torch.from_numpy(buf[:off].view("<i2").astype(np.int16)).view(torch.float16)
+        scales = scales.view(2, heads, n)
+        page_anchor = is_anchor[t0:t1]
+        codes.anchor_scales[:, :, a_range[0] : a_range[1]] = scales[:, :, page_anchor]
+        codes.delta_scales[:, :, d_range[0] : d_range[1]] = scales[:, :, ~page_anchor]
+        tables = []
+        for _ in SEGMENTS:
+            if buf.size < off + 4:
+                raise CodecError(f"{where}: truncated frequency table")
+            lo, nsym = (int(v) for v in buf[off : off + 4].view("<u2"))
+            freq = buf[off + 4 : off + 4 + 2 * nsym].view("<u2").astype(np.uint16)
+            # the encoder writes lo..hi with both ends used (inner zeros are unused symbols)
+            if freq.size != nsym or (nsym and (freq[0] == 0 or freq[-1] == 0)):
+                raise CodecError(f"{where}: malformed frequency table")
+            tables.append((lo, freq))
+            off += _table_size_bytes(nsym)
+        if (buf.size - off) % 4:
+            raise CodecError(f"{where}: coded data is not a whole number of 32-bit words")
+        decoder = constriction.stream.queue.RangeDecoder(buf[off:].view("<u4").astype(np.uint32))
+        anchor_bits, kb, vb = bits
+        na, nd = a_range[1] - a_range[0], d_range[1] - d_range[0]
+        targets = ((codes.anchor_codes, 0, a_range, na, anchor_bits),
+                   (codes.delta_codes, 0, d_range, nd, kb),
+                   (codes.anchor_codes, 1, a_range, na, anchor_bits),
+                   (codes.delta_codes, 1, d_range, nd, vb))
+        for (lo, freq), (dest, t, rng, rows, seg_bits) in zip(tables, targets, strict=True):
+            count = heads * rows * dim
+            if count == 0:
+                continue
+            if freq.size == 0:
+                raise CodecError(f"{where}: empty table for a non-empty segment")
+            if freq.size == 1:
+                symbols = np.full(count, lo, dtype=np.int32)
+            else:
+                try:
+                    symbols = decoder.decode(_model(freq), count).astype(np.int32) + lo
+                except Exception as exc:  # the coder's own error on corrupt data
+                    raise CodecError(f"{where}: corrupt coded data ({exc})") from exc
+            qmax = 2 ** (seg_bits - 1) - 1
+            if symbols.max() > 2 * qmax:
+                raise CodecError(f"{where}: decoded symbol out of range for {seg_bits} bits")
+            dest[t, :, rng[0] : rng[1]] = torch.from_numpy(
+                symbols - qmax).view(heads, rows, dim)
+
+
+# ---- measured ratios (the size model's data) ----------------------------------------------------
+def load_ratios(path: str | Path = RATIO_FILE) -> dict:
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CodecError(f"cachegen: cannot read the measured ratio file {path} ({exc}); "
+                         "re-create it with `python -m kvsim.kernels.cachegen measure`") from exc
+    if "ratios" not in doc:
+        raise CodecError(f"cachegen: {path} has no `ratios` section")
+    return doc
+
+
+def ratio_entry(doc: dict, tensor: str, kind: str, bits: int) -> dict:
+    try:
+        return doc["ratios"][tensor][kind][str(bits)]
+    except KeyError:
+        raise CodecError(f"cachegen: no measured ratio for {tensor} {kind} at {bits} bits in "
+                         "the ratio file; re-measure with `python -m kvsim.kernels.cachegen "
+                         "measure`") from None
+
+
+def measure_ratios(kv: torch.Tensor, page_tokens: int = 256, group_tokens: int = 10,
+                   anchor_bits: int = 8) -> dict:
+    """Coded bits per symbol and mean table length for every (K/V, anchor/delta, bits),
+    measured by entropy coding each segment of each chunk of `kv` on its own.
+    Delta segments are measured with anchors at `anchor_bits` (the default setting)."""
+    shape = KVShape.of(kv)
+    stats: dict = {t: {"anchor": {}, "delta": {}} for t in ("K", "V")}
+    for bits in range(MIN_BITS, MAX_BITS + 1):
+        for kind in ("anchor", "delta"):
+            codec = CacheGenCodec(page_tokens=page_tokens, group_tokens=group_tokens,
+                                  anchor_bits=bits if kind == "anchor" else anchor_bits,
+                                  band_edges=[], k_bits=[bits], v_bits=[bits])
+            totals = {t: [0, 0.0, 0, 0] for t in ("K", "V")}  # symbols, bits, nsym, segments
+            for layer in range(shape.layers):
+                codes = codec.quantize_layer(kv[layer].cpu(), layer, shape.layers)
+                seg_bits = (codec.params.anchor_bits, bits, bits)
+                for _, _, a_range, d_range in codec._page_ranges(shape):
+                    segs = codec._chunk_segments(codes, seg_bits, a_range, d_range)
+                    for (tensor, seg_kind), symbols in zip(SEGMENTS, segs, strict=True):
+                        if seg_kind != kind or symbols.size == 0:
+                            continue
+                        encoder = constriction.stream.queue.RangeEncoder()
+                        table = _encode_segment(encoder, symbols)
+                        acc = totals[tensor]
+                        acc[0] += symbols.size
+                        acc[1] += encoder.num_bits()
+                        acc[2] += (len(table) - 4) // 2
+                        acc[3] += 1
+            for tensor, (symbols, coded, nsym, segments) in totals.items():
+                if symbols:
+                    stats[tensor][kind][str(bits)] = {
+                        "bits_per_symbol": coded / symbols,
+                        "table_symbols": nsym / segments,
+                    }
+    return stats
+
+
+def write_ratio_file(kv: torch.Tensor, source: dict, path: str | Path = RATIO_FILE,
+                     page_tokens: int = 256, group_tokens: int = 10) -> Path:
+    """Measure on `kv` and write the ratio file; `source` says which KV it was (provenance)."""
+    doc = {
+        "description": "CacheGen size model: entropy-coded bits per quantized symbol and mean "
+                       "frequency-table length, per tensor (K/V), segment kind (anchor/delta) "
+                       "and bits; used by CacheGenCodec.payload_bytes",
+        "provenance": {"source": source, "shape": KVShape.of(kv).to_dict(),
+                       "page_tokens": page_tokens, "group_tokens": group_tokens,
+                       "anchor_bits_for_delta": 8,
+                       "measured_with": "kvsim.kernels.cachegen.measure_ratios"},
+        "ratios": measure_ratios(kv, page_tokens, group_tokens),
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvsim.kernels.cachegen",
+                                     description="Measure CacheGen's coded bits per symbol.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("measure", help="measure on a capture (or synthetic KV) and write the "
+                                       "ratio file")
+    m.add_argument("--capture", help="capture name or path (default: synthetic KV)")
+    m.add_argument("--out", default=str(RATIO_FILE))
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--shape", default="8,4,2048,128",
+                   help="layers,kv_heads,tokens,head_dim of the synthetic KV")
+    args = parser.parse_args(argv)
+    if args.capture:
+        from kvsim.capture import load_capture, resolve_capture_path
+
+        cap = load_capture(args.capture)
+        kv = cap.kv
+        source = {"kind": "capture", "path": str(resolve_capture_path(args.capture)),
+                  "meta": cap.meta}
+    else:
+        from kvsim.synthetic import SyntheticKVParams, generate_kv
+
+        dims = [int(v) for v in args.shape.split(",")]
+        if len(dims) != 4:
+            parser.error("--shape needs layers,kv_heads,tokens,head_dim")
+        params = SyntheticKVParams()
+        kv = generate_kv(KVShape(*dims, dtype="bfloat16"), params, seed=args.seed)
+        source = {"kind": "synthetic", "note": "SYNTHETIC KV (kvsim.synthetic.generate_kv), "
+                  "not a real model capture; re-measure on a capture for real estimates",
+                  "seed": args.seed, "synthetic_params": params.to_dict()}
+    path = write_ratio_file(kv, source, args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,143 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvsim.config.codecs import resolve_codec
+from kvsim.kernels import CodecError, Encoded, codec_for, make_codec
+from kvsim.kernels.cachegen import (
+    CacheGenCodec,
+    dequantize_rows,
+    load_ratios,
+    measure_ratios,
+    quantize_rows,
+)
+from kvsim.layout import KVShape
+from kvsim.synthetic import generate_kv
+
+# The size estimate (payload_bytes) must be within this relative error of the real coded
+# size on synthetic KV drawn like the KV the ratio file was measured on.
+TOTAL_TOLERANCE = 0.05
+CHUNK_TOLERANCE = 0.15
+
+
+def _kv(layers=4, heads=2, tokens=300, dim=64, dtype="bfloat16", seed=11):
+    return generate_kv(KVShape(layers, heads, tokens, dim, dtype), seed=seed)
+
+
+def test_round_trip_is_exactly_the_quantized_values():
+    codec = make_codec("cachegen", {"page_tokens": 128})
+    kv = _kv()
+    enc = codec.encode(kv)
+    out = codec.decode(enc, dtype=torch.float32)
+    assert torch.equal(out, codec.reference(kv))
+    # through the wire format too
+    again = codec_for(Encoded.from_bytes(enc.to_bytes())).decode(
+        Encoded.from_bytes(enc.to_bytes()), dtype=torch.float32)
+    assert torch.equal(again, out)
+    assert len(enc.streams) == 1 and len(enc.streams[0]) == 4 * 3
+    assert enc.bits_per_element() == 8 * len(enc.to_bytes()) / kv.numel()
+
+
+def test_error_bounds_and_band_precision():
+    codec = CacheGenCodec(page_tokens=64, group_tokens=8, band_edges=[0.5], k_bits=[8, 4],
+                          v_bits=[8, 4])
+    kv = _kv(dtype="float32").to(torch.float32)
+    out = codec.decode(codec.encode(kv), dtype=torch.float32)
+    err = (out - kv).square().sum(dim=(1, 2, 3, 4)) / kv.square().sum(dim=(1, 2, 3, 4))
+    assert (err[:2] < 1e-3).all()  # INT8 band
+    assert (err[2:] > 10 * err[:2].max()).all()  # INT4 band is coarser
+    # element bound: |x - x_hat| <= scale / 2 for every quantized row
+    x = kv[0, 1, :, :5]
+    codes, scale = quantize_rows(x, 4)
+    assert ((dequantize_rows(codes, scale) - x).abs()
+            <= scale.float()[..., None] / 2 + 1e-7).all()
+
+
+def test_no_delta_mode_and_delta_helps_smooth_tokens():
+    # strongly correlated tokens: deltas against the anchor are small
+    base = torch.randn(2, 2, 2, 1, 32).expand(2, 2, 2, 200, 32).contiguous()
+    kv = (base + 0.01 * torch.randn(2, 2, 2, 200, 32)).to(torch.float32)
+    with_delta = CacheGenCodec(group_tokens=10, band_edges=[], k_bits=[4], v_bits=[4])
+    no_delta = CacheGenCodec(group_tokens=1, band_edges=[], k_bits=[4], v_bits=[4])
+    e1 = (with_delta.decode(with_delta.encode(kv)) - kv).square().mean()
+    e2 = (no_delta.decode(no_delta.encode(kv)) - kv).square().mean()
+    assert e1 < e2 / 3
+    assert torch.equal(no_delta.decode(no_delta.encode(kv), dtype=torch.float32),
+                       no_delta.reference(kv))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_edge_cases_constant_single_token_dtypes(dtype):
+    codec = make_codec("cachegen", {})
+    for kv in (torch.zeros(2, 2, 1, 1, 8), torch.full((1, 2, 2, 33, 16), 3.5),
+               torch.randn(1, 2, 1, 1, 4)):
+        kv = kv.to(getattr(torch, dtype))
+        enc = codec.encode(kv)
+        out = codec.decode(enc)
+        assert out.dtype == kv.dtype and torch.isfinite(out).all()
+        assert torch.equal(codec.decode(enc, dtype=torch.float32), codec.reference(kv))
+    const = torch.full((1, 2, 2, 33, 16), 3.5)
+    # constant rows: finite, and within half an 8-bit anchor step (scale = fp16 >= 3.5 / 127)
+    err = (codec.decode(codec.encode(const), dtype=torch.float32) - const).abs().max()
+    assert float(err) <= 0.5 * 3.5 / 127 * (1 + 2**-10)
+
+
+def test_deterministic_bytes():
+    codec = make_codec("cachegen", {})
+    kv = _kv(tokens=100)
+    assert codec.encode(kv).to_bytes() == codec.encode(kv.clone()).to_bytes()
+
+
+def test_size_estimate_within_tolerance_of_real_size():
+    codec = make_codec("cachegen", {})
+    assert CacheGenCodec.exact_sizes is False
+    kv = _kv(layers=4, heads=2, tokens=700, dim=128, seed=123)
+    shape = KVShape.of(kv)
+    enc = codec.encode(kv)
+    table = codec.size_table(shape)
+    assert table.exact is False
+    real = enc.chunk_bytes()
+    est = table.chunk_bytes
+    assert real.shape == est.shape
+    assert abs(table.total_bytes / enc.total_bytes - 1) < TOTAL_TOLERANCE
+    assert (np.abs(est / real - 1) < CHUNK_TOLERANCE).all()
+
+
+def test_ratio_file_has_provenance_and_measure_matches_format():
+    doc = load_ratios()
+    assert doc["provenance"]["source"]["kind"] in ("synthetic", "capture")
+    kv = _kv(layers=1, heads=1, tokens=64, dim=32)
+    stats = measure_ratios(kv, page_tokens=32, group_tokens=10)
+    for tensor in ("K", "V"):
+        for kind in ("anchor", "delta"):
+            assert set(stats[tensor][kind]) == {str(b) for b in range(2, 9)}
+            bps = [stats[tensor][kind][str(b)]["bits_per_symbol"] for b in range(2, 9)]
+            assert all(0 <= v <= b + 0.5 for v, b in zip(bps, range(2, 9), strict=True))
+            assert set(doc["ratios"][tensor][kind]) == set(stats[tensor][kind])
+
+
+def test_corrupt_payload_and_bad_params_rejected():
+    codec = make_codec("cachegen", {"page_tokens": 64})
+    kv = _kv(layers=1, tokens=64, dim=32)
+    enc = codec.encode(kv)
+    chunk = enc.streams[0][0]
+    chunk.payload = chunk.payload[:-3]
+    with pytest.raises(CodecError, match="32-bit words|corrupt|malformed"):
+        codec.decode(enc)
+    with pytest.raises(CodecError, match="one per band"):
+        make_codec("cachegen", {"k_bits": [8]})
+    with pytest.raises(CodecError, match="bits must be"):
+        make_codec("cachegen", {"anchor_bits": 9})
+    with pytest.raises(CodecError, match="band_edges"):
+        make_codec("cachegen", {"band_edges": [0.7, 0.3], "k_bits": [8, 6, 4],
+                                "v_bits": [8, 6, 4]})
+    with pytest.raises(CodecError, match="too large for fp16"):
+        codec.encode(torch.full((1, 2, 1, 4, 8), 1e9))
+
+
+def test_preset_resolves():
+    spec = resolve_codec("cachegen")
+    assert spec.name == "cachegen"
+    assert isinstance(spec.build(), CacheGenCodec)
