@@ -54,10 +54,10 @@ def _from_path(path: Path, name: str, preset: LLMPreset | None) -> WeightsLocati
     raise FileNotFoundError(f"model path {path} does not exist")
 
 
-def locate_weights(spec: str, cache: str | Path | None = None) -> WeightsLocation:
-    """Resolve a preset name or a path to where its weights are on this machine."""
-    if spec in llm_preset_names():
-        preset = load_llm_preset(spec)
+def locate_weights(spec: str | LLMPreset, cache: str | Path | None = None) -> WeightsLocation:
+    """Resolve a preset (or its name) or a path to where its weights are on this machine."""
+    if isinstance(spec, LLMPreset) or spec in llm_preset_names():
+        preset = spec if isinstance(spec, LLMPreset) else load_llm_preset(spec)
         if preset.path:
             return _from_path(Path(preset.path).expanduser(), preset.name, preset)
         if preset.fetchable:
@@ -66,6 +66,8 @@ def locate_weights(spec: str, cache: str | Path | None = None) -> WeightsLocatio
                 raise FileNotFoundError(f"{preset.name}: weights not fetched ({gguf} missing); "
                                         f"run `kvsim model fetch llms=[{preset.name}]` first")
             return WeightsLocation(gguf.parent, gguf.name, preset.name, preset)
+        if preset.name == "custom":
+            raise ValueError("llm=custom needs llm.path=/path/to/checkpoint-dir-or-file.gguf")
         raise ValueError(f"LLM preset {preset.name!r} has no weights on this machine "
                          f"(upstream: {preset.hf_id}); set llm.path=/path/to/checkpoint-or-gguf "
                          "or pass the path itself as the model")
@@ -76,9 +78,9 @@ def locate_weights(spec: str, cache: str | Path | None = None) -> WeightsLocatio
                      "nor an existing .gguf file / checkpoint directory")
 
 
-def load_lm(spec: str, cache: str | Path | None = None, dtype: str = "float32",
-            threads: int | None = None, path_override: str | None = None) -> LoadedLM:
-    """Load model + tokenizer offline. `path_override` replaces a preset's weight location."""
+def load_lm(spec: str | LLMPreset, cache: str | Path | None = None, dtype: str = "float32",
+            threads: int | None = None, seed: int = 0) -> LoadedLM:
+    """Load model + tokenizer offline (a random_init preset: a tiny random Llama)."""
     if dtype not in _DTYPES:
         raise ValueError(f"model dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     os.environ["HF_HUB_OFFLINE"] = "1"
@@ -89,11 +91,16 @@ def load_lm(spec: str, cache: str | Path | None = None, dtype: str = "float32",
 
     if threads:
         torch.set_num_threads(int(threads))
-    if path_override:
-        preset = load_llm_preset(spec) if spec in llm_preset_names() else None
-        loc = _from_path(Path(path_override).expanduser(), spec, preset)
-    else:
-        loc = locate_weights(spec, cache)
+    if isinstance(spec, LLMPreset) and spec.random_init:
+        from kvsim.model.tiny import ByteTokenizer, tiny_llama
+
+        model = tiny_llama(seed, spec.layers, spec.q_heads * spec.head_dim, spec.q_heads,
+                           spec.kv_heads)
+        meta = {"model": spec.name, "weights": "random init", "dtype": "float32",
+                "layers": spec.layers, "q_heads": spec.q_heads, "kv_heads": spec.kv_heads,
+                "head_dim": spec.head_dim}
+        return LoadedLM(model, ByteTokenizer(), spec.name, None, 0.0, meta)
+    loc = locate_weights(spec, cache)
     hf_logging.set_verbosity_error()  # GGUF dequantization logs per tensor otherwise
     started = time.perf_counter()
     kwargs: dict[str, Any] = {"local_files_only": True}
@@ -111,7 +118,7 @@ def load_lm(spec: str, cache: str | Path | None = None, dtype: str = "float32",
             "kv_heads": getattr(cfg, "num_key_value_heads", cfg.num_attention_heads),
             "head_dim": getattr(cfg, "head_dim", None)
             or cfg.hidden_size // cfg.num_attention_heads}
-    if loc.preset is not None:
+    if loc.preset is not None and loc.preset.known_shape:
         for key in ("layers", "q_heads", "kv_heads", "head_dim"):
             if getattr(loc.preset, key) != meta[key]:
                 raise ValueError(f"{loc.preset.name}: preset says {key}={getattr(loc.preset, key)} "
