@@ -1,0 +1,121 @@
+"""`oscar`: Hadamard rotation, THEN per-token L2-norm scaling, then KIVI INT2 (OScaR).
+
+Quantized tokens (the KIVI rule: all but the last R + (T - R) mod G tokens) of every head
+are transformed before the KIVI backbone (kivi.py):
+
+1. Canalized rotation: k <- H k (and v <- H v when rotate_values), H the orthonormal
+   Walsh-Hadamard matrix of size head_dim (power of two; anything else is refused by
+   check_shape with a clear ValueError). Rotation spreads channel outliers over all
+   channels.
+2. Omni-token scaling: k <- k / n16, n16 = fp16(||k||_2), one scale per token per head
+   (also for values when scale_values; off by default since per-token value groups are
+   already scale-invariant). A per-token scalar commutes with the rotation, so what
+   matters is that the rotation is there: scaling alone can blow a low-norm sink token
+   up into channel outliers, the rotation spreads them over all channels.
+3. KIVI: per-channel keys in groups of `group` tokens, per-token values in groups of
+   `value_group` channels, `bits` bits; the bf16 recent window is stored unrotated.
+
+Decode undoes the scaling, then the rotation (H is its own inverse), so it returns
+ordinary unrotated K/V: callers need not rotate queries. A zero-norm token is stored with
+n16 = 0 and divided by 1 instead (it is all zeros and decodes to zeros).
+
+Extra fields of chunk (layer, page) with q quantized tokens, after the backbone's:
+    k_norm fp16 [kv_heads, q]          v_norm fp16 [kv_heads, q] (only if scale_values)
+Rotation runs through the Triton FWHT kernel for CUDA tensors, the torch reference on CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvsim.kernels import hadamard_triton
+from kvsim.kernels.codec import register
+from kvsim.kernels.groupquant import FP16_MAX, QUANT_BITS, Field
+from kvsim.kernels.hadamard import check_hadamard_dim, hadamard
+from kvsim.kernels.kivi import Backbone, BackboneCodec
+from kvsim.layout import KVShape
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """H x along the last dim, fp32 (Triton on CUDA, torch reference elsewhere)."""
+    return hadamard_triton.hadamard(x) if x.device.type == "cuda" else hadamard(x)
+
+
+def norm_scale(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [..., tokens, d] -> (x / n16, n16 [..., tokens] fp16); zero-norm tokens untouched."""
+    # clamp: a norm beyond the fp16 range is stored as FP16_MAX (x / n16 stays finite)
+    n16 = torch.linalg.vector_norm(x, dim=-1).clamp(max=FP16_MAX).to(torch.float16)
+    n = n16.to(torch.float32)
+    return x / torch.where(n > 0, n, torch.ones_like(n)).unsqueeze(-1), n16
+
+
+@dataclass(frozen=True)
+class OscarParams:
+    bits: int = 2
+    group: int = 32  # tokens per key group (per channel)
+    value_group: int = 32  # channels per value group (per token); 0 = head_dim
+    residual: int = 128  # most recent tokens kept in bf16 (a multiple of group)
+    rotate_values: bool = True
+    scale_values: bool = False
+    page_tokens: int = 256  # a multiple of group
+
+    def __post_init__(self) -> None:
+        if self.bits not in QUANT_BITS:
+            raise ValueError(f"bits must be one of {QUANT_BITS}")
+        if self.group < 1 or self.value_group < 0 or self.residual < 0:
+            raise ValueError("group must be >= 1, value_group and residual >= 0")
+        if self.residual % self.group or self.page_tokens % self.group or self.page_tokens < 1:
+            raise ValueError(f"residual ({self.residual}) and page_tokens ({self.page_tokens}) "
+                             f"must be positive multiples of group ({self.group})")
+
+
+@register
+class OscarCodec(BackboneCodec):
+    name = "oscar"
+    Params = OscarParams
+
+    def backbone(self) -> Backbone:
+        p = self.params
+        return Backbone(p.bits, p.group, p.value_group, p.residual)
+
+    def check_shape(self, shape: KVShape) -> None:
+        check_hadamard_dim(shape.head_dim)
+        super().check_shape(shape)
+
+    def extra_fields(self, shape: KVShape, q: int) -> list[Field]:
+        fields = [Field("k_norm", "f16", (shape.kv_heads, q))]
+        if self.params.scale_values:
+            fields.append(Field("v_norm", "f16", (shape.kv_heads, q)))
+        return fields
+
+    def pre_quantize(self, xq: torch.Tensor, shape: KVShape) -> tuple[torch.Tensor, Any]:
+        """xq: [layers, 2, heads, Tq, d] -> rotated, norm-scaled; state = norms
+        [layers, 2, heads, Tq] fp16 (V row unused unless scale_values)."""
+        k = rotate(xq[:, 0])
+        v = rotate(xq[:, 1]) if self.params.rotate_values else xq[:, 1]
+        k, kn = norm_scale(k)
+        if self.params.scale_values:
+            v, vn = norm_scale(v)
+        else:
+            vn = torch.ones_like(kn)
+        return torch.stack((k, v), dim=1), torch.stack((kn, vn), dim=1)
+
+    def page_extras(self, state: Any, layer: int, t0: int, q: int, x_page: torch.Tensor,
+                    xhat_page: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = {"k_norm": state[layer, 0, :, t0:t0 + q]}
+        if self.params.scale_values:
+            out["v_norm"] = state[layer, 1, :, t0:t0 + q]
+        return out
+
+    def post_dequantize(self, f: dict[str, torch.Tensor], xhat_page: torch.Tensor
+                        ) -> torch.Tensor:
+        k = xhat_page[0] * f["k_norm"].to(torch.float32).unsqueeze(-1)
+        v = xhat_page[1]
+        if self.params.scale_values:
+            v = v * f["v_norm"].to(torch.float32).unsqueeze(-1)
+        if self.params.rotate_values:
+            v = rotate(v)
+        return torch.stack((rotate(k), v), dim=0)
