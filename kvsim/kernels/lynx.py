@@ -1,0 +1,713 @@
+"""`lynx`: Lynx hierarchical split-stream quantization (seed 003, Algorithm 1 and §4.1).
+
+Every channel (one (K|V, kv_head, head_dim index), running along tokens) is quantized in
+three stages, then its sign + 7-bit (in general M-bit) magnitude code is split into
+priority streams (anchor first, then signed residual corrections), nibble/bit-packed.
+
+Stage 1, page normalization (per channel, per page of `page_tokens` tokens):
+    lo = min(x), r = hi/2 - lo/2 (half range, cannot overflow), k = smallest int with r < 2^k
+    (from r's exponent bits, clamped to [-126, 126]);  x' = (x/2 - lo/2) * 2^-k  in [0, 1)
+    (in [0, 4) only when the range is >= 2^127). The scale is a power of two, so the
+    normalization is exact scaling and needs no division; `lo` is stored fp32, `k` int8.
+Stage 2, chunk centering (per channel, per chunk of `chunk_tokens` tokens):
+    mu = floor(mean(trunc(x' * 2^14))) * 2^-14  (integer sum: order-independent, so the torch,
+    numba and Triton backends agree bit for bit; stored uint16), xc = x' - mu,
+    sigma = max|xc| stored fp16 (round-to-nearest; see "saturation" below).
+Stage 3, alpha-law companding to a sign + M-bit magnitude code, M = sum(split) - 1:
+    y = ln(1 + alpha*u) / ln(1 + alpha) * (2^M - 1), code = round(y), u = |xc| / sigma.
+    Implemented without a transcendental: u = |xc| * fp32(1/sigma) and code = number of
+    precomputed fp32 thresholds t_i = ((1+alpha)^((i - 1/2)/(2^M - 1)) - 1)/alpha strictly
+    below u (the rounding points of y), so every backend computes the same code. u can exceed
+    1 by a rounding of sigma; the code then saturates at 2^M - 1 (never overflows).
+Stage 4, split streams. split = [b0, b1, ...]: stream 0 (anchor) holds the sign and the top
+    b0-1 magnitude bits; stream j >= 1 holds the next b_j bits as a *signed* digit
+    d_j = field_j - 2^(b_j-1) in [-2^(b_j-1), 2^(b_j-1)-1] (two's complement, i.e. the
+    field with its top bit flipped). Decoding from the first s streams reconstructs the
+    centre of the code interval still possible: anchor-only sits in the middle of its bucket
+    and each residual digit is a signed correction around that centre.
+
+The overflow of Algorithm 1 as printed ((127 + 7) >> 4 = 8 does not fit sign + 3 bits) comes
+from rounding the anchor to the *nearest* multiple of 16 while the code range [0, 127] is
+not symmetric around multiples of 16. General rule used here, for any split: a magnitude
+code I in [0, 2^M) is written in mixed radix as I = a*u0 + sum_j t_j*u_j with u_j =
+2^(bits after stream j), a = I >> (M - b0 + 1) (fits b0-1 bits because I < 2^M) and
+t_j in [0, 2^b_j); the signed digit is d_j = t_j - 2^(b_j-1). Every field fits its width by
+construction, no code is wasted (rounding to nearest would have to cap I at
+(2^(b0-1) - 1)*u0 + window, e.g. 119 for 4+4, 95 for 2+6, 87 for 2+2+4), and the decoder's
+bucket-centre reconstruction plays the role of the paper's round-half-down bias.
+tests/test_lynx.py proves the widths with hypothesis on arbitrary inputs incl. extremes.
+
+Wire layout of chunk (layer l, page p) with n tokens, nc = ceil(n / chunk_tokens) chunks,
+channels = 2*kv_heads*head_dim, all little-endian, C-order:
+    anchor:  lo fp32 [2, H, D] | token scales fp16 [T_kv, H, n] (oscar only; T_kv = 2 for
+             targets "kv", 1 for "k") | mu uint16 [2, H, nc, D] | sigma fp16 [2, H, nc, D] |
+             k int8 [2, H, D] | codes: 2H rows of ceil(n*D*b0/8) bytes
+    residual j: codes: 2H rows of ceil(n*D*b_j/8) bytes
+A row packs the codes of one (K|V, head) in token-major order [n, D], b bits each,
+little-end first (bit i of the row = bit i%8 of byte i//8), zero-padded at the row end.
+The last page (and its last chunk) may be shorter: statistics then run over the tokens present.
+Metadata is 1 + 40 / page_tokens bits per element at the defaults (32-token chunks).
+
+OScaR preconditioning (`precondition: oscar`): Hadamard rotation per head over head_dim,
+then per-token L2-norm scaling (one fp16 scale per token per head, in the anchor stream),
+before the hierarchy; applied to K and V (`oscar_targets: kv`) or K only (`k`). Decode
+undoes the scaling then the rotation, so decode returns unrotated K/V and callers need not
+rotate queries. The preconditioning runs as torch ops (on the tensor's device) for every
+backend; only the hierarchy has a numba / Triton kernel.
+
+Backends (`backend`: auto | torch | cpu | triton) all produce identical bytes; auto uses the
+Triton kernels for CUDA tensors and the numba kernel for CPU tensors. `backend` is an
+execution choice, not a format parameter, so it is left out of the preamble (params_dict).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvsim.kernels.codec import Codec, CodecError, register
+from kvsim.kernels.encoded import Chunk, Encoded
+from kvsim.kernels.hadamard import check_hadamard_dim, hadamard
+from kvsim.layout import DTYPES, KVShape
+
+# alpha of the companding. The paper does not state it. Measured on gaussian data with 1%
+# outliers (x10) per channel, 4+4 split (scripts in the module docstring of
+# tests/test_lynx.py::test_alpha_choice_documented): see ALPHA_NOTE.
+ALPHA_DEFAULT = 8.0
+ALPHA_NOTE = "see conf/codec/lynx.yaml for the measured alpha sweep"
+
+MU_FRAC_BITS = 14  # mu is stored as uint16 fixed point with 14 fractional bits (x' < 4)
+K_MIN, K_MAX = -126, 126  # page scale 2^k stays a normal fp32 for both 2^-k and 2^(k+1)
+OSCAR_MAX_ABS = 2.0**100  # fp32 Hadamard sums of |x| < 2^100 over head_dim cannot overflow
+MAX_CHUNK_TOKENS = 4096  # integer sums of 16-bit fixed point values fit int32
+BACKENDS = ("auto", "torch", "cpu", "triton")
+
+
+@dataclass(frozen=True)
+class LynxParams:
+    page_tokens: int = 256
+    chunk_tokens: int = 32
+    split: tuple[int, ...] = (4, 4)  # bits per stream, first includes the sign
+    alpha: float = ALPHA_DEFAULT
+    precondition: str = "none"  # none | oscar
+    oscar_targets: str = "kv"  # kv | k: which of K, V the oscar preconditioner applies to
+    backend: str = "auto"  # auto | torch | cpu | triton (not part of the wire format)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.split, (int, np.integer)):
+            raise ValueError(f"split must be a list of bit widths, got {self.split!r}")
+        split = tuple(int(b) for b in self.split)
+        object.__setattr__(self, "split", split)
+        object.__setattr__(self, "alpha", float(self.alpha))
+        if not split:
+            raise ValueError("split must name at least one stream")
+        if any(b < 1 or b > 8 for b in split):
+            raise ValueError(f"split widths must be in 1..8 bits, got {list(split)}")
+        if split[0] < 2:
+            raise ValueError(f"split[0] holds the sign plus >= 1 magnitude bit: needs >= 2, "
+                             f"got {split[0]}")
+        if sum(split) > 8:
+            raise ValueError(f"split {list(split)} totals {sum(split)} bits; at most 8 "
+                             "(sign + 7-bit magnitude)")
+        if self.page_tokens < 1 or self.chunk_tokens < 1:
+            raise ValueError("page_tokens and chunk_tokens must be >= 1")
+        if self.chunk_tokens % 8:
+            raise ValueError(f"chunk_tokens must be a multiple of 8 (chunks then start on a "
+                             f"byte boundary at any bit width), got {self.chunk_tokens}")
+        if self.chunk_tokens > MAX_CHUNK_TOKENS:
+            raise ValueError(f"chunk_tokens must be <= {MAX_CHUNK_TOKENS}")
+        if self.page_tokens % self.chunk_tokens:
+            raise ValueError(f"page_tokens ({self.page_tokens}) must be a multiple of "
+                             f"chunk_tokens ({self.chunk_tokens})")
+        if not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise ValueError(f"alpha must be a positive finite number, got {self.alpha}")
+        if self.precondition not in ("none", "oscar"):
+            raise ValueError(f"precondition must be 'none' or 'oscar', got {self.precondition!r}")
+        if self.oscar_targets not in ("kv", "k"):
+            raise ValueError(f"oscar_targets must be 'kv' or 'k', got {self.oscar_targets!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+
+    @property
+    def mag_bits(self) -> int:
+        return sum(self.split) - 1
+
+
+# ---- quantizer tables (shared by every backend) ------------------------------------------
+@dataclass(frozen=True, eq=False)  # hashed by identity (tables are lru-cached)
+class LynxTables:
+    """Everything data-independent the quantizer and the decoder need, fp32 from float64.
+
+    thresholds: [2^M - 1] ascending; code(u) = #{t < u}.
+    lut_*: a lookup table over the fp32 bit pattern of u (cell = bits >> lut_shift, last cell
+    = [1, inf)) with at most one threshold per cell: code = lut_base[cell] + (u > lut_thr[cell]).
+    recon[s-1]: [2^(magnitude bits known after s streams)] bucket-centre magnitude in [0, 1].
+    """
+
+    split: tuple[int, ...]
+    mag_bits: int
+    thresholds: np.ndarray
+    lut_shift: int
+    lut_base: np.ndarray
+    lut_thr: np.ndarray
+    recon: tuple[np.ndarray, ...]
+
+    @property
+    def lut_cells(self) -> int:
+        return int(self.lut_base.shape[0])
+
+    def field_shift(self, stream: int) -> int:
+        """Right shift of the magnitude code that brings stream `stream`'s bits to bit 0."""
+        known = sum(self.split[: stream + 1]) - 1
+        return self.mag_bits - known
+
+    def torch_tables(self, device: torch.device) -> dict[str, torch.Tensor]:
+        return _torch_tables(self, str(device))
+
+
+@functools.lru_cache(maxsize=64)
+def lynx_tables(alpha: float, split: tuple[int, ...]) -> LynxTables:
+    m = sum(split) - 1
+    top = (1 << m) - 1  # the paper's 2^7 - 1 for M = 7
+    i = np.arange(1, top + 1, dtype=np.float64)
+    t64 = np.expm1((i - 0.5) / top * np.log1p(alpha)) / alpha
+    thr = t64.astype(np.float32)
+    if not (np.all(np.diff(thr) > 0) and thr[0] > 0 and thr[-1] < 1):
+        raise CodecError(f"lynx: alpha={alpha} makes fp32 thresholds collide for {m} bits")
+    tbits = thr.view(np.uint32).astype(np.int64)
+    one_bits = int(np.float32(1.0).view(np.uint32))
+    for mant_bits in range(4, 20):
+        shift = 23 - mant_bits
+        cells = (one_bits >> shift) + 1
+        cell_of = np.minimum(tbits >> shift, cells - 1)
+        if np.bincount(cell_of, minlength=cells).max() <= 1:
+            break
+    else:  # pragma: no cover - thresholds are distinct fp32 values, 19 bits always separate
+        raise CodecError(f"lynx: no lookup table for alpha={alpha}")
+    starts = np.arange(cells, dtype=np.int64) << shift
+    base = np.searchsorted(tbits, starts, side="left").astype(np.uint8)
+    lut_thr = np.full(cells, np.inf, dtype=np.float32)
+    lut_thr[cell_of] = thr
+    edges = np.concatenate([[0.0], t64, [1.0]])  # value-space edges of every code
+    recon = []
+    known = 0
+    for s, b in enumerate(split):
+        known += b - (1 if s == 0 else 0)
+        width = 1 << (m - known)
+        p = np.arange(1 << known)
+        recon.append(((edges[p * width] + edges[(p + 1) * width]) / 2).astype(np.float32))
+    return LynxTables(tuple(split), m, thr, shift, base, lut_thr, tuple(recon))
+
+
+@functools.lru_cache(maxsize=64)
+def _torch_tables(tab: LynxTables, device: str) -> dict[str, torch.Tensor]:
+    return {
+        "thresholds": torch.from_numpy(tab.thresholds).to(device),
+        "lut_base": torch.from_numpy(tab.lut_base.astype(np.int32)).to(device),
+        "lut_thr": torch.from_numpy(tab.lut_thr).to(device),
+        "recon": [torch.from_numpy(r).to(device) for r in tab.recon],
+    }
+
+
+# ---- layout of the bytes ------------------------------------------------------------------
+@dataclass(frozen=True)
+class PageLayout:
+    """Byte layout of one chunk (layer x page) of every stream, for a page of `tokens`."""
+
+    tokens: int
+    chunks: int
+    lo_off: int
+    scale_off: int
+    mu_off: int
+    sigma_off: int
+    k_off: int
+    code_off: tuple[int, ...]  # per stream: where the packed codes start in the chunk
+    row_bytes: tuple[int, ...]  # per stream: bytes of one (K|V, head) row of codes
+    chunk_bytes: tuple[int, ...]  # per stream: payload bytes of the chunk
+
+
+@dataclass(frozen=True)
+class LynxLayout:
+    shape: KVShape
+    page_tokens: int
+    chunk_tokens: int
+    split: tuple[int, ...]
+    scale_kv: int  # 0 (no oscar), 1 (K only) or 2 (K and V) token-scale planes
+    pages: int
+    full: PageLayout | None  # layout of pages 0 .. pages-2 (None when pages == 1)
+    last: PageLayout
+
+    @property
+    def full_pages(self) -> int:
+        return self.pages - 1
+
+    def page(self, p: int) -> PageLayout:
+        return self.last if p == self.pages - 1 else self.full  # type: ignore[return-value]
+
+    def layer_bytes(self, stream: int) -> int:
+        full = self.full.chunk_bytes[stream] if self.full else 0
+        return full * self.full_pages + self.last.chunk_bytes[stream]
+
+    def chunk_offset(self, stream: int, layer: int, page: int) -> int:
+        """Offset of chunk (layer, page) in the stream buffer (chunks in (layer, page) order)."""
+        full = self.full.chunk_bytes[stream] if self.full else 0
+        return layer * self.layer_bytes(stream) + page * full
+
+    def chunk_tokens_of(self, chunk: int) -> int:
+        return min(self.chunk_tokens, self.shape.tokens - chunk * self.chunk_tokens)
+
+    @property
+    def total_chunks(self) -> int:
+        return -(-self.shape.tokens // self.chunk_tokens)
+
+
+def make_layout(shape: KVShape, p: LynxParams) -> LynxLayout:
+    pages = -(-shape.tokens // p.page_tokens)
+    scale_kv = 0 if p.precondition == "none" else (2 if p.oscar_targets == "kv" else 1)
+
+    def page_layout(n: int) -> PageLayout:
+        h, d = shape.kv_heads, shape.head_dim
+        ch = 2 * h * d
+        nc = -(-n // p.chunk_tokens)
+        lo_off = 0
+        scale_off = lo_off + 4 * ch
+        mu_off = scale_off + 2 * scale_kv * h * n
+        sigma_off = mu_off + 2 * ch * nc
+        k_off = sigma_off + 2 * ch * nc
+        meta = k_off + ch
+        rows = tuple(-(-n * d * b // 8) for b in p.split)
+        code_off = (meta,) + (0,) * (len(p.split) - 1)
+        sizes = tuple(code_off[s] + 2 * h * rows[s] for s in range(len(p.split)))
+        return PageLayout(n, nc, lo_off, scale_off, mu_off, sigma_off, k_off, code_off, rows,
+                          sizes)
+
+    last_n = shape.tokens - (pages - 1) * p.page_tokens
+    full = page_layout(p.page_tokens) if pages > 1 else None
+    return LynxLayout(shape, p.page_tokens, p.chunk_tokens, p.split, scale_kv, pages, full,
+                      page_layout(last_n))
+
+
+# ---- the quantized state every backend produces / consumes --------------------------------
+@dataclass
+class LynxArrays:
+    """Metadata of a whole cache plus the stream buffers (packed codes already in place).
+
+    lo: [L, pages, 2, H, D] fp32; k: [L, pages, 2, H, D] int8; mu: [L, 2, H, chunks, D]
+    uint16 (stored as int16 bits in torch); sigma: [L, 2, H, chunks, D] fp16;
+    scales: [L, T_kv, H, T] fp16 or None; buffers[s]: [L * layer_bytes(s)] uint8 whose code
+    regions are filled (metadata regions are filled by `write_metadata`).
+    """
+
+    lo: torch.Tensor
+    k: torch.Tensor
+    mu: torch.Tensor
+    sigma: torch.Tensor
+    scales: torch.Tensor | None
+    buffers: list[torch.Tensor]
+
+
+def alloc_buffers(lay: LynxLayout, device: torch.device | str) -> list[torch.Tensor]:
+    return [torch.empty(lay.shape.layers * lay.layer_bytes(s), dtype=torch.uint8, device=device)
+            for s in range(len(lay.split))]
+
+
+def _region(buf: torch.Tensor, lay: LynxLayout, stream: int, last: bool, off: int,
+            nbytes: int) -> torch.Tensor:
+    """View [L, pages_in_group, nbytes] of bytes [off, off + nbytes) of every chunk of the
+    full pages (last=False) or [L, 1, nbytes] of the last page."""
+    layer_b = lay.layer_bytes(stream)
+    full_b = lay.full.chunk_bytes[stream] if lay.full else 0
+    if last:
+        start = (lay.pages - 1) * full_b + off
+        return buf.as_strided((lay.shape.layers, 1, nbytes), (layer_b, 1, 1), start)
+    return buf.as_strided((lay.shape.layers, lay.full_pages, nbytes), (layer_b, full_b, 1), off)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """[..., n] any dtype -> [..., n * itemsize] uint8 (contiguous)."""
+    t = t.contiguous()
+    return t.view(torch.uint8).reshape(*t.shape[:-1], -1)
+
+
+def code_regions(buf: torch.Tensor, lay: LynxLayout, stream: int
+                 ) -> list[tuple[PageLayout, int, torch.Tensor]]:
+    """[(page layout, first page, view [L, pages_in_group, 2H, row_bytes])] for the full
+    pages and the last page of a stream buffer."""
+    out = []
+    h2 = 2 * lay.shape.kv_heads
+    for last, pl, first in ((False, lay.full, 0), (True, lay.last, lay.pages - 1)):
+        if pl is None or (not last and lay.full_pages == 0):
+            continue
+        rb = pl.row_bytes[stream]
+        view = _region(buf, lay, stream, last, pl.code_off[stream], h2 * rb)
+        out.append((pl, first, view.unflatten(2, (h2, rb))))
+    return out
+
+
+def _page_groups(lay: LynxLayout):
+    """(page layout, last?, page slice, chunk slice) for the full pages and the last page."""
+    cpp = lay.page_tokens // lay.chunk_tokens
+    if lay.full_pages:
+        yield lay.full, False, slice(0, lay.full_pages), slice(0, lay.full_pages * cpp)
+    yield lay.last, True, slice(lay.pages - 1, lay.pages), slice(lay.full_pages * cpp, None)
+
+
+def write_metadata(arr: LynxArrays, lay: LynxLayout) -> None:
+    """Copy the metadata arrays into the anchor buffer's metadata regions (vectorized)."""
+    buf = arr.buffers[0]
+    L, H, D = lay.shape.layers, lay.shape.kv_heads, lay.shape.head_dim
+    for pl, last, ps, cs in _page_groups(lay):
+        npg = ps.stop - ps.start
+        lo = arr.lo[:, ps].reshape(L, npg, -1)
+        _region(buf, lay, 0, last, pl.lo_off, lo.shape[-1] * 4).copy_(_as_bytes(lo))
+        k = arr.k[:, ps].reshape(L, npg, -1)
+        _region(buf, lay, 0, last, pl.k_off, k.shape[-1]).copy_(_as_bytes(k))
+        for src, off in ((arr.mu, pl.mu_off), (arr.sigma, pl.sigma_off)):
+            m = src[:, :, :, cs].reshape(L, 2, H, npg, pl.chunks, D).permute(0, 3, 1, 2, 4, 5)
+            m = m.reshape(L, npg, -1)
+            _region(buf, lay, 0, last, off, m.shape[-1] * 2).copy_(_as_bytes(m))
+        if arr.scales is not None:
+            t0 = ps.start * lay.page_tokens
+            sc = arr.scales[..., t0: t0 + npg * pl.tokens]
+            sc = sc.reshape(L, lay.scale_kv, H, npg, pl.tokens).permute(0, 3, 1, 2, 4)
+            sc = sc.reshape(L, npg, -1)
+            _region(buf, lay, 0, last, pl.scale_off, sc.shape[-1] * 2).copy_(_as_bytes(sc))
+
+
+def read_metadata(buf: torch.Tensor, lay: LynxLayout) -> LynxArrays:
+    """Inverse of write_metadata: metadata arrays from an anchor stream buffer."""
+    L, H, D = lay.shape.layers, lay.shape.kv_heads, lay.shape.head_dim
+    dev = buf.device
+    lo = torch.empty(L, lay.pages, 2, H, D, dtype=torch.float32, device=dev)
+    k = torch.empty(L, lay.pages, 2, H, D, dtype=torch.int8, device=dev)
+    mu = torch.empty(L, 2, H, lay.total_chunks, D, dtype=torch.int16, device=dev)
+    sigma = torch.empty(L, 2, H, lay.total_chunks, D, dtype=torch.float16, device=dev)
+    scales = (torch.empty(L, lay.scale_kv, H, lay.shape.tokens, dtype=torch.float16, device=dev)
+              if lay.scale_kv else None)
+    for pl, last, ps, cs in _page_groups(lay):
+        npg = ps.stop - ps.start
+        ch = 2 * H * D
+
+        def grab(off: int, n: int, dtype: torch.dtype, pl=pl, last=last) -> torch.Tensor:
+            raw = _region(buf, lay, 0, last, off, n * _itemsize(dtype)).contiguous()
+            return raw.view(dtype)
+
+        lo[:, ps] = grab(pl.lo_off, ch, torch.float32).view(L, npg, 2, H, D)
+        k[:, ps] = grab(pl.k_off, ch, torch.int8).view(L, npg, 2, H, D)
+        for dst, off, dt in ((mu, pl.mu_off, torch.int16), (sigma, pl.sigma_off, torch.float16)):
+            m = grab(off, ch * pl.chunks, dt).view(L, npg, 2, H, pl.chunks, D)
+            dst[:, :, :, cs] = m.permute(0, 2, 3, 1, 4, 5).reshape(L, 2, H, -1, D)
+        if scales is not None:
+            t0 = ps.start * lay.page_tokens
+            sc = grab(pl.scale_off, lay.scale_kv * H * pl.tokens, torch.float16)
+            sc = sc.view(L, npg, lay.scale_kv, H, pl.tokens).permute(0, 2, 3, 1, 4)
+            scales[..., t0: t0 + npg * pl.tokens] = sc.reshape(L, lay.scale_kv, H, -1)
+    return LynxArrays(lo, k, mu, sigma, scales, [buf])
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# ---- generic b-bit packing (rows, any b in 1..8) ------------------------------------------
+def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes: [..., n] ints in [0, 2^bits) -> [..., ceil(n*bits/8)] uint8, little-end first."""
+    n = codes.shape[-1]
+    if bits == 8:
+        return codes.to(torch.uint8)
+    nbytes = -(-n * bits // 8)
+    pad = (-n) % 8
+    c = codes.to(torch.int64)
+    if pad:
+        c = torch.nn.functional.pad(c, (0, pad))
+    c = c.unflatten(-1, (-1, 8))  # groups of 8 codes = `bits` bytes
+    word = (c << (torch.arange(8, device=c.device) * bits)).sum(-1)
+    out = (word.unsqueeze(-1) >> (torch.arange(bits, device=c.device) * 8)) & 0xFF
+    return out.flatten(-2)[..., :nbytes].to(torch.uint8)
+
+
+def unpack_rows(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """packed: [..., m] uint8 -> [..., n] uint8 codes (inverse of pack_rows)."""
+    if bits == 8:
+        return packed[..., :n]
+    m = packed.shape[-1]
+    groups = -(-n // 8)
+    pad = groups * bits - m
+    b = packed.to(torch.int64)
+    if pad:
+        b = torch.nn.functional.pad(b, (0, pad))
+    b = b.unflatten(-1, (groups, bits))
+    word = (b << (torch.arange(bits, device=b.device) * 8)).sum(-1)
+    codes = (word.unsqueeze(-1) >> (torch.arange(8, device=b.device) * bits)) & ((1 << bits) - 1)
+    return codes.flatten(-2)[..., :n].to(torch.uint8)
+
+
+# ---- bit-level helpers shared by the torch reference -------------------------------------
+def page_scale(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """Exponent k (int32) of the page scale: smallest k with hi/2 - lo/2 < 2^k, in [-126, 126]."""
+    r = hi * 0.5 - lo * 0.5
+    e = (r.view(torch.int32) >> 23) & 0xFF
+    return (e - 126).clamp(K_MIN, K_MAX)
+
+
+def pow2(e: torch.Tensor) -> torch.Tensor:
+    """2^e as fp32 for int32 e in [-126, 127] (exact, built from the exponent bits)."""
+    return ((e + 127) << 23).to(torch.int32).view(torch.float32)
+
+
+def split_fields(sign: torch.Tensor, code: torch.Tensor, tab: LynxTables) -> list[torch.Tensor]:
+    """sign (bool), code (int magnitude) -> one uint8 field per stream (see module doc)."""
+    out = []
+    for s, b in enumerate(tab.split):
+        sh = tab.field_shift(s)
+        if s == 0:
+            f = (code >> sh) | (sign.to(code.dtype) << (b - 1))
+        else:
+            f = ((code >> sh) & ((1 << b) - 1)) ^ (1 << (b - 1))
+        out.append(f.to(torch.uint8))
+    return out
+
+
+def join_fields(fields: list[torch.Tensor], tab: LynxTables) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of split_fields on the first len(fields) streams -> (negative?, prefix)."""
+    b0 = tab.split[0]
+    a = fields[0].to(torch.int32)
+    neg = (a >> (b0 - 1)) != 0
+    prefix = a & ((1 << (b0 - 1)) - 1)
+    for s in range(1, len(fields)):
+        b = tab.split[s]
+        prefix = (prefix << b) | (fields[s].to(torch.int32) ^ (1 << (b - 1)))
+    return neg, prefix
+
+
+# ---- torch reference: quantize / dequantize -----------------------------------------------
+def encode_torch(x: torch.Tensor, lay: LynxLayout, tab: LynxTables,
+                 scales: torch.Tensor | None) -> LynxArrays:
+    """x: [L, 2, H, T, D] fp32 (already preconditioned) -> LynxArrays (reference)."""
+    L, _, H, T, D = x.shape
+    dev = x.device
+    tt = tab.torch_tables(dev)
+    P, C = lay.page_tokens, lay.chunk_tokens
+    lo = torch.empty(L, lay.pages, 2, H, D, dtype=torch.float32, device=dev)
+    kexp = torch.empty(L, lay.pages, 2, H, D, dtype=torch.int8, device=dev)
+    mu = torch.empty(L, 2, H, lay.total_chunks, D, dtype=torch.int16, device=dev)
+    sigma = torch.empty(L, 2, H, lay.total_chunks, D, dtype=torch.float16, device=dev)
+    fields = [torch.empty(L, 2, H, T, D, dtype=torch.uint8, device=dev) for _ in tab.split]
+    for p in range(lay.pages):
+        t0, t1 = p * P, min((p + 1) * P, T)
+        xp = x[:, :, :, t0:t1]  # [L, 2, H, n, D]
+        plo, phi = xp.amin(3), xp.amax(3)
+        k = page_scale(plo, phi)
+        lo[:, p], kexp[:, p] = plo, k.to(torch.int8)
+        xn = (xp * 0.5 - (plo * 0.5).unsqueeze(3)) * pow2(-k).unsqueeze(3)  # x' in [0, 4)
+        for c0 in range(t0, t1, C):
+            c1 = min(c0 + C, t1)
+            ci = c0 // C
+            xc = xn[:, :, :, c0 - t0: c1 - t0]
+            q = (xc * float(1 << MU_FRAC_BITS)).to(torch.int32).sum(3, dtype=torch.int64)
+            mq = torch.div(q, c1 - c0, rounding_mode="floor")  # [L, 2, H, D] in [0, 2^16)
+            mu[:, :, :, ci] = mq.to(torch.int32).to(torch.int16)  # bits of the uint16
+            cen = xc - (mq.to(torch.float32) * 2.0 ** -MU_FRAC_BITS).unsqueeze(3)
+            s16 = cen.abs().amax(3).to(torch.float16)
+            sigma[:, :, :, ci] = s16
+            s = s16.to(torch.float32)
+            inv = torch.where(s > 0, 1.0 / torch.where(s > 0, s, 1.0), 0.0).unsqueeze(3)
+            u = cen.abs() * inv
+            code = torch.bucketize(u, tt["thresholds"], right=False).to(torch.int32)
+            for f, v in zip(fields, split_fields(cen < 0, code, tab), strict=True):
+                f[:, :, :, c0:c1] = v
+    buffers = alloc_buffers(lay, dev)
+    arr = LynxArrays(lo, kexp, mu, sigma, scales, buffers)
+    for s, b in enumerate(tab.split):
+        for pl, first, view in code_regions(buffers[s], lay, s):
+            npg = view.shape[1]
+            t0 = first * P
+            f = fields[s][:, :, :, t0: t0 + npg * pl.tokens]  # [L, 2, H, npg*n, D]
+            f = f.reshape(L, 2 * H, npg, pl.tokens * D).transpose(1, 2)
+            view.copy_(pack_rows(f, b))
+    write_metadata(arr, lay)
+    return arr
+
+
+def decode_torch(arr: LynxArrays, lay: LynxLayout, tab: LynxTables, streams: int) -> torch.Tensor:
+    """LynxArrays (first `streams` buffers) -> [L, 2, H, T, D] fp32 (still preconditioned)."""
+    L, H, T, D = lay.shape.layers, lay.shape.kv_heads, lay.shape.tokens, lay.shape.head_dim
+    dev = arr.lo.device
+    tt = tab.torch_tables(dev)
+    fields = []
+    for s in range(streams):
+        f = torch.empty(L, 2, H, T, D, dtype=torch.uint8, device=dev)
+        for pl, first, view in code_regions(arr.buffers[s], lay, s):
+            npg = view.shape[1]
+            codes = unpack_rows(view, tab.split[s], pl.tokens * D)  # [L, npg, 2H, n*D]
+            codes = codes.transpose(1, 2).reshape(L, 2, H, npg * pl.tokens, D)
+            f[:, :, :, first * lay.page_tokens: first * lay.page_tokens + npg * pl.tokens] = codes
+        fields.append(f)
+    neg, prefix = join_fields(fields, tab)
+    mag = tt["recon"][streams - 1][prefix.long()]
+    v = torch.where(neg, -mag, mag)
+    C = lay.chunk_tokens
+    mu = (arr.mu.to(torch.int32) & 0xFFFF).to(torch.float32) * 2.0 ** -MU_FRAC_BITS
+    mu = mu.repeat_interleave(C, dim=3)[:, :, :, :T]  # [L, 2, H, T, D]
+    sg = arr.sigma.to(torch.float32).repeat_interleave(C, dim=3)[:, :, :, :T]
+    xn = mu + sg * v
+    P = lay.page_tokens
+    lo = arr.lo.permute(0, 2, 3, 1, 4).repeat_interleave(P, dim=3)[:, :, :, :T]
+    f = pow2(arr.k.to(torch.int32) + 1).permute(0, 2, 3, 1, 4)
+    f = f.repeat_interleave(P, dim=3)[:, :, :, :T]
+    return lo + xn * f
+
+
+# ---- OScaR preconditioning (torch, any device) --------------------------------------------
+def oscar_forward(x: torch.Tensor, targets: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [L, 2, H, T, D] fp32 -> (preconditioned x, scales fp16 [L, T_kv, H, T]).
+    Rotation (Hadamard over head_dim) first, then per-token L2-norm scaling."""
+    amax = float(x.abs().max()) if x.numel() else 0.0
+    if amax >= OSCAR_MAX_ABS:
+        raise CodecError(f"lynx: oscar preconditioning needs |x| < 2^100 (fp32 Hadamard sums "
+                         f"would overflow), got max |x| = {amax:.3g}")
+    nkv = 2 if targets == "kv" else 1
+    y = hadamard(x[:, :nkv])  # [L, nkv, H, T, D]
+    peak = y.abs().amax(-1, keepdim=True)
+    norm = peak * (y / torch.where(peak > 0, peak, 1.0)).norm(dim=-1, keepdim=True)
+    s16 = norm.clamp(max=torch.finfo(torch.float16).max).to(torch.float16)
+    s = s16.to(torch.float32)
+    inv = torch.where(s > 0, 1.0 / torch.where(s > 0, s, 1.0), 0.0)
+    out = x.clone() if nkv == 1 else torch.empty_like(x)
+    out[:, :nkv] = y * inv
+    return out, s16.squeeze(-1)
+
+
+def oscar_inverse(x: torch.Tensor, scales: torch.Tensor, targets: str) -> torch.Tensor:
+    """Undo oscar_forward: scaling, then rotation (returns unrotated K/V)."""
+    nkv = 2 if targets == "kv" else 1
+    x[:, :nkv] = hadamard(x[:, :nkv] * scales.to(torch.float32).unsqueeze(-1))
+    return x
+
+
+# ---- the codec -----------------------------------------------------------------------------
+@register
+class LynxCodec(Codec):
+    name = "lynx"
+    Params = LynxParams
+
+    # ---- description ----
+    def params_dict(self) -> dict:
+        d = super().params_dict()
+        d.pop("backend")  # execution choice: every backend writes the same bytes
+        return d
+
+    @property
+    def label(self) -> str:
+        p = self.params
+        tag = "+".join(str(b) for b in p.split)
+        return f"lynx-{tag}" + ("-oscar" if p.precondition == "oscar" else "")
+
+    def stream_names(self) -> list[str]:
+        n = len(self.params.split)
+        if n == 1:
+            return ["full"]
+        if n == 2:
+            return ["anchor", "residual"]
+        return ["anchor"] + [f"residual{i}" for i in range(1, n)]
+
+    def page_tokens(self, shape: KVShape) -> int:
+        return self.params.page_tokens
+
+    @property
+    def tables(self) -> LynxTables:
+        return lynx_tables(self.params.alpha, self.params.split)
+
+    def layout(self, shape: KVShape) -> LynxLayout:
+        return make_layout(shape, self.params)
+
+    def payload_bytes(self, shape: KVShape) -> np.ndarray:
+        lay = self.layout(shape)
+        out = np.empty((len(self.params.split), shape.layers, lay.pages), dtype=np.int64)
+        for p in range(lay.pages):
+            out[:, :, p] = np.asarray(lay.page(p).chunk_bytes)[:, None]
+        return out
+
+    def check_shape(self, shape: KVShape) -> None:
+        if self.params.precondition == "oscar":
+            check_hadamard_dim(shape.head_dim)
+
+    # ---- backends ----
+    def _backend(self, device: torch.device) -> str:
+        b = self.params.backend
+        if b == "auto":
+            return "triton" if device.type == "cuda" else "cpu"
+        return b
+
+    def _encode(self, kv: torch.Tensor, shape: KVShape) -> list[list[Chunk]]:
+        p = self.params
+        lay, tab = self.layout(shape), self.tables
+        backend = self._backend(kv.device)
+        scales = None
+        if p.precondition == "oscar":
+            x, scales = oscar_forward(kv.detach().to(torch.float32), p.oscar_targets)
+        else:
+            x = kv.detach()
+        if backend == "torch":
+            arr = encode_torch(x.to(torch.float32), lay, tab, scales)
+        elif backend == "cpu":
+            from kvsim.kernels import lynx_cpu
+
+            arr = lynx_cpu.encode_cpu(x.cpu(), lay, tab, scales)
+        else:
+            from kvsim.kernels import lynx_triton
+
+            arr = lynx_triton.encode_triton(x, lay, tab, scales)
+        return self._chunks(arr, lay)
+
+    def _chunks(self, arr: LynxArrays, lay: LynxLayout) -> list[list[Chunk]]:
+        streams = []
+        for s, buf in enumerate(arr.buffers):
+            flat = buf.cpu().numpy()
+            chunks = []
+            for layer in range(lay.shape.layers):
+                for page in range(lay.pages):
+                    off = lay.chunk_offset(s, layer, page)
+                    n = lay.page(page).chunk_bytes[s]
+                    chunks.append(Chunk(s, layer, page, flat[off: off + n]))
+            streams.append(chunks)
+        return streams
+
+    def _decode(self, enc: Encoded, streams: int, device: torch.device) -> torch.Tensor:
+        p = self.params
+        lay, tab = self.layout(enc.shape), self.tables
+        bufs = []
+        for s in range(streams):
+            parts = enc.payloads(s)
+            flat = np.concatenate([np.asarray(parts[(layer, page)], dtype=np.uint8)
+                                   for layer in range(lay.shape.layers)
+                                   for page in range(lay.pages)])
+            bufs.append(torch.from_numpy(flat).to(device))
+        backend = self._backend(device)
+        arr = read_metadata(bufs[0], lay)
+        arr.buffers = bufs
+        if backend == "torch":
+            out = decode_torch(arr, lay, tab, streams)
+        elif backend == "cpu":
+            from kvsim.kernels import lynx_cpu
+
+            out = lynx_cpu.decode_cpu(arr, lay, tab, streams)
+        else:
+            from kvsim.kernels import lynx_triton
+
+            out = lynx_triton.decode_triton(arr, lay, tab, streams)
+        if p.precondition == "oscar":
+            out = oscar_inverse(out, arr.scales, p.oscar_targets)
+        dt = DTYPES[enc.shape.dtype]
+        big = torch.finfo(dt).max
+        return out.clamp_(-big, big)
+
+
+def replace_backend(codec: LynxCodec, backend: str) -> LynxCodec:
+    """The same codec (same bytes) running on another backend."""
+    return LynxCodec(dataclasses.replace(codec.params, backend=backend))
