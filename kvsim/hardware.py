@@ -1,0 +1,141 @@
+"""Hardware presets (conf/hardware/<name>.yaml) and the roofline timing model.
+
+prefill_s(tokens)          = max(FLOPs / (peak * prefill_mfu), weight bytes / (HBM * mbu))
+tpot_s(context, batch)     = max((weights read + batch * KV bytes) / (HBM * decode_mbu),
+                                 batch * FLOPs per token / (peak * prefill_mfu)) + step_overhead_s
+verify_s(drafted, context) = one forward over the drafted tokens (same roofline)
+
+`devices` is the tensor-parallel degree of one prefill or decode instance: peak FLOP/s and
+HBM bandwidth scale with it (times `tp_efficiency`). A measured profile file (JSON,
+`profile: path`) overrides the roofline for its model:
+  {"model": "<model name>", "prefill": {"tokens": [...], "s": [...]},
+   "tpot": {"context_tokens": [...], "s": [...]}, "source": "..."}
+(piecewise-linear interpolation; batch-1 TPOT scaled by the roofline for batch > 1).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from omegaconf import MISSING
+
+from kvsim.models import ModelSpec
+
+
+@dataclass
+class HardwareSpec:
+    name: str = MISSING
+    hbm_gb_per_s: float = MISSING  # per device, GB/s (1e9 bytes/s)
+    bf16_tflops: float = MISSING  # per device, dense bf16 peak, 1e12 FLOP/s
+    memory_gb: float = MISSING  # per device, GB of accelerator memory
+    devices: int = 1  # tensor-parallel degree of one instance
+    tp_efficiency: float = 1.0  # fraction of linear scaling kept with `devices`
+    prefill_mfu: float = 0.5  # fraction of peak FLOP/s a prefill reaches
+    decode_mbu: float = 0.7  # fraction of HBM bandwidth a decode step reaches
+    step_overhead_s: float = 0.0  # fixed cost per forward step (launches, sampling, sync)
+    source: str = ""  # where the numbers come from
+    profile: str = ""  # optional measured profile JSON overriding the roofline
+
+    def __post_init__(self) -> None:
+        for key in ("hbm_gb_per_s", "bf16_tflops", "memory_gb", "prefill_mfu", "decode_mbu",
+                    "tp_efficiency"):
+            value = getattr(self, key)
+            if isinstance(value, (int, float)) and value <= 0:
+                raise ValueError(f"hardware {self.name}: {key} must be > 0, got {value}")
+        if isinstance(self.devices, int) and self.devices < 1:
+            raise ValueError(f"hardware {self.name}: devices must be >= 1")
+        if isinstance(self.step_overhead_s, (int, float)) and self.step_overhead_s < 0:
+            raise ValueError(f"hardware {self.name}: step_overhead_s must be >= 0")
+
+    @property
+    def scale(self) -> float:
+        return self.devices * (self.tp_efficiency if self.devices > 1 else 1.0)
+
+    @property
+    def hbm_bytes_per_s(self) -> float:
+        return self.hbm_gb_per_s * 1e9 * self.scale
+
+    @property
+    def flops_per_s(self) -> float:
+        return self.bf16_tflops * 1e12 * self.scale
+
+
+class TimingModel:
+    """Prefill / decode-step / verification times of one model on one hardware preset."""
+
+    def __init__(self, model: ModelSpec, hw: HardwareSpec) -> None:
+        self.model, self.hw = model, hw
+        self._profile = _load_profile(hw.profile, model.name) if hw.profile else None
+        self._tpot_cache: dict[tuple[int, int], float] = {}
+
+    def check_fits(self, context_tokens: int) -> None:
+        need = self.model.weight_bytes + self.model.kv_bytes_bf16(context_tokens)
+        have = self.hw.memory_gb * 1e9 * self.hw.devices
+        if need > have:
+            raise ValueError(
+                f"{self.model.name} with a {context_tokens}-token bf16 KV cache needs "
+                f"{need / 1e9:.1f} GB but {self.hw.devices} x {self.hw.name} has "
+                f"{have / 1e9:.1f} GB; raise hardware.devices")
+
+    def _forward_s(self, new_tokens: int, context_tokens: int, batch: int,
+                   compute_eff: float, mem_eff: float) -> float:
+        m, hw = self.model, self.hw
+        flops = batch * m.forward_flops(new_tokens, context_tokens)
+        read = m.weight_read_bytes(batch * new_tokens) + \
+            batch * m.kv_bytes_bf16(context_tokens + new_tokens)
+        return max(flops / (hw.flops_per_s * compute_eff), read / (hw.hbm_bytes_per_s * mem_eff))
+
+    def prefill_s(self, tokens: int) -> float:
+        if self._profile is not None:
+            p = self._profile["prefill"]
+            return float(np.interp(tokens, p["tokens"], p["s"]))
+        return self._forward_s(tokens, 0, 1, self.hw.prefill_mfu, self.hw.decode_mbu) + \
+            self.hw.step_overhead_s
+
+    def tpot_s(self, context_tokens: int, batch: int = 1) -> float:
+        key = (int(context_tokens), int(batch))
+        hit = self._tpot_cache.get(key)
+        if hit is not None:
+            return hit
+        roof = self._forward_s(1, context_tokens, batch, self.hw.prefill_mfu, self.hw.decode_mbu)
+        if self._profile is not None:
+            p = self._profile["tpot"]
+            base = float(np.interp(context_tokens, p["context_tokens"], p["s"]))
+            value = base * roof / self._forward_s(1, context_tokens, 1, self.hw.prefill_mfu,
+                                                  self.hw.decode_mbu)
+        else:
+            value = roof + self.hw.step_overhead_s
+        self._tpot_cache[key] = value
+        return value
+
+    def verify_s(self, drafted_tokens: int, context_tokens: int) -> float:
+        """One forward over the drafted tokens on the full cache (scores all of them and
+        yields the correction / bonus token)."""
+        if drafted_tokens <= 0:
+            return 0.0
+        if self._profile is not None:  # profile TPOT scaled by the roofline's ratio
+            one = self._forward_s(1, context_tokens, 1, self.hw.prefill_mfu, self.hw.decode_mbu)
+            many = self._forward_s(drafted_tokens, context_tokens, 1, self.hw.prefill_mfu,
+                                   self.hw.decode_mbu)
+            return self.tpot_s(context_tokens) * many / one
+        return self._forward_s(drafted_tokens, context_tokens, 1, self.hw.prefill_mfu,
+                               self.hw.decode_mbu) + self.hw.step_overhead_s
+
+
+def _load_profile(path: str, model_name: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"hardware profile {path!r} not found")
+    doc = json.loads(p.read_text())
+    if doc.get("model") != model_name:
+        raise ValueError(f"hardware profile {path} is for model {doc.get('model')!r}, "
+                         f"not {model_name!r}")
+    for key, xs in (("prefill", "tokens"), ("tpot", "context_tokens")):
+        if key not in doc or xs not in doc[key] or "s" not in doc[key]:
+            raise ValueError(f"hardware profile {path}: needs {key}.{xs} and {key}.s")
+        if len(doc[key][xs]) != len(doc[key]["s"]) or len(doc[key]["s"]) < 1:
+            raise ValueError(f"hardware profile {path}: {key} lists differ in length")
+    return doc

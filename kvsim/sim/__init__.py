@@ -1,0 +1,1 @@
+"""Discrete-event simulator of disaggregated inference with KV-cache transfer (simpy)."""

@@ -1,0 +1,101 @@
+"""Codec encode / decode throughput per hardware: data/codec_timing/<hardware>.json.
+
+Throughputs are GB/s (1e9 bytes/s) of *bf16-equivalent input*: the time to encode or to
+deserialize+dequantize a chunk is (its bf16 size) / throughput, whatever its wire size.
+They are per device; an instance with `devices` tensor-parallel devices holds 1/devices of
+every chunk on each device, so the instance's throughput scales with `devices`.
+
+File format (version 1):
+  {"version": 1, "hardware": "<preset>",
+   "codecs": {"<codec label or registered name>": {"encode_gb_per_s": x, "decode_gb_per_s": y,
+               "source": "measured" | "assumed", ...provenance}},
+   "default": {... same fields, used for codecs not listed ...}}            (optional)
+Every entry states its `source`: "measured" entries name the `command` and `device` that
+produced them (`kvsim bench codecs report=PATH` rows: codec, encode_gbps, decode_gbps,
+device; see `from_bench_report`), "assumed" entries carry an `assumption` sentence.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+TIMING_DIR = Path(__file__).resolve().parents[2] / "data" / "codec_timing"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class CodecTiming:
+    encode_gb_per_s: float
+    decode_gb_per_s: float
+    source: str
+    note: str = ""
+
+    def encode_s(self, bf16_bytes: float, devices: int = 1) -> float:
+        return bf16_bytes / (self.encode_gb_per_s * 1e9 * devices)
+
+    def decode_s(self, bf16_bytes: float, devices: int = 1) -> float:
+        return bf16_bytes / (self.decode_gb_per_s * 1e9 * devices)
+
+
+def _entry(doc: dict, where: str) -> CodecTiming:
+    for key in ("encode_gb_per_s", "decode_gb_per_s", "source"):
+        if key not in doc:
+            raise ValueError(f"{where}: missing {key!r}")
+    if doc["source"] not in ("measured", "assumed"):
+        raise ValueError(f"{where}: source must be 'measured' or 'assumed', got {doc['source']!r}")
+    if doc["source"] == "measured" and not ("command" in doc and "device" in doc):
+        raise ValueError(f"{where}: a measured entry must name its `command` and `device`")
+    if doc["source"] == "assumed" and "assumption" not in doc:
+        raise ValueError(f"{where}: an assumed entry must state its `assumption`")
+    enc, dec = float(doc["encode_gb_per_s"]), float(doc["decode_gb_per_s"])
+    if enc <= 0 or dec <= 0:
+        raise ValueError(f"{where}: throughputs must be > 0 GB/s")
+    note = doc.get("assumption") or f"{doc.get('command')} on {doc.get('device')}"
+    return CodecTiming(enc, dec, doc["source"], note)
+
+
+class CodecTimingTable:
+    def __init__(self, hardware: str, entries: dict[str, CodecTiming],
+                 default: CodecTiming | None, path: Path | None = None) -> None:
+        self.hardware, self.entries, self.default, self.path = hardware, entries, default, path
+
+    def lookup(self, label: str, name: str) -> CodecTiming:
+        """By codec label (e.g. 'lynx-2+6'), then registered name ('lynx'), then default."""
+        for key in (label, name):
+            if key in self.entries:
+                return self.entries[key]
+        if self.default is not None:
+            return self.default
+        raise ValueError(f"no codec timing for {label!r} ({name}) on {self.hardware} in "
+                         f"{self.path}; add an entry (measured or stated assumption)")
+
+
+def load_codec_timing(hardware: str, path: str | Path | None = None) -> CodecTimingTable:
+    p = Path(path) if path else TIMING_DIR / f"{hardware}.json"
+    if not p.is_file():
+        raise ValueError(f"no codec timing file for hardware {hardware!r} ({p}); write one "
+                         "from `kvsim bench codecs` or with stated assumptions")
+    doc = json.loads(p.read_text())
+    if doc.get("version") != FORMAT_VERSION:
+        raise ValueError(f"{p}: codec timing version {doc.get('version')} != {FORMAT_VERSION}")
+    entries = {k: _entry(v, f"{p}: codecs.{k}") for k, v in (doc.get("codecs") or {}).items()}
+    default = _entry(doc["default"], f"{p}: default") if doc.get("default") else None
+    return CodecTimingTable(doc.get("hardware", hardware), entries, default, p)
+
+
+def from_bench_report(report_path: str | Path, hardware: str, command: str) -> dict:
+    """Turn a `kvsim bench codecs report=PATH` JSON (rows with codec, encode_gbps,
+    decode_gbps [GB/s of bf16 input], device) into a codec timing document."""
+    doc = json.loads(Path(report_path).read_text())
+    codecs = {}
+    for row in doc.get("rows", []):
+        if not {"codec", "encode_gbps", "decode_gbps"} <= set(row):
+            raise ValueError(f"{report_path}: bench row lacks codec/encode_gbps/decode_gbps: "
+                             f"{sorted(row)}")
+        codecs[row["codec"]] = {"encode_gb_per_s": row["encode_gbps"],
+                                "decode_gb_per_s": row["decode_gbps"], "source": "measured",
+                                "command": command, "device": row.get("device", "unknown"),
+                                "shape": row.get("shape")}
+    return {"version": FORMAT_VERSION, "hardware": hardware, "codecs": codecs}

@@ -1,0 +1,273 @@
+"""A network link as an exact fluid server (simpy-driven).
+
+Flows are FIFO queues of messages (one request's stream on this link). Each message has a
+release time (when its encoder hands it over) and a size in bytes. The link's capacity
+C(t) (a constant, or a piecewise-constant bandwidth trace) is divided among the
+*backlogged* flows: strict priority between classes (smaller `priority` key first), equal
+shares within the best backlogged class. Rates are recomputed only when the set of
+backlogged flows or the capacity changes: a flow becomes backlogged (a message released
+into an empty queue) or drains, a flow finishes, the trace steps. Between two such
+instants every rate is constant, so each message's completion time is computed exactly
+(t0 + remaining bytes / rate) without an event per message, let alone per packet.
+
+A message is delivered `latency_s` after its last byte leaves (propagation); each message
+carries `message_overhead_bytes` of framing on the wire in addition to its payload.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import simpy
+
+_REL_EPS = 1e-12  # relative slack when deciding that a message's last byte has left
+
+
+class Flow:
+    """One FIFO of messages on a link. Times in s, sizes in bytes (wire bytes incl. overhead)."""
+
+    __slots__ = ("link", "priority", "name", "sizes", "cum", "release", "n", "head", "served",
+                 "rate", "complete_t", "on_delivered", "on_done", "done", "idle_t", "tag",
+                 "first_byte_t", "idle_j")
+
+    def __init__(self, link: Link, priority: Any, sizes: np.ndarray, release: np.ndarray,
+                 on_delivered: Callable[[Flow, int, int, np.ndarray], None] | None,
+                 on_done: Callable[[Flow], None] | None, name: str, tag: Any) -> None:
+        self.link, self.priority, self.name, self.tag = link, priority, name, tag
+        self.sizes = sizes  # [n] float64 bytes
+        self.cum = np.cumsum(sizes)  # [n] bytes through message j
+        self.release = release  # [n] s, non-decreasing
+        self.n = len(sizes)
+        self.head = 0  # messages fully sent
+        self.served = 0.0  # bytes sent so far
+        self.rate = 0.0  # bytes/s now
+        self.complete_t = np.full(self.n, np.nan)  # [n] s, last byte left the sender
+        self.on_delivered, self.on_done = on_delivered, on_done
+        self.done = False
+        self.idle_j = -1  # last message sent before the flow drains at the current rate
+        self.idle_t = math.inf  # when, at the current rate, this flow drains or must be revisited
+        self.first_byte_t = math.nan
+
+    @property
+    def total_bytes(self) -> float:
+        return float(self.cum[-1]) if self.n else 0.0
+
+    def backlogged(self, t: float) -> bool:
+        """Released bytes not yet sent at time t."""
+        if self.head >= self.n or self.release[self.head] > t:
+            return False
+        return True
+
+    def arrival_t(self) -> np.ndarray:
+        return self.complete_t + self.link.latency_s
+
+
+class Link:
+    def __init__(self, env: simpy.Environment, bandwidth_gbps: float, latency_s: float = 0.0,
+                 message_overhead_bytes: float = 0.0,
+                 trace: Sequence[Sequence[float]] | None = None, name: str = "link") -> None:
+        if bandwidth_gbps <= 0:
+            raise ValueError(f"{name}: bandwidth_gbps must be > 0, got {bandwidth_gbps}")
+        if latency_s < 0 or message_overhead_bytes < 0:
+            raise ValueError(f"{name}: latency_s and message_overhead_bytes must be >= 0")
+        self.env, self.name = env, name
+        self.latency_s = float(latency_s)
+        self.message_overhead_bytes = float(message_overhead_bytes)
+        # capacity steps: times [k] s and bytes/s [k], piecewise constant from each time on
+        steps = [(0.0, float(bandwidth_gbps))]
+        for point in trace or []:
+            if len(point) != 2:
+                raise ValueError(f"{name}: trace entries must be (t_s, gbps), got {point!r}")
+            t, gbps = float(point[0]), float(point[1])
+            if t < 0 or gbps <= 0:
+                raise ValueError(f"{name}: trace needs t_s >= 0 and gbps > 0, got {point!r}")
+            if t <= steps[-1][0] and len(steps) > 1:
+                raise ValueError(f"{name}: trace times must be strictly increasing")
+            if t == 0.0:
+                steps[0] = (0.0, gbps)
+            else:
+                steps.append((t, gbps))
+        self.step_t = [s[0] for s in steps]
+        self.step_rate = [s[1] * 1e9 / 8.0 for s in steps]  # bytes/s
+        self._step = 0
+        self.flows: list[Flow] = []  # unfinished flows
+        self.last_t = env.now
+        self._timer: simpy.Event | None = None
+        self._timer_t = math.inf
+        self._finished_bytes = 0.0
+        self.submitted_bytes = 0.0
+        self.events = 0  # rate recomputations (for events/s accounting)
+        self.busy_since = math.nan
+        self.first_t = math.nan
+        self.last_done_t = 0.0
+
+    # ---- capacity ----------------------------------------------------------------------
+    def capacity_at(self, t: float) -> float:
+        """bytes/s at time t."""
+        k = 0
+        while k + 1 < len(self.step_t) and self.step_t[k + 1] <= t:
+            k += 1
+        return self.step_rate[k]
+
+    def capacity_bytes(self, t0: float, t1: float) -> float:
+        """Integral of the capacity over [t0, t1] in bytes."""
+        total = 0.0
+        for k, start in enumerate(self.step_t):
+            end = self.step_t[k + 1] if k + 1 < len(self.step_t) else math.inf
+            lo, hi = max(t0, start), min(t1, end)
+            if hi > lo:
+                total += (hi - lo) * self.step_rate[k]
+        return total
+
+    # ---- submitting ------------------------------------------------------------------
+    def submit(self, sizes_bytes: np.ndarray, release_t: np.ndarray, priority: Any = 0,
+               on_delivered: Callable[[Flow, int, int, np.ndarray], None] | None = None,
+               on_done: Callable[[Flow], None] | None = None, name: str = "flow",
+               tag: Any = None) -> Flow:
+        """Queue messages (payload sizes in bytes, release times in s, both [n]) as one flow.
+
+        on_delivered(flow, j0, j1, arrival_t[j1-j0]) is called, in order, as messages
+        j0..j1-1 finish (arrival = last byte left + latency); on_done(flow) once, when the
+        last message has left (its arrival time is flow.arrival_t()[-1])."""
+        now = self.env.now
+        sizes = np.asarray(sizes_bytes, dtype=np.float64) + self.message_overhead_bytes
+        release = np.asarray(release_t, dtype=np.float64)
+        if sizes.ndim != 1 or sizes.shape != release.shape or len(sizes) == 0:
+            raise ValueError(f"{self.name}: sizes and release times must be equal-length, "
+                             f"non-empty 1-D arrays, got {sizes.shape} and {release.shape}")
+        if np.any(sizes <= 0):
+            raise ValueError(f"{self.name}: message sizes must be > 0 bytes")
+        if np.any(np.diff(release) < 0):
+            raise ValueError(f"{self.name}: release times must be non-decreasing")
+        if release[0] < now - 1e-12 * max(1.0, abs(now)):
+            raise ValueError(f"{self.name}: release time {release[0]} is before now ({now})")
+        release = np.maximum(release, now)
+        self._advance(now)
+        flow = Flow(self, priority, sizes, release, on_delivered, on_done, name, tag)
+        self.flows.append(flow)
+        self.submitted_bytes += flow.total_bytes
+        if math.isnan(self.first_t):
+            self.first_t = now
+        self._reschedule()
+        return flow
+
+    # ---- the fluid engine --------------------------------------------------------------
+    def _advance(self, t: float) -> None:
+        """Send bytes at the current rates over [last_t, t]; record message completions."""
+        t0 = self.last_t
+        if t <= t0:
+            return
+        for flow in self.flows:
+            r = flow.rate
+            if r <= 0.0:
+                continue
+            s0, cum = flow.served, flow.cum
+            drained = t >= flow.idle_t - 1e-12 * max(1.0, flow.idle_t)
+            if drained:  # this is the flow's idle instant: it sent exactly through idle_j
+                k, s1 = flow.idle_j + 1, float(cum[flow.idle_j])
+            else:
+                s1 = s0 + r * (t - t0)
+                # messages whose last byte left by t (all released: no idling between events)
+                k = min(int(np.searchsorted(cum, s1 * (1 + _REL_EPS), side="right")), flow.n)
+            if k > flow.head:
+                j0 = flow.head
+                done_t = t0 + (cum[j0:k] - s0) / r  # exact: constant rate since t0
+                np.minimum(done_t, t, out=done_t)
+                flow.complete_t[j0:k] = done_t
+                flow.head = k
+                if flow.on_delivered is not None:
+                    flow.on_delivered(flow, j0, k, done_t + self.latency_s)
+            flow.served = min(s1, float(cum[-1]))
+        self.last_t = t
+
+    def _idle_index(self, flow: Flow) -> int:
+        """Index of the message after which the flow drains at its current rate (the first j
+        >= head whose successor is released after j completes, or the last message)."""
+        r, t, s0 = flow.rate, self.last_t, flow.served
+        j0, n = flow.head, flow.n
+        width = 64
+        while True:
+            j1 = min(n - 1, j0 + width)
+            if j1 <= j0:
+                return n - 1
+            done = t + (flow.cum[j0:j1] - s0) / r  # completion of messages j0..j1-1
+            gap = flow.release[j0 + 1 : j1 + 1] > done * (1 + _REL_EPS)
+            hit = int(np.argmax(gap)) if gap.any() else -1
+            if hit >= 0:
+                return j0 + hit
+            if j1 >= n - 1:
+                return n - 1
+            j0, width = j1, width * 8
+
+    def _reschedule(self) -> None:
+        """Finish drained flows, reallocate rates, arm the timer for the next change."""
+        now = self.env.now
+        self.events += 1
+        finished = [f for f in self.flows if f.head >= f.n]
+        if finished:
+            self.flows = [f for f in self.flows if f.head < f.n]
+            for f in finished:
+                f.done, f.rate = True, 0.0
+                self._finished_bytes += f.total_bytes
+                self.last_done_t = max(self.last_done_t, float(f.complete_t[-1]))
+            for f in finished:
+                if f.on_done is not None:
+                    f.on_done(f)
+        # capacity step bookkeeping
+        while self._step + 1 < len(self.step_t) and self.step_t[self._step + 1] <= now:
+            self._step += 1
+        capacity = self.step_rate[self._step]
+        backlogged = [f for f in self.flows if f.backlogged(now)]
+        best = min((f.priority for f in backlogged), default=None)
+        top = {id(f) for f in backlogged if f.priority == best}
+        share = capacity / len(top) if top else 0.0
+        next_t = math.inf
+        for f in self.flows:
+            new_rate = share if id(f) in top else 0.0
+            if new_rate > 0.0 and math.isnan(f.first_byte_t):
+                f.first_byte_t = now
+            f.rate = new_rate
+            if new_rate > 0.0:
+                j = self._idle_index(f)
+                f.idle_j = j
+                f.idle_t = now + (float(f.cum[j]) - f.served) / new_rate
+                next_t = min(next_t, f.idle_t)
+            else:
+                f.idle_t = math.inf
+                if f.head < f.n and f.release[f.head] > now:
+                    next_t = min(next_t, float(f.release[f.head]))
+        if self.flows and self._step + 1 < len(self.step_t):
+            next_t = min(next_t, self.step_t[self._step + 1])
+        self._arm(next_t)
+
+    def _arm(self, t: float) -> None:
+        if t == self._timer_t and self._timer is not None:
+            return
+        if math.isinf(t):
+            self._timer, self._timer_t = None, math.inf
+            return
+        delay = max(0.0, t - self.env.now)
+        timer = self.env.timeout(delay)
+        self._timer, self._timer_t = timer, t
+        timer.callbacks.append(self._on_timer)
+
+    def _on_timer(self, event: simpy.Event) -> None:
+        if event is not self._timer:
+            return  # superseded by a later reschedule
+        self._timer, self._timer_t = None, math.inf
+        self._advance(self.env.now)
+        self._reschedule()
+
+    # ---- accounting ------------------------------------------------------------------
+    def utilisation(self, t_end: float) -> float:
+        """Bytes sent / bytes the link could have sent over [first submit, t_end]."""
+        if math.isnan(self.first_t) or t_end <= self.first_t:
+            return 0.0
+        return self.total_sent_bytes / self.capacity_bytes(self.first_t, t_end)
+
+    @property
+    def total_sent_bytes(self) -> float:
+        return self._finished_bytes + sum(f.served for f in self.flows)

@@ -1,0 +1,277 @@
+"""Run one scenario (codec x transfer policy x context x bandwidth) and return its report row.
+
+Actors (simpy processes): `arrivals` spawns one `request` process per request; a request
+queues for a prefill instance, prefills (its chunks are handed to the link as the encoder
+releases them), then waits on the decode instance until the flows its policy needs are
+deserialized, takes a decode slot and decodes (speculatively on the anchor for
+split-stream). Links are fluid servers (kvsim.sim.link); the per-token decode timeline is
+closed-form (kvsim.sim.speculative), so a request costs events per flow, not per token.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import simpy
+
+from kvsim.acceptance import load_acceptance
+from kvsim.config.codecs import CodecSpec, resolve_codec
+from kvsim.config.sim import SimConfig
+from kvsim.hardware import TimingModel
+from kvsim.sim.codec_timing import CodecTiming, load_codec_timing
+from kvsim.sim.link import Link
+from kvsim.sim.metrics import BREAKDOWN_KEYS, RequestRecord, percentiles, request_row
+from kvsim.sim.nodes import DecodeNode, PrefillNode, Receiver
+from kvsim.sim.policy import POLICIES, TransferPlan, build_plan, natural_policy, release_times
+from kvsim.sim.speculative import plain_decode, speculative_decode
+from kvsim.sim.trace import TraceLog
+from kvsim.sim.workload import Request, requests
+
+
+class CountingEnvironment(simpy.Environment):
+    """simpy environment that counts scheduled events (for events/s)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scheduled = 0
+
+    def schedule(self, event: simpy.Event, priority: int = 1, delay: float = 0) -> None:
+        self.scheduled += 1
+        super().schedule(event, priority, delay)
+
+
+@dataclass
+class Variant:
+    """One codec entry with the transfer policy it runs under."""
+
+    spec: CodecSpec
+    policy: str
+
+
+def variants(cfg: SimConfig) -> list[Variant]:
+    """codecs x transfer: `auto` picks each codec's natural policy; an entry may pin its own
+    with a `transfer` key."""
+    transfers = cfg.transfer if isinstance(cfg.transfer, (list, tuple)) else [cfg.transfer]
+    out = []
+    for entry in cfg.codecs:
+        pinned = None
+        if isinstance(entry, dict) and "transfer" in entry:
+            entry = dict(entry)
+            pinned = entry.pop("transfer")
+        spec = resolve_codec(entry)
+        streams = spec.build().num_streams
+        for t in ([pinned] if pinned else transfers):
+            policy = natural_policy(streams) if t == "auto" else str(t)
+            if policy not in POLICIES:
+                raise ValueError(f"unknown transfer {t!r}; choose auto or one of {POLICIES}")
+            out.append(Variant(spec, policy))
+    return out
+
+
+class Scenario:
+    """One simulation: a codec and a policy over a workload on a cluster."""
+
+    def __init__(self, cfg: SimConfig, variant: Variant, context_tokens: int,
+                 bandwidth_gbps: float, trace: TraceLog | None = None) -> None:
+        cfg.link.validate()
+        cfg.workload.validate()
+        self.cfg, self.variant, self.trace = cfg, variant, trace
+        self.context_tokens, self.bandwidth_gbps = int(context_tokens), float(bandwidth_gbps)
+        self.codec = variant.spec.build()
+        self.model, self.hw = cfg.model, cfg.hardware
+        self.timing = TimingModel(cfg.model, cfg.hardware)
+        table = load_codec_timing(cfg.hardware.name, cfg.codec_timing or None)
+        self.codec_timing: CodecTiming = table.lookup(variant.spec.label, variant.spec.name)
+        self.acceptance = load_acceptance(cfg.speculative.acceptance)
+        self.rng = np.random.default_rng(cfg.seed)
+        self._plans: dict[int, tuple[TransferPlan, Any]] = {}
+        self.records: list[RequestRecord] = []
+
+    # ---- plans -------------------------------------------------------------------------
+    def plan(self, context_tokens: int) -> TransferPlan:
+        hit = self._plans.get(context_tokens)
+        if hit is None:
+            shape = self.model.kv_shape(context_tokens)
+            table = self.codec.size_table(shape)
+            plan = build_plan(table, shape, self.variant.policy, self.codec_timing,
+                              self.hw.devices, self.cfg.granularity)
+            hit = self._plans[context_tokens] = (plan, table)
+        return hit[0]
+
+    # ---- the run -----------------------------------------------------------------------
+    def run(self) -> dict:
+        cfg, w = self.cfg, self.cfg.workload
+        reqs = requests(_with_context(w, self.context_tokens), self.rng)
+        for ctx in sorted({r.context_tokens for r in reqs}):
+            self.timing.check_fits(ctx)
+        env = self.env = CountingEnvironment()
+        link_kw = dict(latency_s=cfg.link.latency_s,
+                       message_overhead_bytes=cfg.link.message_overhead_bytes,
+                       trace=cfg.link.trace)
+        n_links = 1 if cfg.link.sharing == "shared" else w.prefill_nodes
+        self.links = [Link(env, self.bandwidth_gbps, name=f"link{i}", **link_kw)
+                      for i in range(n_links)]
+        self.prefill = [PrefillNode(env, i, self.links[0 if n_links == 1 else i])
+                        for i in range(w.prefill_nodes)]
+        self.decode = [DecodeNode(env, i, w.decode_max_batch) for i in range(w.decode_nodes)]
+        self.finished = 0
+        self.all_done = env.event()
+        self.n_requests = len(reqs)
+        started = time.perf_counter()
+        env.process(self.arrivals(reqs))
+        env.run(until=self.all_done)
+        wall_s = time.perf_counter() - started
+        return self.row(wall_s)
+
+    def arrivals(self, reqs: list[Request]):
+        env = self.env
+        for req in reqs:
+            if req.arrival_t > env.now:
+                yield env.timeout(req.arrival_t - env.now)
+            env.process(self.request(req))
+
+    def request(self, req: Request):
+        env, cfg = self.env, self.cfg
+        plan = self.plan(req.context_tokens)
+        pnode = min(self.prefill, key=lambda n: n.queued)
+        dnode = min(self.decode, key=lambda n: n.assigned)
+        pnode.queued += 1
+        dnode.assigned += 1
+        with pnode.slot.request() as slot:
+            yield slot
+            t_p0 = env.now
+            prefill_s = self.timing.prefill_s(req.context_tokens)
+            rel = release_times(plan, t_p0, prefill_s, self.model.layers, pnode.encoder_free_t)
+            pnode.encoder_free_t = float(rel[-1])
+            receivers = []
+            for fp in plan.flows:
+                rx = Receiver(env, fp, plan.pipelined)
+                prio = (fp.stream,) if cfg.link.scheduling == "anchors_first" else \
+                    (req.seq, fp.stream)
+                pnode.link.submit(fp.sizes_bytes, rel[fp.chunk], prio, rx.delivered, rx.done,
+                                  name=f"r{req.seq}.{fp.name}", tag=req.seq)
+                receivers.append(rx)
+            yield env.timeout(prefill_s)
+            t_pe = env.now
+        pnode.queued -= 1
+        needed = receivers[:1] if plan.speculative else receivers
+        yield simpy.AllOf(env, [rx.ready for rx in needed])
+        t_need = env.now
+        tokens = cfg.workload.output_tokens
+        with dnode.slot.request() as slot:
+            yield slot
+            t_start = env.now
+            tpot = self.timing.tpot_s(req.context_tokens, dnode.active)
+            if plan.speculative:
+                yield simpy.AllOf(env, [rx.ready for rx in receivers])
+                t_full = max(env.now, t_start)
+                spec = cfg.speculative
+                timeline = speculative_decode(
+                    t_start, t_full, tpot, tpot + spec.draft_overhead_s,
+                    lambda n: self.timing.verify_s(n, req.context_tokens), spec.cap_tokens,
+                    lambda n: self.acceptance.sample_accepted(n, self.rng), tokens)
+            else:
+                timeline = plain_decode(t_start, tpot, tokens)
+                t_full = t_start
+            last_t = float(timeline.token_t[-1])
+            yield env.timeout(max(0.0, last_t - env.now))
+        dnode.assigned -= 1
+        rec = RequestRecord(
+            req.seq, req.context_tokens, req.arrival_t, t_p0, t_pe, float(rel[-1]),
+            max(rx.last_arrival_t for rx in needed), t_need,
+            max(rx.last_arrival_t for rx in receivers), max(rx.ready_t for rx in receivers),
+            t_start, timeline, plan.stream_bytes, sum(rx.received_bytes for rx in receivers),
+            plan.policy == "monolithic")
+        if abs(rec.received_bytes - plan.total_bytes) > 1e-6 * plan.total_bytes:
+            raise RuntimeError(f"request {req.seq}: received {rec.received_bytes} bytes, "
+                               f"sent {plan.total_bytes}")
+        self.records.append(rec)
+        if self.trace is not None:
+            self._trace(rec, pnode, dnode, receivers)
+        self.finished += 1
+        if self.finished == self.n_requests:
+            self.all_done.succeed()
+
+    def _trace(self, rec: RequestRecord, pnode: PrefillNode, dnode: DecodeNode,
+               receivers: list[Receiver]) -> None:
+        tr, tid = self.trace, f"{self.variant.spec.label}/{self.variant.policy}/r{rec.seq}"
+        tr.span("prefill", pnode.name, tid, rec.prefill_start_t, rec.prefill_end_t)
+        tr.span("encode", pnode.name, tid, rec.prefill_start_t, rec.encode_end_t)
+        for rx in receivers:
+            tr.span(f"transfer {rx.plan.name}", pnode.link.name, tid, rec.prefill_start_t,
+                    rx.last_arrival_t, bytes=float(rx.plan.sizes_bytes.sum()))
+            tr.span(f"deserialize {rx.plan.name}", dnode.name, tid, rx.first_arrival_t,
+                    rx.ready_t)
+        for kind, t0, t1 in rec.timeline.segments:
+            tr.span(kind, dnode.name, tid, t0, t1)
+
+    # ---- report ------------------------------------------------------------------------
+    def row(self, wall_s: float) -> dict:
+        cfg, recs = self.cfg, sorted(self.records, key=lambda r: r.seq)
+        plan = self.plan(recs[0].context_tokens)
+        end_t = self.env.now
+        ks = list(cfg.metrics.ks)
+        row: dict[str, Any] = {
+            "model": self.model.name, "hardware": self.hw.name,
+            "codec": self.variant.spec.label, "codec_name": self.variant.spec.name,
+            "transfer": self.variant.policy, "streams": len(plan.stream_names),
+            "context_tokens": self.context_tokens, "bandwidth_gbps": self.bandwidth_gbps,
+            "workload": cfg.workload.kind, "requests": len(recs),
+            "stream_bytes": dict(zip(plan.stream_names, plan.stream_bytes, strict=True)),
+            "total_bytes": plan.total_bytes,
+            "bits_per_element": 8.0 * plan.total_bytes /
+            self.model.kv_shape(recs[0].context_tokens).numel,
+            "codec_timing_source": self.codec_timing.source,
+            "acceptance": self.acceptance.name,
+            "link_utilisation": float(np.mean([lk.utilisation(end_t) for lk in self.links])),
+            "sim_end_s": end_t, "wall_s": wall_s, "events": self.env.scheduled,
+            "events_per_s": self.env.scheduled / wall_s if wall_s > 0 else math.nan,
+        }
+        per = [request_row(r, ks, cfg.metrics.breakdown_k) for r in recs]
+        if len(recs) == 1:
+            row.update(per[0])
+            return row
+        row["ttft_s"] = float(np.mean([p["ttft_s"] for p in per]))
+        row["ttft_pct_s"] = percentiles([p["ttft_s"] for p in per])
+        kk = [k for k in ks if all(k in p["ttkt_s"] for p in per)]
+        row["ttkt_s"] = {k: float(np.mean([p["ttkt_s"][k] for p in per])) for k in kk}
+        row["ttkt_pct_s"] = {k: percentiles([p["ttkt_s"][k] for p in per]) for k in kk}
+        row["breakdown_k"] = cfg.metrics.breakdown_k
+        row["breakdown_s"] = {key: float(np.mean([p["breakdown_s"][key] for p in per]))
+                              for key in BREAKDOWN_KEYS}
+        row["proposed_tokens"] = int(sum(p["proposed_tokens"] for p in per))
+        row["accepted_tokens"] = int(sum(p["accepted_tokens"] for p in per))
+        span = max(float(r.timeline.token_t[-1]) for r in recs) - min(r.arrival_t for r in recs)
+        row["throughput_rps"] = len(recs) / span if span > 0 else math.nan
+        row["output_tokens_per_s"] = row["throughput_rps"] * cfg.workload.output_tokens
+        return row
+
+
+def _with_context(w, context_tokens: int):
+    from dataclasses import replace
+
+    return replace(w, context_tokens=int(context_tokens))
+
+
+def run_all(cfg: SimConfig, progress: bool = False) -> tuple[list[dict], TraceLog | None]:
+    """Every (codec, transfer) x context x bandwidth of the config; one row each."""
+    trace = TraceLog() if cfg.trace_path else None
+    contexts = list(cfg.sweep.context_tokens) or [cfg.workload.context_tokens]
+    bandwidths = list(cfg.sweep.bandwidth_gbps) or [cfg.link.bandwidth_gbps]
+    jobs = [(v, c, b) for v in variants(cfg) for c in contexts for b in bandwidths]
+    rows = []
+    if progress and len(jobs) > 1:
+        from tqdm import tqdm
+
+        jobs_iter = tqdm(jobs, desc="sim", unit="run", leave=False)
+    else:
+        jobs_iter = jobs
+    for v, c, b in jobs_iter:
+        rows.append(Scenario(cfg, v, c, b, trace).run())
+    if trace is not None:
+        trace.write(cfg.trace_path)
+    return rows, trace

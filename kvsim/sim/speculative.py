@@ -1,0 +1,80 @@
+"""Decoding on a partial cache: speculative drafting on the anchor, one verification pass.
+
+Timeline (all times in s):
+  t_anchor  stream 0 of every layer deserialized: drafting starts, one token per
+            draft_tpot_s (TPOT + dequantization overhead), at most `cap` tokens;
+  t_full    every stream deserialized. The draft step in progress finishes, then one
+            verification pass (a forward over the n drafted tokens, verify_s) on the full
+            cache accepts the longest matching prefix (a tokens, drawn from the acceptance
+            model) and yields one more token: the correction of the first divergence, or
+            the bonus token when all n were accepted;
+  then      normal decoding, one token per tpot_s.
+Valid-token times (the seeds' TTKT counts accepted drafts when they were drafted): token i
+<= a at t_anchor + i * draft_tpot_s; token a+1 at the end of verification; token a+1+j at
+that time + j * tpot_s. Without drafting (cap 0, or the full cache ready with the anchor),
+token j is at t_full + j * tpot_s.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class DecodeTimeline:
+    token_t: np.ndarray  # [K] valid time of tokens 1..K (s)
+    start_t: float  # decoding (or drafting) began
+    full_t: float  # full cache ready
+    proposed: int = 0
+    accepted: int = 0
+    verify_start_t: float = math.nan
+    verify_s: float = 0.0
+    draft_tpot_s: float = 0.0
+    tpot_s: float = 0.0
+    segments: list[tuple[str, float, float]] = field(default_factory=list)  # (kind, t0, t1)
+
+
+def plain_decode(t_ready: float, tpot_s: float, tokens: int) -> DecodeTimeline:
+    times = t_ready + tpot_s * np.arange(1, tokens + 1)
+    return DecodeTimeline(times, t_ready, t_ready, tpot_s=tpot_s,
+                          segments=[("decode", t_ready, float(times[-1]))])
+
+
+def speculative_decode(t_anchor: float, t_full: float, tpot_s: float, draft_tpot_s: float,
+                       verify_s: Callable[[int], float], cap: int,
+                       sample_accepted: Callable[[int], int], tokens: int) -> DecodeTimeline:
+    if t_full < t_anchor:
+        raise ValueError(f"full cache ready ({t_full}) before the anchor ({t_anchor})")
+    gap = t_full - t_anchor
+    proposed = 0 if cap <= 0 or gap <= 0 else min(cap, math.ceil(gap / draft_tpot_s - 1e-12))
+    if proposed == 0:
+        tl = plain_decode(t_full, tpot_s, tokens)
+        if t_full > t_anchor:
+            tl.segments.insert(0, ("wait", t_anchor, t_full))
+        tl.start_t = t_anchor
+        return tl
+    accepted = int(sample_accepted(proposed))
+    if not 0 <= accepted <= proposed:
+        raise ValueError(f"acceptance model returned {accepted} of {proposed} drafted tokens")
+    draft_end = t_anchor + proposed * draft_tpot_s
+    v_start = max(t_full, draft_end)
+    v_s = verify_s(proposed)
+    v_end = v_start + v_s
+    times = np.empty(tokens)
+    i = np.arange(1, tokens + 1)
+    times[:] = v_end + (i - accepted - 1) * tpot_s
+    head = min(accepted, tokens)
+    times[:head] = t_anchor + i[:head] * draft_tpot_s
+    seg = [("draft_accepted", t_anchor, t_anchor + accepted * draft_tpot_s),
+           ("draft_rejected", t_anchor + accepted * draft_tpot_s, draft_end)]
+    if v_start > draft_end:
+        seg.append(("wait", draft_end, v_start))
+    seg.append(("verify", v_start, v_end))
+    if tokens > accepted + 1:
+        seg.append(("decode", v_end, float(times[-1])))
+    return DecodeTimeline(times, t_anchor, t_full, proposed, accepted, v_start, v_s,
+                          draft_tpot_s, tpot_s, seg)

@@ -1,0 +1,48 @@
+"""Request arrivals: one request, a Poisson stream, or a trace; context lengths."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvsim.config.sim import WorkloadConfig
+
+
+@dataclass(frozen=True)
+class Request:
+    seq: int
+    arrival_t: float  # s
+    context_tokens: int
+
+
+def requests(cfg: WorkloadConfig, rng: np.random.Generator) -> list[Request]:
+    cfg.validate()
+    if cfg.kind == "single":
+        return [Request(0, 0.0, cfg.context_tokens)]
+    if cfg.kind == "trace":
+        times = np.asarray(cfg.arrivals_t, dtype=float)
+        if np.any(np.diff(times) < 0) or times[0] < 0:
+            raise ValueError("workload.arrivals_t must be non-negative and non-decreasing")
+        return [Request(i, float(t), int(c)) for i, (t, c) in
+                enumerate(zip(times, cfg.arrivals_context_tokens, strict=True))]
+    if cfg.rate_per_s <= 0:
+        raise ValueError(f"workload.rate_per_s must be > 0, got {cfg.rate_per_s}")
+    gaps = rng.exponential(1.0 / cfg.rate_per_s, size=cfg.requests)
+    times = np.cumsum(gaps) - gaps[0]  # first request at t = 0
+    ctx = _contexts(cfg, rng)
+    return [Request(i, float(t), int(c)) for i, (t, c) in enumerate(zip(times, ctx, strict=True))]
+
+
+def _contexts(cfg: WorkloadConfig, rng: np.random.Generator) -> np.ndarray:
+    n = cfg.requests
+    if cfg.context_dist == "fixed":
+        return np.full(n, cfg.context_tokens)
+    if cfg.context_dist == "uniform":
+        raw = rng.uniform(cfg.context_min_tokens, cfg.context_max_tokens, size=n)
+    else:  # lognormal with the configured mean
+        mu = np.log(cfg.context_tokens) - cfg.context_sigma**2 / 2
+        raw = rng.lognormal(mu, cfg.context_sigma, size=n)
+    raw = np.clip(raw, cfg.context_min_tokens, cfg.context_max_tokens)
+    r = cfg.context_round_tokens
+    return (np.ceil(raw / r) * r).astype(int)
