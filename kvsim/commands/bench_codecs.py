@@ -1,0 +1,98 @@
+"""Every codec on the same KV cache: serialized bits per element, per-stream bytes, KV relative
+MSE, attention-output vNMSE (full, anchor-only and per stream prefix), encode / decode GB/s
+(bf16-equivalent input bytes / median seconds) and their ratio to a torch clone of the same
+tensor timed in the same run. KV: synthetic (kvsim.synthetic) or a capture (kv_source=NAME)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm import tqdm
+
+from kvsim.attention_error import attention_output
+from kvsim.bench.codecs import (
+    bench_codec,
+    capture_source,
+    copy_baseline_s,
+    resolve_device,
+    synthetic_source,
+)
+from kvsim.config.codecs import resolve_codec
+from kvsim.layout import KVShape
+from kvsim.report import format_table
+
+COMMAND = ("bench", "codecs")
+HELP = "codec bits/element, vNMSE and encode/decode GB/s vs torch copy on one KV cache"
+CONFIG_NAME = "bench_codecs"
+
+# Every codec preset in conf/codec/ (kept equal to conf/bench_codecs.yaml's list; a test
+# checks both, and that each preset file exists).
+DEFAULT_CODECS = ["bf16", "cachegen"]
+
+
+@dataclass
+class ShapeConfig:
+    """Synthetic KV shape (ignored for captures, which bring their own)."""
+
+    layers: int = 4
+    kv_heads: int = 2
+    tokens: int = 1024
+    head_dim: int = 128
+    q_heads: int = 8  # query heads (multiple of kv_heads, GQA)
+    q_tokens: int = 16  # decode queries per layer for vNMSE
+    dtype: str = "bfloat16"
+
+
+@dataclass
+class Config:
+    # preset names (conf/codec/<name>.yaml) or mappings {preset|name, params, label}
+    codecs: list[Any] = field(default_factory=lambda: list(DEFAULT_CODECS))
+    kv_source: str = "synthetic"  # "synthetic" or a capture name / path
+    synthetic_params: str | None = None  # JSON of SyntheticKVParams (null: defaults)
+    shape: ShapeConfig = field(default_factory=ShapeConfig)
+    seed: int = 0
+    repeats: int = 3  # timed runs per codec (median reported)
+    warmup: int = 1  # untimed runs before timing
+    device: str = "auto"  # cpu | cuda | auto
+    progress: bool = True
+
+
+COLUMNS = [("codec", "codec", ""), ("bits_per_element", "bits/elem", ".3f"),
+           ("compression_vs_bf16", "x vs bf16", ".2f"), ("rel_mse", "KV relMSE", ".3g"),
+           ("vnmse", "vNMSE", ".3g"), ("vnmse_anchor", "vNMSE anchor", ".3g"),
+           ("encode_gbps", "enc GB/s", ".3f"), ("decode_gbps", "dec GB/s", ".3f"),
+           ("encode_vs_copy", "enc/copy", ".4f"), ("decode_vs_copy", "dec/copy", ".4f"),
+           ("size_estimate_error", "size est err", "+.3f")]
+
+
+def run(cfg: Config) -> list[dict]:
+    specs = [resolve_codec(entry) for entry in cfg.codecs]  # a missing preset is an error
+    if not specs:
+        raise ValueError("codecs is empty: name at least one codec preset")
+    device = resolve_device(cfg.device)
+    s = cfg.shape
+    if cfg.kv_source == "synthetic":
+        source = synthetic_source(KVShape(s.layers, s.kv_heads, s.tokens, s.head_dim, s.dtype),
+                                  s.q_heads, s.q_tokens, cfg.seed, cfg.synthetic_params)
+    else:
+        source = capture_source(cfg.kv_source, s.q_heads, s.q_tokens, cfg.seed)
+    kv = source.kv.to(device)
+    queries = source.queries.to(device)
+    shape = KVShape.of(kv)
+    o_ref = attention_output(queries, kv)
+    copy_s = copy_baseline_s(kv, max(cfg.repeats, 5), max(cfg.warmup, 1))
+    rows = []
+    for spec in tqdm(specs, desc="bench codecs", unit="codec", file=sys.stderr,
+                     disable=not cfg.progress):
+        row = bench_codec(spec.label, spec.build(), kv, queries, o_ref, copy_s, cfg.repeats,
+                          cfg.warmup)
+        row.update({"kv_source": source.description["kind"], "shape": shape.to_dict(),
+                    "q_heads": int(queries.shape[1]), "q_tokens": int(queries.shape[2])})
+        rows.append(row)
+    print(f"KV {source.description['kind']} {shape.to_dict()}, queries "
+          f"{tuple(queries.shape)} ({source.description['queries']}), device {device}, "
+          f"torch clone {rows[0]['copy_gbps']:.2f} GB/s (bf16-equivalent)")
+    print(format_table(rows, COLUMNS))
+    return rows

@@ -1,0 +1,130 @@
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from kvsim.attention_error import attention_output
+from kvsim.bench.codecs import bench_codec, median_seconds, resolve_device
+from kvsim.cli import CONF_DIR, main
+from kvsim.commands.bench_codecs import DEFAULT_CODECS
+from kvsim.config.codecs import PRESET_DIR
+from kvsim.kernels.bf16 import BF16Codec
+from kvsim.kernels.encoded import Chunk, Encoded
+from kvsim.layout import KVShape
+from kvsim.synthetic import generate_kv, generate_queries
+
+TINY = ["shape.layers=2", "shape.kv_heads=1", "shape.tokens=40", "shape.head_dim=16",
+        "shape.q_heads=2", "shape.q_tokens=3", "repeats=1", "warmup=0", "device=cpu",
+        "progress=false"]
+
+
+def _run(tmp_path, *overrides):
+    path = tmp_path / "report.json"
+    assert main(["bench", "codecs", *TINY, *overrides, f"report={path}"]) == 0
+    return json.loads(path.read_text())
+
+
+def test_report_rows_are_consistent(tmp_path, capsys):
+    doc = _run(tmp_path, "codecs=[bf16,cachegen]")
+    out = capsys.readouterr().out
+    assert "bits/elem" in out and "cachegen" in out
+    rows = doc["rows"]
+    assert [r["codec"] for r in rows] == ["bf16", "cachegen"]
+    numel = 2 * 2 * 1 * 40 * 16
+    for row in rows:
+        for key in ("codec", "bits_per_element", "stream_bytes", "vnmse", "encode_gbps",
+                    "decode_gbps", "device", "copy_gbps", "rel_mse", "vnmse_prefix"):
+            assert key in row, key
+        assert row["device"] == "cpu"
+        assert math.isclose(row["bits_per_element"], 8 * row["serialized_bytes"] / numel)
+        assert row["serialized_bytes"] == row["header_bytes"] + sum(row["stream_bytes"])
+        assert math.isclose(row["encode_vs_copy"], row["encode_gbps"] / row["copy_gbps"])
+        assert math.isclose(row["encode_gbps"], 2 * numel / 1e9 / row["encode_s"])
+        assert row["vnmse_prefix"][-1] == row["vnmse"]
+        assert len(row["vnmse_layers"]) == 2
+        assert math.isclose(float(np.mean(row["vnmse_layers"])), row["vnmse"])
+        assert row["vnmse_anchor"] is None  # single-stream codecs
+    bf16, cachegen = rows
+    assert bf16["size_exact"] and bf16["size_estimate_error"] == 0.0
+    assert not cachegen["size_exact"]
+    assert bf16["vnmse"] == 0.0 and bf16["rel_mse"] == 0.0  # bf16 source, bf16 codec
+    assert 0 < cachegen["vnmse"] < 1 and 0 < cachegen["rel_mse"] < 1
+    assert doc["config"]["shape"]["tokens"] == 40
+
+
+def test_mapping_entries_and_missing_preset(tmp_path, capsys):
+    doc = _run(tmp_path, "codecs=[{preset: cachegen, params: {k_bits: [4, 2], v_bits: [4, 2]},"
+                         " label: cg-low}]")
+    assert doc["rows"][0]["codec"] == "cg-low"
+    assert doc["rows"][0]["params"]["k_bits"] == [4, 2]
+    assert main(["bench", "codecs", *TINY, "codecs=[no-such-preset]"]) == 1
+    assert "no-such-preset" in capsys.readouterr().err
+
+
+def test_default_codec_list_names_existing_presets():
+    missing = [name for name in DEFAULT_CODECS if not (PRESET_DIR / f"{name}.yaml").is_file()]
+    assert not missing, f"default codecs without a preset file: {missing}"
+    conf = yaml.safe_load((CONF_DIR / "bench_codecs.yaml").read_text())
+    assert conf["codecs"] == DEFAULT_CODECS  # the schema default and the yaml agree
+
+
+class _SplitBF16(BF16Codec):
+    """A two-stream codec for the test: stream 0 = high byte of each bf16 (sign, exponent,
+    1 mantissa bit), stream 1 = low byte. Not registered."""
+
+    name = "test-split-bf16"
+
+    def stream_names(self) -> list[str]:
+        return ["high", "low"]
+
+    def payload_bytes(self, shape: KVShape) -> np.ndarray:
+        half = super().payload_bytes(shape)[0] // 2
+        return np.stack([half, half])
+
+    def _encode(self, kv, shape):
+        (chunks,) = super()._encode(kv, shape)
+        return [[Chunk(s, c.layer, c.page, c.payload[1 - s :: 2].copy()) for c in chunks]
+                for s in (0, 1)]
+
+    def _decode(self, enc: Encoded, streams: int, device):
+        merged = Encoded(enc.codec, enc.params, enc.shape, enc.page_tokens, ["full"], [[]])
+        low = enc.payloads(1) if streams > 1 else {}
+        for (layer, page), high in enc.payloads(0).items():
+            both = np.zeros(2 * high.size, dtype=np.uint8)
+            both[1::2] = high
+            if low:
+                both[0::2] = low[(layer, page)]
+            merged.streams[0].append(Chunk(0, layer, page, both))
+        return super()._decode(merged, 1, device)
+
+
+def test_split_codec_prefix_metrics():
+    kv = generate_kv(KVShape(2, 1, 64, 16, "bfloat16"), seed=3)
+    queries = generate_queries(kv, 2, 4, seed=3)
+    o_ref = attention_output(queries, kv)
+    row = bench_codec("split", _SplitBF16(), kv, queries, o_ref, copy_s=1e-3, repeats=1,
+                      warmup=0)
+    assert len(row["vnmse_prefix"]) == 2 and len(row["bits_per_element_prefix"]) == 2
+    assert row["vnmse_anchor"] == row["vnmse_prefix"][0] > 0  # high byte only: lossy
+    assert row["vnmse"] == 0.0 and row["rel_mse"] == 0.0  # both streams: exact
+    assert row["rel_mse_prefix"][0] > 0
+    assert row["stream_bytes"][0] == row["stream_bytes"][1]
+    assert row["bits_per_element_prefix"][0] < row["bits_per_element_prefix"][1] \
+        == row["bits_per_element"]
+
+
+def test_device_and_timing_helpers():
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="device must be"):
+        resolve_device("tpu")
+    calls = []
+    assert median_seconds(lambda: calls.append(1), repeats=3, warmup=2,
+                          device=torch.device("cpu")) >= 0
+    assert len(calls) == 5
+    with pytest.raises(ValueError, match="repeats"):
+        median_seconds(lambda: None, 0, 0, torch.device("cpu"))
