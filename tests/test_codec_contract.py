@@ -1,0 +1,153 @@
+"""Contract every registered codec keeps (parametrized over kvsim.kernels.codec_names()).
+
+Shapes are small (a few thousand elements) so the whole matrix stays fast on CPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvsim.config.codecs import resolve_codec
+from kvsim.kernels import CodecError, Encoded, codec_names, make_codec
+from kvsim.kernels.wire import CHUNK_HEADER_BYTES, WireError
+from kvsim.layout import KVShape
+
+NAMES = codec_names()
+# (layers, kv_heads, tokens, head_dim): multi-page irregular, tiny, a single token
+SHAPES = [(2, 2, 300, 32), (1, 2, 5, 16), (1, 1, 1, 32)]
+
+
+def sample(shape: tuple[int, int, int, int], dtype: torch.dtype = torch.bfloat16,
+           seed: int = 0) -> torch.Tensor:
+    layers, heads, tokens, d = shape
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(layers, 2, heads, tokens, d, generator=g)
+    kv[:, 0, :, :, 1] += 4.0  # an outlier key channel
+    kv[:, :, :, :1] *= 0.1  # a low-norm first token
+    return kv.to(dtype)
+
+
+def rel_mse(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float(((a - b) ** 2).sum() / (a**2).sum().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_round_trip_and_exact_sizes(name, shape):
+    codec = make_codec(name)
+    kv = sample(shape)
+    enc = codec.encode(kv)
+    blob = enc.to_bytes()
+    back = Encoded.from_bytes(blob)
+    out = codec.decode(back)
+    assert out.shape == kv.shape and out.dtype == kv.dtype
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, codec.decode(enc))
+    assert rel_mse(kv, out) < 0.5  # every codec keeps most of the signal
+    table = codec.size_table(KVShape.of(kv))
+    assert len(blob) == enc.total_bytes
+    if codec.exact_sizes:
+        assert table.total_bytes == len(blob)
+        np.testing.assert_array_equal(table.chunk_bytes, enc.chunk_bytes())
+    else:  # estimates must at least name the same chunks
+        np.testing.assert_array_equal(table.chunk_bytes > 0, enc.chunk_bytes() > 0)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_deterministic_bytes(name):
+    codec = make_codec(name)
+    kv = sample(SHAPES[0], seed=5)
+    assert codec.encode(kv).to_bytes() == make_codec(name).encode(kv.clone()).to_bytes()
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_input_refused(name, bad):
+    kv = sample(SHAPES[1])
+    kv[0, 1, 0, 2, 3] = bad
+    with pytest.raises(ValueError, match="non-finite"):
+        make_codec(name).encode(kv)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_constant_zero_and_dtypes_no_nan(name, dtype):
+    codec = make_codec(name)
+    cases = {
+        "zeros": torch.zeros(1, 2, 2, 40, 32, dtype=dtype),
+        "constant": torch.full((1, 2, 2, 40, 32), -2.5, dtype=dtype),
+        "single token": sample((1, 2, 1, 32), dtype),
+        "random": sample((1, 2, 40, 32), dtype, seed=2),
+    }
+    for what, kv in cases.items():
+        out = codec.decode(Encoded.from_bytes(codec.encode(kv).to_bytes()))
+        assert out.dtype == dtype, what
+        assert torch.isfinite(out).all(), f"{name}: {what} {dtype} decoded to NaN/Inf"
+        if what in ("zeros", "constant"):
+            assert torch.allclose(out.float(), kv.float(), atol=1e-2), what
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_decode_each_stream_prefix(name):
+    codec = make_codec(name)
+    kv = sample(SHAPES[0], seed=1)
+    enc = codec.encode(kv)
+    errs = []
+    for k in range(1, codec.num_streams + 1):
+        out = codec.decode(enc, streams=k)
+        assert out.shape == kv.shape and torch.isfinite(out).all()
+        errs.append(rel_mse(kv, out))
+    assert errs[-1] <= min(errs) + 1e-9  # all streams are at least as good as any prefix
+    with pytest.raises(CodecError):
+        codec.decode(enc, streams=codec.num_streams + 1)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_missing_chunk_is_codec_error(name):
+    codec = make_codec(name)
+    enc = codec.encode(sample(SHAPES[0]))
+    enc.streams[0] = enc.streams[0][:-1]
+    with pytest.raises(CodecError, match="missing"):
+        codec.decode(enc)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_corrupt_bytes_are_wire_error(name):
+    codec = make_codec(name)
+    enc = codec.encode(sample(SHAPES[1]))
+    blob = bytearray(enc.to_bytes())
+    first_payload = enc.header_bytes + CHUNK_HEADER_BYTES
+    blob[first_payload] ^= 0xFF  # flip the first payload byte: crc32 must catch it
+    with pytest.raises(WireError):
+        Encoded.from_bytes(bytes(blob))
+    with pytest.raises(WireError):
+        Encoded.from_bytes(bytes(blob[: len(blob) // 2 + 3]))  # truncated
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_params_mismatch_is_codec_error(name):
+    enc = make_codec(name).encode(sample(SHAPES[1]))
+    enc.params = {**enc.params, "page_tokens": -7}
+    with pytest.raises(CodecError):
+        make_codec(name).decode(enc)
+
+
+@pytest.mark.parametrize("preset", ["int8", "int4", "kivi-2", "kivi-4", "kcvt-4", "gear",
+                                    "gear-l", "oscar"])
+def test_presets_build_and_order(preset):
+    spec = resolve_codec(preset)
+    codec = spec.build()
+    shape = KVShape(1, 2, 300, 64)
+    table = codec.size_table(shape)
+    assert 0 < table.total_bytes < shape.bf16_bytes
+
+
+def test_preset_error_ordering():
+    kv = sample((1, 2, 400, 64), torch.float32, seed=9)
+    err = {p: rel_mse(kv, (c := resolve_codec(p).build()).decode(c.encode(kv)))
+           for p in ("int8", "int4", "kivi-2", "gear")}
+    assert err["int8"] < err["int4"] < err["kivi-2"]
+    assert err["gear"] < err["kivi-2"]
