@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvsim.kernels import CodecError, Encoded, make_codec
 from kvsim.kernels.kivi import Backbone
@@ -96,3 +98,24 @@ def test_bad_params_and_shapes():
         make_codec("kivi", {"residual": 100})
     with pytest.raises(ValueError, match="value_group"):
         make_codec("kivi", {"value_group": 48}).encode(torch.zeros(1, 2, 1, 4, 64))
+
+SMALL_PAGE = {"uniform": {"bits": 4, "group": 8, "page_tokens": 13},
+              "kivi": {"group": 4, "residual": 8, "page_tokens": 12},
+              "kcvt": {"residual": 3, "page_tokens": 10},
+              "gear": {"group": 4, "residual": 4, "page_tokens": 8, "rank": 3},
+              "gear-l": {"backbone": "kcvt", "residual": 2, "page_tokens": 9},
+              "oscar": {"group": 4, "residual": 4, "page_tokens": 16}}
+
+
+@settings(max_examples=25, deadline=None)
+@given(name=st.sampled_from(sorted(SMALL_PAGE)), layers=st.integers(1, 2),
+       heads=st.integers(1, 3), tokens=st.integers(1, 50), head_dim=st.sampled_from([8, 16, 32]),
+       dtype=st.sampled_from(["bfloat16", "float16", "float32"]), seed=st.integers(0, 99))
+def test_property_sizes_exact_from_shape(name, layers, heads, tokens, head_dim, dtype, seed):
+    shape = KVShape(layers, heads, tokens, head_dim, dtype)
+    codec = make_codec(name, SMALL_PAGE[name])
+    kv = outlier_kv(shape, seed)
+    blob = codec.encode(kv).to_bytes()
+    assert len(blob) == codec.size_table(shape).total_bytes
+    out = codec.decode(Encoded.from_bytes(blob))
+    assert torch.isfinite(out).all()
