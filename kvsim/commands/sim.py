@@ -27,6 +27,8 @@ def table_rows(rows: list[dict]) -> list[dict]:
         flat["deser"] = bd.get("deserialize")
         flat["rej"] = bd.get("rejected_speculative")
         flat["verif"] = bd.get("verification")
+        for k, v in (r.get("ttkt_from_prefill_end_s") or {}).items():
+            flat[f"tt{k}t_pe"] = v
         flat["gb"] = r["total_bytes"] / 1e9
         flat["acc"] = f"{r.get('accepted_tokens', 0)}/{r.get('proposed_tokens', 0)}"
         out.append(flat)
@@ -37,8 +39,10 @@ def print_table(cfg: SimConfig, rows: list[dict]) -> None:
     ks = [k for k in cfg.metrics.ks if rows and all(k in (r.get("ttkt_s") or {}) for r in rows)]
     cols = [("codec", "codec", ""), ("transfer", "transfer", ""),
             ("context_tokens", "ctx", "d"), ("bandwidth_gbps", "Gbps", "g"),
-            ("gb", "GB", ".3f"), ("ttft_s", "TTFT s", ".3f")]
+            ("gb", "GB", ".3f"), ("ttft_s", "TTFT s", ".3f"),
+            ("ttft_from_prefill_end_s", "TTFT-pe", ".3f")]
     cols += [(f"tt{k}t", f"TT{k}T", ".3f") for k in ks if k != 1 and k in (8, 32, 64, 128)]
+    cols += [(f"tt{k}t_pe", f"TT{k}T-pe", ".3f") for k in ks if k in (32, 64)]
     cols += [("comm", "comm", ".3f"), ("deser", "deser", ".3f"), ("rej", "rej", ".3f"),
              ("verif", "verif", ".3f"), ("acc", "acc/prop", "")]
     if rows and rows[0].get("requests", 1) > 1:
@@ -48,7 +52,8 @@ def print_table(cfg: SimConfig, rows: list[dict]) -> None:
     print(f"model={cfg.model.name} hardware={cfg.hardware.devices}x{cfg.hardware.name} "
           f"acceptance={cfg.speculative.acceptance} workload={cfg.workload.kind}; "
           f"times from request arrival (prefill {rows[0].get('prefill_s', 0):.3f} s "
-          f"included); breakdown of TT{cfg.metrics.breakdown_k}T from prefill end"
+          f"included), -pe: from prefill end; breakdown of "
+          f"TT{cfg.metrics.breakdown_k}T from prefill end"
           if rows and "prefill_s" in rows[0] else "")
     print(format_table(table_rows(rows), cols))
 

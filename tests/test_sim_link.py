@@ -1,0 +1,124 @@
+"""Fluid link: analytic cases hold exactly (to float precision)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import simpy
+
+from kvsim.sim.link import Link
+
+REL = 1e-12
+
+
+def _run(link_kw, flows):
+    """flows: list of (sizes, release, priority). Returns (links, flow objects, env)."""
+    env = simpy.Environment()
+    link = Link(env, **link_kw)
+    log = []
+
+    def submitter(sizes, release, prio, at):
+        if at > 0:
+            yield env.timeout(at)
+        f = link.submit(np.asarray(sizes, float), np.asarray(release, float), prio,
+                        on_delivered=lambda fl, j0, j1, arr: log.extend(arr.tolist()))
+        out.append(f)
+
+    out = []
+    for sizes, release, prio in flows:
+        env.process(submitter(sizes, release, prio, 0.0))
+    env.run()
+    return link, out, env, log
+
+
+def test_one_flow_completes_at_latency_plus_bytes_over_rate():
+    size_bytes, gbps, latency_s = 3_000_000.0, 25.0, 0.0023
+    link, (f,), env, _ = _run(dict(bandwidth_gbps=gbps, latency_s=latency_s),
+                              [([size_bytes], [0.0], 0)])
+    assert f.arrival_t()[-1] == pytest.approx(latency_s + 8 * size_bytes / (gbps * 1e9), rel=REL)
+    assert link.total_sent_bytes == size_bytes
+
+
+def test_messages_back_to_back_and_per_message_overhead():
+    sizes, gbps = [1000.0, 2000.0, 500.0], 8.0  # 1e9 B/s
+    link, (f,), _, _ = _run(dict(bandwidth_gbps=gbps, message_overhead_bytes=100),
+                            [(sizes, [0, 0, 0], 0)])
+    expected = np.cumsum(np.array(sizes) + 100) / 1e9
+    np.testing.assert_allclose(f.complete_t, expected, rtol=REL)
+
+
+def test_strict_priority_between_classes():
+    # 8 Gbps = 1e9 B/s. Low-priority A (1 GB) from t=0; high-priority B (0.5 GB) at t=0.2
+    link, (a, b), _, _ = _run(dict(bandwidth_gbps=8.0),
+                              [([1e9], [0.0], 1), ([0.5e9], [0.2], 0)])
+    assert b.complete_t[-1] == pytest.approx(0.7, rel=REL)  # B alone from 0.2
+    assert a.complete_t[-1] == pytest.approx(1.5, rel=REL)  # A paused 0.2..0.7
+
+
+def test_equal_flows_share_fairly():
+    link, (a, b), _, _ = _run(dict(bandwidth_gbps=8.0), [([1e9], [0.0], 0), ([1e9], [0.0], 0)])
+    assert a.complete_t[-1] == pytest.approx(2.0, rel=REL)
+    assert b.complete_t[-1] == pytest.approx(2.0, rel=REL)
+
+
+def test_unequal_flows_same_class_then_alone():
+    # 0.25 GB and 1 GB share 1e9 B/s: small done at 0.5 s, big has 0.75 GB left alone
+    link, (a, b), _, _ = _run(dict(bandwidth_gbps=8.0),
+                              [([0.25e9], [0.0], 0), ([1e9], [0.0], 0)])
+    assert a.complete_t[-1] == pytest.approx(0.5, rel=REL)
+    assert b.complete_t[-1] == pytest.approx(1.25, rel=REL)
+
+
+def test_bandwidth_trace():
+    # 8 Gbps (1e9 B/s) until 0.5 s, then 4 Gbps (0.5e9 B/s) until 1.5 s, then 16 Gbps
+    # 1 GB: 0.5 GB by 0.5 s, 0.5 GB more by 1.5 s -> done at 1.5 s exactly; 2 GB: +1 GB at
+    # 2e9 B/s -> 2.0 s
+    link, (f,), _, _ = _run(dict(bandwidth_gbps=8.0, trace=[[0.5, 4.0], [1.5, 16.0]]),
+                            [([1e9, 1e9], [0.0, 0.0], 0)])
+    np.testing.assert_allclose(f.complete_t, [1.5, 2.0], rtol=REL)
+    assert link.capacity_bytes(0.0, 2.0) == pytest.approx(0.5e9 + 0.5e9 + 1e9, rel=REL)
+    assert link.utilisation(2.0) == pytest.approx(1.0, rel=1e-9)
+
+
+def test_released_messages_idle_gaps_and_priority_takeover():
+    # anchor messages released every 1 s (1e8 B each, 0.1 s on the wire at 1e9 B/s);
+    # residual 1e9 B from t=0 uses the gaps: it gets 0.9 s per second -> done at 1.1 s
+    anchor_rel = [0.0, 1.0, 2.0]
+    link, (anc, res), _, _ = _run(dict(bandwidth_gbps=8.0),
+                                  [([1e8] * 3, anchor_rel, 0), ([1e9], [0.0], 1)])
+    np.testing.assert_allclose(anc.complete_t, [0.1, 1.1, 2.1], rtol=REL)
+    assert res.complete_t[-1] == pytest.approx(1.1 + 0.1, rel=REL)
+
+
+def test_bytes_conserved_time_monotone_randomised():
+    rng = np.random.default_rng(3)
+    flows = []
+    for _ in range(6):
+        n = int(rng.integers(1, 40))
+        sizes = rng.uniform(1e3, 1e6, n)
+        release = np.sort(rng.uniform(0, 0.01, n))
+        flows.append((sizes, release, int(rng.integers(0, 3))))
+    link, objs, env, log = _run(dict(bandwidth_gbps=10.0, latency_s=1e-4), flows)
+    total = sum(float(np.sum(s)) for s, _, _ in flows)
+    assert link.total_sent_bytes == pytest.approx(total, rel=1e-12)
+    for f, (sizes, release, _) in zip(objs, flows, strict=True):
+        assert np.all(np.diff(f.complete_t) >= 0)  # FIFO within a flow
+        assert np.all(f.complete_t >= release - 1e-15)  # nothing leaves before release
+        # a message needs at least size / capacity on the wire after its release
+        assert np.all(f.complete_t - release >= sizes / (10e9 / 8) * (1 - 1e-9))
+    assert max(log) <= env.now + 1e-4 + 1e-12  # no delivery after the run's last event
+    # the link never sends faster than its capacity
+    assert total <= link.capacity_bytes(0.0, max(f.complete_t[-1] for f in objs)) * (1 + 1e-9)
+
+
+def test_bad_input_is_refused():
+    env = simpy.Environment()
+    with pytest.raises(ValueError, match="bandwidth_gbps"):
+        Link(env, 0.0)
+    link = Link(env, 10.0)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        link.submit(np.array([1.0, 1.0]), np.array([1.0, 0.5]))
+    with pytest.raises(ValueError, match="> 0 bytes"):
+        link.submit(np.array([0.0]), np.array([0.0]))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        Link(env, 10.0, trace=[[1.0, 5.0], [0.5, 5.0]])

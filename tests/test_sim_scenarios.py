@@ -1,0 +1,263 @@
+"""Simulator end to end: analytic TTFT, speculative bounds, invariants, config groups, and
+the seeds' orderings / trends (Table 1, Figure 11) from the simulator's output."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+import pytest
+
+from kvsim.cli import CONF_DIR, compose
+from kvsim.config.sim import SimConfig
+from kvsim.hardware import HardwareSpec, TimingModel
+from kvsim.kernels.codec import Codec, register
+from kvsim.layout import KVShape
+from kvsim.models import ModelSpec
+from kvsim.sim.run import Scenario, run_all, variants
+
+LYNX = {"name": "lynx", "label": "lynx"}  # inline entry: independent of conf/codec presets
+
+
+@dataclass(frozen=True)
+class _HalfParams:
+    page_tokens: int = 64
+
+
+@register
+class _TwoHalves(Codec):
+    """Test-only codec: two streams, each half of the bf16 bytes (sizes only)."""
+
+    name = "test-two-halves"
+    Params = _HalfParams
+
+    def stream_names(self):
+        return ["anchor", "residual"]
+
+    def page_tokens(self, shape):
+        return self.params.page_tokens
+
+    def payload_bytes(self, shape: KVShape):
+        pages = self.num_pages(shape)
+        tok = np.full(pages, self.params.page_tokens, dtype=np.int64)
+        tok[-1] = shape.tokens - self.params.page_tokens * (pages - 1)
+        half = tok * (2 * shape.kv_heads * shape.head_dim)  # 1 byte per element
+        return np.broadcast_to(half, (2, shape.layers, pages)).copy()
+
+    def _encode(self, kv, shape):
+        raise NotImplementedError("size-only test codec")
+
+    def _decode(self, enc, streams, device):
+        raise NotImplementedError("size-only test codec")
+
+
+def _timing_file(tmp_path, enc_gbs, dec_gbs):
+    p = tmp_path / "timing.json"
+    entry = {"encode_gb_per_s": enc_gbs, "decode_gb_per_s": dec_gbs, "source": "assumed",
+             "assumption": "test"}
+    p.write_text(json.dumps({"version": 1, "hardware": "test", "default": entry}))
+    return str(p)
+
+
+def _cfg(tmp_path, codecs, enc_gbs=50.0, dec_gbs=25.0, **over) -> SimConfig:
+    model = ModelSpec(name="tiny", layers=4, attention_heads=4, kv_heads=2, head_dim=64,
+                      hidden_size=256, params_total=1e8, params_active=1e8)
+    hw = HardwareSpec(name="test", hbm_gb_per_s=100.0, bf16_tflops=10.0, memory_gb=100.0,
+                      step_overhead_s=0.001)
+    cfg = SimConfig(model=model, hardware=hw, codecs=codecs,
+                    codec_timing=_timing_file(tmp_path, enc_gbs, dec_gbs))
+    cfg.link = replace(cfg.link, bandwidth_gbps=1.0, latency_s=0.002)
+    cfg.workload = replace(cfg.workload, context_tokens=1000, output_tokens=130)
+    for key, value in over.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def test_monolithic_ttft_is_prefill_encode_transfer_decode_tpot(tmp_path):
+    cfg = _cfg(tmp_path, ["bf16"])
+    (row,), _ = run_all(cfg)
+    shape = cfg.model.kv_shape(1000)
+    bf16 = shape.bf16_bytes  # 4 layers * 2 * 2 heads * 1000 * 64 * 2 B = 2,048,000
+    table = cfg.codecs and __import__("kvsim.kernels", fromlist=["make_codec"]).make_codec(
+        "bf16", {"page_tokens": 256}).size_table(shape)
+    wire = table.total_bytes
+    tm = TimingModel(cfg.model, cfg.hardware)
+    expected = (tm.prefill_s(1000) + bf16 / 50e9 + 0.002 + 8 * wire / 1e9 + bf16 / 25e9
+                + tm.tpot_s(1000, 1))
+    assert row["ttft_s"] == pytest.approx(expected, rel=1e-12)
+    assert row["ttkt_s"][128] == pytest.approx(expected + 127 * tm.tpot_s(1000, 1), rel=1e-12)
+    assert row["total_bytes"] == wire
+    bd = row["breakdown_s"]
+    assert sum(bd.values()) == pytest.approx(row["ttkt_from_prefill_end_s"][32], rel=1e-12)
+    assert bd["serialize"] == pytest.approx(bf16 / 50e9, rel=1e-9)
+    assert bd["exposed_communication"] == pytest.approx(0.002 + 8 * wire / 1e9, rel=1e-9)
+
+
+def _split_row(tmp_path, acceptance, cap=64):
+    cfg = _cfg(tmp_path, [{"name": "test-two-halves"}], enc_gbs=1e9, dec_gbs=1e9)
+    cfg.link = replace(cfg.link, latency_s=0.0)
+    cfg.speculative = replace(cfg.speculative, acceptance=acceptance, cap_tokens=cap)
+    cfg.metrics = replace(cfg.metrics, ks=list(range(1, 129)))
+    (row,), _ = run_all(cfg)
+    tm = TimingModel(cfg.model, cfg.hardware)
+    shape = cfg.model.kv_shape(1000)
+    table = _TwoHalves().size_table(shape)
+    b0 = table.stream_bytes[0] + table.header_bytes
+    b1 = table.stream_bytes[1]
+    t_pe = tm.prefill_s(1000)
+    t_anchor, t_full = t_pe + 8 * b0 / 1e9, t_pe + 8 * (b0 + b1) / 1e9  # codec time ~ 0
+    return row, tm, t_pe, t_anchor, t_full
+
+
+def test_split_stream_acceptance_one_is_the_lower_bound(tmp_path):
+    row, tm, t_pe, t_a, t_f = _split_row(tmp_path, "geometric:1.0")
+    tpot = tm.tpot_s(1000, 1)
+    n = math.ceil((t_f - t_a) / tpot)
+    assert row["proposed_tokens"] == row["accepted_tokens"] == n
+    tol = 1e-9
+    assert n >= 2
+    for k in range(1, n + 1):  # accepted drafts count when drafted
+        assert row["ttkt_s"][k] == pytest.approx(t_a + k * tpot, abs=tol)
+    v_end = max(t_f, t_a + n * tpot) + tm.verify_s(n, 1000)
+    assert row["ttkt_s"][64] == pytest.approx(v_end + (64 - n - 1) * tpot, abs=tol)
+
+
+def test_split_stream_acceptance_zero_is_the_upper_bound(tmp_path):
+    row, tm, t_pe, t_a, t_f = _split_row(tmp_path, "geometric:0.0")
+    tpot = tm.tpot_s(1000, 1)
+    n = math.ceil((t_f - t_a) / tpot)
+    assert (row["proposed_tokens"], row["accepted_tokens"]) == (n, 0)
+    v_end = max(t_f, t_a + n * tpot) + tm.verify_s(n, 1000)
+    assert row["ttft_s"] == pytest.approx(v_end, abs=1e-9)
+    assert row["ttkt_s"][32] == pytest.approx(v_end + 31 * tpot, abs=1e-9)
+    assert row["breakdown_s"]["rejected_speculative"] == pytest.approx(n * tpot, abs=1e-9)
+    best, *_ = _split_row(tmp_path, "geometric:1.0")
+    for k in (1, 8, 32, 64, 128):
+        assert best["ttkt_s"][k] <= row["ttkt_s"][k]
+
+
+def test_cap_zero_waits_for_the_full_cache(tmp_path):
+    row, tm, t_pe, t_a, t_f = _split_row(tmp_path, "geometric:1.0", cap=0)
+    assert row["proposed_tokens"] == 0
+    assert row["ttft_s"] == pytest.approx(t_f + tm.tpot_s(1000, 1), abs=1e-9)
+
+
+def test_breakdown_sums_and_trace_spans_within_the_run(tmp_path):
+    cfg = _cfg(tmp_path, ["bf16", {"name": "test-two-halves"}],
+               transfer=["monolithic", "layerwise", "split_stream", "split_stream_layerwise"],
+               trace_path=str(tmp_path / "trace.json"))
+    rows, trace = run_all(cfg)
+    assert len(rows) == 8  # bf16 has one stream: its split policies send one flow
+    for r in rows:
+        k = r["breakdown_k"]
+        assert sum(r["breakdown_s"].values()) == pytest.approx(
+            r["ttkt_from_prefill_end_s"][k], rel=1e-9)
+        assert all(v >= -1e-12 for v in r["breakdown_s"].values())
+        t = [r["ttkt_s"][k] for k in sorted(r["ttkt_s"])]
+        assert all(b >= a for a, b in zip(t, t[1:], strict=False))
+        # the run ends with the last (130th) token: no event after it
+        assert r["sim_end_s"] == pytest.approx(r["ttkt_s"][128] + 2 * r["tpot_s"], rel=1e-12)
+    doc = json.loads((tmp_path / "trace.json").read_text())
+    ends = [(e["ts"] + e["dur"]) / 1e6 for e in doc["traceEvents"]]
+    assert doc["traceEvents"] and max(ends) <= max(r["sim_end_s"] for r in rows) + 1e-9
+    assert all(e["dur"] >= 0 for e in doc["traceEvents"])
+
+
+def test_layerwise_overlaps_prefill_and_beats_monolithic(tmp_path):
+    cfg = _cfg(tmp_path, ["bf16"], transfer=["monolithic", "layerwise"])
+    mono, layer = run_all(cfg)[0]
+    assert layer["ttft_s"] < mono["ttft_s"]
+    assert layer["total_bytes"] == mono["total_bytes"]
+
+
+def test_multi_request_fifo_vs_anchors_first_and_percentiles(tmp_path):
+    cfg = _cfg(tmp_path, [{"name": "test-two-halves"}], granularity="layer")
+    cfg.workload = replace(cfg.workload, kind="poisson", requests=40, rate_per_s=30.0,
+                           context_dist="uniform", context_min_tokens=500,
+                           context_max_tokens=3000, prefill_nodes=2, decode_nodes=2)
+    out = {}
+    for sched in ("anchors_first", "fifo"):
+        cfg.link = replace(cfg.link, scheduling=sched)
+        (row,), _ = run_all(cfg)
+        out[sched] = row
+        pct = row["ttft_pct_s"]
+        assert pct["p50"] <= pct["p90"] <= pct["p99"]
+        assert row["requests"] == 40 and row["throughput_rps"] > 0
+    # all anchors first gets first tokens out sooner on average under contention
+    assert out["anchors_first"]["ttft_s"] <= out["fifo"]["ttft_s"]
+    (again,), _ = run_all(cfg)  # same seed, same result
+    assert again["ttft_s"] == out["fifo"]["ttft_s"]
+
+
+def test_qwen3_235b_128k_bf16_is_23_5_gib():
+    cfg, _ = compose("sim", ["model=qwen3-235b-a22b"], SimConfig)
+    assert cfg.model.kv_bytes_bf16(131072) == 2 * 94 * 131072 * 4 * 128 * 2
+    assert cfg.model.kv_bytes_bf16(131072) / 2**30 == pytest.approx(23.5, abs=0.01)
+    assert cfg.model.kv_shape(131072).bf16_bytes == cfg.model.kv_bytes_bf16(131072)
+
+
+def test_mla_cache_has_k_factor_one():
+    cfg, _ = compose("sim", ["model=deepseek-v3"], SimConfig)
+    assert cfg.model.kv_bytes_bf16(1000) == 1 * 1000 * 576 * 61 * 2
+    assert cfg.model.kv_shape(1000).bf16_bytes == cfg.model.kv_bytes_bf16(1000)
+
+
+def test_every_config_group_option_composes():
+    groups = {g: sorted(p.stem for p in (CONF_DIR / g).glob("*.yaml"))
+              for g in ("model", "hardware", "link", "workload", "scenario")}
+    assert all(groups.values())
+    for group, options in groups.items():
+        for option in options:
+            cfg, _ = compose("sim", [f"{group}={option}"], SimConfig)
+            assert isinstance(cfg, SimConfig)
+            cfg.link.validate()
+            cfg.workload.validate()
+            TimingModel(cfg.model, cfg.hardware).tpot_s(1024)
+    with pytest.raises(Exception, match="bandwidth_gbpz|not in"):
+        compose("sim", ["link.bandwidth_gbpz=3"], SimConfig)
+
+
+def test_bad_policy_and_missing_timing_are_clear(tmp_path):
+    cfg = _cfg(tmp_path, ["bf16"], transfer="teleport")
+    with pytest.raises(ValueError, match="unknown transfer"):
+        variants(cfg)
+    cfg = _cfg(tmp_path, ["bf16"], codec_timing=str(tmp_path / "none.json"))
+    with pytest.raises(ValueError, match="no codec timing file"):
+        Scenario(cfg, variants(cfg)[0], 1000, 1.0)
+
+
+# ---- the seeds' results, from the simulator ------------------------------------------------
+def _rows(scenario: str, codecs: list) -> list[dict]:
+    cfg, _ = compose("sim", [f"scenario={scenario}"], SimConfig)
+    cfg.codecs = codecs
+    return run_all(cfg)[0]
+
+
+def test_table1_ordering_bf16_int8_lynx_int4():
+    rows = {r["codec"]: r for r in _rows("table1-qwen32b-16k", ["bf16", "int8", "int4", LYNX])}
+    ttft = {c: r["ttft_from_prefill_end_s"] for c, r in rows.items()}
+    assert ttft["bf16"] > ttft["int8"] > ttft["lynx"] >= ttft["int4"]
+    tt32 = {c: r["ttkt_from_prefill_end_s"][32] for c, r in rows.items()}
+    assert tt32["bf16"] > tt32["int8"] > tt32["lynx"]
+    assert rows["lynx"]["transfer"] == "split_stream" and rows["int8"]["transfer"] == "monolithic"
+
+
+def _gain(rows, key):
+    by = {}
+    for r in rows:
+        by.setdefault(r[key], {})[r["codec"]] = r["ttkt_from_prefill_end_s"][64]
+    return [by[x]["int8"] - by[x]["lynx"] for x in sorted(by)]
+
+
+def test_fig11_lynx_gain_grows_with_context():
+    gains = _gain(_rows("fig11-context", ["int8", LYNX]), "context_tokens")
+    assert len(gains) == 3 and all(g > 0 for g in gains)
+    assert gains[0] < gains[1] < gains[2]
+
+
+def test_fig11_lynx_gain_shrinks_with_bandwidth():
+    gains = _gain(_rows("fig11-bandwidth", ["int8", LYNX]), "bandwidth_gbps")
+    assert len(gains) == 3 and all(g > 0 for g in gains)
+    assert gains[0] > gains[1] > gains[2]
