@@ -29,7 +29,8 @@ CONFIG_NAME = "bench_codecs"
 
 # Every codec preset in conf/codec/ (kept equal to conf/bench_codecs.yaml's list; a test
 # checks both, and that each preset file exists).
-DEFAULT_CODECS = ["bf16", "cachegen"]
+DEFAULT_CODECS = ["bf16", "int8", "int4", "kivi-2", "kivi-4", "kcvt-4", "gear", "gear-l", "oscar",
+                  "cachegen"]
 
 
 @dataclass
@@ -38,7 +39,7 @@ class ShapeConfig:
 
     layers: int = 4
     kv_heads: int = 2
-    tokens: int = 1024
+    tokens: int = 512
     head_dim: int = 128
     q_heads: int = 8  # query heads (multiple of kv_heads, GQA)
     q_tokens: int = 16  # decode queries per layer for vNMSE
