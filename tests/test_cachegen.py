@@ -141,3 +141,18 @@ def test_preset_resolves():
     spec = resolve_codec("cachegen")
     assert spec.name == "cachegen"
     assert isinstance(spec.build(), CacheGenCodec)
+
+
+def test_remeasure_cli_on_a_capture(tmp_path):
+    from kvsim.capture import Capture
+    from kvsim.kernels.cachegen import main
+
+    kv = _kv(layers=1, heads=1, tokens=48, dim=32)
+    path = Capture(kv, None, {"model": "test"}).save(tmp_path / "cap.pt")
+    out = tmp_path / "ratio.json"
+    assert main(["measure", "--capture", str(path), "--out", str(out)]) == 0
+    doc = load_ratios(out)
+    assert doc["provenance"]["source"]["kind"] == "capture"
+    assert doc["provenance"]["source"]["path"] == str(path)
+    assert doc["provenance"]["shape"]["tokens"] == 48
+    assert doc["ratios"]["V"]["delta"]["4"]["bits_per_symbol"] > 0
