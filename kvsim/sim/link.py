@@ -229,13 +229,17 @@ class Link:
             new_rate = share if id(f) in top else 0.0
             if new_rate > 0.0 and math.isnan(f.first_byte_t):
                 f.first_byte_t = now
-            f.rate = new_rate
             if new_rate > 0.0:
-                j = self._idle_index(f)
-                f.idle_j = j
-                f.idle_t = now + (float(f.cum[j]) - f.served) / new_rate
+                if new_rate != f.rate or f.idle_j < f.head:
+                    # rate changed: find where the flow drains at the new rate (an unchanged
+                    # rate keeps the drain point computed earlier: releases are fixed)
+                    f.rate = new_rate
+                    j = self._idle_index(f)
+                    f.idle_j = j
+                    f.idle_t = now + (float(f.cum[j]) - f.served) / new_rate
                 next_t = min(next_t, f.idle_t)
             else:
+                f.rate = 0.0
                 f.idle_t = math.inf
                 if f.head < f.n and f.release[f.head] > now:
                     next_t = min(next_t, float(f.release[f.head]))
