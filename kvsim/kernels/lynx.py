@@ -204,6 +204,23 @@ def lynx_tables(alpha: float, split: tuple[int, ...]) -> LynxTables:
     return LynxTables(tuple(split), m, thr, shift, base, lut_thr, tuple(recon))
 
 
+@functools.lru_cache(maxsize=256)
+def signed_values(tab: LynxTables, streams: int) -> np.ndarray:
+    """fp32 [2^(b0 + ... + b_{streams-1})]: decoded value (sign * bucket centre, in units of
+    sigma) for every concatenation key = f0 << (b1 + ...) | f1 << ... | f_{streams-1} of the
+    raw stream fields; one gather per element in the fast decoders."""
+    widths = tab.split[:streams]
+    keys = np.arange(1 << sum(widths), dtype=np.int64)
+    fields, rest = [], keys
+    for b in reversed(widths):
+        fields.append(rest & ((1 << b) - 1))
+        rest = rest >> b
+    fields.reverse()
+    neg, prefix = join_fields([torch.from_numpy(f) for f in fields], tab)
+    mag = tab.recon[streams - 1][prefix.numpy()]
+    return np.where(neg.numpy(), -mag, mag).astype(np.float32)
+
+
 @functools.lru_cache(maxsize=64)
 def _torch_tables(tab: LynxTables, device: str) -> dict[str, torch.Tensor]:
     return {
@@ -371,12 +388,20 @@ def write_metadata(arr: LynxArrays, lay: LynxLayout) -> None:
             m = src[:, :, :, cs].reshape(L, 2, H, npg, pl.chunks, D).permute(0, 3, 1, 2, 4, 5)
             m = m.reshape(L, npg, -1)
             _region(buf, lay, 0, last, off, m.shape[-1] * 2).copy_(_as_bytes(m))
-        if arr.scales is not None:
-            t0 = ps.start * lay.page_tokens
-            sc = arr.scales[..., t0: t0 + npg * pl.tokens]
-            sc = sc.reshape(L, lay.scale_kv, H, npg, pl.tokens).permute(0, 3, 1, 2, 4)
-            sc = sc.reshape(L, npg, -1)
-            _region(buf, lay, 0, last, pl.scale_off, sc.shape[-1] * 2).copy_(_as_bytes(sc))
+    if arr.scales is not None:
+        write_scales(buf, arr.scales, lay)
+
+
+def write_scales(buf: torch.Tensor, scales: torch.Tensor, lay: LynxLayout) -> None:
+    """Copy oscar token scales [L, T_kv, H, T] fp16 into the anchor buffer."""
+    L, H = lay.shape.layers, lay.shape.kv_heads
+    for pl, last, ps, _ in _page_groups(lay):
+        npg = ps.stop - ps.start
+        t0 = ps.start * lay.page_tokens
+        sc = scales[..., t0: t0 + npg * pl.tokens]
+        sc = sc.reshape(L, lay.scale_kv, H, npg, pl.tokens).permute(0, 3, 1, 2, 4)
+        sc = sc.reshape(L, npg, -1)
+        _region(buf, lay, 0, last, pl.scale_off, sc.shape[-1] * 2).copy_(_as_bytes(sc))
 
 
 def read_metadata(buf: torch.Tensor, lay: LynxLayout) -> LynxArrays:
@@ -387,8 +412,6 @@ def read_metadata(buf: torch.Tensor, lay: LynxLayout) -> LynxArrays:
     k = torch.empty(L, lay.pages, 2, H, D, dtype=torch.int8, device=dev)
     mu = torch.empty(L, 2, H, lay.total_chunks, D, dtype=torch.int16, device=dev)
     sigma = torch.empty(L, 2, H, lay.total_chunks, D, dtype=torch.float16, device=dev)
-    scales = (torch.empty(L, lay.scale_kv, H, lay.shape.tokens, dtype=torch.float16, device=dev)
-              if lay.scale_kv else None)
     for pl, last, ps, cs in _page_groups(lay):
         npg = ps.stop - ps.start
         ch = 2 * H * D
@@ -402,12 +425,24 @@ def read_metadata(buf: torch.Tensor, lay: LynxLayout) -> LynxArrays:
         for dst, off, dt in ((mu, pl.mu_off, torch.int16), (sigma, pl.sigma_off, torch.float16)):
             m = grab(off, ch * pl.chunks, dt).view(L, npg, 2, H, pl.chunks, D)
             dst[:, :, :, cs] = m.permute(0, 2, 3, 1, 4, 5).reshape(L, 2, H, -1, D)
-        if scales is not None:
-            t0 = ps.start * lay.page_tokens
-            sc = grab(pl.scale_off, lay.scale_kv * H * pl.tokens, torch.float16)
-            sc = sc.view(L, npg, lay.scale_kv, H, pl.tokens).permute(0, 2, 3, 1, 4)
-            scales[..., t0: t0 + npg * pl.tokens] = sc.reshape(L, lay.scale_kv, H, -1)
-    return LynxArrays(lo, k, mu, sigma, scales, [buf])
+    return LynxArrays(lo, k, mu, sigma, read_scales(buf, lay), [buf])
+
+
+def read_scales(buf: torch.Tensor, lay: LynxLayout) -> torch.Tensor | None:
+    """oscar token scales [L, T_kv, H, T] fp16 from an anchor buffer (None without oscar)."""
+    if not lay.scale_kv:
+        return None
+    L, H = lay.shape.layers, lay.shape.kv_heads
+    scales = torch.empty(L, lay.scale_kv, H, lay.shape.tokens, dtype=torch.float16,
+                         device=buf.device)
+    for pl, last, ps, _ in _page_groups(lay):
+        npg = ps.stop - ps.start
+        t0 = ps.start * lay.page_tokens
+        n = lay.scale_kv * H * pl.tokens
+        sc = _region(buf, lay, 0, last, pl.scale_off, 2 * n).contiguous().view(torch.float16)
+        sc = sc.view(L, npg, lay.scale_kv, H, pl.tokens).permute(0, 2, 3, 1, 4)
+        scales[..., t0: t0 + npg * pl.tokens] = sc.reshape(L, lay.scale_kv, H, -1)
+    return scales
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -689,22 +724,27 @@ class LynxCodec(Codec):
                                    for page in range(lay.pages)])
             bufs.append(torch.from_numpy(flat).to(device))
         backend = self._backend(device)
-        arr = read_metadata(bufs[0], lay)
-        arr.buffers = bufs
-        if backend == "torch":
-            out = decode_torch(arr, lay, tab, streams)
-        elif backend == "cpu":
+        if backend == "cpu":
             from kvsim.kernels import lynx_cpu
 
-            out = lynx_cpu.decode_cpu(arr, lay, tab, streams)
+            direct = enc.shape.dtype == "bfloat16" and p.precondition == "none"
+            out = lynx_cpu.decode_cpu(bufs, lay, tab, streams, bf16=direct)
+            scales = read_scales(bufs[0], lay)
         else:
-            from kvsim.kernels import lynx_triton
+            arr = read_metadata(bufs[0], lay)
+            arr.buffers = bufs
+            scales = arr.scales
+            if backend == "torch":
+                out = decode_torch(arr, lay, tab, streams)
+            else:
+                from kvsim.kernels import lynx_triton
 
-            out = lynx_triton.decode_triton(arr, lay, tab, streams)
+                out = lynx_triton.decode_triton(arr, lay, tab, streams)
         if p.precondition == "oscar":
-            out = oscar_inverse(out, arr.scales, p.oscar_targets)
-        dt = DTYPES[enc.shape.dtype]
-        big = torch.finfo(dt).max
+            out = oscar_inverse(out, scales, p.oscar_targets)
+        if out.dtype != torch.float32:
+            return out  # already in the encoded dtype, clamped and rounded by the kernel
+        big = torch.finfo(DTYPES[enc.shape.dtype]).max
         return out.clamp_(-big, big)
 
 

@@ -1,0 +1,469 @@
+"""Fast CPU path of the `lynx` codec: numba kernels, byte-identical to the torch reference.
+
+One work item = one (layer, K|V, kv_head, page): the page block [n, D] is copied once into
+a thread-local fp32 scratch (bf16 input is widened from its bits there, no fp32 copy of the
+cache), then statistics, companding (lookup table over the fp32 bits of u, see
+lynx.LynxTables), the split into stream fields and the bit packing run on that L2-resident
+block, writing packed codes straight into the stream buffers. Items run in parallel
+(numba prange). Decode mirrors it and writes bf16 (or fp32) directly.
+
+All arithmetic follows lynx.encode_torch operation by operation (IEEE fp32, no fast-math, no
+FMA contraction), so codes and metadata are identical; tests/test_lynx.py checks bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numba
+import numpy as np
+import torch
+
+from kvsim.kernels.lynx import (
+    MU_FRAC_BITS,
+    LynxArrays,
+    LynxLayout,
+    LynxTables,
+    signed_values,
+    write_scales,
+)
+
+_JIT = dict(cache=True, nogil=True, error_model="numpy")
+
+
+@numba.njit(**_JIT)
+def f32_to_f16_bits(src, dst):
+    """src: fp32 bit patterns (uint32 view) of non-negative finite values -> dst: fp16 bits,
+    round to nearest even (as torch .half())."""
+    for i in range(src.shape[0]):
+        bits = np.int64(src[i])
+        exp = (bits >> 23) & 0xFF
+        man = bits & 0x7FFFFF
+        if exp >= 143:  # >= 2^16: inf
+            h = 0x7C00
+        elif exp >= 113:  # normal fp16
+            h = ((exp - 112) << 10) | (man >> 13)
+            rem = man & 0x1FFF
+            if rem > 0x1000 or (rem == 0x1000 and (h & 1)):
+                h += 1  # a carry into the exponent is still right (up to inf)
+        elif exp == 0 or 126 - exp > 25:
+            h = 0
+        else:  # fp16 subnormal: value in units of 2^-24 is m >> shift
+            shift = 126 - exp
+            m = man | 0x800000
+            h = m >> shift
+            rem = m & ((1 << shift) - 1)
+            half = 1 << (shift - 1)
+            if rem > half or (rem == half and (h & 1)):
+                h += 1
+        dst[i] = h
+
+
+@numba.njit(**_JIT)
+def f16_bits_to_f32(src, dst, dst_bits):
+    """src: fp16 bits (non-negative, finite) -> dst (fp32 array) through its uint32 view."""
+    for i in range(src.shape[0]):
+        h = np.int64(src[i])
+        exp = (h >> 10) & 0x1F
+        man = h & 0x3FF
+        if exp == 0:
+            dst[i] = np.float32(man) * np.float32(2.0 ** -24)
+        else:
+            dst_bits[i] = np.uint32(((exp + 112) << 23) | (man << 13))
+
+
+@numba.njit(**_JIT)
+def _pack(fields, n, bits, out, pos):
+    """fields[0:n] b-bit codes -> bytes out[pos:pos + ceil(n*b/8)], little-end first."""
+    if bits == 8:
+        for i in range(n):
+            out[pos + i] = fields[i]
+    elif bits == 4:
+        m = n // 2
+        for i in range(m):
+            out[pos + i] = fields[2 * i] | (fields[2 * i + 1] << 4)
+        if n % 2:
+            out[pos + m] = fields[n - 1]
+    elif bits == 2:
+        m = n // 4
+        for i in range(m):
+            out[pos + i] = (fields[4 * i] | (fields[4 * i + 1] << 2) | (fields[4 * i + 2] << 4)
+                            | (fields[4 * i + 3] << 6))
+        if n % 4:
+            acc = 0
+            for j in range(n - 4 * m):
+                acc |= np.int64(fields[4 * m + j]) << (2 * j)
+            out[pos + m] = acc
+    else:
+        acc = np.int64(0)
+        nb = 0
+        p = pos
+        for i in range(n):
+            acc |= np.int64(fields[i]) << nb
+            nb += bits
+            while nb >= 8:
+                out[p] = acc & 0xFF
+                acc >>= 8
+                nb -= 8
+                p += 1
+        if nb > 0:
+            out[p] = acc & 0xFF
+
+
+@numba.njit(**_JIT)
+def _unpack(src, pos, n, bits, fields):
+    """Inverse of _pack: bytes src[pos:] -> fields[0:n]."""
+    if bits == 8:
+        for i in range(n):
+            fields[i] = src[pos + i]
+    elif bits == 4:
+        for i in range(n // 2):
+            b = src[pos + i]
+            fields[2 * i] = b & 15
+            fields[2 * i + 1] = b >> 4
+        if n % 2:
+            fields[n - 1] = src[pos + n // 2] & 15
+    else:
+        mask = (1 << bits) - 1
+        acc = np.int64(0)
+        nb = 0
+        p = pos
+        for i in range(n):
+            while nb < bits:
+                acc |= np.int64(src[p]) << nb
+                p += 1
+                nb += 8
+            fields[i] = acc & mask
+            acc >>= bits
+            nb -= bits
+
+
+@numba.njit(parallel=True, **_JIT)
+def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_shift, lut_base, lut_thr,
+                   stream_base, layer_bytes, full_bytes, code_off, row_bytes, meta_off,
+                   lo_out, k_out, mu_out, sig_out, out):
+    """xf: [L, 2, H, T, D] fp32, or xb: same shape uint16 bf16 bits (use_bits).
+    Per stream s (buffer at out[stream_base[s]:]): layer_bytes, full_bytes (chunk bytes of a
+    full page); code_off / row_bytes: [2 (full page, last page), streams]; meta_off:
+    [2, 4] offsets of lo, mu, sigma, k in an anchor chunk. Writes the metadata arrays, the
+    anchor metadata bytes and every stream's packed codes."""
+    if use_bits:
+        L, _, H, T, D = xb.shape
+    else:
+        L, _, H, T, D = xf.shape
+    pages = (T + P - 1) // P
+    nstreams = split.shape[0]
+    cells = lut_base.shape[0]
+    qscale = np.float32(1 << MU_FRAC_BITS)
+    mscale = np.float32(2.0 ** -MU_FRAC_BITS)
+    half = np.float32(0.5)
+    for w in numba.prange(L * 2 * H * pages):
+        p = w % pages
+        row = (w // pages) % (2 * H)
+        l = w // (pages * 2 * H)
+        kv = row // H
+        h = row % H
+        t0 = p * P
+        n = min(P, T - t0)
+        last = 1 if p == pages - 1 else 0
+        cpp = (n + C - 1) // C
+        abase = stream_base[0] + l * layer_bytes[0] + p * full_bytes[0]
+        buf = np.empty(n * D, np.float32)
+        bu = buf.view(np.uint32)
+        if use_bits:
+            src = xb[l, kv, h]
+            for t in range(n):
+                sr = src[t0 + t]
+                for d in range(D):
+                    bu[t * D + d] = np.uint32(sr[d]) << np.uint32(16)
+        else:
+            src = xf[l, kv, h]
+            for t in range(n):
+                sr = src[t0 + t]
+                for d in range(D):
+                    buf[t * D + d] = sr[d]
+        # ---- stage 1: page min / power-of-two scale ----
+        lo = np.empty(D, np.float32)
+        hi = np.empty(D, np.float32)
+        lo[:] = buf[:D]
+        hi[:] = buf[:D]
+        for t in range(1, n):
+            rw = buf[t * D: (t + 1) * D]
+            for d in range(D):
+                v = rw[d]
+                lo[d] = v if v < lo[d] else lo[d]
+                hi[d] = v if v > hi[d] else hi[d]
+        r = np.empty(D, np.float32)
+        for d in range(D):
+            r[d] = hi[d] * half - lo[d] * half
+        rb = r.view(np.int32)
+        kk = np.empty(D, np.int8)
+        fenc = np.empty(D, np.int32)
+        lh = np.empty(D, np.float32)
+        for d in range(D):
+            k = ((rb[d] >> 23) & 0xFF) - 126
+            k = max(-126, min(126, k))
+            kk[d] = k
+            fenc[d] = (127 - k) << 23
+            lh[d] = lo[d] * half
+        lo_out[l, p, kv, h] = lo
+        k_out[l, p, kv, h] = kk
+        o = abase + meta_off[last, 0] + row * D * 4
+        out[o: o + D * 4] = lo.view(np.uint8)
+        o = abase + meta_off[last, 3] + row * D
+        out[o: o + D] = kk.view(np.uint8)
+        fe = fenc.view(np.float32)
+        for t in range(n):
+            rw = buf[t * D: (t + 1) * D]
+            for d in range(D):
+                rw[d] = (rw[d] * half - lh[d]) * fe[d]
+        # ---- stages 2-4 per chunk ----
+        qsum = np.empty(D, np.int32)  # < 2^16 * 4096 tokens
+        mu = np.empty(D, np.float32)
+        mu16 = np.empty(D, np.uint16)
+        sig16 = np.empty(D, np.uint16)
+        inv = np.empty(D, np.float32)
+        inv_bits = inv.view(np.uint32)
+        bi = buf.view(np.int32)
+        codes = np.empty(C * D, np.int32)  # magnitude code | sign << 8
+        fields = np.empty((nstreams, C * D), np.uint8)
+        shift = np.int32(lut_shift)
+        cmax = np.int32(cells - 1)
+        for c0 in range(0, n, C):
+            nc = min(C, n - c0)
+            ci = (t0 + c0) // C
+            m = nc * D
+            j0 = c0 * D
+            qsum[:] = 0
+            for t in range(c0, c0 + nc):
+                rw = buf[t * D: (t + 1) * D]
+                for d in range(D):
+                    qsum[d] += np.int32(rw[d] * qscale)
+            for d in range(D):
+                mq = qsum[d] // np.int32(nc)
+                mu16[d] = mq
+                mu[d] = np.float32(mq) * mscale
+            inv[:] = 0
+            for t in range(c0, c0 + nc):
+                rw = buf[t * D: (t + 1) * D]
+                for d in range(D):
+                    cen = rw[d] - mu[d]
+                    rw[d] = cen
+                    a = abs(cen)
+                    inv[d] = a if a > inv[d] else inv[d]
+            f32_to_f16_bits(inv_bits, sig16)
+            f16_bits_to_f32(sig16, inv, inv_bits)
+            mu_out[l, kv, h, ci] = mu16
+            sig_out[l, kv, h, ci] = sig16
+            o = (row * cpp + c0 // C) * D * 2
+            out[abase + meta_off[last, 1] + o: abase + meta_off[last, 1] + o + 2 * D] = \
+                mu16.view(np.uint8)
+            out[abase + meta_off[last, 2] + o: abase + meta_off[last, 2] + o + 2 * D] = \
+                sig16.view(np.uint8)
+            for d in range(D):
+                sv = inv[d]
+                inv[d] = np.float32(1.0) / sv if sv > 0 else np.float32(0.0)
+            for t in range(c0, c0 + nc):
+                rw = buf[t * D: (t + 1) * D]
+                for d in range(D):
+                    rw[d] = rw[d] * inv[d]  # signed u: sign of the centred value kept
+            cb = bi[j0: j0 + m]
+            cf = buf[j0: j0 + m]
+            for j in range(m):
+                b = cb[j]
+                cell = min((b & np.int32(0x7FFFFFFF)) >> shift, cmax)
+                up = np.int32(1) if abs(cf[j]) > lut_thr[cell] else np.int32(0)
+                codes[j] = (lut_base[cell] + up) | ((b >> np.int32(23)) & np.int32(256))
+            for s in range(nstreams):
+                pos = (stream_base[s] + l * layer_bytes[s] + p * full_bytes[s]
+                       + code_off[last, s] + row * row_bytes[last, s] + (c0 * D * split[s]) // 8)
+                # field = (((mag >> sh) & msk) ^ top) | sign bit (anchor only): one formula
+                bs = split[s]
+                sh = np.int32(shifts[s])
+                if s == 0:
+                    msk, top = np.int32((1 << (bs - 1)) - 1), np.int32(0)
+                    sgn, smask = np.int32(8 - (bs - 1)), np.int32(1 << (bs - 1))
+                else:
+                    msk, top = np.int32((1 << bs) - 1), np.int32(1 << (bs - 1))
+                    sgn, smask = np.int32(8), np.int32(0)
+                if bs == 4:
+                    for i in range(m // 2):
+                        c = codes[2 * i]
+                        e = codes[2 * i + 1]
+                        fc = ((((c & 255) >> sh) & msk) ^ top) | (((c & 256) >> sgn) & smask)
+                        fe2 = ((((e & 255) >> sh) & msk) ^ top) | (((e & 256) >> sgn) & smask)
+                        out[pos + i] = np.uint8(fc | (fe2 << 4))
+                    if m % 2:
+                        c = codes[m - 1]
+                        out[pos + m // 2] = np.uint8(
+                            ((((c & 255) >> sh) & msk) ^ top) | (((c & 256) >> sgn) & smask))
+                else:
+                    fs = fields[s]
+                    for j in range(m):
+                        c = codes[j]
+                        fs[j] = ((((c & 255) >> sh) & msk) ^ top) | (((c & 256) >> sgn) & smask)
+                    _pack(fs, m, bs, out, pos)
+
+
+@numba.njit(parallel=True, **_JIT)
+def _decode_kernel(src, nstreams, P, C, split, values, stream_base, layer_bytes, full_bytes,
+                   code_off, row_bytes, meta_off, out_f, out_b, to_bits):
+    """Inverse of _encode_kernel on the first `nstreams` streams, reading the metadata from
+    the anchor bytes. values: lynx.signed_values for that many streams. Writes out_f
+    [L, 2, H, T, D] fp32, or out_b bf16 bits (to_bits: clamped to finite bf16, RNE)."""
+    if to_bits:
+        L, _, H, T, D = out_b.shape
+    else:
+        L, _, H, T, D = out_f.shape
+    pages = (T + P - 1) // P
+    mscale = np.float32(2.0 ** -MU_FRAC_BITS)
+    big = np.float32(3.3895313892515355e38)  # largest finite bf16
+    for w in numba.prange(L * 2 * H * pages):
+        p = w % pages
+        row = (w // pages) % (2 * H)
+        l = w // (pages * 2 * H)
+        kv = row // H
+        h = row % H
+        t0 = p * P
+        n = min(P, T - t0)
+        last = 1 if p == pages - 1 else 0
+        cpp = (n + C - 1) // C
+        abase = stream_base[0] + l * layer_bytes[0] + p * full_bytes[0]
+        lo8 = np.empty(4 * D, np.uint8)
+        o = abase + meta_off[last, 0] + row * D * 4
+        lo8[:] = src[o: o + 4 * D]
+        lo = lo8.view(np.float32)
+        fdec = np.empty(D, np.int32)
+        o = abase + meta_off[last, 3] + row * D
+        for d in range(D):
+            fdec[d] = (np.int32(np.int8(src[o + d])) + 128) << 23
+        fd = fdec.view(np.float32)
+        fields = np.empty((nstreams, C * D), np.uint8)
+        keys = np.empty(C * D, np.int32)
+        m8 = np.empty(2 * D, np.uint8)
+        s8 = np.empty(2 * D, np.uint8)
+        mu = np.empty(D, np.float32)
+        sg = np.empty(D, np.float32)
+        sg_bits = sg.view(np.uint32)
+        res = np.empty(C * D, np.float32)
+        rbits = res.view(np.uint32)
+        for c0 in range(0, n, C):
+            nc = min(C, n - c0)
+            m = nc * D
+            o = (row * cpp + c0 // C) * D * 2
+            m8[:] = src[abase + meta_off[last, 1] + o: abase + meta_off[last, 1] + o + 2 * D]
+            s8[:] = src[abase + meta_off[last, 2] + o: abase + meta_off[last, 2] + o + 2 * D]
+            m16 = m8.view(np.uint16)
+            for d in range(D):
+                mu[d] = np.float32(m16[d]) * mscale
+            f16_bits_to_f32(s8.view(np.uint16), sg, sg_bits)
+            for s in range(nstreams):
+                pos = (stream_base[s] + l * layer_bytes[s] + p * full_bytes[s]
+                       + code_off[last, s] + row * row_bytes[last, s] + (c0 * D * split[s]) // 8)
+                _unpack(src, pos, m, split[s], fields[s])
+            f0 = fields[0]
+            for j in range(m):
+                keys[j] = f0[j]
+            for s in range(1, nstreams):
+                bs = np.int32(split[s])
+                fs = fields[s]
+                for j in range(m):
+                    keys[j] = (keys[j] << bs) | fs[j]
+            for t in range(nc):
+                rk = keys[t * D: (t + 1) * D]
+                rr = res[t * D: (t + 1) * D]
+                for d in range(D):
+                    y = lo[d] + (mu[d] + sg[d] * values[rk[d]]) * fd[d]
+                    if to_bits:
+                        y = max(-big, min(big, y))
+                    rr[d] = y
+            if to_bits:
+                ob = out_b[l, kv, h]
+                for t in range(nc):
+                    orow = ob[t0 + c0 + t]
+                    rw = rbits[t * D: (t + 1) * D]
+                    for d in range(D):
+                        ub = rw[d]
+                        ub = ub + np.uint32(0x7FFF) + ((ub >> np.uint32(16)) & np.uint32(1))
+                        orow[d] = np.uint16(ub >> np.uint32(16))
+            else:
+                of = out_f[l, kv, h]
+                for t in range(nc):
+                    of[t0 + c0 + t] = res[t * D: (t + 1) * D]
+
+
+def _layout_arrays(lay: LynxLayout, streams: int) -> tuple[np.ndarray, ...]:
+    n = streams
+    base = np.zeros(n, np.int64)
+    layer_b = np.array([lay.layer_bytes(s) for s in range(n)], np.int64)
+    base[1:] = np.cumsum(layer_b * lay.shape.layers)[:-1]
+    full = lay.full or lay.last
+    full_b = np.array([full.chunk_bytes[s] if lay.full else 0 for s in range(n)], np.int64)
+    code_off = np.array([[full.code_off[s] for s in range(n)],
+                         [lay.last.code_off[s] for s in range(n)]], np.int64)
+    rows = np.array([[full.row_bytes[s] for s in range(n)],
+                     [lay.last.row_bytes[s] for s in range(n)]], np.int64)
+    meta = np.array([[pl.lo_off, pl.mu_off, pl.sigma_off, pl.k_off] for pl in (full, lay.last)],
+                    np.int64)
+    return base, layer_b, full_b, code_off, rows, meta
+
+
+def encode_cpu(x: torch.Tensor, lay: LynxLayout, tab: LynxTables,
+               scales: torch.Tensor | None) -> LynxArrays:
+    """x: [L, 2, H, T, D] bf16/fp16/fp32 CPU tensor (preconditioned) -> LynxArrays."""
+    L, H, D = lay.shape.layers, lay.shape.kv_heads, lay.shape.head_dim
+    split = np.asarray(tab.split, np.int64)
+    n = len(tab.split)
+    base, layer_b, full_b, code_off, rows, meta = _layout_arrays(lay, n)
+    out = np.empty(int(base[-1] + layer_b[-1] * L), np.uint8)
+    lo = np.empty((L, lay.pages, 2, H, D), np.float32)
+    k = np.empty((L, lay.pages, 2, H, D), np.int8)
+    mu = np.empty((L, 2, H, lay.total_chunks, D), np.uint16)
+    sig = np.empty((L, 2, H, lay.total_chunks, D), np.uint16)
+    x = x.contiguous()
+    if x.dtype == torch.bfloat16:
+        xb = x.view(torch.int16).numpy().view(np.uint16)
+        xf = np.empty((1, 1, 1, 1, 1), np.float32)
+        use_bits = True
+    else:
+        xf = x.to(torch.float32).numpy()
+        xb = np.empty((1, 1, 1, 1, 1), np.uint16)
+        use_bits = False
+    shifts = np.array([tab.field_shift(s) for s in range(n)], np.int64)
+    _encode_kernel(xf, xb, use_bits, lay.page_tokens, lay.chunk_tokens, split, shifts,
+                   tab.lut_shift, _lut_base32(tab), tab.lut_thr, base, layer_b, full_b,
+                   code_off, rows, meta, lo, k, mu, sig, out)
+    buffers = [torch.from_numpy(out[base[s]: base[s] + layer_b[s] * L]) for s in range(n)]
+    if scales is not None:
+        write_scales(buffers[0], scales, lay)
+    return LynxArrays(torch.from_numpy(lo), torch.from_numpy(k),
+                      torch.from_numpy(mu.view(np.int16)),
+                      torch.from_numpy(sig.view(np.float16)), scales, buffers)
+
+
+def decode_cpu(buffers: list[torch.Tensor], lay: LynxLayout, tab: LynxTables, streams: int,
+               bf16: bool = False) -> torch.Tensor:
+    """Stream buffers (CPU uint8, chunks in (layer, page) order; first `streams`) ->
+    [L, 2, H, T, D] fp32, or bf16 if asked (clamped to finite bf16, round to nearest even)."""
+    L, H, T, D = lay.shape.layers, lay.shape.kv_heads, lay.shape.tokens, lay.shape.head_dim
+    split = np.asarray(tab.split, np.int64)
+    base, layer_b, full_b, code_off, rows, meta = _layout_arrays(lay, streams)
+    src = (np.concatenate([b.numpy() for b in buffers[:streams]]) if streams > 1
+           else buffers[0].numpy())
+    if bf16:
+        out_b = np.empty((L, 2, H, T, D), np.uint16)
+        out_f = np.empty((1, 1, 1, 1, 1), np.float32)
+    else:
+        out_f = np.empty((L, 2, H, T, D), np.float32)
+        out_b = np.empty((1, 1, 1, 1, 1), np.uint16)
+    _decode_kernel(src, streams, lay.page_tokens, lay.chunk_tokens, split,
+                   signed_values(tab, streams), base, layer_b, full_b, code_off, rows, meta,
+                   out_f, out_b, bf16)
+    if bf16:
+        return torch.from_numpy(out_b.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(out_f)
+
+
+@functools.lru_cache(maxsize=64)
+def _lut_base32(tab: LynxTables) -> np.ndarray:
+    return tab.lut_base.astype(np.int32)
