@@ -72,7 +72,7 @@ class LLMConfig:
 class QualityConfig:
     llm: LLMConfig = field(default_factory=LLMConfig)
     cache_dir: str | None = None  # model cache (kvsim model fetch)
-    threads: int = 2
+    threads: int = 1
     dtype: str = "float32"  # model compute dtype; the reference cache has this dtype
     codecs: list[Any] = field(default_factory=lambda: ["all"])  # presets, mappings, or "all"
     context_tokens: int = 1024
