@@ -65,6 +65,7 @@ def run(cfg: Config) -> list[dict]:
             "wall_s": wall, "target_s": target,
             "meets_target": (wall <= target) if target else None,
             "events": row["events"], "events_per_s": row["events"] / wall,
+            "messages": row["messages"], "messages_per_s": row["messages"] / wall,
             "simpy_baseline_events_per_s": base,
             "ratio_to_simpy": row["events"] / wall / base,
             "ttft_s": row["ttft_s"], "sim_end_s": row["sim_end_s"],
@@ -75,6 +76,8 @@ def run(cfg: Config) -> list[dict]:
                               ("granularity", "chunks", ""), ("wall_s", "wall s", ".3f"),
                               ("target_s", "target s", "g"), ("events", "events", "d"),
                               ("events_per_s", "events/s", ".0f"),
+                              ("messages", "messages", "d"),
+                              ("messages_per_s", "messages/s", ".0f"),
                               ("ratio_to_simpy", "vs bare simpy", ".2f")]))
     print(f"bare simpy timeout loop: {base:.0f} events/s")
     return rows

@@ -30,6 +30,8 @@ def table_rows(rows: list[dict]) -> list[dict]:
         for k, v in (r.get("ttkt_from_prefill_end_s") or {}).items():
             flat[f"tt{k}t_pe"] = v
         flat["gb"] = r["total_bytes"] / 1e9
+        pct = r.get("ttft_pct_s") or {}
+        flat["ttft_p50"], flat["ttft_p99"] = pct.get("p50"), pct.get("p99")
         flat["acc"] = f"{r.get('accepted_tokens', 0)}/{r.get('proposed_tokens', 0)}"
         out.append(flat)
     return out
@@ -46,15 +48,18 @@ def print_table(cfg: SimConfig, rows: list[dict]) -> None:
     cols += [("comm", "comm", ".3f"), ("deser", "deser", ".3f"), ("rej", "rej", ".3f"),
              ("verif", "verif", ".3f"), ("acc", "acc/prop", "")]
     if rows and rows[0].get("requests", 1) > 1:
-        cols += [("throughput_rps", "req/s", ".2f")]
+        cols += [("ttft_p50", "TTFT p50", ".3f"), ("ttft_p99", "TTFT p99", ".3f"),
+                 ("link_utilisation", "link util", ".2f"), ("throughput_rps", "req/s", ".2f")]
     if cfg.title:
-        print(cfg.title)
+        print(f"scenario: {cfg.title}")
+    first = rows[0] if rows else {}
     print(f"model={cfg.model.name} hardware={cfg.hardware.devices}x{cfg.hardware.name} "
-          f"acceptance={cfg.speculative.acceptance} workload={cfg.workload.kind}; "
-          f"times from request arrival (prefill {rows[0].get('prefill_s', 0):.3f} s "
-          f"included), -pe: from prefill end; breakdown of "
-          f"TT{cfg.metrics.breakdown_k}T from prefill end"
-          if rows and "prefill_s" in rows[0] else "")
+          f"link={cfg.link.name} acceptance={cfg.speculative.acceptance} "
+          f"workload={cfg.workload.kind} ({first.get('requests', 0)} request(s)); times from "
+          f"request arrival" + (f" (prefill {first['prefill_s']:.3f} s)" if "prefill_s" in first
+                                else "") +
+          f", -pe: from prefill end; breakdown of TT{cfg.metrics.breakdown_k}T from prefill "
+          "end; GB = wire bytes per request")
     print(format_table(table_rows(rows), cols))
 
 

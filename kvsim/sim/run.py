@@ -90,6 +90,7 @@ class Scenario:
         self.rng = np.random.default_rng(cfg.seed)
         self._plans: dict[int, tuple[TransferPlan, Any]] = {}
         self.records: list[RequestRecord] = []
+        self.messages = 0  # link messages (chunks) simulated
 
     # ---- plans -------------------------------------------------------------------------
     def plan(self, context_tokens: int) -> TransferPlan:
@@ -155,6 +156,7 @@ class Scenario:
                 pnode.link.submit(fp.sizes_bytes, rel[fp.chunk], prio, rx.delivered, rx.done,
                                   name=f"r{req.seq}.{fp.name}", tag=req.seq)
                 receivers.append(rx)
+                self.messages += len(fp.sizes_bytes)
             yield env.timeout(prefill_s)
             t_pe = env.now
         pnode.queued -= 1
@@ -229,16 +231,29 @@ class Scenario:
             "acceptance": self.acceptance.name,
             "link_utilisation": float(np.mean([lk.utilisation(end_t) for lk in self.links])),
             "sim_end_s": end_t, "wall_s": wall_s, "events": self.env.scheduled,
+            "messages": self.messages,
             "events_per_s": self.env.scheduled / wall_s if wall_s > 0 else math.nan,
         }
         per = [request_row(r, ks, cfg.metrics.breakdown_k) for r in recs]
         if len(recs) == 1:
             row.update(per[0])
             return row
+        # multi-request rows: means over requests (bytes too: contexts differ), percentiles
+        row["context_tokens_mean"] = float(np.mean([r.context_tokens for r in recs]))
+        row["stream_bytes"] = {name: float(np.mean([r.stream_bytes[i] for r in recs]))
+                               for i, name in enumerate(plan.stream_names)}
+        row["total_bytes"] = float(np.mean([sum(r.stream_bytes) for r in recs]))
+        row["bits_per_element"] = float(np.mean(
+            [8.0 * sum(r.stream_bytes) / self.model.kv_shape(r.context_tokens).numel
+             for r in recs]))
         row["ttft_s"] = float(np.mean([p["ttft_s"] for p in per]))
+        row["ttft_from_prefill_end_s"] = float(np.mean([p["ttft_from_prefill_end_s"]
+                                                        for p in per]))
         row["ttft_pct_s"] = percentiles([p["ttft_s"] for p in per])
         kk = [k for k in ks if all(k in p["ttkt_s"] for p in per)]
         row["ttkt_s"] = {k: float(np.mean([p["ttkt_s"][k] for p in per])) for k in kk}
+        row["ttkt_from_prefill_end_s"] = {
+            k: float(np.mean([p["ttkt_from_prefill_end_s"][k] for p in per])) for k in kk}
         row["ttkt_pct_s"] = {k: percentiles([p["ttkt_s"][k] for p in per]) for k in kk}
         row["breakdown_k"] = cfg.metrics.breakdown_k
         row["breakdown_s"] = {key: float(np.mean([p["breakdown_s"][key] for p in per]))

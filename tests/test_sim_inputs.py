@@ -1,0 +1,137 @@
+"""Simulator inputs: codec timing files, hardware roofline / measured profile, the policy
+plan's byte accounting, the serial-pipeline closed form, and `kvsim bench sim` plumbing."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kvsim.config.codecs import resolve_codec
+from kvsim.hardware import HardwareSpec, TimingModel
+from kvsim.models import ModelSpec
+from kvsim.sim.codec_timing import TIMING_DIR, from_bench_report, load_codec_timing
+from kvsim.sim.policy import build_plan, serial_pipeline
+
+MODEL = ModelSpec(name="m", layers=2, attention_heads=4, kv_heads=2, head_dim=64,
+                  hidden_size=256, params_total=1e9, params_active=1e9)
+
+
+def _write(tmp_path, doc):
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps(doc))
+    return p
+
+
+def test_every_shipped_timing_file_loads_and_states_its_source():
+    files = sorted(TIMING_DIR.glob("*.json"))
+    assert {p.stem for p in files} >= {"h100", "h200", "a100", "h20", "ascend-910b4",
+                                       "local-cpu"}
+    for p in files:
+        table = load_codec_timing(p.stem)
+        for entry in [*table.entries.values(), table.default]:
+            assert entry is not None and entry.source in ("measured", "assumed") and entry.note
+
+
+def test_timing_entries_without_provenance_are_refused(tmp_path):
+    base = {"encode_gb_per_s": 1.0, "decode_gb_per_s": 2.0}
+    for entry, msg in (({**base, "source": "assumed"}, "assumption"),
+                       ({**base, "source": "measured"}, "command"),
+                       ({**base, "source": "guess"}, "source must be"),
+                       ({"encode_gb_per_s": 1.0, "source": "assumed", "assumption": "x"},
+                        "decode_gb_per_s")):
+        p = _write(tmp_path, {"version": 1, "codecs": {"c": entry}})
+        with pytest.raises(ValueError, match=msg):
+            load_codec_timing("x", p)
+    p = _write(tmp_path, {"version": 1, "codecs": {}})
+    with pytest.raises(ValueError, match="no codec timing for"):
+        load_codec_timing("x", p).lookup("lynx", "lynx")
+
+
+def test_bench_report_becomes_a_measured_timing_file(tmp_path):
+    report = _write(tmp_path, {"rows": [{"codec": "int8", "encode_gbps": 3.0,
+                                         "decode_gbps": 6.0, "device": "cpu"}]})
+    doc = from_bench_report(report, "local-cpu", "kvsim bench codecs")
+    out = tmp_path / "local.json"
+    out.write_text(json.dumps(doc))
+    t = load_codec_timing("local-cpu", out).lookup("int8", "uniform")
+    assert (t.encode_gb_per_s, t.decode_gb_per_s, t.source) == (3.0, 6.0, "measured")
+    assert t.encode_s(6e9, devices=2) == pytest.approx(1.0)
+
+
+def test_roofline_memory_bound_decode_and_compute_bound_prefill():
+    hw = HardwareSpec(name="h", hbm_gb_per_s=1000.0, bf16_tflops=100.0, memory_gb=80.0,
+                      prefill_mfu=0.5, decode_mbu=0.5)
+    tm = TimingModel(MODEL, hw)
+    kv = MODEL.kv_bytes_bf16(1001)  # context + the new token
+    assert tm.tpot_s(1000) == pytest.approx((2e9 + kv) / (1000e9 * 0.5), rel=1e-12)
+    flops = MODEL.forward_flops(4096, 0)
+    assert tm.prefill_s(4096) == pytest.approx(flops / (100e12 * 0.5), rel=1e-12)
+    two = TimingModel(MODEL, HardwareSpec(name="h2", hbm_gb_per_s=1000.0, bf16_tflops=100.0,
+                                          memory_gb=80.0, prefill_mfu=0.5, decode_mbu=0.5,
+                                          devices=2))
+    assert two.tpot_s(1000) == pytest.approx(tm.tpot_s(1000) / 2, rel=1e-12)
+    assert tm.verify_s(8, 1000) > tm.verify_s(1, 1000) > 0
+    with pytest.raises(ValueError, match="raise hardware.devices"):
+        TimingModel(MODEL, HardwareSpec(name="s", hbm_gb_per_s=1.0, bf16_tflops=1.0,
+                                        memory_gb=1.0)).check_fits(1000)
+
+
+def test_measured_profile_overrides_the_roofline(tmp_path):
+    prof = _write(tmp_path, {"model": "m", "prefill": {"tokens": [1000, 3000], "s": [1.0, 2.0]},
+                             "tpot": {"context_tokens": [0, 10000], "s": [0.01, 0.03]}})
+    hw = HardwareSpec(name="h", hbm_gb_per_s=1000.0, bf16_tflops=100.0, memory_gb=80.0,
+                      profile=str(prof))
+    tm = TimingModel(MODEL, hw)
+    assert tm.prefill_s(2000) == pytest.approx(1.5)
+    assert tm.tpot_s(5000) == pytest.approx(0.02)
+    wrong = _write(tmp_path, {"model": "other", "prefill": {}, "tpot": {}})
+    with pytest.raises(ValueError, match="not 'm'"):
+        TimingModel(MODEL, HardwareSpec(name="h", hbm_gb_per_s=1.0, bf16_tflops=1.0,
+                                        memory_gb=1.0, profile=str(wrong)))
+
+
+def test_serial_pipeline_matches_the_recurrence():
+    rng = np.random.default_rng(0)
+    ready = np.sort(rng.uniform(0, 1, 50))
+    work = rng.uniform(0, 0.05, 50)
+    f, out = 0.3, []
+    for r, w in zip(ready, work, strict=True):
+        f = max(f, r) + w
+        out.append(f)
+    np.testing.assert_allclose(serial_pipeline(ready, work, 0.3), out, rtol=1e-12)
+
+
+@pytest.mark.parametrize("policy", ["monolithic", "layerwise", "split_stream"])
+@pytest.mark.parametrize("granularity", ["page", "layer"])
+def test_plan_carries_exactly_the_codec_bytes(policy, granularity):
+    spec = resolve_codec({"name": "bf16", "params": {"page_tokens": 96}})
+    shape = MODEL.kv_shape(1000)
+    table = spec.build().size_table(shape)
+    timing = load_codec_timing("local-cpu").lookup("bf16", "bf16")
+    plan = build_plan(table, shape, policy, timing, 1, granularity)
+    assert sum(float(f.sizes_bytes.sum()) for f in plan.flows) == table.total_bytes
+    assert plan.total_bytes == table.total_bytes == sum(plan.stream_bytes)
+    deser = sum(float(f.deserialize_s.sum()) for f in plan.flows)
+    assert deser == pytest.approx(shape.bf16_bytes / (timing.decode_gb_per_s * 1e9), rel=1e-12)
+    assert plan.encode_s.sum() == pytest.approx(
+        shape.bf16_bytes / (timing.encode_gb_per_s * 1e9), rel=1e-12)
+
+
+def test_bench_sim_runs_small_cases(capsys):
+    from kvsim.commands import bench_sim
+
+    cfg = bench_sim.Config(
+        cases={"tiny": ["scenario=none", "model=smollm2-135m", "hardware=h100",
+                        "workload.context_tokens=2048", "codecs=[int8]"],
+               "tiny-multi": ["scenario=none", "model=smollm2-135m", "hardware=h100",
+                              "workload=poisson", "workload.requests=30",
+                              "workload.prefill_nodes=2", "workload.decode_nodes=2",
+                              "codecs=[int8]", "granularity=layer"]},
+        targets_s={"tiny": 100.0}, repeats=1, baseline_events=1000)
+    rows = bench_sim.run(cfg)
+    assert [r["case"] for r in rows] == ["tiny", "tiny-multi"]
+    assert rows[0]["meets_target"] is True and rows[1]["requests"] == 30
+    assert all(r["events"] > 0 and r["messages"] > 0 and r["wall_s"] > 0 for r in rows)
+    assert "events/s" in capsys.readouterr().out
