@@ -30,6 +30,7 @@ CONFIG_NAME = "bench_codecs"
 # Every codec preset in conf/codec/ (kept equal to conf/bench_codecs.yaml's list; a test
 # checks both, and that each preset file exists).
 DEFAULT_CODECS = ["bf16", "int8", "int4", "kivi-2", "kivi-4", "kcvt-4", "gear", "gear-l", "oscar",
+                  "lynx", "lynx-int4", "lynx-int8", "lynx-2+6", "lynx-2+2+4", "lynx-oscar",
                   "cachegen"]
 
 
