@@ -31,7 +31,7 @@ class Flow:
 
     __slots__ = ("link", "priority", "name", "sizes", "cum", "release", "n", "head", "served",
                  "rate", "complete_t", "on_delivered", "on_done", "done", "idle_t", "tag",
-                 "first_byte_t", "idle_j")
+                 "first_byte_t", "idle_j", "cum_l", "release_l")
 
     def __init__(self, link: Link, priority: Any, sizes: np.ndarray, release: np.ndarray,
                  on_delivered: Callable[[Flow, int, int, np.ndarray], None] | None,
@@ -41,6 +41,8 @@ class Flow:
         self.cum = np.cumsum(sizes)  # [n] bytes through message j
         self.release = release  # [n] s, non-decreasing
         self.n = len(sizes)
+        self.cum_l = self.cum.tolist()  # the same as Python floats: cheap scalar access
+        self.release_l = release.tolist()
         self.head = 0  # messages fully sent
         self.served = 0.0  # bytes sent so far
         self.rate = 0.0  # bytes/s now
@@ -57,7 +59,7 @@ class Flow:
 
     def backlogged(self, t: float) -> bool:
         """Released bytes not yet sent at time t."""
-        if self.head >= self.n or self.release[self.head] > t:
+        if self.head >= self.n or self.release_l[self.head] > t:
             return False
         return True
 
@@ -98,6 +100,7 @@ class Link:
         self._timer: simpy.Event | None = None
         self._timer_t = math.inf
         self._finished_bytes = 0.0
+        self._finished_pending = False  # a flow sent its last message since the last reschedule
         self.submitted_bytes = 0.0
         self.events = 0  # rate recomputations (for events/s accounting)
         self.busy_since = math.nan
@@ -166,21 +169,33 @@ class Link:
                 continue
             s0, cum = flow.served, flow.cum
             drained = t >= flow.idle_t - 1e-12 * max(1.0, flow.idle_t)
+            j0 = flow.head
             if drained:  # this is the flow's idle instant: it sent exactly through idle_j
-                k, s1 = flow.idle_j + 1, float(cum[flow.idle_j])
+                k, s1 = flow.idle_j + 1, flow.cum_l[flow.idle_j]
+                if k == j0 + 1:  # one message: scalar path (the common per-chunk case)
+                    d = t0 + (s1 - s0) / r
+                    d = t if d > t else d
+                    flow.complete_t[j0] = d
+                    flow.head, flow.served = k, s1
+                    if k == flow.n:
+                        self._finished_pending = True
+                    if flow.on_delivered is not None:
+                        flow.on_delivered(flow, j0, k, np.array((d + self.latency_s,)))
+                    continue
             else:
                 s1 = s0 + r * (t - t0)
                 # messages whose last byte left by t (all released: no idling between events)
                 k = min(int(np.searchsorted(cum, s1 * (1 + _REL_EPS), side="right")), flow.n)
-            if k > flow.head:
-                j0 = flow.head
+            if k > j0:
                 done_t = t0 + (cum[j0:k] - s0) / r  # exact: constant rate since t0
                 np.minimum(done_t, t, out=done_t)
                 flow.complete_t[j0:k] = done_t
                 flow.head = k
+                if k == flow.n:
+                    self._finished_pending = True
                 if flow.on_delivered is not None:
                     flow.on_delivered(flow, j0, k, done_t + self.latency_s)
-            flow.served = min(s1, float(cum[-1]))
+            flow.served = min(s1, flow.cum_l[-1])
         self.last_t = t
 
     def _idle_index(self, flow: Flow) -> int:
@@ -188,6 +203,11 @@ class Link:
         >= head whose successor is released after j completes, or the last message)."""
         r, t, s0 = flow.rate, self.last_t, flow.served
         j0, n = flow.head, flow.n
+        if j0 >= n - 1:
+            return n - 1
+        # fast path (encoder slower than the link): the flow drains after its head message
+        if flow.release_l[j0 + 1] > (t + (flow.cum_l[j0] - s0) / r) * (1 + _REL_EPS):
+            return j0
         width = 64
         while True:
             j1 = min(n - 1, j0 + width)
@@ -206,8 +226,9 @@ class Link:
         """Finish drained flows, reallocate rates, arm the timer for the next change."""
         now = self.env.now
         self.events += 1
-        finished = [f for f in self.flows if f.head >= f.n]
-        if finished:
+        if self._finished_pending:
+            self._finished_pending = False
+            finished = [f for f in self.flows if f.head >= f.n]
             self.flows = [f for f in self.flows if f.head < f.n]
             for f in finished:
                 f.done, f.rate = True, 0.0
@@ -219,30 +240,36 @@ class Link:
         # capacity step bookkeeping
         while self._step + 1 < len(self.step_t) and self.step_t[self._step + 1] <= now:
             self._step += 1
-        capacity = self.step_rate[self._step]
-        backlogged = [f for f in self.flows if f.backlogged(now)]
-        best = min((f.priority for f in backlogged), default=None)
-        top = {id(f) for f in backlogged if f.priority == best}
-        share = capacity / len(top) if top else 0.0
+        # the best (smallest key) class among backlogged flows shares the capacity equally
+        best, count = None, 0
+        for f in self.flows:
+            if f.head < f.n and f.release_l[f.head] <= now:
+                p = f.priority
+                if best is None or p < best:
+                    best, count = p, 1
+                elif p == best:
+                    count += 1
+        share = self.step_rate[self._step] / count if count else 0.0
         next_t = math.inf
         for f in self.flows:
-            new_rate = share if id(f) in top else 0.0
-            if new_rate > 0.0 and math.isnan(f.first_byte_t):
-                f.first_byte_t = now
-            if new_rate > 0.0:
-                if new_rate != f.rate or f.idle_j < f.head:
+            if count and f.priority == best and f.release_l[f.head] <= now:
+                if f.rate != share or f.idle_j < f.head:
                     # rate changed: find where the flow drains at the new rate (an unchanged
                     # rate keeps the drain point computed earlier: releases are fixed)
-                    f.rate = new_rate
+                    if f.rate == 0.0 and math.isnan(f.first_byte_t):
+                        f.first_byte_t = now
+                    f.rate = share
                     j = self._idle_index(f)
                     f.idle_j = j
-                    f.idle_t = now + (float(f.cum[j]) - f.served) / new_rate
-                next_t = min(next_t, f.idle_t)
+                    f.idle_t = now + (f.cum_l[j] - f.served) / share
+                if f.idle_t < next_t:
+                    next_t = f.idle_t
             else:
                 f.rate = 0.0
                 f.idle_t = math.inf
-                if f.head < f.n and f.release[f.head] > now:
-                    next_t = min(next_t, float(f.release[f.head]))
+                rel = f.release_l[f.head]
+                if rel > now and rel < next_t:
+                    next_t = rel
         if self.flows and self._step + 1 < len(self.step_t):
             next_t = min(next_t, self.step_t[self._step + 1])
         self._arm(next_t)

@@ -44,24 +44,23 @@ class Receiver:
     def __init__(self, env: simpy.Environment, plan: FlowPlan, pipelined: bool) -> None:
         self.env, self.plan, self.pipelined = env, plan, pipelined
         self.ready = env.event()
-        self.free_t = -math.inf
+        self._arrivals: list[np.ndarray] = []
         self.received_bytes = 0.0
         self.last_arrival_t = math.nan
         self.ready_t = math.nan
         self.first_arrival_t = math.nan
 
     def delivered(self, flow: Flow, j0: int, j1: int, arrival_t: np.ndarray) -> None:
-        self.received_bytes += float(flow.sizes[j0:j1].sum())
-        if math.isnan(self.first_arrival_t):
-            self.first_arrival_t = float(arrival_t[0])
-        self.last_arrival_t = float(arrival_t[-1])
-        if self.pipelined:
-            done = serial_pipeline(arrival_t, self.plan.deserialize_s[j0:j1], self.free_t)
-            self.free_t = float(done[-1])
+        # arrivals come in order; the pipeline is evaluated once, when the flow is done
+        # (nothing reads partial deserialization state), which keeps per-event cost low
+        self._arrivals.append(arrival_t)
+        self.received_bytes += flow.cum_l[j1 - 1] - (flow.cum_l[j0 - 1] if j0 else 0.0)
 
     def done(self, flow: Flow) -> None:
+        arrival = np.concatenate(self._arrivals)  # [m] s, every message of the flow
+        self.first_arrival_t, self.last_arrival_t = float(arrival[0]), float(arrival[-1])
         if self.pipelined:
-            self.ready_t = self.free_t
+            self.ready_t = float(serial_pipeline(arrival, self.plan.deserialize_s)[-1])
         else:
             self.ready_t = self.last_arrival_t + float(self.plan.deserialize_s.sum())
         timer = self.env.timeout(max(0.0, self.ready_t - self.env.now))
