@@ -425,7 +425,7 @@ def read_metadata(buf: torch.Tensor, lay: LynxLayout) -> LynxArrays:
 
         def grab(off: int, n: int, dtype: torch.dtype, pl=pl, last=last) -> torch.Tensor:
             raw = _region(buf, lay, 0, last, off, n * _itemsize(dtype))
-            return raw.contiguous().reshape(-1).view(dtype)  # 1-D: any size-1 dim strides
+            return raw.reshape(-1).clone().view(dtype)  # fresh storage: aligned offset
 
         lo[:, ps] = grab(pl.lo_off, ch, torch.float32).view(L, npg, 2, H, D)
         k[:, ps] = grab(pl.k_off, ch, torch.int8).view(L, npg, 2, H, D)
@@ -446,7 +446,7 @@ def read_scales(buf: torch.Tensor, lay: LynxLayout) -> torch.Tensor | None:
         npg = ps.stop - ps.start
         t0 = ps.start * lay.page_tokens
         n = lay.scale_kv * H * pl.tokens
-        sc = _region(buf, lay, 0, last, pl.scale_off, 2 * n).contiguous().reshape(-1)
+        sc = _region(buf, lay, 0, last, pl.scale_off, 2 * n).reshape(-1).clone()
         sc = sc.view(torch.float16)
         sc = sc.view(L, npg, lay.scale_kv, H, pl.tokens).permute(0, 2, 3, 1, 4)
         scales[..., t0: t0 + npg * pl.tokens] = sc.reshape(L, lay.scale_kv, H, -1)
