@@ -34,6 +34,11 @@ DEFAULT_CODECS = ["bf16", "int8", "int4", "kivi-2", "kivi-4", "kcvt-4", "gear", 
                   "cachegen"]
 
 
+# A clone of the cache takes microseconds to milliseconds: many repeats keep its median
+# robust to a busy machine (the codecs' own timings take seconds).
+COPY_REPEATS = 101
+
+
 @dataclass
 class ShapeConfig:
     """Synthetic KV shape (ignored for captures, which bring their own)."""
@@ -89,7 +94,7 @@ def run(cfg: Config) -> list[dict]:
                      disable=not cfg.progress):
         # the copy baseline is re-timed next to each codec, so a ratio compares timings
         # taken under the same machine load
-        copy_s = copy_baseline_s(kv, max(cfg.repeats, 5), max(cfg.warmup, 1))
+        copy_s = copy_baseline_s(kv, max(cfg.repeats, COPY_REPEATS), max(cfg.warmup, 1))
         row = bench_codec(spec.label, spec.build(), kv, queries, o_ref, copy_s, cfg.repeats,
                           cfg.warmup)
         row.update({"kv_source": source.description["kind"], "shape": shape.to_dict(),
