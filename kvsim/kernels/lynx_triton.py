@@ -114,7 +114,7 @@ def _lynx_encode_kernel(
         m3 = tmask[:, None, None] & dmask[None, :, :]
         ptrs = xrow + (t0 + c0 + offs_t).to(tl.int64)[:, None, None] * D + d[None, :, :]
         x = tl.load(ptrs, mask=m3, other=0.0).to(tl.float32)
-        xn = (x * 0.5 - lh[None, :, :]) * fenc[None, :, :]
+        xn = tl.where(m3, (x * 0.5 - lh[None, :, :]) * fenc[None, :, :], 0.0)  # pad lanes: 0
         q = tl.where(m3, (xn * _MU_SCALE).to(tl.int32), 0)
         nc = tl.minimum(C, n - c0)
         mq = tl.sum(q, axis=0) // nc  # [BG, 8] in [0, 2^16)
