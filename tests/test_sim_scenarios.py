@@ -261,3 +261,14 @@ def test_fig11_lynx_gain_shrinks_with_bandwidth():
     gains = _gain(_rows("fig11-bandwidth", ["int8", LYNX]), "bandwidth_gbps")
     assert len(gains) == 3 and all(g > 0 for g in gains)
     assert gains[0] > gains[1] > gains[2]
+
+
+def test_framing_overhead_and_trace_link_conserve_bytes(tmp_path):
+    cfg = _cfg(tmp_path, ["bf16", {"name": "test-two-halves"}])
+    cfg.link = replace(cfg.link, message_overhead_bytes=64.0, latency_s=0.01,
+                       trace=[[0.05, 0.5], [0.07, 2.0]])
+    plain = _cfg(tmp_path, ["bf16", {"name": "test-two-halves"}])
+    for framed, base in zip(run_all(cfg)[0], run_all(plain)[0], strict=True):
+        assert framed["total_bytes"] == base["total_bytes"]  # codec bytes unchanged
+        assert framed["ttft_s"] > base["ttft_s"]  # framing, latency and the slow step cost
+        assert 0 < framed["link_utilisation"] <= 1 + 1e-9

@@ -188,9 +188,11 @@ class Scenario:
             max(rx.last_arrival_t for rx in receivers), max(rx.ready_t for rx in receivers),
             t_start, timeline, plan.stream_bytes, sum(rx.received_bytes for rx in receivers),
             plan.policy == "monolithic")
-        if abs(rec.received_bytes - plan.total_bytes) > 1e-6 * plan.total_bytes:
+        # bytes conserved: what arrived = the codec's wire bytes + per-message framing
+        framing = pnode.link.message_overhead_bytes * sum(len(f.sizes_bytes) for f in plan.flows)
+        if abs(rec.received_bytes - plan.total_bytes - framing) > 1e-9 * plan.total_bytes:
             raise RuntimeError(f"request {req.seq}: received {rec.received_bytes} bytes, "
-                               f"sent {plan.total_bytes}")
+                               f"sent {plan.total_bytes} + {framing} framing")
         self.records.append(rec)
         if self.trace is not None:
             self._trace(rec, pnode, dnode, receivers)
