@@ -32,7 +32,8 @@ def table_rows(rows: list[dict]) -> list[dict]:
         flat["gb"] = r["total_bytes"] / 1e9
         pct = r.get("ttft_pct_s") or {}
         flat["ttft_p50"], flat["ttft_p99"] = pct.get("p50"), pct.get("p99")
-        flat["acc"] = f"{r.get('accepted_tokens', 0)}/{r.get('proposed_tokens', 0)}"
+        acc, prop = r.get("accepted_tokens", 0), r.get("proposed_tokens", 0)
+        flat["acc"] = f"{acc:.4g}/{prop:.4g}"
         out.append(flat)
     return out
 
@@ -55,7 +56,8 @@ def print_table(cfg: SimConfig, rows: list[dict]) -> None:
     first = rows[0] if rows else {}
     print(f"model={cfg.model.name} hardware={cfg.hardware.devices}x{cfg.hardware.name} "
           f"link={cfg.link.name} acceptance={cfg.speculative.acceptance} "
-          f"workload={cfg.workload.kind} ({first.get('requests', 0)} request(s)); times from "
+          f"workload={cfg.workload.kind} ({first.get('requests', 0)} request(s), mean of "
+          f"{cfg.samples} run(s)); times from "
           f"request arrival" + (f" (prefill {first['prefill_s']:.3f} s)" if "prefill_s" in first
                                 else "") +
           f", -pe: from prefill end; breakdown of TT{cfg.metrics.breakdown_k}T from prefill "

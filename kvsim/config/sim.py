@@ -111,5 +111,6 @@ class SimConfig:
     granularity: str = "page"  # page: one message per (layer, page) | layer
     codec_timing: str = ""  # path of a codec timing file (default data/codec_timing/<hw>.json)
     seed: int = 0
+    samples: int = 1  # independent runs (seeds seed..seed+samples-1) averaged per row
     trace_path: str = ""  # write a Chrome-trace JSON event log of the runs here
     title: str = ""  # what this scenario reproduces (printed above the table)

@@ -104,7 +104,21 @@ class Scenario:
         return hit[0]
 
     # ---- the run -----------------------------------------------------------------------
+    def run_samples(self, samples: int) -> dict:
+        """Run `samples` times with seeds seed, seed+1, ... (independent acceptance draws and
+        arrivals) and average: the seeds report means over many prompts."""
+        if samples < 1:
+            raise ValueError(f"samples must be >= 1, got {samples}")
+        rows = []
+        for i in range(samples):
+            self.rng = np.random.default_rng(self.cfg.seed + i)
+            rows.append(self.run())
+        out = mean_rows(rows)
+        out["samples"] = samples
+        return out
+
     def run(self) -> dict:
+        self.records, self.messages = [], 0
         cfg, w = self.cfg, self.cfg.workload
         reqs = requests(_with_context(w, self.context_tokens), self.rng)
         for ctx in sorted({r.context_tokens for r in reqs}):
@@ -268,6 +282,20 @@ class Scenario:
         return row
 
 
+def mean_rows(rows: list[dict]) -> dict:
+    """Average numeric fields (and dicts of numbers) of rows of the same scenario."""
+    out = dict(rows[0])
+    for key, value in rows[0].items():
+        if isinstance(value, bool) or key in ("requests", "streams", "context_tokens",
+                                              "breakdown_k", "messages"):
+            continue
+        if isinstance(value, (int, float)):
+            out[key] = float(np.mean([r[key] for r in rows]))
+        elif isinstance(value, dict) and all(isinstance(v, (int, float)) for v in value.values()):
+            out[key] = {k: float(np.mean([r[key][k] for r in rows])) for k in value}
+    return out
+
+
 def _with_context(w, context_tokens: int):
     from dataclasses import replace
 
@@ -288,7 +316,7 @@ def run_all(cfg: SimConfig, progress: bool = False) -> tuple[list[dict], TraceLo
     else:
         jobs_iter = jobs
     for v, c, b in jobs_iter:
-        rows.append(Scenario(cfg, v, c, b, trace).run())
+        rows.append(Scenario(cfg, v, c, b, trace).run_samples(cfg.samples))
     if trace is not None:
         trace.write(cfg.trace_path)
     return rows, trace
