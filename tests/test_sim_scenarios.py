@@ -275,3 +275,16 @@ def test_framing_overhead_and_trace_link_conserve_bytes(tmp_path):
         assert framed["total_bytes"] == base["total_bytes"]  # codec bytes unchanged
         assert framed["ttft_s"] > base["ttft_s"]  # framing, latency and the slow step cost
         assert 0 < framed["link_utilisation"] <= 1 + 1e-9
+
+
+def test_codec_entry_pins_its_own_acceptance_and_transfer(tmp_path):
+    two = "test-two-halves"
+    cfg = _cfg(tmp_path, [{"name": two, "label": "sure", "acceptance": "geometric:1.0"},
+                          {"name": two, "label": "never", "acceptance": "geometric:0.0"},
+                          {"name": two, "label": "mono", "transfer": "monolithic"}])
+    rows = {r["codec"]: r for r in run_all(cfg)[0]}
+    assert rows["sure"]["accepted_tokens"] == rows["sure"]["proposed_tokens"] > 0
+    assert rows["never"]["accepted_tokens"] == 0 < rows["never"]["proposed_tokens"]
+    assert rows["sure"]["acceptance"] == "geometric-1" and rows["mono"]["transfer"] == "monolithic"
+    assert rows["mono"]["proposed_tokens"] == 0
+    assert rows["sure"]["ttkt_s"][8] < rows["never"]["ttkt_s"][8]

@@ -50,25 +50,28 @@ class Variant:
 
     spec: CodecSpec
     policy: str
+    acceptance: str | None = None  # per-codec acceptance model (else speculative.acceptance)
 
 
 def variants(cfg: SimConfig) -> list[Variant]:
     """codecs x transfer: `auto` picks each codec's natural policy; an entry may pin its own
-    with a `transfer` key."""
+    with a `transfer` key, and its own acceptance model with an `acceptance` key (drafts on
+    a 2-bit anchor are accepted less often than on a 4-bit one)."""
     transfers = cfg.transfer if isinstance(cfg.transfer, (list, tuple)) else [cfg.transfer]
     out = []
     for entry in cfg.codecs:
-        pinned = None
-        if isinstance(entry, dict) and "transfer" in entry:
+        pinned = acceptance = None
+        if isinstance(entry, dict):
             entry = dict(entry)
-            pinned = entry.pop("transfer")
+            pinned = entry.pop("transfer", None)
+            acceptance = entry.pop("acceptance", None)
         spec = resolve_codec(entry)
         streams = spec.build().num_streams
         for t in ([pinned] if pinned else transfers):
             policy = natural_policy(streams) if t == "auto" else str(t)
             if policy not in POLICIES:
                 raise ValueError(f"unknown transfer {t!r}; choose auto or one of {POLICIES}")
-            out.append(Variant(spec, policy))
+            out.append(Variant(spec, policy, acceptance))
     return out
 
 
@@ -86,7 +89,7 @@ class Scenario:
         self.timing = TimingModel(cfg.model, cfg.hardware)
         table = load_codec_timing(cfg.hardware.name, cfg.codec_timing or None)
         self.codec_timing: CodecTiming = table.lookup(variant.spec.label, variant.spec.name)
-        self.acceptance = load_acceptance(cfg.speculative.acceptance)
+        self.acceptance = load_acceptance(variant.acceptance or cfg.speculative.acceptance)
         self.rng = np.random.default_rng(cfg.seed)
         self._plans: dict[int, tuple[TransferPlan, Any]] = {}
         self.records: list[RequestRecord] = []
