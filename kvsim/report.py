@@ -35,14 +35,14 @@ def provenance() -> dict[str, Any]:
     }
 
 
-def _clean(obj: Any) -> Any:
+def json_safe(obj: Any) -> Any:
     """Make rows JSON-safe: numpy scalars/arrays to Python, NaN/Inf to None."""
     if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
+        return {str(k): json_safe(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
+        return [json_safe(v) for v in obj]
     if hasattr(obj, "tolist"):
-        return _clean(obj.tolist())
+        return json_safe(obj.tolist())
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
     return obj
@@ -60,7 +60,7 @@ def write_report(path: str | Path, command: str, config: dict, rows: list[dict],
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_clean(doc), indent=1) + "\n")
+    path.write_text(json.dumps(json_safe(doc), indent=1) + "\n")
 
 
 def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:

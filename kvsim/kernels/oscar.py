@@ -33,9 +33,9 @@ import torch
 
 from kvsim.kernels import hadamard_triton
 from kvsim.kernels.codec import register
-from kvsim.kernels.groupquant import FP16_MAX, QUANT_BITS, Field
+from kvsim.kernels.groupquant import FP16_MAX, Field
 from kvsim.kernels.hadamard import check_hadamard_dim, hadamard
-from kvsim.kernels.kivi import Backbone, BackboneCodec
+from kvsim.kernels.kivi import Backbone, BackboneCodec, KiviParams
 from kvsim.layout import KVShape
 
 
@@ -53,23 +53,11 @@ def norm_scale(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @dataclass(frozen=True)
-class OscarParams:
-    bits: int = 2
-    group: int = 32  # tokens per key group (per channel)
-    value_group: int = 32  # channels per value group (per token); 0 = head_dim
-    residual: int = 128  # most recent tokens kept in bf16 (a multiple of group)
+class OscarParams(KiviParams):
+    """KIVI's parameters (INT2, group 32, residual window 128) plus the preconditioner's."""
+
     rotate_values: bool = True
     scale_values: bool = False
-    page_tokens: int = 256  # a multiple of group
-
-    def __post_init__(self) -> None:
-        if self.bits not in QUANT_BITS:
-            raise ValueError(f"bits must be one of {QUANT_BITS}")
-        if self.group < 1 or self.value_group < 0 or self.residual < 0:
-            raise ValueError("group must be >= 1, value_group and residual >= 0")
-        if self.residual % self.group or self.page_tokens % self.group or self.page_tokens < 1:
-            raise ValueError(f"residual ({self.residual}) and page_tokens ({self.page_tokens}) "
-                             f"must be positive multiples of group ({self.group})")
 
 
 @register

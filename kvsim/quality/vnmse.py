@@ -16,7 +16,6 @@ vNMSE table file (version 1), data/vnmse/<name>.json:
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ import numpy as np
 import torch
 
 from kvsim.attention_error import attention_vnmse, relative_mse
+from kvsim.report import json_safe
 
 VNMSE_DIR = Path(__file__).resolve().parents[2] / "data" / "vnmse"
 VNMSE_VERSION = 1
@@ -82,7 +82,7 @@ class VNMSETable:
     def save(self, path: str | Path | None = None) -> Path:
         path = Path(path) if path else VNMSE_DIR / f"{self.name}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(_clean(self.to_dict()), indent=1) + "\n")
+        path.write_text(json.dumps(json_safe(self.to_dict()), indent=1) + "\n")
         return path
 
     def lookup(self, codec: str, streams_used: int | None = None) -> dict:
@@ -113,15 +113,3 @@ def load_vnmse_table(name_or_path: str) -> VNMSETable:
         raise ValueError(f"{path}: not a version-{VNMSE_VERSION} vNMSE table")
     meta = {k: v for k, v in doc.items() if k not in ("version", "name", "source", "rows")}
     return VNMSETable(doc["name"], doc["rows"], meta, doc.get("source", "measured"))
-
-
-def _clean(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    if hasattr(obj, "tolist"):
-        return _clean(obj.tolist())
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return obj
