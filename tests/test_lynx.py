@@ -98,7 +98,8 @@ def test_lookup_table_equals_threshold_count(alpha, split):
     at every threshold, its fp32 neighbours, every cell boundary, 0, 1 and beyond 1."""
     tab = lynx_tables(alpha, split)
     thr = tab.thresholds
-    cells = (np.arange(tab.lut_cells, dtype=np.uint32) << tab.lut_shift).view(np.float32)
+    cells = (tab.lut_lo + (np.arange(tab.lut_cells, dtype=np.uint32) << tab.lut_shift))
+    cells = cells.astype(np.uint32).view(np.float32)
     probes = np.concatenate([
         thr, np.nextafter(thr, np.float32(0)), np.nextafter(thr, np.float32(2)),
         cells, np.nextafter(cells, np.float32(0)), np.nextafter(cells, np.float32(2)),
@@ -107,7 +108,8 @@ def test_lookup_table_equals_threshold_count(alpha, split):
     ]).astype(np.float32)
     probes = probes[np.isfinite(probes) & (probes >= 0)]
     want = np.searchsorted(thr, probes, side="left")  # number of thresholds < u
-    cell = np.minimum(probes.view(np.uint32) >> tab.lut_shift, tab.lut_cells - 1)
+    off = np.maximum(probes.view(np.uint32).astype(np.int64) - tab.lut_lo, 0)
+    cell = np.minimum(off >> tab.lut_shift, tab.lut_cells - 1)
     got = tab.lut_base[cell].astype(np.int64) + (probes > tab.lut_thr[cell])
     np.testing.assert_array_equal(got, want)
 

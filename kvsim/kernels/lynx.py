@@ -151,14 +151,17 @@ class LynxTables:
     """Everything data-independent the quantizer and the decoder need, fp32 from float64.
 
     thresholds: [2^M - 1] ascending; code(u) = #{t < u}.
-    lut_*: a lookup table over the fp32 bit pattern of u (cell = bits >> lut_shift, last cell
-    = [1, inf)) with at most one threshold per cell: code = lut_base[cell] + (u > lut_thr[cell]).
+    lut_*: a lookup table over the fp32 bit pattern of u, with at most one threshold per cell:
+    cell = min(max(bits(u) - lut_lo, 0) >> lut_shift, cells - 1) (cell 0 also holds every u
+    below 2^floor(log2 t_1), the last cell [1, inf)), code = lut_base[cell] + (u > lut_thr[cell]).
+    Offsetting by lut_lo keeps the table small enough for L1 (a few hundred cells).
     recon[s-1]: [2^(magnitude bits known after s streams)] bucket-centre magnitude in [0, 1].
     """
 
     split: tuple[int, ...]
     mag_bits: int
     thresholds: np.ndarray
+    lut_lo: int
     lut_shift: int
     lut_base: np.ndarray
     lut_thr: np.ndarray
@@ -188,15 +191,16 @@ def lynx_tables(alpha: float, split: tuple[int, ...]) -> LynxTables:
         raise CodecError(f"lynx: alpha={alpha} makes fp32 thresholds collide for {m} bits")
     tbits = thr.view(np.uint32).astype(np.int64)
     one_bits = int(np.float32(1.0).view(np.uint32))
-    for mant_bits in range(4, 20):
+    lut_lo = int(tbits[0] >> 23) << 23  # bits of the largest power of two <= t_1
+    for mant_bits in range(4, 24):
         shift = 23 - mant_bits
-        cells = (one_bits >> shift) + 1
-        cell_of = np.minimum(tbits >> shift, cells - 1)
+        cells = ((one_bits - lut_lo) >> shift) + 1
+        cell_of = np.minimum((tbits - lut_lo) >> shift, cells - 1)
         if np.bincount(cell_of, minlength=cells).max() <= 1:
             break
-    else:  # pragma: no cover - thresholds are distinct fp32 values, 19 bits always separate
+    else:  # pragma: no cover - thresholds are distinct fp32 values, 23 bits always separate
         raise CodecError(f"lynx: no lookup table for alpha={alpha}")
-    starts = np.arange(cells, dtype=np.int64) << shift
+    starts = lut_lo + (np.arange(cells, dtype=np.int64) << shift)
     base = np.searchsorted(tbits, starts, side="left").astype(np.uint8)
     lut_thr = np.full(cells, np.inf, dtype=np.float32)
     lut_thr[cell_of] = thr
@@ -208,7 +212,7 @@ def lynx_tables(alpha: float, split: tuple[int, ...]) -> LynxTables:
         width = 1 << (m - known)
         p = np.arange(1 << known)
         recon.append(((edges[p * width] + edges[(p + 1) * width]) / 2).astype(np.float32))
-    return LynxTables(tuple(split), m, thr, shift, base, lut_thr, tuple(recon))
+    return LynxTables(tuple(split), m, thr, lut_lo, shift, base, lut_thr, tuple(recon))
 
 
 @functools.lru_cache(maxsize=256)

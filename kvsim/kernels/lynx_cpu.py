@@ -139,7 +139,8 @@ def _unpack(src, pos, n, bits, fields):
 
 
 @numba.njit(parallel=True, **_JIT)
-def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_shift, lut_base, lut_thr,
+def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut_base,
+                   lut_thr,
                    stream_base, layer_bytes, full_bytes, code_off, row_bytes, meta_off,
                    lo_out, k_out, mu_out, sig_out, out):
     """xf: [L, 2, H, T, D] fp32, or xb: same shape uint16 bf16 bits (use_bits).
@@ -170,25 +171,20 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_shift, lut_base, l
         abase = stream_base[0] + l * layer_bytes[0] + p * full_bytes[0]
         buf = np.empty(n * D, np.float32)
         bu = buf.view(np.uint32)
-        if use_bits:
-            src = xb[l, kv, h]
-            for t in range(n):
-                sr = src[t0 + t]
-                for d in range(D):
-                    bu[t * D + d] = np.uint32(sr[d]) << np.uint32(16)
-        else:
-            src = xf[l, kv, h]
-            for t in range(n):
-                sr = src[t0 + t]
-                for d in range(D):
-                    buf[t * D + d] = sr[d]
-        # ---- stage 1: page min / power-of-two scale ----
+        # ---- stage 1: load the page (widening bf16 bits) + page min / max, one pass ----
         lo = np.empty(D, np.float32)
         hi = np.empty(D, np.float32)
-        lo[:] = buf[:D]
-        hi[:] = buf[:D]
-        for t in range(1, n):
+        lo[:] = np.inf
+        hi[:] = -np.inf
+        for t in range(n):
             rw = buf[t * D: (t + 1) * D]
+            if use_bits:
+                sr = xb[l, kv, h, t0 + t]
+                ru = bu[t * D: (t + 1) * D]
+                for d in range(D):
+                    ru[d] = np.uint32(sr[d]) << np.uint32(16)
+            else:
+                rw[:] = xf[l, kv, h, t0 + t]
             for d in range(D):
                 v = rw[d]
                 lo[d] = v if v < lo[d] else lo[d]
@@ -213,10 +209,6 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_shift, lut_base, l
         o = abase + meta_off[last, 3] + row * D
         out[o: o + D] = kk.view(np.uint8)
         fe = fenc.view(np.float32)
-        for t in range(n):
-            rw = buf[t * D: (t + 1) * D]
-            for d in range(D):
-                rw[d] = (rw[d] * half - lh[d]) * fe[d]
         # ---- stages 2-4 per chunk ----
         qsum = np.empty(D, np.int32)  # < 2^16 * 4096 tokens
         mu = np.empty(D, np.float32)
@@ -229,16 +221,18 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_shift, lut_base, l
         fields = np.empty((nstreams, C * D), np.uint8)
         shift = np.int32(lut_shift)
         cmax = np.int32(cells - 1)
+        nib = split[0] == 4 and (nstreams == 1 or (nstreams == 2 and split[1] == 4))
         for c0 in range(0, n, C):
             nc = min(C, n - c0)
             ci = (t0 + c0) // C
             m = nc * D
-            j0 = c0 * D
             qsum[:] = 0
-            for t in range(c0, c0 + nc):
+            for t in range(c0, c0 + nc):  # normalize (stage 1) + fixed-point sum, one pass
                 rw = buf[t * D: (t + 1) * D]
                 for d in range(D):
-                    qsum[d] += np.int32(rw[d] * qscale)
+                    xn = (rw[d] * half - lh[d]) * fe[d]
+                    rw[d] = xn
+                    qsum[d] += np.int32(xn * qscale)
             for d in range(D):
                 mq = qsum[d] // np.int32(nc)
                 mu16[d] = mq
@@ -263,15 +257,40 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_shift, lut_base, l
             for d in range(D):
                 sv = inv[d]
                 inv[d] = np.float32(1.0) / sv if sv > 0 else np.float32(0.0)
+            # u = centred * (1/sigma), signed; code = LUT over the bits of |u|
             for t in range(c0, c0 + nc):
                 rw = buf[t * D: (t + 1) * D]
                 for d in range(D):
-                    rw[d] = rw[d] * inv[d]  # signed u: sign of the centred value kept
-            cb = bi[j0: j0 + m]
-            cf = buf[j0: j0 + m]
+                    rw[d] = rw[d] * inv[d]
+            cb = bi[c0 * D: c0 * D + m]
+            cf = buf[c0 * D: c0 * D + m]
+            if nib and m % 2 == 0:  # 4+4 or 4: code two elements, write their nibbles
+                pos0 = (stream_base[0] + l * layer_bytes[0] + p * full_bytes[0]
+                        + code_off[last, 0] + row * row_bytes[last, 0] + (c0 * D) // 2)
+                pos1 = (stream_base[nstreams - 1] + l * layer_bytes[nstreams - 1]
+                        + p * full_bytes[nstreams - 1] + code_off[last, nstreams - 1]
+                        + row * row_bytes[last, nstreams - 1] + (c0 * D) // 2)
+                sh0 = np.int32(shifts[0])
+                for i in range(m // 2):
+                    b = cb[2 * i]
+                    cell = min(max((b & np.int32(0x7FFFFFFF)) - lut_lo, np.int32(0)) >> shift,
+                               cmax)
+                    up = np.int32(1) if abs(cf[2 * i]) > lut_thr[cell] else np.int32(0)
+                    c = lut_base[cell] + up
+                    sc = (b >> np.int32(28)) & np.int32(8)
+                    b2 = cb[2 * i + 1]
+                    cell = min(max((b2 & np.int32(0x7FFFFFFF)) - lut_lo, np.int32(0)) >> shift,
+                               cmax)
+                    up = np.int32(1) if abs(cf[2 * i + 1]) > lut_thr[cell] else np.int32(0)
+                    e = lut_base[cell] + up
+                    se = (b2 >> np.int32(28)) & np.int32(8)
+                    out[pos0 + i] = np.uint8(((c >> sh0) | sc) | (((e >> sh0) | se) << 4))
+                    if nstreams == 2:
+                        out[pos1 + i] = np.uint8(((c & 15) ^ 8) | (((e & 15) ^ 8) << 4))
+                continue
             for j in range(m):
                 b = cb[j]
-                cell = min((b & np.int32(0x7FFFFFFF)) >> shift, cmax)
+                cell = min(max((b & np.int32(0x7FFFFFFF)) - lut_lo, np.int32(0)) >> shift, cmax)
                 up = np.int32(1) if abs(cf[j]) > lut_thr[cell] else np.int32(0)
                 codes[j] = (lut_base[cell] + up) | ((b >> np.int32(23)) & np.int32(256))
             for s in range(nstreams):
@@ -345,8 +364,6 @@ def _decode_kernel(src, nstreams, P, C, split, values, stream_base, layer_bytes,
         mu = np.empty(D, np.float32)
         sg = np.empty(D, np.float32)
         sg_bits = sg.view(np.uint32)
-        res = np.empty(C * D, np.float32)
-        rbits = res.view(np.uint32)
         for c0 in range(0, n, C):
             nc = min(C, n - c0)
             m = nc * D
@@ -357,39 +374,51 @@ def _decode_kernel(src, nstreams, P, C, split, values, stream_base, layer_bytes,
             for d in range(D):
                 mu[d] = np.float32(m16[d]) * mscale
             f16_bits_to_f32(s8.view(np.uint16), sg, sg_bits)
-            for s in range(nstreams):
-                pos = (stream_base[s] + l * layer_bytes[s] + p * full_bytes[s]
-                       + code_off[last, s] + row * row_bytes[last, s] + (c0 * D * split[s]) // 8)
-                _unpack(src, pos, m, split[s], fields[s])
-            f0 = fields[0]
-            for j in range(m):
-                keys[j] = f0[j]
-            for s in range(1, nstreams):
-                bs = np.int32(split[s])
-                fs = fields[s]
+            pos0 = (stream_base[0] + l * layer_bytes[0] + p * full_bytes[0]
+                    + code_off[last, 0] + row * row_bytes[last, 0] + (c0 * D * split[0]) // 8)
+            if nstreams == 2 and split[0] == 4 and split[1] == 4:  # 4+4: keys from 2 bytes
+                pos1 = (stream_base[1] + l * layer_bytes[1] + p * full_bytes[1]
+                        + code_off[last, 1] + row * row_bytes[last, 1] + (c0 * D * 4) // 8)
+                for i in range(m // 2):
+                    a = np.int32(src[pos0 + i])
+                    b = np.int32(src[pos1 + i])
+                    keys[2 * i] = ((a & 15) << 4) | (b & 15)
+                    keys[2 * i + 1] = ((a >> 4) << 4) | (b >> 4)
+                if m % 2:
+                    keys[m - 1] = ((np.int32(src[pos0 + m // 2]) & 15) << 4) | (
+                        np.int32(src[pos1 + m // 2]) & 15)
+            else:
+                for s in range(nstreams):
+                    pos = (stream_base[s] + l * layer_bytes[s] + p * full_bytes[s]
+                           + code_off[last, s] + row * row_bytes[last, s]
+                           + (c0 * D * split[s]) // 8)
+                    _unpack(src, pos, m, split[s], fields[s])
+                f0 = fields[0]
                 for j in range(m):
-                    keys[j] = (keys[j] << bs) | fs[j]
-            for t in range(nc):
-                rk = keys[t * D: (t + 1) * D]
-                rr = res[t * D: (t + 1) * D]
-                for d in range(D):
-                    y = lo[d] + (mu[d] + sg[d] * values[rk[d]]) * fd[d]
-                    if to_bits:
-                        y = max(-big, min(big, y))
-                    rr[d] = y
+                    keys[j] = f0[j]
+                for s in range(1, nstreams):
+                    bs = np.int32(split[s])
+                    fs = fields[s]
+                    for j in range(m):
+                        keys[j] = (keys[j] << bs) | fs[j]
             if to_bits:
                 ob = out_b[l, kv, h]
                 for t in range(nc):
+                    rk = keys[t * D: (t + 1) * D]
                     orow = ob[t0 + c0 + t]
-                    rw = rbits[t * D: (t + 1) * D]
                     for d in range(D):
-                        ub = rw[d]
+                        y = lo[d] + (mu[d] + sg[d] * values[rk[d]]) * fd[d]
+                        y = max(-big, min(big, y))
+                        ub = np.float32(y).view(np.uint32)
                         ub = ub + np.uint32(0x7FFF) + ((ub >> np.uint32(16)) & np.uint32(1))
                         orow[d] = np.uint16(ub >> np.uint32(16))
             else:
                 of = out_f[l, kv, h]
                 for t in range(nc):
-                    of[t0 + c0 + t] = res[t * D: (t + 1) * D]
+                    rk = keys[t * D: (t + 1) * D]
+                    orow = of[t0 + c0 + t]
+                    for d in range(D):
+                        orow[d] = lo[d] + (mu[d] + sg[d] * values[rk[d]]) * fd[d]
 
 
 def _layout_arrays(lay: LynxLayout, streams: int) -> tuple[np.ndarray, ...]:
@@ -431,7 +460,8 @@ def encode_cpu(x: torch.Tensor, lay: LynxLayout, tab: LynxTables,
         use_bits = False
     shifts = np.array([tab.field_shift(s) for s in range(n)], np.int64)
     _encode_kernel(xf, xb, use_bits, lay.page_tokens, lay.chunk_tokens, split, shifts,
-                   tab.lut_shift, _lut_base32(tab), tab.lut_thr, base, layer_b, full_b,
+                   np.int32(tab.lut_lo), tab.lut_shift, _lut_base32(tab), tab.lut_thr, base,
+                   layer_b, full_b,
                    code_off, rows, meta, lo, k, mu, sig, out)
     buffers = [torch.from_numpy(out[base[s]: base[s] + layer_b[s] * L]) for s in range(n)]
     if scales is not None:

@@ -65,7 +65,7 @@ def _lynx_encode_kernel(
     BT: tl.constexpr, BG: tl.constexpr,
     NS: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr,
     SH0: tl.constexpr, SH1: tl.constexpr, SH2: tl.constexpr,
-    LUT_SHIFT: tl.constexpr, CELLS: tl.constexpr,
+    LUT_LO: tl.constexpr, LUT_SHIFT: tl.constexpr, CELLS: tl.constexpr,
 ):
     row = tl.program_id(0)  # l * 2H + (kv * H + h)
     p = tl.program_id(1)
@@ -131,7 +131,7 @@ def _lynx_encode_kernel(
         tl.store(sig_ptr + coff, s16, mask=dmask)
         u = cen * inv[None, :, :]  # signed: keeps the sign of the centred value
         ub = u.to(tl.int32, bitcast=True)
-        cell = tl.minimum((ub & 0x7FFFFFFF) >> LUT_SHIFT, CELLS - 1)
+        cell = tl.minimum(tl.maximum((ub & 0x7FFFFFFF) - LUT_LO, 0) >> LUT_SHIFT, CELLS - 1)
         cell = tl.where(m3, cell, 0)
         thr = tl.load(thr_ptr + cell)
         code = tl.load(base_ptr + cell) + (tl.abs(u) > thr).to(tl.int32)
@@ -288,7 +288,8 @@ def encode_triton(x: torch.Tensor, lay: LynxLayout, tab: LynxTables,
         x, lo, k, mu, sigma, tt["lut_thr"], tt["lut_base"], *outs,
         T, lay.pages, lay.total_chunks, *ints,
         NS=ns, B0=b[0], B1=b[1], B2=b[2], SH0=sh[0], SH1=sh[1], SH2=sh[2],
-        LUT_SHIFT=tab.lut_shift, CELLS=tab.lut_cells, **consts, **_launch_opts(x))
+        LUT_LO=tab.lut_lo, LUT_SHIFT=tab.lut_shift, CELLS=tab.lut_cells, **consts,
+        **_launch_opts(x))
     arr = LynxArrays(lo, k, mu, sigma, scales, buffers)
     write_metadata(arr, lay)
     return arr
