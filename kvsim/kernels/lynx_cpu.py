@@ -275,13 +275,13 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut
                     b = cb[2 * i]
                     cell = min(max((b & np.int32(0x7FFFFFFF)) - lut_lo, np.int32(0)) >> shift,
                                cmax)
-                    up = np.int32(1) if abs(cf[2 * i]) > lut_thr[cell] else np.int32(0)
+                    up = np.int32(abs(cf[2 * i]) > lut_thr[cell])
                     c = lut_base[cell] + up
                     sc = (b >> np.int32(28)) & np.int32(8)
                     b2 = cb[2 * i + 1]
                     cell = min(max((b2 & np.int32(0x7FFFFFFF)) - lut_lo, np.int32(0)) >> shift,
                                cmax)
-                    up = np.int32(1) if abs(cf[2 * i + 1]) > lut_thr[cell] else np.int32(0)
+                    up = np.int32(abs(cf[2 * i + 1]) > lut_thr[cell])
                     e = lut_base[cell] + up
                     se = (b2 >> np.int32(28)) & np.int32(8)
                     out[pos0 + i] = np.uint8(((c >> sh0) | sc) | (((e >> sh0) | se) << 4))
@@ -291,7 +291,7 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut
             for j in range(m):
                 b = cb[j]
                 cell = min(max((b & np.int32(0x7FFFFFFF)) - lut_lo, np.int32(0)) >> shift, cmax)
-                up = np.int32(1) if abs(cf[j]) > lut_thr[cell] else np.int32(0)
+                up = np.int32(abs(cf[j]) > lut_thr[cell])
                 codes[j] = (lut_base[cell] + up) | ((b >> np.int32(23)) & np.int32(256))
             for s in range(nstreams):
                 pos = (stream_base[s] + l * layer_bytes[s] + p * full_bytes[s]
