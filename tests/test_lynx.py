@@ -187,6 +187,21 @@ def test_cpu_backend_bytes_equal_reference(dtype, split, dims):
         torch.testing.assert_close(cpu.decode(enc, s), ref.decode(enc, s), rtol=0, atol=0)
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), split=st.sampled_from([(4, 4), (2, 6), (2, 2, 4), (4,), (3, 5)]))
+def test_cpu_backend_bytes_equal_reference_arbitrary(data, split):
+    tokens = data.draw(st.integers(1, 40))
+    head_dim = data.draw(st.integers(1, 6))
+    vals = data.draw(arrays(np.float32, (1, 2, 1, tokens, head_dim),
+                            elements=st.one_of(finite32, extremes)))
+    x = torch.from_numpy(vals)
+    params = dict(split=list(split), page_tokens=16, chunk_tokens=8)
+    ref, cpu = codec(**params, backend="torch"), codec(**params, backend="cpu")
+    enc = cpu.encode(x)
+    assert enc.to_bytes() == ref.encode(x).to_bytes()
+    torch.testing.assert_close(cpu.decode(enc), ref.decode(enc), rtol=0, atol=0)
+
+
 def test_cpu_backend_bytes_equal_reference_extremes():
     vals = torch.tensor([3.4e38, -3.4e38, 1e-45, 0.0, -1e-40, 65504.0, 1e30, -7.0, 1e-20])
     kv = vals[torch.arange(2 * 3 * 40 * 8) % len(vals)].reshape(1, 2, 3, 40, 8)

@@ -211,6 +211,8 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut
         fe = fenc.view(np.float32)
         # ---- stages 2-4 per chunk ----
         qsum = np.empty(D, np.int32)  # < 2^16 * 4096 tokens
+        cmin = np.empty(D, np.float32)
+        cmax_x = np.empty(D, np.float32)
         mu = np.empty(D, np.float32)
         mu16 = np.empty(D, np.uint16)
         sig16 = np.empty(D, np.uint16)
@@ -227,24 +229,25 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut
             ci = (t0 + c0) // C
             m = nc * D
             qsum[:] = 0
-            for t in range(c0, c0 + nc):  # normalize (stage 1) + fixed-point sum, one pass
+            cmin[:] = np.inf
+            cmax_x[:] = -np.inf
+            for t in range(c0, c0 + nc):  # normalize (stage 1) + fixed-point sum + min/max
                 rw = buf[t * D: (t + 1) * D]
                 for d in range(D):
                     xn = (rw[d] * half - lh[d]) * fe[d]
                     rw[d] = xn
                     qsum[d] += np.int32(xn * qscale)
+                    cmin[d] = xn if xn < cmin[d] else cmin[d]
+                    cmax_x[d] = xn if xn > cmax_x[d] else cmax_x[d]
             for d in range(D):
                 mq = qsum[d] // np.int32(nc)
                 mu16[d] = mq
                 mu[d] = np.float32(mq) * mscale
-            inv[:] = 0
-            for t in range(c0, c0 + nc):
-                rw = buf[t * D: (t + 1) * D]
-                for d in range(D):
-                    cen = rw[d] - mu[d]
-                    rw[d] = cen
-                    a = abs(cen)
-                    inv[d] = a if a > inv[d] else inv[d]
+                # max_t |fl(x'_t - mu)| == max(fl(max x' - mu), fl(mu - min x')): rounding is
+                # monotone and fl(a - b) = -fl(b - a), so no extra pass is needed for sigma
+                a = cmax_x[d] - mu[d]
+                b = mu[d] - cmin[d]
+                inv[d] = a if a > b else b
             f32_to_f16_bits(inv_bits, sig16)
             f16_bits_to_f32(sig16, inv, inv_bits)
             mu_out[l, kv, h, ci] = mu16
@@ -257,11 +260,11 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut
             for d in range(D):
                 sv = inv[d]
                 inv[d] = np.float32(1.0) / sv if sv > 0 else np.float32(0.0)
-            # u = centred * (1/sigma), signed; code = LUT over the bits of |u|
+            # u = (x' - mu) * (1/sigma), signed; code = LUT over the bits of |u|
             for t in range(c0, c0 + nc):
                 rw = buf[t * D: (t + 1) * D]
                 for d in range(D):
-                    rw[d] = rw[d] * inv[d]
+                    rw[d] = (rw[d] - mu[d]) * inv[d]
             cb = bi[c0 * D: c0 * D + m]
             cf = buf[c0 * D: c0 * D + m]
             if nib and m % 2 == 0:  # 4+4 or 4: code two elements, write their nibbles
