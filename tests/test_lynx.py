@@ -203,7 +203,8 @@ def test_cpu_backend_bytes_equal_reference_arbitrary(data, split):
 
 
 def test_cpu_backend_bytes_equal_reference_extremes():
-    vals = torch.tensor([3.4e38, -3.4e38, 1e-45, 0.0, -1e-40, 65504.0, 1e30, -7.0, 1e-20])
+    vals = torch.tensor([3.4e38, -3.4e38, 1e-45, 0.0, -1e-40, 65504.0, 1e30, -7.0, 1e-20,
+                         -0.0])
     kv = vals[torch.arange(2 * 3 * 40 * 8) % len(vals)].reshape(1, 2, 3, 40, 8)
     kv = kv * torch.linspace(0.5, 1.0, 40).view(1, 1, 1, 40, 1)
     for split in ([4, 4], [2, 2, 4]):

@@ -54,7 +54,8 @@ def test_triton_half_inputs_and_cpu_backend_agree(dtype, kernel_device):
 
 
 def test_triton_extremes_equal_reference(kernel_device):
-    vals = torch.tensor([3.4e38, -3.4e38, 1e-45, 0.0, -1e-40, 65504.0, 1e30, -7.0, 1e-20])
+    vals = torch.tensor([3.4e38, -3.4e38, 1e-45, 0.0, -1e-40, 65504.0, 1e30, -7.0, 1e-20,
+                         -0.0])
     kv = vals[torch.arange(2 * 2 * 24 * 8) % len(vals)].reshape(1, 2, 2, 24, 8)
     ref, tri = _pair([4, 4])
     kv = kv.to(kernel_device)

@@ -5,20 +5,22 @@ three stages, then its sign + 7-bit (in general M-bit) magnitude code is split i
 priority streams (anchor first, then signed residual corrections), nibble/bit-packed.
 
 Stage 1, page normalization (per channel, per page of `page_tokens` tokens):
-    lo = min(x), r = hi/2 - lo/2 (half range, cannot overflow), k = smallest int with r < 2^k
-    (from r's exponent bits, clamped to [-126, 126]);  x' = (x/2 - lo/2) * 2^-k  in [0, 1)
-    (in [0, 4) only when the range is >= 2^127). The scale is a power of two, so the
-    normalization is exact scaling and needs no division; `lo` is stored fp32, `k` int8.
+    lo = min(x) + 0.0 (canonical zero), r = hi/2 - lo/2 (half range, cannot overflow),
+    k = smallest int with r < 2^k (from r's exponent bits, clamped to [-126, 126]);
+    x' = (x/2 - lo/2) * 2^-k in [0, 1) (in [0, 4) only when the range is >= 2^127). The scale
+    is a power of two, so the normalization is exact scaling and needs no division; `lo` is
+    stored fp32, `k` int8.
 Stage 2, chunk centering (per channel, per chunk of `chunk_tokens` tokens):
     mu = floor(mean(trunc(x' * 2^14))) * 2^-14  (integer sum: order-independent, so the torch,
     numba and Triton backends agree bit for bit; stored uint16), xc = x' - mu,
-    sigma = max|xc| stored fp16 (round-to-nearest; see "saturation" below).
+    sigma = max|xc| stored fp16 (round to nearest; values above it saturate, see stage 3).
 Stage 3, alpha-law companding to a sign + M-bit magnitude code, M = sum(split) - 1:
     y = ln(1 + alpha*u) / ln(1 + alpha) * (2^M - 1), code = round(y), u = |xc| / sigma.
-    Implemented without a transcendental: u = |xc| * fp32(1/sigma) and code = number of
-    precomputed fp32 thresholds t_i = ((1+alpha)^((i - 1/2)/(2^M - 1)) - 1)/alpha strictly
-    below u (the rounding points of y), so every backend computes the same code. u can exceed
-    1 by a rounding of sigma; the code then saturates at 2^M - 1 (never overflows).
+    Implemented without a transcendental: u = xc * fp32(1/sigma) (0 when sigma is 0), the
+    sign is u < 0 (so -0.0 is positive), and the code is the number of precomputed fp32
+    thresholds t_i = ((1+alpha)^((i - 1/2)/(2^M - 1)) - 1)/alpha strictly below |u| (the
+    rounding points of y), so every backend computes the same code. |u| can exceed 1 by a
+    rounding of sigma; the code then saturates at 2^M - 1 (never overflows).
 Stage 4, split streams. split = [b0, b1, ...]: stream 0 (anchor) holds the sign and the top
     b0-1 magnitude bits; stream j >= 1 holds the next b_j bits as a *signed* digit
     d_j = field_j - 2^(b_j-1) in [-2^(b_j-1), 2^(b_j-1)-1] (two's complement, i.e. the
@@ -561,7 +563,7 @@ def reference_codes(x: torch.Tensor, lay: LynxLayout, tab: LynxTables) -> Refere
     for p in range(lay.pages):
         t0, t1 = p * P, min((p + 1) * P, T)
         xp = x[:, :, :, t0:t1]  # [L, 2, H, n, D]
-        plo, phi = xp.amin(3), xp.amax(3)
+        plo, phi = xp.amin(3) + 0.0, xp.amax(3)  # + 0.0: -0.0 -> +0.0, canonical bytes
         k = page_scale(plo, phi)
         lo[:, p], kexp[:, p] = plo, k.to(torch.int8)
         xn = (xp * 0.5 - (plo * 0.5).unsqueeze(3)) * pow2(-k).unsqueeze(3)  # x' in [0, 4)
@@ -577,9 +579,9 @@ def reference_codes(x: torch.Tensor, lay: LynxLayout, tab: LynxTables) -> Refere
             sigma[:, :, :, ci] = s16
             s = s16.to(torch.float32)
             inv = torch.where(s > 0, 1.0 / torch.where(s > 0, s, 1.0), 0.0).unsqueeze(3)
-            u = cen.abs() * inv
-            codes[:, :, :, c0:c1] = torch.bucketize(u, tt["thresholds"], right=False)
-            neg[:, :, :, c0:c1] = cen < 0
+            us = cen * inv  # signed u; the sign bit is u < 0 (so -0.0 and sigma = 0 are +)
+            codes[:, :, :, c0:c1] = torch.bucketize(us.abs(), tt["thresholds"], right=False)
+            neg[:, :, :, c0:c1] = us < 0
     return ReferenceCodes(lo, kexp, mu, sigma, neg, codes)
 
 

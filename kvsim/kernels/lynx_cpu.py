@@ -191,6 +191,7 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut
                 hi[d] = v if v > hi[d] else hi[d]
         r = np.empty(D, np.float32)
         for d in range(D):
+            lo[d] = lo[d] + np.float32(0.0)  # -0.0 -> +0.0, as the reference
             r[d] = hi[d] * half - lo[d] * half
         rb = r.view(np.int32)
         kk = np.empty(D, np.int8)
@@ -280,13 +281,13 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut
                                cmax)
                     up = np.int32(abs(cf[2 * i]) > lut_thr[cell])
                     c = lut_base[cell] + up
-                    sc = (b >> np.int32(28)) & np.int32(8)
+                    sc = np.int32(cf[2 * i] < 0) << np.int32(3)
                     b2 = cb[2 * i + 1]
                     cell = min(max((b2 & np.int32(0x7FFFFFFF)) - lut_lo, np.int32(0)) >> shift,
                                cmax)
                     up = np.int32(abs(cf[2 * i + 1]) > lut_thr[cell])
                     e = lut_base[cell] + up
-                    se = (b2 >> np.int32(28)) & np.int32(8)
+                    se = np.int32(cf[2 * i + 1] < 0) << np.int32(3)
                     out[pos0 + i] = np.uint8(((c >> sh0) | sc) | (((e >> sh0) | se) << 4))
                     if nstreams == 2:
                         out[pos1 + i] = np.uint8(((c & 15) ^ 8) | (((e & 15) ^ 8) << 4))
@@ -295,7 +296,7 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut
                 b = cb[j]
                 cell = min(max((b & np.int32(0x7FFFFFFF)) - lut_lo, np.int32(0)) >> shift, cmax)
                 up = np.int32(abs(cf[j]) > lut_thr[cell])
-                codes[j] = (lut_base[cell] + up) | ((b >> np.int32(23)) & np.int32(256))
+                codes[j] = (lut_base[cell] + up) | (np.int32(cf[j] < 0) << np.int32(8))
             for s in range(nstreams):
                 pos = (stream_base[s] + l * layer_bytes[s] + p * full_bytes[s]
                        + code_off[last, s] + row * row_bytes[last, s] + (c0 * D * split[s]) // 8)

@@ -91,7 +91,7 @@ def _lynx_encode_kernel(
         x = tl.load(ptrs, mask=m3, other=0.0).to(tl.float32)
         lo = tl.minimum(lo, tl.min(tl.where(m3, x, float("inf")), axis=0))
         hi = tl.maximum(hi, tl.max(tl.where(m3, x, float("-inf")), axis=0))
-    lo = tl.where(dmask, lo, 0.0)
+    lo = tl.where(dmask, lo, 0.0) + 0.0  # -0.0 -> +0.0, as the reference
     hi = tl.where(dmask, hi, 0.0)
     r = hi * 0.5 - lo * 0.5
     k = ((r.to(tl.int32, bitcast=True) >> 23) & 255) - 126
@@ -135,7 +135,7 @@ def _lynx_encode_kernel(
         cell = tl.where(m3, cell, 0)
         thr = tl.load(thr_ptr + cell)
         code = tl.load(base_ptr + cell) + (tl.abs(u) > thr).to(tl.int32)
-        neg = (ub < 0).to(tl.int32)
+        neg = (u < 0).to(tl.int32)  # float compare: -0.0 is not negative
         code = tl.where(m3, code, 0)
         neg = tl.where(m3, neg, 0)
         t_loc = c0 + offs_t
