@@ -139,8 +139,7 @@ def _unpack(src, pos, n, bits, fields):
 
 
 @numba.njit(parallel=True, **_JIT)
-def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut_base,
-                   lut_thr,
+def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut,
                    stream_base, layer_bytes, full_bytes, code_off, row_bytes, meta_off,
                    lo_out, k_out, mu_out, sig_out, out):
     """xf: [L, 2, H, T, D] fp32, or xb: same shape uint16 bf16 bits (use_bits).
@@ -154,7 +153,7 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut
         L, _, H, T, D = xf.shape
     pages = (T + P - 1) // P
     nstreams = split.shape[0]
-    cells = lut_base.shape[0]
+    cells = lut.shape[0]
     qscale = np.float32(1 << MU_FRAC_BITS)
     mscale = np.float32(2.0 ** -MU_FRAC_BITS)
     half = np.float32(0.5)
@@ -267,7 +266,6 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut
                 for d in range(D):
                     rw[d] = (rw[d] - mu[d]) * inv[d]
             cb = bi[c0 * D: c0 * D + m]
-            cf = buf[c0 * D: c0 * D + m]
             if nib and m % 2 == 0:  # 4+4 or 4: code two elements, write their nibbles
                 pos0 = (stream_base[0] + l * layer_bytes[0] + p * full_bytes[0]
                         + code_off[last, 0] + row * row_bytes[last, 0] + (c0 * D) // 2)
@@ -277,26 +275,25 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut
                 sh0 = np.int32(shifts[0])
                 for i in range(m // 2):
                     b = cb[2 * i]
-                    cell = min(max((b & np.int32(0x7FFFFFFF)) - lut_lo, np.int32(0)) >> shift,
-                               cmax)
-                    up = np.int32(abs(cf[2 * i]) > lut_thr[cell])
-                    c = lut_base[cell] + up
-                    sc = np.int32(cf[2 * i] < 0) << np.int32(3)
+                    mag = b & np.int32(0x7FFFFFFF)
+                    ent = lut[min(max(mag - lut_lo, np.int32(0)) >> shift, cmax)]
+                    c = np.int32(ent >> 32) + np.int32(mag > (ent & 0xFFFFFFFF))
+                    sc = np.int32((b < 0) & (mag != 0)) << np.int32(3)  # u < 0
                     b2 = cb[2 * i + 1]
-                    cell = min(max((b2 & np.int32(0x7FFFFFFF)) - lut_lo, np.int32(0)) >> shift,
-                               cmax)
-                    up = np.int32(abs(cf[2 * i + 1]) > lut_thr[cell])
-                    e = lut_base[cell] + up
-                    se = np.int32(cf[2 * i + 1] < 0) << np.int32(3)
+                    mag = b2 & np.int32(0x7FFFFFFF)
+                    ent = lut[min(max(mag - lut_lo, np.int32(0)) >> shift, cmax)]
+                    e = np.int32(ent >> 32) + np.int32(mag > (ent & 0xFFFFFFFF))
+                    se = np.int32((b2 < 0) & (mag != 0)) << np.int32(3)
                     out[pos0 + i] = np.uint8(((c >> sh0) | sc) | (((e >> sh0) | se) << 4))
                     if nstreams == 2:
                         out[pos1 + i] = np.uint8(((c & 15) ^ 8) | (((e & 15) ^ 8) << 4))
                 continue
             for j in range(m):
                 b = cb[j]
-                cell = min(max((b & np.int32(0x7FFFFFFF)) - lut_lo, np.int32(0)) >> shift, cmax)
-                up = np.int32(abs(cf[j]) > lut_thr[cell])
-                codes[j] = (lut_base[cell] + up) | (np.int32(cf[j] < 0) << np.int32(8))
+                mag = b & np.int32(0x7FFFFFFF)
+                ent = lut[min(max(mag - lut_lo, np.int32(0)) >> shift, cmax)]
+                c = np.int32(ent >> 32) + np.int32(mag > (ent & 0xFFFFFFFF))
+                codes[j] = c | (np.int32((b < 0) & (mag != 0)) << np.int32(8))
             for s in range(nstreams):
                 pos = (stream_base[s] + l * layer_bytes[s] + p * full_bytes[s]
                        + code_off[last, s] + row * row_bytes[last, s] + (c0 * D * split[s]) // 8)
@@ -464,7 +461,7 @@ def encode_cpu(x: torch.Tensor, lay: LynxLayout, tab: LynxTables,
         use_bits = False
     shifts = np.array([tab.field_shift(s) for s in range(n)], np.int64)
     _encode_kernel(xf, xb, use_bits, lay.page_tokens, lay.chunk_tokens, split, shifts,
-                   np.int32(tab.lut_lo), tab.lut_shift, _lut_base32(tab), tab.lut_thr, base,
+                   np.int32(tab.lut_lo), tab.lut_shift, _lut64(tab), base,
                    layer_b, full_b,
                    code_off, rows, meta, lo, k, mu, sig, out)
     buffers = [torch.from_numpy(out[base[s]: base[s] + layer_b[s] * L]) for s in range(n)]
@@ -499,8 +496,11 @@ def decode_cpu(buffers: list[torch.Tensor], lay: LynxLayout, tab: LynxTables, st
 
 
 @functools.lru_cache(maxsize=64)
-def _lut_base32(tab: LynxTables) -> np.ndarray:
-    return tab.lut_base.astype(np.int32)
+def _lut64(tab: LynxTables) -> np.ndarray:
+    """One int64 per LUT cell: base code << 32 | fp32 bits of the cell's threshold (inf when
+    none). For non-negative floats, comparing bit patterns as integers orders like the floats,
+    so code = base + (bits(|u|) > thr_bits) with a single table load."""
+    return (tab.lut_base.astype(np.int64) << 32) | tab.lut_thr.view(np.uint32).astype(np.int64)
 
 
 def bench(layers: int = 4, kv_heads: int = 8, tokens: int = 4096, head_dim: int = 128,
