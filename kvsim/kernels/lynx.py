@@ -64,7 +64,6 @@ execution choice, not a format parameter, so it is left out of the preamble (par
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -756,14 +755,15 @@ class LynxCodec(Codec):
     def _decode(self, enc: Encoded, streams: int, device: torch.device) -> torch.Tensor:
         p = self.params
         lay, tab = self.layout(enc.shape), self.tables
-        bufs = []
+        backend = self._backend(device, enc.shape)
+        work = torch.device("cpu") if backend == "cpu" else device  # where the kernel runs
+        bufs = []  # one buffer per stream, chunks in (layer, page) order
         for s in range(streams):
             parts = enc.payloads(s)
             flat = np.concatenate([np.asarray(parts[(layer, page)], dtype=np.uint8)
                                    for layer in range(lay.shape.layers)
                                    for page in range(lay.pages)])
-            bufs.append(torch.from_numpy(flat).to(device))
-        backend = self._backend(device, enc.shape)
+            bufs.append(torch.from_numpy(flat).to(work))
         if backend == "cpu":
             from kvsim.kernels import lynx_cpu
 
@@ -782,12 +782,8 @@ class LynxCodec(Codec):
                 out = lynx_triton.decode_triton(arr, lay, tab, streams)
         if p.precondition == "oscar":
             out = oscar_inverse(out, scales, p.oscar_targets)
-        if out.dtype != torch.float32:
-            return out  # already in the encoded dtype, clamped and rounded by the kernel
-        big = torch.finfo(DTYPES[enc.shape.dtype]).max
-        return out.clamp_(-big, big)
+        if out.dtype == torch.float32:  # else: already in the encoded dtype, clamped, rounded
+            big = torch.finfo(DTYPES[enc.shape.dtype]).max
+            out = out.clamp_(-big, big)
+        return out.to(device)
 
-
-def replace_backend(codec: LynxCodec, backend: str) -> LynxCodec:
-    """The same codec (same bytes) running on another backend."""
-    return LynxCodec(dataclasses.replace(codec.params, backend=backend))
