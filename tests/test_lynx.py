@@ -380,3 +380,26 @@ def test_presets_build_and_roundtrip(preset):
     enc = c.encode(kv)
     assert rel_mse(c.decode(enc), kv) < 0.05
     assert enc.bits_per_element() < 10
+
+
+def test_cpu_fp16_bit_conversions_match_torch():
+    """The numba fp32 <-> fp16 bit conversions (sigma) round like torch .half(): every fp16
+    boundary region, subnormals, ties, overflow to inf."""
+    from kvsim.kernels.lynx_cpu import f16_bits_to_f32, f32_to_f16_bits
+
+    rng = np.random.default_rng(0)
+    h = np.arange(0, 0x7C00, dtype=np.uint16)  # every finite non-negative fp16
+    f = h.view(np.float16).astype(np.float32)
+    ties = ((f[:-1].astype(np.float64) + f[1:]) / 2).astype(np.float32)
+    probes = np.concatenate([
+        f, ties, np.nextafter(ties, np.float32(0)), np.nextafter(ties, np.float32(1e9)),
+        np.float32([0.0, 1e-45, 2.0**-25, 2.0**-26, 65504.0, 65519.0, 65520.0, 1e5, 3.4e38]),
+        (rng.random(20000) * 2.0 ** rng.integers(-30, 17, 20000)).astype(np.float32),
+    ]).astype(np.float32)
+    got = np.empty(probes.shape, np.uint16)
+    f32_to_f16_bits(probes.view(np.uint32), got)
+    want = torch.from_numpy(probes).half().view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(got, want)
+    back = np.empty(h.shape, np.float32)
+    f16_bits_to_f32(h, back, back.view(np.uint32))
+    np.testing.assert_array_equal(back, f)
