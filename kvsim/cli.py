@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg, plain = compose(mod.CONFIG_NAME, overrides, getattr(mod, "Config", None))
     except Exception as exc:  # Hydra/OmegaConf composition and validation errors
         msg = str(exc).strip()
+        if exc.__cause__ is not None and str(exc.__cause__).strip() not in msg:
+            msg += f"\n  {str(exc.__cause__).strip().splitlines()[0]}"
         print(f"kvsim {' '.join(match)}: bad configuration: {msg}", file=sys.stderr)
         return 2
     if want_help:
