@@ -313,3 +313,47 @@ def decode_triton(arr: LynxArrays, lay: LynxLayout, tab: LynxTables, streams: in
         T, lay.pages, lay.total_chunks, *ints,
         NS=streams, B0=b[0], B1=b[1], B2=b[2], **consts, **_launch_opts(out))
     return out
+
+
+def compile_for_cuda(arch: int = 90, split: tuple[int, ...] = (4, 4), head_dim: int = 128,
+                     kv_heads: int = 8) -> dict[str, str]:
+    """Compile both kernels for a CUDA target without a GPU (Triton's bundled toolchain) and
+    return their PTX: a check that the GPU path builds, and that FMA contraction is off and
+    1/sigma uses IEEE division. Needs TRITON_INTERPRET unset (interpreted kernels do not
+    compile): run it in a fresh process."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kvsim.kernels.lynx import lynx_tables
+
+    if _interpreting():
+        raise RuntimeError("compile_for_cuda needs TRITON_INTERPRET unset")
+    tab = lynx_tables(4.0, tuple(split))
+    ns = len(split)
+    b = list(split) + [1] * (MAX_STREAMS - ns)
+    sh = [tab.field_shift(s) for s in range(ns)] + [0] * (MAX_STREAMS - ns)
+    tiles = dict(H=kv_heads, D=head_dim, P=256, C=32, BT=32,
+                 BG=min(triton.next_power_of_2(head_dim), 128) // 8,
+                 NS=ns, B0=b[0], B1=b[1], B2=b[2])
+    kernels = {
+        "encode": (_lynx_encode_kernel,
+                   {"x_ptr": "*bf16", "lo_ptr": "*fp32", "k_ptr": "*i8", "mu_ptr": "*i16",
+                    "sig_ptr": "*fp16", "thr_ptr": "*fp32", "base_ptr": "*i32",
+                    "out0_ptr": "*u8", "out1_ptr": "*u8", "out2_ptr": "*u8"},
+                   {**tiles, "SH0": sh[0], "SH1": sh[1], "SH2": sh[2], "LUT_LO": tab.lut_lo,
+                    "LUT_SHIFT": tab.lut_shift, "CELLS": tab.lut_cells}),
+        "decode": (_lynx_decode_kernel,
+                   {"out_ptr": "*fp32", "lo_ptr": "*fp32", "k_ptr": "*i8", "mu_ptr": "*i16",
+                    "sig_ptr": "*fp16", "val_ptr": "*fp32", "in0_ptr": "*u8", "in1_ptr": "*u8",
+                    "in2_ptr": "*u8"}, tiles),
+    }
+    ptx = {}
+    for name, (fn, ptrs, consts) in kernels.items():
+        names = fn.arg_names
+        sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in names}
+        src = ASTSource(fn=fn, signature=sig,
+                        constexprs={(names.index(k),): v for k, v in consts.items()})
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                                  options={"enable_fp_fusion": False, "num_warps": 4})
+        ptx[name] = compiled.asm["ptx"]
+    return ptx
