@@ -403,3 +403,17 @@ def test_cpu_fp16_bit_conversions_match_torch():
     back = np.empty(h.shape, np.float32)
     f16_bits_to_f32(h, back, back.view(np.uint32))
     np.testing.assert_array_equal(back, f)
+
+
+@pytest.mark.parametrize("d", [1, 2, 16, 128, 256])
+def test_cpu_fwht_bit_identical_to_reference(d):
+    """The numba Hadamard used by the cpu backend's oscar path == kvsim.kernels.hadamard,
+    bit for bit, so oscar bytes do not depend on the backend."""
+    from kvsim.kernels.hadamard import hadamard
+    from kvsim.kernels.lynx_cpu import fwht_cpu
+
+    g = torch.Generator().manual_seed(d)
+    x = torch.randn(300, d, generator=g) * torch.logspace(-30, 30, 300).unsqueeze(1)
+    assert torch.equal(fwht_cpu(x).view(torch.int32), hadamard(x).view(torch.int32))
+    with pytest.raises(ValueError, match="power-of-two"):
+        fwht_cpu(torch.randn(2, 12))

@@ -14,11 +14,13 @@ FMA contraction), so codes and metadata are identical; tests/test_lynx.py checks
 from __future__ import annotations
 
 import functools
+import math
 
 import numba
 import numpy as np
 import torch
 
+from kvsim.kernels.hadamard import check_hadamard_dim
 from kvsim.kernels.lynx import (
     MU_FRAC_BITS,
     LynxArrays,
@@ -420,6 +422,39 @@ def _decode_kernel(src, nstreams, P, C, split, values, stream_base, layer_bytes,
                     orow = of[t0 + c0 + t]
                     for d in range(D):
                         orow[d] = lo[d] + (mu[d] + sg[d] * values[rk[d]]) * fd[d]
+
+
+@numba.njit(parallel=True, **_JIT)
+def _fwht_kernel(x, out, scale):
+    """x, out: [n, d] fp32, d a power of two. Same butterflies in the same order as
+    kvsim.kernels.hadamard.hadamard (level h pairs (j, j + h) in blocks of 2h), then * scale,
+    so the result is bit-identical to the torch reference."""
+    n, d = x.shape
+    for r in numba.prange(n):
+        y = out[r]
+        y[:] = x[r]
+        h = 1
+        while h < d:
+            for i in range(0, d, 2 * h):
+                for j in range(i, i + h):
+                    a = y[j]
+                    b = y[j + h]
+                    y[j] = a + b
+                    y[j + h] = a - b
+            h *= 2
+        for j in range(d):
+            y[j] = y[j] * scale
+
+
+def fwht_cpu(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal Walsh-Hadamard transform over the last dim of a CPU tensor, fp32 out,
+    bit-identical to kvsim.kernels.hadamard.hadamard (checked by tests/test_lynx.py)."""
+    d = x.shape[-1]
+    check_hadamard_dim(d)
+    src = x.to(torch.float32).contiguous().reshape(-1, d)
+    out = torch.empty_like(src)
+    _fwht_kernel(src.numpy(), out.numpy(), np.float32(1.0 / math.sqrt(d)))
+    return out.reshape(x.shape)
 
 
 def _layout_arrays(lay: LynxLayout, streams: int) -> tuple[np.ndarray, ...]:
