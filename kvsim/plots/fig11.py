@@ -1,0 +1,99 @@
+"""TT<k>T vs context length and vs link bandwidth per codec (the Lynx paper's Figure 11) from a
+`kvsim sweep` table. Left panel: contexts at one bandwidth; right: bandwidths at one context.
+With exactly two codecs, the gap between them is written at each point."""
+
+from __future__ import annotations
+
+import pandas as pd
+from matplotlib.figure import Figure
+
+from kvsim.plots.inputs import load_sweep
+from kvsim.plots.options import PlotOptions
+from kvsim.plots.style import codec_color, codec_marker, new_figure, tokens_label
+from kvsim.plots.ttkt import ttkt_field
+
+_NEEDED = ("codec", "context_tokens", "bandwidth_gbps", "model", "hardware")
+
+
+def _fixed(table: pd.DataFrame, column: str, wanted: float | None) -> float:
+    values = sorted(table[column].unique())
+    if wanted is None:
+        return values[(len(values) - 1) // 2]  # the median setting the table holds
+    if not any(abs(v - wanted) < 1e-9 for v in values):
+        raise ValueError(f"fixed {column} {wanted:g} is not in the sweep table "
+                         f"(it holds {[float(v) for v in values]})")
+    return wanted
+
+
+def _panel(ax, table: pd.DataFrame, x: str, metric: str) -> list[dict]:
+    series = []
+    codecs = list(dict.fromkeys(table["codec"]))
+    for codec in codecs:
+        part = table[table["codec"] == codec].sort_values(x)
+        ax.plot(part[x], part[metric], marker=codec_marker(codec), color=codec_color(codec),
+                label=codec, linewidth=1.5, markersize=6)
+        series.append({"codec": codec, x: part[x].tolist(), metric: part[metric].tolist()})
+    if len(codecs) == 2:  # the gap the seeds quote ("Lynx's gain over INT8")
+        a, b = (table[table["codec"] == c].set_index(x)[metric] for c in codecs)
+        for xv in a.index.intersection(b.index):
+            gap = float(a[xv] - b[xv])
+            ax.annotate(f"{gap:+.2f} s", (xv, max(a[xv], b[xv])), textcoords="offset points",
+                        xytext=(0, 6), ha="center", fontsize=8)
+        ax.text(0.02, 0.97, f"labels: {codecs[0]} - {codecs[1]}", transform=ax.transAxes,
+                fontsize=7, va="top")
+    ax.grid(True, alpha=0.3)
+    return series
+
+
+def make(opts: PlotOptions) -> tuple[Figure, dict]:
+    table, sidecar = load_sweep(opts.input)
+    metric = f"{ttkt_field(opts.origin)}.{opts.k}"
+    missing = [c for c in (*_NEEDED, metric) if c not in table.columns]
+    if missing:
+        raise ValueError(f"sweep table {opts.input} lacks columns {missing} (is k={opts.k} "
+                         "among the sim's metrics.ks?)")
+    for col in ("model", "hardware"):
+        if table[col].nunique() > 1:
+            raise ValueError(f"fig11 compares codecs on one {col}; the table holds "
+                             f"{sorted(table[col].unique())}")
+    if table.groupby(["codec", "context_tokens", "bandwidth_gbps"]).size().max() > 1:
+        raise ValueError("the sweep table has several rows per (codec, context, bandwidth): "
+                         "fig11 needs one (sweep only context and bandwidth)")
+    contexts, bandwidths = table["context_tokens"].nunique(), table["bandwidth_gbps"].nunique()
+    if contexts < 2 and bandwidths < 2:
+        raise ValueError("fig11 needs a sweep over workload.context_tokens or "
+                         "link.bandwidth_gbps (the table holds one setting)")
+    panels = []
+    if contexts >= 2:
+        bw = _fixed(table, "bandwidth_gbps", opts.fixed_bandwidth_gbps)
+        panels.append(("context_tokens", table[table["bandwidth_gbps"] == bw],
+                       f"(a) vs context, {bw:g} Gbps"))
+    if bandwidths >= 2:
+        ctx = _fixed(table, "context_tokens", opts.fixed_context_tokens)
+        panels.append(("bandwidth_gbps", table[table["context_tokens"] == ctx],
+                       f"(b) vs bandwidth, {tokens_label(ctx)} context"))
+    fig, axes = new_figure(5.0 * len(panels), 3.8, ncols=len(panels))
+    origin = "request arrival" if opts.origin == "arrival" else "prefill end"
+    summary = {}
+    for ax, (x, part, title) in zip(axes, panels, strict=True):
+        summary[x] = _panel(ax, part, x, metric)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel(f"TT{opts.k}T (s, from {origin})")
+        if x == "context_tokens":
+            ticks = sorted(part[x].unique())
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ticks, [tokens_label(t) for t in ticks])
+            ax.set_xlabel("context (tokens)")
+        else:
+            ax.set_xticks(sorted(part[x].unique()))
+            ax.set_xlabel("link bandwidth (Gbps)")
+        ax.legend(fontsize=8, loc="lower right" if x == "context_tokens" else "upper right")
+    base = sidecar.get("base_config", {})
+    hw = base.get("hardware", {})
+    samples = int(table["samples"].iloc[0]) if "samples" in table.columns else 1
+    source = (f"{table['model'].iloc[0]}, {hw.get('devices', '?')}x "
+              f"{table['hardware'].iloc[0]}, mean of {samples} run(s)")
+    fig.suptitle(opts.title or f"TT{opts.k}T per codec (Figure 11 style): {source}",
+                 fontsize=11)
+    fig.tight_layout()
+    return fig, summary

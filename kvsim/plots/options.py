@@ -1,0 +1,28 @@
+"""Typed options of `kvsim plot` (the command's Config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PlotOptions:
+    kind: str = ""  # ttkt | fig11 | survival | codecs | breakdown
+    input: str = ""  # the file (or, for survival, directory / files) the figure is made from
+    out: str = ""  # output path; .png and .pdf are written (default plots/<kind>.png)
+    dpi: int = 100
+    title: str = ""  # replaces the automatic title (which names the source config)
+    # ttkt / fig11: times measured from request arrival, or from prefill end (the seeds'
+    # Figure 2 convention)
+    origin: str = "arrival"  # arrival | prefill_end
+    k: int = 64  # fig11: the TT<k>T plotted
+    fixed_bandwidth_gbps: float | None = None  # fig11 context panel (null: the table's median)
+    fixed_context_tokens: int | None = None  # fig11 bandwidth panel (null: the table's median)
+    # survival: file-name glob inside an input directory, and reference curves to overlay
+    match: str = "*.json"
+    reference: list[str] = field(default_factory=lambda: ["seeds-fig10"])
+    max_k: int = 64  # survival: x range
+    formats: list[str] = field(default_factory=lambda: ["png", "pdf"])
+
+
+ORIGINS = ("arrival", "prefill_end")
