@@ -39,8 +39,7 @@ def _panel(ax, table: pd.DataFrame, x: str, metric: str) -> list[dict]:
             gap = float(a[xv] - b[xv])
             ax.annotate(f"{gap:+.2f} s", (xv, max(a[xv], b[xv])), textcoords="offset points",
                         xytext=(0, 6), ha="center", fontsize=8)
-        ax.text(0.02, 0.97, f"labels: {codecs[0]} - {codecs[1]}", transform=ax.transAxes,
-                fontsize=7, va="top")
+    ax.margins(x=0.08, y=0.12)  # room for the gap labels at the ends
     ax.grid(True, alpha=0.3)
     return series
 
@@ -87,7 +86,10 @@ def make(opts: PlotOptions) -> tuple[Figure, dict]:
         else:
             ax.set_xticks(sorted(part[x].unique()))
             ax.set_xlabel("link bandwidth (Gbps)")
-        ax.legend(fontsize=8, loc="lower right" if x == "context_tokens" else "upper right")
+        codecs = list(dict.fromkeys(part["codec"]))
+        ax.legend(fontsize=8, loc="lower right" if x == "context_tokens" else "upper right",
+                  title=f"labels: {codecs[0]} - {codecs[1]}" if len(codecs) == 2 else None,
+                  title_fontsize=7)
     base = sidecar.get("base_config", {})
     hw = base.get("hardware", {})
     samples = int(table["samples"].iloc[0]) if "samples" in table.columns else 1

@@ -11,16 +11,21 @@ matplotlib.use("Agg")  # files only, no display (before pyplot is imported)
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-# Codec presets in a fixed order so a codec keeps its colour in every figure.
-_ORDER = ["bf16", "int8", "int4", "kivi-2", "kivi-4", "kcvt-4", "gear", "gear-l", "oscar",
-          "lynx", "lynx-int4", "lynx-int8", "lynx-2+6", "lynx-2+2+4", "lynx-oscar", "cachegen"]
+# One colour per codec preset, the same in every figure: the seeds' headline comparison
+# (bf16, int8, int4, lynx) gets the strongest colours; lynx variants shades of red.
+_COLORS = {"bf16": "#1f77b4", "int8": "#ff7f0e", "int4": "#2ca02c", "lynx": "#d62728",
+           "lynx-int4": "#ff9896", "lynx-int8": "#8c1c1c", "lynx-2+6": "#e377c2",
+           "lynx-2+2+4": "#f7b6d2", "lynx-oscar": "#bd1f5e", "kivi-2": "#9467bd",
+           "kivi-4": "#c5b0d5", "kcvt-4": "#8c564b", "gear": "#17becf", "gear-l": "#9edae5",
+           "oscar": "#bcbd22", "cachegen": "#7f7f7f"}
+_ORDER = list(_COLORS)
 _MARKERS = "osD^vP*Xhp<>"
 
 
-def codec_color(label: str) -> tuple[float, float, float, float]:
-    cmap = plt.get_cmap("tab20")
-    index = _ORDER.index(label) if label in _ORDER else 16 + zlib.crc32(label.encode()) % 4
-    return cmap(index % 20)
+def codec_color(label: str) -> str:
+    if label in _COLORS:
+        return _COLORS[label]
+    return matplotlib.colors.to_hex(plt.get_cmap("Dark2")(zlib.crc32(label.encode()) % 8))
 
 
 def codec_marker(label: str) -> str:

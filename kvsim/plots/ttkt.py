@@ -43,6 +43,8 @@ def make(opts: PlotOptions) -> tuple[Figure, dict]:
             series.append({"codec": label, "context_tokens": ctx, "bandwidth_gbps": bw,
                            "k": ks, "t_s": ts})
         ax.set_xscale("log", base=2)
+        all_ks = sorted({k for s in series if s["context_tokens"] == ctx for k in s["k"]})
+        ax.set_xticks(all_ks, [str(k) for k in all_ks])
         ax.set_xlabel("k (valid tokens)")
         ax.set_title(f"{tokens_label(ctx)} context, {bw:g} Gbps", fontsize=10)
         ax.grid(True, which="major", alpha=0.3)
