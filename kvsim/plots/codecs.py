@@ -89,8 +89,9 @@ def make(opts: PlotOptions) -> tuple[Figure, dict]:
     ax.set_ylabel("attention-output vNMSE")
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), ncol=1)
-    ax.text(0.99, 0.98, "hollow: stream prefixes (anchor, +residual...)",
-            transform=ax.transAxes, ha="right", va="top", fontsize=7)
+    if any(p["prefixes"] for p in points):
+        ax.text(0.99, 0.98, "hollow: stream prefixes (anchor, +residual...)",
+                transform=ax.transAxes, ha="right", va="top", fontsize=7)
     name = Path(opts.input).name
     ax.set_title(opts.title or f"Codec size vs error ({name}):\n{source}", fontsize=10)
     fig.tight_layout()
