@@ -222,6 +222,8 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut
         inv_bits = inv.view(np.uint32)
         bi = buf.view(np.int32)
         codes = np.empty(C * D, np.int32)  # magnitude code | sign << 8
+        cellidx = np.empty(C * D, np.int32)
+        ents = np.empty(C * D, np.int64)
         fields = np.empty((nstreams, C * D), np.uint8)
         shift = np.int32(lut_shift)
         cmax = np.int32(cells - 1)
@@ -268,34 +270,38 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut
                 for d in range(D):
                     rw[d] = (rw[d] - mu[d]) * inv[d]
             cb = bi[c0 * D: c0 * D + m]
-            if nib and m % 2 == 0:  # 4+4 or 4: code two elements, write their nibbles
+            # code = LUT over the bits of |u|, in three simple loops so that only the table
+            # load stays scalar (cell index and the compare / sign vectorize)
+            for j in range(m):
+                cellidx[j] = min(max((cb[j] & np.int32(0x7FFFFFFF)) - lut_lo, np.int32(0)) >> shift,
+                               cmax)
+            for j in range(m):
+                ents[j] = lut[cellidx[j]]
+            for j in range(m):
+                b = cb[j]
+                mag = b & np.int32(0x7FFFFFFF)
+                ent = ents[j]
+                codes[j] = ((np.int32(ent >> 32) + np.int32(mag > (ent & 0xFFFFFFFF)))
+                            | (np.int32((b < 0) & (mag != 0)) << np.int32(8)))  # sign: u < 0
+            if nib and m % 2 == 0:  # 4+4 or 4: both nibble streams from pairs of codes
                 pos0 = (stream_base[0] + l * layer_bytes[0] + p * full_bytes[0]
                         + code_off[last, 0] + row * row_bytes[last, 0] + (c0 * D) // 2)
                 pos1 = (stream_base[nstreams - 1] + l * layer_bytes[nstreams - 1]
                         + p * full_bytes[nstreams - 1] + code_off[last, nstreams - 1]
                         + row * row_bytes[last, nstreams - 1] + (c0 * D) // 2)
                 sh0 = np.int32(shifts[0])
+                o0 = out[pos0: pos0 + m // 2]
                 for i in range(m // 2):
-                    b = cb[2 * i]
-                    mag = b & np.int32(0x7FFFFFFF)
-                    ent = lut[min(max(mag - lut_lo, np.int32(0)) >> shift, cmax)]
-                    c = np.int32(ent >> 32) + np.int32(mag > (ent & 0xFFFFFFFF))
-                    sc = np.int32((b < 0) & (mag != 0)) << np.int32(3)  # u < 0
-                    b2 = cb[2 * i + 1]
-                    mag = b2 & np.int32(0x7FFFFFFF)
-                    ent = lut[min(max(mag - lut_lo, np.int32(0)) >> shift, cmax)]
-                    e = np.int32(ent >> 32) + np.int32(mag > (ent & 0xFFFFFFFF))
-                    se = np.int32((b2 < 0) & (mag != 0)) << np.int32(3)
-                    out[pos0 + i] = np.uint8(((c >> sh0) | sc) | (((e >> sh0) | se) << 4))
-                    if nstreams == 2:
-                        out[pos1 + i] = np.uint8(((c & 15) ^ 8) | (((e & 15) ^ 8) << 4))
+                    c = codes[2 * i]
+                    e2 = codes[2 * i + 1]
+                    o0[i] = np.uint8(((c & 255) >> sh0) | ((c >> 5) & 8)
+                                     | ((((e2 & 255) >> sh0) | ((e2 >> 5) & 8)) << 4))
+                if nstreams == 2:
+                    o1 = out[pos1: pos1 + m // 2]
+                    for i in range(m // 2):
+                        o1[i] = np.uint8(((codes[2 * i] & 15) ^ 8)
+                                         | (((codes[2 * i + 1] & 15) ^ 8) << 4))
                 continue
-            for j in range(m):
-                b = cb[j]
-                mag = b & np.int32(0x7FFFFFFF)
-                ent = lut[min(max(mag - lut_lo, np.int32(0)) >> shift, cmax)]
-                c = np.int32(ent >> 32) + np.int32(mag > (ent & 0xFFFFFFFF))
-                codes[j] = c | (np.int32((b < 0) & (mag != 0)) << np.int32(8))
             for s in range(nstreams):
                 pos = (stream_base[s] + l * layer_bytes[s] + p * full_bytes[s]
                        + code_off[last, s] + row * row_bytes[last, s] + (c0 * D * split[s]) // 8)
@@ -362,6 +368,9 @@ def _decode_kernel(src, nstreams, P, C, split, values, stream_base, layer_bytes,
         fd = fdec.view(np.float32)
         fields = np.empty((nstreams, C * D), np.uint8)
         keys = np.empty(C * D, np.int32)
+        vals = np.empty(C * D, np.float32)
+        res = np.empty(C * D, np.float32)
+        rbits = res.view(np.uint32)
         m8 = np.empty(2 * D, np.uint8)
         s8 = np.empty(2 * D, np.uint8)
         mu = np.empty(D, np.float32)
@@ -404,24 +413,29 @@ def _decode_kernel(src, nstreams, P, C, split, values, stream_base, layer_bytes,
                     fs = fields[s]
                     for j in range(m):
                         keys[j] = (keys[j] << bs) | fs[j]
-            if to_bits:
+            for j in range(m):  # the only scalar loop: table load (signed value / sigma)
+                vals[j] = values[keys[j]]
+            for t in range(nc):
+                rv = vals[t * D: (t + 1) * D]
+                rr = res[t * D: (t + 1) * D]
+                for d in range(D):
+                    rr[d] = lo[d] + (mu[d] + sg[d] * rv[d]) * fd[d]
+            if to_bits:  # clamp to finite bf16, round to nearest even, from the fp32 bits
                 ob = out_b[l, kv, h]
                 for t in range(nc):
-                    rk = keys[t * D: (t + 1) * D]
+                    rr = res[t * D: (t + 1) * D]
+                    for d in range(D):
+                        rr[d] = max(-big, min(big, rr[d]))
+                    rb = rbits[t * D: (t + 1) * D]
                     orow = ob[t0 + c0 + t]
                     for d in range(D):
-                        y = lo[d] + (mu[d] + sg[d] * values[rk[d]]) * fd[d]
-                        y = max(-big, min(big, y))
-                        ub = np.float32(y).view(np.uint32)
+                        ub = rb[d]
                         ub = ub + np.uint32(0x7FFF) + ((ub >> np.uint32(16)) & np.uint32(1))
                         orow[d] = np.uint16(ub >> np.uint32(16))
             else:
                 of = out_f[l, kv, h]
                 for t in range(nc):
-                    rk = keys[t * D: (t + 1) * D]
-                    orow = of[t0 + c0 + t]
-                    for d in range(D):
-                        orow[d] = lo[d] + (mu[d] + sg[d] * values[rk[d]]) * fd[d]
+                    of[t0 + c0 + t] = res[t * D: (t + 1) * D]
 
 
 @numba.njit(parallel=True, **_JIT)
