@@ -55,13 +55,13 @@ def make(opts: PlotOptions) -> tuple[Figure, dict]:
         if table[col].nunique() > 1:
             raise ValueError(f"fig11 compares codecs on one {col}; the table holds "
                              f"{sorted(table[col].unique())}")
-    if table.groupby(["codec", "context_tokens", "bandwidth_gbps"]).size().max() > 1:
-        raise ValueError("the sweep table has several rows per (codec, context, bandwidth): "
-                         "fig11 needs one (sweep only context and bandwidth)")
     contexts, bandwidths = table["context_tokens"].nunique(), table["bandwidth_gbps"].nunique()
     if contexts < 2 and bandwidths < 2:
         raise ValueError("fig11 needs a sweep over workload.context_tokens or "
                          "link.bandwidth_gbps (the table holds one setting)")
+    if table.groupby(["codec", "context_tokens", "bandwidth_gbps"]).size().max() > 1:
+        raise ValueError("the sweep table has several rows per (codec, context, bandwidth): "
+                         "fig11 needs one (sweep only context and bandwidth)")
     panels = []
     if contexts >= 2:
         bw = _fixed(table, "bandwidth_gbps", opts.fixed_bandwidth_gbps)

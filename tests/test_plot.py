@@ -1,0 +1,152 @@
+"""`kvsim plot`: every kind renders from small real inputs (made here by the commands
+themselves); bad input is a clear error."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kvsim.acceptance import ACCEPTANCE_DIR
+from kvsim.cli import main
+from kvsim.commands.plot import run
+from kvsim.plots.options import PlotOptions
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SIM = ["scenario=none", "model=llama-3.1-8b", "codecs=[int8,lynx]", "samples=2",
+       "workload.context_tokens=2048", "workload.output_tokens=64"]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("plot_inputs")
+    paths = {"sim": d / "sim.json", "sweep": d / "sweep", "bench": d / "bench.json"}
+    assert main(["sim", *SIM, f"report={paths['sim']}"]) == 0
+    assert main(["sweep", "grid={workload.context_tokens: [1024,2048], "
+                 "link.bandwidth_gbps: [10,40]}",
+                 "base={scenario: none, model: llama-3.1-8b, workload.output_tokens: 64}",
+                 "codecs=[int8,lynx]", "samples=1", "progress=false",
+                 f"out={paths['sweep']}"]) == 0
+    assert main(["bench", "codecs", "codecs=[bf16,int8,lynx]", "shape.layers=1",
+                 "shape.tokens=64", "shape.q_tokens=2", "repeats=1", "warmup=0",
+                 "progress=false", f"report={paths['bench']}"]) == 0
+    return paths
+
+
+def _render(tmp_path: Path, **kw) -> list[Path]:
+    rows = run(PlotOptions(out=str(tmp_path / "fig.png"), **kw))
+    files = [Path(p) for p in rows[0]["files"]]
+    for f in files:
+        assert f.stat().st_size > 1000
+    png = next(f for f in files if f.suffix == ".png")
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    return files
+
+
+def test_ttkt_png_and_pdf(inputs, tmp_path):
+    files = _render(tmp_path, kind="ttkt", input=str(inputs["sim"]))
+    assert sorted(f.suffix for f in files) == [".pdf", ".png"]
+    assert files[1].read_bytes()[:4] == b"%PDF"
+
+
+def test_ttkt_series_are_the_report_values(inputs, tmp_path):
+    rows = run(PlotOptions(kind="ttkt", input=str(inputs["sim"]), out=str(tmp_path / "t.png"),
+                           origin="prefill_end", formats=["png"]))
+    report = json.loads(inputs["sim"].read_text())["rows"]
+    lynx = next(r for r in report if r["codec"] == "lynx")
+    series = next(s for s in rows[0]["series"] if s["codec"] == "lynx")
+    assert series["t_s"][series["k"].index(32)] == lynx["ttkt_from_prefill_end_s"]["32"]
+
+
+def test_breakdown_bars_total_the_critical_path(inputs, tmp_path):
+    _render(tmp_path, kind="breakdown", input=str(inputs["sim"]), formats=["png"])
+    rows = run(PlotOptions(kind="breakdown", input=str(inputs["sim"]),
+                           out=str(tmp_path / "b.png"), formats=["png"]))
+    report = json.loads(inputs["sim"].read_text())["rows"]
+    for bar, r in zip(rows[0]["bars"], report, strict=True):
+        k = str(r["breakdown_k"])
+        assert bar["total_s"] == pytest.approx(r["ttkt_from_prefill_end_s"][k], rel=1e-9)
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".csv", ".json"])
+def test_fig11_from_each_sweep_file(inputs, tmp_path, suffix):
+    rows = run(PlotOptions(kind="fig11", input=f"{inputs['sweep']}{suffix}", k=32,
+                           out=str(tmp_path / "f.png"), formats=["png"]))
+    summary = rows[0]
+    # median bandwidth of [10, 40] is 10; median context of [1024, 2048] is 1024
+    lynx = next(s for s in summary["context_tokens"] if s["codec"] == "lynx")
+    assert lynx["context_tokens"] == [1024, 2048]
+    assert len(summary["bandwidth_gbps"]) == 2
+
+
+def test_fig11_fixed_value_not_in_table(inputs, tmp_path):
+    with pytest.raises(ValueError, match="not in the sweep table"):
+        run(PlotOptions(kind="fig11", input=f"{inputs['sweep']}.parquet", k=32,
+                        fixed_bandwidth_gbps=25.0, out=str(tmp_path / "f.png")))
+
+
+def test_survival_from_a_directory_subset_and_a_file(tmp_path):
+    d = tmp_path / "acc"
+    d.mkdir()
+    for name in ("smollm2-135m-int4-s1-greedy", "smollm2-135m-kivi-2-s1-greedy"):
+        shutil.copy(ACCEPTANCE_DIR / f"{name}.json", d)
+    rows = run(PlotOptions(kind="survival", input=str(d), out=str(tmp_path / "s.png"),
+                           formats=["png"]))
+    names = [c["name"] for c in rows[0]["curves"]]
+    assert names == ["smollm2-135m-int4-s1-greedy", "smollm2-135m-kivi-2-s1-greedy",
+                     "seeds-fig10"]
+    assert rows[0]["curves"][-1]["p_ge_10"] == pytest.approx(0.88)  # the seeds' stated point
+    _render(tmp_path, kind="survival", input=str(d / "smollm2-135m-int4-s1-greedy.json"),
+            formats=["png"])
+
+
+def test_codecs_from_bench_report_and_vnmse_table(inputs, tmp_path):
+    rows = run(PlotOptions(kind="codecs", input=str(inputs["bench"]),
+                           out=str(tmp_path / "c.png"), formats=["png"]))
+    points = {p["codec"]: p for p in rows[0]["points"]}
+    assert set(points) == {"bf16", "int8", "lynx"}
+    assert len(points["lynx"]["prefixes"]) == 1  # anchor-only point of the 2-stream codec
+    vnmse = Path(__file__).resolve().parent.parent / "data/vnmse/smollm2-135m-ctx1024.json"
+    _render(tmp_path, kind="codecs", input=str(vnmse), formats=["png"])
+
+
+def test_bad_inputs_are_clear_errors(inputs, tmp_path):
+    out = str(tmp_path / "x.png")
+    with pytest.raises(ValueError, match="does not exist"):
+        run(PlotOptions(kind="ttkt", input=str(tmp_path / "missing.json"), out=out))
+    with pytest.raises(ValueError, match="'bench codecs' report, not a 'sim' one"):
+        run(PlotOptions(kind="ttkt", input=str(inputs["bench"]), out=out))
+    with pytest.raises(ValueError, match="is a 'sim' report"):
+        run(PlotOptions(kind="codecs", input=str(inputs["sim"]), out=out))
+    with pytest.raises(ValueError, match="expected a `kvsim sweep` table"):
+        run(PlotOptions(kind="fig11", input=str(inputs["sim"]), out=out))
+    with pytest.raises(ValueError, match="no 'survival' curve"):
+        run(PlotOptions(kind="survival", input=str(inputs["sim"]), out=out))
+    with pytest.raises(ValueError, match="kind must be one of"):
+        run(PlotOptions(kind="fig9", input=str(inputs["sim"]), out=out))
+    with pytest.raises(ValueError, match="origin must be one of"):
+        run(PlotOptions(kind="ttkt", input=str(inputs["sim"]), origin="decode", out=out))
+    bad = tmp_path / "bad.json"
+    bad.write_text("not json")
+    with pytest.raises(ValueError, match="is not JSON"):
+        run(PlotOptions(kind="breakdown", input=str(bad), out=out))
+    assert not Path(out).exists()
+
+
+def test_fig11_needs_a_context_or_bandwidth_axis(tmp_path):
+    out = tmp_path / "hw"
+    assert main(["sweep", "grid={workload.output_tokens: [32, 64]}",
+                 "base={scenario: none, model: llama-3.1-8b, workload.context_tokens: 1024}",
+                 "codecs=[int8]", "samples=1", "progress=false", f"out={out}"]) == 0
+    with pytest.raises(ValueError, match="needs a sweep over"):
+        run(PlotOptions(kind="fig11", input=f"{out}.parquet", k=32,
+                        out=str(tmp_path / "f.png")))
+
+
+def test_cli_reports_missing_input(tmp_path, capsys):
+    rc = main(["plot", "kind=ttkt", f"input={tmp_path / 'nope.json'}",
+               f"out={tmp_path / 'x.png'}"])
+    assert rc == 1
+    assert "does not exist" in capsys.readouterr().err
