@@ -10,14 +10,15 @@ typed `Config`.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
-import pkgutil
+import os
 import sys
 import textwrap
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -26,25 +27,41 @@ class UsageError(Exception):
     pass
 
 
-def _commands() -> dict[tuple[str, ...], ModuleType]:
+@dataclass(frozen=True)
+class CommandInfo:
+    words: tuple[str, ...]
+    help: str
+    module: str  # imported only when the command runs (heavy dependencies: torch, transformers)
+
+
+def _commands() -> dict[tuple[str, ...], CommandInfo]:
+    """Read COMMAND and HELP from each kvsim/commands/*.py without importing it, so
+    `kvsim --help` stays instant."""
     import kvsim.commands as pkg
 
-    found: dict[tuple[str, ...], ModuleType] = {}
-    for info in pkgutil.iter_modules(pkg.__path__):
-        mod = importlib.import_module(f"kvsim.commands.{info.name}")
-        if hasattr(mod, "COMMAND"):
-            found[tuple(mod.COMMAND)] = mod
+    found: dict[tuple[str, ...], CommandInfo] = {}
+    for path in sorted(Path(pkg.__path__[0]).glob("*.py")):
+        consts: dict[str, object] = {}
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and len(node.targets) == 1:
+                target = node.targets[0]
+                if isinstance(target, ast.Name) and target.id in ("COMMAND", "HELP"):
+                    consts[target.id] = ast.literal_eval(node.value)
+        if "COMMAND" in consts:
+            words = tuple(consts["COMMAND"])  # type: ignore[arg-type]
+            found[words] = CommandInfo(words, str(consts.get("HELP", "")),
+                                       f"kvsim.commands.{path.stem}")
     return found
 
 
-def _usage(commands: dict[tuple[str, ...], ModuleType]) -> str:
+def _usage(commands: dict[tuple[str, ...], CommandInfo]) -> str:
     lines = [
         "usage: kvsim <command> [key=value ...] [report=PATH]",
         "",
         "commands:",
     ]
-    for words, mod in sorted(commands.items()):
-        lines.append(f"  {' '.join(words):<16} {mod.HELP}")
+    for words, info in sorted(commands.items()):
+        lines.append(f"  {' '.join(words):<16} {info.help}")
     lines += [
         "",
         "Overrides are Hydra syntax (e.g. link.bandwidth_gbps=25 'codecs=[bf16,lynx]').",
@@ -73,7 +90,17 @@ def compose(config_name: str, overrides: list[str], schema: type | None = None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except BrokenPipeError:  # `kvsim ... | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt:
+        print("kvsim: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str]) -> int:
     commands = _commands()
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage(commands))
@@ -83,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     if match is None:
         print(f"kvsim: unknown command {' '.join(words)!r}\n\n{_usage(commands)}", file=sys.stderr)
         return 2
-    mod = commands[match]
+    mod = importlib.import_module(commands[match].module)
     rest = [a for a in argv[len(match):]]
     want_help = any(a in ("-h", "--help") for a in rest)
     report_path = None
