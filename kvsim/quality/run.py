@@ -129,10 +129,15 @@ def run_quality(cfg: QualityConfig) -> tuple[list[dict], dict]:
     started = time.perf_counter()
     model, tokenizer, model_name, model_meta = _load(cfg)
     spec_mode = cfg.speculative.prefixes
-    acc_dir = Path(cfg.out_dir) / "acceptance" if cfg.out_dir else ACCEPTANCE_DIR
-    vn_dir = Path(cfg.out_dir) / "vnmse" if cfg.out_dir else VNMSE_DIR
-    cap_dir = Path(cfg.out_dir) / "captures" if cfg.out_dir else CAPTURE_DIR
-    syn_dir = Path(cfg.out_dir) / "synthetic" if cfg.out_dir else SYNTHETIC_DIR
+    out_dir = cfg.out_dir
+    if out_dir is None and cfg.llm.random_init:
+        # A random-weight model's numbers say nothing about real models: keep them out of
+        # data/, where the simulator looks up acceptance models and vNMSE tables by name.
+        out_dir = "outputs/quality"
+    acc_dir = Path(out_dir) / "acceptance" if out_dir else ACCEPTANCE_DIR
+    vn_dir = Path(out_dir) / "vnmse" if out_dir else VNMSE_DIR
+    cap_dir = Path(out_dir) / "captures" if out_dir else CAPTURE_DIR
+    syn_dir = Path(out_dir) / "synthetic" if out_dir else SYNTHETIC_DIR
     codecs = [(spec, spec.build()) for spec in specs]
     # one accumulator per (codec label, streams_used)
     acc: dict[tuple[str, int], dict] = {}
