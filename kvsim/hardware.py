@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 from omegaconf import MISSING
 
+from kvsim.config.checks import check_number
 from kvsim.models import ModelSpec
 
 
@@ -40,15 +41,25 @@ class HardwareSpec:
     profile: str = ""  # optional measured profile JSON overriding the roofline
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Finite, positive numbers (fields still MISSING while Hydra builds the schema are
+        skipped: they are checked again when the composed config is validated)."""
         for key in ("hbm_gb_per_s", "bf16_tflops", "memory_gb", "prefill_mfu", "decode_mbu",
                     "tp_efficiency"):
             value = getattr(self, key)
-            if isinstance(value, (int, float)) and value <= 0:
-                raise ValueError(f"hardware {self.name}: {key} must be > 0, got {value}")
+            if isinstance(value, (int, float)):
+                check_number(f"hardware {self.name}: {key}", value)
+        for key in ("prefill_mfu", "decode_mbu", "tp_efficiency"):
+            value = getattr(self, key)
+            if isinstance(value, (int, float)) and value > 1:
+                raise ValueError(f"hardware {self.name}: {key} is a fraction <= 1, got {value}")
         if isinstance(self.devices, int) and self.devices < 1:
-            raise ValueError(f"hardware {self.name}: devices must be >= 1")
-        if isinstance(self.step_overhead_s, (int, float)) and self.step_overhead_s < 0:
-            raise ValueError(f"hardware {self.name}: step_overhead_s must be >= 0")
+            raise ValueError(f"hardware {self.name}: devices must be >= 1, got {self.devices}")
+        if isinstance(self.step_overhead_s, (int, float)):
+            check_number(f"hardware {self.name}: step_overhead_s", self.step_overhead_s,
+                         strict=False)
 
     @property
     def scale(self) -> float:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from omegaconf import MISSING
 
+from kvsim.config.checks import check_number
 from kvsim.layout import KVShape
 
 ATTENTION_KINDS = ("gqa", "mha", "mla")
@@ -44,6 +45,10 @@ class ModelSpec:
         if self.attention == "mla" and (self.kv_latent_dim < 2 or self.kv_latent_dim % 2):
             raise ValueError(f"model {self.name}: MLA needs an even kv_latent_dim >= 2, "
                              f"got {self.kv_latent_dim}")
+        for key in ("params_total", "params_active", "weight_bytes_per_param"):
+            value = getattr(self, key)
+            if isinstance(value, (int, float)):
+                check_number(f"model {self.name}: {key}", value)
         if not 0 < self.params_active <= self.params_total:
             raise ValueError(f"model {self.name}: need 0 < params_active <= params_total")
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from kvsim.config.checks import check_number, check_trace
 from kvsim.hardware import HardwareSpec
 from kvsim.models import ModelSpec
 
@@ -19,6 +20,8 @@ SHARINGS = ("per_prefill", "shared")
 SCHEDULINGS = ("anchors_first", "fifo")
 WORKLOAD_KINDS = ("single", "poisson", "trace")
 CONTEXT_DISTS = ("fixed", "uniform", "lognormal")
+GRANULARITIES = ("page", "layer")
+DESERIALIZERS = ("shared", "per_stream")
 
 
 @dataclass
@@ -37,8 +40,10 @@ class LinkConfig:
         if self.scheduling not in SCHEDULINGS:
             raise ValueError(f"link.scheduling must be one of {SCHEDULINGS}, "
                              f"got {self.scheduling!r}")
-        if self.bandwidth_gbps <= 0:
-            raise ValueError(f"link.bandwidth_gbps must be > 0, got {self.bandwidth_gbps}")
+        check_number("link.bandwidth_gbps", self.bandwidth_gbps)
+        check_number("link.latency_s", self.latency_s, strict=False)
+        check_number("link.message_overhead_bytes", self.message_overhead_bytes, strict=False)
+        check_trace("link.trace", self.trace)
 
 
 @dataclass
@@ -64,11 +69,28 @@ class WorkloadConfig:
         if self.kind not in WORKLOAD_KINDS:
             raise ValueError(f"workload.kind must be one of {WORKLOAD_KINDS}, got {self.kind!r}")
         if self.context_dist not in CONTEXT_DISTS:
-            raise ValueError(f"workload.context_dist must be one of {CONTEXT_DISTS}")
+            raise ValueError(f"workload.context_dist must be one of {CONTEXT_DISTS}, "
+                             f"got {self.context_dist!r}")
         for key in ("context_tokens", "output_tokens", "requests", "prefill_nodes",
                     "decode_nodes", "decode_max_batch", "context_round_tokens"):
             if getattr(self, key) < 1:
                 raise ValueError(f"workload.{key} must be >= 1, got {getattr(self, key)}")
+        check_number("workload.rate_per_s", self.rate_per_s)
+        check_number("workload.context_sigma", self.context_sigma)
+        for key in ("context_min_tokens", "context_max_tokens"):
+            check_number(f"workload.{key}", getattr(self, key), minimum=1, strict=False)
+        if self.context_min_tokens > self.context_max_tokens:
+            raise ValueError(f"workload.context_min_tokens ({self.context_min_tokens}) > "
+                             f"context_max_tokens ({self.context_max_tokens})")
+        prev_t = 0.0
+        for i, t in enumerate(self.arrivals_t):
+            t = check_number(f"workload.arrivals_t[{i}]", t, strict=False)
+            if t < prev_t:
+                raise ValueError(f"workload.arrivals_t must be non-decreasing: [{i}] = {t} "
+                                 f"after {prev_t}")
+            prev_t = t
+        for i, c in enumerate(self.arrivals_context_tokens):
+            check_number(f"workload.arrivals_context_tokens[{i}]", c, minimum=1, strict=False)
         if self.kind == "trace" and (not self.arrivals_t or len(self.arrivals_t) != len(
                 self.arrivals_context_tokens)):
             raise ValueError("workload.kind=trace needs arrivals_t and arrivals_context_tokens "
@@ -81,11 +103,32 @@ class SpeculativeConfig:
     acceptance: str = "seeds-fig10"  # geometric:<a> | seeds-fig10 | data/acceptance/<name>
     draft_overhead_s: float = 0.0  # extra per drafted token (dequantized-anchor overhead)
 
+    def validate(self) -> None:
+        if isinstance(self.cap_tokens, bool) or int(self.cap_tokens) != self.cap_tokens or \
+                self.cap_tokens < 0:
+            raise ValueError(f"speculative.cap_tokens must be an integer >= 0, "
+                             f"got {self.cap_tokens!r}")
+        check_number("speculative.draft_overhead_s", self.draft_overhead_s, strict=False)
+        if not str(self.acceptance).strip():
+            raise ValueError("speculative.acceptance must name an acceptance model")
+
 
 @dataclass
 class MetricsConfig:
     ks: list[int] = field(default_factory=lambda: [1, 8, 16, 32, 64, 128])
     breakdown_k: int = 32  # TTKT whose critical path the breakdown splits
+
+    def validate(self, output_tokens: int) -> None:
+        """Every k must be a token the workload decodes: 1 <= k <= output_tokens."""
+        if not self.ks:
+            raise ValueError("metrics.ks must list at least one k")
+        for key, values in (("metrics.ks", list(self.ks)), ("metrics.breakdown_k",
+                                                            [self.breakdown_k])):
+            for k in values:
+                if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= output_tokens:
+                    raise ValueError(f"{key}: {k!r} is not a token index in 1..{output_tokens} "
+                                     f"(workload.output_tokens); drop it or raise "
+                                     "workload.output_tokens")
 
 
 @dataclass
@@ -94,6 +137,12 @@ class SweepConfig:
 
     context_tokens: list[int] = field(default_factory=list)
     bandwidth_gbps: list[float] = field(default_factory=list)
+
+    def validate(self) -> None:
+        for i, c in enumerate(self.context_tokens):
+            check_number(f"sweep.context_tokens[{i}]", c, minimum=1, strict=False)
+        for i, b in enumerate(self.bandwidth_gbps):
+            check_number(f"sweep.bandwidth_gbps[{i}]", b)
 
 
 @dataclass
@@ -109,8 +158,32 @@ class SimConfig:
     codecs: list[Any] = field(default_factory=lambda: ["bf16"])
     transfer: Any = "auto"  # auto (codec's natural policy) | policy | list of policies
     granularity: str = "page"  # page: one message per (layer, page) | layer
+    # shared: one deserializer per decode instance and request, streams in priority order
+    # (anchor first) | per_stream: every stream its own deserializer (runs in parallel)
+    deserializer: str = "shared"
     codec_timing: str = ""  # path of a codec timing file (default data/codec_timing/<hw>.json)
     seed: int = 0
     samples: int = 1  # independent runs (seeds seed..seed+samples-1) averaged per row
     trace_path: str = ""  # write a Chrome-trace JSON event log of the runs here
     title: str = ""  # what this scenario reproduces (printed above the table)
+
+    def validate(self) -> None:
+        """Every section's ranges (finite numbers, known choices); a ValueError names the key."""
+        self.link.validate()
+        self.workload.validate()
+        self.speculative.validate()
+        self.metrics.validate(self.workload.output_tokens)
+        self.sweep.validate()
+        self.hardware.validate()
+        self.model.validate()
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {GRANULARITIES}, "
+                             f"got {self.granularity!r}")
+        if self.deserializer not in DESERIALIZERS:
+            raise ValueError(f"deserializer must be one of {DESERIALIZERS}, "
+                             f"got {self.deserializer!r}")
+        if isinstance(self.samples, bool) or not isinstance(self.samples, int) or \
+                self.samples < 1:
+            raise ValueError(f"samples must be an integer >= 1, got {self.samples!r}")
+        if not self.codecs:
+            raise ValueError("codecs must list at least one codec")

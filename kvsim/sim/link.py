@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 import simpy
 
+from kvsim.config.checks import check_number, check_trace
+
 _REL_EPS = 1e-12  # relative slack when deciding that a message's last byte has left
 
 
@@ -71,25 +73,20 @@ class Link:
     def __init__(self, env: simpy.Environment, bandwidth_gbps: float, latency_s: float = 0.0,
                  message_overhead_bytes: float = 0.0,
                  trace: Sequence[Sequence[float]] | None = None, name: str = "link") -> None:
-        if bandwidth_gbps <= 0:
-            raise ValueError(f"{name}: bandwidth_gbps must be > 0, got {bandwidth_gbps}")
-        if latency_s < 0 or message_overhead_bytes < 0:
-            raise ValueError(f"{name}: latency_s and message_overhead_bytes must be >= 0")
+        check_number(f"{name}: bandwidth_gbps", bandwidth_gbps)
+        check_number(f"{name}: latency_s", latency_s, strict=False)
+        check_number(f"{name}: message_overhead_bytes", message_overhead_bytes, strict=False)
+        check_trace(f"{name}: trace", trace or [])  # finite, t_s >= 0 non-decreasing, gbps > 0
         self.env, self.name = env, name
         self.latency_s = float(latency_s)
         self.message_overhead_bytes = float(message_overhead_bytes)
-        # capacity steps: times [k] s and bytes/s [k], piecewise constant from each time on
+        # capacity steps: times [k] s and bytes/s [k], piecewise constant from each time on;
+        # of several entries at the same time the last one holds
         steps = [(0.0, float(bandwidth_gbps))]
         for point in trace or []:
-            if len(point) != 2:
-                raise ValueError(f"{name}: trace entries must be (t_s, gbps), got {point!r}")
             t, gbps = float(point[0]), float(point[1])
-            if t < 0 or gbps <= 0:
-                raise ValueError(f"{name}: trace needs t_s >= 0 and gbps > 0, got {point!r}")
-            if t <= steps[-1][0] and len(steps) > 1:
-                raise ValueError(f"{name}: trace times must be strictly increasing")
-            if t == 0.0:
-                steps[0] = (0.0, gbps)
+            if t == steps[-1][0]:
+                steps[-1] = (t, gbps)
             else:
                 steps.append((t, gbps))
         self.step_t = [s[0] for s in steps]

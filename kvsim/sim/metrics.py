@@ -63,7 +63,10 @@ class RequestRecord:
 
 def request_row(rec: RequestRecord, ks: list[int], breakdown_k: int) -> dict:
     tokens = len(rec.timeline.token_t)
-    ks_ok = [k for k in ks if 1 <= k <= tokens]
+    bad = [k for k in [*ks, breakdown_k] if not 1 <= k <= tokens]
+    if bad:  # SimConfig.validate refuses these earlier; never drop a requested k silently
+        raise ValueError(f"metrics.ks / breakdown_k {bad} outside 1..{tokens} decoded tokens")
+    ks_ok = list(ks)
     return {
         "ttft_s": rec.ttkt(1) - rec.arrival_t,
         "ttft_from_prefill_end_s": rec.ttkt(1) - rec.prefill_end_t,
@@ -71,7 +74,7 @@ def request_row(rec: RequestRecord, ks: list[int], breakdown_k: int) -> dict:
         "ttkt_from_prefill_end_s": {k: rec.ttkt(k) - rec.prefill_end_t for k in ks_ok},
         "prefill_s": rec.prefill_end_t - rec.prefill_start_t,
         "breakdown_k": breakdown_k,
-        "breakdown_s": rec.breakdown(min(breakdown_k, tokens)),
+        "breakdown_s": rec.breakdown(breakdown_k),
         "proposed_tokens": rec.timeline.proposed,
         "accepted_tokens": rec.timeline.accepted,
         "tpot_s": rec.timeline.tpot_s,

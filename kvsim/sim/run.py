@@ -80,8 +80,7 @@ class Scenario:
 
     def __init__(self, cfg: SimConfig, variant: Variant, context_tokens: int,
                  bandwidth_gbps: float, trace: TraceLog | None = None) -> None:
-        cfg.link.validate()
-        cfg.workload.validate()
+        cfg.validate()
         self.cfg, self.variant, self.trace = cfg, variant, trace
         self.context_tokens, self.bandwidth_gbps = int(context_tokens), float(bandwidth_gbps)
         self.codec = variant.spec.build()
@@ -307,6 +306,7 @@ def _with_context(w, context_tokens: int):
 
 def run_all(cfg: SimConfig, progress: bool = False) -> tuple[list[dict], TraceLog | None]:
     """Every (codec, transfer) x context x bandwidth of the config; one row each."""
+    cfg.validate()
     trace = TraceLog() if cfg.trace_path else None
     contexts = list(cfg.sweep.context_tokens) or [cfg.workload.context_tokens]
     bandwidths = list(cfg.sweep.bandwidth_gbps) or [cfg.link.bandwidth_gbps]
