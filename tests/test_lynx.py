@@ -417,3 +417,24 @@ def test_cpu_fwht_bit_identical_to_reference(d):
     assert torch.equal(fwht_cpu(x).view(torch.int32), hadamard(x).view(torch.int32))
     with pytest.raises(ValueError, match="power-of-two"):
         fwht_cpu(torch.randn(2, 12))
+
+
+# ---- anchor reconstruction of each chunk's largest element ---------------------------------
+def test_narrow_top_bucket_reconstructs_at_one():
+    from kvsim.kernels.lynx import lynx_tables
+
+    assert lynx_tables(4.0, (4, 4)).recon[0][-1] == 1.0  # 3 magnitude bits known
+    assert lynx_tables(4.0, (2, 2, 4)).recon[1][-1] == 1.0  # 3 known after two streams
+    assert lynx_tables(4.0, (2, 6)).recon[0][-1] < 1.0  # 1 bit known: wide bucket keeps centre
+
+
+def test_anchor_keeps_a_spike_value():
+    """A spike in an otherwise flat channel is its chunk's max-abs element (|u| = 1): the
+    anchor alone must give it back to within fp16 metadata rounding, not ~11 % short."""
+    kv = torch.zeros(1, 2, 1, 64, 8)
+    kv[0, 0, 0, 5, 3] = 10.0
+    kv[0, 1, 0, 40, 6] = -7.0
+    c = make_codec("lynx", {})
+    anchor = c.decode(c.encode(kv), streams=1, dtype=torch.float32)
+    assert anchor[0, 0, 0, 5, 3].item() == pytest.approx(10.0, rel=2e-3)
+    assert anchor[0, 1, 0, 40, 6].item() == pytest.approx(-7.0, rel=2e-3)

@@ -26,8 +26,10 @@ Stage 4, split streams. split = [b0, b1, ...]: stream 0 (anchor) holds the sign 
     d_j = field_j - 2^(b_j-1) in [-2^(b_j-1), 2^(b_j-1)-1] (two's complement, i.e. the
     field with its top bit flipped). Decoding from the first s streams reconstructs at the
     centre of the code interval still possible, through the companding inverse (Eq. 4):
-    anchor-only sits in the middle of its bucket and each residual digit is a signed
-    correction around that centre; with every stream it is the exact inverse L(code).
+    anchor-only sits in the middle of its bucket (except a narrow top bucket, which
+    reconstructs at |u| = 1 where each chunk's max-abs element lies) and each residual digit
+    is a signed correction around that centre; with every stream it is the exact inverse
+    L(code).
     (Measured: L(code) beats the value-space midpoint of a code's thresholds by 16-30 % in
     full-precision MSE on gaussian data; anchor-only error is unchanged.)
 
@@ -187,6 +189,11 @@ class LynxTables:
         return _torch_tables(self, str(device))
 
 
+# Partial reconstructions whose magnitude is known to at least this many bits put their top
+# bucket at |u| = 1 (see lynx_tables).
+TOP_AT_ONE_MIN_BITS = 2
+
+
 @functools.lru_cache(maxsize=64)
 def lynx_tables(alpha: float, split: tuple[int, ...]) -> LynxTables:
     m = sum(split) - 1
@@ -217,7 +224,16 @@ def lynx_tables(alpha: float, split: tuple[int, ...]) -> LynxTables:
         known += b - (1 if s == 0 else 0)
         width = 1 << (m - known)
         centre = (np.arange(1 << known) * width + (width - 1) / 2) / top
-        recon.append((np.expm1(centre * np.log1p(alpha)) / alpha).astype(np.float32))
+        levels = (np.expm1(centre * np.log1p(alpha)) / alpha).astype(np.float32)
+        if s < len(split) - 1 and known >= TOP_AT_ONE_MIN_BITS:
+            # Every chunk's max-abs element sits at |u| = 1 (code 2^M - 1) by construction,
+            # so a narrow top bucket is mostly those elements: reconstruct it at 1, not at
+            # its centre (which shrinks each chunk's largest value by ~11 % for a 3-bit
+            # magnitude anchor). Measured on the SmolLM2 capture, anchor-only vNMSE of 4+4:
+            # 0.219 at the centre -> 0.049 at 1. A wide top bucket (1 magnitude bit) holds
+            # mostly non-max elements and keeps its centre (1.89 there vs 3.56 at 1).
+            levels[-1] = 1.0
+        recon.append(levels)
     return LynxTables(tuple(split), m, thr, lut_lo, shift, base, lut_thr, tuple(recon))
 
 
