@@ -22,6 +22,7 @@ class RequestRecord:
     prefill_end_t: float
     encode_end_t: float  # last chunk encoded
     needed_arrival_t: float  # last byte of the flows decoding waits for arrived
+    needed_backlog_t: float  # ... whose final backlog on the link began then (see below)
     needed_ready_t: float  # ... and was deserialized (decode may start)
     all_arrival_t: float  # last byte of every flow arrived
     full_ready_t: float  # every stream deserialized
@@ -36,14 +37,21 @@ class RequestRecord:
         return float(self.timeline.token_t[k - 1])
 
     def breakdown(self, k: int) -> dict[str, float]:
-        """Split [prefill end, TTKT(k)] along the critical path; the parts sum to it."""
+        """Split [prefill end, TTKT(k)] along the critical path; the parts sum to it.
+
+        Transfer: the needed flow's last byte arrived at needed_arrival_t; walking back, its
+        flow had bytes queued on the link without a break since needed_backlog_t (the
+        release of the message that found the flow empty). Before that instant the flow
+        waited for the encoder (serialize), after it for the link (exposed communication:
+        its own bytes, others' ahead of it, latency). Monolithic: everything is released
+        at the end of encoding, so serialize is the whole encode after prefill; pipelined
+        with an encoder slower than the link: the last chunk found the flow empty, so
+        serialize is the encoding up to it and communication only its transfer."""
         out = dict.fromkeys(BREAKDOWN_KEYS, 0.0)
         t_pe, end = self.prefill_end_t, self.ttkt(k)
-        if self.monolithic:
-            out["serialize"] = self.encode_end_t - t_pe
-            out["exposed_communication"] = self.needed_arrival_t - self.encode_end_t
-        else:  # encoding overlaps sending: what is exposed shows as communication
-            out["exposed_communication"] = max(0.0, self.needed_arrival_t - t_pe)
+        exposed = max(0.0, self.needed_arrival_t - t_pe)
+        out["serialize"] = min(exposed, max(0.0, self.needed_backlog_t - t_pe))
+        out["exposed_communication"] = exposed - out["serialize"]
         out["deserialize"] = self.needed_ready_t - max(self.needed_arrival_t, t_pe)
         out["queueing"] = self.decode_start_t - self.needed_ready_t
         kinds = {"draft_accepted": "decode", "draft_rejected": "rejected_speculative",

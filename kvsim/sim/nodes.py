@@ -1,4 +1,14 @@
-"""Prefill and decode instances (simpy actors' state) and the per-flow receive pipeline."""
+"""Prefill and decode instances (simpy actors' state) and the receive side: per-flow
+arrival bookkeeping and the request's deserializer on its decode instance.
+
+Deserialization model (stated assumptions): a request's streams are deserialized by one
+server on its decode instance in priority order (anchor first; `deserializer=shared`, the
+default) or by one server per stream (`deserializer=per_stream`). Concurrent requests on
+the same decode instance deserialize independently (the instance overlaps them as it
+overlaps its batched decode steps), and drafting on the anchor does not slow the
+residual's dequantization (nor the reverse): what drafting costs on a partial cache is
+`speculative.draft_overhead_s` per drafted token.
+"""
 
 from __future__ import annotations
 
@@ -37,31 +47,141 @@ class DecodeNode:
 
 
 class Receiver:
-    """Deserializes one flow on the decode node: a serial pipeline over its messages in
-    arrival order (`pipelined`), or everything after the last arrival (monolithic).
-    `ready` fires when the last message is deserialized."""
+    """Receives one flow on the decode node: collects its messages' arrival times (s) and,
+    once the flow's last message has left the link, hands it to the request's
+    `Deserializer`, which fires `ready` when the last message is deserialized."""
 
-    def __init__(self, env: simpy.Environment, plan: FlowPlan, pipelined: bool) -> None:
-        self.env, self.plan, self.pipelined = env, plan, pipelined
+    def __init__(self, env: simpy.Environment, plan: FlowPlan, group: Deserializer) -> None:
+        self.env, self.plan, self.group = env, plan, group
         self.ready = env.event()
         self._arrivals: list[np.ndarray] = []
+        self.arrival_t = np.empty(0)  # [m] s, set when the flow is done
         self.received_bytes = 0.0
         self.last_arrival_t = math.nan
         self.ready_t = math.nan
         self.first_arrival_t = math.nan
+        self.backlog_start_t = math.nan  # release of the message opening the last backlog
+        self.is_done = False
+
+    def known_arrivals(self) -> np.ndarray:
+        """[j] arrival times (s) reported so far, in order."""
+        if self.is_done:
+            return self.arrival_t
+        return np.concatenate(self._arrivals) if self._arrivals else np.empty(0)
 
     def delivered(self, flow: Flow, j0: int, j1: int, arrival_t: np.ndarray) -> None:
-        # arrivals come in order; the pipeline is evaluated once, when the flow is done
-        # (nothing reads partial deserialization state), which keeps per-event cost low
+        # arrivals come in order; deserialization is evaluated when the flow (and every
+        # higher-priority flow of the request) is done, which keeps per-event cost low
         self._arrivals.append(arrival_t)
         self.received_bytes += flow.cum_l[j1 - 1] - (flow.cum_l[j0 - 1] if j0 else 0.0)
 
     def done(self, flow: Flow) -> None:
-        arrival = np.concatenate(self._arrivals)  # [m] s, every message of the flow
-        self.first_arrival_t, self.last_arrival_t = float(arrival[0]), float(arrival[-1])
-        if self.pipelined:
-            self.ready_t = float(serial_pipeline(arrival, self.plan.deserialize_s)[-1])
-        else:
-            self.ready_t = self.last_arrival_t + float(self.plan.deserialize_s.sum())
-        timer = self.env.timeout(max(0.0, self.ready_t - self.env.now))
-        timer.callbacks.append(lambda _ev: self.ready.succeed(self.ready_t))
+        self.arrival_t = np.concatenate(self._arrivals)  # [m] s, every message of the flow
+        self.first_arrival_t, self.last_arrival_t = (float(self.arrival_t[0]),
+                                                    float(self.arrival_t[-1]))
+        self.backlog_start_t = backlog_start(flow.release, flow.complete_t)
+        self.is_done = True
+        self.group.flow_done()
+
+    def fire(self, ready_t: float) -> None:
+        self.ready_t = ready_t
+        timer = self.env.timeout(max(0.0, ready_t - self.env.now))
+        timer.callbacks.append(lambda _ev: self.ready.succeed(ready_t))
+
+
+def backlog_start(release_t: np.ndarray, complete_t: np.ndarray) -> float:
+    """Start of a flow's final backlog period: the release time (s) of the last message
+    released after its predecessor had left (the flow sat empty, waiting for the encoder),
+    or of the first message. From then on the flow always had bytes queued, so its last
+    byte's lateness after that instant is the link's (own bytes, or others' ahead of it)
+    and before it the encoder's: the Figure-2 breakdown splits serialize / communication
+    there. release_t, complete_t: [m] s."""
+    starved = np.nonzero(release_t[1:] > complete_t[:-1])[0]
+    return float(release_t[starved[-1] + 1] if len(starved) else release_t[0])
+
+
+def priority_server(arrival_t: list[np.ndarray], work_s: list[np.ndarray]) -> list[np.ndarray]:
+    """Finish times of jobs on one non-preemptive server, classes in priority order.
+
+    arrival_t[c], work_s[c]: [m_c] s of class c's jobs (arrivals non-decreasing; FIFO
+    within a class). Whenever the server frees it starts the waiting job of the best class
+    (smallest c); idle, it takes the next job to arrive (ties: the best class). Returns
+    [m_c] finish times per class."""
+    classes = len(arrival_t)
+    arr = [a.tolist() for a in arrival_t]
+    work = [w.tolist() for w in work_s]
+    fin = [[0.0] * len(a) for a in arr]
+    head = [0] * classes
+    n = [len(a) for a in arr]
+    free = -math.inf
+    left = sum(n)
+    if classes == 1:  # one class: the serial pipeline (closed form)
+        return [serial_pipeline(arrival_t[0], work_s[0])] if n[0] else [np.empty(0)]
+    while left:
+        # the earliest time any job can start, then the best class waiting by then
+        soonest = min(arr[c][head[c]] for c in range(classes) if head[c] < n[c])
+        start = soonest if soonest > free else free
+        for c in range(classes):
+            i = head[c]
+            if i < n[c] and arr[c][i] <= start:
+                break
+        # serve class c back to back while no better class has a job waiting
+        better = [arr[b][head[b]] if head[b] < n[b] else math.inf for b in range(c)]
+        limit = min(better, default=math.inf)  # a better job arriving ends the run
+        a, w, f = arr[c], work[c], fin[c]
+        i = head[c]
+        t = start
+        while True:
+            t += w[i]
+            f[i] = t
+            i += 1
+            left -= 1
+            if i >= n[c] or a[i] > t or limit <= t:
+                break
+        head[c] = i
+        free = t
+    return [np.asarray(f) for f in fin]
+
+
+class Deserializer:
+    """Deserialization of one request's flows on its decode instance.
+
+    shared (default): one server for the request's streams, messages in priority order
+    (stream 0, the anchor, first; FIFO within a stream; a message in progress is not
+    preempted). Flow s's finish times depend only on messages of streams <= s and on
+    lower streams' messages that started before, which have all been reported by the time
+    flows 0..s have left the link, so flow s is evaluated then, exactly.
+    per_stream: every stream has its own server (streams deserialize in parallel).
+    Monolithic transfer (not pipelined): everything is deserialized after the last arrival.
+    """
+
+    def __init__(self, env: simpy.Environment, plans: list[FlowPlan], pipelined: bool,
+                 mode: str = "shared") -> None:
+        if mode not in ("shared", "per_stream"):
+            raise ValueError(f"deserializer must be 'shared' or 'per_stream', got {mode!r}")
+        self.pipelined, self.mode = pipelined, mode
+        self.receivers = [Receiver(env, fp, self) for fp in plans]
+        self._fired = 0  # flows 0.._fired-1 have their ready time
+
+    def flow_done(self) -> None:
+        rx = self.receivers
+        if not self.pipelined:
+            if all(r.is_done for r in rx):
+                last = max(r.last_arrival_t for r in rx)
+                work = sum(float(r.plan.deserialize_s.sum()) for r in rx)
+                for r in rx:
+                    r.fire(last + work)
+                self._fired = len(rx)
+            return
+        if self.mode == "per_stream":
+            for r in rx:
+                if r.is_done and math.isnan(r.ready_t):
+                    r.fire(float(serial_pipeline(r.arrival_t, r.plan.deserialize_s)[-1]))
+            return
+        while self._fired < len(rx) and rx[self._fired].is_done:
+            s = self._fired
+            arrivals = [r.known_arrivals() for r in rx]
+            works = [r.plan.deserialize_s[: len(a)] for r, a in zip(rx, arrivals, strict=True)]
+            fin = priority_server(arrivals, works)
+            rx[s].fire(float(fin[s][-1]))
+            self._fired += 1

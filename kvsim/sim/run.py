@@ -25,7 +25,7 @@ from kvsim.hardware import TimingModel
 from kvsim.sim.codec_timing import CodecTiming, load_codec_timing
 from kvsim.sim.link import Link
 from kvsim.sim.metrics import BREAKDOWN_KEYS, RequestRecord, percentiles, request_row
-from kvsim.sim.nodes import DecodeNode, PrefillNode, Receiver
+from kvsim.sim.nodes import DecodeNode, Deserializer, PrefillNode, Receiver
 from kvsim.sim.policy import POLICIES, TransferPlan, build_plan, natural_policy, release_times
 from kvsim.sim.speculative import plain_decode, speculative_decode
 from kvsim.sim.trace import TraceLog
@@ -164,14 +164,13 @@ class Scenario:
             prefill_s = self.timing.prefill_s(req.context_tokens)
             rel = release_times(plan, t_p0, prefill_s, self.model.layers, pnode.encoder_free_t)
             pnode.encoder_free_t = float(rel[-1])
-            receivers = []
-            for fp in plan.flows:
-                rx = Receiver(env, fp, plan.pipelined)
+            deser = Deserializer(env, plan.flows, plan.pipelined, cfg.deserializer)
+            receivers = deser.receivers
+            for fp, rx in zip(plan.flows, receivers, strict=True):
                 prio = (fp.stream,) if cfg.link.scheduling == "anchors_first" else \
                     (req.seq, fp.stream)
                 pnode.link.submit(fp.sizes_bytes, rel[fp.chunk], prio, rx.delivered, rx.done,
                                   name=f"r{req.seq}.{fp.name}", tag=req.seq)
-                receivers.append(rx)
                 self.messages += len(fp.sizes_bytes)
             yield env.timeout(prefill_s)
             t_pe = env.now
@@ -198,9 +197,10 @@ class Scenario:
             last_t = float(timeline.token_t[-1])
             yield env.timeout(max(0.0, last_t - env.now))
         dnode.assigned -= 1
+        last_needed = max(needed, key=lambda rx: rx.last_arrival_t)
         rec = RequestRecord(
             req.seq, req.context_tokens, req.arrival_t, t_p0, t_pe, float(rel[-1]),
-            max(rx.last_arrival_t for rx in needed), t_need,
+            last_needed.last_arrival_t, last_needed.backlog_start_t, t_need,
             max(rx.last_arrival_t for rx in receivers), max(rx.ready_t for rx in receivers),
             t_start, timeline, plan.stream_bytes, sum(rx.received_bytes for rx in receivers),
             plan.policy == "monolithic")
