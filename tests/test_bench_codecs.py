@@ -18,7 +18,8 @@ from kvsim.kernels.encoded import Chunk, Encoded
 from kvsim.layout import KVShape
 from kvsim.synthetic import generate_kv, generate_queries
 
-TINY = ["shape.layers=2", "shape.kv_heads=1", "shape.tokens=40", "shape.head_dim=16",
+TINY = ["kv_source=synthetic", "shape.layers=2", "shape.kv_heads=1", "shape.tokens=40",
+        "shape.head_dim=16",
         "shape.q_heads=2", "shape.q_tokens=3", "repeats=1", "warmup=0", "device=cpu",
         "progress=false"]
 

@@ -29,7 +29,8 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
                  "base={scenario: none, model: llama-3.1-8b, workload.output_tokens: 64}",
                  "codecs=[int8,lynx]", "samples=1", "progress=false",
                  f"out={paths['sweep']}"]) == 0
-    assert main(["bench", "codecs", "codecs=[bf16,int8,lynx]", "shape.layers=1",
+    assert main(["bench", "codecs", "codecs=[bf16,int8,lynx]", "kv_source=synthetic",
+                 "shape.layers=1",
                  "shape.tokens=64", "shape.q_tokens=2", "repeats=1", "warmup=0",
                  "progress=false", f"report={paths['bench']}"]) == 0
     return paths

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -19,11 +20,16 @@ from kvsim.bench.codecs import (
     resolve_device,
     synthetic_source,
 )
+from kvsim.capture import CAPTURE_DIR
 from kvsim.config.codecs import resolve_codec
 from kvsim.layout import KVShape
 from kvsim.report import format_table
 
 COMMAND = ("bench", "codecs")
+# kv_source=auto: this capture (written by `kvsim quality`) if present, else synthetic KV
+# from the generator calibrated on it (committed), else the generator's defaults.
+DEFAULT_CAPTURE = "smollm2-135m-ctx1024"
+DEFAULT_SYNTHETIC_PARAMS = Path(__file__).resolve().parents[2] / "data/synthetic/smollm2-135m.json"
 HELP = "codec bits/element, vNMSE and encode/decode GB/s vs torch copy on one KV cache"
 CONFIG_NAME = "bench_codecs"
 
@@ -56,7 +62,9 @@ class ShapeConfig:
 class Config:
     # preset names (conf/codec/<name>.yaml) or mappings {preset|name, params, label}
     codecs: list[Any] = field(default_factory=lambda: list(DEFAULT_CODECS))
-    kv_source: str = "synthetic"  # "synthetic" or a capture name / path
+    # "auto": the real SmolLM2 capture when `kvsim quality` has made one, else synthetic KV
+    # with the generator calibrated on it; "synthetic"; or a capture name / path
+    kv_source: str = "auto"
     synthetic_params: str | None = None  # JSON of SyntheticKVParams (null: defaults)
     shape: ShapeConfig = field(default_factory=ShapeConfig)
     seed: int = 0
@@ -80,11 +88,18 @@ def run(cfg: Config) -> list[dict]:
         raise ValueError("codecs is empty: name at least one codec preset")
     device = resolve_device(cfg.device)
     s = cfg.shape
-    if cfg.kv_source == "synthetic":
+    kv_source, synthetic_params = cfg.kv_source, cfg.synthetic_params
+    if kv_source == "auto":
+        kv_source = "synthetic"
+        if (CAPTURE_DIR / f"{DEFAULT_CAPTURE}.pt").is_file():
+            kv_source = DEFAULT_CAPTURE
+        elif synthetic_params is None and DEFAULT_SYNTHETIC_PARAMS.is_file():
+            synthetic_params = str(DEFAULT_SYNTHETIC_PARAMS)
+    if kv_source == "synthetic":
         source = synthetic_source(KVShape(s.layers, s.kv_heads, s.tokens, s.head_dim, s.dtype),
-                                  s.q_heads, s.q_tokens, cfg.seed, cfg.synthetic_params)
+                                  s.q_heads, s.q_tokens, cfg.seed, synthetic_params)
     else:
-        source = capture_source(cfg.kv_source, s.q_heads, s.q_tokens, cfg.seed)
+        source = capture_source(kv_source, s.q_heads, s.q_tokens, cfg.seed)
     kv = source.kv.to(device)
     queries = source.queries.to(device)
     shape = KVShape.of(kv)
