@@ -16,6 +16,7 @@ HBM bandwidth scale with it (times `tp_efficiency`). A measured profile file (JS
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,13 +84,18 @@ class TimingModel:
         self._tpot_cache: dict[tuple[int, int], float] = {}
 
     def check_fits(self, context_tokens: int) -> None:
+        """Weights + one bf16 cache of `context_tokens` must fit the instance's memory; the
+        error names the override that fixes it (the smallest hardware.devices that fits)."""
         need = self.model.weight_bytes + self.model.kv_bytes_bf16(context_tokens)
-        have = self.hw.memory_gb * 1e9 * self.hw.devices
+        per_device = self.hw.memory_gb * 1e9
+        have = per_device * self.hw.devices
         if need > have:
+            devices = math.ceil(need / per_device)
             raise ValueError(
                 f"{self.model.name} with a {context_tokens}-token bf16 KV cache needs "
                 f"{need / 1e9:.1f} GB but {self.hw.devices} x {self.hw.name} has "
-                f"{have / 1e9:.1f} GB; raise hardware.devices")
+                f"{have / 1e9:.1f} GB; raise hardware.devices (hardware.devices={devices} "
+                f"fits), or pick a smaller model= / shorter workload.context_tokens")
 
     def _forward_s(self, new_tokens: int, context_tokens: int, batch: int,
                    compute_eff: float, mem_eff: float) -> float:

@@ -73,7 +73,7 @@ def test_roofline_memory_bound_decode_and_compute_bound_prefill():
                                           devices=2))
     assert two.tpot_s(1000) == pytest.approx(tm.tpot_s(1000) / 2, rel=1e-12)
     assert tm.verify_s(8, 1000) > tm.verify_s(1, 1000) > 0
-    with pytest.raises(ValueError, match="raise hardware.devices"):
+    with pytest.raises(ValueError, match=r"raise hardware.devices \(hardware.devices=3 fits\)"):
         TimingModel(MODEL, HardwareSpec(name="s", hbm_gb_per_s=1.0, bf16_tflops=1.0,
                                         memory_gb=1.0)).check_fits(1000)
 

@@ -72,10 +72,15 @@ def test_config_objects_validate_ranges():
         SpeculativeConfig(draft_overhead_s=-0.1).validate()
     SpeculativeConfig(cap_tokens=0).validate()  # 0: no drafting, allowed
     with pytest.raises(ValueError, match=r"metrics.ks: 9 is not a token index in 1..8"):
-        MetricsConfig(ks=[1, 9], breakdown_k=1).validate(output_tokens=8)
-    with pytest.raises(ValueError, match="at least one"):
-        MetricsConfig(ks=[]).validate(output_tokens=8)
-    MetricsConfig(ks=[1, 8], breakdown_k=8).validate(output_tokens=8)
+        MetricsConfig(ks=[1, 9], breakdown_k=1).resolve(output_tokens=8)
+    with pytest.raises(ValueError, match=r"metrics.breakdown_k: 9 is not"):
+        MetricsConfig(ks=[1], breakdown_k=9).resolve(output_tokens=8)
+    auto = MetricsConfig()  # empty ks / breakdown_k 0: the standard k's that are decoded
+    auto.resolve(output_tokens=40)
+    assert (auto.ks, auto.breakdown_k) == ([1, 8, 16, 32], 32)
+    auto = MetricsConfig()
+    auto.resolve(output_tokens=5)
+    assert (auto.ks, auto.breakdown_k) == ([1], 5)
     for link in (replace(cfg.link, bandwidth_gbps=math.nan), replace(cfg.link, latency_s=-1.0),
                  replace(cfg.link, trace=[[math.inf, 1.0]]), replace(cfg.link, trace=[[1.0]])):
         with pytest.raises(ValueError, match="link"):
@@ -106,3 +111,26 @@ def test_link_refuses_non_finite_numbers_and_accepts_equal_trace_times():
     link = Link(env, 8.0, trace=[[0.5, 4.0], [0.5, 16.0]])
     assert link.capacity_at(0.7) == 16e9 / 8
     assert link.capacity_bytes(0.0, 1.0) == pytest.approx(0.5e9 + 0.5 * 2e9, rel=1e-12)
+
+
+def test_base_defaults_without_a_scenario_fit_and_run(capsys):
+    from kvsim.cli import compose
+
+    cfg, _ = compose("sim", ["scenario=none"], SimConfig)
+    assert (cfg.model.name, cfg.hardware.name, cfg.hardware.devices) == ("llama-3.1-8b",
+                                                                         "h100", 1)
+    assert main(["sim", "scenario=none", "codecs=[int8]", "samples=1"]) == 0
+    # every scenario names the model and hardware it was calibrated for
+    table1, _ = compose("sim", [], SimConfig)
+    assert (table1.model.name, table1.hardware.name, table1.hardware.devices) == (
+        "qwen3-32b", "ascend-910b4", 4)
+
+
+def test_memory_error_names_the_override_that_fixes_it(capsys):
+    rc = main(["sim", "scenario=none", "model=qwen3-32b", "hardware=ascend-910b4",
+               "codecs=[int8]"])
+    err = capsys.readouterr().err
+    # 32.8e9 params * 2 B + 64 layers * 2 * 16384 * 1024 * 2 B = 69.9 GB > 32 GB; 3 NPUs fit
+    assert rc != 0 and "hardware.devices=3 fits" in err and "69.9 GB" in err
+    assert main(["sim", "scenario=none", "model=qwen3-32b", "hardware=ascend-910b4",
+                 "hardware.devices=3", "codecs=[int8]", "samples=1"]) == 0

@@ -113,15 +113,23 @@ class SpeculativeConfig:
             raise ValueError("speculative.acceptance must name an acceptance model")
 
 
+STANDARD_KS = (1, 8, 16, 32, 64, 128)  # TTKT points reported by default (the seeds' k's)
+
+
 @dataclass
 class MetricsConfig:
-    ks: list[int] = field(default_factory=lambda: [1, 8, 16, 32, 64, 128])
-    breakdown_k: int = 32  # TTKT whose critical path the breakdown splits
+    # TTKT points; empty: the standard ones the workload decodes (k <= output_tokens).
+    # Listed k's must all be decoded (1 <= k <= output_tokens): none is dropped silently.
+    ks: list[int] = field(default_factory=list)
+    breakdown_k: int = 0  # TTKT whose critical path the breakdown splits; 0: min(32, tokens)
 
-    def validate(self, output_tokens: int) -> None:
-        """Every k must be a token the workload decodes: 1 <= k <= output_tokens."""
+    def resolve(self, output_tokens: int) -> None:
+        """Fill the automatic values (empty ks, breakdown_k 0), then check every k is a token
+        the workload decodes: 1 <= k <= output_tokens."""
         if not self.ks:
-            raise ValueError("metrics.ks must list at least one k")
+            self.ks = [k for k in STANDARD_KS if k <= output_tokens] or [output_tokens]
+        if self.breakdown_k == 0:
+            self.breakdown_k = min(32, output_tokens)
         for key, values in (("metrics.ks", list(self.ks)), ("metrics.breakdown_k",
                                                             [self.breakdown_k])):
             for k in values:
@@ -168,11 +176,12 @@ class SimConfig:
     title: str = ""  # what this scenario reproduces (printed above the table)
 
     def validate(self) -> None:
-        """Every section's ranges (finite numbers, known choices); a ValueError names the key."""
+        """Fill automatic values (metrics.ks empty, breakdown_k 0), then check every
+        section's ranges (finite numbers, known choices); a ValueError names the key."""
         self.link.validate()
         self.workload.validate()
         self.speculative.validate()
-        self.metrics.validate(self.workload.output_tokens)
+        self.metrics.resolve(self.workload.output_tokens)
         self.sweep.validate()
         self.hardware.validate()
         self.model.validate()
