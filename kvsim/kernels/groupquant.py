@@ -3,7 +3,7 @@
 1. The asymmetric min/max group quantizer, pure-torch reference. Its rounding is designed
    so the Triton kernel (uniform_triton.py) reproduces the codes bit for bit:
 
-       mn, mx   = min, max of the group (fp32, exact)
+       mn, mx   = min, max of the group (fp32, exact; a -0.0 result becomes +0.0)
        scale16  = fp16((mx - mn) / qmax)        qmax = 2**bits - 1, IEEE division
        zero16   = fp16(mn)                      round-to-nearest-even casts
        code     = clamp(floor((x - zero16) / scale16 + 0.5), 0, qmax)   IEEE division
@@ -57,8 +57,10 @@ def quantize_groups(x: torch.Tensor, group: int, bits: int
     if group < 1 or n % group:
         raise ValueError(f"last dim {n} is not a multiple of the group size {group}")
     xg = x.to(torch.float32).reshape(*x.shape[:-1], n // group, group)
-    mn = xg.amin(dim=-1)
-    mx = xg.amax(dim=-1)
+    # + 0.0 turns a -0.0 min / max into +0.0: which zero amin / amax return for a group
+    # holding both is implementation-defined, so the bytes would differ between backends
+    mn = xg.amin(dim=-1) + 0.0
+    mx = xg.amax(dim=-1) + 0.0
     scale16 = ((mx - mn) / float(qmax)).to(torch.float16)
     zero16 = mn.to(torch.float16)
     s = scale16.to(torch.float32).unsqueeze(-1)

@@ -10,30 +10,37 @@ payload of chunk (layer l, page p), t = tokens of the page, D = head_dim, g = gr
     codes  uint8 [2, kv_heads, t, D * bits / 8]   bit-packed along head_dim
     scale  fp16  [2, kv_heads, t, g]
     zero   fp16  [2, kv_heads, t, g]
-backend: 'triton' runs uniform_triton kernels, 'torch' the reference, 'auto' picks Triton
-for CUDA tensors and torch otherwise; both give identical bytes.
+backend: 'triton' runs uniform_triton kernels, 'cpu' the numba kernels of uniform_cpu.py
+(CPU only), 'torch' the reference; 'auto' picks Triton for CUDA tensors and cpu otherwise.
+All give identical bytes and identical decoded tensors.
 """
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kvsim.kernels import uniform_triton
-from kvsim.kernels.codec import Codec, register
+from kvsim.kernels import uniform_cpu, uniform_triton
+from kvsim.kernels.codec import Codec, CodecError, register
 from kvsim.kernels.encoded import Chunk, Encoded
 from kvsim.kernels.groupquant import (
+    FP16_MAX,
     QUANT_BITS,
     ChunkLayout,
     Field,
     check_fp16_range,
     page_bounds,
 )
-from kvsim.layout import KVShape
+from kvsim.layout import DTYPES, KVShape
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "cpu", "triton")
+
+# dtype the caller of decode() asked for: the cpu kernel writes it directly (the reference
+# returns fp32 and Codec.decode converts it; the kernel rounds the same fp32 values the same way)
+_DECODE_DTYPE: ContextVar[torch.dtype | None] = ContextVar("uniform_decode_dtype", default=None)
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,12 @@ class UniformParams:
 
 def use_triton(backend: str, device: torch.device) -> bool:
     return backend == "triton" or (backend == "auto" and device.type == "cuda")
+
+
+def use_cpu(backend: str, device: torch.device) -> bool:
+    """The numba kernels: backend 'cpu', or 'auto' on a CPU tensor ('cpu' on a CUDA tensor
+    runs on a CPU copy)."""
+    return backend == "cpu" or (backend == "auto" and device.type == "cpu")
 
 
 @register
@@ -98,7 +111,16 @@ class UniformCodec(Codec):
             out[0, :, p] = self.layout(shape, t1 - t0).nbytes
         return out
 
+    def chunk_geometry(self, shape: KVShape) -> tuple[int, int]:
+        """(bytes of one layer's chunks, bytes of a full-page chunk): chunk (l, p) starts at
+        l * layer_bytes + p * full_bytes when chunks are laid end to end in (layer, page)
+        order (every page but the last is full)."""
+        per_layer = self.payload_bytes(shape)[0, 0]
+        return int(per_layer.sum()), int(per_layer[0])
+
     def _encode(self, kv: torch.Tensor, shape: KVShape) -> list[list[Chunk]]:
+        if use_cpu(self.params.backend, kv.device):
+            return self._encode_cpu(kv, shape)
         check_fp16_range(kv, "uniform")
         g, bits = self.group_of(shape), self.params.bits
         rows = kv.reshape(-1, shape.head_dim)  # [layers*2*heads*tokens, head_dim]
@@ -119,7 +141,53 @@ class UniformCodec(Codec):
                 chunks.append(Chunk(0, layer, p, payload))
         return [chunks]
 
+    def _encode_cpu(self, kv: torch.Tensor, shape: KVShape) -> list[list[Chunk]]:
+        layer_bytes, full_bytes = self.chunk_geometry(shape)
+        flat, peak = uniform_cpu.encode_cpu(kv, self.params.page_tokens, self.group_of(shape),
+                                            self.params.bits, layer_bytes, full_bytes)
+        if peak > FP16_MAX:  # same refusal as check_fp16_range, from the kernel's group min/max
+            raise ValueError(f"uniform: |value| up to {peak:.4g} exceeds the fp16 range "
+                             f"({FP16_MAX}) of the stored scales / zero points")
+        chunks = []
+        for layer in range(shape.layers):
+            for p in range(self.num_pages(shape)):
+                t0, t1 = page_bounds(shape.tokens, self.params.page_tokens, p)
+                off = layer * layer_bytes + p * full_bytes
+                chunks.append(Chunk(0, layer, p, flat[off: off + self.layout(shape, t1 - t0)
+                                                      .nbytes]))
+        return [chunks]
+
+    def decode(self, enc: Encoded, streams: int | None = None,
+               dtype: torch.dtype | None = None,
+               device: torch.device | str | None = None) -> torch.Tensor:
+        """Codec.decode; records the requested dtype so the cpu kernel can write it directly."""
+        token = _DECODE_DTYPE.set(dtype or DTYPES[enc.shape.dtype])
+        try:
+            return super().decode(enc, streams, dtype, device)
+        finally:
+            _DECODE_DTYPE.reset(token)
+
+    def _decode_cpu(self, enc: Encoded, device: torch.device) -> torch.Tensor:
+        shape = enc.shape
+        layer_bytes, full_bytes = self.chunk_geometry(shape)
+        parts = enc.payloads(0)
+        for (layer, p), payload in parts.items():
+            t0, t1 = page_bounds(shape.tokens, enc.page_tokens, p)
+            want = self.layout(shape, t1 - t0).nbytes
+            if payload.nbytes != want:
+                raise CodecError(f"uniform: chunk (layer {layer}, page {p}) payload is "
+                                 f"{payload.nbytes} bytes, expected {want}")
+        src = np.concatenate([np.asarray(parts[(layer, p)], dtype=np.uint8)
+                              for layer in range(shape.layers)
+                              for p in range(self.num_pages(shape))])
+        out = uniform_cpu.decode_cpu(src, shape.dims, enc.page_tokens, self.group_of(shape),
+                                     self.params.bits, layer_bytes, full_bytes,
+                                     _DECODE_DTYPE.get() or torch.float32)
+        return out.to(device)
+
     def _decode(self, enc: Encoded, streams: int, device: torch.device) -> torch.Tensor:
+        if use_cpu(self.params.backend, device):
+            return self._decode_cpu(enc, device)
         shape, pt = enc.shape, enc.page_tokens
         g, bits, d = self.group_of(shape), self.params.bits, shape.head_dim
         packed = torch.empty((shape.layers, 2, shape.kv_heads, shape.tokens, d * bits // 8),

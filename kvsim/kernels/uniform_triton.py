@@ -43,8 +43,8 @@ def _quantize_pack_kernel(x_ptr, packed_ptr, scale_ptr, zero_ptr, n_rows,
     mask = rmask[:, None] & cmask[None, :]
     # x: [ROWS, BLOCK_G] fp32 (out-of-range rows read as 0, padded columns excluded below)
     x = tl.load(x_ptr + rows[:, None] * N + g * GROUP + cols[None, :], mask=mask, other=0.0)
-    mn = tl.min(tl.where(cmask[None, :], x, float("inf")), axis=1)
-    mx = tl.max(tl.where(cmask[None, :], x, float("-inf")), axis=1)
+    mn = tl.min(tl.where(cmask[None, :], x, float("inf")), axis=1) + 0.0  # -0.0 -> +0.0
+    mx = tl.max(tl.where(cmask[None, :], x, float("-inf")), axis=1) + 0.0
     qmax = tl.full((ROWS,), QMAX, tl.float32)
     scale16 = tl.math.div_rn(mx - mn, qmax).to(tl.float16)
     zero16 = mn.to(tl.float16)
