@@ -30,12 +30,11 @@ Chunk payload (little-endian), n = tokens in the page, H = kv heads:
 Sizes are data dependent, so `exact_sizes = False`: payload_bytes(shape) is an estimate that
 counts scales and table headers exactly and the coded bits with bits-per-symbol measured on KV
 (data/cachegen_ratio.json, which names the KV it was measured on). Re-measure on a capture:
-    python -m kvsim.kernels.cachegen measure --capture NAME [--out data/cachegen_ratio.json]
+    python -m kvsim.bench.cachegen_ratio --capture NAME [--out data/cachegen_ratio.json]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -396,7 +395,7 @@ def load_ratios(path: str | Path = RATIO_FILE) -> dict:
         doc = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise CodecError(f"cachegen: cannot read the measured ratio file {path} ({exc}); "
-                         "re-create it with `python -m kvsim.kernels.cachegen measure`") from exc
+                         "re-create it with `python -m kvsim.bench.cachegen_ratio`") from exc
     if "ratios" not in doc:
         raise CodecError(f"cachegen: {path} has no `ratios` section")
     return doc
@@ -407,8 +406,8 @@ def ratio_entry(doc: dict, tensor: str, kind: str, bits: int) -> dict:
         return doc["ratios"][tensor][kind][str(bits)]
     except KeyError:
         raise CodecError(f"cachegen: no measured ratio for {tensor} {kind} at {bits} bits in "
-                         "the ratio file; re-measure with `python -m kvsim.kernels.cachegen "
-                         "measure`") from None
+                         "the ratio file; re-measure with "
+                         "`python -m kvsim.bench.cachegen_ratio`") from None
 
 
 def measure_ratios(kv: torch.Tensor, page_tokens: int = 256, group_tokens: int = 10,
@@ -465,42 +464,3 @@ def write_ratio_file(kv: torch.Tensor, source: dict, path: str | Path = RATIO_FI
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
     return path
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvsim.kernels.cachegen",
-                                     description="Measure CacheGen's coded bits per symbol.")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    m = sub.add_parser("measure", help="measure on a capture (or synthetic KV) and write the "
-                                       "ratio file")
-    m.add_argument("--capture", help="capture name or path (default: synthetic KV)")
-    m.add_argument("--out", default=str(RATIO_FILE))
-    m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--shape", default="8,4,2048,128",
-                   help="layers,kv_heads,tokens,head_dim of the synthetic KV")
-    args = parser.parse_args(argv)
-    if args.capture:
-        from kvsim.capture import load_capture, resolve_capture_path
-
-        cap = load_capture(args.capture)
-        kv = cap.kv
-        source = {"kind": "capture", "path": str(resolve_capture_path(args.capture)),
-                  "meta": cap.meta}
-    else:
-        from kvsim.synthetic import SyntheticKVParams, generate_kv
-
-        dims = [int(v) for v in args.shape.split(",")]
-        if len(dims) != 4:
-            parser.error("--shape needs layers,kv_heads,tokens,head_dim")
-        params = SyntheticKVParams()
-        kv = generate_kv(KVShape(*dims, dtype="bfloat16"), params, seed=args.seed)
-        source = {"kind": "synthetic", "note": "SYNTHETIC KV (kvsim.synthetic.generate_kv), "
-                  "not a real model capture; re-measure on a capture for real estimates",
-                  "seed": args.seed, "synthetic_params": params.to_dict()}
-    path = write_ratio_file(kv, source, args.out)
-    print(f"wrote {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
