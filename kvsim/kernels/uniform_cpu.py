@@ -86,6 +86,24 @@ def _group_minmax(x, a, b):
     """min, max of x[a:b] (fp32, finite). Min / max are exact whatever the order, so the
     reduction may be reordered (vectorized); the sign of a zero result is normalized by the
     caller."""
+    if (b - a) % 4 == 0:  # four interleaved running extrema: independent chains
+        l0, l1, l2, l3 = x[a], x[a + 1], x[a + 2], x[a + 3]
+        h0, h1, h2, h3 = l0, l1, l2, l3
+        for i in range(a + 4, b, 4):
+            v0, v1, v2, v3 = x[i], x[i + 1], x[i + 2], x[i + 3]
+            l0 = v0 if v0 < l0 else l0
+            l1 = v1 if v1 < l1 else l1
+            l2 = v2 if v2 < l2 else l2
+            l3 = v3 if v3 < l3 else l3
+            h0 = v0 if v0 > h0 else h0
+            h1 = v1 if v1 > h1 else h1
+            h2 = v2 if v2 > h2 else h2
+            h3 = v3 if v3 > h3 else h3
+        l0 = l1 if l1 < l0 else l0
+        l2 = l3 if l3 < l2 else l2
+        h0 = h1 if h1 > h0 else h0
+        h2 = h3 if h3 > h2 else h2
+        return (l2 if l2 < l0 else l0), (h2 if h2 > h0 else h0)
     lo = x[a]
     hi = x[a]
     for i in range(a + 1, b):
