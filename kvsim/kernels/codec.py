@@ -113,8 +113,8 @@ class Codec(ABC):
         if not 1 <= n <= self.num_streams:
             raise CodecError(f"{self.name}: streams must be in 1..{self.num_streams}, got {n}")
         self._check_complete(enc, n)
-        out = self._decode(enc, n, torch.device(device) if device else torch.device("cpu"))
-        return out.to(dtype or DTYPES[enc.shape.dtype])
+        return self._decode_to(enc, n, torch.device(device) if device else torch.device("cpu"),
+                               dtype or DTYPES[enc.shape.dtype])
 
     def check_shape(self, shape: KVShape) -> None:  # noqa: B027 (optional hook)
         """Refuse shapes this codec cannot handle, with a clear message (override)."""
@@ -126,6 +126,11 @@ class Codec(ABC):
     @abstractmethod
     def _decode(self, enc: Encoded, streams: int, device: torch.device) -> torch.Tensor:
         """Reconstruct from the first `streams` streams (presence already checked)."""
+
+    def _decode_to(self, enc: Encoded, streams: int, device: torch.device,
+                   dtype: torch.dtype) -> torch.Tensor:
+        """_decode, then cast; override where a kernel can write `dtype` directly."""
+        return self._decode(enc, streams, device).to(dtype)
 
     def _check_complete(self, enc: Encoded, n: int) -> None:
         expected = self.payload_bytes(enc.shape)

@@ -17,7 +17,6 @@ All give identical bytes and identical decoded tensors.
 
 from __future__ import annotations
 
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,13 +33,12 @@ from kvsim.kernels.groupquant import (
     check_fp16_range,
     page_bounds,
 )
-from kvsim.layout import DTYPES, KVShape
+from kvsim.layout import KVShape
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
 # dtype the caller of decode() asked for: the cpu kernel writes it directly (the reference
 # returns fp32 and Codec.decode converts it; the kernel rounds the same fp32 values the same way)
-_DECODE_DTYPE: ContextVar[torch.dtype | None] = ContextVar("uniform_decode_dtype", default=None)
 
 
 @dataclass(frozen=True)
@@ -157,17 +155,14 @@ class UniformCodec(Codec):
                                                       .nbytes]))
         return [chunks]
 
-    def decode(self, enc: Encoded, streams: int | None = None,
-               dtype: torch.dtype | None = None,
-               device: torch.device | str | None = None) -> torch.Tensor:
-        """Codec.decode; records the requested dtype so the cpu kernel can write it directly."""
-        token = _DECODE_DTYPE.set(dtype or DTYPES[enc.shape.dtype])
-        try:
-            return super().decode(enc, streams, dtype, device)
-        finally:
-            _DECODE_DTYPE.reset(token)
+    def _decode_to(self, enc: Encoded, streams: int, device: torch.device,
+                   dtype: torch.dtype) -> torch.Tensor:
+        if use_cpu(self.params.backend, device):
+            return self._decode_cpu(enc, device, dtype)  # the kernel writes `dtype` directly
+        return self._decode(enc, streams, device).to(dtype)
 
-    def _decode_cpu(self, enc: Encoded, device: torch.device) -> torch.Tensor:
+    def _decode_cpu(self, enc: Encoded, device: torch.device,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
         shape = enc.shape
         layer_bytes, full_bytes = self.chunk_geometry(shape)
         parts = enc.payloads(0)
@@ -182,7 +177,7 @@ class UniformCodec(Codec):
                               for p in range(self.num_pages(shape))])
         out = uniform_cpu.decode_cpu(src, shape.dims, enc.page_tokens, self.group_of(shape),
                                      self.params.bits, layer_bytes, full_bytes,
-                                     _DECODE_DTYPE.get() or torch.float32)
+                                     dtype)
         return out.to(device)
 
     def _decode(self, enc: Encoded, streams: int, device: torch.device) -> torch.Tensor:
