@@ -129,3 +129,19 @@ def test_device_and_timing_helpers():
     assert len(calls) == 5
     with pytest.raises(ValueError, match="repeats"):
         median_seconds(lambda: None, 0, 0, torch.device("cpu"))
+
+
+def test_write_timing_feeds_the_simulator(tmp_path):
+    from kvsim.sim.codec_timing import TIMING_DIR, load_codec_timing
+
+    name = "pytest-bench-hw"
+    path = TIMING_DIR / f"{name}.json"
+    try:
+        assert main(["bench", "codecs", *TINY, "codecs=[bf16,int4]", f"write_timing={name}",
+                     f"report={tmp_path / 'r.json'}"]) == 0
+        rows = {r["codec"]: r for r in json.loads((tmp_path / "r.json").read_text())["rows"]}
+        table = load_codec_timing(name)
+        timing = table.lookup("int4", "uniform")
+        assert timing.encode_s(1e9) == pytest.approx(1.0 / rows["int4"]["encode_gbps"])
+    finally:
+        path.unlink(missing_ok=True)

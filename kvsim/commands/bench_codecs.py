@@ -5,6 +5,7 @@ tensor timed in the same run. KV: synthetic (kvsim.synthetic) or a capture (kv_s
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from kvsim.capture import CAPTURE_DIR
 from kvsim.config.codecs import resolve_codec
 from kvsim.layout import KVShape
 from kvsim.report import format_table
+from kvsim.sim.codec_timing import TIMING_DIR, timing_doc_from_rows
 
 COMMAND = ("bench", "codecs")
 # kv_source=auto: this capture (written by `kvsim quality`) if present, else synthetic KV
@@ -72,6 +74,9 @@ class Config:
     warmup: int = 1  # untimed runs before timing
     device: str = "auto"  # cpu | cuda | auto
     progress: bool = True
+    # hardware preset name: also write the measured GB/s as the simulator's codec timing
+    # file data/codec_timing/<name>.json (e.g. local-cpu here, h100 on a lent GPU)
+    write_timing: str | None = None
 
 
 COLUMNS = [("codec", "codec", ""), ("bits_per_element", "bits/elem", ".3f"),
@@ -120,4 +125,12 @@ def run(cfg: Config) -> list[dict]:
           f"torch clone {min(r['copy_gbps'] for r in rows):.2f}.."
           f"{max(r['copy_gbps'] for r in rows):.2f} GB/s (bf16-equivalent, timed per codec)")
     print(format_table(rows, COLUMNS))
+    if cfg.write_timing:
+        command = (f"kvsim bench codecs (kv_source={source.description['kind']}, shape "
+                   f"{shape.to_dict()}, median of {cfg.repeats}, device {device})")
+        doc = timing_doc_from_rows(rows, cfg.write_timing, command)
+        path = TIMING_DIR / f"{cfg.write_timing}.json"
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"codec timing for hardware {cfg.write_timing!r} written to {path}",
+              file=sys.stderr)
     return rows

@@ -89,10 +89,15 @@ def from_bench_report(report_path: str | Path, hardware: str, command: str) -> d
     """Turn a `kvsim bench codecs report=PATH` JSON (rows with codec, encode_gbps,
     decode_gbps [GB/s of bf16 input], device) into a codec timing document."""
     doc = json.loads(Path(report_path).read_text())
+    return timing_doc_from_rows(doc.get("rows", []), hardware, command, str(report_path))
+
+
+def timing_doc_from_rows(rows: list[dict], hardware: str, command: str,
+                         where: str = "bench rows") -> dict:
     codecs = {}
-    for row in doc.get("rows", []):
+    for row in rows:
         if not {"codec", "encode_gbps", "decode_gbps"} <= set(row):
-            raise ValueError(f"{report_path}: bench row lacks codec/encode_gbps/decode_gbps: "
+            raise ValueError(f"{where}: bench row lacks codec/encode_gbps/decode_gbps: "
                              f"{sorted(row)}")
         codecs[row["codec"]] = {"encode_gb_per_s": row["encode_gbps"],
                                 "decode_gb_per_s": row["decode_gbps"], "source": "measured",
