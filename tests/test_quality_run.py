@@ -78,7 +78,7 @@ def test_cli_with_report(tmp_path):
 def test_smollm2_real_model(tmp_path):
     """SmolLM2-135M on real text: codec error is ordered by precision and greedy speculative
     decoding on a quantized draft cache is lossless."""
-    from kvsim.config.codecs import preset_names, resolve_codec
+    from kvsim.config.codecs import resolve_codec
     from kvsim.model import load_lm
     from kvsim.model.fetch import cached_gguf_path
     from kvsim.model.presets import load_llm_preset
@@ -97,18 +97,23 @@ def test_smollm2_real_model(tmp_path):
     assert ref.kv.shape == (30, 2, 3, 256, 64)
     held_t = torch.tensor(held)
     errs = {}
-    for name in ["bf16"] + [n for n in ("int8", "int4") if n in preset_names()]:
+    for name in ["bf16", "int8", "int4", "lynx"]:
         codec = resolve_codec(name).build()
         kv_hat = codec.decode(codec.encode(ref.kv), dtype=torch.float32)
         errs[name] = cache_error(lm.model, ref.kv, kv_hat, ref.queries, held_t,
                                  ref.heldout_logits)
     assert errs["bf16"].vnmse < 1e-3 and errs["bf16"].top1_agreement >= 0.9
-    if "int4" in errs:
-        assert errs["int4"].vnmse > errs["bf16"].vnmse
+    assert errs["bf16"].vnmse < errs["int8"].vnmse < errs["int4"].vnmse
+    assert errs["lynx"].vnmse < errs["int4"].vnmse  # anchor + residual: an 8-bit code
     # lossless greedy speculation with a coarse draft cache (bf16 + heavy noise)
     first = int(ref.last_logits.argmax())
     gen = torch.Generator().manual_seed(0)
     noisy = ref.kv + 0.5 * ref.kv.std() * torch.randn(ref.kv.shape, generator=gen)
     rnd = speculative_round(lm.model, noisy, ref.kv, first, 8, "greedy")
     target_only, _ = decode(lm.model, ref.kv, first, 9)
+    assert rnd.emitted == target_only[: len(rnd.emitted)]
+    # and drafting on the real lynx anchor-only cache, verified on the full one
+    lynx = resolve_codec("lynx").build()
+    anchor = lynx.decode(lynx.encode(ref.kv), streams=1, dtype=torch.float32)
+    rnd = speculative_round(lm.model, anchor, ref.kv, first, 8, "greedy")
     assert rnd.emitted == target_only[: len(rnd.emitted)]
