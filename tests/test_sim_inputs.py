@@ -30,8 +30,9 @@ def test_every_shipped_timing_file_loads_and_states_its_source():
                                        "local-cpu"}
     for p in files:
         table = load_codec_timing(p.stem)
-        for entry in [*table.entries.values(), table.default]:
-            assert entry is not None and entry.source in ("measured", "assumed") and entry.note
+        # a default entry (for codecs not listed) is optional: lookup then fails clearly
+        for entry in [*table.entries.values(), *([table.default] if table.default else [])]:
+            assert entry.source in ("measured", "assumed") and entry.note
 
 
 def test_timing_entries_without_provenance_are_refused(tmp_path):

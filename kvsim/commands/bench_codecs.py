@@ -130,6 +130,9 @@ def run(cfg: Config) -> list[dict]:
                    f"{shape.to_dict()}, median of {cfg.repeats}, device {device})")
         doc = timing_doc_from_rows(rows, cfg.write_timing, command)
         path = TIMING_DIR / f"{cfg.write_timing}.json"
+        if path.is_file():  # keep the file's other entries and default; replace what was measured
+            old = json.loads(path.read_text())
+            doc = {**old, **doc, "codecs": {**old.get("codecs", {}), **doc["codecs"]}}
         path.write_text(json.dumps(doc, indent=1) + "\n")
         print(f"codec timing for hardware {cfg.write_timing!r} written to {path}",
               file=sys.stderr)
