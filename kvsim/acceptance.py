@@ -28,7 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-ACCEPTANCE_DIR = Path(__file__).resolve().parent.parent / "data" / "acceptance"
+from kvsim.paths import DATA_DIR
+
+ACCEPTANCE_DIR = DATA_DIR / "acceptance"
 FORMAT_VERSION = 1
 
 # Points of Figure 10(a) of the Lynx paper that its text states: k -> P(accepted >= k).

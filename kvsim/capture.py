@@ -17,9 +17,10 @@ from pathlib import Path
 import torch
 
 from kvsim.layout import KVShape, check_finite
+from kvsim.paths import DATA_DIR
 
 CAPTURE_VERSION = 1
-CAPTURE_DIR = Path(__file__).resolve().parent.parent / "data" / "captures"
+CAPTURE_DIR = DATA_DIR / "captures"
 
 
 @dataclass

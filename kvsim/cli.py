@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+from kvsim.paths import CONF_DIR, check_root
 
 
 class UsageError(Exception):
@@ -79,6 +79,7 @@ def compose(config_name: str, overrides: list[str], schema: type | None = None):
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
+    check_root()
     if schema is not None:
         ConfigStore.instance().store(name=f"{config_name}_schema", node=schema)
     GlobalHydra.instance().clear()

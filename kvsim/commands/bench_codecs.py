@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -24,6 +23,7 @@ from kvsim.bench.codecs import (
 from kvsim.capture import CAPTURE_DIR
 from kvsim.config.codecs import resolve_codec
 from kvsim.layout import KVShape
+from kvsim.paths import DATA_DIR
 from kvsim.report import format_table
 from kvsim.sim.codec_timing import TIMING_DIR, timing_doc_from_rows
 
@@ -31,7 +31,7 @@ COMMAND = ("bench", "codecs")
 # kv_source=auto: this capture (written by `kvsim quality`) if present, else synthetic KV
 # from the generator calibrated on it (committed), else the generator's defaults.
 DEFAULT_CAPTURE = "smollm2-135m-ctx1024"
-DEFAULT_SYNTHETIC_PARAMS = Path(__file__).resolve().parents[2] / "data/synthetic/smollm2-135m.json"
+DEFAULT_SYNTHETIC_PARAMS = DATA_DIR / "synthetic" / "smollm2-135m.json"
 HELP = "codec bits/element, vNMSE and encode/decode GB/s vs torch copy on one KV cache"
 CONFIG_NAME = "bench_codecs"
 

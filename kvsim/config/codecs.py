@@ -8,14 +8,14 @@ label: my-int4} so one invocation can compare several codecs and variants.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import yaml
 
 from kvsim.kernels import Codec, make_codec
+from kvsim.paths import CONF_DIR
 
-PRESET_DIR = Path(__file__).resolve().parents[2] / "conf" / "codec"
+PRESET_DIR = CONF_DIR / "codec"
 
 
 @dataclass

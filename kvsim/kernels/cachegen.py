@@ -46,8 +46,9 @@ import torch
 from kvsim.kernels.codec import Codec, CodecError, register
 from kvsim.kernels.encoded import Chunk, Encoded
 from kvsim.layout import KVShape
+from kvsim.paths import DATA_DIR
 
-RATIO_FILE = Path(__file__).resolve().parents[2] / "data" / "cachegen_ratio.json"
+RATIO_FILE = DATA_DIR / "cachegen_ratio.json"
 SEGMENTS = (("K", "anchor"), ("K", "delta"), ("V", "anchor"), ("V", "delta"))
 MIN_BITS, MAX_BITS = 2, 8
 MAX_FREQ = 65535  # frequencies are stored as u16

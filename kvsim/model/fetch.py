@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvsim.model.presets import LLMPreset
+from kvsim.paths import ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = ROOT
 DEFAULT_CACHE_DIR = REPO_ROOT / ".cache" / "models"
 
 

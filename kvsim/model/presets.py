@@ -9,13 +9,13 @@ A preset's weights come from, in order: `path` (a local Hugging Face checkpoint 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from pathlib import Path
 
 import yaml
 
 from kvsim.layout import KVShape
+from kvsim.paths import CONF_DIR
 
-PRESET_DIR = Path(__file__).resolve().parents[2] / "conf" / "llm"
+PRESET_DIR = CONF_DIR / "llm"
 
 
 @dataclass(frozen=True)

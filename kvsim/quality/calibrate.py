@@ -27,9 +27,10 @@ from pathlib import Path
 import torch
 
 from kvsim.layout import K, KVShape, V
+from kvsim.paths import DATA_DIR
 from kvsim.synthetic import SyntheticKVParams
 
-SYNTHETIC_DIR = Path(__file__).resolve().parents[2] / "data" / "synthetic"
+SYNTHETIC_DIR = DATA_DIR / "synthetic"
 _OUTLIER_STD_RATIO = 3.0  # channel std / median channel std above which a channel is an outlier
 _MAX_SINKS = 8  # leading tokens examined for attention-sink norms
 _SINK_NORM_RATIO = 0.5  # key norm / median below which a leading token counts as a sink

@@ -24,9 +24,10 @@ import numpy as np
 import torch
 
 from kvsim.attention_error import attention_vnmse, relative_mse
+from kvsim.paths import DATA_DIR
 from kvsim.report import json_safe
 
-VNMSE_DIR = Path(__file__).resolve().parents[2] / "data" / "vnmse"
+VNMSE_DIR = DATA_DIR / "vnmse"
 VNMSE_VERSION = 1
 
 

@@ -21,7 +21,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-TIMING_DIR = Path(__file__).resolve().parents[2] / "data" / "codec_timing"
+from kvsim.paths import DATA_DIR
+
+TIMING_DIR = DATA_DIR / "codec_timing"
 FORMAT_VERSION = 1
 
 
