@@ -20,6 +20,7 @@ import numba
 import numpy as np
 import torch
 
+from kvsim.kernels.fp16_bits import f16_bits_to_f32_bits, f32_bits_to_f16_bits
 from kvsim.kernels.hadamard import check_hadamard_dim
 from kvsim.kernels.lynx import (
     MU_FRAC_BITS,
@@ -38,40 +39,14 @@ def f32_to_f16_bits(src, dst):
     """src: fp32 bit patterns (uint32 view) of non-negative finite values -> dst: fp16 bits,
     round to nearest even (as torch .half())."""
     for i in range(src.shape[0]):
-        bits = np.int64(src[i])
-        exp = (bits >> 23) & 0xFF
-        man = bits & 0x7FFFFF
-        if exp >= 143:  # >= 2^16: inf
-            h = 0x7C00
-        elif exp >= 113:  # normal fp16
-            h = ((exp - 112) << 10) | (man >> 13)
-            rem = man & 0x1FFF
-            if rem > 0x1000 or (rem == 0x1000 and (h & 1)):
-                h += 1  # a carry into the exponent is still right (up to inf)
-        elif exp == 0 or 126 - exp > 25:
-            h = 0
-        else:  # fp16 subnormal: value in units of 2^-24 is m >> shift
-            shift = 126 - exp
-            m = man | 0x800000
-            h = m >> shift
-            rem = m & ((1 << shift) - 1)
-            half = 1 << (shift - 1)
-            if rem > half or (rem == half and (h & 1)):
-                h += 1
-        dst[i] = h
+        dst[i] = f32_bits_to_f16_bits(np.int64(src[i]))
 
 
 @numba.njit(**_JIT)
 def f16_bits_to_f32(src, dst, dst_bits):
     """src: fp16 bits (non-negative, finite) -> dst (fp32 array) through its uint32 view."""
     for i in range(src.shape[0]):
-        h = np.int64(src[i])
-        exp = (h >> 10) & 0x1F
-        man = h & 0x3FF
-        if exp == 0:
-            dst[i] = np.float32(man) * np.float32(2.0 ** -24)
-        else:
-            dst_bits[i] = np.uint32(((exp + 112) << 23) | (man << 13))
+        dst_bits[i] = np.uint32(f16_bits_to_f32_bits(np.int64(src[i])))
 
 
 @numba.njit(**_JIT)

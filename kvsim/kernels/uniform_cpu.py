@@ -27,58 +27,13 @@ import numba
 import numpy as np
 import torch
 
+from kvsim.kernels.fp16_bits import f16_bits_to_f32_bits, f32_bits_to_f16_bits
 from kvsim.kernels.groupquant import qmax_of
 
 _JIT = dict(cache=True, nogil=True, error_model="numpy")
 
 OUT_F32, OUT_BF16, OUT_F16 = 0, 1, 2  # decode output modes
 _OUT_MODE = {torch.float32: OUT_F32, torch.bfloat16: OUT_BF16, torch.float16: OUT_F16}
-
-
-@numba.njit(**_JIT)
-def f32_bits_to_f16_bits(u):
-    """u: bit pattern (int64) of a finite fp32 -> fp16 bits, round to nearest even, as
-    torch .half() (|x| >= 65520 -> +-inf, tiny values -> fp16 subnormals or +-0)."""
-    sign = (u >> 16) & 0x8000
-    exp = (u >> 23) & 0xFF
-    man = u & 0x7FFFFF
-    if exp >= 143:  # >= 2^16: inf
-        h = 0x7C00
-    elif exp >= 113:  # normal fp16
-        h = ((exp - 112) << 10) | (man >> 13)
-        rem = man & 0x1FFF
-        if rem > 0x1000 or (rem == 0x1000 and (h & 1)):
-            h += 1  # a carry into the exponent is still right (up to inf)
-    elif exp == 0 or 126 - exp > 25:
-        h = 0
-    else:  # fp16 subnormal: value in units of 2^-24 is m >> shift
-        shift = 126 - exp
-        m = man | 0x800000
-        h = m >> shift
-        rem = m & ((1 << shift) - 1)
-        half = 1 << (shift - 1)
-        if rem > half or (rem == half and (h & 1)):
-            h += 1
-    return sign | h
-
-
-@numba.njit(**_JIT)
-def f16_bits_to_f32_bits(h):
-    """h: fp16 bits (int64) -> the fp32 bit pattern of the same value (exact)."""
-    sign = (h & 0x8000) << 16
-    exp = (h >> 10) & 0x1F
-    man = h & 0x3FF
-    if exp == 0:
-        if man == 0:
-            return sign
-        e = 113  # subnormal man * 2^-24: normalize so that bit 10 is the implicit one
-        while (man & 0x400) == 0:
-            man <<= 1
-            e -= 1
-        return sign | (e << 23) | ((man & 0x3FF) << 13)
-    if exp == 31:
-        return sign | 0x7F800000 | (man << 13)
-    return sign | ((exp + 112) << 23) | (man << 13)
 
 
 @numba.njit(fastmath={"nnan", "ninf", "nsz", "reassoc"}, **_JIT)
