@@ -132,14 +132,18 @@ class ChunkLayout:
     def nbytes(self) -> int:
         return sum(f.nbytes for f in self.fields)
 
-    def serialize(self, values: dict[str, torch.Tensor]) -> np.ndarray:
+    def serialize(self, values: dict[str, torch.Tensor], cpu_kernels: bool = False
+                  ) -> np.ndarray:
+        """cpu_kernels: pack codes with kivi_cpu's numba kernel (same bytes as pack_codes)."""
+        from kvsim.kernels.kivi_cpu import pack_flat  # imports groupquant: import here
+
         parts = []
         for f in self.fields:
             if f.nbytes == 0:
                 continue
             t = values[f.name].detach().to("cpu")
             if f.kind == "codes":
-                raw = pack_codes(t, f.bits).numpy()
+                raw = pack_flat(t, f.bits) if cpu_kernels else pack_codes(t, f.bits).numpy()
             elif f.kind == "bf16":
                 raw = t.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
             elif f.kind == "u16":
@@ -152,9 +156,21 @@ class ChunkLayout:
             parts.append(raw)
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint8)
 
-    def parse(self, payload: np.ndarray, device: torch.device) -> dict[str, torch.Tensor]:
-        """payload -> {name: tensor} (codes unpacked to uint8, u16 widened to int64)."""
+    def offsets(self) -> dict[str, int]:
+        """Byte offset of each field in the payload."""
+        out, off = {}, 0
+        for f in self.fields:
+            out[f.name] = off
+            off += f.nbytes
+        return out
+
+    def parse(self, payload: np.ndarray, device: torch.device, cpu_kernels: bool = False,
+              skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+        """payload -> {name: tensor} (codes unpacked to uint8, u16 widened to int64).
+        cpu_kernels: unpack codes with kivi_cpu's numba kernel (same codes as unpack_codes).
+        skip: fields left out of the result (a caller that reads them from the bytes)."""
         from kvsim.kernels.codec import CodecError
+        from kvsim.kernels.kivi_cpu import unpack_flat
 
         if payload.nbytes != self.nbytes:
             raise CodecError(f"chunk payload is {payload.nbytes} bytes, expected {self.nbytes}")
@@ -164,11 +180,15 @@ class ChunkLayout:
         for f in self.fields:
             raw = buf[off: off + f.nbytes]
             off += f.nbytes
+            if f.name in skip:
+                continue
             if f.count == 0:
                 dt = torch.uint8 if f.kind in ("codes", "u8") else torch.float32
                 out[f.name] = torch.zeros(f.shape, dtype=dt, device=device)
                 continue
-            if f.kind == "codes":
+            if f.kind == "codes" and cpu_kernels:
+                t = unpack_flat(raw, f.bits, f.count)
+            elif f.kind == "codes":
                 t = unpack_codes(torch.from_numpy(raw.copy()), f.bits, f.shape)
             elif f.kind == "bf16":
                 t = torch.from_numpy(raw.copy().view(np.int16)).view(torch.bfloat16)

@@ -27,12 +27,14 @@ pages):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from kvsim.kernels import kivi_cpu
 from kvsim.kernels.codec import Codec, register
 from kvsim.kernels.encoded import Chunk, Encoded
 from kvsim.kernels.groupquant import (
@@ -46,6 +48,15 @@ from kvsim.kernels.groupquant import (
 )
 from kvsim.layout import KVShape
 
+BACKENDS = ("auto", "torch", "cpu")
+
+
+def use_cpu_kernels(backend: str, device: torch.device) -> bool:
+    """kivi_cpu's numba kernels: backend 'cpu', or 'auto' on a CPU tensor."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend == "cpu" or (backend == "auto" and device.type == "cpu")
+
 
 @dataclass(frozen=True)
 class Backbone:
@@ -55,6 +66,7 @@ class Backbone:
     key_group: int  # tokens per K group; 0 = kcvt (all quantized tokens of the layer)
     value_group: int  # channels per V group; 0 = whole head_dim
     residual: int  # R: most recent tokens kept in bf16
+    backend: str = "auto"  # auto | torch | cpu (numba kernels of kivi_cpu.py, same bytes)
 
     @property
     def kcvt(self) -> bool:
@@ -102,11 +114,16 @@ class Backbone:
         tq = xq.shape[3]
         kt = xq[:, 0].transpose(-1, -2)  # [layers, heads, head_dim, Tq]
         kg = self.key_group or max(tq, 1)
-        kc, ks, kz = quantize_groups(kt, kg, self.bits)
         vg = min(self.value_group or xq.shape[-1], xq.shape[-1])
-        vc, vs, vz = quantize_groups(xq[:, 1], vg, self.bits)
-        xhat = torch.stack((dequantize_groups(kc, ks, kz, kg).transpose(-1, -2),
-                            dequantize_groups(vc, vs, vz, vg)), dim=1)
+        if use_cpu_kernels(self.backend, xq.device):
+            kc, ks, kz, khat = kivi_cpu.quantize_rows(kt, kg, self.bits)
+            vc, vs, vz, vhat = kivi_cpu.quantize_rows(xq[:, 1], vg, self.bits)
+            xhat = torch.stack((khat.transpose(-1, -2), vhat), dim=1).to(xq.device)
+        else:
+            kc, ks, kz = quantize_groups(kt, kg, self.bits)
+            vc, vs, vz = quantize_groups(xq[:, 1], vg, self.bits)
+            xhat = torch.stack((dequantize_groups(kc, ks, kz, kg).transpose(-1, -2),
+                                dequantize_groups(vc, vs, vz, vg)), dim=1)
         parts = {"k_codes": kc, "k_scale": ks, "k_zero": kz, "v_codes": vc, "v_scale": vs,
                  "v_zero": vz}
         return parts, xhat
@@ -128,14 +145,17 @@ class Backbone:
                         page0: dict[str, torch.Tensor]) -> torch.Tensor:
         """Parsed fields of one page (page0: of page 0, for kcvt's K scales) ->
         [2, heads, q, head_dim] fp32."""
+        device = f["v_codes"].device
+        deq = (kivi_cpu.dequantize_rows if use_cpu_kernels(self.backend, device)
+               else dequantize_groups)
         if self.kcvt:
-            k = dequantize_groups(f["k_codes"], page0["k_scale"], page0["k_zero"], max(q, 1))
+            k = deq(f["k_codes"], page0["k_scale"], page0["k_zero"], max(q, 1))
         else:
-            k = dequantize_groups(f["k_codes"], f["k_scale"], f["k_zero"], self.key_group)
+            k = deq(f["k_codes"], f["k_scale"], f["k_zero"], self.key_group)
         d = f["v_codes"].shape[-1]
         vg = min(self.value_group or d, d)
-        v = dequantize_groups(f["v_codes"], f["v_scale"], f["v_zero"], vg)
-        return torch.stack((k.transpose(-1, -2), v), dim=0)
+        v = deq(f["v_codes"], f["v_scale"], f["v_zero"], vg)
+        return torch.stack((k.transpose(-1, -2), v), dim=0).to(device)
 
 
 class BackboneCodec(Codec):
@@ -144,6 +164,14 @@ class BackboneCodec(Codec):
 
     def backbone(self) -> Backbone:
         raise NotImplementedError
+
+    def quant_backend(self) -> str:
+        """auto | torch | cpu: the `backend` param where the codec has one, else auto."""
+        return getattr(self.params, "backend", "auto")
+
+    def tuned_backbone(self) -> Backbone:
+        """backbone() with this codec's backend (subclasses may build it without one)."""
+        return dataclasses.replace(self.backbone(), backend=self.quant_backend())
 
     # ---- hooks ----------------------------------------------------------------------
     def extra_fields(self, shape: KVShape, q: int) -> list[Field]:
@@ -189,9 +217,10 @@ class BackboneCodec(Codec):
 
     def _encode(self, kv: torch.Tensor, shape: KVShape) -> list[list[Chunk]]:
         check_fp16_range(kv, self.name)
-        bb, pt = self.backbone(), self.params.page_tokens
+        bb, pt = self.tuned_backbone(), self.params.page_tokens
         x = kv.detach().to(torch.float32)  # [layers, 2, heads, tokens, head_dim]
         tq = bb.quantized_tokens(shape.tokens)
+        fast = use_cpu_kernels(bb.backend, kv.device)
         xq, state = self.pre_quantize(x[:, :, :, :tq], shape)
         parts, xhat = bb.quantize(xq)
         chunks = []
@@ -203,21 +232,53 @@ class BackboneCodec(Codec):
                 values.update(self.page_extras(state, layer, t0, q,
                                                xq[layer, :, :, t0:t0 + q],
                                                xhat[layer, :, :, t0:t0 + q]))
-                chunks.append(Chunk(0, layer, p, self.layout(shape, p).serialize(values)))
+                chunks.append(Chunk(0, layer, p, self.layout(shape, p).serialize(values, fast)))
         return [chunks]
 
     def _decode(self, enc: Encoded, streams: int, device: torch.device) -> torch.Tensor:
-        shape, bb, pt = enc.shape, self.backbone(), enc.page_tokens
+        shape, bb, pt = enc.shape, self.tuned_backbone(), enc.page_tokens
+        if use_cpu_kernels(bb.backend, device) and device.type == "cpu":
+            return self._decode_cpu(enc, bb)
         out = torch.empty(shape.dims, dtype=torch.float32, device=device)
         payloads = enc.payloads(0)
+        fast = use_cpu_kernels(bb.backend, device)
         for layer in range(shape.layers):
-            parsed = {p: self.layout(shape, p).parse(payloads[(layer, p)], device)
+            parsed = {p: self.layout(shape, p).parse(payloads[(layer, p)], device, fast)
                       for p in range(self.num_pages(shape))}
             for p, f in parsed.items():
                 t0, q, r = bb.split(shape, pt, p)
                 if q:
                     xhat = bb.dequantize_page(f, q, parsed[0])
                     out[layer, :, :, t0:t0 + q] = self.post_dequantize(f, xhat)
+                out[layer, :, :, t0 + q:t0 + q + r] = f["resid"].to(torch.float32)
+        return out
+
+    def _decode_cpu(self, enc: Encoded, bb: Backbone) -> torch.Tensor:
+        """The CPU decode: kivi_cpu.decode_page dequantizes each chunk's backbone fields
+        straight from its bytes (no unpacked codes, no fp32 temporaries)."""
+        shape, pt = enc.shape, enc.page_tokens
+        out = torch.empty(shape.dims, dtype=torch.float32)
+        payloads = enc.payloads(0)
+        pages = self.num_pages(shape)
+        layouts = [self.layout(shape, p) for p in range(pages)]
+        offsets = [lay.offsets() for lay in layouts]
+        plain = type(self).post_dequantize is BackboneCodec.post_dequantize
+        skip = frozenset(("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero"))
+        vg = bb.vgroup(shape)
+        for layer in range(shape.layers):
+            page0 = np.ascontiguousarray(payloads[(layer, 0)], dtype=np.uint8)
+            for p in range(pages):
+                src = np.ascontiguousarray(payloads[(layer, p)], dtype=np.uint8)
+                f = layouts[p].parse(src, out.device, True, skip)
+                t0, q, r = bb.split(shape, pt, p)
+                if q:
+                    view = out[layer, :, :, t0:t0 + q]  # [2, heads, q, head_dim]
+                    xhat = view if plain else torch.empty(view.shape, dtype=torch.float32)
+                    kmeta, kofs = (page0, offsets[0]) if bb.kcvt else (src, offsets[p])
+                    kivi_cpu.decode_page(src, offsets[p], kmeta, kofs, bb.key_group or q, vg,
+                                         bb.bits, xhat)
+                    if not plain:
+                        view.copy_(self.post_dequantize(f, xhat))
                 out[layer, :, :, t0 + q:t0 + q + r] = f["resid"].to(torch.float32)
         return out
 
@@ -229,8 +290,11 @@ class KiviParams:
     value_group: int = 32  # channels per value group (per token); 0 = head_dim
     residual: int = 128  # most recent tokens kept in bf16; a multiple of group
     page_tokens: int = 256  # a multiple of group
+    backend: str = "auto"  # auto (numba kernels for CPU tensors) | torch | cpu; same bytes
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}")
         if self.bits not in QUANT_BITS:
             raise ValueError(f"bits must be one of {QUANT_BITS}")
         if self.group < 1 or self.value_group < 0 or self.residual < 0:
@@ -255,8 +319,11 @@ class KcvtParams:
     bits: int = 4
     residual: int = 0  # most recent tokens kept in bf16 (any count: no token groups)
     page_tokens: int = 256
+    backend: str = "auto"  # auto (numba kernels for CPU tensors) | torch | cpu; same bytes
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}")
         if self.bits not in QUANT_BITS:
             raise ValueError(f"bits must be one of {QUANT_BITS}")
         if self.residual < 0 or self.page_tokens < 1:
