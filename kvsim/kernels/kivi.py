@@ -23,6 +23,10 @@ pages):
     v_scale, v_zero fp16  [kv_heads, q, head_dim / value_group]
     resid    bf16         [2, kv_heads, r, head_dim]
     ...                   fields added by gear / oscar (see BackboneCodec hooks)
+
+backend (param of kivi / kcvt / oscar; gear: BackboneCodec.quant_backend, default auto):
+'torch' = the torch reference (groupquant.quantize_groups, bitpack), 'cpu' = the numba
+kernels of kivi_cpu.py (same bytes, same decoded bits), 'auto' = cpu kernels for CPU tensors.
 """
 
 from __future__ import annotations
@@ -107,23 +111,27 @@ class Backbone:
                 Field("v_scale", "f16", vmeta), Field("v_zero", "f16", vmeta),
                 Field("resid", "bf16", (2, h, r, d))]
 
-    def quantize(self, xq: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def quantize(self, xq: torch.Tensor, with_xhat: bool = True
+                 ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
         """xq: [layers, 2, kv_heads, Tq, head_dim] fp32 -> (whole-cache codes/scales keyed
         like the fields, K as [layers, heads, head_dim, Tq(/G)], V as [layers, heads, Tq, .]),
-        and the dequantized xq."""
+        and the dequantized xq (None unless with_xhat)."""
         tq = xq.shape[3]
         kt = xq[:, 0].transpose(-1, -2)  # [layers, heads, head_dim, Tq]
         kg = self.key_group or max(tq, 1)
         vg = min(self.value_group or xq.shape[-1], xq.shape[-1])
+        xhat = None
         if use_cpu_kernels(self.backend, xq.device):
-            kc, ks, kz, khat = kivi_cpu.quantize_rows(kt, kg, self.bits)
-            vc, vs, vz, vhat = kivi_cpu.quantize_rows(xq[:, 1], vg, self.bits)
-            xhat = torch.stack((khat.transpose(-1, -2), vhat), dim=1).to(xq.device)
+            kc, ks, kz, khat = kivi_cpu.quantize_rows(kt, kg, self.bits, with_xhat)
+            vc, vs, vz, vhat = kivi_cpu.quantize_rows(xq[:, 1], vg, self.bits, with_xhat)
+            if with_xhat:
+                xhat = torch.stack((khat.transpose(-1, -2), vhat), dim=1).to(xq.device)
         else:
             kc, ks, kz = quantize_groups(kt, kg, self.bits)
             vc, vs, vz = quantize_groups(xq[:, 1], vg, self.bits)
-            xhat = torch.stack((dequantize_groups(kc, ks, kz, kg).transpose(-1, -2),
-                                dequantize_groups(vc, vs, vz, vg)), dim=1)
+            if with_xhat:
+                xhat = torch.stack((dequantize_groups(kc, ks, kz, kg).transpose(-1, -2),
+                                    dequantize_groups(vc, vs, vz, vg)), dim=1)
         parts = {"k_codes": kc, "k_scale": ks, "k_zero": kz, "v_codes": vc, "v_scale": vs,
                  "v_zero": vz}
         return parts, xhat
@@ -162,6 +170,10 @@ class BackboneCodec(Codec):
     """A single-stream codec built on a Backbone. Subclasses provide `backbone()` and may
     override the hooks to add fields (gear: low rank + outliers; oscar: rotation + norms)."""
 
+    # page_extras reads xhat_page (gear: the quantization error); False skips computing
+    # the reconstruction at encode (page_extras then gets xhat_page=None)
+    uses_xhat = True
+
     def backbone(self) -> Backbone:
         raise NotImplementedError
 
@@ -182,8 +194,9 @@ class BackboneCodec(Codec):
         return xq, None
 
     def page_extras(self, state: Any, layer: int, t0: int, q: int, x_page: torch.Tensor,
-                    xhat_page: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Extra field values of one page (x_page / xhat_page: [2, heads, q, head_dim])."""
+                    xhat_page: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Extra field values of one page (x_page / xhat_page: [2, heads, q, head_dim];
+        xhat_page is None when uses_xhat is False)."""
         return {}
 
     def post_dequantize(self, f: dict[str, torch.Tensor], xhat_page: torch.Tensor
@@ -222,7 +235,7 @@ class BackboneCodec(Codec):
         tq = bb.quantized_tokens(shape.tokens)
         fast = use_cpu_kernels(bb.backend, kv.device)
         xq, state = self.pre_quantize(x[:, :, :, :tq], shape)
-        parts, xhat = bb.quantize(xq)
+        parts, xhat = bb.quantize(xq, self.uses_xhat)
         chunks = []
         for layer in range(shape.layers):
             for p in range(self.num_pages(shape)):
@@ -231,6 +244,7 @@ class BackboneCodec(Codec):
                 values["resid"] = x[layer, :, :, t0 + q:t0 + q + r]
                 values.update(self.page_extras(state, layer, t0, q,
                                                xq[layer, :, :, t0:t0 + q],
+                                               None if xhat is None else
                                                xhat[layer, :, :, t0:t0 + q]))
                 chunks.append(Chunk(0, layer, p, self.layout(shape, p).serialize(values, fast)))
         return [chunks]
@@ -308,6 +322,7 @@ class KiviParams:
 class KiviCodec(BackboneCodec):
     name = "kivi"
     Params = KiviParams
+    uses_xhat = False  # no extra fields
 
     def backbone(self) -> Backbone:
         p = self.params
@@ -334,6 +349,7 @@ class KcvtParams:
 class KcvtCodec(BackboneCodec):
     name = "kcvt"
     Params = KcvtParams
+    uses_xhat = False  # no extra fields
 
     def backbone(self) -> Backbone:
         return Backbone(self.params.bits, 0, 0, self.params.residual)

@@ -37,9 +37,9 @@ _JIT = dict(cache=True, nogil=True, error_model="numpy")
 
 
 @numba.njit(parallel=True, **_JIT)
-def _quantize_kernel(x, G, qmax_i, codes, sbits, zbits, xhat):
+def _quantize_kernel(x, G, qmax_i, codes, sbits, zbits, xhat, with_xhat):
     """x: [rows, n] fp32 contiguous; writes codes [rows, n] uint8, sbits / zbits
-    [rows, n // G] uint16 (fp16 bits), xhat [rows, n] fp32."""
+    [rows, n // G] uint16 (fp16 bits), and xhat [rows, n] fp32 if with_xhat."""
     rows, n = x.shape
     ng = n // G
     qmax = np.float32(qmax_i)
@@ -70,14 +70,17 @@ def _quantize_kernel(x, G, qmax_i, codes, sbits, zbits, xhat):
                     v = (xr[i] - z) / s + half
                     v = v if v > zero else zero
                     v = v if v < qmax else qmax
-                    c = np.int32(v)
-                    codes[r, i] = np.uint8(c)
-                    xhat[r, i] = z + np.float32(c) * s
+                    codes[r, i] = np.uint8(np.int32(v))
+                if with_xhat:
+                    for i in range(a, b):
+                        xhat[r, i] = z + np.float32(codes[r, i]) * s
             else:
-                zhat = z + zero * s  # as z + code * s: -0.0 + 0.0 = +0.0
                 for i in range(a, b):
                     codes[r, i] = 0
-                    xhat[r, i] = zhat
+                if with_xhat:
+                    zhat = z + zero * s  # as z + code * s: -0.0 + 0.0 = +0.0
+                    for i in range(a, b):
+                        xhat[r, i] = zhat
 
 
 @numba.njit(parallel=True, **_JIT)
@@ -132,11 +135,11 @@ def _fp16(bits_u16: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.from_numpy(bits_u16.view(np.int16)).view(torch.float16).reshape(shape)
 
 
-def quantize_rows(x: torch.Tensor, group: int, bits: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, group: int, bits: int, with_xhat: bool = True
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """x: [..., n] CPU float (n % group == 0) -> (codes uint8 [..., n], scale16, zero16 fp16
-    [..., n // group], x_hat fp32 [..., n]); equal to groupquant.quantize_groups followed by
-    dequantize_groups."""
+    [..., n // group], x_hat fp32 [..., n] or None unless with_xhat); equal to
+    groupquant.quantize_groups followed by dequantize_groups."""
     qmax = qmax_of(bits)
     xf = x.detach().to(device="cpu", dtype=torch.float32).contiguous()
     x2, n = _rows(xf, group)
@@ -144,12 +147,12 @@ def quantize_rows(x: torch.Tensor, group: int, bits: int
     codes = np.empty((rows, n), np.uint8)
     sb = np.empty((rows, n // group), np.uint16)
     zb = np.empty((rows, n // group), np.uint16)
-    xhat = np.empty((rows, n), np.float32)
+    xhat = np.empty((rows, n) if with_xhat else (1, 1), np.float32)
     if rows and n:
-        _quantize_kernel(x2, group, qmax, codes, sb, zb, xhat)
+        _quantize_kernel(x2, group, qmax, codes, sb, zb, xhat, with_xhat)
     meta = (*x.shape[:-1], n // group)
     return (torch.from_numpy(codes).reshape(x.shape), _fp16(sb, meta), _fp16(zb, meta),
-            torch.from_numpy(xhat).reshape(x.shape))
+            torch.from_numpy(xhat).reshape(x.shape) if with_xhat else None)
 
 
 def dequantize_rows(codes: torch.Tensor, scale16: torch.Tensor, zero16: torch.Tensor,
