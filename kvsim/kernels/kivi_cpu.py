@@ -17,9 +17,10 @@ the quantizer / dequantizer, not by the arithmetic. These kernels do each in one
 - dequantize_rows: codes uint8 [rows, n], fp16 scale / zero [rows, n / group] -> fp32.
 - pack_flat / unpack_flat: bitpack.pack / unpack of a flat code vector (little end first).
 
-The whole-cache quantizer runs its rows in parallel (numba prange); the per-chunk kernels
-(pack, unpack, page decode: many small calls) run serially, because waking numba's OpenMP
-pool per chunk, interleaved with torch's own pool on few cores, cost more than the work.
+The whole-cache quantizer runs its rows and the page decoder its (K|V, head) blocks in
+parallel (numba prange); pack / unpack (many small calls, each a fraction of a page's work)
+run serially, because waking numba's OpenMP pool that often, interleaved with torch's own
+pool on few cores, cost more than the work.
 tests/test_kivi_cpu.py checks bytes against torch.
 """
 
@@ -205,7 +206,7 @@ def _f16_at(src, o):
     return f16_bits_to_f32_bits(np.int64(src[o]) | (np.int64(src[o + 1]) << 8))
 
 
-@numba.njit(**_JIT)
+@numba.njit(parallel=True, **_JIT)
 def _page_decode_kernel(src, kc_at, kmeta, ks_at, kz_at, KG, vc_at, vs_at, vz_at, VG, bits,
                         out):
     """One chunk's backbone fields -> out [2, H, q, D] fp32 (any strides).
@@ -219,7 +220,7 @@ def _page_decode_kernel(src, kc_at, kmeta, ks_at, kz_at, KG, vc_at, vs_at, vz_at
     mask = (1 << bits) - 1
     nkg = q // KG
     nvg = D // VG
-    for w in range(2 * H):
+    for w in numba.prange(2 * H):
         h = w % H
         tmp = np.empty(2, np.float32)
         tmpu = tmp.view(np.uint32)
