@@ -48,13 +48,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def pair(name: str, params: dict, monkeypatch: pytest.MonkeyPatch):
-    """(torch reference codec, cpu-kernel codec) with the same params. gear has no backend
-    param of its own: its backend is pinned on the instance."""
-    if name.startswith("gear"):
-        ref, cpu = make_codec(name, params), make_codec(name, params)
-        monkeypatch.setattr(ref, "quant_backend", lambda: "torch")
-        monkeypatch.setattr(cpu, "quant_backend", lambda: "cpu")
-        return ref, cpu
+    """(torch reference codec, cpu-kernel codec) with the same params but the backend."""
     return (make_codec(name, {**params, "backend": "torch"}),
             make_codec(name, {**params, "backend": "cpu"}))
 

@@ -37,7 +37,7 @@ import torch
 
 from kvsim.kernels.codec import register
 from kvsim.kernels.groupquant import QUANT_BITS, Field
-from kvsim.kernels.kivi import Backbone, BackboneCodec
+from kvsim.kernels.kivi import BACKENDS, Backbone, BackboneCodec
 from kvsim.layout import KVShape
 
 BACKBONES = ("kivi", "kcvt")
@@ -97,8 +97,11 @@ class GearParams:
     outlier_pct: float = 2.0  # s: % of each vector kept as outliers (s/2 at each end)
     seed: int = 0
     page_tokens: int = 256
+    backend: str = "auto"  # auto | torch | cpu: the backbone quantizer's kernels (same bytes)
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}")
         if self.backbone not in BACKBONES:
             raise ValueError(f"backbone must be one of {BACKBONES}")
         if self.bits not in QUANT_BITS:

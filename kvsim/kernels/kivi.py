@@ -24,7 +24,7 @@ pages):
     resid    bf16         [2, kv_heads, r, head_dim]
     ...                   fields added by gear / oscar (see BackboneCodec hooks)
 
-backend (param of kivi / kcvt / oscar; gear: BackboneCodec.quant_backend, default auto):
+backend (param of kivi / kcvt / oscar / gear; default auto):
 'torch' = the torch reference (groupquant.quantize_groups, bitpack), 'cpu' = the numba
 kernels of kivi_cpu.py (same bytes, same decoded bits), 'auto' = cpu kernels for CPU tensors.
 """
