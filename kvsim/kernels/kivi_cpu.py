@@ -30,9 +30,9 @@ import numba
 import numpy as np
 import torch
 
-from kvsim.kernels.fp16_bits import f16_bits_to_f32_bits, f32_bits_to_f16_bits
+from kvsim.kernels.fp16_bits import f16_bits_to_f32_bits
 from kvsim.kernels.groupquant import qmax_of
-from kvsim.kernels.uniform_cpu import _group_minmax
+from kvsim.kernels.uniform_cpu import quantize_group
 
 _JIT = dict(cache=True, nogil=True, error_model="numpy")
 
@@ -44,44 +44,19 @@ def _quantize_kernel(x, G, qmax_i, codes, sbits, zbits, xhat, with_xhat):
     rows, n = x.shape
     ng = n // G
     qmax = np.float32(qmax_i)
-    zero = np.float32(0.0)
-    half = np.float32(0.5)
     for r in numba.prange(rows):
         xr = x[r]
-        tmp = np.empty(2, np.float32)  # scalar <-> bits round trips
-        tmpu = tmp.view(np.uint32)
+        cr = codes[r]
+        tmp = np.empty(2, np.float32)  # scratch for quantize_group's bit round trips
         for g in range(ng):
             a = g * G
             b = a + G
-            lo, hi = _group_minmax(xr, a, b)
-            lo = lo + zero  # -0.0 -> +0.0
-            hi = hi + zero
-            tmp[0] = (hi - lo) / qmax
-            tmp[1] = lo
-            hs = f32_bits_to_f16_bits(np.int64(tmpu[0]))
-            hz = f32_bits_to_f16_bits(np.int64(tmpu[1]))
+            hs, hz, _lo, _hi, s, z = quantize_group(xr, a, b, qmax, tmp, cr)
             sbits[r, g] = np.uint16(hs)
             zbits[r, g] = np.uint16(hz)
-            tmpu[0] = np.uint32(f16_bits_to_f32_bits(hs))
-            tmpu[1] = np.uint32(f16_bits_to_f32_bits(hz))
-            s = tmp[0]
-            z = tmp[1]
-            if s > zero:
+            if with_xhat:  # z + code * s; a constant group: -0.0 + 0 * 0 = +0.0, as torch
                 for i in range(a, b):
-                    v = (xr[i] - z) / s + half
-                    v = v if v > zero else zero
-                    v = v if v < qmax else qmax
-                    codes[r, i] = np.uint8(np.int32(v))
-                if with_xhat:
-                    for i in range(a, b):
-                        xhat[r, i] = z + np.float32(codes[r, i]) * s
-            else:
-                for i in range(a, b):
-                    codes[r, i] = 0
-                if with_xhat:
-                    zhat = z + zero * s  # as z + code * s: -0.0 + 0.0 = +0.0
-                    for i in range(a, b):
-                        xhat[r, i] = zhat
+                    xhat[r, i] = z + np.float32(cr[i]) * s
 
 
 @numba.njit(parallel=True, **_JIT)

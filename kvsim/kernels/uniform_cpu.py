@@ -68,6 +68,39 @@ def _group_minmax(x, a, b):
     return lo, hi
 
 
+@numba.njit(**_JIT)
+def quantize_group(x, a, b, qmax, tmp, q):
+    """One min/max group x[a:b] (fp32) -> codes q[a:b] and (scale16 bits, zero16 bits, lo,
+    hi, scale, zero as fp32 after the fp16 round trip), op for op as the torch reference
+    groupquant.quantize_groups: scale = fp16((hi - lo) / qmax), zero = fp16(lo), code =
+    clamp(floor((x - zero) / scale + 0.5)); a constant group (scale 0) gets code 0. The
+    sign of a zero min / max is normalized to +0.0. tmp: scratch fp32[2] (bit round trips)."""
+    zero = np.float32(0.0)
+    half = np.float32(0.5)
+    tmpu = tmp.view(np.uint32)
+    lo, hi = _group_minmax(x, a, b)
+    lo = lo + zero  # -0.0 -> +0.0
+    hi = hi + zero
+    tmp[0] = (hi - lo) / qmax
+    tmp[1] = lo
+    hs = f32_bits_to_f16_bits(np.int64(tmpu[0]))
+    hz = f32_bits_to_f16_bits(np.int64(tmpu[1]))
+    tmpu[0] = np.uint32(f16_bits_to_f32_bits(hs))
+    tmpu[1] = np.uint32(f16_bits_to_f32_bits(hz))
+    s = tmp[0]
+    z = tmp[1]
+    if s > zero:
+        for i in range(a, b):
+            v = (x[i] - z) / s + half
+            v = v if v > zero else zero
+            v = v if v < qmax else qmax
+            q[i] = np.int32(v)
+    else:
+        for i in range(a, b):
+            q[i] = 0
+    return hs, hz, lo, hi, s, z
+
+
 @numba.njit(parallel=True, **_JIT)
 def _encode_kernel(xf, xb, use_bits, P, G, bits, layer_bytes, full_bytes, out, peak):
     """xf: [L, 2, H, T, D] fp32, or xb: same shape uint16 bf16 bits (use_bits).
@@ -84,7 +117,6 @@ def _encode_kernel(xf, xb, use_bits, P, G, bits, layer_bytes, full_bytes, out, p
     rb = D // per  # packed bytes per row
     qmax = np.float32((1 << bits) - 1)
     zero = np.float32(0.0)
-    half = np.float32(0.5)
     for w in numba.prange(L * 2 * H * pages):
         p = w % pages
         row = (w // pages) % (2 * H)
@@ -100,8 +132,7 @@ def _encode_kernel(xf, xb, use_bits, P, G, bits, layer_bytes, full_bytes, out, p
         buf = np.empty(D, np.float32)
         bu = buf.view(np.uint32)
         q = np.empty(D, np.int32)
-        tmp = np.empty(2, np.float32)  # scalar <-> bits round trips
-        tmpu = tmp.view(np.uint32)
+        tmp = np.empty(2, np.float32)  # scratch for quantize_group's bit round trips
         pk = zero
         for t in range(n):
             if use_bits:
@@ -114,31 +145,12 @@ def _encode_kernel(xf, xb, use_bits, P, G, bits, layer_bytes, full_bytes, out, p
             for g in range(ng):
                 a = g * G
                 b = a + G
-                lo, hi = _group_minmax(buf, a, b)
-                lo = lo + zero  # -0.0 -> +0.0
-                hi = hi + zero
+                hs, hz, lo, hi, _s, _z = quantize_group(buf, a, b, qmax, tmp, q)
                 pk = max(pk, max(-lo, hi))
-                tmp[0] = (hi - lo) / qmax
-                tmp[1] = lo
-                hs = f32_bits_to_f16_bits(np.int64(tmpu[0]))
-                hz = f32_bits_to_f16_bits(np.int64(tmpu[1]))
                 out[scale_at + mo + 2 * g] = np.uint8(hs & 0xFF)
                 out[scale_at + mo + 2 * g + 1] = np.uint8(hs >> 8)
                 out[zero_at + mo + 2 * g] = np.uint8(hz & 0xFF)
                 out[zero_at + mo + 2 * g + 1] = np.uint8(hz >> 8)
-                tmpu[0] = np.uint32(f16_bits_to_f32_bits(hs))
-                tmpu[1] = np.uint32(f16_bits_to_f32_bits(hz))
-                s = tmp[0]
-                z = tmp[1]
-                if s > zero:
-                    for i in range(a, b):
-                        v = (buf[i] - z) / s + half
-                        v = v if v > zero else zero
-                        v = v if v < qmax else qmax
-                        q[i] = np.int32(v)
-                else:
-                    for i in range(a, b):
-                        q[i] = 0
             o = codes_at + t * rb
             if bits == 8:
                 for i in range(D):
