@@ -140,32 +140,35 @@ def _ar1(noise: torch.Tensor, rho: float) -> torch.Tensor:
     noise: [..., tokens, channels] float64. x_0 = e_0; x_t = rho x_{t-1} + sqrt(1-rho^2) e_t.
     Computed in blocks of tokens: inside a block the recursion is a scaled cumsum, so the
     Python loop runs tokens/block times instead of tokens times. The block is short enough
-    that rho^-block stays below 1e6 (float64 cumsum keeps full accuracy).
+    that rho^-block stays below 1e6 (float64 cumsum keeps full accuracy). Tokens are moved
+    to the last (contiguous) dim for the scan: the same sums in the same order, several times
+    faster than torch's cumsum over a strided dim.
     """
     if rho == 0.0:
         return noise
     tokens = noise.shape[-2]
     block = max(1, min(256, int(6.0 * math.log(10.0) / -math.log(rho))))
     gain = math.sqrt(1.0 - rho * rho)
-    out = torch.empty_like(noise)
+    by_token = noise.transpose(-1, -2).contiguous()  # [..., channels, tokens]
+    out = torch.empty_like(by_token)
     prev = None  # [..., channels] state after the previous block
     for t0 in range(0, tokens, block):
-        e = noise[..., t0 : t0 + block, :]
-        n = e.shape[-2]
+        e = by_token[..., t0 : t0 + block]
+        n = e.shape[-1]
         j = torch.arange(n, dtype=noise.dtype)
         up = rho ** (-j)  # [n]
         down = rho**j  # [n]
         drive = e * gain
         if prev is None:
             drive = drive.clone()
-            drive[..., 0, :] = e[..., 0, :]  # stationary start: x_0 has unit variance
-            x = down[:, None] * torch.cumsum(drive * up[:, None], dim=-2)
+            drive[..., 0] = e[..., 0]  # stationary start: x_0 has unit variance
+            x = down * torch.cumsum(drive * up, dim=-1)
         else:
-            x = down[:, None] * torch.cumsum(drive * up[:, None], dim=-2)
-            x = x + (rho * down)[:, None] * prev[..., None, :]
-        out[..., t0 : t0 + n, :] = x
-        prev = x[..., -1, :]
-    return out
+            x = down * torch.cumsum(drive * up, dim=-1)
+            x = x + (rho * down) * prev[..., None]
+        out[..., t0 : t0 + n] = x
+        prev = x[..., -1]
+    return out.transpose(-1, -2)
 
 
 def _rope(x: torch.Tensor, base: float) -> torch.Tensor:

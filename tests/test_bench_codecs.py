@@ -53,6 +53,12 @@ def test_report_rows_are_consistent(tmp_path, capsys):
     bf16, cachegen = rows
     assert bf16["size_exact"] and bf16["size_estimate_error"] == 0.0
     assert not cachegen["size_exact"]
+    # cachegen's estimate is calibrated on a sample of the bench's own KV, and both the
+    # calibrated and the shipped-file errors are reported, each with its source
+    assert "bench KV sample" in cachegen["size_estimate_note"]
+    assert "error unknown" in cachegen["size_estimate_uncalibrated_note"]
+    assert abs(cachegen["size_estimate_error"]) < 0.10
+    assert "size est err" in out and "uncalibrated" in out
     assert bf16["vnmse"] == 0.0 and bf16["rel_mse"] == 0.0  # bf16 source, bf16 codec
     assert 0 < cachegen["vnmse"] < 1 and 0 < cachegen["rel_mse"] < 1
     assert doc["config"]["shape"]["tokens"] == 40

@@ -9,10 +9,10 @@ from kvsim.kernels import CodecError, Encoded, codec_for, make_codec
 from kvsim.kernels.cachegen import (
     CacheGenCodec,
     dequantize_rows,
-    load_ratios,
     measure_ratios,
     quantize_rows,
 )
+from kvsim.kernels.cachegen_size import CacheGenSizeModel, SizeModelError
 from kvsim.layout import KVShape
 from kvsim.synthetic import generate_kv
 
@@ -20,6 +20,9 @@ from kvsim.synthetic import generate_kv
 # size on synthetic KV drawn like the KV the ratio file was measured on.
 TOTAL_TOLERANCE = 0.05
 CHUNK_TOLERANCE = 0.15
+# ... and, calibrated on a sample of the KV at hand, within the issue's 10% on any KV (it is
+# within 0.5% on these; the held-out error it reports must bound the real error loosely)
+CALIBRATED_TOLERANCE = 0.10
 
 
 def _kv(layers=4, heads=2, tokens=300, dim=64, dtype="bfloat16", seed=11):
@@ -90,23 +93,22 @@ def test_deterministic_bytes():
     assert codec.encode(kv).to_bytes() == codec.encode(kv.clone()).to_bytes()
 
 
-def test_size_estimate_within_tolerance_of_real_size(tmp_path, monkeypatch):
-    """The estimate is as good as the KV its ratio file was measured on is representative:
+def test_size_estimate_within_tolerance_of_real_size(tmp_path):
+    """The file estimate is as good as the KV its rate file was measured on is representative:
     measure on one synthetic draw, check on another (the committed file is measured on the
     real SmolLM2 capture, whose statistics synthetic defaults do not claim to match)."""
     import kvsim.kernels.cachegen as cachegen
 
     path = cachegen.write_ratio_file(_kv(layers=4, heads=2, tokens=512, dim=128, seed=5),
                                      {"kind": "synthetic", "seed": 5}, tmp_path / "ratio.json")
-    real_loader = cachegen.load_ratios
-    monkeypatch.setattr(cachegen, "load_ratios", lambda p=path: real_loader(p))
-    codec = make_codec("cachegen", {})
+    codec = make_codec("cachegen", {}).use_size_model(CacheGenSizeModel.load(path))
     assert CacheGenCodec.exact_sizes is False
     kv = _kv(layers=4, heads=2, tokens=700, dim=128, seed=123)
     shape = KVShape.of(kv)
     enc = codec.encode(kv)
     table = codec.size_table(shape)
     assert table.exact is False
+    assert str(path) in table.note and "error unknown" in table.note
     real = enc.chunk_bytes()
     est = table.chunk_bytes
     assert real.shape == est.shape
@@ -114,17 +116,82 @@ def test_size_estimate_within_tolerance_of_real_size(tmp_path, monkeypatch):
     assert (np.abs(est / real - 1) < CHUNK_TOLERANCE).all()
 
 
+@pytest.mark.parametrize("kind", ["heavy-tailed", "gaussian", "constant"])
+def test_calibrated_estimate_within_10pct_on_heavy_gaussian_constant(kind):
+    """The shipped rates are 1.3x off on heavy-tailed and 45x on constant KV; a sample encode
+    of the KV at hand (16 of 48 chunks) estimates every one within 10% (and the held-out
+    error it states is of the same order as the real one)."""
+    from kvsim.bench.cachegen_estimate import kv_kinds
+
+    kv = kv_kinds(KVShape(6, 2, 2048, 64))[kind].to(torch.bfloat16)
+    shape = KVShape.of(kv)
+    codec = make_codec("cachegen", {})
+    real = codec.encode(kv).total_bytes
+    file_estimate = codec.size_table(shape).total_bytes
+    model = codec.calibrate(lambda layer: kv[layer], shape, {"kind": "test", "name": kind})
+    assert model.sampled_chunks == 16 and model.source["name"] == kind
+    table = codec.size_table(shape)
+    error = table.total_bytes / real - 1
+    assert abs(error) < CALIBRATED_TOLERANCE, (kind, error)
+    assert model.expected_error is not None and model.expected_error < CALIBRATED_TOLERANCE
+    assert abs(error) <= max(3 * model.expected_error, 0.01)
+    assert "held-out error" in table.note and kind in table.note
+    if kind == "constant":  # what the issue reproduced: the file's rates are far off here
+        assert file_estimate / real > 10
+
+
+def test_calibration_extrapolates_to_longer_contexts():
+    """The simulator calibrates on a short sample and sizes a long context: rates are per
+    symbol, so an estimate from 1024 tokens holds at 4096 tokens of the same KV."""
+    kv = _kv(layers=4, heads=2, tokens=4096, dim=64, seed=9)
+    codec = make_codec("cachegen", {})
+    short = kv[:, :, :, :1024].contiguous()
+    codec.calibrate(lambda layer: short[layer], KVShape.of(short), {"kind": "test"})
+    error = codec.size_table(KVShape.of(kv)).total_bytes / codec.encode(kv).total_bytes - 1
+    assert abs(error) < CALIBRATED_TOLERANCE
+
+
+def test_calibrate_checks_its_input():
+    codec = make_codec("cachegen", {})
+    kv = _kv(layers=2, heads=1, tokens=64, dim=32)
+    with pytest.raises(ValueError, match="max_chunks"):
+        codec.calibrate(lambda layer: kv[layer], KVShape.of(kv), {}, max_chunks=1)
+    with pytest.raises(ValueError, match="expected"):
+        codec.calibrate(lambda layer: kv[layer][:, :, :10], KVShape.of(kv), {})
+    bad = kv.clone().float()
+    bad[0, 0, 0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN|finite"):
+        codec.calibrate(lambda layer: bad[layer], KVShape.of(bad), {})
+    # bits the model never saw are a clear error, not a silent zero
+    model = codec.calibrate(lambda layer: kv[layer], KVShape.of(kv), {"kind": "test"})
+    other = make_codec("cachegen", {"k_bits": [6, 3], "v_bits": [6, 3]}).use_size_model(model)
+    with pytest.raises(CodecError, match="no rate"):
+        other.size_table(KVShape.of(kv))
+
+
+def test_size_model_file_errors(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(SizeModelError, match="cannot read"):
+        CacheGenSizeModel.load(bad)
+    bad.write_text('{"ratios": {"K": {"delta": {"4": {"bits_per_symbol": -1, '
+                   '"table_symbols": 3}}}}}')
+    with pytest.raises(SizeModelError, match="malformed"):
+        CacheGenSizeModel.load(bad)
+
+
 def test_ratio_file_has_provenance_and_measure_matches_format():
-    doc = load_ratios()
-    assert doc["provenance"]["source"]["kind"] in ("synthetic", "capture")
+    doc = CacheGenSizeModel.load()
+    assert doc.extra["provenance"]["source"]["kind"] in ("synthetic", "capture")
     kv = _kv(layers=1, heads=1, tokens=64, dim=32)
-    stats = measure_ratios(kv, page_tokens=32, group_tokens=10)
+    model = measure_ratios(kv, page_tokens=32, group_tokens=10)
     for tensor in ("K", "V"):
         for kind in ("anchor", "delta"):
-            assert set(stats[tensor][kind]) == {str(b) for b in range(2, 9)}
-            bps = [stats[tensor][kind][str(b)]["bits_per_symbol"] for b in range(2, 9)]
-            assert all(0 <= v <= b + 0.5 for v, b in zip(bps, range(2, 9), strict=True))
-            assert set(doc["ratios"][tensor][kind]) == set(stats[tensor][kind])
+            measured = {b for (t, k, b) in model.rates if (t, k) == (tensor, kind)}
+            assert measured == set(range(2, 9))
+            for b in range(2, 9):
+                assert 0 <= model.rate(tensor, kind, b).bits_per_symbol <= b + 0.5
+                doc.rate(tensor, kind, b)  # the shipped file has every rate
 
 
 def test_corrupt_payload_and_bad_params_rejected():
@@ -160,11 +227,12 @@ def test_remeasure_cli_on_a_capture(tmp_path):
     path = Capture(kv, None, {"model": "test"}).save(tmp_path / "cap.pt")
     out = tmp_path / "ratio.json"
     assert main(["--capture", str(path), "--out", str(out)]) == 0
-    doc = load_ratios(out)
-    assert doc["provenance"]["source"]["kind"] == "capture"
-    assert doc["provenance"]["source"]["path"] == str(path)
-    assert doc["provenance"]["shape"]["tokens"] == 48
-    assert doc["ratios"]["V"]["delta"]["4"]["bits_per_symbol"] > 0
+    model = CacheGenSizeModel.load(out)
+    prov = model.extra["provenance"]
+    assert prov["source"]["kind"] == "capture"
+    assert prov["source"]["path"] == str(path)
+    assert prov["shape"]["tokens"] == 48
+    assert model.rate("V", "delta", 4).bits_per_symbol > 0
 
 
 @pytest.mark.parametrize("words", [-10, -3, -2, -1, 1, 2, 10])
@@ -212,3 +280,12 @@ def test_table_beyond_code_range_and_nan_scale_rejected():
     enc.streams[0][0].payload = buf
     with pytest.raises(CodecError, match="scales hold NaN or Inf"):
         codec.decode(enc)
+
+
+def test_estimate_bench_prints_every_kind(capsys):
+    from kvsim.bench.cachegen_estimate import main
+
+    assert main(["--shape", "2,1,512,32", "--chunks", "4"]) == 0
+    out = capsys.readouterr().out
+    for kind in ("gaussian", "heavy-tailed", "constant", "synthetic"):
+        assert kind in out

@@ -18,7 +18,8 @@ from kvsim.kernels import CodecError, Encoded, codec_names, make_codec
 from kvsim.kernels.wire import CHUNK_HEADER_BYTES, WireError
 from kvsim.layout import KVShape
 
-NAMES = codec_names()
+# the codecs kvsim ships (test modules register size-only "test-*" codecs of their own)
+NAMES = [n for n in codec_names() if not n.startswith("test-")]
 # (layers, kv_heads, tokens, head_dim): multi-page irregular, tiny, a single token
 SHAPES = [(2, 2, 300, 32), (1, 2, 5, 16), (1, 1, 1, 32)]
 

@@ -383,3 +383,32 @@ def test_priority_server_matches_a_job_by_job_simulation():
         got = priority_server(arr, work)
         for g, r in zip(got, ref, strict=True):
             np.testing.assert_allclose(g, r, rtol=1e-12)
+
+
+def test_size_calibration_names_its_source_and_changes_estimated_bytes(tmp_path):
+    """Exact codecs ignore size_calibration; cachegen's bytes come from the shipped file
+    (labelled 'error unknown') or from a sample encode of synthetic KV of the model's shape
+    (labelled with its held-out error), and the row says which."""
+    from kvsim.kernels import make_codec
+    from kvsim.kernels.cachegen_size import CacheGenSizeModel
+    from kvsim.synthetic import generate_kv
+
+    rows = {}
+    for calibration in ("file", "synthetic"):
+        cfg = _cfg(tmp_path, ["int8", "cachegen"], size_calibration=calibration)
+        rows[calibration] = {r["codec"]: r for r in run_all(cfg)[0]}
+    assert rows["file"]["int8"]["size_estimate"] == "exact"
+    assert rows["file"]["int8"]["total_bytes"] == rows["synthetic"]["int8"]["total_bytes"]
+    assert "error unknown" in rows["file"]["cachegen"]["size_estimate"]
+    note = rows["synthetic"]["cachegen"]["size_estimate"]
+    assert "synthetic" in note and "held-out error" in note
+    file_bytes = rows["file"]["cachegen"]["total_bytes"]
+    synthetic_bytes = rows["synthetic"]["cachegen"]["total_bytes"]
+    assert file_bytes != synthetic_bytes
+    # the synthetic estimate is the one that matches synthetic KV of this shape
+    shape = cfg.model.kv_shape(1000)
+    real = make_codec("cachegen", {}).encode(generate_kv(shape)).total_bytes
+    assert abs(synthetic_bytes / real - 1) < 0.05
+    assert CacheGenSizeModel.load().expected_error is None
+    with pytest.raises(ValueError, match="size_calibration"):
+        run_all(_cfg(tmp_path, ["cachegen"], size_calibration="no-such-capture"))

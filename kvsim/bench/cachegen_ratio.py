@@ -1,7 +1,9 @@
 """Re-measure CacheGen's coded bits per symbol (the data behind its size estimate) on a real
 capture or on synthetic KV, and write data/cachegen_ratio.json with its provenance:
 
-    python -m kvsim.bench.cachegen_ratio --capture smollm2-135m-ctx1024
+    python -m kvsim.bench.cachegen_ratio --capture smollm2-135m-ctx1024 --out PATH
+
+(the shipped file, data/cachegen_ratio.json, changes only when --out names it).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvsim.bench.cachegen_ratio",
                                      description="Measure CacheGen's coded bits per symbol.")
     parser.add_argument("--capture", help="capture name or path (default: synthetic KV)")
-    parser.add_argument("--out", default=str(RATIO_FILE))
+    parser.add_argument("--out", required=True,
+                        help=f"where to write (the shipped file is {RATIO_FILE}; name it "
+                             "explicitly to replace it)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shape", default="8,4,2048,128",
                    help="layers,kv_heads,tokens,head_dim of the synthetic KV")

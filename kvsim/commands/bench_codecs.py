@@ -125,6 +125,12 @@ def run(cfg: Config) -> list[dict]:
           f"torch clone {min(r['copy_gbps'] for r in rows):.2f}.."
           f"{max(r['copy_gbps'] for r in rows):.2f} GB/s (bf16-equivalent, timed per codec)")
     print(format_table(rows, COLUMNS))
+    for r in rows:
+        if not r["size_exact"]:
+            print(f"{r['codec']}: size est err {r['size_estimate_error']:+.4f} with the size model "
+                  f"calibrated on this KV ({r['size_estimate_note']}); "
+                  f"{r['size_estimate_uncalibrated_error']:+.3f} uncalibrated "
+                  f"({r['size_estimate_uncalibrated_note']})")
     if cfg.write_timing:
         command = (f"kvsim bench codecs (kv_source={source.description['kind']}, shape "
                    f"{shape.to_dict()}, median of {cfg.repeats}, device {device})")

@@ -63,6 +63,10 @@ def print_table(cfg: SimConfig, rows: list[dict]) -> None:
           f", -pe: from prefill end; breakdown of TT{cfg.metrics.breakdown_k}T from prefill "
           "end; GB = wire bytes per request")
     print(format_table(table_rows(rows), cols))
+    for note in sorted({(r["codec"], r["size_estimate"]) for r in rows
+                        if r.get("size_estimate", "exact") != "exact"}):
+        print(f"{note[0]}: bytes are an {note[1]}; size_calibration=synthetic or =CAPTURE "
+              "measures them on other KV")
 
 
 def run(cfg: SimConfig) -> list[dict]:

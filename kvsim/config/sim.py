@@ -170,6 +170,10 @@ class SimConfig:
     # (anchor first) | per_stream: every stream its own deserializer (runs in parallel)
     deserializer: str = "shared"
     codec_timing: str = ""  # path of a codec timing file (default data/codec_timing/<hw>.json)
+    # what estimated-size codecs (cachegen) measure their coded bytes on: file (the shipped
+    # data/cachegen_ratio.json, SmolLM2 capture; error on other KV unknown) | synthetic (a
+    # sample encode of synthetic KV of the model's shape) | a capture name or path
+    size_calibration: str = "file"
     seed: int = 0
     samples: int = 1  # independent runs (seeds seed..seed+samples-1) averaged per row
     trace_path: str = ""  # write a Chrome-trace JSON event log of the runs here
@@ -196,3 +200,6 @@ class SimConfig:
             raise ValueError(f"samples must be an integer >= 1, got {self.samples!r}")
         if not self.codecs:
             raise ValueError("codecs must list at least one codec")
+        from kvsim.sim.size_calibration import check_size_calibration
+
+        check_size_calibration(self.size_calibration)

@@ -28,27 +28,36 @@ Chunk payload (little-endian), n = tokens in the page, H = kv heads:
            segment symbols are codes [H, tokens of that kind in the page, head_dim] in C order.
 
 Sizes are data dependent, so `exact_sizes = False`: payload_bytes(shape) is an estimate that
-counts scales and table headers exactly and the coded bits with bits-per-symbol measured on KV
-(data/cachegen_ratio.json, which names the KV it was measured on). Re-measure on a capture:
-    python -m kvsim.bench.cachegen_ratio --capture NAME [--out data/cachegen_ratio.json]
+counts scales and table headers exactly and the coded bits with bits-per-symbol measured by
+coding KV (kvsim.kernels.cachegen_size): `calibrate` measures them on a sample of the KV at
+hand and states the held-out error; without it, data/cachegen_ratio.json (measured on a
+SmolLM2 capture; its error on other KV is unknown). Re-measure that file on a capture:
+    python -m kvsim.bench.cachegen_ratio --capture NAME --out data/cachegen_ratio.json
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import constriction
 import numpy as np
 import torch
 
+from kvsim.kernels.cachegen_size import (
+    RATIO_FILE,
+    CacheGenSizeModel,
+    SegmentTally,
+    SizeModelError,
+    chunk_bytes_estimate,
+)
 from kvsim.kernels.codec import Codec, CodecError, finite_bits, register
 from kvsim.kernels.encoded import Chunk, Encoded
-from kvsim.layout import KVShape
-from kvsim.paths import DATA_DIR
+from kvsim.layout import KVShape, check_finite
 
-RATIO_FILE = DATA_DIR / "cachegen_ratio.json"
 SEGMENTS = (("K", "anchor"), ("K", "delta"), ("V", "anchor"), ("V", "delta"))
 MIN_BITS, MAX_BITS = 2, 8
 MAX_FREQ = 65535  # frequencies are stored as u16
@@ -207,33 +216,106 @@ class CacheGenCodec(Codec):
         return self.params.k_bits[b], self.params.v_bits[b]
 
     # ---- size model -------------------------------------------------------------------------
+    @property
+    def size_model(self) -> CacheGenSizeModel:
+        """The rates payload_bytes uses: set by `calibrate`, else the measured file
+        (data/cachegen_ratio.json, loaded on first use)."""
+        if getattr(self, "_size_model", None) is None:
+            try:
+                self._size_model = CacheGenSizeModel.load(RATIO_FILE)
+            except SizeModelError as exc:
+                raise CodecError(str(exc)) from exc
+        return self._size_model
+
+    def use_size_model(self, model: CacheGenSizeModel) -> CacheGenCodec:
+        """Estimate sizes with `model` from now on (returns self)."""
+        self._size_model = model
+        return self
+
+    def size_note(self) -> str:
+        return self.size_model.describe()
+
     def payload_bytes(self, shape: KVShape) -> np.ndarray:
         """Estimated payload bytes [1, layers, pages]: scales and table headers exact; table
-        lengths and coded bits from the measured ratio file (see module docstring)."""
-        ratios = load_ratios()
+        lengths and coded bits from `size_model` (see kvsim.kernels.cachegen_size)."""
+        model = self.size_model
         p = self.params
         pages = self.num_pages(shape)
         n = np.full(pages, p.page_tokens, dtype=np.int64)  # tokens per page
         n[-1] = shape.tokens - p.page_tokens * (pages - 1)
         n_anchor = -(-n // p.group_tokens)
-        n_delta = n - n_anchor
-        row = shape.kv_heads * shape.head_dim  # symbols per token of K (or V)
         out = np.empty((1, shape.layers, pages), dtype=np.int64)
         for layer in range(shape.layers):
-            kb, vb = self.layer_bits(layer, shape.layers)
-            coded_bits = np.zeros(pages, dtype=np.float64)
-            tables = np.zeros(pages, dtype=np.float64)
-            for (tensor, kind), count in zip(SEGMENTS, (n_anchor, n_delta, n_anchor, n_delta),
-                                             strict=True):
-                bits = p.anchor_bits if kind == "anchor" else (kb if tensor == "K" else vb)
-                entry = ratio_entry(ratios, tensor, kind, bits)
-                coded_bits += count * row * entry["bits_per_symbol"]
-                tables += np.where(count > 0, _table_size_bytes(0) + 2 * entry["table_symbols"],
-                                   _table_size_bytes(0))
-            scales = 2 * 2 * shape.kv_heads * n
-            words = np.ceil(coded_bits / 32.0) * 4
-            out[0, layer] = scales + np.round(tables).astype(np.int64) + words.astype(np.int64)
+            bits = (p.anchor_bits, *self.layer_bits(layer, shape.layers))
+            try:
+                out[0, layer] = chunk_bytes_estimate(model, n, n_anchor, shape.kv_heads,
+                                                     shape.head_dim, bits)
+            except SizeModelError as exc:
+                raise CodecError(str(exc)) from exc
         return out
+
+    def calibrate(self, layer_kv: Callable[[int], torch.Tensor], shape: KVShape,
+                  source: dict[str, Any], max_chunks: int = 16) -> CacheGenSizeModel:
+        """Measure the size model on the KV being simulated and use it from now on.
+
+        layer_kv(l) -> layer l's KV [2, kv_heads, tokens, head_dim] of `shape` (only the
+        sampled layers are asked for). Encodes up to `max_chunks` (layer, page) chunks spread
+        evenly over layers and pages, each for real (its coded size) and segment by segment
+        (the rates). `expected_error` is the held-out error: the chunks split in two
+        alternating halves, each half's total size estimated from the other half's rates
+        (worst of the two, relative to the real bytes)."""
+        if max_chunks < 2:
+            raise ValueError(f"max_chunks must be >= 2 (one to fit, one to check), got "
+                             f"{max_chunks}")
+        self.check_shape(shape)
+        p = self.params
+        pages = self._page_ranges(shape)
+        picks = _spread_chunks(shape.layers, len(pages), max_chunks)
+        by_layer: dict[int, list[int]] = {}
+        for layer, page in picks:
+            by_layer.setdefault(layer, []).append(page)
+        halves = ({}, {})  # two tallies, chunks alternating between them
+        real = [0, 0]  # real payload bytes of each half
+        chunk_meta: list[list[tuple[int, int, tuple[int, int, int]]]] = [[], []]
+        i = 0
+        for layer, layer_pages in sorted(by_layer.items()):
+            x = layer_kv(layer)
+            if tuple(x.shape) != tuple(shape.dims[1:]):
+                raise ValueError(f"layer_kv({layer}) has shape {tuple(x.shape)}, expected "
+                                 f"{tuple(shape.dims[1:])}")
+            check_finite(x)
+            codes = self.quantize_layer(x.cpu(), layer, shape.layers)
+            bits = (p.anchor_bits, *self.layer_bits(layer, shape.layers))
+            for page in layer_pages:
+                t0, t1, a_range, d_range = pages[page]
+                segs = self._chunk_segments(codes, bits, a_range, d_range)
+                half = i % 2
+                real[half] += _coded_chunk_bytes(segs, shape.kv_heads, t1 - t0)
+                _tally_segments(halves[half], segs, bits)
+                chunk_meta[half].append((t1 - t0, a_range[1] - a_range[0], bits))
+                i += 1
+        errors = []
+        for fit, check in ((0, 1), (1, 0)):
+            fitted = CacheGenSizeModel.from_tallies(halves[fit], source, None, 0)
+            try:
+                estimate = sum(int(chunk_bytes_estimate(
+                    fitted, np.array([n]), np.array([na]), shape.kv_heads, shape.head_dim,
+                    bits)[0]) for n, na, bits in chunk_meta[check])
+            except SizeModelError:
+                continue  # a segment kind only one half saw (a single band per half)
+            errors.append(abs(estimate - real[check]) / max(real[check], 1))
+        merged: dict[tuple[str, str, int], SegmentTally] = {}
+        for tallies in halves:
+            for key, t in tallies.items():
+                acc = merged.setdefault(key, SegmentTally())
+                acc.symbols += t.symbols
+                acc.coded_bits += t.coded_bits
+                acc.table_symbols += t.table_symbols
+                acc.segments += t.segments
+        model = CacheGenSizeModel.from_tallies(merged, source, max(errors) if errors else None,
+                                               len(picks))
+        self.use_size_model(model)
+        return model
 
     # ---- encode -------------------------------------------------------------------------------
     def quantize_layer(self, x: torch.Tensor, layer: int, layers: int) -> _LayerCodes:
@@ -416,77 +498,83 @@ class CacheGenCodec(Codec):
                              "or corrupt)")
 
 
-# ---- measured ratios (the size model's data) ----------------------------------------------------
-def load_ratios(path: str | Path = RATIO_FILE) -> dict:
-    path = Path(path)
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CodecError(f"cachegen: cannot read the measured ratio file {path} ({exc}); "
-                         "re-create it with `python -m kvsim.bench.cachegen_ratio`") from exc
-    if "ratios" not in doc:
-        raise CodecError(f"cachegen: {path} has no `ratios` section")
-    return doc
+# ---- measuring the size model ------------------------------------------------------------------
+def _spread_chunks(layers: int, pages: int, max_chunks: int) -> list[tuple[int, int]]:
+    """Up to max_chunks (layer, page) pairs: layers evenly spaced over the depth (at most
+    max_chunks / 2 of them, so a caller generating KV layer by layer makes few layers), the
+    chunks shared out evenly between them, and in each layer pages spread over the context
+    with an offset that moves from layer to layer (early, middle and late positions, sink
+    tokens included)."""
+    n_layers = min(layers, max(1, max_chunks // 2))
+    layer_ids = np.unique(np.linspace(0, layers - 1, n_layers).round().astype(np.int64))
+    n = len(layer_ids)
+    picks = []
+    for i, layer in enumerate(layer_ids):
+        count = min(pages, (max_chunks * (i + 1)) // n - (max_chunks * i) // n)
+        offset = (i * pages) // n
+        picks += [(int(layer), int((offset + j * pages // count) % pages))
+                  for j in range(count)]
+    return sorted(set(picks))
 
 
-def ratio_entry(doc: dict, tensor: str, kind: str, bits: int) -> dict:
-    try:
-        return doc["ratios"][tensor][kind][str(bits)]
-    except KeyError:
-        raise CodecError(f"cachegen: no measured ratio for {tensor} {kind} at {bits} bits in "
-                         "the ratio file; re-measure with "
-                         "`python -m kvsim.bench.cachegen_ratio`") from None
+def _coded_chunk_bytes(segs: list[np.ndarray], heads: int, n_tokens: int) -> int:
+    """Real payload bytes of one chunk from its 4 segments' symbols (as `_encode` codes it)."""
+    encoder = constriction.stream.queue.RangeEncoder()
+    tables = sum(len(_encode_segment(encoder, s)) for s in segs)
+    return 2 * 2 * heads * n_tokens + tables + 4 * int(encoder.get_compressed().size)
+
+
+def _tally_segments(tallies: dict[tuple[str, str, int], SegmentTally], segs: list[np.ndarray],
+                    bits: tuple[int, int, int], kinds: tuple[str, ...] = ("anchor", "delta")
+                    ) -> None:
+    """Code each non-empty segment on its own and add its coded bits and table length to the
+    tally of its (tensor, kind, bits)."""
+    anchor_bits, kb, vb = bits
+    for (tensor, kind), symbols, seg_bits in zip(SEGMENTS, segs, (anchor_bits, kb, anchor_bits,
+                                                                   vb), strict=True):
+        if symbols.size == 0 or kind not in kinds:
+            continue
+        encoder = constriction.stream.queue.RangeEncoder()
+        table = _encode_segment(encoder, symbols)
+        tallies.setdefault((tensor, kind, seg_bits), SegmentTally()).add(
+            int(symbols.size), float(encoder.num_bits()), (len(table) - 4) // 2)
 
 
 def measure_ratios(kv: torch.Tensor, page_tokens: int = 256, group_tokens: int = 10,
-                   anchor_bits: int = 8) -> dict:
-    """Coded bits per symbol and mean table length for every (K/V, anchor/delta, bits),
-    measured by entropy coding each segment of each chunk of `kv` on its own.
-    Delta segments are measured with anchors at `anchor_bits` (the default setting)."""
+                   anchor_bits: int = 8) -> CacheGenSizeModel:
+    """Rates of every (K/V, anchor/delta, bits 2..8), measured by coding every chunk of `kv`
+    (the file `python -m kvsim.bench.cachegen_ratio` writes). Delta segments are measured
+    with anchors at `anchor_bits` (the default setting)."""
     shape = KVShape.of(kv)
-    stats: dict = {t: {"anchor": {}, "delta": {}} for t in ("K", "V")}
+    tallies: dict[tuple[str, str, int], SegmentTally] = {}
     for bits in range(MIN_BITS, MAX_BITS + 1):
         for kind in ("anchor", "delta"):
             codec = CacheGenCodec(page_tokens=page_tokens, group_tokens=group_tokens,
                                   anchor_bits=bits if kind == "anchor" else anchor_bits,
                                   band_edges=[], k_bits=[bits], v_bits=[bits])
-            totals = {t: [0, 0.0, 0, 0] for t in ("K", "V")}  # symbols, bits, nsym, segments
+            seg_bits = (codec.params.anchor_bits, bits, bits)
             for layer in range(shape.layers):
                 codes = codec.quantize_layer(kv[layer].cpu(), layer, shape.layers)
-                seg_bits = (codec.params.anchor_bits, bits, bits)
                 for _, _, a_range, d_range in codec._page_ranges(shape):
-                    segs = codec._chunk_segments(codes, seg_bits, a_range, d_range)
-                    for (tensor, seg_kind), symbols in zip(SEGMENTS, segs, strict=True):
-                        if seg_kind != kind or symbols.size == 0:
-                            continue
-                        encoder = constriction.stream.queue.RangeEncoder()
-                        table = _encode_segment(encoder, symbols)
-                        acc = totals[tensor]
-                        acc[0] += symbols.size
-                        acc[1] += encoder.num_bits()
-                        acc[2] += (len(table) - 4) // 2
-                        acc[3] += 1
-            for tensor, (symbols, coded, nsym, segments) in totals.items():
-                if symbols:
-                    stats[tensor][kind][str(bits)] = {
-                        "bits_per_symbol": coded / symbols,
-                        "table_symbols": nsym / segments,
-                    }
-    return stats
+                    _tally_segments(tallies, codec._chunk_segments(codes, seg_bits, a_range,
+                                                                   d_range), seg_bits, (kind,))
+    return CacheGenSizeModel.from_tallies(tallies, {"kind": "measured"}, None, 0)
 
 
 def write_ratio_file(kv: torch.Tensor, source: dict, path: str | Path = RATIO_FILE,
                      page_tokens: int = 256, group_tokens: int = 10) -> Path:
-    """Measure on `kv` and write the ratio file; `source` says which KV it was (provenance)."""
+    """Measure on `kv` and write the rate file; `source` says which KV it was (provenance)."""
+    model = measure_ratios(kv, page_tokens, group_tokens)
     doc = {
         "description": "CacheGen size model: entropy-coded bits per quantized symbol and mean "
                        "frequency-table length, per tensor (K/V), segment kind (anchor/delta) "
-                       "and bits; used by CacheGenCodec.payload_bytes",
+                       "and bits; used by CacheGenCodec.payload_bytes unless the codec is "
+                       "calibrated on the KV at hand (CacheGenCodec.calibrate)",
         "provenance": {"source": source, "shape": KVShape.of(kv).to_dict(),
                        "page_tokens": page_tokens, "group_tokens": group_tokens,
                        "anchor_bits_for_delta": 8,
                        "measured_with": "kvsim.kernels.cachegen.measure_ratios"},
-        "ratios": measure_ratios(kv, page_tokens, group_tokens),
+        "ratios": model.to_dict()["ratios"],
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -105,7 +105,21 @@ class Codec(ABC):
                              self.stream_names())
         return SizeTable(self.stream_names(), self.page_tokens(shape),
                          wire.preamble_size_bytes(meta), chunk, exact=self.exact_sizes,
-                         note="" if self.exact_sizes else "estimate: entropy-coded size")
+                         note=self.size_note())
+
+    def calibrate(self, layer_kv: Any, shape: KVShape, source: dict[str, Any],
+                  max_chunks: int = 16) -> Any:
+        """Codecs whose sizes are estimates (exact_sizes False) measure their size model on a
+        sample of the KV at hand (layer_kv(l) -> layer l [2, kv_heads, tokens, head_dim]) and
+        return it; exact codecs have nothing to measure."""
+        if not self.exact_sizes:
+            raise NotImplementedError(f"{self.name} estimates its sizes but cannot calibrate")
+        return None
+
+    def size_note(self) -> str:
+        """How payload_bytes knows the sizes: '' when exact, else where the estimate's data
+        came from and its expected error."""
+        return "" if self.exact_sizes else "estimate"
 
     # ---- encode / decode ------------------------------------------------------------
     def encode(self, kv: torch.Tensor) -> Encoded:

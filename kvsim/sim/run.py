@@ -27,6 +27,7 @@ from kvsim.sim.link import Link
 from kvsim.sim.metrics import BREAKDOWN_KEYS, RequestRecord, percentiles, request_row
 from kvsim.sim.nodes import DecodeNode, Deserializer, PrefillNode, Receiver
 from kvsim.sim.policy import POLICIES, TransferPlan, build_plan, natural_policy, release_times
+from kvsim.sim.size_calibration import calibrate_sizes
 from kvsim.sim.speculative import plain_decode, speculative_decode
 from kvsim.sim.trace import TraceLog
 from kvsim.sim.workload import Request, requests
@@ -85,6 +86,7 @@ class Scenario:
         self.context_tokens, self.bandwidth_gbps = int(context_tokens), float(bandwidth_gbps)
         self.codec = variant.spec.build()
         self.model, self.hw = cfg.model, cfg.hardware
+        calibrate_sizes(self.codec, cfg.size_calibration, cfg.model.kv_shape(context_tokens))
         self.timing = TimingModel(cfg.model, cfg.hardware)
         table = load_codec_timing(cfg.hardware.name, cfg.codec_timing or None)
         self.codec_timing: CodecTiming = table.lookup(variant.spec.label, variant.spec.name)
@@ -246,6 +248,7 @@ class Scenario:
             "bits_per_element": 8.0 * plan.total_bytes /
             self.model.kv_shape(recs[0].context_tokens).numel,
             "codec_timing_source": self.codec_timing.source,
+            "size_estimate": self.codec.size_note() or "exact",
             "acceptance": self.acceptance.name,
             "link_utilisation": float(np.mean([lk.utilisation(end_t) for lk in self.links])),
             "sim_end_s": end_t, "wall_s": wall_s, "events": self.env.scheduled,
