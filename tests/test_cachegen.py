@@ -3,6 +3,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvsim.config.codecs import resolve_codec
 from kvsim.kernels import CodecError, Encoded, codec_for, make_codec
@@ -289,3 +291,62 @@ def test_estimate_bench_prints_every_kind(capsys):
     out = capsys.readouterr().out
     for kind in ("gaussian", "heavy-tailed", "constant", "synthetic"):
         assert kind in out
+
+
+@st.composite
+def _layers(draw):
+    """One layer [2, H, T, D] of values of very different ranges, and a codec config."""
+    heads, tokens = draw(st.integers(1, 3)), draw(st.integers(1, 70))
+    dim = draw(st.sampled_from([1, 8, 33]))
+    seed = draw(st.integers(0, 2**31))
+    scale = draw(st.sampled_from([0.0, 1e-6, 1.0, 300.0, 60000.0]))
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, heads, tokens, dim, generator=gen) * scale
+    if draw(st.booleans()):
+        x[:, :, ::3] = 0.0  # zero rows (scale 0) between the others
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+    params = {"page_tokens": draw(st.integers(1, 40)), "group_tokens": draw(st.integers(1, 12)),
+              "anchor_bits": draw(st.integers(2, 8)), "band_edges": [0.5],
+              "k_bits": [draw(st.integers(2, 8)), 3], "v_bits": [draw(st.integers(2, 8)), 5]}
+    return x.to(dtype), params
+
+
+@settings(max_examples=150, deadline=None)
+@given(_layers())
+def test_numba_kernels_equal_the_torch_reference(case):
+    """layer_symbols' numba kernel = the torch quantizer (codes and scale bits), and the
+    reconstruction kernel = the torch reconstruction, bit for bit."""
+    from kvsim.kernels import cachegen as cg
+    from kvsim.kernels import cachegen_cpu
+
+    x, params = case
+    codec = make_codec("cachegen", params)
+    is_anchor, rank = cg._token_roles(x.shape[2], params["page_tokens"], params["group_tokens"])
+    qmaxes = codec.qmaxes(0, 2)
+    try:
+        ref_codes = codec.quantize_layer(x, 0, 2)
+    except CodecError as exc:  # a scale beyond fp16 (60000 x randn at 2 bits): both refuse
+        assert "too large for fp16" in str(exc)
+        with pytest.raises(CodecError, match="too large for fp16"):
+            codec.layer_symbols(x, 0, 2)
+        return
+    ref_sym, ref_scales = cg._symbols_from_codes(ref_codes, is_anchor.numpy(), qmaxes)
+    sym, scales = codec.layer_symbols(x, 0, 2)
+    assert np.array_equal(sym, ref_sym)
+    assert np.array_equal(scales, ref_scales)
+    out = np.empty(sym.shape, dtype=np.float32)
+    cachegen_cpu.reconstruct_layer_kernel(sym, scales, is_anchor.numpy(), *qmaxes, out)
+    ref = cg._reconstruct(cg._codes_from_symbols(sym, scales, is_anchor.numpy(), qmaxes),
+                          is_anchor, rank, torch.device("cpu"))
+    assert torch.equal(torch.from_numpy(out), ref)
+    assert torch.equal(ref, cg._reconstruct(ref_codes, is_anchor, rank, torch.device("cpu")))
+
+
+def test_scale_overflow_is_refused_by_kernel_and_reference():
+    """A scale in (65504, 65520) rounds to 65504 and steps up to inf: both paths refuse it."""
+    codec = make_codec("cachegen", {"group_tokens": 1})
+    x = torch.full((2, 1, 2, 4), 65510.0 * 127)
+    with pytest.raises(CodecError, match="too large for fp16"):
+        codec.quantize_layer(x, 0, 1)
+    with pytest.raises(CodecError, match="too large for fp16"):
+        codec.layer_symbols(x, 0, 1)

@@ -12,8 +12,9 @@ Lossy part (token-wise quantization with delta encoding):
   bands get more bits (CacheGen's layer-wise sensitivity; Lynx evaluated a mixed INT8/INT4
   setting, which is the default here: k_bits = v_bits = (8, 4)).
 
-Lossless part: the codes are entropy coded with `constriction`'s range coder under
-categorical models whose frequency tables are measured per chunk and sent with it.
+Lossless part: the codes are entropy coded with kvsim's rANS coder (kvsim.kernels.rans, one
+coder state per chunk) under static models whose frequency tables are measured per chunk
+and sent with it.
 
 Monolithic: one stream ("full"); chunk = layer x page; every chunk decodes on its own.
 
@@ -24,7 +25,8 @@ Chunk payload (little-endian), n = tokens in the page, H = kv heads:
                                                   lo + nsym - 1 = largest used; zero freq =
                                                   unused; nsym = 0: empty segment; nsym = 1:
                                                   every symbol is lo, nothing coded)
-  words    u32 [...] range-coder output for the segments with nsym > 1, in segment order;
+  words    u32 [...] rANS output for the segments with nsym > 1, in segment order (none
+           when no segment is coded);
            segment symbols are codes [H, tokens of that kind in the page, head_dim] in C order.
 
 Sizes are data dependent, so `exact_sizes = False`: payload_bytes(shape) is an estimate that
@@ -37,16 +39,19 @@ SmolLM2 capture; its error on other KV is unknown). Re-measure that file on a ca
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import constriction
 import numpy as np
 import torch
 
+from kvsim.kernels import cachegen_cpu, rans
 from kvsim.kernels.cachegen_size import (
     RATIO_FILE,
     CacheGenSizeModel,
@@ -97,13 +102,14 @@ class CacheGenParams:
 def _fp16_scale_up(scale: torch.Tensor) -> torch.Tensor:
     """fp32 scales >= 0 -> the smallest fp16 values >= them (so |x / scale| <= qmax holds)."""
     s16 = scale.to(torch.float16)
-    if torch.isinf(s16).any():
-        raise CodecError("cachegen: |values| too large for fp16 token scales "
-                         f"(max scale {float(scale.max()):.3g} > 65504)")
     bits = s16.view(torch.int16)
     # the bit pattern of a positive finite fp16 + 1 is the next larger fp16 value
-    bits = bits + (s16.to(torch.float32) < scale).to(torch.int16)
-    return bits.view(torch.float16)
+    bits = bits + ((s16.to(torch.float32) < scale) & ~torch.isinf(s16)).to(torch.int16)
+    up = bits.view(torch.float16)
+    if torch.isinf(up).any():  # checked after the step up: 65504 < scale < 65520 lands here
+        raise CodecError("cachegen: |values| too large for fp16 token scales "
+                         f"(max scale {float(scale.max()):.3g} > 65504)")
+    return up
 
 
 def quantize_rows(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,8 +166,15 @@ def _reconstruct(codes: _LayerCodes, is_anchor: torch.Tensor, rank: torch.Tensor
 
 # ---- entropy coding of one segment ------------------------------------------------------------
 def _frequency_table(symbols: np.ndarray) -> tuple[int, np.ndarray]:
-    """symbols: int32 >= 0 -> (lo, u16 frequencies of symbols lo..hi); every used symbol > 0."""
-    counts = np.bincount(symbols)
+    """symbols: uint8 -> (lo, u16 frequencies of symbols lo..hi); every used symbol > 0."""
+    counts = np.zeros(256, dtype=np.int64)
+    rans.histogram(np.ascontiguousarray(symbols, dtype=np.uint8), counts)
+    return _table_of_counts(counts)
+
+
+def _table_of_counts(counts: np.ndarray) -> tuple[int, np.ndarray]:
+    """A histogram (int64 [256], not all zero) -> (lo, u16 frequencies of lo..hi), counts
+    scaled to fit u16 when the largest exceeds 65535."""
     used = np.nonzero(counts)[0]
     lo, hi = int(used[0]), int(used[-1])
     freq = counts[lo : hi + 1].astype(np.float64)
@@ -172,21 +185,39 @@ def _frequency_table(symbols: np.ndarray) -> tuple[int, np.ndarray]:
     return lo, freq.astype(np.uint16)
 
 
-def _model(freq: np.ndarray) -> constriction.stream.model.Categorical:
-    probs = freq.astype(np.float64)
-    return constriction.stream.model.Categorical(probs / probs.sum(), perfect=False)
-
-
-def _encode_segment(encoder: constriction.stream.queue.RangeEncoder,
-                    symbols: np.ndarray) -> bytes:
-    """Append `symbols` (int32 >= 0) to the encoder; return the segment's table bytes."""
+def _segment_table(symbols: np.ndarray) -> tuple[bytes, np.ndarray | None, tuple | None]:
+    """One segment (int32 symbols >= 0) -> (its table bytes, its symbols relative to lo as
+    uint8 and its quantized rANS table when it is coded (nsym > 1), else None, None)."""
     if symbols.size == 0:
-        return np.array([0, 0], dtype="<u2").tobytes()
+        return np.array([0, 0], dtype="<u2").tobytes(), None, None
     lo, freq = _frequency_table(symbols)
     table = np.concatenate([np.array([lo, freq.size], dtype="<u2"), freq.astype("<u2")])
-    if freq.size > 1:
-        encoder.encode((symbols - lo).astype(np.int32), _model(freq))
-    return table.tobytes()
+    if freq.size <= 1:
+        return table.tobytes(), None, None
+    return table.tobytes(), (symbols - lo).astype(np.uint8), rans.quantize(freq)
+
+
+def _code_chunk(segs: list[np.ndarray]) -> tuple[list[bytes], np.ndarray]:
+    """A chunk's 4 segments -> (4 table byte strings, the rANS words of its coded ones)."""
+    tables, coded, quantized = [], [], []
+    for symbols in segs:
+        table, rel, q = _segment_table(symbols)
+        tables.append(table)
+        if rel is not None:
+            coded.append(rel)
+            quantized.append(q)
+    return tables, rans.encode(coded, quantized)
+
+
+def _coded_bits(symbols: np.ndarray, freq: np.ndarray, lo: int) -> float:
+    """Bits the rANS coder spends on a segment (its quantized probabilities' information;
+    the chunk's 2-word state flush is counted by the size model)."""
+    if freq.size <= 1:
+        return 0.0
+    q, _ = rans.quantize(freq)
+    counts = np.bincount(symbols - lo, minlength=freq.size)
+    used = counts > 0
+    return float(np.sum(counts[used] * (rans.PROB_BITS - np.log2(q[used].astype(np.float64)))))
 
 
 def _table_size_bytes(nsym: int) -> int:
@@ -270,6 +301,7 @@ class CacheGenCodec(Codec):
         self.check_shape(shape)
         p = self.params
         pages = self._page_ranges(shape)
+        is_anchor = _token_roles(shape.tokens, p.page_tokens, p.group_tokens)[0].numpy()
         picks = _spread_chunks(shape.layers, len(pages), max_chunks)
         by_layer: dict[int, list[int]] = {}
         for layer, page in picks:
@@ -284,11 +316,11 @@ class CacheGenCodec(Codec):
                 raise ValueError(f"layer_kv({layer}) has shape {tuple(x.shape)}, expected "
                                  f"{tuple(shape.dims[1:])}")
             check_finite(x)
-            codes = self.quantize_layer(x.cpu(), layer, shape.layers)
+            sym, _ = self.layer_symbols(x, layer, shape.layers)
             bits = (p.anchor_bits, *self.layer_bits(layer, shape.layers))
             for page in layer_pages:
-                t0, t1, a_range, d_range = pages[page]
-                segs = self._chunk_segments(codes, bits, a_range, d_range)
+                t0, t1, a_range, _ = pages[page]
+                segs = _chunk_segments(sym, is_anchor, t0, t1)
                 half = i % 2
                 real[half] += _coded_chunk_bytes(segs, shape.kv_heads, t1 - t0)
                 _tally_segments(halves[half], segs, bits)
@@ -344,16 +376,32 @@ class CacheGenCodec(Codec):
                          kv.device)
             for layer in range(shape.layers)])
 
-    def _chunk_segments(self, codes: _LayerCodes, bits: tuple[int, int, int],
-                        a_range: tuple[int, int], d_range: tuple[int, int]) -> list[np.ndarray]:
-        """Symbols (int32 >= 0, flattened [H, tokens, D]) of the 4 segments of one chunk."""
-        anchor_bits, kb, vb = bits
-        segs = []
-        for t, delta_bits in ((0, kb), (1, vb)):
-            a = codes.anchor_codes[t, :, a_range[0] : a_range[1]] + (2 ** (anchor_bits - 1) - 1)
-            d = codes.delta_codes[t, :, d_range[0] : d_range[1]] + (2 ** (delta_bits - 1) - 1)
-            segs += [a.contiguous().numpy().reshape(-1), d.contiguous().numpy().reshape(-1)]
-        return segs
+    def qmaxes(self, layer: int, layers: int) -> tuple[int, int, int]:
+        """qmax of (anchor, K delta, V delta) codes of one layer: symbol = code + qmax."""
+        kb, vb = self.layer_bits(layer, layers)
+        return tuple(2 ** (b - 1) - 1 for b in (self.params.anchor_bits, kb, vb))
+
+    def layer_symbols(self, x: torch.Tensor, layer: int, layers: int
+                      ) -> tuple[np.ndarray, np.ndarray]:
+        """x: [2, H, T, D] one layer -> (symbols uint8 [2, H, T, D] in token order, fp16
+        scale bits uint16 [2, H, T]): the numba kernel on CPU tensors, the torch reference
+        (quantize_layer) elsewhere; the same values (tests/test_cachegen.py)."""
+        p = self.params
+        qa, qk, qv = self.qmaxes(layer, layers)
+        is_anchor = _token_roles(x.shape[2], p.page_tokens, p.group_tokens)[0]
+        if x.device.type != "cpu":
+            return _symbols_from_codes(self.quantize_layer(x, layer, layers),
+                                       is_anchor.numpy(), (qa, qk, qv))
+        xf = x.to(torch.float32).contiguous().numpy()
+        sym = np.empty(xf.shape, dtype=np.uint8)
+        scales = np.empty(xf.shape[:3], dtype=np.uint16)
+        overflow = np.zeros(2 * xf.shape[1], dtype=np.int64)
+        cachegen_cpu.quantize_layer_kernel(xf, is_anchor.numpy(), qa, qk, qv, sym, scales,
+                                           overflow)
+        if overflow.any():
+            raise CodecError("cachegen: |values| too large for fp16 token scales "
+                             f"(max |x| {float(x.abs().max()):.3g} / qmax > 65504)")
+        return sym, scales
 
     def _page_ranges(self, shape: KVShape) -> list[tuple[int, int, tuple[int, int],
                                                          tuple[int, int]]]:
@@ -371,27 +419,22 @@ class CacheGenCodec(Codec):
 
     def _encode(self, kv: torch.Tensor, shape: KVShape) -> list[list[Chunk]]:
         p = self.params
-        is_anchor, _ = _token_roles(shape.tokens, p.page_tokens, p.group_tokens)
-        pages = self._page_ranges(shape)
+        is_anchor = _token_roles(shape.tokens, p.page_tokens, p.group_tokens)[0].numpy()
         chunks = []
+        pages = self._page_ranges(shape)
         for layer in range(shape.layers):
-            codes = self.quantize_layer(kv[layer], layer, shape.layers)
-            codes = _LayerCodes(*(c.cpu() for c in (codes.anchor_codes, codes.anchor_scales,
-                                                    codes.delta_codes, codes.delta_scales)))
-            # per-token scales of the layer: [2, H, T] fp16
-            scales = torch.empty(2, shape.kv_heads, shape.tokens, dtype=torch.float16)
-            scales[:, :, is_anchor] = codes.anchor_scales
-            scales[:, :, ~is_anchor] = codes.delta_scales
-            bits = (p.anchor_bits, *self.layer_bits(layer, shape.layers))
-            for page, (t0, t1, a_range, d_range) in enumerate(pages):
-                encoder = constriction.stream.queue.RangeEncoder()
-                tables = [_encode_segment(encoder, s)
-                          for s in self._chunk_segments(codes, bits, a_range, d_range)]
-                words = encoder.get_compressed().astype("<u4")
-                page_scales = scales[:, :, t0:t1].contiguous().view(torch.int16).numpy()
-                payload = np.frombuffer(b"".join([page_scales.astype("<i2").tobytes(), *tables,
-                                                  words.tobytes()]), dtype=np.uint8)
-                chunks.append(Chunk(0, layer, page, payload))
+            sym, scales = self.layer_symbols(kv[layer], layer, shape.layers)
+
+            def code_page(page: int, sym=sym, scales=scales) -> np.ndarray:
+                t0, t1 = pages[page][:2]
+                tables, words = _code_chunk(_chunk_segments(sym, is_anchor, t0, t1))
+                page_scales = np.ascontiguousarray(scales[:, :, t0:t1]).astype("<u2")
+                return np.frombuffer(b"".join([page_scales.tobytes(), *tables,
+                                               words.astype("<u4").tobytes()]), dtype=np.uint8)
+
+            # the coder kernels release the GIL: a layer's pages are coded in parallel
+            payloads = _pool().map(code_page, range(len(pages)))
+            chunks += [Chunk(0, layer, page, payload) for page, payload in enumerate(payloads)]
         return [chunks]
 
     # ---- decode -------------------------------------------------------------------------------
@@ -399,52 +442,56 @@ class CacheGenCodec(Codec):
         shape, p = enc.shape, self.params
         heads, dim = shape.kv_heads, shape.head_dim
         is_anchor, rank = _token_roles(shape.tokens, p.page_tokens, p.group_tokens)
-        n_anchor = int(is_anchor.sum())
+        anchor_np = is_anchor.numpy()
         payloads = enc.payloads(0)
         out = torch.empty(shape.dims, dtype=torch.float32, device=device)
+        sym = np.empty((2, heads, shape.tokens, dim), dtype=np.uint8)
+        scales = np.empty((2, heads, shape.tokens), dtype=np.uint16)
+        pages = self._page_ranges(shape)
         for layer in range(shape.layers):
-            bits = (p.anchor_bits, *self.layer_bits(layer, shape.layers))
-            codes = _LayerCodes(
-                torch.empty(2, heads, n_anchor, dim, dtype=torch.int32),
-                torch.empty(2, heads, n_anchor, dtype=torch.float16),
-                torch.empty(2, heads, shape.tokens - n_anchor, dim, dtype=torch.int32),
-                torch.empty(2, heads, shape.tokens - n_anchor, dtype=torch.float16))
-            for page, (t0, t1, a_range, d_range) in enumerate(self._page_ranges(shape)):
-                self._decode_chunk(payloads[(layer, page)], layer, page, codes, bits,
-                                   (t0, t1), a_range, d_range, is_anchor, heads, dim)
-            out[layer] = _reconstruct(codes, is_anchor, rank, device)
+            qmaxes = self.qmaxes(layer, shape.layers)
+
+            def decode_page(page: int, layer=layer, qmaxes=qmaxes) -> None:
+                t0, t1 = pages[page][:2]
+                self._decode_chunk(payloads[(layer, page)], layer, page, sym, scales, qmaxes,
+                                   (t0, t1), anchor_np[t0:t1])
+
+            # pages write disjoint token ranges; the first failing page (in order) raises
+            list(_pool().map(decode_page, range(len(pages))))
+            if device.type == "cpu":
+                cachegen_cpu.reconstruct_layer_kernel(sym, scales, anchor_np, *qmaxes,
+                                                      out[layer].numpy())
+            else:
+                codes = _codes_from_symbols(sym, scales, anchor_np, qmaxes)
+                out[layer] = _reconstruct(codes, is_anchor, rank, device)
         return out
 
-    def _decode_chunk(self, payload: np.ndarray, layer: int, page: int, codes: _LayerCodes,
-                      bits: tuple[int, int, int], t_range: tuple[int, int],
-                      a_range: tuple[int, int], d_range: tuple[int, int],
-                      is_anchor: torch.Tensor, heads: int, dim: int) -> None:
-        """Parse one chunk's payload into the layer's code/scale tensors (in place).
-        The payload is untrusted: scales must be finite; each table must fit its segment
-        (symbols within 0..2 qmax, empty iff the segment is); the range decoder must use up
-        every coded word (maybe_exhausted), and each decoded segment must reproduce its
-        table exactly (the table is the encoder's histogram of the segment), which catches
-        truncated, padded and most corrupted words."""
+    def _decode_chunk(self, payload: np.ndarray, layer: int, page: int, sym: np.ndarray,
+                      scales: np.ndarray, qmaxes: tuple[int, int, int],
+                      t_range: tuple[int, int], page_anchor: np.ndarray) -> None:
+        """Parse one chunk's payload into the layer's symbols and scales (token order, in
+        place). The payload is untrusted: scales must be finite; each table must fit its
+        segment (symbols within 0..2 qmax, empty iff the segment is); the rANS decoder must
+        use up every coded word and end in its initial state (kvsim.kernels.rans), and each
+        decoded segment must reproduce its table exactly (the table is the encoder's
+        histogram of the segment), which catches truncated, padded and corrupted words."""
         where = f"cachegen: chunk (stream 0, layer {layer}, page {page})"
         buf = np.ascontiguousarray(payload, dtype=np.uint8)
+        heads, dim = sym.shape[1], sym.shape[3]
         t0, t1 = t_range
         n = t1 - t0
+        na = int(page_anchor.sum())
         off = 2 * 2 * heads * n
         if buf.size < off:
             raise CodecError(f"{where}: payload of {buf.size} bytes is shorter than its scales")
         if not finite_bits(buf[:off], "f16"):
             raise CodecError(f"{where}: token scales hold NaN or Inf")
-        scales = torch.from_numpy(buf[:off].view("<i2").astype(np.int16)).view(torch.float16)
-        scales = scales.view(2, heads, n)
-        page_anchor = is_anchor[t0:t1]
-        anchor_bits, kb, vb = bits
-        na, nd = a_range[1] - a_range[0], d_range[1] - d_range[0]
-        targets = ((codes.anchor_codes, 0, a_range, na, anchor_bits),
-                   (codes.delta_codes, 0, d_range, nd, kb),
-                   (codes.anchor_codes, 1, a_range, na, anchor_bits),
-                   (codes.delta_codes, 1, d_range, nd, vb))
+        qa, qk, qv = qmaxes
+        # segments in payload order: (K/V, token mask of the page, rows, qmax)
+        targets = ((0, page_anchor, na, qa), (0, ~page_anchor, n - na, qk),
+                   (1, page_anchor, na, qa), (1, ~page_anchor, n - na, qv))
         tables = []
-        for (tensor, kind), (_, _, _, rows, seg_bits) in zip(SEGMENTS, targets, strict=True):
+        for (tensor, kind), (_, _, rows, qmax) in zip(SEGMENTS, targets, strict=True):
             what = f"{where}: {tensor}-{kind} frequency table"
             if buf.size < off + 4:
                 raise CodecError(f"{what} is truncated")
@@ -458,9 +505,9 @@ class CacheGenCodec(Codec):
             if (nsym == 0) != (heads * rows * dim == 0):
                 raise CodecError(f"{what} has {nsym} symbols for a segment of "
                                  f"{heads * rows * dim} codes")
-            if nsym and lo + nsym - 1 > 2 * (2 ** (seg_bits - 1) - 1):
+            if nsym and lo + nsym - 1 > 2 * qmax:
                 raise CodecError(f"{what} names symbols {lo}..{lo + nsym - 1}, beyond the "
-                                 f"{seg_bits}-bit code range")
+                                 f"code range 0..{2 * qmax}")
             tables.append((lo, freq))
             off += _table_size_bytes(nsym)
         if (buf.size - off) % 4:
@@ -468,34 +515,83 @@ class CacheGenCodec(Codec):
         words = buf[off:].view("<u4").astype(np.uint32)
         if words.size and all(freq.size <= 1 for _, freq in tables):
             raise CodecError(f"{where}: {words.size} coded words but no coded segment")
-        codes.anchor_scales[:, :, a_range[0] : a_range[1]] = scales[:, :, page_anchor]
-        codes.delta_scales[:, :, d_range[0] : d_range[1]] = scales[:, :, ~page_anchor]
-        decoder = constriction.stream.queue.RangeDecoder(words)
-        for (tensor, kind), (lo, freq), (dest, t, rng, rows, seg_bits) in zip(
-                SEGMENTS, tables, targets, strict=True):
-            count = heads * rows * dim
-            if count == 0:
+        scales[:, :, t0:t1] = buf[: 2 * 2 * heads * n].view("<u2").reshape(2, heads, n)
+        counts = [heads * rows * dim for (_, _, rows, _) in targets]
+        coded = [i for i, (_, freq) in enumerate(tables) if counts[i] and freq.size > 1]
+        status, flat, hist = rans.decode(words, [counts[i] for i in coded],
+                                         [rans.quantize(tables[i][1]) for i in coded])
+        if status != rans.OK:
+            raise CodecError(f"{where}: {rans.STATUS_TEXT[status]}")
+        off = 0
+        for i, ((tensor, kind), (lo, freq), (t, mask, rows, _)) in enumerate(zip(
+                SEGMENTS, tables, targets, strict=True)):
+            if counts[i] == 0:
                 continue
-            if freq.size == 1:
-                symbols = np.full(count, lo, dtype=np.int32)
+            if i in coded:
+                symbols = flat[off : off + counts[i]] + np.uint8(lo)
+                off += counts[i]
+                # the table is the encoder's histogram of the segment: the decoded symbols
+                # must reproduce it exactly (catches corrupt words the coder's checks miss)
+                seg_hist = np.zeros(256, dtype=np.int64)
+                seg_hist[lo : lo + 256 - lo] = hist[coded.index(i), : 256 - lo]
+                got_lo, got_freq = _table_of_counts(seg_hist)
+                if got_lo != lo or not np.array_equal(got_freq, freq):
+                    raise CodecError(f"{where}: {tensor}-{kind} codes do not match their "
+                                     "frequency table (corrupt coded words)")
             else:
-                try:
-                    symbols = decoder.decode(_model(freq), count).astype(np.int32) + lo
-                except (KeyboardInterrupt, SystemExit):
-                    raise
-                except BaseException as exc:  # noqa: BLE001 the coder's error on corrupt data
-                    # (a Rust panic in the coder arrives as a BaseException, not an Exception)
-                    raise CodecError(f"{where}: corrupt coded data ({exc})") from exc
-            got_lo, got_freq = _frequency_table(symbols)
-            if got_lo != lo or not np.array_equal(got_freq, freq):
-                raise CodecError(f"{where}: {tensor}-{kind} codes do not match their frequency "
-                                 "table (truncated, padded or corrupt coded words)")
-            qmax = 2 ** (seg_bits - 1) - 1
-            dest[t, :, rng[0] : rng[1]] = torch.from_numpy(
-                symbols - qmax).view(heads, rows, dim)
-        if not decoder.maybe_exhausted():
-            raise CodecError(f"{where}: coded words left over after the last segment (padded "
-                             "or corrupt)")
+                symbols = np.full(counts[i], lo, dtype=np.uint8)
+            sym[t, :, t0:t1][:, mask] = symbols.reshape(heads, rows, dim)
+
+
+@functools.cache
+def _pool() -> ThreadPoolExecutor:
+    """Threads for the GIL-free coder kernels (one per core)."""
+    return ThreadPoolExecutor(max_workers=os.cpu_count() or 1,
+                              thread_name_prefix="kvsim-cachegen")
+
+
+# ---- token-order symbols <-> the reference's anchor / delta codes -----------------------------
+def _chunk_segments(sym: np.ndarray, is_anchor: np.ndarray, t0: int, t1: int
+                    ) -> list[np.ndarray]:
+    """The 4 segments of the chunk of tokens t0..t1 (K-anchor, K-delta, V-anchor, V-delta):
+    uint8 symbols, each flattened from [H, tokens of that kind, D] in C order."""
+    mask = is_anchor[t0:t1]
+    segs = []
+    for t in (0, 1):
+        page = sym[t, :, t0:t1]
+        segs += [np.ascontiguousarray(page[:, mask]).reshape(-1),
+                 np.ascontiguousarray(page[:, ~mask]).reshape(-1)]
+    return segs
+
+
+def _symbols_from_codes(codes: _LayerCodes, is_anchor: np.ndarray,
+                        qmaxes: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """The reference's codes -> (symbols uint8 [2, H, T, D], scale bits uint16 [2, H, T])."""
+    qa, qk, qv = qmaxes
+    a_codes, d_codes = codes.anchor_codes.cpu().numpy(), codes.delta_codes.cpu().numpy()
+    two, heads, _, dim = a_codes.shape
+    tokens = is_anchor.size
+    sym = np.empty((two, heads, tokens, dim), dtype=np.uint8)
+    scales = np.empty((two, heads, tokens), dtype=np.uint16)
+    sym[:, :, is_anchor] = a_codes + qa
+    sym[0][:, ~is_anchor] = d_codes[0] + qk
+    sym[1][:, ~is_anchor] = d_codes[1] + qv
+    scales[:, :, is_anchor] = codes.anchor_scales.cpu().view(torch.int16).numpy().view(np.uint16)
+    scales[:, :, ~is_anchor] = codes.delta_scales.cpu().view(torch.int16).numpy().view(
+        np.uint16)
+    return sym, scales
+
+
+def _codes_from_symbols(sym: np.ndarray, scales: np.ndarray, is_anchor: np.ndarray,
+                        qmaxes: tuple[int, int, int]) -> _LayerCodes:
+    """Inverse of _symbols_from_codes (for the torch reconstruction off the CPU)."""
+    qa, qk, qv = qmaxes
+    s16 = torch.from_numpy(scales.view(np.int16).copy()).view(torch.float16)
+    delta = np.stack([sym[0][:, ~is_anchor].astype(np.int32) - qk,
+                      sym[1][:, ~is_anchor].astype(np.int32) - qv])
+    return _LayerCodes(torch.from_numpy(sym[:, :, is_anchor].astype(np.int32) - qa),
+                       s16[:, :, torch.from_numpy(is_anchor)],
+                       torch.from_numpy(delta), s16[:, :, torch.from_numpy(~is_anchor)])
 
 
 # ---- measuring the size model ------------------------------------------------------------------
@@ -519,25 +615,23 @@ def _spread_chunks(layers: int, pages: int, max_chunks: int) -> list[tuple[int, 
 
 def _coded_chunk_bytes(segs: list[np.ndarray], heads: int, n_tokens: int) -> int:
     """Real payload bytes of one chunk from its 4 segments' symbols (as `_encode` codes it)."""
-    encoder = constriction.stream.queue.RangeEncoder()
-    tables = sum(len(_encode_segment(encoder, s)) for s in segs)
-    return 2 * 2 * heads * n_tokens + tables + 4 * int(encoder.get_compressed().size)
+    tables, words = _code_chunk(segs)
+    return 2 * 2 * heads * n_tokens + sum(len(t) for t in tables) + 4 * int(words.size)
 
 
 def _tally_segments(tallies: dict[tuple[str, str, int], SegmentTally], segs: list[np.ndarray],
                     bits: tuple[int, int, int], kinds: tuple[str, ...] = ("anchor", "delta")
                     ) -> None:
-    """Code each non-empty segment on its own and add its coded bits and table length to the
-    tally of its (tensor, kind, bits)."""
+    """Add each non-empty segment's coded bits and table length to the tally of its
+    (tensor, kind, bits)."""
     anchor_bits, kb, vb = bits
     for (tensor, kind), symbols, seg_bits in zip(SEGMENTS, segs, (anchor_bits, kb, anchor_bits,
                                                                    vb), strict=True):
         if symbols.size == 0 or kind not in kinds:
             continue
-        encoder = constriction.stream.queue.RangeEncoder()
-        table = _encode_segment(encoder, symbols)
+        lo, freq = _frequency_table(symbols)
         tallies.setdefault((tensor, kind, seg_bits), SegmentTally()).add(
-            int(symbols.size), float(encoder.num_bits()), (len(table) - 4) // 2)
+            int(symbols.size), _coded_bits(symbols, freq, lo), int(freq.size))
 
 
 def measure_ratios(kv: torch.Tensor, page_tokens: int = 256, group_tokens: int = 10,
@@ -553,11 +647,12 @@ def measure_ratios(kv: torch.Tensor, page_tokens: int = 256, group_tokens: int =
                                   anchor_bits=bits if kind == "anchor" else anchor_bits,
                                   band_edges=[], k_bits=[bits], v_bits=[bits])
             seg_bits = (codec.params.anchor_bits, bits, bits)
+            is_anchor = _token_roles(shape.tokens, page_tokens, group_tokens)[0].numpy()
             for layer in range(shape.layers):
-                codes = codec.quantize_layer(kv[layer].cpu(), layer, shape.layers)
-                for _, _, a_range, d_range in codec._page_ranges(shape):
-                    _tally_segments(tallies, codec._chunk_segments(codes, seg_bits, a_range,
-                                                                   d_range), seg_bits, (kind,))
+                sym, _ = codec.layer_symbols(kv[layer], layer, shape.layers)
+                for t0, t1, _, _ in codec._page_ranges(shape):
+                    _tally_segments(tallies, _chunk_segments(sym, is_anchor, t0, t1), seg_bits,
+                                    (kind,))
     return CacheGenSizeModel.from_tallies(tallies, {"kind": "measured"}, None, 0)
 
 

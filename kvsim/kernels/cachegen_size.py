@@ -41,7 +41,7 @@ class SizeModelError(ValueError):
 class SegmentRate:
     """Measured cost of one segment kind: coded bits per symbol, mean frequency-table length."""
 
-    bits_per_symbol: float  # range-coder output bits / coded symbols (0 for constant segments)
+    bits_per_symbol: float  # entropy-coder output bits / coded symbols (0: constant segments)
     table_symbols: float  # mean u16 entries of the frequency table (lo..hi span)
 
 
@@ -144,7 +144,7 @@ def chunk_bytes_estimate(model: CacheGenSizeModel, n_tokens: np.ndarray, n_ancho
     """Estimated payload bytes of chunks with n_tokens tokens of which n_anchor are group
     anchors (int arrays, one entry per chunk), coded at bits = (anchor, K delta, V delta).
     Layout as CacheGen's payload: fp16 scales [2, H, n], 4 tables (4 + 2 x nsym bytes each),
-    then the range coder's output in whole u32 words."""
+    then the rANS coder's output in u32 words."""
     anchor_bits, k_bits, v_bits = bits
     n_delta = n_tokens - n_anchor
     row = kv_heads * head_dim  # symbols per token of K (or V)
@@ -160,5 +160,6 @@ def chunk_bytes_estimate(model: CacheGenSizeModel, n_tokens: np.ndarray, n_ancho
             coded_bits += count * row * rate.bits_per_symbol
             tables += np.where(count > 0, 4 + 2 * rate.table_symbols, 4)
     scales = 2 * 2 * kv_heads * n_tokens
-    words = np.ceil(coded_bits / 32.0) * 4
+    # the rANS coder's words: the coded bits, plus its 2-word final state when it coded any
+    words = np.where(coded_bits > 0, np.ceil(coded_bits / 32.0) * 4 + 8, 0)
     return (scales + np.round(tables) + words).astype(np.int64)

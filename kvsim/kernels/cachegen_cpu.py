@@ -1,0 +1,103 @@
+"""CacheGen's quantizer and reconstruction as numba CPU kernels, op for op the torch reference
+(cachegen.quantize_layer / cachegen._reconstruct), so both give the same bytes.
+
+One layer at a time, work split over the 2 x kv_heads rows (prange). The kernels keep codes
+as *symbols* in token order: sym[t, h, i, d] = code + qmax of token i's segment (anchor bits
+for group anchors, the layer's K / V delta bits otherwise), uint8 in 0..2 qmax, and fp16
+scales as their bit patterns [2, H, T]. Per (K/V, head) row, tokens in order:
+  anchor token:  scale = fp16_up(max|x| / qmax_a); code = clamp(rint(x / scale)); the
+                 reconstructed anchor a = code * scale is kept for the group
+  other tokens:  the same on x - a with the delta bits
+fp16_up(s): round to nearest even, then one fp16 step up if that fell below s (so
+|x / scale| <= qmax); a scale that is inf in fp16 is reported in `overflow` (the caller
+raises). All arithmetic in fp32, in the reference's order.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from kvsim.kernels.fp16_bits import f16_bits_to_f32_bits, f32_bits_to_f16_bits
+
+_JIT = dict(cache=True, nogil=True, error_model="numpy")
+FP16_INF_BITS = 0x7C00
+
+
+@numba.njit(parallel=True, **_JIT)
+def quantize_layer_kernel(x, is_anchor, qmax_a, qmax_k, qmax_v, sym, scales, overflow):
+    """x fp32 [2, H, T, D] (finite) -> sym uint8 [2, H, T, D], scales uint16 [2, H, T]
+    (fp16 bits); overflow int64 [2 H] set to 1 for a row whose scale overflows fp16."""
+    _, heads, tokens, dim = x.shape
+    for w in numba.prange(2 * heads):
+        kv = w // heads
+        h = w % heads
+        q_delta = qmax_k if kv == 0 else qmax_v
+        tmp = np.empty(1, np.float32)  # fp32 <-> bits round trips
+        tmpu = tmp.view(np.uint32)
+        anchor = np.zeros(dim, np.float32)  # reconstructed anchor of the current group
+        row = np.empty(dim, np.float32)
+        zero = np.float32(0.0)
+        for t in range(tokens):
+            if is_anchor[t]:
+                q = qmax_a
+                for d in range(dim):
+                    row[d] = x[kv, h, t, d]
+            else:
+                q = q_delta
+                for d in range(dim):
+                    row[d] = x[kv, h, t, d] - anchor[d]
+            m = zero
+            for d in range(dim):
+                a = abs(row[d])
+                if a > m:
+                    m = a
+            qf = np.float32(q)
+            s = m / qf
+            tmp[0] = s
+            hb = f32_bits_to_f16_bits(np.int64(tmpu[0]))
+            tmpu[0] = np.uint32(f16_bits_to_f32_bits(hb))
+            if hb < FP16_INF_BITS and tmp[0] < s:
+                hb += 1  # the next larger fp16 (bit pattern + 1 for positive values)
+                tmpu[0] = np.uint32(f16_bits_to_f32_bits(hb))
+            if hb >= FP16_INF_BITS:
+                overflow[w] = 1
+                hb = 0
+                tmp[0] = zero
+            s16 = tmp[0]
+            safe = s16 if s16 > zero else np.float32(1.0)
+            scales[kv, h, t] = np.uint16(hb)
+            for d in range(dim):
+                v = np.rint(row[d] / safe)
+                v = v if v > -qf else -qf
+                v = v if v < qf else qf
+                sym[kv, h, t, d] = np.uint8(np.int32(v) + q)
+            if is_anchor[t]:
+                for d in range(dim):
+                    anchor[d] = np.float32(np.int32(sym[kv, h, t, d]) - q) * s16
+
+
+@numba.njit(parallel=True, **_JIT)
+def reconstruct_layer_kernel(sym, scales, is_anchor, qmax_a, qmax_k, qmax_v, out):
+    """Inverse: sym uint8 [2, H, T, D], scales uint16 [2, H, T] (finite fp16 bits) -> out
+    fp32 [2, H, T, D]: anchors code x scale, other tokens anchor + code x scale."""
+    _, heads, tokens, dim = sym.shape
+    for w in numba.prange(2 * heads):
+        kv = w // heads
+        h = w % heads
+        q_delta = qmax_k if kv == 0 else qmax_v
+        tmp = np.empty(1, np.float32)
+        tmpu = tmp.view(np.uint32)
+        anchor = np.zeros(dim, np.float32)
+        for t in range(tokens):
+            tmpu[0] = np.uint32(f16_bits_to_f32_bits(np.int64(scales[kv, h, t])))
+            s = tmp[0]
+            if is_anchor[t]:
+                for d in range(dim):
+                    v = np.float32(np.int32(sym[kv, h, t, d]) - qmax_a) * s
+                    anchor[d] = v
+                    out[kv, h, t, d] = v
+            else:
+                for d in range(dim):
+                    out[kv, h, t, d] = anchor[d] + np.float32(
+                        np.int32(sym[kv, h, t, d]) - q_delta) * s

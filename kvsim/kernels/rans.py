@@ -1,0 +1,233 @@
+"""rANS entropy coder for CacheGen's chunks: numba kernels + a pure-Python reference.
+
+One coder state codes every segment of a chunk, each segment with its own static
+frequency table (the table travels in the chunk). Variant: 64-bit state, 32-bit output
+words ("rans64"), probabilities quantized to PROB_BITS = 16 bits.
+
+Frequencies. A segment's table holds u16 counts f[0..n) of its symbols (0 = unused). Both
+ends quantize them identically, in integers: q[s] = max(1, f[s] * 2^16 // sum f) for used
+symbols, 0 for unused, then the first most frequent symbol absorbs the remainder so that
+sum q = 2^16. With n <= 255 symbols the remainder is within (-n, n) and the most frequent
+symbol keeps q >= 2^16 / n - 1 - n > 0 (quantize() checks it anyway).
+
+Coding. Encoding runs backwards over the chunk (last segment's last symbol first) from the
+state x = L = 2^31; before coding s, while x >= ((L >> 16) << 32) q[s] the low 32 bits are
+emitted; then x = (x // q[s]) << 16 + x % q[s] + start[s]. The chunk's words are the final
+state (low word, high word), then the emitted words in reverse order. Decoding runs
+forwards: slot = x & 0xFFFF, s = the symbol whose [start, start + q) holds slot,
+x = q[s] (x >> 16) + slot - start[s], refill a word while x < L. A chunk with no coded
+segment has no words.
+
+Integrity (the words are untrusted): the decoder must never read past the words, must use
+every word, and must end in the state L it started from (any truncated, padded or flipped
+word is caught by one of the three, or by the caller's histogram check).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+PROB_BITS = 16
+PROB_SCALE = 1 << PROB_BITS
+STATE_LOW = 1 << 31  # L: the state stays in [L, 2^63) between symbols
+MAX_SYMBOLS = 255  # symbols per table (8-bit codes: -127..127)
+_JIT = dict(cache=True, nogil=True, error_model="numpy")
+
+# decode status codes (rans_decode's return value)
+OK, OUT_OF_WORDS, WORDS_LEFT, BAD_FINAL_STATE, BAD_STATE = 0, 1, 2, 3, 4
+STATUS_TEXT = {OUT_OF_WORDS: "coded words end before the last symbol (truncated or corrupt)",
+               WORDS_LEFT: "coded words left over after the last symbol (padded or corrupt)",
+               BAD_FINAL_STATE: "the coder does not end in its initial state (corrupt words)",
+               BAD_STATE: "the initial coder state is out of range (corrupt words)"}
+
+
+class RansError(ValueError):
+    """A frequency table that cannot be quantized (no used symbol, too many symbols)."""
+
+
+def quantize(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """u16 counts [n] (n <= 255, at least one > 0) -> (q uint32 [n] summing to 2^16,
+    start uint32 [n]: the cumulative sum before each symbol)."""
+    f = np.asarray(freq, dtype=np.int64)
+    if f.ndim != 1 or not 1 <= f.size <= MAX_SYMBOLS or (f < 0).any():
+        raise RansError(f"a frequency table needs 1..{MAX_SYMBOLS} counts >= 0, got {f.size}")
+    total = int(f.sum())
+    if total == 0:
+        raise RansError("a frequency table with no used symbol")
+    q = np.where(f > 0, np.maximum(1, (f * PROB_SCALE) // total), 0)
+    top = int(np.argmax(f))  # the first most frequent symbol
+    q[top] += PROB_SCALE - int(q.sum())
+    if q[top] < 1:  # impossible for n <= 255 (see module docstring); never code with it
+        raise RansError("frequency quantization left the most frequent symbol empty")
+    start = np.concatenate([[0], np.cumsum(q)[:-1]])
+    return q.astype(np.uint32), start.astype(np.uint32)
+
+
+# ---- reference (pure Python integers; the kernels must give the same words) ---------------------
+def encode_reference(symbols: list[np.ndarray], tables: list[tuple[np.ndarray, np.ndarray]]
+                     ) -> np.ndarray:
+    """symbols[i]: segment i's symbols (ints in 0..len(q_i)), tables[i] = (q_i, start_i).
+    Returns the chunk's uint32 words."""
+    if not any(len(s) for s in symbols):
+        return np.zeros(0, dtype=np.uint32)
+    x, out = STATE_LOW, []
+    for seg, (q, start) in zip(reversed(symbols), reversed(tables), strict=True):
+        for s in reversed([int(v) for v in seg]):
+            f, c = int(q[s]), int(start[s])
+            x_max = ((STATE_LOW >> PROB_BITS) << 32) * f
+            while x >= x_max:
+                out.append(x & 0xFFFFFFFF)
+                x >>= 32
+            x = ((x // f) << PROB_BITS) + (x % f) + c
+    return np.array([x & 0xFFFFFFFF, x >> 32, *reversed(out)], dtype=np.uint32)
+
+
+def decode_reference(words: np.ndarray, counts: list[int],
+                     tables: list[tuple[np.ndarray, np.ndarray]]) -> tuple[int, list]:
+    """Inverse of encode_reference: (status, [segment symbols])."""
+    words = [int(w) for w in words]
+    if not sum(counts):
+        return (OK if not words else WORDS_LEFT), [[] for _ in counts]
+    if len(words) < 2:
+        return OUT_OF_WORDS, []
+    x, pos, out = words[0] | (words[1] << 32), 2, []
+    if not STATE_LOW <= x < (1 << 63):
+        return BAD_STATE, []
+    for n, (q, start) in zip(counts, tables, strict=True):
+        seg = []
+        for _ in range(n):
+            slot = x & (PROB_SCALE - 1)
+            s = int(np.searchsorted(start, slot, side="right")) - 1
+            while q[s] == 0:  # unused symbols share their successor's start
+                s -= 1
+            x = int(q[s]) * (x >> PROB_BITS) + slot - int(start[s])
+            while x < STATE_LOW:
+                if pos >= len(words):
+                    return OUT_OF_WORDS, []
+                x = (x << 32) | words[pos]
+                pos += 1
+            seg.append(s)
+        out.append(seg)
+    if pos != len(words):
+        return WORDS_LEFT, []
+    return (OK if x == STATE_LOW else BAD_FINAL_STATE), out
+
+
+# ---- numba kernels ------------------------------------------------------------------------------
+@numba.njit(**_JIT)
+def rans_encode(symbols, seg_ends, q, start, out):
+    """symbols uint8 [N]: the chunk's coded segments back to back (segment i =
+    symbols[seg_ends[i-1]:seg_ends[i]]), q/start uint32 [segments, 256]. Writes the words
+    into out (uint32, >= N / 2 + 2 long) and returns how many."""
+    n = symbols.size
+    if n == 0:
+        return 0
+    cap = out.size
+    x = np.uint64(STATE_LOW)
+    shift = np.uint64(PROB_BITS)
+    w = cap  # emitted words fill out[w:] from the back, so they end up in decode order
+    hi = np.uint64((STATE_LOW >> PROB_BITS) << 32)
+    for seg in range(seg_ends.size - 1, -1, -1):
+        begin = 0 if seg == 0 else seg_ends[seg - 1]
+        for i in range(seg_ends[seg] - 1, begin - 1, -1):
+            s = symbols[i]
+            f = np.uint64(q[seg, s])
+            if x >= hi * f:
+                w -= 1
+                out[w] = np.uint32(x & np.uint64(0xFFFFFFFF))
+                x >>= np.uint64(32)
+            x = ((x // f) << shift) + (x % f) + np.uint64(start[seg, s])
+    # state first, then the emitted words: move them down behind it
+    count = cap - w
+    out[0] = np.uint32(x & np.uint64(0xFFFFFFFF))
+    out[1] = np.uint32(x >> np.uint64(32))
+    for i in range(count):
+        out[2 + i] = out[w + i]
+    return count + 2
+
+
+@numba.njit(**_JIT)
+def histogram(symbols, counts):
+    """counts[s] += occurrences of s in symbols (uint8 [N]; counts int64 [256])."""
+    for i in range(symbols.size):
+        counts[symbols[i]] += 1
+
+
+@numba.njit(**_JIT)
+def rans_decode(words, seg_counts, q, start, out, hist):
+    """Decode seg_counts[i] symbols per segment (tables q/start uint32 [segments, 256]) from
+    words (uint32) into out (uint8, sum(seg_counts) long, segments back to back), counting
+    each segment's symbols into hist (int64 [segments, 256], zeroed by the caller). Returns a
+    status (OK, OUT_OF_WORDS, WORDS_LEFT, BAD_FINAL_STATE, BAD_STATE)."""
+    total = 0
+    for i in range(seg_counts.size):
+        total += seg_counts[i]
+    if total == 0:
+        return OK if words.size == 0 else WORDS_LEFT
+    if words.size < 2:
+        return OUT_OF_WORDS
+    x = np.uint64(words[0]) | (np.uint64(words[1]) << np.uint64(32))
+    low = np.uint64(STATE_LOW)
+    if x < low or x >= np.uint64(1 << 63):
+        return BAD_STATE
+    lut = np.empty(PROB_SCALE, dtype=np.uint8)
+    mask = np.uint64(PROB_SCALE - 1)
+    shift = np.uint64(PROB_BITS)
+    pos = 2
+    k = 0
+    for seg in range(seg_counts.size):
+        for s in range(256):
+            f = q[seg, s]
+            c = start[seg, s]
+            for j in range(c, c + f):
+                lut[j] = s
+        for _ in range(seg_counts[seg]):
+            slot = x & mask
+            s = lut[slot]
+            x = np.uint64(q[seg, s]) * (x >> shift) + slot - np.uint64(start[seg, s])
+            if x < low:
+                if pos >= words.size:
+                    return OUT_OF_WORDS
+                x = (x << np.uint64(32)) | np.uint64(words[pos])
+                pos += 1
+            out[k] = s
+            hist[seg, s] += 1
+            k += 1
+    if pos != words.size:
+        return WORDS_LEFT
+    return OK if x == low else BAD_FINAL_STATE
+
+
+def table_arrays(tables: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """[(q, start)] per segment -> q, start uint32 [segments, 256] (zero beyond each table)."""
+    q = np.zeros((len(tables), 256), dtype=np.uint32)
+    start = np.zeros((len(tables), 256), dtype=np.uint32)
+    for i, (qi, si) in enumerate(tables):
+        q[i, : qi.size] = qi
+        start[i, : si.size] = si
+    return q, start
+
+
+def encode(symbols: list[np.ndarray], tables: list[tuple[np.ndarray, np.ndarray]]
+           ) -> np.ndarray:
+    """The kernel with the reference's interface: uint32 words of one chunk."""
+    flat = np.concatenate([np.asarray(s, dtype=np.uint8) for s in symbols]) if symbols else \
+        np.zeros(0, dtype=np.uint8)
+    ends = np.cumsum([len(s) for s in symbols]).astype(np.int64)
+    q, start = table_arrays(tables)
+    out = np.empty(flat.size // 2 + 4, dtype=np.uint32)  # <= 16 bits per symbol + state
+    n = rans_encode(flat, ends, q, start, out)
+    return out[:n].copy()
+
+
+def decode(words: np.ndarray, counts: list[int], tables: list[tuple[np.ndarray, np.ndarray]]
+           ) -> tuple[int, np.ndarray, np.ndarray]:
+    """The kernel with the reference's interface: (status, uint8 symbols back to back, int64
+    histogram [segments, 256] of each segment's symbols)."""
+    q, start = table_arrays(tables)
+    out = np.empty(int(sum(counts)), dtype=np.uint8)
+    hist = np.zeros((len(tables), 256), dtype=np.int64)
+    status = rans_decode(np.ascontiguousarray(words, dtype=np.uint32),
+                         np.asarray(counts, dtype=np.int64), q, start, out, hist)
+    return int(status), out, hist
