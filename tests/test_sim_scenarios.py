@@ -123,6 +123,13 @@ def test_split_stream_acceptance_one_is_the_lower_bound(tmp_path):
         assert row["ttkt_s"][k] == pytest.approx(t_a + k * tpot, abs=tol)
     v_end = max(t_f, t_a + n * tpot) + tm.verify_s(n, 1000)
     assert row["ttkt_s"][64] == pytest.approx(v_end + (64 - n - 1) * tpot, abs=tol)
+    # committed: the n accepted drafts and the bonus token all count at verification's end
+    for k in range(1, n + 2):
+        assert row["ttkt_committed_s"][k] == pytest.approx(v_end, abs=tol)
+    assert row["ttft_committed_s"] == pytest.approx(v_end, abs=tol)
+    assert row["ttft_committed_from_prefill_end_s"] == pytest.approx(v_end - t_pe, abs=tol)
+    for k in range(n + 2, 129):
+        assert row["ttkt_committed_s"][k] == row["ttkt_s"][k]
 
 
 def test_split_stream_acceptance_zero_is_the_upper_bound(tmp_path):
@@ -143,6 +150,7 @@ def test_cap_zero_waits_for_the_full_cache(tmp_path):
     row, tm, t_pe, t_a, t_f = _split_row(tmp_path, "geometric:1.0", cap=0)
     assert row["proposed_tokens"] == 0
     assert row["ttft_s"] == pytest.approx(t_f + tm.tpot_s(1000, 1), abs=1e-9)
+    assert row["ttkt_committed_s"] == row["ttkt_s"]  # nothing drafted: nothing to wait for
 
 
 def test_breakdown_sums_and_trace_spans_within_the_run(tmp_path):
@@ -186,6 +194,11 @@ def test_multi_request_fifo_vs_anchors_first_and_percentiles(tmp_path):
         pct = row["ttft_pct_s"]
         assert pct["p50"] <= pct["p90"] <= pct["p99"]
         assert row["requests"] == 40 and row["throughput_rps"] > 0
+        # committed never earlier than drafted, for the mean and every percentile
+        assert row["ttft_committed_s"] >= row["ttft_s"]
+        cpct = row["ttft_committed_pct_s"]
+        assert all(cpct[q] >= pct[q] for q in ("p50", "p90", "p99"))
+        assert all(row["ttkt_committed_s"][k] >= row["ttkt_s"][k] for k in row["ttkt_s"])
     # all anchors first gets first tokens out sooner on average under contention
     assert out["anchors_first"]["ttft_s"] <= out["fifo"]["ttft_s"]
     (again,), _ = run_all(cfg)  # same seed, same result

@@ -29,6 +29,8 @@ def table_rows(rows: list[dict]) -> list[dict]:
         flat["verif"] = bd.get("verification")
         for k, v in (r.get("ttkt_from_prefill_end_s") or {}).items():
             flat[f"tt{k}t_pe"] = v
+        for k, v in (r.get("ttkt_committed_s") or {}).items():
+            flat[f"tt{k}t_c"] = v
         flat["gb"] = r["total_bytes"] / 1e9
         pct = r.get("ttft_pct_s") or {}
         flat["ttft_p50"], flat["ttft_p99"] = pct.get("p50"), pct.get("p99")
@@ -43,8 +45,10 @@ def print_table(cfg: SimConfig, rows: list[dict]) -> None:
     cols = [("codec", "codec", ""), ("transfer", "transfer", ""),
             ("context_tokens", "ctx", "d"), ("bandwidth_gbps", "Gbps", "g"),
             ("gb", "GB", ".3f"), ("ttft_s", "TTFT s", ".3f"),
-            ("ttft_from_prefill_end_s", "TTFT-pe", ".3f")]
+            ("ttft_from_prefill_end_s", "TTFT-pe", ".3f"),
+            ("ttft_committed_s", "TTFT-c", ".3f")]
     cols += [(f"tt{k}t", f"TT{k}T", ".3f") for k in ks if k != 1 and k in (8, 32, 64, 128)]
+    cols += [(f"tt{k}t_c", f"TT{k}T-c", ".3f") for k in ks if k == 32]
     cols += [(f"tt{k}t_pe", f"TT{k}T-pe", ".3f") for k in ks if k in (32, 64)]
     cols += [("comm", "comm", ".3f"), ("deser", "deser", ".3f"), ("rej", "rej", ".3f"),
              ("verif", "verif", ".3f"), ("acc", "acc/prop", "")]
@@ -60,7 +64,9 @@ def print_table(cfg: SimConfig, rows: list[dict]) -> None:
           f"{cfg.samples} run(s)); times from "
           f"request arrival" + (f" (prefill {first['prefill_s']:.3f} s)" if "prefill_s" in first
                                 else "") +
-          f", -pe: from prefill end; breakdown of TT{cfg.metrics.breakdown_k}T from prefill "
+          f", -pe: from prefill end; -c: committed (a drafted token counts once verified; "
+          "without -c: when drafted, as the seeds count); breakdown of "
+          f"TT{cfg.metrics.breakdown_k}T from prefill "
           "end; GB = wire bytes per request")
     print(format_table(table_rows(rows), cols))
     for note in sorted({(r["codec"], r["size_estimate"]) for r in rows

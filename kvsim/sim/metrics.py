@@ -36,6 +36,9 @@ class RequestRecord:
     def ttkt(self, k: int) -> float:
         return float(self.timeline.token_t[k - 1])
 
+    def ttkt_committed(self, k: int) -> float:
+        return float(self.timeline.committed_t[k - 1])
+
     def breakdown(self, k: int) -> dict[str, float]:
         """Split [prefill end, TTKT(k)] along the critical path; the parts sum to it.
 
@@ -80,6 +83,12 @@ def request_row(rec: RequestRecord, ks: list[int], breakdown_k: int) -> dict:
         "ttft_from_prefill_end_s": rec.ttkt(1) - rec.prefill_end_t,
         "ttkt_s": {k: rec.ttkt(k) - rec.arrival_t for k in ks_ok},
         "ttkt_from_prefill_end_s": {k: rec.ttkt(k) - rec.prefill_end_t for k in ks_ok},
+        # committed: a token counts when it is verified (drafts wait for verification)
+        "ttft_committed_s": rec.ttkt_committed(1) - rec.arrival_t,
+        "ttft_committed_from_prefill_end_s": rec.ttkt_committed(1) - rec.prefill_end_t,
+        "ttkt_committed_s": {k: rec.ttkt_committed(k) - rec.arrival_t for k in ks_ok},
+        "ttkt_committed_from_prefill_end_s": {k: rec.ttkt_committed(k) - rec.prefill_end_t
+                                              for k in ks_ok},
         "prefill_s": rec.prefill_end_t - rec.prefill_start_t,
         "breakdown_k": breakdown_k,
         "breakdown_s": rec.breakdown(breakdown_k),

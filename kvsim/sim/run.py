@@ -267,15 +267,18 @@ class Scenario:
         row["bits_per_element"] = float(np.mean(
             [8.0 * sum(r.stream_bytes) / self.model.kv_shape(r.context_tokens).numel
              for r in recs]))
-        row["ttft_s"] = float(np.mean([p["ttft_s"] for p in per]))
-        row["ttft_from_prefill_end_s"] = float(np.mean([p["ttft_from_prefill_end_s"]
-                                                        for p in per]))
+        for key in ("ttft_s", "ttft_from_prefill_end_s", "ttft_committed_s",
+                    "ttft_committed_from_prefill_end_s"):
+            row[key] = float(np.mean([p[key] for p in per]))
         row["ttft_pct_s"] = percentiles([p["ttft_s"] for p in per])
+        row["ttft_committed_pct_s"] = percentiles([p["ttft_committed_s"] for p in per])
         kk = [k for k in ks if all(k in p["ttkt_s"] for p in per)]
-        row["ttkt_s"] = {k: float(np.mean([p["ttkt_s"][k] for p in per])) for k in kk}
-        row["ttkt_from_prefill_end_s"] = {
-            k: float(np.mean([p["ttkt_from_prefill_end_s"][k] for p in per])) for k in kk}
+        for key in ("ttkt_s", "ttkt_from_prefill_end_s", "ttkt_committed_s",
+                    "ttkt_committed_from_prefill_end_s"):
+            row[key] = {k: float(np.mean([p[key][k] for p in per])) for k in kk}
         row["ttkt_pct_s"] = {k: percentiles([p["ttkt_s"][k] for p in per]) for k in kk}
+        row["ttkt_committed_pct_s"] = {k: percentiles([p["ttkt_committed_s"][k] for p in per])
+                                       for k in kk}
         row["breakdown_k"] = cfg.metrics.breakdown_k
         row["breakdown_s"] = {key: float(np.mean([p["breakdown_s"][key] for p in per]))
                               for key in BREAKDOWN_KEYS}

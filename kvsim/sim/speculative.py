@@ -9,10 +9,12 @@ Timeline (all times in s):
             model) and yields one more token: the correction of the first divergence, or
             the bonus token when all n were accepted;
   then      normal decoding, one token per tpot_s.
-Valid-token times (the seeds' TTKT counts accepted drafts when they were drafted): token i
-<= a at t_anchor + i * draft_tpot_s; token a+1 at the end of verification; token a+1+j at
-that time + j * tpot_s. Without drafting (cap 0, or the full cache ready with the anchor),
-token j is at t_full + j * tpot_s.
+Drafted times (`token_t`; the seeds' TTKT counts accepted drafts when they were drafted):
+token i <= a at t_anchor + i * draft_tpot_s; token a+1 at the end of verification; token
+a+1+j at that time + j * tpot_s. Committed times (`committed_t`; what a user streaming
+tokens can show, since a draft is not final until verified): tokens 1..a+1 at the end of
+verification, later tokens as drafted. Without drafting (cap 0, or the full cache ready
+with the anchor), token j is at t_full + j * tpot_s in both.
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ class DecodeTimeline:
     draft_tpot_s: float = 0.0
     tpot_s: float = 0.0
     segments: list[tuple[str, float, float]] = field(default_factory=list)  # (kind, t0, t1)
+    committed_t: np.ndarray | None = None  # [K] time each token is verified (None: token_t)
+
+    def __post_init__(self) -> None:
+        if self.committed_t is None:
+            self.committed_t = self.token_t
 
 
 def plain_decode(t_ready: float, tpot_s: float, tokens: int) -> DecodeTimeline:
@@ -76,5 +83,7 @@ def speculative_decode(t_anchor: float, t_full: float, tpot_s: float, draft_tpot
     seg.append(("verify", v_start, v_end))
     if tokens > accepted + 1:
         seg.append(("decode", v_end, float(times[-1])))
+    committed = times.copy()
+    committed[: min(accepted + 1, tokens)] = v_end  # drafts count once verification accepts
     return DecodeTimeline(times, t_anchor, t_full, proposed, accepted, v_start, v_s,
-                          draft_tpot_s, tpot_s, seg)
+                          draft_tpot_s, tpot_s, seg, committed)
