@@ -425,3 +425,33 @@ def test_size_calibration_names_its_source_and_changes_estimated_bytes(tmp_path)
     assert CacheGenSizeModel.load().expected_error is None
     with pytest.raises(ValueError, match="size_calibration"):
         run_all(_cfg(tmp_path, ["cachegen"], size_calibration="no-such-capture"))
+
+
+def test_requests_path_writes_one_row_per_request_and_sample(tmp_path):
+    import pandas as pd
+
+    cfg = _cfg(tmp_path, ["bf16", {"name": "test-two-halves"}], samples=2,
+               requests_path=str(tmp_path / "requests.parquet"))
+    cfg.workload = replace(cfg.workload, kind="poisson", requests=7, rate_per_s=20.0)
+    rows, _ = run_all(cfg)
+    table = pd.read_parquet(tmp_path / "requests.parquet")
+    assert len(table) == 2 * 2 * 7  # codecs x samples x requests
+    for row in rows:
+        mine = table[table["codec"] == row["codec"]]
+        assert sorted(mine["request"].unique()) == list(range(7))
+        # the scenario row is the mean over samples of the mean over requests
+        assert mine["ttft_s"].mean() == pytest.approx(row["ttft_s"], rel=1e-12)
+        assert mine["ttft_committed_s"].mean() == pytest.approx(row["ttft_committed_s"],
+                                                               rel=1e-12)
+        assert (mine["ttft_committed_s"] >= mine["ttft_s"]).all()
+        phases = ["arrival_t", "prefill_start_t", "prefill_end_t", "needed_ready_t",
+                  "decode_start_t", "first_token_t", "last_token_t"]
+        assert (mine[phases].diff(axis=1).iloc[:, 1:] >= -1e-12).all().all()
+        assert (mine["ttkt_s.128"] >= mine["ttkt_s.1"]).all()
+    csv = tmp_path / "requests.csv"
+    cfg.requests_path = str(csv)
+    run_all(cfg)
+    assert len(pd.read_csv(csv)) == 28
+    cfg.requests_path = str(tmp_path / "requests.json")
+    with pytest.raises(ValueError, match="requests_path"):
+        run_all(cfg)

@@ -177,6 +177,9 @@ class SimConfig:
     seed: int = 0
     samples: int = 1  # independent runs (seeds seed..seed+samples-1) averaged per row
     trace_path: str = ""  # write a Chrome-trace JSON event log of the runs here
+    # write one row per request (every scenario and sample: phases, TTFT / TTKT drafted and
+    # committed, bytes, drafts) here, as .parquet or .csv
+    requests_path: str = ""
     title: str = ""  # what this scenario reproduces (printed above the table)
 
     def validate(self) -> None:
@@ -202,4 +205,7 @@ class SimConfig:
             raise ValueError("codecs must list at least one codec")
         from kvsim.sim.size_calibration import check_size_calibration
 
+        if self.requests_path and not str(self.requests_path).endswith((".parquet", ".csv")):
+            raise ValueError(f"requests_path must end in .parquet or .csv, got "
+                             f"{self.requests_path!r}")
         check_size_calibration(self.size_calibration)

@@ -27,6 +27,7 @@ from kvsim.sim.link import Link
 from kvsim.sim.metrics import BREAKDOWN_KEYS, RequestRecord, percentiles, request_row
 from kvsim.sim.nodes import DecodeNode, Deserializer, PrefillNode, Receiver
 from kvsim.sim.policy import POLICIES, TransferPlan, build_plan, natural_policy, release_times
+from kvsim.sim.request_log import request_rows, write_request_log
 from kvsim.sim.size_calibration import calibrate_sizes
 from kvsim.sim.speculative import plain_decode, speculative_decode
 from kvsim.sim.trace import TraceLog
@@ -114,9 +115,16 @@ class Scenario:
         if samples < 1:
             raise ValueError(f"samples must be >= 1, got {samples}")
         rows = []
+        self.request_log: list[dict] = []
         for i in range(samples):
             self.rng = np.random.default_rng(self.cfg.seed + i)
             rows.append(self.run())
+            if self.cfg.requests_path:
+                self.request_log += request_rows(self.records, list(self.cfg.metrics.ks), {
+                    "codec": self.variant.spec.label, "transfer": self.variant.policy,
+                    "scenario_context_tokens": self.context_tokens,
+                    "bandwidth_gbps": self.bandwidth_gbps, "sample": i,
+                    "seed": self.cfg.seed + i})
         out = mean_rows(rows)
         out["samples"] = samples
         return out
@@ -317,7 +325,7 @@ def run_all(cfg: SimConfig, progress: bool = False) -> tuple[list[dict], TraceLo
     contexts = list(cfg.sweep.context_tokens) or [cfg.workload.context_tokens]
     bandwidths = list(cfg.sweep.bandwidth_gbps) or [cfg.link.bandwidth_gbps]
     jobs = [(v, c, b) for v in variants(cfg) for c in contexts for b in bandwidths]
-    rows = []
+    rows, request_log = [], []
     if progress and len(jobs) > 1:
         from tqdm import tqdm
 
@@ -325,7 +333,11 @@ def run_all(cfg: SimConfig, progress: bool = False) -> tuple[list[dict], TraceLo
     else:
         jobs_iter = jobs
     for v, c, b in jobs_iter:
-        rows.append(Scenario(cfg, v, c, b, trace).run_samples(cfg.samples))
+        scenario = Scenario(cfg, v, c, b, trace)
+        rows.append(scenario.run_samples(cfg.samples))
+        request_log += scenario.request_log
+    if cfg.requests_path:
+        write_request_log(request_log, cfg.requests_path)
     if trace is not None:
         trace.write(cfg.trace_path)
     return rows, trace
