@@ -153,23 +153,23 @@ def test_auto_backend_runs_the_cpu_kernels_on_cpu_tensors(monkeypatch):
     assert not use_cpu_kernels("auto", torch.device("cuda"))
     assert not use_cpu_kernels("torch", torch.device("cpu"))
     calls = []
-    real_q, real_d = kivi_cpu.quantize_rows, kivi_cpu.decode_page
+    real_e, real_d = kivi_cpu.encode_fused, kivi_cpu.decode_fused
 
-    def spy_q(*args, **kwargs):
-        calls.append("q")
-        return real_q(*args, **kwargs)
+    def spy_e(*args, **kwargs):
+        calls.append("e")
+        return real_e(*args, **kwargs)
 
     def spy_d(*args, **kwargs):
         calls.append("d")
         return real_d(*args, **kwargs)
 
-    monkeypatch.setattr(kivi_cpu, "quantize_rows", spy_q)
-    monkeypatch.setattr(kivi_cpu, "decode_page", spy_d)
+    monkeypatch.setattr(kivi_cpu, "encode_fused", spy_e)
+    monkeypatch.setattr(kivi_cpu, "decode_fused", spy_d)
     kv = torch.randn(1, 2, 2, 20, 16).to(torch.bfloat16)
     params = {"group": 4, "value_group": 8, "residual": 4, "page_tokens": 8}
     codec = make_codec("kivi", params)
     auto = codec.encode(kv)
     codec.decode(auto)
-    assert "q" in calls and "d" in calls
+    assert "e" in calls and "d" in calls
     ref = make_codec("kivi", {**params, "backend": "torch"}).encode(kv)
     assert payloads(auto) == payloads(ref)

@@ -43,13 +43,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
+from kvsim.kernels import kivi_cpu
 from kvsim.kernels.codec import register
 from kvsim.kernels.groupquant import QUANT_BITS, Field
-from kvsim.kernels.kivi import BACKENDS, Backbone, BackboneCodec
+from kvsim.kernels.kivi import BACKENDS, Backbone, BackboneCodec, FusedInput
+from kvsim.kernels.kivi_cpu import G_BASE, G_LA, G_LB, G_QK
 from kvsim.layout import KVShape
 
 BACKBONES = ("kivi", "kcvt")
@@ -74,6 +77,22 @@ def outlier_schedule(n: int, m: int, pct: float, exact: bool) -> torch.Tensor:
     cap = (n - 1) // 2
     return torch.tensor([min(math.floor((i + 1) * c) - math.floor(i * c), cap)
                          for i in range(m)], dtype=torch.int64)
+
+
+class Extremes(NamedTuple):
+    values: torch.Tensor
+    indices: torch.Tensor
+
+
+def extremes(x: torch.Tensor, m: int) -> tuple[Extremes, Extremes]:
+    """The m largest entries of each vector of x [..., n] (largest first) and the m smallest
+    (smallest first), values and indices [..., m]. Equal values come in index order (a
+    stable sort): a defined choice among ties, which torch.topk does not promise, and the
+    one kivi_cpu's outlier kernel makes."""
+    top = torch.sort(x, dim=-1, descending=True, stable=True)
+    bot = torch.sort(x, dim=-1, stable=True)
+    return (Extremes(top.values[..., :m], top.indices[..., :m]),
+            Extremes(bot.values[..., :m], bot.indices[..., :m]))
 
 
 def ragged_vectors(counts: torch.Tensor) -> torch.Tensor:
@@ -102,8 +121,7 @@ def split_outliers_ragged(x: torch.Tensor, counts: torch.Tensor
     if kmax == 0:
         empty = x.new_zeros((*x.shape[:-2], 0))
         return x, empty.long(), empty
-    top = torch.topk(x, kmax + 1, dim=-1, largest=True, sorted=True)
-    bot = torch.topk(x, kmax + 1, dim=-1, largest=False, sorted=True)
+    top, bot = extremes(x, kmax + 1)
     keep = torch.arange(kmax) < counts.unsqueeze(-1)  # [m, kmax]
     mask = torch.cat((keep, keep), dim=-1).to(x.device)  # [m, 2 kmax]
     cand = torch.cat((top.indices[..., :kmax], bot.indices[..., :kmax]), dim=-1)
@@ -127,8 +145,7 @@ def split_outliers(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor,
     if k == 0:
         empty = x.new_zeros((*x.shape[:-1], 0))
         return x, empty.long(), empty
-    top = torch.topk(x, k + 1, dim=-1, largest=True, sorted=True)
-    bot = torch.topk(x, k + 1, dim=-1, largest=False, sorted=True)
+    top, bot = extremes(x, k + 1)
     idx = torch.cat((top.indices[..., :k], bot.indices[..., :k]), dim=-1)
     vals = torch.gather(x, -1, idx)
     fill = torch.clamp(torch.zeros_like(top.values[..., k]), bot.values[..., k],
@@ -346,11 +363,62 @@ class GearCodec(BackboneCodec):
         out["lr_b"] = b.reshape(2, h, d, -1)
         return out
 
+    # ---- fused CPU path (kivi_cpu): outliers, backbone and error in numba, fits in torch --
+    def fused_ok(self, shape: KVShape) -> bool:
+        """The fused kernels cover 'ceil' outliers and per-page fits (else the generic path)."""
+        return self.params.lowrank == "page" and not self.exact_outliers
+
+    def index_bytes(self, shape: KVShape) -> tuple[int, int]:
+        return (1 if index_kind(self.params.page_tokens) == "u8" else 2,
+                1 if index_kind(shape.head_dim) == "u8" else 2)
+
+    def fused_prepare(self, x: torch.Tensor, shape: KVShape, geo: np.ndarray, layer_bytes: int,
+                      out: np.ndarray) -> FusedInput:
+        """Outliers out of the source (ko_* / vo_* fields written), and an error buffer for
+        the encode kernel: page (l, p) with q quantized tokens as [2, H, q, D] at eoff[l, p]."""
+        src, peak = kivi_cpu.Source.of(x), 0.0
+        tq = int(geo[:, G_QK].sum())
+        if self.sparse:
+            filled, peak = kivi_cpu.split_outliers_fused(src, geo, layer_bytes, shape.dims, tq,
+                                                          self.index_bytes(shape), out)
+            src = kivi_cpu.Source.of(filled)
+        per_page = 2 * shape.kv_heads * shape.head_dim * geo[:, G_QK]  # floats of each page
+        starts = np.concatenate(([0], np.cumsum(per_page)[:-1]))
+        eoff = (np.arange(shape.layers)[:, None] * int(per_page.sum()) + starts[None, :])
+        err = np.empty(shape.layers * int(per_page.sum()), np.float32)
+        return FusedInput(src, err=err, eoff=eoff.astype(np.int64), peak=peak)
+
+    def fused_finish(self, inp: FusedInput, shape: KVShape, geo: np.ndarray, layer_bytes: int,
+                     out: np.ndarray) -> None:
+        """The low-rank fit of each page's error (the torch code of page_extras: the same
+        bytes), written as lr_a / lr_b."""
+        h, d, p = shape.kv_heads, shape.head_dim, self.params
+        assert inp.err is not None and inp.eoff is not None
+        for layer in range(shape.layers):
+            for page in range(geo.shape[0]):
+                q = int(geo[page, G_QK])
+                if q == 0:
+                    continue
+                at = int(inp.eoff[layer, page])
+                err = torch.from_numpy(inp.err[at:at + 2 * h * q * d]).view(2 * h, q, d)
+                a, b = fit_fp16(*low_rank(err, p.rank, p.iters, p.seed))
+                base = layer * layer_bytes + int(geo[page, G_BASE])
+                for col, t in ((G_LA, a), (G_LB, b)):
+                    raw = t.to(torch.float16).contiguous().view(torch.int16).numpy()
+                    o = base + int(geo[page, col])
+                    out[o:o + raw.nbytes] = raw.reshape(-1).view(np.uint8)
+
     def post_dequantize(self, f: dict[str, torch.Tensor], xhat_page: torch.Tensor
                         ) -> torch.Tensor:
-        a = f["lr_a"].to(torch.float32)
-        b = f["lr_b"].to(torch.float32)
-        x = xhat_page + a @ b.transpose(-1, -2)
+        a = f["lr_a"].to(torch.float32)  # [2, heads, q, r]
+        b = f["lr_b"].to(torch.float32).transpose(-1, -2)  # [2, heads, r, d]
+        # A B^T as a sum of rank-one terms in rank order (elementwise products and sums, each
+        # rounded to fp32): one defined order of operations, so that the fused CPU decode
+        # (kivi_cpu._decode_kernel) gives the same bits; a matmul's order is the BLAS's own
+        lr = a[..., 0:1] * b[..., 0:1, :]
+        for j in range(1, a.shape[-1]):
+            lr = lr + a[..., j:j + 1] * b[..., j:j + 1, :]
+        x = xhat_page + lr
         if self.exact_outliers:
             ck, cv = self.schedules(x.shape[3], x.shape[2])
             x[0] = scatter_ragged(x[0].transpose(-1, -2), f["ko_idx"], ragged_vectors(ck),

@@ -26,11 +26,13 @@ tests/test_kivi_cpu.py checks bytes against torch.
 
 from __future__ import annotations
 
+import math
+
 import numba
 import numpy as np
 import torch
 
-from kvsim.kernels.fp16_bits import f16_bits_to_f32_bits
+from kvsim.kernels.fp16_bits import f16_bits_to_f32_bits, f32_bits_to_f16_bits
 from kvsim.kernels.groupquant import qmax_of
 from kvsim.kernels.uniform_cpu import quantize_group
 
@@ -245,3 +247,734 @@ def decode_page(src: np.ndarray, offsets: dict[str, int], kmeta: np.ndarray,
     _page_decode_kernel(src, offsets["k_codes"], kmeta, kmeta_offsets["k_scale"],
                         kmeta_offsets["k_zero"], key_group, offsets["v_codes"],
                         offsets["v_scale"], offsets["v_zero"], value_group, bits, out.numpy())
+
+
+# ---- fused whole-cache encode / decode ---------------------------------------------------
+# The codec-level CPU path (kivi.py BackboneCodec._encode_fused / _decode_fused): one numba
+# call writes every chunk payload of the cache, one reads them all back. No fp32 copy of
+# the cache, no unpacked codes, no per-page torch calls. Work item = (layer, page, K|V,
+# head): a head-page of q quantized + r bf16 tokens; all heads of a (layer, page, K|V) in one
+# item when the packed codes of two heads would share a byte (D * q not a multiple of the
+# codes per byte), so that no two threads ever write the same byte.
+#
+# Page geometry `geo` (int64 [pages, GEO_COLS]): the token split of page p and the byte
+# offset of each field inside its chunk (-1: the codec has no such field); a chunk (l, p)
+# starts at l * layer_bytes + geo[p, G_BASE] in the buffer of all chunks.
+(G_T0, G_QK, G_QV, G_RK, G_RV, G_KC, G_KS, G_KZ, G_VC, G_VS, G_VZ, G_KR, G_VR, G_BASE,
+ G_RANK, G_LA, G_LB, G_KK, G_KV, G_KOI, G_KOV, G_VOI, G_VOV, G_KN, G_VN) = range(25)
+GEO_COLS = 25
+# where each field's offset goes in a geo row
+GEO_FIELDS = {"k_codes": G_KC, "k_scale": G_KS, "k_zero": G_KZ, "v_codes": G_VC,
+              "v_scale": G_VS, "v_zero": G_VZ, "k_resid": G_KR, "v_resid": G_VR,
+              "lr_a": G_LA, "lr_b": G_LB, "ko_idx": G_KOI, "ko_val": G_KOV, "vo_idx": G_VOI,
+              "vo_val": G_VOV, "k_norm": G_KN, "v_norm": G_VN}
+K_TILE = 32  # kcvt: tokens per key tile (its groups span the whole layer)
+
+
+@numba.njit(inline="always", **_JIT)
+def _bits_f32(u, tmp):
+    """fp32 bit pattern (int) -> fp32 value, through tmp (fp32[2] scratch, slot 0)."""
+    tmp.view(np.uint32)[0] = np.uint32(u)
+    return tmp[0]
+
+
+@numba.njit(inline="always", **_JIT)
+def _f32_bits(v, tmp):
+    """fp32 value -> its bit pattern (int64), through tmp (fp32[2] scratch, slot 0)."""
+    tmp[0] = v
+    return np.int64(tmp.view(np.uint32)[0])
+
+
+@numba.njit(inline="always", **_JIT)
+def _scale_zero(lo, hi, qmax, tmp):
+    """Group min / max -> (scale16 bits, zero16 bits, scale, zero as fp32): the op sequence
+    of uniform_cpu.quantize_group (signs of zero normalized, fp16 round trips)."""
+    zero = np.float32(0.0)
+    tmpu = tmp.view(np.uint32)
+    lo = lo + zero
+    hi = hi + zero
+    tmp[0] = (hi - lo) / qmax
+    tmp[1] = lo
+    hs = f32_bits_to_f16_bits(np.int64(tmpu[0]))
+    hz = f32_bits_to_f16_bits(np.int64(tmpu[1]))
+    tmpu[0] = np.uint32(f16_bits_to_f32_bits(hs))
+    tmpu[1] = np.uint32(f16_bits_to_f32_bits(hz))
+    return hs, hz, tmp[0], tmp[1]
+
+
+@numba.njit(inline="always", **_JIT)
+def _code(v, s, z, qmax):
+    """One code: clamp(floor((v - z) / s + 0.5), 0, qmax); 0 when s == 0."""
+    zero = np.float32(0.0)
+    if s > zero:
+        w = (v - z) / s + np.float32(0.5)
+        w = w if w > zero else zero
+        w = w if w < qmax else qmax
+        return np.int32(w)
+    return np.int32(0)
+
+
+@numba.njit(inline="always", **_JIT)
+def _put16(out, o, h):
+    """Little-endian 16-bit value h at byte o."""
+    out[o] = np.uint8(h & 0xFF)
+    out[o + 1] = np.uint8((h >> 8) & 0xFF)
+
+
+@numba.njit(inline="always", **_JIT)
+def _get16(src, o):
+    return np.int64(src[o]) | (np.int64(src[o + 1]) << 8)
+
+
+@numba.njit(**_JIT)
+def _put_run(out, base, i0, c, n, bits):
+    """Bit-pack codes c[0:n] as codes i0 .. i0+n-1 of the field at byte `base` (little end
+    first, bitpack.pack's order). Whole bytes are stored, bytes shared with a neighbouring
+    run are OR-ed in (the buffer starts zeroed)."""
+    if bits == 8:
+        for i in range(n):
+            out[base + i0 + i] = np.uint8(c[i])
+        return
+    per = 8 // bits
+    i = 0
+    while i < n and (i0 + i) % per != 0:
+        j = i0 + i
+        out[base + j // per] |= np.uint8(c[i] << ((j % per) * bits))
+        i += 1
+    b = base + (i0 + i) // per
+    if bits == 2:
+        while i + 4 <= n:
+            out[b] = np.uint8(c[i] | (c[i + 1] << 2) | (c[i + 2] << 4) | (c[i + 3] << 6))
+            b += 1
+            i += 4
+    else:
+        while i + 2 <= n:
+            out[b] = np.uint8(c[i] | (c[i + 1] << 4))
+            b += 1
+            i += 2
+    while i < n:
+        j = i0 + i
+        out[base + j // per] |= np.uint8(c[i] << ((j % per) * bits))
+        i += 1
+
+
+@numba.njit(inline="always", **_JIT)
+def _get_code(src, base, i, bits):
+    """Code i of the packed field at byte base."""
+    if bits == 8:
+        return np.int32(src[base + i])
+    if bits == 4:
+        return (np.int32(src[base + (i >> 1)]) >> ((i & 1) * 4)) & 15
+    return (np.int32(src[base + (i >> 2)]) >> ((i & 3) * 2)) & 3
+
+
+@numba.njit(inline="always", **_JIT)
+def _load_row(sb, sf, use_bits, o, D, dst, tmp):
+    """D source values at flat offset o (bf16 bits or fp32) -> dst[0:D] fp32."""
+    if use_bits:
+        du = dst.view(np.uint32)
+        for c in range(D):
+            du[c] = np.uint32(sb[o + c]) << np.uint32(16)
+    else:
+        for c in range(D):
+            dst[c] = sf[o + c]
+
+
+@numba.njit(parallel=True, **_JIT)
+def _kcvt_stats_kernel(sb, sf, use_bits, sst, L, H, D, tq, bits, kstat):
+    """kcvt: per (layer, head, channel) fp16 scale / zero bits of the key group made of all
+    tq quantized tokens -> kstat uint16 [L, H, D, 2]."""
+    qmax = np.float32((1 << bits) - 1)
+    for w in numba.prange(L * H):
+        l = w // H
+        h = w % H
+        tmp = np.empty(2, np.float32)
+        row = np.empty(D, np.float32)
+        lo = np.empty(D, np.float32)
+        hi = np.empty(D, np.float32)
+        o = l * sst[0] + h * sst[2]
+        _load_row(sb, sf, use_bits, o, D, lo, tmp)
+        hi[:] = lo
+        for t in range(1, tq):
+            _load_row(sb, sf, use_bits, o + t * sst[3], D, row, tmp)
+            for c in range(D):
+                v = row[c]
+                lo[c] = v if v < lo[c] else lo[c]
+                hi[c] = v if v > hi[c] else hi[c]
+        for c in range(D):
+            hs, hz, _s, _z = _scale_zero(lo[c], hi[c], qmax, tmp)
+            kstat[l, h, c, 0] = np.uint16(hs)
+            kstat[l, h, c, 1] = np.uint16(hz)
+
+
+@numba.njit(parallel=True, **_JIT)
+def _encode_kernel(sb, sf, use_bits, sst, div, dflag, kstat, kcvt, xr, rst, rpeak, geo,
+                   layer_bytes, L, H, D, G, VG, bits, whole, out, peak, err, eoff, want_err, ik,
+                   iv):
+    """Quantize, pack and serialize the backbone fields of every chunk into `out` (uint8,
+    zeroed, chunks at l * layer_bytes + geo[p, G_BASE]).
+
+    sb / sf: flat quantization source, bf16 bits (use_bits) or fp32, element (l, kv, h, t, c)
+    at l*sst[0] + kv*sst[1] + h*sst[2] + t*sst[3] + c. div: fp32 [2, L, H, Tq] per-token
+    divisors applied on load where dflag[kv] (oscar's norms). kstat: kcvt's per-channel key
+    scale / zero bits [L, H, D, 2]. xr: flat bf16 bits of the cache (bf16 window), strides
+    rst. peak[item]: max |x| over the item's source values and (rpeak: xr is the cache
+    itself, not a rounding of it) its bf16 tokens.
+    want_err: write the quantization error source - x_hat into err (fp32, page (l, p) at
+    eoff[l, p] as [2, H, q, D]), zero on the outlier slots named by the page's ko_idx / vo_idx
+    fields (already in `out`, index bytes ik / iv)."""
+    P = geo.shape[0]
+    hb = 1 if whole else H
+    qmax = np.float32((1 << bits) - 1)
+    zero = np.float32(0.0)
+    for w in numba.prange(L * P * 2 * hb):
+        h0 = w % hb
+        kv = (w // hb) % 2
+        p = (w // (2 * hb)) % P
+        l = w // (2 * hb * P)
+        g = geo[p]
+        base = l * layer_bytes + g[G_BASE]
+        t0 = g[G_T0]
+        q = g[G_QK] if kv == 0 else g[G_QV]
+        r = g[G_RK] if kv == 0 else g[G_RV]
+        tmp = np.empty(2, np.float32)
+        tile = np.empty((K_TILE if kcvt else max(G, 1), D), np.float32)
+        row = np.empty(D, np.float32)
+        codes = np.empty(max(D, K_TILE, G), np.int32)
+        ctile = np.empty((D, K_TILE if kcvt else max(G, 1)), np.int32)
+        lo = np.empty(D, np.float32)
+        hi = np.empty(D, np.float32)
+        sv = np.empty(D, np.float32)
+        zv = np.empty(D, np.float32)
+        pk = zero
+        use_div = dflag[kv] != 0
+        h_lo = 0 if whole else h0
+        h_hi = H if whole else h0 + 1
+        for h in range(h_lo, h_hi):
+            src0 = l * sst[0] + kv * sst[1] + h * sst[2]
+            e0 = eoff[l, p] + (kv * H + h) * q * D
+            if kv == 0 and q > 0:
+                tt = K_TILE if kcvt else G
+                if kcvt:
+                    for c in range(D):
+                        tmp.view(np.uint32)[0] = np.uint32(f16_bits_to_f32_bits(
+                            np.int64(kstat[l, h, c, 0])))
+                        tmp.view(np.uint32)[1] = np.uint32(f16_bits_to_f32_bits(
+                            np.int64(kstat[l, h, c, 1])))
+                        sv[c] = tmp[0]
+                        zv[c] = tmp[1]
+                        if p == 0:
+                            _put16(out, base + g[G_KS] + (h * D + c) * 2, kstat[l, h, c, 0])
+                            _put16(out, base + g[G_KZ] + (h * D + c) * 2, kstat[l, h, c, 1])
+                for a in range(0, q, tt):
+                    n = min(tt, q - a)
+                    for j in range(n):
+                        t = t0 + a + j
+                        _load_row(sb, sf, use_bits, src0 + t * sst[3], D, tile[j], tmp)
+                        if use_div:
+                            dv = div[0, l, h, t]
+                            for c in range(D):
+                                tile[j, c] = tile[j, c] / dv
+                    if not kcvt:  # one group of G tokens per channel: its min / max
+                        lo[:] = tile[0]
+                        hi[:] = tile[0]
+                        for j in range(1, n):
+                            for c in range(D):
+                                v = tile[j, c]
+                                lo[c] = v if v < lo[c] else lo[c]
+                                hi[c] = v if v > hi[c] else hi[c]
+                        gi = a // G
+                        ng = q // G
+                        for c in range(D):
+                            pk = max(pk, max(-lo[c], hi[c]))
+                            hs, hz, s, z = _scale_zero(lo[c], hi[c], qmax, tmp)
+                            sv[c] = s
+                            zv[c] = z
+                            _put16(out, base + g[G_KS] + ((h * D + c) * ng + gi) * 2, hs)
+                            _put16(out, base + g[G_KZ] + ((h * D + c) * ng + gi) * 2, hz)
+                    else:
+                        for j in range(n):
+                            for c in range(D):
+                                pk = max(pk, abs(tile[j, c]))
+                    for j in range(n):
+                        for c in range(D):
+                            ctile[c, j] = _code(tile[j, c], sv[c], zv[c], qmax)
+                    for c in range(D):
+                        _put_run(out, base + g[G_KC], (h * D + c) * q + a, ctile[c], n, bits)
+                    if want_err:
+                        for j in range(n):
+                            eo = e0 + (a + j) * D
+                            for c in range(D):
+                                err[eo + c] = tile[j, c] - (zv[c] + np.float32(ctile[c, j])
+                                                             * sv[c])
+            elif kv == 1 and q > 0:
+                nvg = D // VG
+                for j in range(q):
+                    t = t0 + j
+                    _load_row(sb, sf, use_bits, src0 + t * sst[3], D, row, tmp)
+                    if use_div:
+                        dv = div[1, l, h, t]
+                        for c in range(D):
+                            row[c] = row[c] / dv
+                    for gg in range(nvg):
+                        hs, hz, lov, hiv, s, z = quantize_group(row, gg * VG, (gg + 1) * VG,
+                                                               qmax, tmp, codes)
+                        pk = max(pk, max(-lov, hiv))
+                        mo = ((h * q + j) * nvg + gg) * 2
+                        _put16(out, base + g[G_VS] + mo, hs)
+                        _put16(out, base + g[G_VZ] + mo, hz)
+                        if want_err:
+                            eo = e0 + j * D
+                            for c in range(gg * VG, (gg + 1) * VG):
+                                err[eo + c] = row[c] - (z + np.float32(codes[c]) * s)
+                    _put_run(out, base + g[G_VC], (h * q + j) * D, codes, D, bits)
+            # bf16 window: copied bits
+            ro = base + (g[G_KR] if kv == 0 else g[G_VR])
+            for j in range(r):
+                x0 = l * rst[0] + kv * rst[1] + h * rst[2] + (t0 + q + j) * rst[3]
+                o = ro + ((h * r + j) * D) * 2
+                for c in range(D):
+                    u = np.int64(xr[x0 + c])
+                    _put16(out, o + 2 * c, u)
+                    if rpeak:
+                        pk = max(pk, abs(_bits_f32(u << 16, tmp)))
+            if want_err and q > 0:  # outlier slots: left out of the low-rank fit
+                if kv == 0 and g[G_KK] > 0:
+                    m = 2 * g[G_KK]
+                    for c in range(D):
+                        for j in range(m):
+                            o = base + g[G_KOI] + ((h * D + c) * m + j) * ik
+                            t = np.int64(out[o]) if ik == 1 else _get16(out, o)
+                            err[e0 + t * D + c] = zero
+                elif kv == 1 and g[G_KV] > 0:
+                    m = 2 * g[G_KV]
+                    for j in range(q):
+                        for i in range(m):
+                            o = base + g[G_VOI] + ((h * q + j) * m + i) * iv
+                            c = np.int64(out[o]) if iv == 1 else _get16(out, o)
+                            err[e0 + j * D + c] = zero
+        peak[w] = pk
+
+
+@numba.njit(inline="always", **_JIT)
+def _fwht_row(y, d, scale):
+    """In place: the orthonormal Walsh-Hadamard transform of y[0:d], the butterflies of
+    hadamard.hadamard in its order (level h pairs (j, j + h) in blocks of 2h), then * scale:
+    bit-identical to the torch reference (as lynx_cpu.fwht_cpu)."""
+    h = 1
+    while h < d:
+        for i in range(0, d, 2 * h):
+            for j in range(i, i + h):
+                a = y[j]
+                b = y[j + h]
+                y[j] = a + b
+                y[j + h] = a - b
+        h *= 2
+    for j in range(d):
+        y[j] = y[j] * scale
+
+
+@numba.njit(inline="always", **_JIT)
+def _store_row(buf, D, mode, out_f, out_b, o, tmp):
+    """One fp32 row -> the output at flat offset o: fp32 (mode 0), bf16 bits (1, round to
+    nearest even as torch .to()), fp16 bits (2, clamped to +-65504 first as
+    codec.cast_finite)."""
+    if mode == 0:
+        for c in range(D):
+            out_f[o + c] = buf[c]
+    elif mode == 1:
+        bu = buf.view(np.uint32)
+        for c in range(D):
+            ub = bu[c]
+            ub = ub + np.uint32(0x7FFF) + ((ub >> np.uint32(16)) & np.uint32(1))
+            out_b[o + c] = np.uint16(ub >> np.uint32(16))
+    else:
+        big = np.float32(65504.0)
+        for c in range(D):
+            v = max(-big, min(big, buf[c]))
+            out_b[o + c] = np.uint16(f32_bits_to_f16_bits(_f32_bits(v, tmp)))
+
+
+@numba.njit(parallel=True, **_JIT)
+def _decode_kernel(src, geo, layer_bytes, L, H, D, T, G, VG, bits, kcvt, ik, iv, rot_k, rot_v,
+                   scale, mode, out_f, out_b):
+    """Inverse of _encode_kernel (+ the fields gear and oscar add): every chunk in `src`
+    (layout as _encode_kernel's `out`) -> the cache [L, 2, H, T, D] as flat out_f (fp32,
+    mode 0) or out_b (uint16 bf16 / fp16 bits, modes 1 / 2). Per head-page, in fp32:
+    x = zero16 + code * scale16; gear: x = x + (a_0 b_0 + a_1 b_1 + ...) (lr_a, lr_b; the
+    products summed in rank order), then the stored outliers overwrite their slots; oscar:
+    K (and V where geo has v_norm) * the fp16 norm, then the Walsh-Hadamard rotation of K
+    (rot_k) and V (rot_v), `scale` = fp32(1 / sqrt(D))."""
+    P = geo.shape[0]
+    for w in numba.prange(L * P * 2 * H):
+        h = w % H
+        kv = (w // H) % 2
+        p = (w // (2 * H)) % P
+        l = w // (2 * H * P)
+        g = geo[p]
+        base = l * layer_bytes + g[G_BASE]
+        t0 = g[G_T0]
+        q = g[G_QK] if kv == 0 else g[G_QV]
+        r = g[G_RK] if kv == 0 else g[G_RV]
+        tmp = np.empty(2, np.float32)
+        buf = np.empty((max(q, 1), D), np.float32)
+        o0 = ((l * 2 + kv) * H + h) * T * D
+        if q > 0:
+            if kv == 0:
+                if kcvt:  # one group of all the layer's quantized tokens, scales in page 0
+                    ks_at = l * layer_bytes + geo[0, G_BASE] + geo[0, G_KS]
+                    kz_at = l * layer_bytes + geo[0, G_BASE] + geo[0, G_KZ]
+                else:
+                    ks_at = base + g[G_KS]
+                    kz_at = base + g[G_KZ]
+                ng = 1 if kcvt else q // G
+                gs = q if kcvt else G
+                for c in range(D):
+                    for gi in range(ng):
+                        mo = ((h * D + c) * ng + gi) * 2
+                        s = _bits_f32(f16_bits_to_f32_bits(_get16(src, ks_at + mo)), tmp)
+                        z = _bits_f32(f16_bits_to_f32_bits(_get16(src, kz_at + mo)), tmp)
+                        i0 = (h * D + c) * q + gi * gs
+                        for j in range(gs):
+                            code = _get_code(src, base + g[G_KC], i0 + j, bits)
+                            buf[gi * gs + j, c] = z + np.float32(code) * s
+            else:
+                nvg = D // VG
+                for j in range(q):
+                    for gi in range(nvg):
+                        mo = ((h * q + j) * nvg + gi) * 2
+                        s = _bits_f32(f16_bits_to_f32_bits(_get16(src, base + g[G_VS] + mo)), tmp)
+                        z = _bits_f32(f16_bits_to_f32_bits(_get16(src, base + g[G_VZ] + mo)), tmp)
+                        i0 = (h * q + j) * D + gi * VG
+                        for c in range(VG):
+                            code = _get_code(src, base + g[G_VC], i0 + c, bits)
+                            buf[j, gi * VG + c] = z + np.float32(code) * s
+            rank = g[G_RANK]
+            if rank > 0:  # gear: + A B^T, products added in rank order
+                bm = np.empty((D, rank), np.float32)
+                am = np.empty(rank, np.float32)
+                lr = np.empty(D, np.float32)
+                for c in range(D):
+                    for k in range(rank):
+                        o = base + g[G_LB] + (((kv * H + h) * D + c) * rank + k) * 2
+                        bm[c, k] = _bits_f32(f16_bits_to_f32_bits(_get16(src, o)), tmp)
+                for j in range(q):
+                    for k in range(rank):
+                        o = base + g[G_LA] + (((kv * H + h) * q + j) * rank + k) * 2
+                        am[k] = _bits_f32(f16_bits_to_f32_bits(_get16(src, o)), tmp)
+                    for c in range(D):
+                        lr[c] = am[0] * bm[c, 0]
+                    for k in range(1, rank):
+                        for c in range(D):
+                            lr[c] = lr[c] + am[k] * bm[c, k]
+                    for c in range(D):
+                        buf[j, c] = buf[j, c] + lr[c]
+            if kv == 0 and g[G_KK] > 0:  # gear outliers: per channel, token index in page
+                m = 2 * g[G_KK]
+                for c in range(D):
+                    for i in range(m):
+                        oi = base + g[G_KOI] + ((h * D + c) * m + i) * ik
+                        t = np.int64(src[oi]) if ik == 1 else _get16(src, oi)
+                        ov = base + g[G_KOV] + ((h * D + c) * m + i) * 2
+                        buf[t, c] = _bits_f32(f16_bits_to_f32_bits(_get16(src, ov)), tmp)
+            if kv == 1 and g[G_KV] > 0:  # per token, channel index
+                m = 2 * g[G_KV]
+                for j in range(q):
+                    for i in range(m):
+                        oi = base + g[G_VOI] + ((h * q + j) * m + i) * iv
+                        c = np.int64(src[oi]) if iv == 1 else _get16(src, oi)
+                        ov = base + g[G_VOV] + ((h * q + j) * m + i) * 2
+                        buf[j, c] = _bits_f32(f16_bits_to_f32_bits(_get16(src, ov)), tmp)
+            nf = g[G_KN] if kv == 0 else g[G_VN]
+            rot = rot_k if kv == 0 else rot_v
+            for j in range(q):
+                if nf >= 0:  # oscar: undo the per-token norm scaling
+                    n = _bits_f32(f16_bits_to_f32_bits(_get16(src, base + nf + (h * q + j) * 2)),
+                                  tmp)
+                    for c in range(D):
+                        buf[j, c] = buf[j, c] * n
+                if rot:
+                    _fwht_row(buf[j], D, scale)
+                _store_row(buf[j], D, mode, out_f, out_b, o0 + (t0 + j) * D, tmp)
+        # bf16 window
+        ro = base + (g[G_KR] if kv == 0 else g[G_VR])
+        row = buf[0]
+        ru = row.view(np.uint32)
+        for j in range(r):
+            o = ro + (h * r + j) * D * 2
+            oo = o0 + (t0 + q + j) * D
+            if mode == 1:
+                for c in range(D):
+                    out_b[oo + c] = np.uint16(_get16(src, o + 2 * c))
+            else:
+                for c in range(D):
+                    ru[c] = np.uint32(_get16(src, o + 2 * c) << 16)
+                _store_row(row, D, mode, out_f, out_b, oo, tmp)
+
+
+@numba.njit(inline="always", **_JIT)
+def _keep_extremes(v, i, tv, ti, n, m, top):
+    """Insert value v (index i) into the sorted list tv / ti [0:n] of at most m entries:
+    largest first (top) or smallest first; an entry never passes an equal one, so ties keep
+    the lower index first (visit indices in increasing order): torch.sort(stable=True)'s
+    order. Returns the new length."""
+    if n == m:
+        if (v > tv[m - 1]) if top else (v < tv[m - 1]):
+            pos = m - 1
+        else:
+            return n
+    else:
+        pos = n
+        n += 1
+    while pos > 0 and ((v > tv[pos - 1]) if top else (v < tv[pos - 1])):
+        tv[pos] = tv[pos - 1]
+        ti[pos] = ti[pos - 1]
+        pos -= 1
+    tv[pos] = v
+    ti[pos] = i
+    return n
+
+
+@numba.njit(parallel=True, **_JIT)
+def _outlier_kernel(sb, sf, use_bits, sst, geo, layer_bytes, L, H, D, ik, iv, out, filled,
+                    peak):
+    """gear (outlier_count 'ceil'): per page, the k top and k bottom entries of every K
+    channel (over the page's q tokens) and of every V token (over D channels), k = geo's
+    G_KK / G_KV, chosen as gear.split_outliers does (ties: lower index first), written as the
+    ko_* / vo_* fields of the chunks in `out`; `filled` (fp32 [L, 2, H, Tq, D] contiguous)
+    gets the source with each outlier slot replaced by clamp(0, (k+1)-th smallest,
+    (k+1)-th largest). peak[item]: max |x| of the item's source values."""
+    P = geo.shape[0]
+    for w in numba.prange(L * P * 2 * H):
+        h = w % H
+        kv = (w // H) % 2
+        p = (w // (2 * H)) % P
+        l = w // (2 * H * P)
+        g = geo[p]
+        base = l * layer_bytes + g[G_BASE]
+        t0 = g[G_T0]
+        q = g[G_QK]
+        tq = filled.shape[3]
+        if q == 0:
+            peak[w] = 0.0
+            continue
+        tmp = np.empty(2, np.float32)
+        buf = np.empty((q, D), np.float32)
+        src0 = l * sst[0] + kv * sst[1] + h * sst[2]
+        pk = np.float32(0.0)
+        for j in range(q):
+            _load_row(sb, sf, use_bits, src0 + (t0 + j) * sst[3], D, buf[j], tmp)
+            for c in range(D):
+                pk = max(pk, abs(buf[j, c]))
+        peak[w] = pk
+        k = g[G_KK] if kv == 0 else g[G_KV]
+        if k > 0:
+            m = k + 1
+            if kv == 0:  # per channel over tokens
+                tv = np.empty((D, m), np.float32)
+                ti = np.empty((D, m), np.int64)
+                bv = np.empty((D, m), np.float32)
+                bi = np.empty((D, m), np.int64)
+                nt = 0
+                nb = 0
+                for j in range(q):
+                    for c in range(D):
+                        n1 = _keep_extremes(buf[j, c], j, tv[c], ti[c], nt, m, True)
+                        n2 = _keep_extremes(buf[j, c], j, bv[c], bi[c], nb, m, False)
+                    nt = n1
+                    nb = n2
+                for c in range(D):
+                    fill = min(max(np.float32(0.0), bv[c, k]), tv[c, k])
+                    for s in range(2 * k):
+                        t = ti[c, s] if s < k else bi[c, s - k]
+                        o = (h * D + c) * 2 * k + s
+                        if ik == 1:
+                            out[base + g[G_KOI] + o] = np.uint8(t)
+                        else:
+                            _put16(out, base + g[G_KOI] + 2 * o, t)
+                        val = tv[c, s] if s < k else bv[c, s - k]
+                        _put16(out, base + g[G_KOV] + 2 * o,
+                               f32_bits_to_f16_bits(_f32_bits(val, tmp)))
+                    for s in range(2 * k):
+                        t = ti[c, s] if s < k else bi[c, s - k]
+                        buf[t, c] = fill
+            else:  # per token over channels
+                tv = np.empty(m, np.float32)
+                ti = np.empty(m, np.int64)
+                bv = np.empty(m, np.float32)
+                bi = np.empty(m, np.int64)
+                for j in range(q):
+                    nt = 0
+                    nb = 0
+                    for c in range(D):
+                        nt = _keep_extremes(buf[j, c], c, tv, ti, nt, m, True)
+                        nb = _keep_extremes(buf[j, c], c, bv, bi, nb, m, False)
+                    fill = min(max(np.float32(0.0), bv[k]), tv[k])
+                    for s in range(2 * k):
+                        c = ti[s] if s < k else bi[s - k]
+                        o = (h * q + j) * 2 * k + s
+                        if iv == 1:
+                            out[base + g[G_VOI] + o] = np.uint8(c)
+                        else:
+                            _put16(out, base + g[G_VOI] + 2 * o, c)
+                        val = tv[s] if s < k else bv[s - k]
+                        _put16(out, base + g[G_VOV] + 2 * o,
+                               f32_bits_to_f16_bits(_f32_bits(val, tmp)))
+                    for s in range(2 * k):
+                        buf[j, ti[s] if s < k else bi[s - k]] = fill
+        fo = ((l * 2 + kv) * H + h) * tq * D
+        ff = filled.reshape(-1)
+        for j in range(q):
+            for c in range(D):
+                ff[fo + (t0 + j) * D + c] = buf[j, c]
+
+
+@numba.njit(parallel=True, **_JIT)
+def _rotate_kernel(sb, sf, use_bits, sst, L, H, D, tq, rot_v, scale, rot, peak):
+    """oscar: rot [2, L, H, tq, D] fp32 = the Walsh-Hadamard rotation of the source's first
+    tq tokens (V copied unrotated unless rot_v). peak[item, 0]: max |x| of the source,
+    peak[item, 1]: max |rotated V|."""
+    for w in numba.prange(2 * L * H):
+        kv = w // (L * H)
+        l = (w // H) % L
+        h = w % H
+        tmp = np.empty(2, np.float32)
+        p0 = np.float32(0.0)
+        p1 = np.float32(0.0)
+        src0 = l * sst[0] + kv * sst[1] + h * sst[2]
+        for t in range(tq):
+            y = rot[kv, l, h, t]
+            _load_row(sb, sf, use_bits, src0 + t * sst[3], D, y, tmp)
+            for c in range(D):
+                p0 = max(p0, abs(y[c]))
+            if kv == 0 or rot_v:
+                _fwht_row(y, D, scale)
+            if kv == 1:
+                for c in range(D):
+                    p1 = max(p1, abs(y[c]))
+        peak[w, 0] = p0
+        peak[w, 1] = p1
+
+
+# ---- Python side of the fused path --------------------------------------------------------
+class Source:
+    """A quantization source for the fused kernels: element (l, kv, h, t, c) of a flat
+    bf16-bits (uint16) or fp32 array at l*strides[0] + kv*strides[1] + h*strides[2] +
+    t*strides[3] + c."""
+
+    def __init__(self, flat: np.ndarray, strides: tuple[int, int, int, int]) -> None:
+        self.use_bits = flat.dtype == np.uint16
+        self.sb = flat if self.use_bits else np.zeros(1, np.uint16)
+        self.sf = np.zeros(1, np.float32) if self.use_bits else flat
+        self.strides = np.asarray(strides, np.int64)
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> Source:
+        """A CPU tensor [L, 2, H, T, D] (any strides with the last dim contiguous over a
+        contiguous storage, e.g. a permuted contiguous tensor): bf16 as its bits, fp32 as is,
+        anything else widened to fp32 first."""
+        if t.dtype == torch.bfloat16:
+            b = t.view(torch.int16)
+            dt = np.uint16
+        else:
+            b = t if t.dtype == torch.float32 else t.to(torch.float32)
+            dt = np.float32
+        if b.stride(-1) != 1 or b.storage_offset() != 0:
+            b = b.contiguous()
+        flat = torch.as_strided(b, (b.untyped_storage().nbytes() // b.element_size(),), (1,))
+        arr = flat.numpy()
+        return cls(arr.view(np.uint16) if dt == np.uint16 else arr,
+                   tuple(int(s) for s in b.stride()[:4]))
+
+
+def bf16_bits(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """The cache's bf16 bits (flat uint16, strides of a contiguous [L, 2, H, T, D]): a view
+    for a contiguous bf16 tensor, else the round-to-nearest-even cast torch .to() makes."""
+    b = x.to(torch.bfloat16).contiguous()
+    return b.view(torch.int16).numpy().reshape(-1).view(np.uint16), np.asarray(b.stride()[:4],
+                                                                              np.int64)
+
+
+def encode_fused(x: torch.Tensor, src: Source, geo: np.ndarray, layer_bytes: int,
+                 key_group: int, value_group: int, bits: int, out: np.ndarray,
+                 div: np.ndarray | None = None, dflag: tuple[int, int] = (0, 0),
+                 err: np.ndarray | None = None, eoff: np.ndarray | None = None,
+                 index_bytes: tuple[int, int] = (1, 1)) -> float:
+    """The backbone fields (and bf16 window) of every chunk of x [L, 2, H, T, D] into `out`
+    (uint8 [L * layer_bytes], zeroed; chunk (l, p) at l * layer_bytes + geo[p, G_BASE]).
+    key_group 0 = kcvt. src: the values to quantize (x itself, or gear / oscar's transformed
+    cache). div / dflag: oscar's per-token divisors. err / eoff: gear's quantization error
+    (see _encode_kernel). Returns the peak |value| seen: source, and bf16 window if x is
+    bf16 (else the caller checks x's range itself: its window is stored rounded to bf16)."""
+    qmax_of(bits)
+    L, _, H, T, D = (int(s) for s in x.shape)
+    xr, rst = bf16_bits(x)
+    kcvt = key_group == 0
+    tq = int((geo[:, G_QK]).sum())
+    kstat = np.zeros((L, H, D, 2) if kcvt else (1, 1, 1, 2), np.uint16)
+    if kcvt and tq:
+        _kcvt_stats_kernel(src.sb, src.sf, src.use_bits, src.strides, L, H, D, tq, bits, kstat)
+    qs = geo[:, G_QK]
+    aligned = all(int(v) * D % (8 // bits) == 0 for v in np.concatenate((qs, geo[:, G_QV])))
+    hb = H if aligned else 1
+    peak = np.zeros(L * geo.shape[0] * 2 * hb, np.float32)
+    want = err is not None
+    _encode_kernel(src.sb, src.sf, src.use_bits, src.strides,
+                   div if div is not None else np.ones((2, 1, 1, 1), np.float32),
+                   np.asarray(dflag, np.int64), kstat, kcvt, xr, rst,
+                   x.dtype == torch.bfloat16, geo, layer_bytes,
+                   L, H, D, max(key_group, 1), value_group, bits, not aligned, out, peak,
+                   err if want else np.zeros(1, np.float32),
+                   eoff if want else np.zeros((L, geo.shape[0]), np.int64), want,
+                   index_bytes[0], index_bytes[1])
+    return float(peak.max()) if peak.size else 0.0
+
+
+def split_outliers_fused(src: Source, geo: np.ndarray, layer_bytes: int,
+                         dims: tuple[int, ...], tq: int, index_bytes: tuple[int, int],
+                         out: np.ndarray) -> tuple[torch.Tensor, float]:
+    """gear 'ceil' outliers of every page (see _outlier_kernel) -> (filled source fp32
+    [L, 2, H, tq, D], peak |x| of the first tq tokens); the ko_* / vo_* fields go to out."""
+    L, _, H, _, D = dims
+    filled = np.empty((L, 2, H, tq, D), np.float32)
+    peak = np.zeros(L * geo.shape[0] * 2 * H, np.float32)
+    if tq:
+        _outlier_kernel(src.sb, src.sf, src.use_bits, src.strides, geo, layer_bytes, L, H, D,
+                        index_bytes[0], index_bytes[1], out, filled, peak)
+    return torch.from_numpy(filled), float(peak.max()) if peak.size else 0.0
+
+
+def rotate_fused(src: Source, dims: tuple[int, ...], tq: int, rotate_values: bool
+                 ) -> tuple[torch.Tensor, float, float]:
+    """oscar: the rotated first tq tokens [2, L, H, tq, D] fp32 (V unrotated unless
+    rotate_values) and the peaks |x| (source) and |rotated V|."""
+    L, _, H, _, D = dims
+    rot = np.empty((2, L, H, tq, D), np.float32)
+    peak = np.zeros((2 * L * H, 2), np.float32)
+    if tq:
+        _rotate_kernel(src.sb, src.sf, src.use_bits, src.strides, L, H, D, tq, rotate_values,
+                       np.float32(1.0 / math.sqrt(D)), rot, peak)
+    return torch.from_numpy(rot), float(peak[:, 0].max()), float(peak[:, 1].max())
+
+
+def decode_fused(src: np.ndarray, geo: np.ndarray, layer_bytes: int, dims: tuple[int, ...],
+                 key_group: int, value_group: int, bits: int, dtype: torch.dtype,
+                 index_bytes: tuple[int, int] = (1, 1), rotate: tuple[bool, bool] = (False,
+                                                                                    False)
+                 ) -> torch.Tensor:
+    """Every chunk in src (uint8, laid out as encode_fused's out) -> the cache in `dtype`
+    (fp32, or bf16 / fp16 rounded from the fp32 reconstruction as codec.cast_finite)."""
+    qmax_of(bits)
+    L, _, H, T, D = dims
+    mode = {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 0)
+    n = L * 2 * H * T * D
+    out_f = np.empty(n if mode == 0 else 1, np.float32)
+    out_b = np.empty(n if mode else 1, np.uint16)
+    _decode_kernel(np.ascontiguousarray(src, dtype=np.uint8), geo, layer_bytes, L, H, D, T,
+                   max(key_group, 1), value_group, bits, key_group == 0, index_bytes[0],
+                   index_bytes[1], rotate[0], rotate[1], np.float32(1.0 / math.sqrt(D)), mode,
+                   out_f, out_b)
+    if mode == 0:
+        return torch.from_numpy(out_f).view(dims)
+    t = torch.from_numpy(out_b.view(np.int16)).view(dims)
+    return t.view(torch.bfloat16 if mode == 1 else torch.float16)
