@@ -15,8 +15,12 @@ Per page of quantized tokens (q tokens, heads h, head_dim d), for K and V separa
 2. low rank: the quantization residual E = X_filled - dequant(quant(X_filled)) (zero on
    the outlier slots) of each head is approximated by A B^T, A [q, r], B [d, r],
    r = min(rank, q, d), by subspace (power) iteration: B0 ~ N(0, 1) from a generator seeded
-   with `seed`, then `iters` times B = QR(B); A = QR(E B); B = E^T A (GEAR Algorithm 2 with
-   an orthonormalization each round for stability). A and B are stored in fp16; a column
+   with `seed`, then `iters` times B = orth(B); A = orth(E B); B = E^T A (GEAR Algorithm 2
+   with an orthonormalization each round for stability; orth = modified Gram-Schmidt, and
+   every dot product of the fit summed in index order, elementwise fp32 ops, so that the
+   torch reference and the numba kernel of the CPU path give the same bits; decode sums
+   A B^T's rank-one terms in rank order for the same reason). A and B are stored in fp16;
+   among equal values, outliers are picked lower index first (a stable sort). A column
    of B that would overflow fp16 (inputs near +-65504) trades a power of two with its
    column of A first (`fit_fp16`; the product is unchanged).
    `lowrank` 'page' (default): factors are fitted over one page's q tokens (E of one
@@ -52,7 +56,7 @@ from kvsim.kernels import kivi_cpu
 from kvsim.kernels.codec import register
 from kvsim.kernels.groupquant import QUANT_BITS, Field
 from kvsim.kernels.kivi import BACKENDS, Backbone, BackboneCodec, FusedInput
-from kvsim.kernels.kivi_cpu import G_BASE, G_LA, G_LB, G_QK
+from kvsim.kernels.kivi_cpu import G_BASE, G_LA, G_LB, G_QK, G_RANK
 from kvsim.layout import KVShape
 
 BACKBONES = ("kivi", "kcvt")
@@ -173,18 +177,71 @@ def fit_fp16(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return a * c, b / c
 
 
+def seq_sum(p: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum over `dim`, one term at a time in index order (every partial sum rounded to fp32):
+    a defined order that kivi_cpu's numba kernels repeat bit for bit (torch.sum's and a
+    BLAS matmul's orders are their own)."""
+    acc = p.select(dim, 0)
+    for i in range(1, p.shape[dim]):
+        acc = acc + p.select(dim, i)
+    return acc
+
+
+def matmul_seq(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x [..., m, k] @ y [..., k, n] with every dot product summed in k order (seq_sum)."""
+    acc = x[..., :, 0:1] * y[..., 0:1, :]
+    for c in range(1, x.shape[-1]):
+        acc = acc + x[..., :, c:c + 1] * y[..., c:c + 1, :]
+    return acc
+
+
+def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """fp32 sqrt rounded to nearest, as IEEE (and numba's sqrtf) define it: torch.sqrt on CPU
+    may be an ulp off (a vectorized approximation). Of torch.sqrt's result and its two fp32
+    neighbours, the one whose square is nearest x (squares and differences exact in fp64)."""
+    s = torch.sqrt(x)
+    c = torch.stack((torch.nextafter(s, torch.full_like(s, -math.inf)), s,
+                     torch.nextafter(s, torch.full_like(s, math.inf))))
+    miss = (c.double() * c.double() - x.double()).abs()
+    return c.gather(0, miss.argmin(dim=0, keepdim=True)).squeeze(0)
+
+
+def orthonormalize(m: torch.Tensor) -> torch.Tensor:
+    """m [..., n, r] -> Q [..., n, r] with orthonormal columns spanning m's: modified
+    Gram-Schmidt, column by column, dot products by seq_sum (a zero column stays zero)."""
+    cols: list[torch.Tensor] = []
+    for j in range(m.shape[-1]):
+        v = m[..., j]
+        for qi in cols:
+            v = v - seq_sum(qi * v, -1).unsqueeze(-1) * qi
+        nrm = sqrt_rn(seq_sum(v * v, -1)).unsqueeze(-1)
+        live = nrm > 0
+        cols.append(torch.where(live, v / torch.where(live, nrm, torch.ones_like(nrm)),
+                                torch.zeros_like(v)))
+    return torch.stack(cols, dim=-1)
+
+
+def low_rank_start(d: int, r: int, seed: int) -> torch.Tensor:
+    """B0 [d, r] ~ N(0, 1) from a generator seeded with `seed`."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn(d, r, generator=gen, dtype=torch.float32)
+
+
 def low_rank(e: torch.Tensor, rank: int, iters: int, seed: int
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """e: [batch, q, d] fp32 -> A [batch, q, r], B [batch, d, r] with e ~ A B^T."""
+    """e: [batch, q, d] fp32 -> A [batch, q, r], B [batch, d, r] with e ~ A B^T: subspace
+    iteration, `iters` times B = orth(B); A = orth(E B); B = E^T A, with orthonormalize and
+    matmul_seq: elementwise fp32 ops in one defined order, so that the numba kernel
+    (kivi_cpu._low_rank) gives the same bits."""
     n, q, d = e.shape
     r = min(rank, q, d)
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    b = torch.randn(d, r, generator=gen, dtype=torch.float32).to(e.device).expand(n, d, r)
+    b = low_rank_start(d, r, seed).to(e.device).expand(n, d, r)
     a = e.new_zeros(n, q, r)
+    et = e.transpose(-1, -2)
     for _ in range(iters):
-        b = torch.linalg.qr(b).Q
-        a = torch.linalg.qr(e @ b).Q
-        b = e.transpose(-1, -2) @ a
+        b = orthonormalize(b)
+        a = orthonormalize(matmul_seq(e, b))
+        b = matmul_seq(et, a)
     return a, b
 
 
@@ -374,34 +431,33 @@ class GearCodec(BackboneCodec):
 
     def fused_prepare(self, x: torch.Tensor, shape: KVShape, geo: np.ndarray, layer_bytes: int,
                       out: np.ndarray) -> FusedInput:
-        """Outliers out of the source (ko_* / vo_* fields written), and an error buffer for
-        the encode kernel: page (l, p) with q quantized tokens as [2, H, q, D] at eoff[l, p]."""
+        """Outliers out of the source (ko_* / vo_* fields written), and the buffers of the
+        per-page low-rank fits the encode kernel makes (kivi_cpu._low_rank)."""
         src, peak = kivi_cpu.Source.of(x), 0.0
         tq = int(geo[:, G_QK].sum())
         if self.sparse:
             filled, peak = kivi_cpu.split_outliers_fused(src, geo, layer_bytes, shape.dims, tq,
                                                           self.index_bytes(shape), out)
             src = kivi_cpu.Source.of(filled)
-        per_page = 2 * shape.kv_heads * shape.head_dim * geo[:, G_QK]  # floats of each page
-        starts = np.concatenate(([0], np.cumsum(per_page)[:-1]))
-        eoff = (np.arange(shape.layers)[:, None] * int(per_page.sum()) + starts[None, :])
-        err = np.empty(shape.layers * int(per_page.sum()), np.float32)
-        return FusedInput(src, err=err, eoff=eoff.astype(np.int64), peak=peak)
+        p, d = self.params, shape.head_dim
+        start = [low_rank_start(d, int(r), p.seed).numpy() for r in geo[:, G_RANK]]
+        lowrank = kivi_cpu.LowRankOut.empty(geo, shape.layers, shape.kv_heads, d, p.iters,
+                                            start)
+        return FusedInput(src, lowrank=lowrank, peak=peak)
 
     def fused_finish(self, inp: FusedInput, shape: KVShape, geo: np.ndarray, layer_bytes: int,
                      out: np.ndarray) -> None:
-        """The low-rank fit of each page's error (the torch code of page_extras: the same
-        bytes), written as lr_a / lr_b."""
-        h, d, p = shape.kv_heads, shape.head_dim, self.params
-        assert inp.err is not None and inp.eoff is not None
+        """lr_a / lr_b of every page: the kernel's fits through fit_fp16, as fp16."""
+        h, d, lr = shape.kv_heads, shape.head_dim, inp.lowrank
+        assert lr is not None
         for layer in range(shape.layers):
             for page in range(geo.shape[0]):
-                q = int(geo[page, G_QK])
+                q, r = int(geo[page, G_QK]), int(geo[page, G_RANK])
                 if q == 0:
                     continue
-                at = int(inp.eoff[layer, page])
-                err = torch.from_numpy(inp.err[at:at + 2 * h * q * d]).view(2 * h, q, d)
-                a, b = fit_fp16(*low_rank(err, p.rank, p.iters, p.seed))
+                ao, bo = int(lr.aoff[layer, page]), int(lr.boff[layer, page])
+                a, b = fit_fp16(torch.from_numpy(lr.a[ao:ao + 2 * h * q * r]).view(2 * h, q, r),
+                                torch.from_numpy(lr.b[bo:bo + 2 * h * d * r]).view(2 * h, d, r))
                 base = layer * layer_bytes + int(geo[page, G_BASE])
                 for col, t in ((G_LA, a), (G_LB, b)):
                     raw = t.to(torch.float16).contiguous().view(torch.int16).numpy()

@@ -185,8 +185,7 @@ class FusedInput:
     src: kivi_cpu.Source  # the values to quantize [L, 2, H, Tq, D]
     div: np.ndarray | None = None  # oscar: per-token divisors [2, L, H, Tq] fp32
     dflag: tuple[int, int] = (0, 0)  # divide K, V by div
-    err: np.ndarray | None = None  # gear: quantization error of each page (flat fp32)
-    eoff: np.ndarray | None = None  # gear: [L, pages] start of page (l, p)'s [2, H, q, D] in err
+    lowrank: kivi_cpu.LowRankOut | None = None  # gear: the per-page low-rank fits (filled in)
     peak: float = 0.0  # max |x| the hook saw (gear: the quantized tokens before filling)
     state: dict[str, Any] = field(default_factory=dict)
 
@@ -335,7 +334,7 @@ class BackboneCodec(Codec):
         inp = self.fused_prepare(x, shape, geo, layer_bytes, out)
         peak = kivi_cpu.encode_fused(x, inp.src, geo, layer_bytes, bb.key_group,
                                      bb.vgroup(shape), bb.bits, out, inp.div, inp.dflag,
-                                     inp.err, inp.eoff, self.index_bytes(shape))
+                                     inp.lowrank, self.index_bytes(shape))
         peak = max(peak, inp.peak)
         if peak > FP16_MAX:  # check_fp16_range's refusal, from the kernels' peaks
             raise ValueError(f"{self.name}: |value| up to {peak:.4g} exceeds the fp16 range "

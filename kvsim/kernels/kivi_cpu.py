@@ -27,6 +27,7 @@ tests/test_kivi_cpu.py checks bytes against torch.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numba
 import numpy as np
@@ -409,8 +410,8 @@ def _kcvt_stats_kernel(sb, sf, use_bits, sst, L, H, D, tq, bits, kstat):
 
 @numba.njit(parallel=True, **_JIT)
 def _encode_kernel(sb, sf, use_bits, sst, div, dflag, kstat, kcvt, xr, rst, rpeak, geo,
-                   layer_bytes, L, H, D, G, VG, bits, whole, out, peak, err, eoff, want_err, ik,
-                   iv):
+                   layer_bytes, L, H, D, G, VG, bits, whole, out, peak, want_lr, b0, iters,
+                   fa, aoff, fb, boff, ik, iv):
     """Quantize, pack and serialize the backbone fields of every chunk into `out` (uint8,
     zeroed, chunks at l * layer_bytes + geo[p, G_BASE]).
 
@@ -420,9 +421,11 @@ def _encode_kernel(sb, sf, use_bits, sst, div, dflag, kstat, kcvt, xr, rst, rpea
     scale / zero bits [L, H, D, 2]. xr: flat bf16 bits of the cache (bf16 window), strides
     rst. peak[item]: max |x| over the item's source values and (rpeak: xr is the cache
     itself, not a rounding of it) its bf16 tokens.
-    want_err: write the quantization error source - x_hat into err (fp32, page (l, p) at
-    eoff[l, p] as [2, H, q, D]), zero on the outlier slots named by the page's ko_idx / vo_idx
-    fields (already in `out`, index bytes ik / iv)."""
+    want_lr (gear): the low-rank fit (_low_rank) of each head-page's quantization error
+    E = source - x_hat, zero on the outlier slots named by the page's ko_idx / vo_idx fields
+    (already in `out`, index bytes ik / iv), rank geo[p, G_RANK], start b0[p] [D, rank]:
+    A into fa (page (l, p) as [2, H, q, rank] at aoff[l, p]), B into fb ([2, H, D, rank] at
+    boff[l, p]), fp32."""
     P = geo.shape[0]
     hb = 1 if whole else H
     qmax = np.float32((1 << bits) - 1)
@@ -450,9 +453,11 @@ def _encode_kernel(sb, sf, use_bits, sst, div, dflag, kstat, kcvt, xr, rst, rpea
         use_div = dflag[kv] != 0
         h_lo = 0 if whole else h0
         h_hi = H if whole else h0 + 1
+        want_err = want_lr and q > 0
+        err = np.empty((q if want_err else 1, D), np.float32)  # E of one head-page [q, D]
+        ef = err.reshape(-1)
         for h in range(h_lo, h_hi):
             src0 = l * sst[0] + kv * sst[1] + h * sst[2]
-            e0 = eoff[l, p] + (kv * H + h) * q * D
             if kv == 0 and q > 0:
                 tt = K_TILE if kcvt else G
                 if kcvt:
@@ -503,10 +508,10 @@ def _encode_kernel(sb, sf, use_bits, sst, div, dflag, kstat, kcvt, xr, rst, rpea
                         _put_run(out, base + g[G_KC], (h * D + c) * q + a, ctile[c], n, bits)
                     if want_err:
                         for j in range(n):
-                            eo = e0 + (a + j) * D
+                            eo = (a + j) * D
                             for c in range(D):
-                                err[eo + c] = tile[j, c] - (zv[c] + np.float32(ctile[c, j])
-                                                             * sv[c])
+                                ef[eo + c] = tile[j, c] - (zv[c] + np.float32(ctile[c, j])
+                                                            * sv[c])
             elif kv == 1 and q > 0:
                 nvg = D // VG
                 for j in range(q):
@@ -524,9 +529,9 @@ def _encode_kernel(sb, sf, use_bits, sst, div, dflag, kstat, kcvt, xr, rst, rpea
                         _put16(out, base + g[G_VS] + mo, hs)
                         _put16(out, base + g[G_VZ] + mo, hz)
                         if want_err:
-                            eo = e0 + j * D
+                            eo = j * D
                             for c in range(gg * VG, (gg + 1) * VG):
-                                err[eo + c] = row[c] - (z + np.float32(codes[c]) * s)
+                                ef[eo + c] = row[c] - (z + np.float32(codes[c]) * s)
                     _put_run(out, base + g[G_VC], (h * q + j) * D, codes, D, bits)
             # bf16 window: copied bits
             ro = base + (g[G_KR] if kv == 0 else g[G_VR])
@@ -538,22 +543,104 @@ def _encode_kernel(sb, sf, use_bits, sst, div, dflag, kstat, kcvt, xr, rst, rpea
                     _put16(out, o + 2 * c, u)
                     if rpeak:
                         pk = max(pk, abs(_bits_f32(u << 16, tmp)))
-            if want_err and q > 0:  # outlier slots: left out of the low-rank fit
+            if want_err:  # outlier slots: left out of the low-rank fit
                 if kv == 0 and g[G_KK] > 0:
                     m = 2 * g[G_KK]
                     for c in range(D):
                         for j in range(m):
                             o = base + g[G_KOI] + ((h * D + c) * m + j) * ik
                             t = np.int64(out[o]) if ik == 1 else _get16(out, o)
-                            err[e0 + t * D + c] = zero
+                            ef[t * D + c] = zero
                 elif kv == 1 and g[G_KV] > 0:
                     m = 2 * g[G_KV]
                     for j in range(q):
                         for i in range(m):
                             o = base + g[G_VOI] + ((h * q + j) * m + i) * iv
                             c = np.int64(out[o]) if iv == 1 else _get16(out, o)
-                            err[e0 + j * D + c] = zero
+                            ef[j * D + c] = zero
+            if want_err:
+                rank = g[G_RANK]
+                _low_rank(err, q, D, rank, iters, b0[p],
+                          fa[aoff[l, p] + (kv * H + h) * q * rank:],
+                          fb[boff[l, p] + (kv * H + h) * D * rank:])
         peak[w] = pk
+
+
+@numba.njit(**_JIT)
+def _seq_dot(x, y, n):
+    """sum_t x[t] * y[t], t = 0 .. n-1 in order, each product and sum rounded to fp32 (the
+    order gear.seq_sum uses)."""
+    acc = x[0] * y[0]
+    for t in range(1, n):
+        acc = acc + x[t] * y[t]
+    return acc
+
+
+@numba.njit(**_JIT)
+def _mgs(m, n, r):
+    """In place: orthonormalize the r columns of an [n, r] matrix held as rows m[j, 0:n]
+    (modified Gram-Schmidt in gear.orthonormalize's op order; a zero column stays zero)."""
+    for j in range(r):
+        v = m[j]
+        for i in range(j):
+            dot = _seq_dot(m[i], v, n)
+            qi = m[i]
+            for t in range(n):
+                v[t] = v[t] - dot * qi[t]
+        nrm = np.float32(np.sqrt(_seq_dot(v, v, n)))  # rounded to fp32, as torch.sqrt
+        if nrm > np.float32(0.0):
+            for t in range(n):
+                v[t] = v[t] / nrm
+        else:
+            for t in range(n):
+                v[t] = np.float32(0.0)
+
+
+@numba.njit(**_JIT)
+def _low_rank(e, q, D, r, iters, b0, fa, fb):
+    """gear.low_rank of one matrix E = e [q, D] (fp32), op for op: B = b0 [D, r]; iters
+    times B = MGS(B); A = MGS(E B); B = E^T A; every dot product summed in index order.
+    Writes A [q, r] to fa[0:q*r] and B [D, r] to fb[0:D*r]. Each sum runs over one index in
+    order; the loops vectorize across the independent outputs instead."""
+    et = np.ascontiguousarray(e[:q].T)  # [D, q]
+    at = np.zeros((r, q), np.float32)  # A^T
+    bt = np.empty((r, D), np.float32)  # B^T
+    for j in range(r):
+        for c in range(D):
+            bt[j, c] = b0[c, j]
+    for _ in range(iters):
+        _mgs(bt, D, r)
+        for j in range(r):  # A = E B: a[t, j] = sum_c e[t, c] b[c, j]
+            y = at[j]
+            bj = bt[j]
+            b_0 = bj[0]
+            e_0 = et[0]
+            for t in range(q):
+                y[t] = e_0[t] * b_0
+            for c in range(1, D):
+                bc = bj[c]
+                ec = et[c]
+                for t in range(q):
+                    y[t] = y[t] + ec[t] * bc
+        _mgs(at, q, r)
+        for j in range(r):  # B = E^T A: b[c, j] = sum_t e[t, c] a[t, j]
+            y = bt[j]
+            aj = at[j]
+            a_0 = aj[0]
+            e_0 = e[0]
+            for c in range(D):
+                y[c] = e_0[c] * a_0
+            for t in range(1, q):
+                a_t = aj[t]
+                e_t = e[t]
+                for c in range(D):
+                    y[c] = y[c] + e_t[c] * a_t
+    for t in range(q):
+        for j in range(r):
+            fa[t * r + j] = at[j, t]
+    for c in range(D):
+        for j in range(r):
+            fb[c * r + j] = bt[j, c]
 
 
 @numba.njit(inline="always", **_JIT)
@@ -895,16 +982,49 @@ def bf16_bits(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
                                                                               np.int64)
 
 
+@dataclass
+class LowRankOut:
+    """gear: the per-page low-rank fits encode_fused makes (fp32, flat): page (l, p) with q
+    quantized tokens has A [2, H, q, r] at a[aoff[l, p]:] and B [2, H, D, r] at
+    b[boff[l, p]:]; b0 [pages, D, max r]: each page's start matrix; iters: rounds."""
+
+    b0: np.ndarray
+    iters: int
+    a: np.ndarray
+    aoff: np.ndarray
+    b: np.ndarray
+    boff: np.ndarray
+
+    @classmethod
+    def empty(cls, geo: np.ndarray, layers: int, heads: int, head_dim: int, iters: int,
+              start: list[np.ndarray]) -> LowRankOut:
+        """Buffers for the pages of geo; start[p]: page p's B0 [D, r_p]."""
+        r, q = geo[:, G_RANK], geo[:, G_QK]
+        per_a, per_b = 2 * heads * q * r, 2 * heads * head_dim * r
+        rmax = max(int(r.max()), 1) if r.size else 1
+        b0 = np.zeros((geo.shape[0], head_dim, rmax), np.float32)
+        for p, m in enumerate(start):
+            b0[p, :, :m.shape[1]] = m
+
+        def offsets(per: np.ndarray) -> np.ndarray:
+            starts = np.concatenate(([0], np.cumsum(per)[:-1]))
+            return (np.arange(layers)[:, None] * int(per.sum()) + starts[None, :]).astype(
+                np.int64)
+
+        return cls(b0, iters, np.empty(layers * int(per_a.sum()), np.float32), offsets(per_a),
+                   np.empty(layers * int(per_b.sum()), np.float32), offsets(per_b))
+
+
 def encode_fused(x: torch.Tensor, src: Source, geo: np.ndarray, layer_bytes: int,
                  key_group: int, value_group: int, bits: int, out: np.ndarray,
                  div: np.ndarray | None = None, dflag: tuple[int, int] = (0, 0),
-                 err: np.ndarray | None = None, eoff: np.ndarray | None = None,
+                 lowrank: LowRankOut | None = None,
                  index_bytes: tuple[int, int] = (1, 1)) -> float:
     """The backbone fields (and bf16 window) of every chunk of x [L, 2, H, T, D] into `out`
     (uint8 [L * layer_bytes], zeroed; chunk (l, p) at l * layer_bytes + geo[p, G_BASE]).
     key_group 0 = kcvt. src: the values to quantize (x itself, or gear / oscar's transformed
-    cache). div / dflag: oscar's per-token divisors. err / eoff: gear's quantization error
-    (see _encode_kernel). Returns the peak |value| seen: source, and bf16 window if x is
+    cache). div / dflag: oscar's per-token divisors. lowrank: gear's low-rank fits (filled
+    in, see _encode_kernel). Returns the peak |value| seen: source, and bf16 window if x is
     bf16 (else the caller checks x's range itself: its window is stored rounded to bf16)."""
     qmax_of(bits)
     L, _, H, T, D = (int(s) for s in x.shape)
@@ -918,14 +1038,15 @@ def encode_fused(x: torch.Tensor, src: Source, geo: np.ndarray, layer_bytes: int
     aligned = all(int(v) * D % (8 // bits) == 0 for v in np.concatenate((qs, geo[:, G_QV])))
     hb = H if aligned else 1
     peak = np.zeros(L * geo.shape[0] * 2 * hb, np.float32)
-    want = err is not None
+    lr = lowrank or LowRankOut(np.zeros((1, 1, 1), np.float32), 0, np.zeros(1, np.float32),
+                               np.zeros((1, 1), np.int64), np.zeros(1, np.float32),
+                               np.zeros((1, 1), np.int64))
     _encode_kernel(src.sb, src.sf, src.use_bits, src.strides,
                    div if div is not None else np.ones((2, 1, 1, 1), np.float32),
                    np.asarray(dflag, np.int64), kstat, kcvt, xr, rst,
                    x.dtype == torch.bfloat16, geo, layer_bytes,
                    L, H, D, max(key_group, 1), value_group, bits, not aligned, out, peak,
-                   err if want else np.zeros(1, np.float32),
-                   eoff if want else np.zeros((L, geo.shape[0]), np.int64), want,
+                   lowrank is not None, lr.b0, lr.iters, lr.a, lr.aoff, lr.b, lr.boff,
                    index_bytes[0], index_bytes[1])
     return float(peak.max()) if peak.size else 0.0
 
