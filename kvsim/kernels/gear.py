@@ -431,19 +431,25 @@ class GearCodec(BackboneCodec):
 
     def fused_prepare(self, x: torch.Tensor, shape: KVShape, geo: np.ndarray, layer_bytes: int,
                       out: np.ndarray) -> FusedInput:
-        """Outliers out of the source (ko_* / vo_* fields written), and the buffers of the
-        per-page low-rank fits the encode kernel makes (kivi_cpu._low_rank)."""
-        src, peak = kivi_cpu.Source.of(x), 0.0
-        tq = int(geo[:, G_QK].sum())
-        if self.sparse:
-            filled, peak = kivi_cpu.split_outliers_fused(src, geo, layer_bytes, shape.dims, tq,
-                                                          self.index_bytes(shape), out)
-            src = kivi_cpu.Source.of(filled)
+        """Outliers picked by the encode kernel (kcvt backbone: beforehand, ko_* / vo_*
+        fields written), and the buffers of the per-page low-rank fits the encode kernel
+        makes (kivi_cpu._low_rank)."""
+        inp = FusedInput()
+        if self.sparse and self.params.backbone == "kcvt":
+            # kcvt's key groups span all pages: fill the outlier slots of the whole cache
+            # first (the kernel then quantizes the filled copy)
+            tq = int(geo[:, G_QK].sum())
+            filled, inp.peak = kivi_cpu.split_outliers_fused(
+                kivi_cpu.Source.of(x), geo, layer_bytes, shape.dims, tq,
+                self.index_bytes(shape), out)
+            inp.src_k = inp.src_v = kivi_cpu.Source.of(filled)
+        else:
+            inp.select_outliers = self.sparse
         p, d = self.params, shape.head_dim
         start = [low_rank_start(d, int(r), p.seed).numpy() for r in geo[:, G_RANK]]
-        lowrank = kivi_cpu.LowRankOut.empty(geo, shape.layers, shape.kv_heads, d, p.iters,
-                                            start)
-        return FusedInput(src, lowrank=lowrank, peak=peak)
+        inp.lowrank = kivi_cpu.LowRankOut.empty(geo, shape.layers, shape.kv_heads, d, p.iters,
+                                                start)
+        return inp
 
     def fused_finish(self, inp: FusedInput, shape: KVShape, geo: np.ndarray, layer_bytes: int,
                      out: np.ndarray) -> None:

@@ -41,7 +41,7 @@ kernels of kivi_cpu.py (same bytes, same decoded bits), 'auto' = cpu kernels for
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -182,12 +182,15 @@ class Backbone:
 class FusedInput:
     """What a codec feeds kivi_cpu.encode_fused (see BackboneCodec.fused_prepare)."""
 
-    src: kivi_cpu.Source  # the values to quantize [L, 2, H, Tq, D]
+    src_k: kivi_cpu.Source | None = None  # K values to quantize (None: the cache)
+    src_v: kivi_cpu.Source | None = None  # V values to quantize (None: the cache)
+    src_peak: tuple[int, int] = (1, 1)  # src_k / src_v hold the cache's values (peak check)
     div: np.ndarray | None = None  # oscar: per-token divisors [2, L, H, Tq] fp32
     dflag: tuple[int, int] = (0, 0)  # divide K, V by div
+    rotate_v: bool = False  # oscar: V rotated in the kernel
+    select_outliers: bool = False  # gear: outliers picked in the kernel
     lowrank: kivi_cpu.LowRankOut | None = None  # gear: the per-page low-rank fits (filled in)
-    peak: float = 0.0  # max |x| the hook saw (gear: the quantized tokens before filling)
-    state: dict[str, Any] = field(default_factory=dict)
+    peak: float = 0.0  # max |x| the hook saw
 
 
 class BackboneCodec(Codec):
@@ -312,9 +315,12 @@ class BackboneCodec(Codec):
 
     def fused_prepare(self, x: torch.Tensor, shape: KVShape, geo: np.ndarray, layer_bytes: int,
                       out: np.ndarray) -> FusedInput:
-        """Hook: the source to quantize (default: the cache itself); may write extra fields
-        into `out` (all chunks, zeroed) and raise on inputs it refuses."""
-        return FusedInput(kivi_cpu.Source.of(x))
+        """Hook: the sources to quantize (default: the cache itself) and what the kernel does
+        to them; may write extra fields into `out` (all chunks, zeroed)."""
+        return FusedInput()
+
+    def check_rotated(self, vpeak: float) -> None:
+        """Hook: refuse a peak |rotated V| the kernel saw (oscar)."""
 
     def fused_finish(self, inp: FusedInput, shape: KVShape, geo: np.ndarray, layer_bytes: int,
                      out: np.ndarray) -> None:
@@ -332,13 +338,15 @@ class BackboneCodec(Codec):
         out = np.zeros(shape.layers * layer_bytes, np.uint8)
         x = kv.detach()
         inp = self.fused_prepare(x, shape, geo, layer_bytes, out)
-        peak = kivi_cpu.encode_fused(x, inp.src, geo, layer_bytes, bb.key_group,
-                                     bb.vgroup(shape), bb.bits, out, inp.div, inp.dflag,
-                                     inp.lowrank, self.index_bytes(shape))
+        peak, vpeak = kivi_cpu.encode_fused(
+            x, geo, layer_bytes, bb.key_group, bb.vgroup(shape), bb.bits, out, inp.src_k,
+            inp.src_v, inp.div, inp.dflag, inp.src_peak, inp.rotate_v, inp.select_outliers,
+            inp.lowrank, self.index_bytes(shape))
         peak = max(peak, inp.peak)
         if peak > FP16_MAX:  # check_fp16_range's refusal, from the kernels' peaks
             raise ValueError(f"{self.name}: |value| up to {peak:.4g} exceeds the fp16 range "
                              f"({FP16_MAX}) of the stored scales / zero points")
+        self.check_rotated(vpeak)
         self.fused_finish(inp, shape, geo, layer_bytes, out)
         chunks = []
         for layer in range(shape.layers):

@@ -254,9 +254,11 @@ def decode_page(src: np.ndarray, offsets: dict[str, int], kmeta: np.ndarray,
 # The codec-level CPU path (kivi.py BackboneCodec._encode_fused / _decode_fused): one numba
 # call writes every chunk payload of the cache, one reads them all back. No fp32 copy of
 # the cache, no unpacked codes, no per-page torch calls. Work item = (layer, page, K|V,
-# head): a head-page of q quantized + r bf16 tokens; all heads of a (layer, page, K|V) in one
-# item when the packed codes of two heads would share a byte (D * q not a multiple of the
-# codes per byte), so that no two threads ever write the same byte.
+# head): a head-page of q quantized + r bf16 tokens, loaded once into a thread-local fp32
+# [q, D] buffer (bf16 input straight from its bits) where gear's outliers and oscar's V
+# rotation happen before it is quantized; all heads of a (layer, page, K|V) in one item
+# when the packed codes of two heads would share a byte (D * q not a multiple of the codes
+# per byte), so that no two threads ever write the same byte.
 #
 # Page geometry `geo` (int64 [pages, GEO_COLS]): the token split of page p and the byte
 # offset of each field inside its chunk (-1: the codec has no such field); a chunk (l, p)
@@ -270,6 +272,7 @@ GEO_FIELDS = {"k_codes": G_KC, "k_scale": G_KS, "k_zero": G_KZ, "v_codes": G_VC,
               "lr_a": G_LA, "lr_b": G_LB, "ko_idx": G_KOI, "ko_val": G_KOV, "vo_idx": G_VOI,
               "vo_val": G_VOV, "k_norm": G_KN, "v_norm": G_VN}
 K_TILE = 32  # kcvt: tokens per key tile (its groups span the whole layer)
+ROWS = 8  # rows per Walsh-Hadamard tile: one AVX2 fp32 vector per butterfly
 
 
 @numba.njit(inline="always", **_JIT)
@@ -284,6 +287,12 @@ def _f32_bits(v, tmp):
     """fp32 value -> its bit pattern (int64), through tmp (fp32[2] scratch, slot 0)."""
     tmp[0] = v
     return np.int64(tmp.view(np.uint32)[0])
+
+
+@numba.njit(inline="always", **_JIT)
+def _h2f(src, o, tmp):
+    """The little-endian fp16 at bytes src[o], src[o + 1] as fp32."""
+    return _bits_f32(f16_bits_to_f32_bits(np.int64(src[o]) | (np.int64(src[o + 1]) << 8)), tmp)
 
 
 @numba.njit(inline="always", **_JIT)
@@ -370,7 +379,7 @@ def _get_code(src, base, i, bits):
 
 
 @numba.njit(inline="always", **_JIT)
-def _load_row(sb, sf, use_bits, o, D, dst, tmp):
+def _load_row(sb, sf, use_bits, o, D, dst):
     """D source values at flat offset o (bf16 bits or fp32) -> dst[0:D] fp32."""
     if use_bits:
         du = dst.view(np.uint32)
@@ -379,6 +388,129 @@ def _load_row(sb, sf, use_bits, o, D, dst, tmp):
     else:
         for c in range(D):
             dst[c] = sf[o + c]
+
+
+@numba.njit(**_JIT)
+def _fwht_rows(buf, n, D, scale, tile):
+    """In place: the orthonormal Walsh-Hadamard transform of each row of buf[0:n] ([*, D],
+    D a power of two): hadamard.hadamard's butterflies in its order (level h pairs (j, j + h)
+    in blocks of 2h), then * scale, so bit-identical to the torch reference (as
+    lynx_cpu.fwht_cpu). ROWS rows at a time through tile [D, ROWS], transposed so that each
+    butterfly is one vector op over the rows; each element still sees the same ops."""
+    for r0 in range(0, n, ROWS):
+        m = min(ROWS, n - r0)
+        for k in range(m):
+            row = buf[r0 + k]
+            for c in range(D):
+                tile[c, k] = row[c]
+        h = 1
+        while h < D:
+            for i in range(0, D, 2 * h):
+                for j in range(i, i + h):
+                    ta = tile[j]
+                    tb = tile[j + h]
+                    for k in range(ROWS):  # unused lanes hold stale, never-read values
+                        a = ta[k]
+                        b = tb[k]
+                        ta[k] = a + b
+                        tb[k] = a - b
+            h *= 2
+        for k in range(m):
+            row = buf[r0 + k]
+            for c in range(D):
+                row[c] = tile[c, k] * scale
+
+
+@numba.njit(inline="always", **_JIT)
+def _keep_extremes(v, i, tv, ti, n, m, top):
+    """Insert value v (index i) into the sorted list tv / ti [0:n] of at most m entries:
+    largest first (top) or smallest first; an entry never passes an equal one, so ties keep
+    the lower index first (visit indices in increasing order): torch.sort(stable=True)'s
+    order, gear.extremes. Returns the new length."""
+    if n == m:
+        if (v > tv[m - 1]) if top else (v < tv[m - 1]):
+            pos = m - 1
+        else:
+            return n
+    else:
+        pos = n
+        n += 1
+    while pos > 0 and ((v > tv[pos - 1]) if top else (v < tv[pos - 1])):
+        tv[pos] = tv[pos - 1]
+        ti[pos] = ti[pos - 1]
+        pos -= 1
+    tv[pos] = v
+    ti[pos] = i
+    return n
+
+
+@numba.njit(**_JIT)
+def _page_outliers(buf, q, D, kv, k, h, out, idx_at, val_at, ib, tmp):
+    """gear 'ceil' outliers of one head-page buf [q, D] (in place): the k top and k bottom
+    entries of every K channel over the q tokens (kv 0) or of every V token over the D
+    channels (kv 1), as gear.split_outliers picks them, stored as the idx / val fields at
+    bytes idx_at / val_at (head h's part; index bytes ib), each slot then filled with
+    clamp(0, (k+1)-th smallest, (k+1)-th largest)."""
+    m = k + 1
+    zero = np.float32(0.0)
+    if kv == 0:  # per channel over tokens; m <= q since k <= (q - 1) // 2
+        tv = np.empty((D, m), np.float32)
+        ti = np.empty((D, m), np.int64)
+        bv = np.empty((D, m), np.float32)
+        bi = np.empty((D, m), np.int64)
+        for j in range(m):
+            for c in range(D):
+                _keep_extremes(buf[j, c], j, tv[c], ti[c], j, m, True)
+                _keep_extremes(buf[j, c], j, bv[c], bi[c], j, m, False)
+        for j in range(m, q):
+            row = buf[j]
+            for c in range(D):
+                v = row[c]
+                if v > tv[c, k]:
+                    _keep_extremes(v, j, tv[c], ti[c], m, m, True)
+                if v < bv[c, k]:
+                    _keep_extremes(v, j, bv[c], bi[c], m, m, False)
+        for c in range(D):
+            fill = min(max(zero, bv[c, k]), tv[c, k])
+            for s in range(2 * k):
+                t = ti[c, s] if s < k else bi[c, s - k]
+                val = tv[c, s] if s < k else bv[c, s - k]
+                o = (h * D + c) * 2 * k + s
+                if ib == 1:
+                    out[idx_at + o] = np.uint8(t)
+                else:
+                    _put16(out, idx_at + 2 * o, t)
+                _put16(out, val_at + 2 * o, f32_bits_to_f16_bits(_f32_bits(val, tmp)))
+            for s in range(2 * k):
+                buf[ti[c, s] if s < k else bi[c, s - k], c] = fill
+    else:  # per token over channels; m <= D
+        tv = np.empty(m, np.float32)
+        ti = np.empty(m, np.int64)
+        bv = np.empty(m, np.float32)
+        bi = np.empty(m, np.int64)
+        for j in range(q):
+            row = buf[j]
+            for c in range(m):
+                _keep_extremes(row[c], c, tv, ti, c, m, True)
+                _keep_extremes(row[c], c, bv, bi, c, m, False)
+            for c in range(m, D):
+                v = row[c]
+                if v > tv[k]:
+                    _keep_extremes(v, c, tv, ti, m, m, True)
+                if v < bv[k]:
+                    _keep_extremes(v, c, bv, bi, m, m, False)
+            fill = min(max(zero, bv[k]), tv[k])
+            for s in range(2 * k):
+                c = ti[s] if s < k else bi[s - k]
+                val = tv[s] if s < k else bv[s - k]
+                o = (h * q + j) * 2 * k + s
+                if ib == 1:
+                    out[idx_at + o] = np.uint8(c)
+                else:
+                    _put16(out, idx_at + 2 * o, c)
+                _put16(out, val_at + 2 * o, f32_bits_to_f16_bits(_f32_bits(val, tmp)))
+            for s in range(2 * k):
+                row[ti[s] if s < k else bi[s - k]] = fill
 
 
 @numba.njit(parallel=True, **_JIT)
@@ -394,10 +526,10 @@ def _kcvt_stats_kernel(sb, sf, use_bits, sst, L, H, D, tq, bits, kstat):
         lo = np.empty(D, np.float32)
         hi = np.empty(D, np.float32)
         o = l * sst[0] + h * sst[2]
-        _load_row(sb, sf, use_bits, o, D, lo, tmp)
+        _load_row(sb, sf, use_bits, o, D, lo)
         hi[:] = lo
         for t in range(1, tq):
-            _load_row(sb, sf, use_bits, o + t * sst[3], D, row, tmp)
+            _load_row(sb, sf, use_bits, o + t * sst[3], D, row)
             for c in range(D):
                 v = row[c]
                 lo[c] = v if v < lo[c] else lo[c]
@@ -409,23 +541,26 @@ def _kcvt_stats_kernel(sb, sf, use_bits, sst, L, H, D, tq, bits, kstat):
 
 
 @numba.njit(parallel=True, **_JIT)
-def _encode_kernel(sb, sf, use_bits, sst, div, dflag, kstat, kcvt, xr, rst, rpeak, geo,
-                   layer_bytes, L, H, D, G, VG, bits, whole, out, peak, want_lr, b0, iters,
-                   fa, aoff, fb, boff, ik, iv):
+def _encode_kernel(kb, kf, kbits, kst, vb, vf, vbits, vst, speak, div, dflag, rot_v, scale,
+                   kstat, kcvt, select, xr, rst, rpeak, geo, layer_bytes, L, H, D, G, VG, bits,
+                   whole, out, peak, want_lr, b0, iters, fa, aoff, fb, boff, ik, iv):
     """Quantize, pack and serialize the backbone fields of every chunk into `out` (uint8,
     zeroed, chunks at l * layer_bytes + geo[p, G_BASE]).
 
-    sb / sf: flat quantization source, bf16 bits (use_bits) or fp32, element (l, kv, h, t, c)
-    at l*sst[0] + kv*sst[1] + h*sst[2] + t*sst[3] + c. div: fp32 [2, L, H, Tq] per-token
-    divisors applied on load where dflag[kv] (oscar's norms). kstat: kcvt's per-channel key
-    scale / zero bits [L, H, D, 2]. xr: flat bf16 bits of the cache (bf16 window), strides
-    rst. peak[item]: max |x| over the item's source values and (rpeak: xr is the cache
-    itself, not a rounding of it) its bf16 tokens.
+    kb / kf (K) and vb / vf (V): flat quantization sources, bf16 bits (kbits / vbits) or
+    fp32, element (l, kv, h, t, c) at l*st[0] + kv*st[1] + h*st[2] + t*st[3] + c (strides kst
+    / vst); speak[kv]: whether they are the cache's values (count in the peak). div: fp32
+    [2, L, H, Tq] per-token divisors applied on load where dflag[kv] (oscar's
+    norms); rot_v: V rotated on load (oscar, fp32 scale = 1 / sqrt(D)). kstat: kcvt's
+    per-channel key scale / zero bits [L, H, D, 2]. select: gear's outliers picked here
+    (_page_outliers; else, if the page has outlier fields, already written and filled in the
+    sources). xr: flat bf16 bits of the cache (bf16 window), strides rst.
+    peak[item, 0]: max |x| over the item's source values as loaded (speak) and (rpeak: xr is the
+    cache itself, not a rounding of it) its bf16 tokens; peak[item, 1]: max |rotated V|.
     want_lr (gear): the low-rank fit (_low_rank) of each head-page's quantization error
     E = source - x_hat, zero on the outlier slots named by the page's ko_idx / vo_idx fields
-    (already in `out`, index bytes ik / iv), rank geo[p, G_RANK], start b0[p] [D, rank]:
-    A into fa (page (l, p) as [2, H, q, rank] at aoff[l, p]), B into fb ([2, H, D, rank] at
-    boff[l, p]), fp32."""
+    (index bytes ik / iv), rank geo[p, G_RANK], start b0[p] [D, rank]: A into fa (page (l, p)
+    as [2, H, q, rank] at aoff[l, p]), B into fb ([2, H, D, rank] at boff[l, p]), fp32."""
     P = geo.shape[0]
     hb = 1 if whole else H
     qmax = np.float32((1 << bits) - 1)
@@ -441,97 +576,105 @@ def _encode_kernel(sb, sf, use_bits, sst, div, dflag, kstat, kcvt, xr, rst, rpea
         q = g[G_QK] if kv == 0 else g[G_QV]
         r = g[G_RK] if kv == 0 else g[G_RV]
         tmp = np.empty(2, np.float32)
-        tile = np.empty((K_TILE if kcvt else max(G, 1), D), np.float32)
-        row = np.empty(D, np.float32)
-        codes = np.empty(max(D, K_TILE, G), np.int32)
-        ctile = np.empty((D, K_TILE if kcvt else max(G, 1)), np.int32)
+        tt = K_TILE if kcvt else G  # K tokens per tile
+        buf = np.empty((max(q, 1), D), np.float32)  # the head-page
+        rtile = np.zeros((D, ROWS), np.float32)
+        codes = np.empty(max(D, tt), np.int32)
+        ctile = np.empty((D, tt), np.int32)
         lo = np.empty(D, np.float32)
         hi = np.empty(D, np.float32)
         sv = np.empty(D, np.float32)
         zv = np.empty(D, np.float32)
         pk = zero
+        pr = zero
         use_div = dflag[kv] != 0
         h_lo = 0 if whole else h0
         h_hi = H if whole else h0 + 1
         want_err = want_lr and q > 0
         err = np.empty((q if want_err else 1, D), np.float32)  # E of one head-page [q, D]
-        ef = err.reshape(-1)
         for h in range(h_lo, h_hi):
-            src0 = l * sst[0] + kv * sst[1] + h * sst[2]
+            if q > 0:
+                for j in range(q):
+                    t = t0 + j
+                    if kv == 0:
+                        _load_row(kb, kf, kbits, l * kst[0] + h * kst[2] + t * kst[3], D, buf[j])
+                    else:
+                        _load_row(vb, vf, vbits, l * vst[0] + vst[1] + h * vst[2] + t * vst[3],
+                                  D, buf[j])
+                    row = buf[j]
+                    if speak[kv]:
+                        for c in range(D):
+                            pk = max(pk, abs(row[c]))
+                    if use_div:
+                        dv = div[kv, l, h, t]
+                        for c in range(D):
+                            row[c] = row[c] / dv
+                if kv == 1 and rot_v:
+                    _fwht_rows(buf, q, D, scale, rtile)
+                    for j in range(q):
+                        for c in range(D):
+                            pr = max(pr, abs(buf[j, c]))
+                k = g[G_KK] if kv == 0 else g[G_KV]
+                if select and k > 0:
+                    _page_outliers(buf, q, D, kv, k, h, out,
+                                   base + (g[G_KOI] if kv == 0 else g[G_VOI]),
+                                   base + (g[G_KOV] if kv == 0 else g[G_VOV]),
+                                   ik if kv == 0 else iv, tmp)
             if kv == 0 and q > 0:
-                tt = K_TILE if kcvt else G
                 if kcvt:
                     for c in range(D):
-                        tmp.view(np.uint32)[0] = np.uint32(f16_bits_to_f32_bits(
-                            np.int64(kstat[l, h, c, 0])))
-                        tmp.view(np.uint32)[1] = np.uint32(f16_bits_to_f32_bits(
-                            np.int64(kstat[l, h, c, 1])))
-                        sv[c] = tmp[0]
-                        zv[c] = tmp[1]
+                        sv[c] = _bits_f32(f16_bits_to_f32_bits(np.int64(kstat[l, h, c, 0])),
+                                          tmp)
+                        zv[c] = _bits_f32(f16_bits_to_f32_bits(np.int64(kstat[l, h, c, 1])),
+                                          tmp)
                         if p == 0:
                             _put16(out, base + g[G_KS] + (h * D + c) * 2, kstat[l, h, c, 0])
                             _put16(out, base + g[G_KZ] + (h * D + c) * 2, kstat[l, h, c, 1])
                 for a in range(0, q, tt):
                     n = min(tt, q - a)
-                    for j in range(n):
-                        t = t0 + a + j
-                        _load_row(sb, sf, use_bits, src0 + t * sst[3], D, tile[j], tmp)
-                        if use_div:
-                            dv = div[0, l, h, t]
-                            for c in range(D):
-                                tile[j, c] = tile[j, c] / dv
                     if not kcvt:  # one group of G tokens per channel: its min / max
-                        lo[:] = tile[0]
-                        hi[:] = tile[0]
-                        for j in range(1, n):
+                        lo[:] = buf[a]
+                        hi[:] = buf[a]
+                        for j in range(a + 1, a + n):
+                            row = buf[j]
                             for c in range(D):
-                                v = tile[j, c]
+                                v = row[c]
                                 lo[c] = v if v < lo[c] else lo[c]
                                 hi[c] = v if v > hi[c] else hi[c]
                         gi = a // G
                         ng = q // G
                         for c in range(D):
-                            pk = max(pk, max(-lo[c], hi[c]))
                             hs, hz, s, z = _scale_zero(lo[c], hi[c], qmax, tmp)
                             sv[c] = s
                             zv[c] = z
                             _put16(out, base + g[G_KS] + ((h * D + c) * ng + gi) * 2, hs)
                             _put16(out, base + g[G_KZ] + ((h * D + c) * ng + gi) * 2, hz)
-                    else:
-                        for j in range(n):
-                            for c in range(D):
-                                pk = max(pk, abs(tile[j, c]))
                     for j in range(n):
+                        row = buf[a + j]
                         for c in range(D):
-                            ctile[c, j] = _code(tile[j, c], sv[c], zv[c], qmax)
+                            ctile[c, j] = _code(row[c], sv[c], zv[c], qmax)
                     for c in range(D):
                         _put_run(out, base + g[G_KC], (h * D + c) * q + a, ctile[c], n, bits)
                     if want_err:
                         for j in range(n):
-                            eo = (a + j) * D
+                            row = buf[a + j]
+                            er = err[a + j]
                             for c in range(D):
-                                ef[eo + c] = tile[j, c] - (zv[c] + np.float32(ctile[c, j])
-                                                            * sv[c])
+                                er[c] = row[c] - (zv[c] + np.float32(ctile[c, j]) * sv[c])
             elif kv == 1 and q > 0:
                 nvg = D // VG
                 for j in range(q):
-                    t = t0 + j
-                    _load_row(sb, sf, use_bits, src0 + t * sst[3], D, row, tmp)
-                    if use_div:
-                        dv = div[1, l, h, t]
-                        for c in range(D):
-                            row[c] = row[c] / dv
+                    row = buf[j]
                     for gg in range(nvg):
-                        hs, hz, lov, hiv, s, z = quantize_group(row, gg * VG, (gg + 1) * VG,
-                                                               qmax, tmp, codes)
-                        pk = max(pk, max(-lov, hiv))
+                        hs, hz, _lo, _hi, s, z = quantize_group(row, gg * VG, (gg + 1) * VG,
+                                                                qmax, tmp, codes)
                         mo = ((h * q + j) * nvg + gg) * 2
                         _put16(out, base + g[G_VS] + mo, hs)
                         _put16(out, base + g[G_VZ] + mo, hz)
                         if want_err:
-                            eo = j * D
+                            er = err[j]
                             for c in range(gg * VG, (gg + 1) * VG):
-                                ef[eo + c] = row[c] - (z + np.float32(codes[c]) * s)
+                                er[c] = row[c] - (z + np.float32(codes[c]) * s)
                     _put_run(out, base + g[G_VC], (h * q + j) * D, codes, D, bits)
             # bf16 window: copied bits
             ro = base + (g[G_KR] if kv == 0 else g[G_VR])
@@ -550,20 +693,20 @@ def _encode_kernel(sb, sf, use_bits, sst, div, dflag, kstat, kcvt, xr, rst, rpea
                         for j in range(m):
                             o = base + g[G_KOI] + ((h * D + c) * m + j) * ik
                             t = np.int64(out[o]) if ik == 1 else _get16(out, o)
-                            ef[t * D + c] = zero
+                            err[t, c] = zero
                 elif kv == 1 and g[G_KV] > 0:
                     m = 2 * g[G_KV]
                     for j in range(q):
                         for i in range(m):
                             o = base + g[G_VOI] + ((h * q + j) * m + i) * iv
                             c = np.int64(out[o]) if iv == 1 else _get16(out, o)
-                            ef[j * D + c] = zero
-            if want_err:
+                            err[j, c] = zero
                 rank = g[G_RANK]
                 _low_rank(err, q, D, rank, iters, b0[p],
                           fa[aoff[l, p] + (kv * H + h) * q * rank:],
                           fb[boff[l, p] + (kv * H + h) * D * rank:])
-        peak[w] = pk
+        peak[w, 0] = pk
+        peak[w, 1] = pr
 
 
 @numba.njit(**_JIT)
@@ -587,7 +730,7 @@ def _mgs(m, n, r):
             qi = m[i]
             for t in range(n):
                 v[t] = v[t] - dot * qi[t]
-        nrm = np.float32(np.sqrt(_seq_dot(v, v, n)))  # rounded to fp32, as torch.sqrt
+        nrm = np.float32(np.sqrt(_seq_dot(v, v, n)))  # rounded to fp32, as gear.sqrt_rn
         if nrm > np.float32(0.0):
             for t in range(n):
                 v[t] = v[t] / nrm
@@ -641,24 +784,6 @@ def _low_rank(e, q, D, r, iters, b0, fa, fb):
     for c in range(D):
         for j in range(r):
             fb[c * r + j] = bt[j, c]
-
-
-@numba.njit(inline="always", **_JIT)
-def _fwht_row(y, d, scale):
-    """In place: the orthonormal Walsh-Hadamard transform of y[0:d], the butterflies of
-    hadamard.hadamard in its order (level h pairs (j, j + h) in blocks of 2h), then * scale:
-    bit-identical to the torch reference (as lynx_cpu.fwht_cpu)."""
-    h = 1
-    while h < d:
-        for i in range(0, d, 2 * h):
-            for j in range(i, i + h):
-                a = y[j]
-                b = y[j + h]
-                y[j] = a + b
-                y[j + h] = a - b
-        h *= 2
-    for j in range(d):
-        y[j] = y[j] * scale
 
 
 @numba.njit(inline="always", **_JIT)
@@ -719,8 +844,8 @@ def _decode_kernel(src, geo, layer_bytes, L, H, D, T, G, VG, bits, kcvt, ik, iv,
                 for c in range(D):
                     for gi in range(ng):
                         mo = ((h * D + c) * ng + gi) * 2
-                        s = _bits_f32(f16_bits_to_f32_bits(_get16(src, ks_at + mo)), tmp)
-                        z = _bits_f32(f16_bits_to_f32_bits(_get16(src, kz_at + mo)), tmp)
+                        s = _h2f(src, ks_at + mo, tmp)
+                        z = _h2f(src, kz_at + mo, tmp)
                         i0 = (h * D + c) * q + gi * gs
                         for j in range(gs):
                             code = _get_code(src, base + g[G_KC], i0 + j, bits)
@@ -728,60 +853,64 @@ def _decode_kernel(src, geo, layer_bytes, L, H, D, T, G, VG, bits, kcvt, ik, iv,
             else:
                 nvg = D // VG
                 for j in range(q):
+                    row = buf[j]
                     for gi in range(nvg):
                         mo = ((h * q + j) * nvg + gi) * 2
-                        s = _bits_f32(f16_bits_to_f32_bits(_get16(src, base + g[G_VS] + mo)), tmp)
-                        z = _bits_f32(f16_bits_to_f32_bits(_get16(src, base + g[G_VZ] + mo)), tmp)
+                        s = _h2f(src, base + g[G_VS] + mo, tmp)
+                        z = _h2f(src, base + g[G_VZ] + mo, tmp)
                         i0 = (h * q + j) * D + gi * VG
                         for c in range(VG):
                             code = _get_code(src, base + g[G_VC], i0 + c, bits)
-                            buf[j, gi * VG + c] = z + np.float32(code) * s
+                            row[gi * VG + c] = z + np.float32(code) * s
             rank = g[G_RANK]
             if rank > 0:  # gear: + A B^T, products added in rank order
-                bm = np.empty((D, rank), np.float32)
+                bt = np.empty((rank, D), np.float32)  # B^T
                 am = np.empty(rank, np.float32)
                 lr = np.empty(D, np.float32)
                 for c in range(D):
                     for k in range(rank):
-                        o = base + g[G_LB] + (((kv * H + h) * D + c) * rank + k) * 2
-                        bm[c, k] = _bits_f32(f16_bits_to_f32_bits(_get16(src, o)), tmp)
+                        bt[k, c] = _h2f(src, base + g[G_LB]
+                                        + (((kv * H + h) * D + c) * rank + k) * 2, tmp)
                 for j in range(q):
                     for k in range(rank):
-                        o = base + g[G_LA] + (((kv * H + h) * q + j) * rank + k) * 2
-                        am[k] = _bits_f32(f16_bits_to_f32_bits(_get16(src, o)), tmp)
+                        am[k] = _h2f(src, base + g[G_LA]
+                                     + (((kv * H + h) * q + j) * rank + k) * 2, tmp)
+                    a0 = am[0]
+                    b0 = bt[0]
                     for c in range(D):
-                        lr[c] = am[0] * bm[c, 0]
+                        lr[c] = a0 * b0[c]
                     for k in range(1, rank):
+                        ak = am[k]
+                        bk = bt[k]
                         for c in range(D):
-                            lr[c] = lr[c] + am[k] * bm[c, k]
+                            lr[c] = lr[c] + ak * bk[c]
+                    row = buf[j]
                     for c in range(D):
-                        buf[j, c] = buf[j, c] + lr[c]
+                        row[c] = row[c] + lr[c]
             if kv == 0 and g[G_KK] > 0:  # gear outliers: per channel, token index in page
                 m = 2 * g[G_KK]
                 for c in range(D):
                     for i in range(m):
                         oi = base + g[G_KOI] + ((h * D + c) * m + i) * ik
                         t = np.int64(src[oi]) if ik == 1 else _get16(src, oi)
-                        ov = base + g[G_KOV] + ((h * D + c) * m + i) * 2
-                        buf[t, c] = _bits_f32(f16_bits_to_f32_bits(_get16(src, ov)), tmp)
+                        buf[t, c] = _h2f(src, base + g[G_KOV] + ((h * D + c) * m + i) * 2, tmp)
             if kv == 1 and g[G_KV] > 0:  # per token, channel index
                 m = 2 * g[G_KV]
                 for j in range(q):
                     for i in range(m):
                         oi = base + g[G_VOI] + ((h * q + j) * m + i) * iv
                         c = np.int64(src[oi]) if iv == 1 else _get16(src, oi)
-                        ov = base + g[G_VOV] + ((h * q + j) * m + i) * 2
-                        buf[j, c] = _bits_f32(f16_bits_to_f32_bits(_get16(src, ov)), tmp)
+                        buf[j, c] = _h2f(src, base + g[G_VOV] + ((h * q + j) * m + i) * 2, tmp)
             nf = g[G_KN] if kv == 0 else g[G_VN]
-            rot = rot_k if kv == 0 else rot_v
-            for j in range(q):
-                if nf >= 0:  # oscar: undo the per-token norm scaling
-                    n = _bits_f32(f16_bits_to_f32_bits(_get16(src, base + nf + (h * q + j) * 2)),
-                                  tmp)
+            if nf >= 0:  # oscar: undo the per-token norm scaling
+                for j in range(q):
+                    n = _h2f(src, base + nf + (h * q + j) * 2, tmp)
+                    row = buf[j]
                     for c in range(D):
-                        buf[j, c] = buf[j, c] * n
-                if rot:
-                    _fwht_row(buf[j], D, scale)
+                        row[c] = row[c] * n
+            if rot_k if kv == 0 else rot_v:
+                _fwht_rows(buf, q, D, scale, np.zeros((D, ROWS), np.float32))
+            for j in range(q):
                 _store_row(buf[j], D, mode, out_f, out_b, o0 + (t0 + j) * D, tmp)
         # bf16 window
         ro = base + (g[G_KR] if kv == 0 else g[G_VR])
@@ -799,38 +928,13 @@ def _decode_kernel(src, geo, layer_bytes, L, H, D, T, G, VG, bits, kcvt, ik, iv,
                 _store_row(row, D, mode, out_f, out_b, oo, tmp)
 
 
-@numba.njit(inline="always", **_JIT)
-def _keep_extremes(v, i, tv, ti, n, m, top):
-    """Insert value v (index i) into the sorted list tv / ti [0:n] of at most m entries:
-    largest first (top) or smallest first; an entry never passes an equal one, so ties keep
-    the lower index first (visit indices in increasing order): torch.sort(stable=True)'s
-    order. Returns the new length."""
-    if n == m:
-        if (v > tv[m - 1]) if top else (v < tv[m - 1]):
-            pos = m - 1
-        else:
-            return n
-    else:
-        pos = n
-        n += 1
-    while pos > 0 and ((v > tv[pos - 1]) if top else (v < tv[pos - 1])):
-        tv[pos] = tv[pos - 1]
-        ti[pos] = ti[pos - 1]
-        pos -= 1
-    tv[pos] = v
-    ti[pos] = i
-    return n
-
-
 @numba.njit(parallel=True, **_JIT)
 def _outlier_kernel(sb, sf, use_bits, sst, geo, layer_bytes, L, H, D, ik, iv, out, filled,
                     peak):
-    """gear (outlier_count 'ceil'): per page, the k top and k bottom entries of every K
-    channel (over the page's q tokens) and of every V token (over D channels), k = geo's
-    G_KK / G_KV, chosen as gear.split_outliers does (ties: lower index first), written as the
-    ko_* / vo_* fields of the chunks in `out`; `filled` (fp32 [L, 2, H, Tq, D] contiguous)
-    gets the source with each outlier slot replaced by clamp(0, (k+1)-th smallest,
-    (k+1)-th largest). peak[item]: max |x| of the item's source values."""
+    """gear 'ceil' outliers of every head-page (_page_outliers) written as the ko_* / vo_*
+    fields of the chunks in `out`; filled (fp32 [L, 2, H, Tq, D]) = the source with the
+    slots filled. For a kcvt backbone, whose key groups span all pages. peak[item]: max |x|
+    of the item's source values."""
     P = geo.shape[0]
     for w in numba.prange(L * P * 2 * H):
         h = w % H
@@ -838,109 +942,46 @@ def _outlier_kernel(sb, sf, use_bits, sst, geo, layer_bytes, L, H, D, ik, iv, ou
         p = (w // (2 * H)) % P
         l = w // (2 * H * P)
         g = geo[p]
-        base = l * layer_bytes + g[G_BASE]
-        t0 = g[G_T0]
         q = g[G_QK]
-        tq = filled.shape[3]
-        if q == 0:
-            peak[w] = 0.0
-            continue
-        tmp = np.empty(2, np.float32)
-        buf = np.empty((q, D), np.float32)
-        src0 = l * sst[0] + kv * sst[1] + h * sst[2]
         pk = np.float32(0.0)
-        for j in range(q):
-            _load_row(sb, sf, use_bits, src0 + (t0 + j) * sst[3], D, buf[j], tmp)
-            for c in range(D):
-                pk = max(pk, abs(buf[j, c]))
-        peak[w] = pk
-        k = g[G_KK] if kv == 0 else g[G_KV]
-        if k > 0:
-            m = k + 1
-            if kv == 0:  # per channel over tokens
-                tv = np.empty((D, m), np.float32)
-                ti = np.empty((D, m), np.int64)
-                bv = np.empty((D, m), np.float32)
-                bi = np.empty((D, m), np.int64)
-                nt = 0
-                nb = 0
-                for j in range(q):
-                    for c in range(D):
-                        n1 = _keep_extremes(buf[j, c], j, tv[c], ti[c], nt, m, True)
-                        n2 = _keep_extremes(buf[j, c], j, bv[c], bi[c], nb, m, False)
-                    nt = n1
-                    nb = n2
+        if q > 0:
+            t0 = g[G_T0]
+            base = l * layer_bytes + g[G_BASE]
+            tmp = np.empty(2, np.float32)
+            buf = filled[l, kv, h, t0:t0 + q]
+            for j in range(q):
+                _load_row(sb, sf, use_bits, l * sst[0] + kv * sst[1] + h * sst[2]
+                          + (t0 + j) * sst[3], D, buf[j])
                 for c in range(D):
-                    fill = min(max(np.float32(0.0), bv[c, k]), tv[c, k])
-                    for s in range(2 * k):
-                        t = ti[c, s] if s < k else bi[c, s - k]
-                        o = (h * D + c) * 2 * k + s
-                        if ik == 1:
-                            out[base + g[G_KOI] + o] = np.uint8(t)
-                        else:
-                            _put16(out, base + g[G_KOI] + 2 * o, t)
-                        val = tv[c, s] if s < k else bv[c, s - k]
-                        _put16(out, base + g[G_KOV] + 2 * o,
-                               f32_bits_to_f16_bits(_f32_bits(val, tmp)))
-                    for s in range(2 * k):
-                        t = ti[c, s] if s < k else bi[c, s - k]
-                        buf[t, c] = fill
-            else:  # per token over channels
-                tv = np.empty(m, np.float32)
-                ti = np.empty(m, np.int64)
-                bv = np.empty(m, np.float32)
-                bi = np.empty(m, np.int64)
-                for j in range(q):
-                    nt = 0
-                    nb = 0
-                    for c in range(D):
-                        nt = _keep_extremes(buf[j, c], c, tv, ti, nt, m, True)
-                        nb = _keep_extremes(buf[j, c], c, bv, bi, nb, m, False)
-                    fill = min(max(np.float32(0.0), bv[k]), tv[k])
-                    for s in range(2 * k):
-                        c = ti[s] if s < k else bi[s - k]
-                        o = (h * q + j) * 2 * k + s
-                        if iv == 1:
-                            out[base + g[G_VOI] + o] = np.uint8(c)
-                        else:
-                            _put16(out, base + g[G_VOI] + 2 * o, c)
-                        val = tv[s] if s < k else bv[s - k]
-                        _put16(out, base + g[G_VOV] + 2 * o,
-                               f32_bits_to_f16_bits(_f32_bits(val, tmp)))
-                    for s in range(2 * k):
-                        buf[j, ti[s] if s < k else bi[s - k]] = fill
-        fo = ((l * 2 + kv) * H + h) * tq * D
-        ff = filled.reshape(-1)
-        for j in range(q):
-            for c in range(D):
-                ff[fo + (t0 + j) * D + c] = buf[j, c]
+                    pk = max(pk, abs(buf[j, c]))
+            k = g[G_KK] if kv == 0 else g[G_KV]
+            if k > 0:
+                _page_outliers(buf, q, D, kv, k, h, out,
+                               base + (g[G_KOI] if kv == 0 else g[G_VOI]),
+                               base + (g[G_KOV] if kv == 0 else g[G_VOV]),
+                               ik if kv == 0 else iv, tmp)
+        peak[w] = pk
 
 
 @numba.njit(parallel=True, **_JIT)
-def _rotate_kernel(sb, sf, use_bits, sst, L, H, D, tq, rot_v, scale, rot, peak):
-    """oscar: rot [2, L, H, tq, D] fp32 = the Walsh-Hadamard rotation of the source's first
-    tq tokens (V copied unrotated unless rot_v). peak[item, 0]: max |x| of the source,
-    peak[item, 1]: max |rotated V|."""
-    for w in numba.prange(2 * L * H):
+def _rotate_kernel(sb, sf, use_bits, sst, L, H, D, tq, nkv, rot_v, scale, rot, peak):
+    """oscar: rot [nkv, L, H, tq, D] fp32 = the Walsh-Hadamard rotation of the first tq
+    tokens of K (and V if nkv == 2: rotated if rot_v, else copied). peak[item]: max |x| of
+    the source rows."""
+    for w in numba.prange(nkv * L * H):
         kv = w // (L * H)
         l = (w // H) % L
         h = w % H
-        tmp = np.empty(2, np.float32)
-        p0 = np.float32(0.0)
-        p1 = np.float32(0.0)
-        src0 = l * sst[0] + kv * sst[1] + h * sst[2]
+        buf = rot[kv, l, h]
+        pk = np.float32(0.0)
         for t in range(tq):
-            y = rot[kv, l, h, t]
-            _load_row(sb, sf, use_bits, src0 + t * sst[3], D, y, tmp)
+            _load_row(sb, sf, use_bits, l * sst[0] + kv * sst[1] + h * sst[2] + t * sst[3], D,
+                      buf[t])
             for c in range(D):
-                p0 = max(p0, abs(y[c]))
-            if kv == 0 or rot_v:
-                _fwht_row(y, D, scale)
-            if kv == 1:
-                for c in range(D):
-                    p1 = max(p1, abs(y[c]))
-        peak[w, 0] = p0
-        peak[w, 1] = p1
+                pk = max(pk, abs(buf[t, c]))
+        if kv == 0 or rot_v:
+            _fwht_rows(buf, tq, D, scale, np.zeros((D, ROWS), np.float32))
+        peak[w] = pk
 
 
 # ---- Python side of the fused path --------------------------------------------------------
@@ -1015,40 +1056,57 @@ class LowRankOut:
                    np.empty(layers * int(per_b.sum()), np.float32), offsets(per_b))
 
 
-def encode_fused(x: torch.Tensor, src: Source, geo: np.ndarray, layer_bytes: int,
-                 key_group: int, value_group: int, bits: int, out: np.ndarray,
-                 div: np.ndarray | None = None, dflag: tuple[int, int] = (0, 0),
-                 lowrank: LowRankOut | None = None,
-                 index_bytes: tuple[int, int] = (1, 1)) -> float:
+_NO_LOWRANK = LowRankOut(np.zeros((1, 1, 1), np.float32), 0, np.zeros(1, np.float32),
+                         np.zeros((1, 1), np.int64), np.zeros(1, np.float32),
+                         np.zeros((1, 1), np.int64))
+
+
+def encode_fused(x: torch.Tensor, geo: np.ndarray, layer_bytes: int, key_group: int,
+                 value_group: int, bits: int, out: np.ndarray, src_k: Source | None = None,
+                 src_v: Source | None = None, div: np.ndarray | None = None,
+                 dflag: tuple[int, int] = (0, 0), src_peak: tuple[int, int] = (1, 1),
+                 rotate_v: bool = False,
+                 select_outliers: bool = False, lowrank: LowRankOut | None = None,
+                 index_bytes: tuple[int, int] = (1, 1)) -> tuple[float, float]:
     """The backbone fields (and bf16 window) of every chunk of x [L, 2, H, T, D] into `out`
     (uint8 [L * layer_bytes], zeroed; chunk (l, p) at l * layer_bytes + geo[p, G_BASE]).
-    key_group 0 = kcvt. src: the values to quantize (x itself, or gear / oscar's transformed
-    cache). div / dflag: oscar's per-token divisors. lowrank: gear's low-rank fits (filled
-    in, see _encode_kernel). Returns the peak |value| seen: source, and bf16 window if x is
-    bf16 (else the caller checks x's range itself: its window is stored rounded to bf16)."""
+    key_group 0 = kcvt. src_k / src_v: the K / V values to quantize (default x itself, else
+    gear / oscar's transformed cache); src_peak: which of them are the cache's own values
+    (count in the peak). div / dflag: oscar's per-token divisors; rotate_v:
+    oscar's V rotation on load; select_outliers: gear's outliers picked in the kernel (a kivi
+    backbone); lowrank: gear's low-rank fits (filled in). See _encode_kernel. Returns (peak
+    |value| seen: sources as loaded, and the bf16 window if x is bf16 (else the caller
+    checks x's range itself: the window is stored rounded to bf16); peak |rotated V|)."""
     qmax_of(bits)
     L, _, H, T, D = (int(s) for s in x.shape)
-    xr, rst = bf16_bits(x)
     kcvt = key_group == 0
+    if kcvt and select_outliers:
+        raise ValueError("encode_fused: kcvt's key groups span pages: split outliers first")
+    xr, rst = bf16_bits(x)
+    if src_k is None or src_v is None:
+        own = Source.of(x)
+        src_k, src_v = src_k or own, src_v or own
     tq = int((geo[:, G_QK]).sum())
     kstat = np.zeros((L, H, D, 2) if kcvt else (1, 1, 1, 2), np.uint16)
     if kcvt and tq:
-        _kcvt_stats_kernel(src.sb, src.sf, src.use_bits, src.strides, L, H, D, tq, bits, kstat)
-    qs = geo[:, G_QK]
-    aligned = all(int(v) * D % (8 // bits) == 0 for v in np.concatenate((qs, geo[:, G_QV])))
+        _kcvt_stats_kernel(src_k.sb, src_k.sf, src_k.use_bits, src_k.strides, L, H, D, tq, bits,
+                           kstat)
+    per = 8 // bits
+    aligned = all(int(v) * D % per == 0 for v in np.concatenate((geo[:, G_QK], geo[:, G_QV])))
     hb = H if aligned else 1
-    peak = np.zeros(L * geo.shape[0] * 2 * hb, np.float32)
-    lr = lowrank or LowRankOut(np.zeros((1, 1, 1), np.float32), 0, np.zeros(1, np.float32),
-                               np.zeros((1, 1), np.int64), np.zeros(1, np.float32),
-                               np.zeros((1, 1), np.int64))
-    _encode_kernel(src.sb, src.sf, src.use_bits, src.strides,
+    peak = np.zeros((L * geo.shape[0] * 2 * hb, 2), np.float32)
+    lr = lowrank or _NO_LOWRANK
+    _encode_kernel(src_k.sb, src_k.sf, src_k.use_bits, src_k.strides, src_v.sb, src_v.sf,
+                   src_v.use_bits, src_v.strides, np.asarray(src_peak, np.int64),
                    div if div is not None else np.ones((2, 1, 1, 1), np.float32),
-                   np.asarray(dflag, np.int64), kstat, kcvt, xr, rst,
-                   x.dtype == torch.bfloat16, geo, layer_bytes,
-                   L, H, D, max(key_group, 1), value_group, bits, not aligned, out, peak,
-                   lowrank is not None, lr.b0, lr.iters, lr.a, lr.aoff, lr.b, lr.boff,
-                   index_bytes[0], index_bytes[1])
-    return float(peak.max()) if peak.size else 0.0
+                   np.asarray(dflag, np.int64), rotate_v, np.float32(1.0 / math.sqrt(D)),
+                   kstat, kcvt, select_outliers, xr, rst, x.dtype == torch.bfloat16, geo,
+                   layer_bytes, L, H, D, max(key_group, 1), value_group, bits, not aligned,
+                   out, peak, lowrank is not None, lr.b0, lr.iters, lr.a, lr.aoff, lr.b,
+                   lr.boff, index_bytes[0], index_bytes[1])
+    if not peak.size:
+        return 0.0, 0.0
+    return float(peak[:, 0].max()), float(peak[:, 1].max())
 
 
 def split_outliers_fused(src: Source, geo: np.ndarray, layer_bytes: int,
@@ -1065,24 +1123,24 @@ def split_outliers_fused(src: Source, geo: np.ndarray, layer_bytes: int,
     return torch.from_numpy(filled), float(peak.max()) if peak.size else 0.0
 
 
-def rotate_fused(src: Source, dims: tuple[int, ...], tq: int, rotate_values: bool
-                 ) -> tuple[torch.Tensor, float, float]:
-    """oscar: the rotated first tq tokens [2, L, H, tq, D] fp32 (V unrotated unless
-    rotate_values) and the peaks |x| (source) and |rotated V|."""
+def rotate_fused(src: Source, dims: tuple[int, ...], tq: int, values: bool, rotate_v: bool
+                 ) -> tuple[torch.Tensor, float]:
+    """oscar: the first tq tokens of K rotated (and of V if values: rotated if rotate_v)
+    [1 or 2, L, H, tq, D] fp32, and the peak |x| of the source rows."""
     L, _, H, _, D = dims
-    rot = np.empty((2, L, H, tq, D), np.float32)
-    peak = np.zeros((2 * L * H, 2), np.float32)
+    nkv = 2 if values else 1
+    rot = np.empty((nkv, L, H, tq, D), np.float32)
+    peak = np.zeros(nkv * L * H, np.float32)
     if tq:
-        _rotate_kernel(src.sb, src.sf, src.use_bits, src.strides, L, H, D, tq, rotate_values,
+        _rotate_kernel(src.sb, src.sf, src.use_bits, src.strides, L, H, D, tq, nkv, rotate_v,
                        np.float32(1.0 / math.sqrt(D)), rot, peak)
-    return torch.from_numpy(rot), float(peak[:, 0].max()), float(peak[:, 1].max())
+    return torch.from_numpy(rot), float(peak.max()) if peak.size else 0.0
 
 
 def decode_fused(src: np.ndarray, geo: np.ndarray, layer_bytes: int, dims: tuple[int, ...],
                  key_group: int, value_group: int, bits: int, dtype: torch.dtype,
-                 index_bytes: tuple[int, int] = (1, 1), rotate: tuple[bool, bool] = (False,
-                                                                                    False)
-                 ) -> torch.Tensor:
+                 index_bytes: tuple[int, int] = (1, 1),
+                 rotate: tuple[bool, bool] = (False, False)) -> torch.Tensor:
     """Every chunk in src (uint8, laid out as encode_fused's out) -> the cache in `dtype`
     (fp32, or bf16 / fp16 rounded from the fp32 reconstruction as codec.cast_finite)."""
     qmax_of(bits)

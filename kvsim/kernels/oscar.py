@@ -110,22 +110,15 @@ class OscarCodec(BackboneCodec):
 
     def fused_prepare(self, x: torch.Tensor, shape: KVShape, geo: np.ndarray, layer_bytes: int,
                       out: np.ndarray) -> FusedInput:
-        """Rotation in numba (kivi_cpu.rotate_fused, bit-identical to hadamard), the norms in
-        torch as pre_quantize computes them, divided out by the encode kernel; k_norm /
-        v_norm written. Refuses what _encode and pre_quantize refuse, in the same order."""
+        """K (and V if scale_values) rotated in numba (kivi_cpu.rotate_fused, bit-identical to
+        hadamard) for the norms, computed in torch as pre_quantize does; the encode kernel
+        divides them out (and rotates V as it loads it when there is no V norm). k_norm /
+        v_norm written. The kernels' peaks meet _encode's and pre_quantize's refusals in
+        their order (BackboneCodec._encode_fused, check_rotated)."""
         p = self.params
         tq = int(geo[:, G_QK].sum())
-        rot, peak, vpeak = kivi_cpu.rotate_fused(kivi_cpu.Source.of(x), shape.dims, tq,
-                                                 p.rotate_values)
-        if tq < shape.tokens:  # the bf16 window
-            peak = max(peak, float(x[:, :, :, tq:].abs().max()))
-        if peak > FP16_MAX:
-            raise ValueError(f"{self.name}: |value| up to {peak:.4g} exceeds the fp16 range "
-                             f"({FP16_MAX}) of the stored scales / zero points")
-        if p.rotate_values and not p.scale_values and vpeak > FP16_MAX:
-            raise ValueError(f"oscar: rotated values reach {vpeak:.4g}, beyond the fp16 range "
-                             f"({FP16_MAX}) of the stored V scales; scale_values=True "
-                             "normalizes them")
+        rot, peak = kivi_cpu.rotate_fused(kivi_cpu.Source.of(x), shape.dims, tq,
+                                          p.scale_values, p.rotate_values)
         div = np.ones((2, shape.layers, shape.kv_heads, tq), np.float32)
         norms = {}
         for kv, name in ((0, "k_norm"), (1, "v_norm")):
@@ -144,7 +137,16 @@ class OscarCodec(BackboneCodec):
         d, h = shape.head_dim, shape.kv_heads
         src = kivi_cpu.Source(rot.numpy().reshape(-1),
                               (h * tq * d, shape.layers * h * tq * d, tq * d, d))
-        return FusedInput(src, div=div, dflag=(1, int(p.scale_values)))
+        if p.scale_values:
+            return FusedInput(src, src, (0, 0), div, (1, 1), peak=peak)
+        return FusedInput(src, None, (0, 1), div, (1, 0), rotate_v=p.rotate_values, peak=peak)
+
+    def check_rotated(self, vpeak: float) -> None:
+        """pre_quantize's refusal of rotated values beyond fp16 (vpeak: the encode kernel's)."""
+        if self.params.rotate_values and not self.params.scale_values and vpeak > FP16_MAX:
+            raise ValueError(f"oscar: rotated values reach {vpeak:.4g}, beyond the fp16 range "
+                             f"({FP16_MAX}) of the stored V scales; scale_values=True "
+                             "normalizes them")
 
     def fused_rotation(self) -> tuple[bool, bool]:
         return True, self.params.rotate_values
