@@ -314,14 +314,14 @@ def _scale_zero(lo, hi, qmax, tmp):
 
 @numba.njit(inline="always", **_JIT)
 def _code(v, s, z, qmax):
-    """One code: clamp(floor((v - z) / s + 0.5), 0, qmax); 0 when s == 0."""
+    """One code: clamp(floor((v - z) / s + 0.5), 0, qmax); 0 when s == 0. Selects, not
+    branches (the loops over a row vectorize); dividing by 1 where s == 0 is discarded."""
     zero = np.float32(0.0)
-    if s > zero:
-        w = (v - z) / s + np.float32(0.5)
-        w = w if w > zero else zero
-        w = w if w < qmax else qmax
-        return np.int32(w)
-    return np.int32(0)
+    live = s > zero
+    w = (v - z) / (s if live else np.float32(1.0)) + np.float32(0.5)
+    w = w if w > zero else zero
+    w = w if w < qmax else qmax
+    return np.int32(w) if live else np.int32(0)
 
 
 @numba.njit(inline="always", **_JIT)
@@ -580,7 +580,7 @@ def _encode_kernel(kb, kf, kbits, kst, vb, vf, vbits, vst, speak, div, dflag, ro
         buf = np.empty((max(q, 1), D), np.float32)  # the head-page
         rtile = np.zeros((D, ROWS), np.float32)
         codes = np.empty(max(D, tt), np.int32)
-        ctile = np.empty((D, tt), np.int32)
+        ctile = np.empty((tt, D), np.int32)  # K codes of one tile, token-major
         lo = np.empty(D, np.float32)
         hi = np.empty(D, np.float32)
         sv = np.empty(D, np.float32)
@@ -649,18 +649,22 @@ def _encode_kernel(kb, kf, kbits, kst, vb, vf, vbits, vst, speak, div, dflag, ro
                             zv[c] = z
                             _put16(out, base + g[G_KS] + ((h * D + c) * ng + gi) * 2, hs)
                             _put16(out, base + g[G_KZ] + ((h * D + c) * ng + gi) * 2, hz)
-                    for j in range(n):
+                    for j in range(n):  # row-major codes (vectorized), packed by channel
                         row = buf[a + j]
+                        cr = ctile[j]
                         for c in range(D):
-                            ctile[c, j] = _code(row[c], sv[c], zv[c], qmax)
+                            cr[c] = _code(row[c], sv[c], zv[c], qmax)
                     for c in range(D):
-                        _put_run(out, base + g[G_KC], (h * D + c) * q + a, ctile[c], n, bits)
+                        for j in range(n):
+                            codes[j] = ctile[j, c]
+                        _put_run(out, base + g[G_KC], (h * D + c) * q + a, codes, n, bits)
                     if want_err:
                         for j in range(n):
                             row = buf[a + j]
                             er = err[a + j]
+                            cr = ctile[j]
                             for c in range(D):
-                                er[c] = row[c] - (zv[c] + np.float32(ctile[c, j]) * sv[c])
+                                er[c] = row[c] - (zv[c] + np.float32(cr[c]) * sv[c])
             elif kv == 1 and q > 0:
                 nvg = D // VG
                 for j in range(q):
@@ -740,12 +744,56 @@ def _mgs(m, n, r):
 
 
 @numba.njit(**_JIT)
+def _matmul_seq(xt, yt, out, m, k, r):
+    """out[j, i] = sum_c xt[c, i] * yt[j, c] over c = 0 .. k-1 in order (each product and sum
+    rounded to fp32: gear.matmul_seq's order), i < m, j < r: the product X Y of X [m, k]
+    held as xt = X^T [k, m] and Y [k, r] held as yt = Y^T [r, k], out = (X Y)^T [r, m].
+    Vectorized across i; four output columns per pass over X."""
+    for j0 in range(0, r, 4):
+        if r - j0 >= 4:
+            y0, y1, y2, y3 = out[j0], out[j0 + 1], out[j0 + 2], out[j0 + 3]
+            x = xt[0]
+            c0, c1, c2, c3 = yt[j0, 0], yt[j0 + 1, 0], yt[j0 + 2, 0], yt[j0 + 3, 0]
+            for i in range(m):
+                e = x[i]
+                y0[i] = e * c0
+                y1[i] = e * c1
+                y2[i] = e * c2
+                y3[i] = e * c3
+            for c in range(1, k):
+                x = xt[c]
+                c0, c1, c2, c3 = yt[j0, c], yt[j0 + 1, c], yt[j0 + 2, c], yt[j0 + 3, c]
+                for i in range(m):
+                    e = x[i]
+                    y0[i] = y0[i] + e * c0
+                    y1[i] = y1[i] + e * c1
+                    y2[i] = y2[i] + e * c2
+                    y3[i] = y3[i] + e * c3
+        else:
+            for j in range(j0, r):
+                y = out[j]
+                x = xt[0]
+                c0 = yt[j, 0]
+                for i in range(m):
+                    y[i] = x[i] * c0
+                for c in range(1, k):
+                    x = xt[c]
+                    c0 = yt[j, c]
+                    for i in range(m):
+                        y[i] = y[i] + x[i] * c0
+
+
+@numba.njit(**_JIT)
 def _low_rank(e, q, D, r, iters, b0, fa, fb):
     """gear.low_rank of one matrix E = e [q, D] (fp32), op for op: B = b0 [D, r]; iters
-    times B = MGS(B); A = MGS(E B); B = E^T A; every dot product summed in index order.
-    Writes A [q, r] to fa[0:q*r] and B [D, r] to fb[0:D*r]. Each sum runs over one index in
-    order; the loops vectorize across the independent outputs instead."""
-    et = np.ascontiguousarray(e[:q].T)  # [D, q]
+    times B = MGS(B); A = MGS(E B); B = E^T A; every dot product summed in index order
+    (_matmul_seq, _mgs). Writes A [q, r] to fa[0:q*r] and B [D, r] to fb[0:D*r]."""
+    et = np.empty((D, q), np.float32)  # E^T, transposed in 8 x 8 blocks
+    for t0 in range(0, q, 8):
+        for c0 in range(0, D, 8):
+            for t in range(t0, min(q, t0 + 8)):
+                for c in range(c0, min(D, c0 + 8)):
+                    et[c, t] = e[t, c]
     at = np.zeros((r, q), np.float32)  # A^T
     bt = np.empty((r, D), np.float32)  # B^T
     for j in range(r):
@@ -753,31 +801,9 @@ def _low_rank(e, q, D, r, iters, b0, fa, fb):
             bt[j, c] = b0[c, j]
     for _ in range(iters):
         _mgs(bt, D, r)
-        for j in range(r):  # A = E B: a[t, j] = sum_c e[t, c] b[c, j]
-            y = at[j]
-            bj = bt[j]
-            b_0 = bj[0]
-            e_0 = et[0]
-            for t in range(q):
-                y[t] = e_0[t] * b_0
-            for c in range(1, D):
-                bc = bj[c]
-                ec = et[c]
-                for t in range(q):
-                    y[t] = y[t] + ec[t] * bc
+        _matmul_seq(et, bt, at, q, D, r)  # A = E B: a[t, j] = sum_c e[t, c] b[c, j]
         _mgs(at, q, r)
-        for j in range(r):  # B = E^T A: b[c, j] = sum_t e[t, c] a[t, j]
-            y = bt[j]
-            aj = at[j]
-            a_0 = aj[0]
-            e_0 = e[0]
-            for c in range(D):
-                y[c] = e_0[c] * a_0
-            for t in range(1, q):
-                a_t = aj[t]
-                e_t = e[t]
-                for c in range(D):
-                    y[c] = y[c] + e_t[c] * a_t
+        _matmul_seq(e, at, bt, D, q, r)  # B = E^T A: b[c, j] = sum_t e[t, c] a[t, j]
     for t in range(q):
         for j in range(r):
             fa[t * r + j] = at[j, t]
