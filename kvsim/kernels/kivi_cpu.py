@@ -272,7 +272,6 @@ GEO_FIELDS = {"k_codes": G_KC, "k_scale": G_KS, "k_zero": G_KZ, "v_codes": G_VC,
               "lr_a": G_LA, "lr_b": G_LB, "ko_idx": G_KOI, "ko_val": G_KOV, "vo_idx": G_VOI,
               "vo_val": G_VOV, "k_norm": G_KN, "v_norm": G_VN}
 K_TILE = 32  # kcvt: tokens per key tile (its groups span the whole layer)
-ROWS = 8  # rows per Walsh-Hadamard tile: one AVX2 fp32 vector per butterfly
 
 
 @numba.njit(inline="always", **_JIT)
@@ -391,34 +390,36 @@ def _load_row(sb, sf, use_bits, o, D, dst):
 
 
 @numba.njit(**_JIT)
-def _fwht_rows(buf, n, D, scale, tile):
+def _fwht_rows(buf, n, D, scale):
     """In place: the orthonormal Walsh-Hadamard transform of each row of buf[0:n] ([*, D],
     D a power of two): hadamard.hadamard's butterflies in its order (level h pairs (j, j + h)
     in blocks of 2h), then * scale, so bit-identical to the torch reference (as
-    lynx_cpu.fwht_cpu). ROWS rows at a time through tile [D, ROWS], transposed so that each
-    butterfly is one vector op over the rows; each element still sees the same ops."""
-    for r0 in range(0, n, ROWS):
-        m = min(ROWS, n - r0)
-        for k in range(m):
-            row = buf[r0 + k]
-            for c in range(D):
-                tile[c, k] = row[c]
+    lynx_cpu.fwht_cpu). Levels 1, 2, 4 as unrolled 8-point blocks (the same sums and
+    differences of the same operands), the longer levels as vector loops."""
+    for r in range(n):
+        y = buf[r]
         h = 1
+        if D >= 8:
+            for i in range(0, D, 8):
+                x0, x1, x2, x3 = y[i], y[i + 1], y[i + 2], y[i + 3]
+                x4, x5, x6, x7 = y[i + 4], y[i + 5], y[i + 6], y[i + 7]
+                a0, a1, a2, a3 = x0 + x1, x0 - x1, x2 + x3, x2 - x3  # level 1
+                a4, a5, a6, a7 = x4 + x5, x4 - x5, x6 + x7, x6 - x7
+                b0, b1, b2, b3 = a0 + a2, a1 + a3, a0 - a2, a1 - a3  # level 2
+                b4, b5, b6, b7 = a4 + a6, a5 + a7, a4 - a6, a5 - a7
+                y[i], y[i + 1], y[i + 2], y[i + 3] = b0 + b4, b1 + b5, b2 + b6, b3 + b7  # 4
+                y[i + 4], y[i + 5], y[i + 6], y[i + 7] = b0 - b4, b1 - b5, b2 - b6, b3 - b7
+            h = 8
         while h < D:
             for i in range(0, D, 2 * h):
                 for j in range(i, i + h):
-                    ta = tile[j]
-                    tb = tile[j + h]
-                    for k in range(ROWS):  # unused lanes hold stale, never-read values
-                        a = ta[k]
-                        b = tb[k]
-                        ta[k] = a + b
-                        tb[k] = a - b
+                    a = y[j]
+                    b = y[j + h]
+                    y[j] = a + b
+                    y[j + h] = a - b
             h *= 2
-        for k in range(m):
-            row = buf[r0 + k]
-            for c in range(D):
-                row[c] = tile[c, k] * scale
+        for j in range(D):
+            y[j] = y[j] * scale
 
 
 @numba.njit(inline="always", **_JIT)
@@ -578,7 +579,6 @@ def _encode_kernel(kb, kf, kbits, kst, vb, vf, vbits, vst, speak, div, dflag, ro
         tmp = np.empty(2, np.float32)
         tt = K_TILE if kcvt else G  # K tokens per tile
         buf = np.empty((max(q, 1), D), np.float32)  # the head-page
-        rtile = np.zeros((D, ROWS), np.float32)
         codes = np.empty(max(D, tt), np.int32)
         ctile = np.empty((tt, D), np.int32)  # K codes of one tile, token-major
         lo = np.empty(D, np.float32)
@@ -610,7 +610,7 @@ def _encode_kernel(kb, kf, kbits, kst, vb, vf, vbits, vst, speak, div, dflag, ro
                         for c in range(D):
                             row[c] = row[c] / dv
                 if kv == 1 and rot_v:
-                    _fwht_rows(buf, q, D, scale, rtile)
+                    _fwht_rows(buf, q, D, scale)
                     for j in range(q):
                         for c in range(D):
                             pr = max(pr, abs(buf[j, c]))
@@ -935,7 +935,7 @@ def _decode_kernel(src, geo, layer_bytes, L, H, D, T, G, VG, bits, kcvt, ik, iv,
                     for c in range(D):
                         row[c] = row[c] * n
             if rot_k if kv == 0 else rot_v:
-                _fwht_rows(buf, q, D, scale, np.zeros((D, ROWS), np.float32))
+                _fwht_rows(buf, q, D, scale)
             for j in range(q):
                 _store_row(buf[j], D, mode, out_f, out_b, o0 + (t0 + j) * D, tmp)
         # bf16 window
@@ -1006,7 +1006,7 @@ def _rotate_kernel(sb, sf, use_bits, sst, L, H, D, tq, nkv, rot_v, scale, rot, p
             for c in range(D):
                 pk = max(pk, abs(buf[t, c]))
         if kv == 0 or rot_v:
-            _fwht_rows(buf, tq, D, scale, np.zeros((D, ROWS), np.float32))
+            _fwht_rows(buf, tq, D, scale)
         peak[w] = pk
 
 
