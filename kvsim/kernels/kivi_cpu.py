@@ -335,6 +335,15 @@ def _get16(src, o):
     return np.int64(src[o]) | (np.int64(src[o + 1]) << 8)
 
 
+@numba.njit(inline="always", **_JIT)
+def _lane_peak(acc, row, D):
+    """acc[c] = max(acc[c], |row[c]|) for c < D: per-lane maxima (a vector loop; a scalar
+    running max would be a serial chain), reduced once by the caller."""
+    for c in range(D):
+        a = abs(row[c])
+        acc[c] = a if a > acc[c] else acc[c]
+
+
 @numba.njit(**_JIT)
 def _put_run(out, base, i0, c, n, bits):
     """Bit-pack codes c[0:n] as codes i0 .. i0+n-1 of the field at byte `base` (little end
@@ -585,8 +594,8 @@ def _encode_kernel(kb, kf, kbits, kst, vb, vf, vbits, vst, speak, div, dflag, ro
         hi = np.empty(D, np.float32)
         sv = np.empty(D, np.float32)
         zv = np.empty(D, np.float32)
-        pk = zero
-        pr = zero
+        pkl = np.zeros(D, np.float32)  # per-channel peaks: |source| and bf16 window
+        prl = np.zeros(D, np.float32)  # |rotated V|
         use_div = dflag[kv] != 0
         h_lo = 0 if whole else h0
         h_hi = H if whole else h0 + 1
@@ -603,8 +612,7 @@ def _encode_kernel(kb, kf, kbits, kst, vb, vf, vbits, vst, speak, div, dflag, ro
                                   D, buf[j])
                     row = buf[j]
                     if speak[kv]:
-                        for c in range(D):
-                            pk = max(pk, abs(row[c]))
+                        _lane_peak(pkl, row, D)
                     if use_div:
                         dv = div[kv, l, h, t]
                         for c in range(D):
@@ -612,8 +620,7 @@ def _encode_kernel(kb, kf, kbits, kst, vb, vf, vbits, vst, speak, div, dflag, ro
                 if kv == 1 and rot_v:
                     _fwht_rows(buf, q, D, scale)
                     for j in range(q):
-                        for c in range(D):
-                            pr = max(pr, abs(buf[j, c]))
+                        _lane_peak(prl, buf[j], D)
                 k = g[G_KK] if kv == 0 else g[G_KV]
                 if select and k > 0:
                     _page_outliers(buf, q, D, kv, k, h, out,
@@ -689,7 +696,8 @@ def _encode_kernel(kb, kf, kbits, kst, vb, vf, vbits, vst, speak, div, dflag, ro
                     u = np.int64(xr[x0 + c])
                     _put16(out, o + 2 * c, u)
                     if rpeak:
-                        pk = max(pk, abs(_bits_f32(u << 16, tmp)))
+                        a = abs(_bits_f32(u << 16, tmp))
+                        pkl[c] = a if a > pkl[c] else pkl[c]
             if want_err:  # outlier slots: left out of the low-rank fit
                 if kv == 0 and g[G_KK] > 0:
                     m = 2 * g[G_KK]
@@ -709,8 +717,8 @@ def _encode_kernel(kb, kf, kbits, kst, vb, vf, vbits, vst, speak, div, dflag, ro
                 _low_rank(err, q, D, rank, iters, b0[p],
                           fa[aoff[l, p] + (kv * H + h) * q * rank:],
                           fb[boff[l, p] + (kv * H + h) * D * rank:])
-        peak[w, 0] = pk
-        peak[w, 1] = pr
+        peak[w, 0] = pkl.max()
+        peak[w, 1] = prl.max()
 
 
 @numba.njit(**_JIT)
@@ -969,7 +977,7 @@ def _outlier_kernel(sb, sf, use_bits, sst, geo, layer_bytes, L, H, D, ik, iv, ou
         l = w // (2 * H * P)
         g = geo[p]
         q = g[G_QK]
-        pk = np.float32(0.0)
+        pkl = np.zeros(D, np.float32)  # per-channel peaks |x|
         if q > 0:
             t0 = g[G_T0]
             base = l * layer_bytes + g[G_BASE]
@@ -978,15 +986,14 @@ def _outlier_kernel(sb, sf, use_bits, sst, geo, layer_bytes, L, H, D, ik, iv, ou
             for j in range(q):
                 _load_row(sb, sf, use_bits, l * sst[0] + kv * sst[1] + h * sst[2]
                           + (t0 + j) * sst[3], D, buf[j])
-                for c in range(D):
-                    pk = max(pk, abs(buf[j, c]))
+                _lane_peak(pkl, buf[j], D)
             k = g[G_KK] if kv == 0 else g[G_KV]
             if k > 0:
                 _page_outliers(buf, q, D, kv, k, h, out,
                                base + (g[G_KOI] if kv == 0 else g[G_VOI]),
                                base + (g[G_KOV] if kv == 0 else g[G_VOV]),
                                ik if kv == 0 else iv, tmp)
-        peak[w] = pk
+        peak[w] = pkl.max()
 
 
 @numba.njit(parallel=True, **_JIT)
@@ -999,15 +1006,14 @@ def _rotate_kernel(sb, sf, use_bits, sst, L, H, D, tq, nkv, rot_v, scale, rot, p
         l = (w // H) % L
         h = w % H
         buf = rot[kv, l, h]
-        pk = np.float32(0.0)
+        pkl = np.zeros(D, np.float32)  # per-channel peaks |x|
         for t in range(tq):
             _load_row(sb, sf, use_bits, l * sst[0] + kv * sst[1] + h * sst[2] + t * sst[3], D,
                       buf[t])
-            for c in range(D):
-                pk = max(pk, abs(buf[t, c]))
+            _lane_peak(pkl, buf[t], D)
         if kv == 0 or rot_v:
             _fwht_rows(buf, tq, D, scale)
-        peak[w] = pk
+        peak[w] = pkl.max()
 
 
 # ---- Python side of the fused path --------------------------------------------------------
