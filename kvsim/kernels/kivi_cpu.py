@@ -20,8 +20,15 @@ the quantizer / dequantizer, not by the arithmetic. These kernels do each in one
 The whole-cache quantizer runs its rows and the page decoder its (K|V, head) blocks in
 parallel (numba prange); pack / unpack (many small calls, each a fraction of a page's work)
 run serially, because waking numba's OpenMP pool that often, interleaved with torch's own
-pool on few cores, cost more than the work.
-tests/test_kivi_cpu.py checks bytes against torch.
+pool on few cores, cost more than the work. These per-page pieces serve the configurations
+the fused path below leaves to BackboneCodec's generic path (gear 'exact' outliers and
+'sequence' fits).
+
+The fused path (encode_fused / decode_fused, the default for CPU tensors): one parallel
+kernel writes every chunk payload of the cache straight from the bf16 bits (gear's outliers,
+low-rank fits and oscar's V rotation inside it), one writes the decoded cache in the output
+dtype; see "fused whole-cache encode / decode" below.
+tests/test_kivi_cpu.py checks bytes and decoded bits against torch.
 """
 
 from __future__ import annotations

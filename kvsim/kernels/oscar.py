@@ -21,7 +21,9 @@ n16 = 0 and divided by 1 instead (it is all zeros and decodes to zeros).
 
 Extra fields of chunk (layer, page) with q quantized tokens, after the backbone's:
     k_norm fp16 [kv_heads, q]          v_norm fp16 [kv_heads, q] (only if scale_values)
-Rotation runs through the Triton FWHT kernel for CUDA tensors, the torch reference on CPU.
+Rotation runs through the Triton FWHT kernel for CUDA tensors, the torch reference on CPU
+with backend 'torch'; the fused CPU path (backend auto / cpu) rotates in numba, bit for bit
+as the reference (kivi_cpu._fwht_rows), the norms staying torch's vector_norm.
 """
 
 from __future__ import annotations
