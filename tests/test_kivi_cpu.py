@@ -1,5 +1,7 @@
-"""KIVI backbone (kivi, kcvt, gear, oscar): the numba cpu path (kivi_cpu.py) against the torch
-reference, byte for byte and bit for bit."""
+"""KIVI backbone (kivi, kcvt, gear, oscar): the numba cpu path (kivi_cpu.py: the fused
+whole-cache kernels, and the per-page kernels of the configurations they leave to the generic
+path) against the torch reference, byte for byte and bit for bit; and the pieces of the fused
+kernels (Walsh-Hadamard rows, gear's low-rank fit and outlier choice) against theirs."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ from hypothesis import strategies as st
 
 from kvsim.kernels import Encoded, kivi_cpu, make_codec
 from kvsim.kernels.bitpack import pack, unpack
+from kvsim.kernels.gear import low_rank, low_rank_start, split_outliers, sqrt_rn
 from kvsim.kernels.groupquant import dequantize_groups, quantize_groups
+from kvsim.kernels.hadamard import hadamard
 from kvsim.kernels.kivi import use_cpu_kernels
 
 # values that stress the quantizer: signed zeros, fp16 subnormal ranges, near the fp16 max
@@ -77,10 +81,28 @@ CASES = st.sampled_from([
     ("oscar", {"group": 4, "value_group": 8, "residual": 4, "page_tokens": 8}),
     ("oscar", {"bits": 4, "group": 2, "value_group": 0, "residual": 0, "page_tokens": 4,
                "scale_values": True, "rotate_values": False}),
+    # added with the fused CPU path (kivi_cpu.encode_fused / decode_fused)
+    ("kivi", {"group": 4, "value_group": 4, "residual": 8, "page_tokens": 8,
+              "window": "kivi"}),
+    ("kcvt", {"bits": 8, "residual": 1, "page_tokens": 3}),
+    ("gear", {"group": 2, "value_group": 4, "residual": 2, "page_tokens": 6, "rank": 4,
+              "outlier_pct": 40.0, "iters": 1}),
+    ("gear", {"backbone": "kcvt", "bits": 2, "residual": 0, "page_tokens": 5, "rank": 2,
+              "outlier_pct": 30.0}),
+    ("gear-l", {"backbone": "kcvt", "bits": 8, "residual": 1, "page_tokens": 7, "rank": 2}),
+    ("oscar", {"group": 4, "value_group": 8, "residual": 4, "page_tokens": 8,
+               "rotate_values": False}),
+    ("oscar", {"bits": 8, "group": 2, "value_group": 4, "residual": 2, "page_tokens": 4,
+               "scale_values": True}),
+    # configurations the fused kernels leave to the generic path (fused_ok False)
+    ("gear", {"group": 4, "value_group": 8, "residual": 4, "page_tokens": 8, "rank": 2,
+              "lowrank": "sequence"}),
+    ("gear", {"group": 4, "value_group": 8, "residual": 4, "page_tokens": 8, "rank": 2,
+              "outlier_pct": 10.0, "outlier_count": "exact"}),
 ])
 
 
-@settings(max_examples=40, deadline=None,
+@settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(case=CASES, layers=st.integers(1, 2), heads=st.integers(1, 2),
        tokens=st.integers(1, 40), head_dim=st.sampled_from([8, 16, 32]),
@@ -106,6 +128,109 @@ def test_default_params_realistic_shape(monkeypatch, name):
     g = torch.Generator().manual_seed(1)
     kv = torch.randn(1, 2, 2, 700, 64, generator=g).to(torch.bfloat16)
     check_same(name, {}, kv, monkeypatch)
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(case=st.sampled_from([
+    ("kcvt", {"bits": 2, "residual": 1, "page_tokens": 5}),
+    ("kivi", {"bits": 2, "group": 1, "value_group": 0, "residual": 1, "page_tokens": 3}),
+    ("kivi", {"bits": 4, "group": 1, "value_group": 0, "residual": 1, "page_tokens": 5,
+              "window": "kivi"}),
+    ("gear", {"backbone": "kcvt", "bits": 4, "residual": 1, "page_tokens": 5, "rank": 2}),
+    ("gear", {"bits": 2, "group": 1, "value_group": 0, "residual": 1, "page_tokens": 7,
+              "rank": 3, "outlier_pct": 20.0}),
+]), tokens=st.integers(1, 30), head_dim=st.sampled_from([1, 3, 5, 7]),
+       heads=st.integers(1, 3), seed=st.integers(0, 2**31))
+def test_cpu_path_codes_sharing_bytes_across_heads(monkeypatch, case, tokens, head_dim, heads,
+                                                   seed):
+    # head_dim * q not a multiple of the codes per byte: two heads' packed codes share a
+    # byte, so the fused encode kernel takes all heads of a page in one work item
+    name, params = case
+    kv = kv_with_specials((2, 2, heads, tokens, head_dim), torch.bfloat16, seed, 1.0, 0.05)
+    check_same(name, params, kv, monkeypatch)
+
+
+def test_cpu_path_u16_indices_and_strided_input(monkeypatch):
+    # page_tokens > 256 (u16 K outlier indices), head_dim > 256 (u16 V indices), and a
+    # non-contiguous input tensor (the kernels read strides)
+    g = torch.Generator().manual_seed(3)
+    kv = torch.randn(1, 2, 1, 700, 16, generator=g).to(torch.bfloat16)
+    check_same("gear", {"page_tokens": 320, "residual": 64}, kv, monkeypatch)
+    kv = torch.randn(1, 2, 1, 40, 512, generator=g).to(torch.bfloat16)
+    check_same("gear", {"page_tokens": 16, "residual": 16, "group": 16, "value_group": 0},
+               kv, monkeypatch)
+    wide = torch.randn(2, 2, 3, 300, 128, generator=g).to(torch.bfloat16)
+    for name in ("kivi", "gear", "oscar"):
+        check_same(name, {}, wide[:, :, ::2, :, ::2], monkeypatch)
+        ref = make_codec(name, {"backend": "cpu"})
+        assert (payloads(ref.encode(wide[:, :, ::2, :, ::2]))
+                == payloads(ref.encode(wide[:, :, ::2, :, ::2].contiguous())))
+
+
+@given(n=st.integers(1, 20), log_d=st.integers(0, 8), seed=st.integers(0, 2**31),
+       scale=st.sampled_from([1e-30, 1.0, 3e4]))
+@settings(max_examples=40, deadline=None)
+def test_fwht_rows_equals_hadamard(n, log_d, seed, scale):
+    d = 1 << log_d
+    x = np.random.default_rng(seed).standard_normal((n, d)).astype(np.float32) * scale
+    got = x.copy()
+    kivi_cpu._fwht_rows(got, n, d, np.float32(1.0 / np.sqrt(d)))
+    np.testing.assert_array_equal(got.view(np.int32),
+                                  hadamard(torch.from_numpy(x)).numpy().view(np.int32))
+
+
+@given(q=st.integers(1, 40), d=st.integers(1, 24), rank=st.integers(1, 6),
+       iters=st.integers(1, 3), seed=st.integers(0, 2**31),
+       kind=st.sampled_from(["normal", "low-rank", "zeros", "tiny"]))
+@settings(max_examples=60, deadline=None)
+def test_low_rank_kernel_equals_torch(q, d, rank, iters, seed, kind):
+    rng = np.random.default_rng(seed)
+    e = rng.standard_normal((q, d)).astype(np.float32)
+    if kind == "low-rank":  # rank-deficient: Gram-Schmidt meets (near) zero columns
+        e = (rng.standard_normal((q, 1)) @ rng.standard_normal((1, d))).astype(np.float32)
+    elif kind == "zeros":
+        e[:] = 0.0
+    elif kind == "tiny":
+        e *= np.float32(1e-20)
+    r = min(rank, q, d)
+    a, b = low_rank(torch.from_numpy(e)[None], rank, iters, seed)
+    fa, fb = np.empty(q * r, np.float32), np.empty(d * r, np.float32)
+    kivi_cpu._low_rank(e, q, d, r, iters, low_rank_start(d, r, seed).numpy(), fa, fb)
+    np.testing.assert_array_equal(fa.view(np.int32), a[0].numpy().reshape(-1).view(np.int32))
+    np.testing.assert_array_equal(fb.view(np.int32), b[0].numpy().reshape(-1).view(np.int32))
+
+
+@given(q=st.integers(3, 40), d=st.integers(3, 40), kv=st.integers(0, 1),
+       seed=st.integers(0, 2**31), levels=st.sampled_from([2, 3, 5, 1000]))
+@settings(max_examples=60, deadline=None)
+def test_page_outliers_equal_split_outliers_with_ties(q, d, kv, seed, levels):
+    # few distinct values: many ties at the cut, which the stable-sort rule decides
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-levels, levels + 1, (q, d)).astype(np.float32)
+    x[x == 0] = rng.choice(np.array([0.0, -0.0], np.float32), int((x == 0).sum()))
+    n = q if kv == 0 else d  # vector length
+    k = max(1, (n - 1) // 3)
+    vecs = torch.from_numpy(x.T.copy() if kv == 0 else x)  # [vectors, n]
+    filled, idx, vals = split_outliers(vecs, k)
+    buf = x.copy()
+    out = np.zeros(2 * 2 * 2 * k * max(q, d) * 2, np.uint8)
+    val_at = out.size // 2
+    kivi_cpu._page_outliers(buf, q, d, kv, k, 0, out, 0, val_at, 2, np.empty(2, np.float32))
+    m = vecs.shape[0] * 2 * k
+    got_idx = out[:2 * m].view("<u2").astype(np.int64)
+    got_val = out[val_at:val_at + 2 * m].view(np.float16)
+    np.testing.assert_array_equal(got_idx, idx.reshape(-1).numpy())
+    np.testing.assert_array_equal(got_val.view(np.int16),
+                                  vals.reshape(-1).to(torch.float16).numpy().view(np.int16))
+    want = filled.numpy().T if kv == 0 else filled.numpy()
+    np.testing.assert_array_equal(buf, want)  # fills (their zero signs may differ: as values)
+
+
+@given(x=st.lists(st.floats(0, 2.0 ** 127, width=32), min_size=1, max_size=50))
+def test_sqrt_rn_is_correctly_rounded(x):
+    t = torch.tensor(x, dtype=torch.float32)
+    np.testing.assert_array_equal(sqrt_rn(t).numpy(), np.sqrt(t.numpy()))
 
 
 @given(rows=st.integers(0, 5), ngroups=st.integers(1, 4), group=st.sampled_from([1, 3, 8, 32]),
@@ -153,23 +278,23 @@ def test_auto_backend_runs_the_cpu_kernels_on_cpu_tensors(monkeypatch):
     assert not use_cpu_kernels("auto", torch.device("cuda"))
     assert not use_cpu_kernels("torch", torch.device("cpu"))
     calls = []
-    real_q, real_d = kivi_cpu.quantize_rows, kivi_cpu.decode_page
+    real_e, real_d = kivi_cpu.encode_fused, kivi_cpu.decode_fused
 
-    def spy_q(*args, **kwargs):
-        calls.append("q")
-        return real_q(*args, **kwargs)
+    def spy_e(*args, **kwargs):
+        calls.append("e")
+        return real_e(*args, **kwargs)
 
     def spy_d(*args, **kwargs):
         calls.append("d")
         return real_d(*args, **kwargs)
 
-    monkeypatch.setattr(kivi_cpu, "quantize_rows", spy_q)
-    monkeypatch.setattr(kivi_cpu, "decode_page", spy_d)
+    monkeypatch.setattr(kivi_cpu, "encode_fused", spy_e)
+    monkeypatch.setattr(kivi_cpu, "decode_fused", spy_d)
     kv = torch.randn(1, 2, 2, 20, 16).to(torch.bfloat16)
     params = {"group": 4, "value_group": 8, "residual": 4, "page_tokens": 8}
     codec = make_codec("kivi", params)
     auto = codec.encode(kv)
     codec.decode(auto)
-    assert "q" in calls and "d" in calls
+    assert "e" in calls and "d" in calls
     ref = make_codec("kivi", {**params, "backend": "torch"}).encode(kv)
     assert payloads(auto) == payloads(ref)

@@ -15,8 +15,12 @@ Per page of quantized tokens (q tokens, heads h, head_dim d), for K and V separa
 2. low rank: the quantization residual E = X_filled - dequant(quant(X_filled)) (zero on
    the outlier slots) of each head is approximated by A B^T, A [q, r], B [d, r],
    r = min(rank, q, d), by subspace (power) iteration: B0 ~ N(0, 1) from a generator seeded
-   with `seed`, then `iters` times B = QR(B); A = QR(E B); B = E^T A (GEAR Algorithm 2 with
-   an orthonormalization each round for stability). A and B are stored in fp16; a column
+   with `seed`, then `iters` times B = orth(B); A = orth(E B); B = E^T A (GEAR Algorithm 2
+   with an orthonormalization each round for stability; orth = modified Gram-Schmidt, and
+   every dot product of the fit summed in index order, elementwise fp32 ops, so that the
+   torch reference and the numba kernel of the CPU path give the same bits; decode sums
+   A B^T's rank-one terms in rank order for the same reason). A and B are stored in fp16;
+   among equal values, outliers are picked lower index first (a stable sort). A column
    of B that would overflow fp16 (inputs near +-65504) trades a power of two with its
    column of A first (`fit_fp16`; the product is unchanged).
    `lowrank` 'page' (default): factors are fitted over one page's q tokens (E of one
@@ -43,13 +47,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
+from kvsim.kernels import kivi_cpu
 from kvsim.kernels.codec import register
 from kvsim.kernels.groupquant import QUANT_BITS, Field
-from kvsim.kernels.kivi import BACKENDS, Backbone, BackboneCodec
+from kvsim.kernels.kivi import BACKENDS, Backbone, BackboneCodec, FusedInput
+from kvsim.kernels.kivi_cpu import G_BASE, G_LA, G_LB, G_QK, G_RANK
 from kvsim.layout import KVShape
 
 BACKBONES = ("kivi", "kcvt")
@@ -74,6 +81,22 @@ def outlier_schedule(n: int, m: int, pct: float, exact: bool) -> torch.Tensor:
     cap = (n - 1) // 2
     return torch.tensor([min(math.floor((i + 1) * c) - math.floor(i * c), cap)
                          for i in range(m)], dtype=torch.int64)
+
+
+class Extremes(NamedTuple):
+    values: torch.Tensor
+    indices: torch.Tensor
+
+
+def extremes(x: torch.Tensor, m: int) -> tuple[Extremes, Extremes]:
+    """The m largest entries of each vector of x [..., n] (largest first) and the m smallest
+    (smallest first), values and indices [..., m]. Equal values come in index order (a
+    stable sort): a defined choice among ties, which torch.topk does not promise, and the
+    one kivi_cpu's outlier kernel makes."""
+    top = torch.sort(x, dim=-1, descending=True, stable=True)
+    bot = torch.sort(x, dim=-1, stable=True)
+    return (Extremes(top.values[..., :m], top.indices[..., :m]),
+            Extremes(bot.values[..., :m], bot.indices[..., :m]))
 
 
 def ragged_vectors(counts: torch.Tensor) -> torch.Tensor:
@@ -102,8 +125,7 @@ def split_outliers_ragged(x: torch.Tensor, counts: torch.Tensor
     if kmax == 0:
         empty = x.new_zeros((*x.shape[:-2], 0))
         return x, empty.long(), empty
-    top = torch.topk(x, kmax + 1, dim=-1, largest=True, sorted=True)
-    bot = torch.topk(x, kmax + 1, dim=-1, largest=False, sorted=True)
+    top, bot = extremes(x, kmax + 1)
     keep = torch.arange(kmax) < counts.unsqueeze(-1)  # [m, kmax]
     mask = torch.cat((keep, keep), dim=-1).to(x.device)  # [m, 2 kmax]
     cand = torch.cat((top.indices[..., :kmax], bot.indices[..., :kmax]), dim=-1)
@@ -127,8 +149,7 @@ def split_outliers(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor,
     if k == 0:
         empty = x.new_zeros((*x.shape[:-1], 0))
         return x, empty.long(), empty
-    top = torch.topk(x, k + 1, dim=-1, largest=True, sorted=True)
-    bot = torch.topk(x, k + 1, dim=-1, largest=False, sorted=True)
+    top, bot = extremes(x, k + 1)
     idx = torch.cat((top.indices[..., :k], bot.indices[..., :k]), dim=-1)
     vals = torch.gather(x, -1, idx)
     fill = torch.clamp(torch.zeros_like(top.values[..., k]), bot.values[..., k],
@@ -156,18 +177,71 @@ def fit_fp16(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return a * c, b / c
 
 
+def seq_sum(p: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum over `dim`, one term at a time in index order (every partial sum rounded to fp32):
+    a defined order that kivi_cpu's numba kernels repeat bit for bit (torch.sum's and a
+    BLAS matmul's orders are their own)."""
+    acc = p.select(dim, 0)
+    for i in range(1, p.shape[dim]):
+        acc = acc + p.select(dim, i)
+    return acc
+
+
+def matmul_seq(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x [..., m, k] @ y [..., k, n] with every dot product summed in k order (seq_sum)."""
+    acc = x[..., :, 0:1] * y[..., 0:1, :]
+    for c in range(1, x.shape[-1]):
+        acc = acc + x[..., :, c:c + 1] * y[..., c:c + 1, :]
+    return acc
+
+
+def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """fp32 sqrt rounded to nearest, as IEEE (and numba's sqrtf) define it: torch.sqrt on CPU
+    may be an ulp off (a vectorized approximation). Of torch.sqrt's result and its two fp32
+    neighbours, the one whose square is nearest x (squares and differences exact in fp64)."""
+    s = torch.sqrt(x)
+    c = torch.stack((torch.nextafter(s, torch.full_like(s, -math.inf)), s,
+                     torch.nextafter(s, torch.full_like(s, math.inf))))
+    miss = (c.double() * c.double() - x.double()).abs()
+    return c.gather(0, miss.argmin(dim=0, keepdim=True)).squeeze(0)
+
+
+def orthonormalize(m: torch.Tensor) -> torch.Tensor:
+    """m [..., n, r] -> Q [..., n, r] with orthonormal columns spanning m's: modified
+    Gram-Schmidt, column by column, dot products by seq_sum (a zero column stays zero)."""
+    cols: list[torch.Tensor] = []
+    for j in range(m.shape[-1]):
+        v = m[..., j]
+        for qi in cols:
+            v = v - seq_sum(qi * v, -1).unsqueeze(-1) * qi
+        nrm = sqrt_rn(seq_sum(v * v, -1)).unsqueeze(-1)
+        live = nrm > 0
+        cols.append(torch.where(live, v / torch.where(live, nrm, torch.ones_like(nrm)),
+                                torch.zeros_like(v)))
+    return torch.stack(cols, dim=-1)
+
+
+def low_rank_start(d: int, r: int, seed: int) -> torch.Tensor:
+    """B0 [d, r] ~ N(0, 1) from a generator seeded with `seed`."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn(d, r, generator=gen, dtype=torch.float32)
+
+
 def low_rank(e: torch.Tensor, rank: int, iters: int, seed: int
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """e: [batch, q, d] fp32 -> A [batch, q, r], B [batch, d, r] with e ~ A B^T."""
+    """e: [batch, q, d] fp32 -> A [batch, q, r], B [batch, d, r] with e ~ A B^T: subspace
+    iteration, `iters` times B = orth(B); A = orth(E B); B = E^T A, with orthonormalize and
+    matmul_seq: elementwise fp32 ops in one defined order, so that the numba kernel
+    (kivi_cpu._low_rank) gives the same bits."""
     n, q, d = e.shape
     r = min(rank, q, d)
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    b = torch.randn(d, r, generator=gen, dtype=torch.float32).to(e.device).expand(n, d, r)
+    b = low_rank_start(d, r, seed).to(e.device).expand(n, d, r)
     a = e.new_zeros(n, q, r)
+    et = e.transpose(-1, -2)
     for _ in range(iters):
-        b = torch.linalg.qr(b).Q
-        a = torch.linalg.qr(e @ b).Q
-        b = e.transpose(-1, -2) @ a
+        b = orthonormalize(b)
+        a = orthonormalize(matmul_seq(e, b))
+        b = matmul_seq(et, a)
     return a, b
 
 
@@ -346,11 +420,67 @@ class GearCodec(BackboneCodec):
         out["lr_b"] = b.reshape(2, h, d, -1)
         return out
 
+    # ---- fused CPU path (kivi_cpu): outliers, backbone and error in numba, fits in torch --
+    def fused_ok(self, shape: KVShape) -> bool:
+        """The fused kernels cover 'ceil' outliers and per-page fits (else the generic path)."""
+        return self.params.lowrank == "page" and not self.exact_outliers
+
+    def index_bytes(self, shape: KVShape) -> tuple[int, int]:
+        return (1 if index_kind(self.params.page_tokens) == "u8" else 2,
+                1 if index_kind(shape.head_dim) == "u8" else 2)
+
+    def fused_prepare(self, x: torch.Tensor, shape: KVShape, geo: np.ndarray, layer_bytes: int,
+                      out: np.ndarray) -> FusedInput:
+        """Outliers picked by the encode kernel (kcvt backbone: beforehand, ko_* / vo_*
+        fields written), and the buffers of the per-page low-rank fits the encode kernel
+        makes (kivi_cpu._low_rank)."""
+        inp = FusedInput()
+        if self.sparse and self.params.backbone == "kcvt":
+            # kcvt's key groups span all pages: fill the outlier slots of the whole cache
+            # first (the kernel then quantizes the filled copy)
+            tq = int(geo[:, G_QK].sum())
+            filled, inp.peak = kivi_cpu.split_outliers_fused(
+                kivi_cpu.Source.of(x), geo, layer_bytes, shape.dims, tq,
+                self.index_bytes(shape), out)
+            inp.src_k = inp.src_v = kivi_cpu.Source.of(filled)
+        else:
+            inp.select_outliers = self.sparse
+        p, d = self.params, shape.head_dim
+        start = [low_rank_start(d, int(r), p.seed).numpy() for r in geo[:, G_RANK]]
+        inp.lowrank = kivi_cpu.LowRankOut.empty(geo, shape.layers, shape.kv_heads, d, p.iters,
+                                                start)
+        return inp
+
+    def fused_finish(self, inp: FusedInput, shape: KVShape, geo: np.ndarray, layer_bytes: int,
+                     out: np.ndarray) -> None:
+        """lr_a / lr_b of every page: the kernel's fits through fit_fp16, as fp16."""
+        h, d, lr = shape.kv_heads, shape.head_dim, inp.lowrank
+        assert lr is not None
+        for layer in range(shape.layers):
+            for page in range(geo.shape[0]):
+                q, r = int(geo[page, G_QK]), int(geo[page, G_RANK])
+                if q == 0:
+                    continue
+                ao, bo = int(lr.aoff[layer, page]), int(lr.boff[layer, page])
+                a, b = fit_fp16(torch.from_numpy(lr.a[ao:ao + 2 * h * q * r]).view(2 * h, q, r),
+                                torch.from_numpy(lr.b[bo:bo + 2 * h * d * r]).view(2 * h, d, r))
+                base = layer * layer_bytes + int(geo[page, G_BASE])
+                for col, t in ((G_LA, a), (G_LB, b)):
+                    raw = t.to(torch.float16).contiguous().view(torch.int16).numpy()
+                    o = base + int(geo[page, col])
+                    out[o:o + raw.nbytes] = raw.reshape(-1).view(np.uint8)
+
     def post_dequantize(self, f: dict[str, torch.Tensor], xhat_page: torch.Tensor
                         ) -> torch.Tensor:
-        a = f["lr_a"].to(torch.float32)
-        b = f["lr_b"].to(torch.float32)
-        x = xhat_page + a @ b.transpose(-1, -2)
+        a = f["lr_a"].to(torch.float32)  # [2, heads, q, r]
+        b = f["lr_b"].to(torch.float32).transpose(-1, -2)  # [2, heads, r, d]
+        # A B^T as a sum of rank-one terms in rank order (elementwise products and sums, each
+        # rounded to fp32): one defined order of operations, so that the fused CPU decode
+        # (kivi_cpu._decode_kernel) gives the same bits; a matmul's order is the BLAS's own
+        lr = a[..., 0:1] * b[..., 0:1, :]
+        for j in range(1, a.shape[-1]):
+            lr = lr + a[..., j:j + 1] * b[..., j:j + 1, :]
+        x = xhat_page + lr
         if self.exact_outliers:
             ck, cv = self.schedules(x.shape[3], x.shape[2])
             x[0] = scatter_ragged(x[0].transpose(-1, -2), f["ko_idx"], ragged_vectors(ck),

@@ -22,6 +22,8 @@
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -110,11 +112,11 @@ class Field:
     bits: int = 0
     limit: int = 0  # u8 / u16 index fields: every value must be < limit (0: unchecked)
 
-    @property
+    @functools.cached_property
     def count(self) -> int:
-        return int(np.prod(self.shape)) if self.shape else 1
+        return math.prod(self.shape)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         if self.count == 0:
             return 0

@@ -51,6 +51,7 @@ from kvsim.kernels import kivi_cpu
 from kvsim.kernels.codec import Codec, register
 from kvsim.kernels.encoded import Chunk, Encoded
 from kvsim.kernels.groupquant import (
+    FP16_MAX,
     QUANT_BITS,
     ChunkLayout,
     Field,
@@ -59,6 +60,7 @@ from kvsim.kernels.groupquant import (
     page_bounds,
     quantize_groups,
 )
+from kvsim.kernels.kivi_cpu import G_BASE, G_KK, G_KR, G_KV, G_RANK, G_VR, GEO_COLS, GEO_FIELDS
 from kvsim.layout import KVShape
 
 BACKENDS = ("auto", "torch", "cpu")
@@ -176,6 +178,21 @@ class Backbone:
         return torch.stack((k.transpose(-1, -2), v), dim=0).to(device)
 
 
+@dataclass
+class FusedInput:
+    """What a codec feeds kivi_cpu.encode_fused (see BackboneCodec.fused_prepare)."""
+
+    src_k: kivi_cpu.Source | None = None  # K values to quantize (None: the cache)
+    src_v: kivi_cpu.Source | None = None  # V values to quantize (None: the cache)
+    src_peak: tuple[int, int] = (1, 1)  # src_k / src_v hold the cache's values (peak check)
+    div: np.ndarray | None = None  # oscar: per-token divisors [2, L, H, Tq] fp32
+    dflag: tuple[int, int] = (0, 0)  # divide K, V by div
+    rotate_v: bool = False  # oscar: V rotated in the kernel
+    select_outliers: bool = False  # gear: outliers picked in the kernel
+    lowrank: kivi_cpu.LowRankOut | None = None  # gear: the per-page low-rank fits (filled in)
+    peak: float = 0.0  # max |x| the hook saw
+
+
 class BackboneCodec(Codec):
     """A single-stream codec built on a Backbone. Subclasses provide `backbone()` and may
     override the hooks to add fields (gear: low rank + outliers; oscar: rotation + norms)."""
@@ -251,7 +268,113 @@ class BackboneCodec(Codec):
             layouts[c.page].check(c.payload, f"{self.name}: chunk (stream 0, layer {c.layer}, "
                                              f"page {c.page})")
 
+    # ---- the fused CPU path: kivi_cpu.encode_fused / decode_fused -----------------------
+    def fused(self, device: torch.device, shape: KVShape) -> bool:
+        """Whether encode / decode run the fused CPU kernels (CPU tensors, backend cpu |
+        auto, and a configuration they cover: fused_ok)."""
+        return (device.type == "cpu" and use_cpu_kernels(self.quant_backend(), device)
+                and self.fused_ok(shape))
+
+    def fused_ok(self, shape: KVShape) -> bool:
+        return True
+
+    def page_split(self, shape: KVShape, page: int) -> tuple[int, int, int, int, int]:
+        """(t0, qk, rk, qv, rv): page start, quantized and bf16 K tokens, same for V."""
+        t0, q, r = self.backbone().split(shape, self.params.page_tokens, page)
+        return t0, q, r, q, r
+
+    def index_bytes(self, shape: KVShape) -> tuple[int, int]:
+        """Bytes per stored outlier index (K, V): gear's u8 / u16 fields."""
+        return 1, 1
+
+    def geometry(self, shape: KVShape) -> tuple[np.ndarray, int, list[int]]:
+        """(geo int64 [pages, kivi_cpu.GEO_COLS], bytes per layer, bytes of each page's
+        chunk): the token split and field offsets kivi_cpu's fused kernels read."""
+        pages = self.num_pages(shape)
+        geo = np.full((pages, GEO_COLS), -1, np.int64)
+        sizes, base = [], 0
+        for p in range(pages):
+            lay = self.layout(shape, p)
+            t0, qk, rk, qv, rv = self.page_split(shape, p)
+            geo[p, :5] = (t0, qk, qv, rk, rv)
+            geo[p, G_BASE] = base
+            geo[p, [G_RANK, G_KK, G_KV]] = 0
+            for f, off in zip(lay.fields, lay.offsets().values(), strict=True):
+                if f.name in GEO_FIELDS:
+                    geo[p, GEO_FIELDS[f.name]] = off
+                elif f.name == "resid":  # [2, heads, r, head_dim] = k_resid then v_resid
+                    geo[p, G_KR] = off
+                    geo[p, G_VR] = off + shape.kv_heads * rk * shape.head_dim * 2
+                if f.name == "lr_a":
+                    geo[p, G_RANK] = f.shape[3]
+                elif f.name in ("ko_idx", "vo_idx"):  # 'ceil' layout [heads, n, 2k]
+                    geo[p, G_KK if f.name == "ko_idx" else G_KV] = f.shape[-1] // 2
+            sizes.append(lay.nbytes)
+            base += lay.nbytes
+        return geo, base, sizes
+
+    def fused_prepare(self, x: torch.Tensor, shape: KVShape, geo: np.ndarray, layer_bytes: int,
+                      out: np.ndarray) -> FusedInput:
+        """Hook: the sources to quantize (default: the cache itself) and what the kernel does
+        to them; may write extra fields into `out` (all chunks, zeroed)."""
+        return FusedInput()
+
+    def check_rotated(self, vpeak: float) -> None:
+        """Hook: refuse a peak |rotated V| the kernel saw (oscar)."""
+
+    def fused_finish(self, inp: FusedInput, shape: KVShape, geo: np.ndarray, layer_bytes: int,
+                     out: np.ndarray) -> None:
+        """Hook: after the backbone fields are written (gear: the low-rank fits)."""
+
+    def fused_rotation(self) -> tuple[bool, bool]:
+        """Decode: rotate K, V back (oscar)."""
+        return False, False
+
+    def _encode_fused(self, kv: torch.Tensor, shape: KVShape) -> list[list[Chunk]]:
+        if kv.dtype != torch.bfloat16:  # the kernels see the bf16 window only rounded
+            check_fp16_range(kv, self.name)
+        bb = self.tuned_backbone()
+        geo, layer_bytes, sizes = self.geometry(shape)
+        out = np.zeros(shape.layers * layer_bytes, np.uint8)
+        x = kv.detach()
+        inp = self.fused_prepare(x, shape, geo, layer_bytes, out)
+        peak, vpeak = kivi_cpu.encode_fused(
+            x, geo, layer_bytes, bb.key_group, bb.vgroup(shape), bb.bits, out, inp.src_k,
+            inp.src_v, inp.div, inp.dflag, inp.src_peak, inp.rotate_v, inp.select_outliers,
+            inp.lowrank, self.index_bytes(shape))
+        peak = max(peak, inp.peak)
+        if peak > FP16_MAX:  # check_fp16_range's refusal, from the kernels' peaks
+            raise ValueError(f"{self.name}: |value| up to {peak:.4g} exceeds the fp16 range "
+                             f"({FP16_MAX}) of the stored scales / zero points")
+        self.check_rotated(vpeak)
+        self.fused_finish(inp, shape, geo, layer_bytes, out)
+        chunks = []
+        for layer in range(shape.layers):
+            for p, size in enumerate(sizes):
+                at = layer * layer_bytes + int(geo[p, G_BASE])
+                chunks.append(Chunk(0, layer, p, out[at:at + size]))
+        return [chunks]
+
+    def _decode_fused(self, enc: Encoded, dtype: torch.dtype) -> torch.Tensor:
+        shape, bb = enc.shape, self.tuned_backbone()
+        geo, _, _ = self.geometry(shape)
+        payloads = enc.payloads(0)
+        src = np.concatenate([np.asarray(payloads[(layer, p)], dtype=np.uint8)
+                              for layer in range(shape.layers)
+                              for p in range(self.num_pages(shape))])
+        return kivi_cpu.decode_fused(src, geo, src.size // shape.layers, shape.dims,
+                                     bb.key_group, bb.vgroup(shape), bb.bits, dtype,
+                                     self.index_bytes(shape), self.fused_rotation())
+
+    def _decode_to(self, enc: Encoded, streams: int, device: torch.device,
+                   dtype: torch.dtype) -> torch.Tensor:
+        if self.fused(device, enc.shape):  # the kernel writes `dtype` directly
+            return self._decode_fused(enc, dtype)
+        return super()._decode_to(enc, streams, device, dtype)
+
     def _encode(self, kv: torch.Tensor, shape: KVShape) -> list[list[Chunk]]:
+        if self.fused(kv.device, shape):
+            return self._encode_fused(kv, shape)
         check_fp16_range(kv, self.name)
         bb, pt = self.tuned_backbone(), self.params.page_tokens
         x = kv.detach().to(torch.float32)  # [layers, 2, heads, tokens, head_dim]
@@ -383,8 +506,13 @@ class KiviCodec(BackboneCodec):
             Field("v_scale", "f16", vmeta), Field("v_zero", "f16", vmeta),
             Field("k_resid", "bf16", (h, rk, d)), Field("v_resid", "bf16", (h, rv, d))])
 
-    def _encode(self, kv: torch.Tensor, shape: KVShape) -> list[list[Chunk]]:
+    def page_split(self, shape: KVShape, page: int) -> tuple[int, int, int, int, int]:
         if not self.kivi_window:
+            return super().page_split(shape, page)
+        return self.kivi_split(shape, page)
+
+    def _encode(self, kv: torch.Tensor, shape: KVShape) -> list[list[Chunk]]:
+        if not self.kivi_window or self.fused(kv.device, shape):
             return super()._encode(kv, shape)
         check_fp16_range(kv, self.name)
         p, vg = self.params, self.backbone().vgroup(shape)

@@ -20,17 +20,27 @@ the quantizer / dequantizer, not by the arithmetic. These kernels do each in one
 The whole-cache quantizer runs its rows and the page decoder its (K|V, head) blocks in
 parallel (numba prange); pack / unpack (many small calls, each a fraction of a page's work)
 run serially, because waking numba's OpenMP pool that often, interleaved with torch's own
-pool on few cores, cost more than the work.
-tests/test_kivi_cpu.py checks bytes against torch.
+pool on few cores, cost more than the work. These per-page pieces serve the configurations
+the fused path below leaves to BackboneCodec's generic path (gear 'exact' outliers and
+'sequence' fits).
+
+The fused path (encode_fused / decode_fused, the default for CPU tensors): one parallel
+kernel writes every chunk payload of the cache straight from the bf16 bits (gear's outliers,
+low-rank fits and oscar's V rotation inside it), one writes the decoded cache in the output
+dtype; see "fused whole-cache encode / decode" below.
+tests/test_kivi_cpu.py checks bytes and decoded bits against torch.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import numba
 import numpy as np
 import torch
 
-from kvsim.kernels.fp16_bits import f16_bits_to_f32_bits
+from kvsim.kernels.fp16_bits import f16_bits_to_f32_bits, f32_bits_to_f16_bits
 from kvsim.kernels.groupquant import qmax_of
 from kvsim.kernels.uniform_cpu import quantize_group
 
@@ -245,3 +255,944 @@ def decode_page(src: np.ndarray, offsets: dict[str, int], kmeta: np.ndarray,
     _page_decode_kernel(src, offsets["k_codes"], kmeta, kmeta_offsets["k_scale"],
                         kmeta_offsets["k_zero"], key_group, offsets["v_codes"],
                         offsets["v_scale"], offsets["v_zero"], value_group, bits, out.numpy())
+
+
+# ---- fused whole-cache encode / decode ---------------------------------------------------
+# The codec-level CPU path (kivi.py BackboneCodec._encode_fused / _decode_fused): one numba
+# call writes every chunk payload of the cache, one reads them all back. No fp32 copy of
+# the cache, no unpacked codes, no per-page torch calls. Work item = (layer, page, K|V,
+# head): a head-page of q quantized + r bf16 tokens, loaded once into a thread-local fp32
+# [q, D] buffer (bf16 input straight from its bits) where gear's outliers and oscar's V
+# rotation happen before it is quantized; all heads of a (layer, page, K|V) in one item
+# when the packed codes of two heads would share a byte (D * q not a multiple of the codes
+# per byte), so that no two threads ever write the same byte.
+#
+# Page geometry `geo` (int64 [pages, GEO_COLS]): the token split of page p and the byte
+# offset of each field inside its chunk (-1: the codec has no such field); a chunk (l, p)
+# starts at l * layer_bytes + geo[p, G_BASE] in the buffer of all chunks.
+(G_T0, G_QK, G_QV, G_RK, G_RV, G_KC, G_KS, G_KZ, G_VC, G_VS, G_VZ, G_KR, G_VR, G_BASE,
+ G_RANK, G_LA, G_LB, G_KK, G_KV, G_KOI, G_KOV, G_VOI, G_VOV, G_KN, G_VN) = range(25)
+GEO_COLS = 25
+# where each field's offset goes in a geo row
+GEO_FIELDS = {"k_codes": G_KC, "k_scale": G_KS, "k_zero": G_KZ, "v_codes": G_VC,
+              "v_scale": G_VS, "v_zero": G_VZ, "k_resid": G_KR, "v_resid": G_VR,
+              "lr_a": G_LA, "lr_b": G_LB, "ko_idx": G_KOI, "ko_val": G_KOV, "vo_idx": G_VOI,
+              "vo_val": G_VOV, "k_norm": G_KN, "v_norm": G_VN}
+K_TILE = 32  # kcvt: tokens per key tile (its groups span the whole layer)
+
+
+@numba.njit(inline="always", **_JIT)
+def _bits_f32(u, tmp):
+    """fp32 bit pattern (int) -> fp32 value, through tmp (fp32[2] scratch, slot 0)."""
+    tmp.view(np.uint32)[0] = np.uint32(u)
+    return tmp[0]
+
+
+@numba.njit(inline="always", **_JIT)
+def _f32_bits(v, tmp):
+    """fp32 value -> its bit pattern (int64), through tmp (fp32[2] scratch, slot 0)."""
+    tmp[0] = v
+    return np.int64(tmp.view(np.uint32)[0])
+
+
+@numba.njit(inline="always", **_JIT)
+def _h2f(src, o, tmp):
+    """The little-endian fp16 at bytes src[o], src[o + 1] as fp32."""
+    return _bits_f32(f16_bits_to_f32_bits(np.int64(src[o]) | (np.int64(src[o + 1]) << 8)), tmp)
+
+
+@numba.njit(inline="always", **_JIT)
+def _scale_zero(lo, hi, qmax, tmp):
+    """Group min / max -> (scale16 bits, zero16 bits, scale, zero as fp32): the op sequence
+    of uniform_cpu.quantize_group (signs of zero normalized, fp16 round trips)."""
+    zero = np.float32(0.0)
+    tmpu = tmp.view(np.uint32)
+    lo = lo + zero
+    hi = hi + zero
+    tmp[0] = (hi - lo) / qmax
+    tmp[1] = lo
+    hs = f32_bits_to_f16_bits(np.int64(tmpu[0]))
+    hz = f32_bits_to_f16_bits(np.int64(tmpu[1]))
+    tmpu[0] = np.uint32(f16_bits_to_f32_bits(hs))
+    tmpu[1] = np.uint32(f16_bits_to_f32_bits(hz))
+    return hs, hz, tmp[0], tmp[1]
+
+
+@numba.njit(inline="always", **_JIT)
+def _code(v, s, z, qmax):
+    """One code: clamp(floor((v - z) / s + 0.5), 0, qmax); 0 when s == 0. Selects, not
+    branches (the loops over a row vectorize); dividing by 1 where s == 0 is discarded."""
+    zero = np.float32(0.0)
+    live = s > zero
+    w = (v - z) / (s if live else np.float32(1.0)) + np.float32(0.5)
+    w = w if w > zero else zero
+    w = w if w < qmax else qmax
+    return np.int32(w) if live else np.int32(0)
+
+
+@numba.njit(inline="always", **_JIT)
+def _put16(out, o, h):
+    """Little-endian 16-bit value h at byte o."""
+    out[o] = np.uint8(h & 0xFF)
+    out[o + 1] = np.uint8((h >> 8) & 0xFF)
+
+
+@numba.njit(inline="always", **_JIT)
+def _get16(src, o):
+    return np.int64(src[o]) | (np.int64(src[o + 1]) << 8)
+
+
+@numba.njit(inline="always", **_JIT)
+def _lane_peak(acc, row, D):
+    """acc[c] = max(acc[c], |row[c]|) for c < D: per-lane maxima (a vector loop; a scalar
+    running max would be a serial chain), reduced once by the caller."""
+    for c in range(D):
+        a = abs(row[c])
+        acc[c] = a if a > acc[c] else acc[c]
+
+
+@numba.njit(**_JIT)
+def _put_run(out, base, i0, c, n, bits):
+    """Bit-pack codes c[0:n] as codes i0 .. i0+n-1 of the field at byte `base` (little end
+    first, bitpack.pack's order). Whole bytes are stored, bytes shared with a neighbouring
+    run are OR-ed in (the buffer starts zeroed)."""
+    if bits == 8:
+        for i in range(n):
+            out[base + i0 + i] = np.uint8(c[i])
+        return
+    per = 8 // bits
+    i = 0
+    while i < n and (i0 + i) % per != 0:
+        j = i0 + i
+        out[base + j // per] |= np.uint8(c[i] << ((j % per) * bits))
+        i += 1
+    b = base + (i0 + i) // per
+    if bits == 2:
+        while i + 4 <= n:
+            out[b] = np.uint8(c[i] | (c[i + 1] << 2) | (c[i + 2] << 4) | (c[i + 3] << 6))
+            b += 1
+            i += 4
+    else:
+        while i + 2 <= n:
+            out[b] = np.uint8(c[i] | (c[i + 1] << 4))
+            b += 1
+            i += 2
+    while i < n:
+        j = i0 + i
+        out[base + j // per] |= np.uint8(c[i] << ((j % per) * bits))
+        i += 1
+
+
+@numba.njit(inline="always", **_JIT)
+def _get_code(src, base, i, bits):
+    """Code i of the packed field at byte base."""
+    if bits == 8:
+        return np.int32(src[base + i])
+    if bits == 4:
+        return (np.int32(src[base + (i >> 1)]) >> ((i & 1) * 4)) & 15
+    return (np.int32(src[base + (i >> 2)]) >> ((i & 3) * 2)) & 3
+
+
+@numba.njit(inline="always", **_JIT)
+def _load_row(sb, sf, use_bits, o, D, dst):
+    """D source values at flat offset o (bf16 bits or fp32) -> dst[0:D] fp32."""
+    if use_bits:
+        du = dst.view(np.uint32)
+        for c in range(D):
+            du[c] = np.uint32(sb[o + c]) << np.uint32(16)
+    else:
+        for c in range(D):
+            dst[c] = sf[o + c]
+
+
+@numba.njit(**_JIT)
+def _fwht_rows(buf, n, D, scale):
+    """In place: the orthonormal Walsh-Hadamard transform of each row of buf[0:n] ([*, D],
+    D a power of two): hadamard.hadamard's butterflies in its order (level h pairs (j, j + h)
+    in blocks of 2h), then * scale, so bit-identical to the torch reference (as
+    lynx_cpu.fwht_cpu). Levels 1, 2, 4 as unrolled 8-point blocks (the same sums and
+    differences of the same operands), the longer levels as vector loops."""
+    for r in range(n):
+        y = buf[r]
+        h = 1
+        if D >= 8:
+            for i in range(0, D, 8):
+                x0, x1, x2, x3 = y[i], y[i + 1], y[i + 2], y[i + 3]
+                x4, x5, x6, x7 = y[i + 4], y[i + 5], y[i + 6], y[i + 7]
+                a0, a1, a2, a3 = x0 + x1, x0 - x1, x2 + x3, x2 - x3  # level 1
+                a4, a5, a6, a7 = x4 + x5, x4 - x5, x6 + x7, x6 - x7
+                b0, b1, b2, b3 = a0 + a2, a1 + a3, a0 - a2, a1 - a3  # level 2
+                b4, b5, b6, b7 = a4 + a6, a5 + a7, a4 - a6, a5 - a7
+                y[i], y[i + 1], y[i + 2], y[i + 3] = b0 + b4, b1 + b5, b2 + b6, b3 + b7  # 4
+                y[i + 4], y[i + 5], y[i + 6], y[i + 7] = b0 - b4, b1 - b5, b2 - b6, b3 - b7
+            h = 8
+        while h < D:
+            for i in range(0, D, 2 * h):
+                for j in range(i, i + h):
+                    a = y[j]
+                    b = y[j + h]
+                    y[j] = a + b
+                    y[j + h] = a - b
+            h *= 2
+        for j in range(D):
+            y[j] = y[j] * scale
+
+
+@numba.njit(inline="always", **_JIT)
+def _keep_extremes(v, i, tv, ti, n, m, top):
+    """Insert value v (index i) into the sorted list tv / ti [0:n] of at most m entries:
+    largest first (top) or smallest first; an entry never passes an equal one, so ties keep
+    the lower index first (visit indices in increasing order): torch.sort(stable=True)'s
+    order, gear.extremes. Returns the new length."""
+    if n == m:
+        if (v > tv[m - 1]) if top else (v < tv[m - 1]):
+            pos = m - 1
+        else:
+            return n
+    else:
+        pos = n
+        n += 1
+    while pos > 0 and ((v > tv[pos - 1]) if top else (v < tv[pos - 1])):
+        tv[pos] = tv[pos - 1]
+        ti[pos] = ti[pos - 1]
+        pos -= 1
+    tv[pos] = v
+    ti[pos] = i
+    return n
+
+
+@numba.njit(**_JIT)
+def _page_outliers(buf, q, D, kv, k, h, out, idx_at, val_at, ib, tmp):
+    """gear 'ceil' outliers of one head-page buf [q, D] (in place): the k top and k bottom
+    entries of every K channel over the q tokens (kv 0) or of every V token over the D
+    channels (kv 1), as gear.split_outliers picks them, stored as the idx / val fields at
+    bytes idx_at / val_at (head h's part; index bytes ib), each slot then filled with
+    clamp(0, (k+1)-th smallest, (k+1)-th largest)."""
+    m = k + 1
+    zero = np.float32(0.0)
+    if kv == 0:  # per channel over tokens; m <= q since k <= (q - 1) // 2
+        tv = np.empty((D, m), np.float32)
+        ti = np.empty((D, m), np.int64)
+        bv = np.empty((D, m), np.float32)
+        bi = np.empty((D, m), np.int64)
+        for j in range(m):
+            for c in range(D):
+                _keep_extremes(buf[j, c], j, tv[c], ti[c], j, m, True)
+                _keep_extremes(buf[j, c], j, bv[c], bi[c], j, m, False)
+        for j in range(m, q):
+            row = buf[j]
+            for c in range(D):
+                v = row[c]
+                if v > tv[c, k]:
+                    _keep_extremes(v, j, tv[c], ti[c], m, m, True)
+                if v < bv[c, k]:
+                    _keep_extremes(v, j, bv[c], bi[c], m, m, False)
+        for c in range(D):
+            fill = min(max(zero, bv[c, k]), tv[c, k])
+            for s in range(2 * k):
+                t = ti[c, s] if s < k else bi[c, s - k]
+                val = tv[c, s] if s < k else bv[c, s - k]
+                o = (h * D + c) * 2 * k + s
+                if ib == 1:
+                    out[idx_at + o] = np.uint8(t)
+                else:
+                    _put16(out, idx_at + 2 * o, t)
+                _put16(out, val_at + 2 * o, f32_bits_to_f16_bits(_f32_bits(val, tmp)))
+            for s in range(2 * k):
+                buf[ti[c, s] if s < k else bi[c, s - k], c] = fill
+    else:  # per token over channels; m <= D
+        tv = np.empty(m, np.float32)
+        ti = np.empty(m, np.int64)
+        bv = np.empty(m, np.float32)
+        bi = np.empty(m, np.int64)
+        for j in range(q):
+            row = buf[j]
+            for c in range(m):
+                _keep_extremes(row[c], c, tv, ti, c, m, True)
+                _keep_extremes(row[c], c, bv, bi, c, m, False)
+            for c in range(m, D):
+                v = row[c]
+                if v > tv[k]:
+                    _keep_extremes(v, c, tv, ti, m, m, True)
+                if v < bv[k]:
+                    _keep_extremes(v, c, bv, bi, m, m, False)
+            fill = min(max(zero, bv[k]), tv[k])
+            for s in range(2 * k):
+                c = ti[s] if s < k else bi[s - k]
+                val = tv[s] if s < k else bv[s - k]
+                o = (h * q + j) * 2 * k + s
+                if ib == 1:
+                    out[idx_at + o] = np.uint8(c)
+                else:
+                    _put16(out, idx_at + 2 * o, c)
+                _put16(out, val_at + 2 * o, f32_bits_to_f16_bits(_f32_bits(val, tmp)))
+            for s in range(2 * k):
+                row[ti[s] if s < k else bi[s - k]] = fill
+
+
+@numba.njit(parallel=True, **_JIT)
+def _kcvt_stats_kernel(sb, sf, use_bits, sst, L, H, D, tq, bits, kstat):
+    """kcvt: per (layer, head, channel) fp16 scale / zero bits of the key group made of all
+    tq quantized tokens -> kstat uint16 [L, H, D, 2]."""
+    qmax = np.float32((1 << bits) - 1)
+    for w in numba.prange(L * H):
+        l = w // H
+        h = w % H
+        tmp = np.empty(2, np.float32)
+        row = np.empty(D, np.float32)
+        lo = np.empty(D, np.float32)
+        hi = np.empty(D, np.float32)
+        o = l * sst[0] + h * sst[2]
+        _load_row(sb, sf, use_bits, o, D, lo)
+        hi[:] = lo
+        for t in range(1, tq):
+            _load_row(sb, sf, use_bits, o + t * sst[3], D, row)
+            for c in range(D):
+                v = row[c]
+                lo[c] = v if v < lo[c] else lo[c]
+                hi[c] = v if v > hi[c] else hi[c]
+        for c in range(D):
+            hs, hz, _s, _z = _scale_zero(lo[c], hi[c], qmax, tmp)
+            kstat[l, h, c, 0] = np.uint16(hs)
+            kstat[l, h, c, 1] = np.uint16(hz)
+
+
+@numba.njit(parallel=True, **_JIT)
+def _encode_kernel(kb, kf, kbits, kst, vb, vf, vbits, vst, speak, div, dflag, rot_v, scale,
+                   kstat, kcvt, select, xr, rst, rpeak, geo, layer_bytes, L, H, D, G, VG, bits,
+                   whole, out, peak, want_lr, b0, iters, fa, aoff, fb, boff, ik, iv):
+    """Quantize, pack and serialize the backbone fields of every chunk into `out` (uint8,
+    zeroed, chunks at l * layer_bytes + geo[p, G_BASE]).
+
+    kb / kf (K) and vb / vf (V): flat quantization sources, bf16 bits (kbits / vbits) or
+    fp32, element (l, kv, h, t, c) at l*st[0] + kv*st[1] + h*st[2] + t*st[3] + c (strides kst
+    / vst); speak[kv]: whether they are the cache's values (count in the peak). div: fp32
+    [2, L, H, Tq] per-token divisors applied on load where dflag[kv] (oscar's
+    norms); rot_v: V rotated on load (oscar, fp32 scale = 1 / sqrt(D)). kstat: kcvt's
+    per-channel key scale / zero bits [L, H, D, 2]. select: gear's outliers picked here
+    (_page_outliers; else, if the page has outlier fields, already written and filled in the
+    sources). xr: flat bf16 bits of the cache (bf16 window), strides rst.
+    peak[item, 0]: max |x| over the item's source values as loaded (speak) and (rpeak: xr is the
+    cache itself, not a rounding of it) its bf16 tokens; peak[item, 1]: max |rotated V|.
+    want_lr (gear): the low-rank fit (_low_rank) of each head-page's quantization error
+    E = source - x_hat, zero on the outlier slots named by the page's ko_idx / vo_idx fields
+    (index bytes ik / iv), rank geo[p, G_RANK], start b0[p] [D, rank]: A into fa (page (l, p)
+    as [2, H, q, rank] at aoff[l, p]), B into fb ([2, H, D, rank] at boff[l, p]), fp32."""
+    P = geo.shape[0]
+    hb = 1 if whole else H
+    qmax = np.float32((1 << bits) - 1)
+    zero = np.float32(0.0)
+    for w in numba.prange(L * P * 2 * hb):
+        h0 = w % hb
+        kv = (w // hb) % 2
+        p = (w // (2 * hb)) % P
+        l = w // (2 * hb * P)
+        g = geo[p]
+        base = l * layer_bytes + g[G_BASE]
+        t0 = g[G_T0]
+        q = g[G_QK] if kv == 0 else g[G_QV]
+        r = g[G_RK] if kv == 0 else g[G_RV]
+        tmp = np.empty(2, np.float32)
+        tt = K_TILE if kcvt else G  # K tokens per tile
+        buf = np.empty((max(q, 1), D), np.float32)  # the head-page
+        codes = np.empty(max(D, tt), np.int32)
+        ctile = np.empty((tt, D), np.int32)  # K codes of one tile, token-major
+        lo = np.empty(D, np.float32)
+        hi = np.empty(D, np.float32)
+        sv = np.empty(D, np.float32)
+        zv = np.empty(D, np.float32)
+        pkl = np.zeros(D, np.float32)  # per-channel peaks: |source| and bf16 window
+        prl = np.zeros(D, np.float32)  # |rotated V|
+        use_div = dflag[kv] != 0
+        h_lo = 0 if whole else h0
+        h_hi = H if whole else h0 + 1
+        want_err = want_lr and q > 0
+        err = np.empty((q if want_err else 1, D), np.float32)  # E of one head-page [q, D]
+        for h in range(h_lo, h_hi):
+            if q > 0:
+                for j in range(q):
+                    t = t0 + j
+                    if kv == 0:
+                        _load_row(kb, kf, kbits, l * kst[0] + h * kst[2] + t * kst[3], D, buf[j])
+                    else:
+                        _load_row(vb, vf, vbits, l * vst[0] + vst[1] + h * vst[2] + t * vst[3],
+                                  D, buf[j])
+                    row = buf[j]
+                    if speak[kv]:
+                        _lane_peak(pkl, row, D)
+                    if use_div:
+                        dv = div[kv, l, h, t]
+                        for c in range(D):
+                            row[c] = row[c] / dv
+                if kv == 1 and rot_v:
+                    _fwht_rows(buf, q, D, scale)
+                    for j in range(q):
+                        _lane_peak(prl, buf[j], D)
+                k = g[G_KK] if kv == 0 else g[G_KV]
+                if select and k > 0:
+                    _page_outliers(buf, q, D, kv, k, h, out,
+                                   base + (g[G_KOI] if kv == 0 else g[G_VOI]),
+                                   base + (g[G_KOV] if kv == 0 else g[G_VOV]),
+                                   ik if kv == 0 else iv, tmp)
+            if kv == 0 and q > 0:
+                if kcvt:
+                    for c in range(D):
+                        sv[c] = _bits_f32(f16_bits_to_f32_bits(np.int64(kstat[l, h, c, 0])),
+                                          tmp)
+                        zv[c] = _bits_f32(f16_bits_to_f32_bits(np.int64(kstat[l, h, c, 1])),
+                                          tmp)
+                        if p == 0:
+                            _put16(out, base + g[G_KS] + (h * D + c) * 2, kstat[l, h, c, 0])
+                            _put16(out, base + g[G_KZ] + (h * D + c) * 2, kstat[l, h, c, 1])
+                for a in range(0, q, tt):
+                    n = min(tt, q - a)
+                    if not kcvt:  # one group of G tokens per channel: its min / max
+                        lo[:] = buf[a]
+                        hi[:] = buf[a]
+                        for j in range(a + 1, a + n):
+                            row = buf[j]
+                            for c in range(D):
+                                v = row[c]
+                                lo[c] = v if v < lo[c] else lo[c]
+                                hi[c] = v if v > hi[c] else hi[c]
+                        gi = a // G
+                        ng = q // G
+                        for c in range(D):
+                            hs, hz, s, z = _scale_zero(lo[c], hi[c], qmax, tmp)
+                            sv[c] = s
+                            zv[c] = z
+                            _put16(out, base + g[G_KS] + ((h * D + c) * ng + gi) * 2, hs)
+                            _put16(out, base + g[G_KZ] + ((h * D + c) * ng + gi) * 2, hz)
+                    for j in range(n):  # row-major codes (vectorized), packed by channel
+                        row = buf[a + j]
+                        cr = ctile[j]
+                        for c in range(D):
+                            cr[c] = _code(row[c], sv[c], zv[c], qmax)
+                    for c in range(D):
+                        for j in range(n):
+                            codes[j] = ctile[j, c]
+                        _put_run(out, base + g[G_KC], (h * D + c) * q + a, codes, n, bits)
+                    if want_err:
+                        for j in range(n):
+                            row = buf[a + j]
+                            er = err[a + j]
+                            cr = ctile[j]
+                            for c in range(D):
+                                er[c] = row[c] - (zv[c] + np.float32(cr[c]) * sv[c])
+            elif kv == 1 and q > 0:
+                nvg = D // VG
+                for j in range(q):
+                    row = buf[j]
+                    for gg in range(nvg):
+                        hs, hz, _lo, _hi, s, z = quantize_group(row, gg * VG, (gg + 1) * VG,
+                                                                qmax, tmp, codes)
+                        mo = ((h * q + j) * nvg + gg) * 2
+                        _put16(out, base + g[G_VS] + mo, hs)
+                        _put16(out, base + g[G_VZ] + mo, hz)
+                        if want_err:
+                            er = err[j]
+                            for c in range(gg * VG, (gg + 1) * VG):
+                                er[c] = row[c] - (z + np.float32(codes[c]) * s)
+                    _put_run(out, base + g[G_VC], (h * q + j) * D, codes, D, bits)
+            # bf16 window: copied bits
+            ro = base + (g[G_KR] if kv == 0 else g[G_VR])
+            for j in range(r):
+                x0 = l * rst[0] + kv * rst[1] + h * rst[2] + (t0 + q + j) * rst[3]
+                o = ro + ((h * r + j) * D) * 2
+                for c in range(D):
+                    u = np.int64(xr[x0 + c])
+                    _put16(out, o + 2 * c, u)
+                    if rpeak:
+                        a = abs(_bits_f32(u << 16, tmp))
+                        pkl[c] = a if a > pkl[c] else pkl[c]
+            if want_err:  # outlier slots: left out of the low-rank fit
+                if kv == 0 and g[G_KK] > 0:
+                    m = 2 * g[G_KK]
+                    for c in range(D):
+                        for j in range(m):
+                            o = base + g[G_KOI] + ((h * D + c) * m + j) * ik
+                            t = np.int64(out[o]) if ik == 1 else _get16(out, o)
+                            err[t, c] = zero
+                elif kv == 1 and g[G_KV] > 0:
+                    m = 2 * g[G_KV]
+                    for j in range(q):
+                        for i in range(m):
+                            o = base + g[G_VOI] + ((h * q + j) * m + i) * iv
+                            c = np.int64(out[o]) if iv == 1 else _get16(out, o)
+                            err[j, c] = zero
+                rank = g[G_RANK]
+                _low_rank(err, q, D, rank, iters, b0[p],
+                          fa[aoff[l, p] + (kv * H + h) * q * rank:],
+                          fb[boff[l, p] + (kv * H + h) * D * rank:])
+        peak[w, 0] = pkl.max()
+        peak[w, 1] = prl.max()
+
+
+@numba.njit(**_JIT)
+def _seq_dot(x, y, n):
+    """sum_t x[t] * y[t], t = 0 .. n-1 in order, each product and sum rounded to fp32 (the
+    order gear.seq_sum uses)."""
+    acc = x[0] * y[0]
+    for t in range(1, n):
+        acc = acc + x[t] * y[t]
+    return acc
+
+
+@numba.njit(**_JIT)
+def _mgs(m, n, r):
+    """In place: orthonormalize the r columns of an [n, r] matrix held as rows m[j, 0:n]
+    (modified Gram-Schmidt in gear.orthonormalize's op order; a zero column stays zero)."""
+    for j in range(r):
+        v = m[j]
+        for i in range(j):
+            dot = _seq_dot(m[i], v, n)
+            qi = m[i]
+            for t in range(n):
+                v[t] = v[t] - dot * qi[t]
+        nrm = np.float32(np.sqrt(_seq_dot(v, v, n)))  # rounded to fp32, as gear.sqrt_rn
+        if nrm > np.float32(0.0):
+            for t in range(n):
+                v[t] = v[t] / nrm
+        else:
+            for t in range(n):
+                v[t] = np.float32(0.0)
+
+
+@numba.njit(**_JIT)
+def _matmul_seq(xt, yt, out, m, k, r):
+    """out[j, i] = sum_c xt[c, i] * yt[j, c] over c = 0 .. k-1 in order (each product and sum
+    rounded to fp32: gear.matmul_seq's order), i < m, j < r: the product X Y of X [m, k]
+    held as xt = X^T [k, m] and Y [k, r] held as yt = Y^T [r, k], out = (X Y)^T [r, m].
+    Vectorized across i; four output columns per pass over X."""
+    for j0 in range(0, r, 4):
+        if r - j0 >= 4:
+            y0, y1, y2, y3 = out[j0], out[j0 + 1], out[j0 + 2], out[j0 + 3]
+            x = xt[0]
+            c0, c1, c2, c3 = yt[j0, 0], yt[j0 + 1, 0], yt[j0 + 2, 0], yt[j0 + 3, 0]
+            for i in range(m):
+                e = x[i]
+                y0[i] = e * c0
+                y1[i] = e * c1
+                y2[i] = e * c2
+                y3[i] = e * c3
+            for c in range(1, k):
+                x = xt[c]
+                c0, c1, c2, c3 = yt[j0, c], yt[j0 + 1, c], yt[j0 + 2, c], yt[j0 + 3, c]
+                for i in range(m):
+                    e = x[i]
+                    y0[i] = y0[i] + e * c0
+                    y1[i] = y1[i] + e * c1
+                    y2[i] = y2[i] + e * c2
+                    y3[i] = y3[i] + e * c3
+        else:
+            for j in range(j0, r):
+                y = out[j]
+                x = xt[0]
+                c0 = yt[j, 0]
+                for i in range(m):
+                    y[i] = x[i] * c0
+                for c in range(1, k):
+                    x = xt[c]
+                    c0 = yt[j, c]
+                    for i in range(m):
+                        y[i] = y[i] + x[i] * c0
+
+
+@numba.njit(**_JIT)
+def _low_rank(e, q, D, r, iters, b0, fa, fb):
+    """gear.low_rank of one matrix E = e [q, D] (fp32), op for op: B = b0 [D, r]; iters
+    times B = MGS(B); A = MGS(E B); B = E^T A; every dot product summed in index order
+    (_matmul_seq, _mgs). Writes A [q, r] to fa[0:q*r] and B [D, r] to fb[0:D*r]."""
+    et = np.empty((D, q), np.float32)  # E^T, transposed in 8 x 8 blocks
+    for t0 in range(0, q, 8):
+        for c0 in range(0, D, 8):
+            for t in range(t0, min(q, t0 + 8)):
+                for c in range(c0, min(D, c0 + 8)):
+                    et[c, t] = e[t, c]
+    at = np.zeros((r, q), np.float32)  # A^T
+    bt = np.empty((r, D), np.float32)  # B^T
+    for j in range(r):
+        for c in range(D):
+            bt[j, c] = b0[c, j]
+    for _ in range(iters):
+        _mgs(bt, D, r)
+        _matmul_seq(et, bt, at, q, D, r)  # A = E B: a[t, j] = sum_c e[t, c] b[c, j]
+        _mgs(at, q, r)
+        _matmul_seq(e, at, bt, D, q, r)  # B = E^T A: b[c, j] = sum_t e[t, c] a[t, j]
+    for t in range(q):
+        for j in range(r):
+            fa[t * r + j] = at[j, t]
+    for c in range(D):
+        for j in range(r):
+            fb[c * r + j] = bt[j, c]
+
+
+@numba.njit(inline="always", **_JIT)
+def _store_row(buf, D, mode, out_f, out_b, o, tmp):
+    """One fp32 row -> the output at flat offset o: fp32 (mode 0), bf16 bits (1, round to
+    nearest even as torch .to()), fp16 bits (2, clamped to +-65504 first as
+    codec.cast_finite)."""
+    if mode == 0:
+        for c in range(D):
+            out_f[o + c] = buf[c]
+    elif mode == 1:
+        bu = buf.view(np.uint32)
+        for c in range(D):
+            ub = bu[c]
+            ub = ub + np.uint32(0x7FFF) + ((ub >> np.uint32(16)) & np.uint32(1))
+            out_b[o + c] = np.uint16(ub >> np.uint32(16))
+    else:
+        big = np.float32(65504.0)
+        for c in range(D):
+            v = max(-big, min(big, buf[c]))
+            out_b[o + c] = np.uint16(f32_bits_to_f16_bits(_f32_bits(v, tmp)))
+
+
+@numba.njit(parallel=True, **_JIT)
+def _decode_kernel(src, geo, layer_bytes, L, H, D, T, G, VG, bits, kcvt, ik, iv, rot_k, rot_v,
+                   scale, mode, out_f, out_b):
+    """Inverse of _encode_kernel (+ the fields gear and oscar add): every chunk in `src`
+    (layout as _encode_kernel's `out`) -> the cache [L, 2, H, T, D] as flat out_f (fp32,
+    mode 0) or out_b (uint16 bf16 / fp16 bits, modes 1 / 2). Per head-page, in fp32:
+    x = zero16 + code * scale16; gear: x = x + (a_0 b_0 + a_1 b_1 + ...) (lr_a, lr_b; the
+    products summed in rank order), then the stored outliers overwrite their slots; oscar:
+    K (and V where geo has v_norm) * the fp16 norm, then the Walsh-Hadamard rotation of K
+    (rot_k) and V (rot_v), `scale` = fp32(1 / sqrt(D))."""
+    P = geo.shape[0]
+    for w in numba.prange(L * P * 2 * H):
+        h = w % H
+        kv = (w // H) % 2
+        p = (w // (2 * H)) % P
+        l = w // (2 * H * P)
+        g = geo[p]
+        base = l * layer_bytes + g[G_BASE]
+        t0 = g[G_T0]
+        q = g[G_QK] if kv == 0 else g[G_QV]
+        r = g[G_RK] if kv == 0 else g[G_RV]
+        tmp = np.empty(2, np.float32)
+        buf = np.empty((max(q, 1), D), np.float32)
+        o0 = ((l * 2 + kv) * H + h) * T * D
+        if q > 0:
+            if kv == 0:
+                if kcvt:  # one group of all the layer's quantized tokens, scales in page 0
+                    ks_at = l * layer_bytes + geo[0, G_BASE] + geo[0, G_KS]
+                    kz_at = l * layer_bytes + geo[0, G_BASE] + geo[0, G_KZ]
+                else:
+                    ks_at = base + g[G_KS]
+                    kz_at = base + g[G_KZ]
+                ng = 1 if kcvt else q // G
+                gs = q if kcvt else G
+                for c in range(D):
+                    for gi in range(ng):
+                        mo = ((h * D + c) * ng + gi) * 2
+                        s = _h2f(src, ks_at + mo, tmp)
+                        z = _h2f(src, kz_at + mo, tmp)
+                        i0 = (h * D + c) * q + gi * gs
+                        for j in range(gs):
+                            code = _get_code(src, base + g[G_KC], i0 + j, bits)
+                            buf[gi * gs + j, c] = z + np.float32(code) * s
+            else:
+                nvg = D // VG
+                for j in range(q):
+                    row = buf[j]
+                    for gi in range(nvg):
+                        mo = ((h * q + j) * nvg + gi) * 2
+                        s = _h2f(src, base + g[G_VS] + mo, tmp)
+                        z = _h2f(src, base + g[G_VZ] + mo, tmp)
+                        i0 = (h * q + j) * D + gi * VG
+                        for c in range(VG):
+                            code = _get_code(src, base + g[G_VC], i0 + c, bits)
+                            row[gi * VG + c] = z + np.float32(code) * s
+            rank = g[G_RANK]
+            if rank > 0:  # gear: + A B^T, products added in rank order
+                bt = np.empty((rank, D), np.float32)  # B^T
+                am = np.empty(rank, np.float32)
+                lr = np.empty(D, np.float32)
+                for c in range(D):
+                    for k in range(rank):
+                        bt[k, c] = _h2f(src, base + g[G_LB]
+                                        + (((kv * H + h) * D + c) * rank + k) * 2, tmp)
+                for j in range(q):
+                    for k in range(rank):
+                        am[k] = _h2f(src, base + g[G_LA]
+                                     + (((kv * H + h) * q + j) * rank + k) * 2, tmp)
+                    a0 = am[0]
+                    b0 = bt[0]
+                    for c in range(D):
+                        lr[c] = a0 * b0[c]
+                    for k in range(1, rank):
+                        ak = am[k]
+                        bk = bt[k]
+                        for c in range(D):
+                            lr[c] = lr[c] + ak * bk[c]
+                    row = buf[j]
+                    for c in range(D):
+                        row[c] = row[c] + lr[c]
+            if kv == 0 and g[G_KK] > 0:  # gear outliers: per channel, token index in page
+                m = 2 * g[G_KK]
+                for c in range(D):
+                    for i in range(m):
+                        oi = base + g[G_KOI] + ((h * D + c) * m + i) * ik
+                        t = np.int64(src[oi]) if ik == 1 else _get16(src, oi)
+                        buf[t, c] = _h2f(src, base + g[G_KOV] + ((h * D + c) * m + i) * 2, tmp)
+            if kv == 1 and g[G_KV] > 0:  # per token, channel index
+                m = 2 * g[G_KV]
+                for j in range(q):
+                    for i in range(m):
+                        oi = base + g[G_VOI] + ((h * q + j) * m + i) * iv
+                        c = np.int64(src[oi]) if iv == 1 else _get16(src, oi)
+                        buf[j, c] = _h2f(src, base + g[G_VOV] + ((h * q + j) * m + i) * 2, tmp)
+            nf = g[G_KN] if kv == 0 else g[G_VN]
+            if nf >= 0:  # oscar: undo the per-token norm scaling
+                for j in range(q):
+                    n = _h2f(src, base + nf + (h * q + j) * 2, tmp)
+                    row = buf[j]
+                    for c in range(D):
+                        row[c] = row[c] * n
+            if rot_k if kv == 0 else rot_v:
+                _fwht_rows(buf, q, D, scale)
+            for j in range(q):
+                _store_row(buf[j], D, mode, out_f, out_b, o0 + (t0 + j) * D, tmp)
+        # bf16 window
+        ro = base + (g[G_KR] if kv == 0 else g[G_VR])
+        row = buf[0]
+        ru = row.view(np.uint32)
+        for j in range(r):
+            o = ro + (h * r + j) * D * 2
+            oo = o0 + (t0 + q + j) * D
+            if mode == 1:
+                for c in range(D):
+                    out_b[oo + c] = np.uint16(_get16(src, o + 2 * c))
+            else:
+                for c in range(D):
+                    ru[c] = np.uint32(_get16(src, o + 2 * c) << 16)
+                _store_row(row, D, mode, out_f, out_b, oo, tmp)
+
+
+@numba.njit(parallel=True, **_JIT)
+def _outlier_kernel(sb, sf, use_bits, sst, geo, layer_bytes, L, H, D, ik, iv, out, filled,
+                    peak):
+    """gear 'ceil' outliers of every head-page (_page_outliers) written as the ko_* / vo_*
+    fields of the chunks in `out`; filled (fp32 [L, 2, H, Tq, D]) = the source with the
+    slots filled. For a kcvt backbone, whose key groups span all pages. peak[item]: max |x|
+    of the item's source values."""
+    P = geo.shape[0]
+    for w in numba.prange(L * P * 2 * H):
+        h = w % H
+        kv = (w // H) % 2
+        p = (w // (2 * H)) % P
+        l = w // (2 * H * P)
+        g = geo[p]
+        q = g[G_QK]
+        pkl = np.zeros(D, np.float32)  # per-channel peaks |x|
+        if q > 0:
+            t0 = g[G_T0]
+            base = l * layer_bytes + g[G_BASE]
+            tmp = np.empty(2, np.float32)
+            buf = filled[l, kv, h, t0:t0 + q]
+            for j in range(q):
+                _load_row(sb, sf, use_bits, l * sst[0] + kv * sst[1] + h * sst[2]
+                          + (t0 + j) * sst[3], D, buf[j])
+                _lane_peak(pkl, buf[j], D)
+            k = g[G_KK] if kv == 0 else g[G_KV]
+            if k > 0:
+                _page_outliers(buf, q, D, kv, k, h, out,
+                               base + (g[G_KOI] if kv == 0 else g[G_VOI]),
+                               base + (g[G_KOV] if kv == 0 else g[G_VOV]),
+                               ik if kv == 0 else iv, tmp)
+        peak[w] = pkl.max()
+
+
+@numba.njit(parallel=True, **_JIT)
+def _rotate_kernel(sb, sf, use_bits, sst, L, H, D, tq, nkv, rot_v, scale, rot, peak):
+    """oscar: rot [nkv, L, H, tq, D] fp32 = the Walsh-Hadamard rotation of the first tq
+    tokens of K (and V if nkv == 2: rotated if rot_v, else copied). peak[item]: max |x| of
+    the source rows."""
+    for w in numba.prange(nkv * L * H):
+        kv = w // (L * H)
+        l = (w // H) % L
+        h = w % H
+        buf = rot[kv, l, h]
+        pkl = np.zeros(D, np.float32)  # per-channel peaks |x|
+        for t in range(tq):
+            _load_row(sb, sf, use_bits, l * sst[0] + kv * sst[1] + h * sst[2] + t * sst[3], D,
+                      buf[t])
+            _lane_peak(pkl, buf[t], D)
+        if kv == 0 or rot_v:
+            _fwht_rows(buf, tq, D, scale)
+        peak[w] = pkl.max()
+
+
+# ---- Python side of the fused path --------------------------------------------------------
+class Source:
+    """A quantization source for the fused kernels: element (l, kv, h, t, c) of a flat
+    bf16-bits (uint16) or fp32 array at l*strides[0] + kv*strides[1] + h*strides[2] +
+    t*strides[3] + c."""
+
+    def __init__(self, flat: np.ndarray, strides: tuple[int, int, int, int]) -> None:
+        self.use_bits = flat.dtype == np.uint16
+        self.sb = flat if self.use_bits else np.zeros(1, np.uint16)
+        self.sf = np.zeros(1, np.float32) if self.use_bits else flat
+        self.strides = np.asarray(strides, np.int64)
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> Source:
+        """A CPU tensor [L, 2, H, T, D] (any strides with the last dim contiguous over a
+        contiguous storage, e.g. a permuted contiguous tensor): bf16 as its bits, fp32 as is,
+        anything else widened to fp32 first."""
+        if t.dtype == torch.bfloat16:
+            b = t.view(torch.int16)
+            dt = np.uint16
+        else:
+            b = t if t.dtype == torch.float32 else t.to(torch.float32)
+            dt = np.float32
+        if b.stride(-1) != 1 or b.storage_offset() != 0:
+            b = b.contiguous()
+        flat = torch.as_strided(b, (b.untyped_storage().nbytes() // b.element_size(),), (1,))
+        arr = flat.numpy()
+        return cls(arr.view(np.uint16) if dt == np.uint16 else arr,
+                   tuple(int(s) for s in b.stride()[:4]))
+
+
+def bf16_bits(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """The cache's bf16 bits (flat uint16, strides of a contiguous [L, 2, H, T, D]): a view
+    for a contiguous bf16 tensor, else the round-to-nearest-even cast torch .to() makes."""
+    b = x.to(torch.bfloat16).contiguous()
+    return b.view(torch.int16).numpy().reshape(-1).view(np.uint16), np.asarray(b.stride()[:4],
+                                                                              np.int64)
+
+
+@dataclass
+class LowRankOut:
+    """gear: the per-page low-rank fits encode_fused makes (fp32, flat): page (l, p) with q
+    quantized tokens has A [2, H, q, r] at a[aoff[l, p]:] and B [2, H, D, r] at
+    b[boff[l, p]:]; b0 [pages, D, max r]: each page's start matrix; iters: rounds."""
+
+    b0: np.ndarray
+    iters: int
+    a: np.ndarray
+    aoff: np.ndarray
+    b: np.ndarray
+    boff: np.ndarray
+
+    @classmethod
+    def empty(cls, geo: np.ndarray, layers: int, heads: int, head_dim: int, iters: int,
+              start: list[np.ndarray]) -> LowRankOut:
+        """Buffers for the pages of geo; start[p]: page p's B0 [D, r_p]."""
+        r, q = geo[:, G_RANK], geo[:, G_QK]
+        per_a, per_b = 2 * heads * q * r, 2 * heads * head_dim * r
+        rmax = max(int(r.max()), 1) if r.size else 1
+        b0 = np.zeros((geo.shape[0], head_dim, rmax), np.float32)
+        for p, m in enumerate(start):
+            b0[p, :, :m.shape[1]] = m
+
+        def offsets(per: np.ndarray) -> np.ndarray:
+            starts = np.concatenate(([0], np.cumsum(per)[:-1]))
+            return (np.arange(layers)[:, None] * int(per.sum()) + starts[None, :]).astype(
+                np.int64)
+
+        return cls(b0, iters, np.empty(layers * int(per_a.sum()), np.float32), offsets(per_a),
+                   np.empty(layers * int(per_b.sum()), np.float32), offsets(per_b))
+
+
+_NO_LOWRANK = LowRankOut(np.zeros((1, 1, 1), np.float32), 0, np.zeros(1, np.float32),
+                         np.zeros((1, 1), np.int64), np.zeros(1, np.float32),
+                         np.zeros((1, 1), np.int64))
+
+
+def encode_fused(x: torch.Tensor, geo: np.ndarray, layer_bytes: int, key_group: int,
+                 value_group: int, bits: int, out: np.ndarray, src_k: Source | None = None,
+                 src_v: Source | None = None, div: np.ndarray | None = None,
+                 dflag: tuple[int, int] = (0, 0), src_peak: tuple[int, int] = (1, 1),
+                 rotate_v: bool = False,
+                 select_outliers: bool = False, lowrank: LowRankOut | None = None,
+                 index_bytes: tuple[int, int] = (1, 1)) -> tuple[float, float]:
+    """The backbone fields (and bf16 window) of every chunk of x [L, 2, H, T, D] into `out`
+    (uint8 [L * layer_bytes], zeroed; chunk (l, p) at l * layer_bytes + geo[p, G_BASE]).
+    key_group 0 = kcvt. src_k / src_v: the K / V values to quantize (default x itself, else
+    gear / oscar's transformed cache); src_peak: which of them are the cache's own values
+    (count in the peak). div / dflag: oscar's per-token divisors; rotate_v:
+    oscar's V rotation on load; select_outliers: gear's outliers picked in the kernel (a kivi
+    backbone); lowrank: gear's low-rank fits (filled in). See _encode_kernel. Returns (peak
+    |value| seen: sources as loaded, and the bf16 window if x is bf16 (else the caller
+    checks x's range itself: the window is stored rounded to bf16); peak |rotated V|)."""
+    qmax_of(bits)
+    L, _, H, T, D = (int(s) for s in x.shape)
+    kcvt = key_group == 0
+    if kcvt and select_outliers:
+        raise ValueError("encode_fused: kcvt's key groups span pages: split outliers first")
+    xr, rst = bf16_bits(x)
+    if src_k is None or src_v is None:
+        own = Source.of(x)
+        src_k, src_v = src_k or own, src_v or own
+    tq = int((geo[:, G_QK]).sum())
+    kstat = np.zeros((L, H, D, 2) if kcvt else (1, 1, 1, 2), np.uint16)
+    if kcvt and tq:
+        _kcvt_stats_kernel(src_k.sb, src_k.sf, src_k.use_bits, src_k.strides, L, H, D, tq, bits,
+                           kstat)
+    per = 8 // bits
+    aligned = all(int(v) * D % per == 0 for v in np.concatenate((geo[:, G_QK], geo[:, G_QV])))
+    hb = H if aligned else 1
+    peak = np.zeros((L * geo.shape[0] * 2 * hb, 2), np.float32)
+    lr = lowrank or _NO_LOWRANK
+    _encode_kernel(src_k.sb, src_k.sf, src_k.use_bits, src_k.strides, src_v.sb, src_v.sf,
+                   src_v.use_bits, src_v.strides, np.asarray(src_peak, np.int64),
+                   div if div is not None else np.ones((2, 1, 1, 1), np.float32),
+                   np.asarray(dflag, np.int64), rotate_v, np.float32(1.0 / math.sqrt(D)),
+                   kstat, kcvt, select_outliers, xr, rst, x.dtype == torch.bfloat16, geo,
+                   layer_bytes, L, H, D, max(key_group, 1), value_group, bits, not aligned,
+                   out, peak, lowrank is not None, lr.b0, lr.iters, lr.a, lr.aoff, lr.b,
+                   lr.boff, index_bytes[0], index_bytes[1])
+    if not peak.size:
+        return 0.0, 0.0
+    return float(peak[:, 0].max()), float(peak[:, 1].max())
+
+
+def split_outliers_fused(src: Source, geo: np.ndarray, layer_bytes: int,
+                         dims: tuple[int, ...], tq: int, index_bytes: tuple[int, int],
+                         out: np.ndarray) -> tuple[torch.Tensor, float]:
+    """gear 'ceil' outliers of every page (see _outlier_kernel) -> (filled source fp32
+    [L, 2, H, tq, D], peak |x| of the first tq tokens); the ko_* / vo_* fields go to out."""
+    L, _, H, _, D = dims
+    filled = np.empty((L, 2, H, tq, D), np.float32)
+    peak = np.zeros(L * geo.shape[0] * 2 * H, np.float32)
+    if tq:
+        _outlier_kernel(src.sb, src.sf, src.use_bits, src.strides, geo, layer_bytes, L, H, D,
+                        index_bytes[0], index_bytes[1], out, filled, peak)
+    return torch.from_numpy(filled), float(peak.max()) if peak.size else 0.0
+
+
+def rotate_fused(src: Source, dims: tuple[int, ...], tq: int, values: bool, rotate_v: bool
+                 ) -> tuple[torch.Tensor, float]:
+    """oscar: the first tq tokens of K rotated (and of V if values: rotated if rotate_v)
+    [1 or 2, L, H, tq, D] fp32, and the peak |x| of the source rows."""
+    L, _, H, _, D = dims
+    nkv = 2 if values else 1
+    rot = np.empty((nkv, L, H, tq, D), np.float32)
+    peak = np.zeros(nkv * L * H, np.float32)
+    if tq:
+        _rotate_kernel(src.sb, src.sf, src.use_bits, src.strides, L, H, D, tq, nkv, rotate_v,
+                       np.float32(1.0 / math.sqrt(D)), rot, peak)
+    return torch.from_numpy(rot), float(peak.max()) if peak.size else 0.0
+
+
+def decode_fused(src: np.ndarray, geo: np.ndarray, layer_bytes: int, dims: tuple[int, ...],
+                 key_group: int, value_group: int, bits: int, dtype: torch.dtype,
+                 index_bytes: tuple[int, int] = (1, 1),
+                 rotate: tuple[bool, bool] = (False, False)) -> torch.Tensor:
+    """Every chunk in src (uint8, laid out as encode_fused's out) -> the cache in `dtype`
+    (fp32, or bf16 / fp16 rounded from the fp32 reconstruction as codec.cast_finite)."""
+    qmax_of(bits)
+    L, _, H, T, D = dims
+    mode = {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 0)
+    n = L * 2 * H * T * D
+    out_f = np.empty(n if mode == 0 else 1, np.float32)
+    out_b = np.empty(n if mode else 1, np.uint16)
+    _decode_kernel(np.ascontiguousarray(src, dtype=np.uint8), geo, layer_bytes, L, H, D, T,
+                   max(key_group, 1), value_group, bits, key_group == 0, index_bytes[0],
+                   index_bytes[1], rotate[0], rotate[1], np.float32(1.0 / math.sqrt(D)), mode,
+                   out_f, out_b)
+    if mode == 0:
+        return torch.from_numpy(out_f).view(dims)
+    t = torch.from_numpy(out_b.view(np.int16)).view(dims)
+    return t.view(torch.bfloat16 if mode == 1 else torch.float16)

@@ -21,7 +21,9 @@ n16 = 0 and divided by 1 instead (it is all zeros and decodes to zeros).
 
 Extra fields of chunk (layer, page) with q quantized tokens, after the backbone's:
     k_norm fp16 [kv_heads, q]          v_norm fp16 [kv_heads, q] (only if scale_values)
-Rotation runs through the Triton FWHT kernel for CUDA tensors, the torch reference on CPU.
+Rotation runs through the Triton FWHT kernel for CUDA tensors, the torch reference on CPU
+with backend 'torch'; the fused CPU path (backend auto / cpu) rotates in numba, bit for bit
+as the reference (kivi_cpu._fwht_rows), the norms staying torch's vector_norm.
 """
 
 from __future__ import annotations
@@ -29,13 +31,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-from kvsim.kernels import hadamard_triton
+from kvsim.kernels import hadamard_triton, kivi_cpu
 from kvsim.kernels.codec import register
 from kvsim.kernels.groupquant import FP16_MAX, Field
 from kvsim.kernels.hadamard import check_hadamard_dim, hadamard
-from kvsim.kernels.kivi import Backbone, BackboneCodec, KiviParams
+from kvsim.kernels.kivi import Backbone, BackboneCodec, FusedInput, KiviParams
+from kvsim.kernels.kivi_cpu import G_BASE, G_KN, G_QK, G_T0, G_VN
 from kvsim.layout import KVShape
 
 
@@ -44,12 +48,19 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
     return hadamard_triton.hadamard(x) if x.device.type == "cuda" else hadamard(x)
 
 
-def norm_scale(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [..., tokens, d] -> (x / n16, n16 [..., tokens] fp16); zero-norm tokens untouched."""
+def norm_scale_factors(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [..., tokens, d] -> (divisor [..., tokens] fp32, n16 [..., tokens] fp16): n16 =
+    fp16(||x||_2), the divisor n16 (1 for a zero norm)."""
     # clamp: a norm beyond the fp16 range is stored as FP16_MAX (x / n16 stays finite)
     n16 = torch.linalg.vector_norm(x, dim=-1).clamp(max=FP16_MAX).to(torch.float16)
     n = n16.to(torch.float32)
-    return x / torch.where(n > 0, n, torch.ones_like(n)).unsqueeze(-1), n16
+    return torch.where(n > 0, n, torch.ones_like(n)), n16
+
+
+def norm_scale(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [..., tokens, d] -> (x / n16, n16 [..., tokens] fp16); zero-norm tokens untouched."""
+    div, n16 = norm_scale_factors(x)
+    return x / div.unsqueeze(-1), n16
 
 
 @dataclass(frozen=True)
@@ -98,6 +109,49 @@ class OscarCodec(BackboneCodec):
         if not self.params.scale_values:
             vn = torch.ones_like(kn)
         return torch.stack((k, v), dim=1), torch.stack((kn, vn), dim=1)
+
+    def fused_prepare(self, x: torch.Tensor, shape: KVShape, geo: np.ndarray, layer_bytes: int,
+                      out: np.ndarray) -> FusedInput:
+        """K (and V if scale_values) rotated in numba (kivi_cpu.rotate_fused, bit-identical to
+        hadamard) for the norms, computed in torch as pre_quantize does; the encode kernel
+        divides them out (and rotates V as it loads it when there is no V norm). k_norm /
+        v_norm written. The kernels' peaks meet _encode's and pre_quantize's refusals in
+        their order (BackboneCodec._encode_fused, check_rotated)."""
+        p = self.params
+        tq = int(geo[:, G_QK].sum())
+        rot, peak = kivi_cpu.rotate_fused(kivi_cpu.Source.of(x), shape.dims, tq,
+                                          p.scale_values, p.rotate_values)
+        div = np.ones((2, shape.layers, shape.kv_heads, tq), np.float32)
+        norms = {}
+        for kv, name in ((0, "k_norm"), (1, "v_norm")):
+            if kv == 1 and not p.scale_values:
+                continue
+            dv, norms[name] = norm_scale_factors(rot[kv])  # rot[kv]: contiguous [L, H, Tq, D]
+            div[kv] = dv.numpy()
+        for layer in range(shape.layers):
+            for page in range(geo.shape[0]):
+                t0, q = int(geo[page, G_T0]), int(geo[page, G_QK])
+                for name, n16 in norms.items():
+                    raw = n16[layer, :, t0:t0 + q].contiguous().view(torch.int16).numpy()
+                    o = (layer * layer_bytes + int(geo[page, G_BASE])
+                         + int(geo[page, G_KN if name == "k_norm" else G_VN]))
+                    out[o:o + raw.nbytes] = raw.reshape(-1).view(np.uint8)
+        d, h = shape.head_dim, shape.kv_heads
+        src = kivi_cpu.Source(rot.numpy().reshape(-1),
+                              (h * tq * d, shape.layers * h * tq * d, tq * d, d))
+        if p.scale_values:
+            return FusedInput(src, src, (0, 0), div, (1, 1), peak=peak)
+        return FusedInput(src, None, (0, 1), div, (1, 0), rotate_v=p.rotate_values, peak=peak)
+
+    def check_rotated(self, vpeak: float) -> None:
+        """pre_quantize's refusal of rotated values beyond fp16 (vpeak: the encode kernel's)."""
+        if self.params.rotate_values and not self.params.scale_values and vpeak > FP16_MAX:
+            raise ValueError(f"oscar: rotated values reach {vpeak:.4g}, beyond the fp16 range "
+                             f"({FP16_MAX}) of the stored V scales; scale_values=True "
+                             "normalizes them")
+
+    def fused_rotation(self) -> tuple[bool, bool]:
+        return True, self.params.rotate_values
 
     def page_extras(self, state: Any, layer: int, t0: int, q: int, x_page: torch.Tensor,
                     xhat_page: torch.Tensor) -> dict[str, torch.Tensor]:
