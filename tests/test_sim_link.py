@@ -80,6 +80,28 @@ def test_bandwidth_trace():
     assert link.utilisation(2.0) == pytest.approx(1.0, rel=1e-9)
 
 
+def test_trace_from_first_byte_and_busy_utilisation():
+    """The same trace, first message released at 2 s: with origin first_byte the steps land
+    at 2.5 and 3.5 s (as if the transfer started at 0); with origin run the trace is over
+    before the first byte: the link warns and runs at the last rate."""
+    trace = [[0.5, 4.0], [1.5, 16.0]]
+    link, (f,), env, _ = _run(dict(bandwidth_gbps=8.0, trace=trace, trace_origin="first_byte"),
+                              [([1e9, 1e9], [2.0, 2.0], 0)])
+    np.testing.assert_allclose(f.complete_t, [3.5, 4.0], rtol=REL)
+    assert link.first_byte_t == 2.0
+    assert link.busy_utilisation() == pytest.approx(1.0, rel=1e-9)
+    assert link.utilisation(8.0) == pytest.approx(2e9 / link.capacity_bytes(0.0, 8.0), rel=1e-9)
+    with pytest.warns(UserWarning, match="trace ends at 1.5 s, before its first byte"):
+        link, (f,), _, _ = _run(dict(bandwidth_gbps=8.0, trace=trace),
+                                [([1e9, 1e9], [2.0, 2.0], 0)])
+    np.testing.assert_allclose(f.complete_t, [2.5, 3.0], rtol=REL)  # 16 Gbps = 2e9 B/s
+    # a link that idles between two bursts is busy half of [first byte, last byte]
+    link, _, _, _ = _run(dict(bandwidth_gbps=8.0), [([1e9], [0.0], 0), ([1e9], [2.0], 0)])
+    assert link.busy_utilisation() == pytest.approx(2e9 / 3e9, rel=1e-9)
+    with pytest.raises(ValueError, match="trace_origin"):
+        _run(dict(bandwidth_gbps=8.0, trace_origin="arrival"), [])
+
+
 def test_released_messages_idle_gaps_and_priority_takeover():
     # anchor messages released every 1 s (1e8 B each, 0.1 s on the wire at 1e9 B/s);
     # residual 1e9 B from t=0 uses the gaps: it gets 0.9 s per second -> done at 1.1 s

@@ -54,7 +54,8 @@ def print_table(cfg: SimConfig, rows: list[dict]) -> None:
              ("verif", "verif", ".3f"), ("acc", "acc/prop", "")]
     if rows and rows[0].get("requests", 1) > 1:
         cols += [("ttft_p50", "TTFT p50", ".3f"), ("ttft_p99", "TTFT p99", ".3f"),
-                 ("link_utilisation", "link util", ".2f"), ("throughput_rps", "req/s", ".2f")]
+                 ("link_utilisation", "link util", ".2f"),
+                 ("link_busy_utilisation", "link busy", ".2f"), ("throughput_rps", "req/s", ".2f")]
     if cfg.title:
         print(f"scenario: {cfg.title}")
     first = rows[0] if rows else {}

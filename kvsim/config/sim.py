@@ -18,6 +18,7 @@ from kvsim.models import ModelSpec
 
 SHARINGS = ("per_prefill", "shared")
 SCHEDULINGS = ("anchors_first", "fifo")
+TRACE_ORIGINS = ("run", "first_byte")  # = kvsim.sim.link.TRACE_ORIGINS
 WORKLOAD_KINDS = ("single", "poisson", "trace")
 CONTEXT_DISTS = ("fixed", "uniform", "lognormal")
 GRANULARITIES = ("page", "layer")
@@ -31,6 +32,8 @@ class LinkConfig:
     latency_s: float = 0.0  # propagation, added to every message
     message_overhead_bytes: float = 0.0  # framing bytes per message on top of its payload
     trace: list[list[float]] = field(default_factory=list)  # [[t_s, gbps], ...] steps
+    # trace times count from: run (the simulation's start) | first_byte (the link's first byte)
+    trace_origin: str = "run"
     sharing: str = "per_prefill"  # per_prefill: one egress link per prefill node | shared
     scheduling: str = "anchors_first"  # anchors_first: class = stream | fifo: by request
 
@@ -44,6 +47,9 @@ class LinkConfig:
         check_number("link.latency_s", self.latency_s, strict=False)
         check_number("link.message_overhead_bytes", self.message_overhead_bytes, strict=False)
         check_trace("link.trace", self.trace)
+        if self.trace_origin not in TRACE_ORIGINS:
+            raise ValueError(f"link.trace_origin must be one of {TRACE_ORIGINS}, "
+                             f"got {self.trace_origin!r}")
 
 
 @dataclass

@@ -12,11 +12,17 @@ instants every rate is constant, so each message's completion time is computed e
 
 A message is delivered `latency_s` after its last byte leaves (propagation); each message
 carries `message_overhead_bytes` of framing on the wire in addition to its payload.
+
+Trace times count from the simulation's start (`trace_origin="run"`), or from the instant
+the link first carries a byte (`"first_byte"`: a recorded trace replayed against the
+transfer, wherever prefill puts it). A run-origin trace that ends before the first byte
+does nothing but set the rate; the link warns when that happens.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,6 +32,7 @@ import simpy
 from kvsim.config.checks import check_number, check_trace
 
 _REL_EPS = 1e-12  # relative slack when deciding that a message's last byte has left
+TRACE_ORIGINS = ("run", "first_byte")
 
 
 class Flow:
@@ -72,8 +79,14 @@ class Flow:
 class Link:
     def __init__(self, env: simpy.Environment, bandwidth_gbps: float, latency_s: float = 0.0,
                  message_overhead_bytes: float = 0.0,
-                 trace: Sequence[Sequence[float]] | None = None, name: str = "link") -> None:
+                 trace: Sequence[Sequence[float]] | None = None, name: str = "link",
+                 trace_origin: str = "run") -> None:
         check_number(f"{name}: bandwidth_gbps", bandwidth_gbps)
+        if trace_origin not in TRACE_ORIGINS:
+            raise ValueError(f"{name}: trace_origin must be one of {TRACE_ORIGINS}, got "
+                             f"{trace_origin!r}")
+        self.trace_origin = trace_origin
+        self.has_trace = bool(trace)
         check_number(f"{name}: latency_s", latency_s, strict=False)
         check_number(f"{name}: message_overhead_bytes", message_overhead_bytes, strict=False)
         check_trace(f"{name}: trace", trace or [])  # finite, t_s >= 0 non-decreasing, gbps > 0
@@ -100,7 +113,7 @@ class Link:
         self._finished_pending = False  # a flow sent its last message since the last reschedule
         self.submitted_bytes = 0.0
         self.events = 0  # rate recomputations (for events/s accounting)
-        self.busy_since = math.nan
+        self.first_byte_t = math.nan  # the link first carried a byte
         self.first_t = math.nan
         self.last_done_t = 0.0
 
@@ -234,9 +247,6 @@ class Link:
             for f in finished:
                 if f.on_done is not None:
                     f.on_done(f)
-        # capacity step bookkeeping
-        while self._step + 1 < len(self.step_t) and self.step_t[self._step + 1] <= now:
-            self._step += 1
         # the best (smallest key) class among backlogged flows shares the capacity equally
         best, count = None, 0
         for f in self.flows:
@@ -246,6 +256,11 @@ class Link:
                     best, count = p, 1
                 elif p == best:
                     count += 1
+        if count and math.isnan(self.first_byte_t):
+            self._first_byte(now)
+        # capacity step bookkeeping
+        while self._step + 1 < len(self.step_t) and self.step_t[self._step + 1] <= now:
+            self._step += 1
         share = self.step_rate[self._step] / count if count else 0.0
         next_t = math.inf
         for f in self.flows:
@@ -271,6 +286,22 @@ class Link:
             next_t = min(next_t, self.step_t[self._step + 1])
         self._arm(next_t)
 
+    def _first_byte(self, now: float) -> None:
+        """The link starts carrying bytes: anchor a first_byte trace here (nothing was sent
+        before, so no capacity was used yet), or warn that a run trace is already over."""
+        self.first_byte_t = now
+        if not self.has_trace:
+            return
+        if self.trace_origin == "first_byte":
+            self.step_t = [0.0] + [now + t for t in self.step_t[1:]]
+            self._step = 0
+        elif self.step_t[-1] <= now:
+            warnings.warn(
+                f"{self.name}: its bandwidth trace ends at {self.step_t[-1]:g} s, before its "
+                f"first byte at {now:.3f} s: the transfer runs at the trace's last rate only "
+                "(link.trace_origin=first_byte replays the trace from the first byte)",
+                stacklevel=2)
+
     def _arm(self, t: float) -> None:
         if t == self._timer_t and self._timer is not None:
             return
@@ -295,6 +326,14 @@ class Link:
         if math.isnan(self.first_t) or t_end <= self.first_t:
             return 0.0
         return self.total_sent_bytes / self.capacity_bytes(self.first_t, t_end)
+
+    def busy_utilisation(self) -> float:
+        """Bytes sent / bytes the link could have sent over [first byte, last byte left]:
+        how full the link ran while it had work (1.0 for a saturated link), as opposed to
+        `utilisation` over the whole run."""
+        if math.isnan(self.first_byte_t) or self.last_done_t <= self.first_byte_t:
+            return math.nan
+        return self.total_sent_bytes / self.capacity_bytes(self.first_byte_t, self.last_done_t)
 
     @property
     def total_sent_bytes(self) -> float:

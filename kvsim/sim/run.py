@@ -138,7 +138,7 @@ class Scenario:
         env = self.env = CountingEnvironment()
         link_kw = dict(latency_s=cfg.link.latency_s,
                        message_overhead_bytes=cfg.link.message_overhead_bytes,
-                       trace=cfg.link.trace)
+                       trace=cfg.link.trace, trace_origin=cfg.link.trace_origin)
         n_links = 1 if cfg.link.sharing == "shared" else w.prefill_nodes
         self.links = [Link(env, self.bandwidth_gbps, name=f"link{i}", **link_kw)
                       for i in range(n_links)]
@@ -259,6 +259,10 @@ class Scenario:
             "size_estimate": self.codec.size_note() or "exact",
             "acceptance": self.acceptance.name,
             "link_utilisation": float(np.mean([lk.utilisation(end_t) for lk in self.links])),
+            # busy fraction over [first byte, last byte] of each link that carried bytes
+            "link_busy_utilisation": float(np.nanmean(
+                [lk.busy_utilisation() for lk in self.links]
+                if any(not math.isnan(lk.first_byte_t) for lk in self.links) else [0.0])),
             "sim_end_s": end_t, "wall_s": wall_s, "events": self.env.scheduled,
             "messages": self.messages,
             "events_per_s": self.env.scheduled / wall_s if wall_s > 0 else math.nan,
