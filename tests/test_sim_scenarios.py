@@ -455,3 +455,34 @@ def test_requests_path_writes_one_row_per_request_and_sample(tmp_path):
     cfg.requests_path = str(tmp_path / "requests.json")
     with pytest.raises(ValueError, match="requests_path"):
         run_all(cfg)
+
+
+def test_weighted_and_aging_policies_between_anchors_first_and_fifo(tmp_path):
+    """Under contention, weighted shares (residual weight 1: equal per stream) and aging
+    (age 0: by arrival) move the residual's delivery from anchors_first toward fifo; the
+    same bytes cross the link whatever the policy."""
+    cfg = _cfg(tmp_path, [{"name": "test-two-halves"}], granularity="layer")
+    # link-bound: one shared 0.3 Gbps link, four prefill nodes, drafts never accepted
+    cfg.workload = replace(cfg.workload, kind="poisson", requests=30, rate_per_s=60.0,
+                           prefill_nodes=4)
+    cfg.link = replace(cfg.link, bandwidth_gbps=0.3, sharing="shared")
+    cfg.speculative = replace(cfg.speculative, acceptance="geometric:0.0")
+    rows = {}
+    for sched, extra in (("anchors_first", {}), ("fifo", {}),
+                         ("weighted", {"residual_weight": 0.25}),
+                         ("aging", {"residual_age_s": 0.0})):
+        cfg.link = replace(cfg.link, scheduling=sched, **extra)
+        rows[sched] = run_all(cfg)[0][0]
+    af, ff, wt, ag = (rows[k] for k in ("anchors_first", "fifo", "weighted", "aging"))
+    for r in rows.values():
+        assert r["total_bytes"] == af["total_bytes"]
+        assert 0.0 < r["link_busy_utilisation"] <= 1.0 + 1e-9
+    # residuals starve under anchors_first: its committed times are the worst; weighted
+    # shares lie between it and fifo (measured: 1.92 s, 1.87 s, 1.11 s)
+    assert af["link_busy_utilisation"] == pytest.approx(1.0, rel=1e-6)
+    for k in (1, 128):
+        assert af["ttkt_committed_s"][k] > wt["ttkt_committed_s"][k] > \
+            ff["ttkt_committed_s"][k]
+    # aging with age 0 orders by arrival time, which is fifo's request order
+    assert ag["ttft_s"] == pytest.approx(ff["ttft_s"], rel=1e-12)
+    assert ag["ttkt_committed_s"] == pytest.approx(ff["ttkt_committed_s"], rel=1e-12)

@@ -29,7 +29,9 @@ def send_all(cfg: EmulateConfig) -> list[dict]:
         t = cfg.transport
         sender = Sender(t.connect, session.limiter_for(cfg), cfg.link.scheduling, t.timeout_s,
                         t.heartbeat_s, t.max_queued_bytes,
-                        max_in_flight_bytes=session.max_in_flight_bytes(cfg))
+                        max_in_flight_bytes=session.max_in_flight_bytes(cfg),
+                        residual_weight=cfg.link.residual_weight,
+                        residual_age_s=cfg.link.residual_age_s)
         for res in sender.run(batch):
             rows.append(res.row if res.row is not None else {
                 "request_id": res.request_id, "codec": res.codec, "status": res.status,

@@ -17,7 +17,7 @@ from kvsim.hardware import HardwareSpec
 from kvsim.models import ModelSpec
 
 SHARINGS = ("per_prefill", "shared")
-SCHEDULINGS = ("anchors_first", "fifo")
+SCHEDULINGS = ("anchors_first", "fifo", "weighted", "aging")
 TRACE_ORIGINS = ("run", "first_byte")  # = kvsim.sim.link.TRACE_ORIGINS
 WORKLOAD_KINDS = ("single", "poisson", "trace")
 CONTEXT_DISTS = ("fixed", "uniform", "lognormal")
@@ -35,7 +35,12 @@ class LinkConfig:
     # trace times count from: run (the simulation's start) | first_byte (the link's first byte)
     trace_origin: str = "run"
     sharing: str = "per_prefill"  # per_prefill: one egress link per prefill node | shared
-    scheduling: str = "anchors_first"  # anchors_first: class = stream | fifo: by request
+    scheduling: str = "anchors_first"  # anchors_first: class = stream | fifo: by request |
+    # weighted: stream s gets link share in proportion to residual_weight^s (no starvation)
+    residual_weight: float = 0.25  # weighted: 0.25 = anchors 80%, residual 20% when both wait
+    # aging: a request's residual goes ahead of the anchors of requests that arrived more
+    # than this many seconds after it (0: fifo by request; large: anchors_first)
+    residual_age_s: float = 1.0
 
     def validate(self) -> None:
         if self.sharing not in SHARINGS:
@@ -44,6 +49,11 @@ class LinkConfig:
             raise ValueError(f"link.scheduling must be one of {SCHEDULINGS}, "
                              f"got {self.scheduling!r}")
         check_number("link.bandwidth_gbps", self.bandwidth_gbps)
+        check_number("link.residual_weight", self.residual_weight)
+        check_number("link.residual_age_s", self.residual_age_s, strict=False)
+        if self.residual_weight > 1.0:
+            raise ValueError(f"link.residual_weight must be in (0, 1], got "
+                             f"{self.residual_weight!r}")
         check_number("link.latency_s", self.latency_s, strict=False)
         check_number("link.message_overhead_bytes", self.message_overhead_bytes, strict=False)
         check_trace("link.trace", self.trace)

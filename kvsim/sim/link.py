@@ -3,8 +3,9 @@
 Flows are FIFO queues of messages (one request's stream on this link). Each message has a
 release time (when its encoder hands it over) and a size in bytes. The link's capacity
 C(t) (a constant, or a piecewise-constant bandwidth trace) is divided among the
-*backlogged* flows: strict priority between classes (smaller `priority` key first), equal
-shares within the best backlogged class. Rates are recomputed only when the set of
+*backlogged* flows: strict priority between classes (smaller `priority` key first), or,
+given `class_weight`, shares in proportion to the backlogged classes' weights (GPS); equal
+shares within a class. Rates are recomputed only when the set of
 backlogged flows or the capacity changes: a flow becomes backlogged (a message released
 into an empty queue) or drains, a flow finishes, the trace steps. Between two such
 instants every rate is constant, so each message's completion time is computed exactly
@@ -80,13 +81,16 @@ class Link:
     def __init__(self, env: simpy.Environment, bandwidth_gbps: float, latency_s: float = 0.0,
                  message_overhead_bytes: float = 0.0,
                  trace: Sequence[Sequence[float]] | None = None, name: str = "link",
-                 trace_origin: str = "run") -> None:
+                 trace_origin: str = "run",
+                 class_weight: Callable[[Any], float] | None = None) -> None:
         check_number(f"{name}: bandwidth_gbps", bandwidth_gbps)
         if trace_origin not in TRACE_ORIGINS:
             raise ValueError(f"{name}: trace_origin must be one of {TRACE_ORIGINS}, got "
                              f"{trace_origin!r}")
         self.trace_origin = trace_origin
         self.has_trace = bool(trace)
+        # None: strict priority between classes; else weight of a class (priority key) > 0
+        self.class_weight = class_weight
         check_number(f"{name}: latency_s", latency_s, strict=False)
         check_number(f"{name}: message_overhead_bytes", message_overhead_bytes, strict=False)
         check_trace(f"{name}: trace", trace or [])  # finite, t_s >= 0 non-decreasing, gbps > 0
@@ -247,24 +251,31 @@ class Link:
             for f in finished:
                 if f.on_done is not None:
                     f.on_done(f)
-        # the best (smallest key) class among backlogged flows shares the capacity equally
-        best, count = None, 0
+        # backlogged flows per class: strict priority gives the capacity to the best
+        # (smallest key) class; weighted classes share it in proportion to their weights
+        # (generalized processor sharing); flows of a class share its part equally
+        counts: dict[Any, int] = {}
         for f in self.flows:
             if f.head < f.n and f.release_l[f.head] <= now:
-                p = f.priority
-                if best is None or p < best:
-                    best, count = p, 1
-                elif p == best:
-                    count += 1
-        if count and math.isnan(self.first_byte_t):
+                counts[f.priority] = counts.get(f.priority, 0) + 1
+        if counts and math.isnan(self.first_byte_t):
             self._first_byte(now)
         # capacity step bookkeeping
         while self._step + 1 < len(self.step_t) and self.step_t[self._step + 1] <= now:
             self._step += 1
-        share = self.step_rate[self._step] / count if count else 0.0
+        capacity = self.step_rate[self._step]
+        shares: dict[Any, float] = {}
+        if counts and self.class_weight is None:
+            best = min(counts)
+            shares[best] = capacity / counts[best]
+        elif counts:
+            weights = {key: self.class_weight(key) for key in counts}
+            total = sum(weights.values())
+            shares = {key: capacity * weights[key] / total / counts[key] for key in counts}
         next_t = math.inf
         for f in self.flows:
-            if count and f.priority == best and f.release_l[f.head] <= now:
+            share = shares.get(f.priority, 0.0)
+            if share > 0.0 and f.release_l[f.head] <= now:
                 if f.rate != share or f.idle_j < f.head:
                     # rate changed: find where the flow drains at the new rate (an unchanged
                     # rate keeps the drain point computed earlier: releases are fixed)

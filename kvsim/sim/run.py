@@ -139,6 +139,9 @@ class Scenario:
         link_kw = dict(latency_s=cfg.link.latency_s,
                        message_overhead_bytes=cfg.link.message_overhead_bytes,
                        trace=cfg.link.trace, trace_origin=cfg.link.trace_origin)
+        if cfg.link.scheduling == "weighted":  # GPS between streams, weight r^stream
+            r = cfg.link.residual_weight
+            link_kw["class_weight"] = lambda key: r ** key[0]
         n_links = 1 if cfg.link.sharing == "shared" else w.prefill_nodes
         self.links = [Link(env, self.bandwidth_gbps, name=f"link{i}", **link_kw)
                       for i in range(n_links)]
@@ -177,8 +180,7 @@ class Scenario:
             deser = Deserializer(env, plan.flows, plan.pipelined, cfg.deserializer)
             receivers = deser.receivers
             for fp, rx in zip(plan.flows, receivers, strict=True):
-                prio = (fp.stream,) if cfg.link.scheduling == "anchors_first" else \
-                    (req.seq, fp.stream)
+                prio = link_priority(cfg.link, req.seq, req.arrival_t, fp.stream)
                 pnode.link.submit(fp.sizes_bytes, rel[fp.chunk], prio, rx.delivered, rx.done,
                                   name=f"r{req.seq}.{fp.name}", tag=req.seq)
                 self.messages += len(fp.sizes_bytes)
@@ -314,6 +316,18 @@ def mean_rows(rows: list[dict]) -> dict:
         elif isinstance(value, dict) and all(isinstance(v, (int, float)) for v in value.values()):
             out[key] = {k: float(np.mean([r[key][k] for r in rows])) for k in value}
     return out
+
+
+def link_priority(link: Any, seq: int, arrival_t: float, stream: int) -> tuple:
+    """The link's class key of a request's stream (smaller first; see LinkConfig.scheduling):
+    anchors_first / weighted: the stream; fifo: the request, then the stream; aging: the
+    arrival time + stream x residual_age_s (a residual goes ahead of the anchors of requests
+    that arrived more than residual_age_s after its own)."""
+    if link.scheduling in ("anchors_first", "weighted"):
+        return (stream,)
+    if link.scheduling == "aging":
+        return (arrival_t + stream * link.residual_age_s, seq, stream)
+    return (seq, stream)
 
 
 def _with_context(w, context_tokens: int):

@@ -4,6 +4,15 @@ Policies (the simulator's `link.scheduling` names, same meaning):
 - anchors_first: priority class = stream index; every request's stream-0 (anchor) chunks go
   before any residual chunk; within a class, release order.
 - fifo: by request (arrival order), then stream, then release order.
+- weighted: anchors ahead without starving residuals. Stream s has weight
+  residual_weight^s; while several streams have chunks queued, each gets link bytes in
+  proportion to its weight (self-clocked fair queueing: a chunk's tag is max(virtual time,
+  its stream's last tag) + bytes / weight, assigned when it is queued; the smallest tag
+  goes next; the virtual time is the tag last sent). residual_weight 0.25: the anchors get
+  80% of the link while a residual waits, the residual the rest, either all of it alone.
+- aging: by arrival time + stream x residual_age_s, then request, stream, release order:
+  a residual goes ahead of the anchors of requests that arrived more than residual_age_s
+  after its own (0: fifo; large: anchors_first).
 
 Encoders `put` chunks as they finish them (bounded by `max_queued_bytes`: an encoder that
 runs ahead of the link blocks, so memory stays bounded for any context length); the link
@@ -18,7 +27,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-SCHEDULINGS = ("anchors_first", "fifo")
+SCHEDULINGS = ("anchors_first", "fifo", "weighted", "aging")
 
 
 @dataclass(order=True)
@@ -36,10 +45,19 @@ class QueuedChunk:
 
 
 class ChunkScheduler:
-    def __init__(self, policy: str = "anchors_first", max_queued_bytes: int = 256 << 20) -> None:
+    def __init__(self, policy: str = "anchors_first", max_queued_bytes: int = 256 << 20,
+                 residual_weight: float = 0.25, residual_age_s: float = 1.0) -> None:
         if policy not in SCHEDULINGS:
             raise ValueError(f"link.scheduling must be one of {SCHEDULINGS}, got {policy!r}")
+        if not 0.0 < residual_weight <= 1.0:
+            raise ValueError(f"link.residual_weight must be in (0, 1], got {residual_weight!r}")
+        if not residual_age_s >= 0.0:
+            raise ValueError(f"link.residual_age_s must be >= 0, got {residual_age_s!r}")
         self.policy = policy
+        self.residual_weight = float(residual_weight)
+        self.residual_age_s = float(residual_age_s)
+        self._virtual_t = 0.0  # weighted: tag of the chunk sent last (bytes / weight)
+        self._last_tag: dict[int, float] = {}  # weighted: last tag given per stream
         self.max_queued_bytes = int(max_queued_bytes)
         self._heap: list[QueuedChunk] = []
         self._order = itertools.count()
@@ -51,10 +69,24 @@ class ChunkScheduler:
         self._flow_count: dict[tuple[int, int], int] = {}
         self._blocked = 0  # producers waiting for room (pop wakes them only then)
 
-    def priority(self, arrival_seq: int, stream: int) -> tuple:
-        if self.policy == "anchors_first":
+    def priority(self, arrival_seq: int, stream: int, arrival_offset_s: float = 0.0) -> tuple:
+        """The heap key of a chunk (weighted: its stream, then release order; `put` turns it
+        into the fair-queueing tag, which needs the virtual time when it is queued).
+        arrival_offset_s: the request's arrival after the run's start (aging)."""
+        if self.policy in ("anchors_first", "weighted"):
             return (stream, next(self._order))
+        if self.policy == "aging":
+            return (arrival_offset_s + stream * self.residual_age_s, arrival_seq, stream,
+                    next(self._order))
         return (arrival_seq, stream, next(self._order))
+
+    def _fair_tag(self, item: QueuedChunk) -> tuple:
+        """weighted: (tag, order); tag = max(virtual time, the stream's last tag) + bytes /
+        weight (called under the lock)."""
+        start = max(self._virtual_t, self._last_tag.get(item.stream, 0.0))
+        tag = start + item.size_bytes / self.residual_weight ** item.stream
+        self._last_tag[item.stream] = tag
+        return (tag, next(self._order))
 
     def put(self, item: QueuedChunk, timeout_s: float) -> bool:
         """Queue a released chunk; blocks while the queue is full. Returns whether the flow
@@ -73,6 +105,8 @@ class ChunkScheduler:
             if not ok:
                 raise TimeoutError(f"link queue full ({self.queued_bytes} bytes) for "
                                    f"{timeout_s} s: the link is not draining")
+            if self.policy == "weighted":
+                item.priority = self._fair_tag(item)
             heapq.heappush(self._heap, item)
             self.queued_bytes += item.size_bytes
             key = (item.request_id, item.stream)
@@ -87,6 +121,8 @@ class ChunkScheduler:
     def pop(self) -> QueuedChunk:
         with self._cv:
             item = heapq.heappop(self._heap)
+            if self.policy == "weighted":
+                self._virtual_t = item.priority[0]
             self.queued_bytes -= item.size_bytes
             key = (item.request_id, item.stream)
             self._flow_count[key] -= 1

@@ -98,7 +98,8 @@ class Sender:
                  timeout_s: float = 30.0, heartbeat_s: float = 0.5,
                  max_queued_bytes: int = 256 << 20, identity: bytes | None = None,
                  log: Callable[[str], None] | None = None,
-                 max_in_flight_bytes: int = 64 << 20) -> None:
+                 max_in_flight_bytes: int = 64 << 20, residual_weight: float = 0.25,
+                 residual_age_s: float = 1.0) -> None:
         """max_in_flight_bytes caps the receiver's credit window: bytes in socket buffers
         and a shaper's queue are beyond the scheduler's reach, so on a shaped link keep it
         near the link's rate x a few ms or the priority order is lost on the wire."""
@@ -107,7 +108,8 @@ class Sender:
         self.address, self.limiter, self.timeout_s = address, limiter, float(timeout_s)
         self.max_in_flight_bytes = int(max_in_flight_bytes)
         self.heartbeat_s = float(heartbeat_s)
-        self.scheduler = ChunkScheduler(scheduling, max_queued_bytes)
+        self.scheduler = ChunkScheduler(scheduling, max_queued_bytes, residual_weight,
+                                        residual_age_s)
         self.identity = identity or uuid.uuid4().bytes
         self.log = log or (lambda msg: print(f"kvsim send: {msg}", file=sys.stderr))
         self._outbox: queue.SimpleQueue[list[Any]] = queue.SimpleQueue()
@@ -223,7 +225,8 @@ class Sender:
                     if seq in held.get(c.stream, ()):
                         res.skipped_chunks += 1
                         continue
-                    prio = self.scheduler.priority(out.arrival_seq, c.stream)
+                    prio = self.scheduler.priority(out.arrival_seq, c.stream,
+                                                   out.arrival_offset_s)
                     payload = np.ascontiguousarray(c.payload)
                     items.append(QueuedChunk(prio, out.request_id, c.stream, layer, c.page, seq,
                                              payload, size,
