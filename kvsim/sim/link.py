@@ -254,27 +254,37 @@ class Link:
         # backlogged flows per class: strict priority gives the capacity to the best
         # (smallest key) class; weighted classes share it in proportion to their weights
         # (generalized processor sharing); flows of a class share its part equally
+        best, count = None, 0
         counts: dict[Any, int] = {}
+        weighted = self.class_weight is not None
         for f in self.flows:
             if f.head < f.n and f.release_l[f.head] <= now:
-                counts[f.priority] = counts.get(f.priority, 0) + 1
-        if counts and math.isnan(self.first_byte_t):
+                p = f.priority
+                if weighted:
+                    counts[p] = counts.get(p, 0) + 1
+                    count += 1
+                elif best is None or p < best:
+                    best, count = p, 1
+                elif p == best:
+                    count += 1
+        if count and math.isnan(self.first_byte_t):
             self._first_byte(now)
         # capacity step bookkeeping
         while self._step + 1 < len(self.step_t) and self.step_t[self._step + 1] <= now:
             self._step += 1
         capacity = self.step_rate[self._step]
         shares: dict[Any, float] = {}
-        if counts and self.class_weight is None:
-            best = min(counts)
-            shares[best] = capacity / counts[best]
-        elif counts:
+        best_share = capacity / count if count else 0.0  # strict: each best-class flow's rate
+        if count and weighted:
             weights = {key: self.class_weight(key) for key in counts}
             total = sum(weights.values())
             shares = {key: capacity * weights[key] / total / counts[key] for key in counts}
         next_t = math.inf
         for f in self.flows:
-            share = shares.get(f.priority, 0.0)
+            if weighted:
+                share = shares.get(f.priority, 0.0)
+            else:
+                share = best_share if count and f.priority == best else 0.0
             if share > 0.0 and f.release_l[f.head] <= now:
                 if f.rate != share or f.idle_j < f.head:
                     # rate changed: find where the flow drains at the new rate (an unchanged
