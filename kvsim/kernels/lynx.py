@@ -776,6 +776,11 @@ class LynxCodec(Codec):
             return "triton" if triton_ok else "torch"
         return b
 
+    def _kernel_checks_finite(self, kv: torch.Tensor) -> bool:
+        """The numba kernel checks bf16 input for Inf / NaN in its page min / max pass."""
+        return (self.params.precondition == "none" and kv.dtype == torch.bfloat16
+                and self._backend(kv.device, KVShape.of(kv)) == "cpu")
+
     def _encode(self, kv: torch.Tensor, shape: KVShape) -> list[list[Chunk]]:
         p = self.params
         lay, tab = self.layout(shape), self.tables

@@ -30,8 +30,14 @@ from kvsim.kernels.lynx import (
     signed_values,
     write_scales,
 )
+from kvsim.layout import check_finite
 
 _JIT = dict(cache=True, nogil=True, error_model="numpy")
+
+# bf16 bits v (int16) -> key v ^ ((v >> 15) & 0x7FFF), ordered like the values; keys of
+# finite values lie strictly between these two (exponent all ones: Inf, NaN beyond)
+KEY16_POS_INF = 0x7F80  # key of +Inf (bits 0x7F80)
+KEY16_NEG_INF = -32641  # key of -Inf (bits 0xFF80)
 
 
 @numba.njit(**_JIT)
@@ -51,7 +57,11 @@ def f16_bits_to_f32(src, dst, dst_bits):
 
 @numba.njit(**_JIT)
 def _pack(fields, n, bits, out, pos):
-    """fields[0:n] b-bit codes -> bytes out[pos:pos + ceil(n*b/8)], little-end first."""
+    """fields[0:n] b-bit codes -> bytes out[pos:pos + ceil(n*b/8)], little-end first. Loops
+    index a slice from 0 (out[pos + i] costs numba's negative-index wraparound per access and
+    blocks vectorization)."""
+    out = out[pos: pos + (n * bits + 7) // 8]
+    pos = 0
     if bits == 8:
         for i in range(n):
             out[pos + i] = fields[i]
@@ -89,7 +99,9 @@ def _pack(fields, n, bits, out, pos):
 
 @numba.njit(**_JIT)
 def _unpack(src, pos, n, bits, fields):
-    """Inverse of _pack: bytes src[pos:] -> fields[0:n]."""
+    """Inverse of _pack: bytes src[pos:] -> fields[0:n] (indexing a slice from 0, as _pack)."""
+    src = src[pos: pos + (n * bits + 7) // 8]
+    pos = 0
     if bits == 8:
         for i in range(n):
             fields[i] = src[pos + i]
@@ -118,8 +130,10 @@ def _unpack(src, pos, n, bits, fields):
 @numba.njit(parallel=True, **_JIT)
 def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut,
                    stream_base, layer_bytes, full_bytes, code_off, row_bytes, meta_off,
-                   lo_out, k_out, mu_out, sig_out, out):
+                   lo_out, k_out, mu_out, sig_out, out, bad):
     """xf: [L, 2, H, T, D] fp32, or xb: same shape uint16 bf16 bits (use_bits).
+    bad[w]: 1 when a bf16 input of work item w is Inf / NaN (Codec.encode's finite check,
+    done in the page min / max; not set for fp32 input).
     Per stream s (buffer at out[stream_base[s]:]): layer_bytes, full_bytes (chunk bytes of a
     full page); code_off / row_bytes: [2 (full page, last page), streams]; meta_off:
     [2, 4] offsets of lo, mu, sigma, k in an anchor chunk. Writes the metadata arrays, the
@@ -134,6 +148,8 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut
     qscale = np.float32(1 << MU_FRAC_BITS)
     mscale = np.float32(2.0 ** -MU_FRAC_BITS)
     half = np.float32(0.5)
+    m15 = np.int16(0x7FFF)
+    m31 = np.int32(0x7FFFFFFF)
     for w in numba.prange(L * 2 * H * pages):
         p = w % pages
         row = (w // pages) % (2 * H)
@@ -148,23 +164,55 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut
         buf = np.empty(n * D, np.float32)
         bu = buf.view(np.uint32)
         # ---- stage 1: load the page (widening bf16 bits) + page min / max, one pass ----
+        # min / max run on integer keys ordered like the values (int16 lanes for bf16 bits,
+        # int32 for fp32; -0.0 sorts below +0.0, normalized below): integer min / max
+        # vectorize where the fp32 compare-select does not. bf16 keys also check the input:
+        # finite keys lie strictly inside (KEY16_NEG_INF, KEY16_POS_INF).
         lo = np.empty(D, np.float32)
         hi = np.empty(D, np.float32)
-        lo[:] = np.inf
-        hi[:] = -np.inf
-        for t in range(n):
-            rw = buf[t * D: (t + 1) * D]
-            if use_bits:
+        lou = lo.view(np.uint32)
+        hiu = hi.view(np.uint32)
+        if use_bits:
+            lk = np.empty(D, np.int16)
+            hk = np.empty(D, np.int16)
+            lk[:] = 32767
+            hk[:] = -32768
+            for t in range(n):
                 sr = xb[l, kv, h, t0 + t]
+                si = sr.view(np.int16)
                 ru = bu[t * D: (t + 1) * D]
                 for d in range(D):
                     ru[d] = np.uint32(sr[d]) << np.uint32(16)
-            else:
-                rw[:] = xf[l, kv, h, t0 + t]
+                for d in range(D):
+                    v = si[d]
+                    key = v ^ ((v >> np.int16(15)) & m15)
+                    lk[d] = min(lk[d], key)
+                    hk[d] = max(hk[d], key)
+            nonfinite = False
             for d in range(D):
-                v = rw[d]
-                lo[d] = v if v < lo[d] else lo[d]
-                hi[d] = v if v > hi[d] else hi[d]
+                nonfinite |= (hk[d] >= KEY16_POS_INF) | (lk[d] <= KEY16_NEG_INF)
+                a = lk[d] ^ ((lk[d] >> np.int16(15)) & m15)  # back to bf16 bits
+                b = hk[d] ^ ((hk[d] >> np.int16(15)) & m15)
+                lou[d] = np.uint32(np.uint16(a)) << np.uint32(16)
+                hiu[d] = np.uint32(np.uint16(b)) << np.uint32(16)
+            bad[w] = nonfinite
+        else:
+            bi0 = buf.view(np.int32)
+            lk32 = np.empty(D, np.int32)
+            hk32 = np.empty(D, np.int32)
+            lk32[:] = 2147483647
+            hk32[:] = -2147483648
+            for t in range(n):
+                buf[t * D: (t + 1) * D] = xf[l, kv, h, t0 + t]
+                rk = bi0[t * D: (t + 1) * D]
+                for d in range(D):
+                    v = rk[d]
+                    key = v ^ ((v >> np.int32(31)) & m31)
+                    lk32[d] = min(lk32[d], key)
+                    hk32[d] = max(hk32[d], key)
+            for d in range(D):
+                lou[d] = np.uint32(lk32[d] ^ ((lk32[d] >> np.int32(31)) & m31))
+                hiu[d] = np.uint32(hk32[d] ^ ((hk32[d] >> np.int32(31)) & m31))
         r = np.empty(D, np.float32)
         for d in range(D):
             lo[d] = lo[d] + np.float32(0.0)  # -0.0 -> +0.0, as the reference
@@ -190,6 +238,8 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut
         qsum = np.empty(D, np.int32)  # < 2^16 * 4096 tokens
         cmin = np.empty(D, np.float32)
         cmax_x = np.empty(D, np.float32)
+        cmin_b = cmin.view(np.int32)
+        cmax_b = cmax_x.view(np.int32)
         mu = np.empty(D, np.float32)
         mu16 = np.empty(D, np.uint16)
         sig16 = np.empty(D, np.uint16)
@@ -208,16 +258,23 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut
             ci = (t0 + c0) // C
             m = nc * D
             qsum[:] = 0
-            cmin[:] = np.inf
-            cmax_x[:] = -np.inf
-            for t in range(c0, c0 + nc):  # normalize (stage 1) + fixed-point sum + min/max
+            cmin_b[:] = 2147483647
+            cmax_b[:] = -2147483648
+            for t in range(c0, c0 + nc):  # normalize (stage 1) + fixed-point sum
                 rw = buf[t * D: (t + 1) * D]
                 for d in range(D):
                     xn = (rw[d] * half - lh[d]) * fe[d]
                     rw[d] = xn
                     qsum[d] += np.int32(xn * qscale)
-                    cmin[d] = xn if xn < cmin[d] else cmin[d]
-                    cmax_x[d] = xn if xn > cmax_x[d] else cmax_x[d]
+            # chunk min / max of x' on its bits as int32: x' >= +0.0 (x >= the page min) or
+            # -0.0 (x = -0.0 with a +0.0 minimum), and for such values the signed bit patterns
+            # order like the values (-0.0 is the smallest, and equals 0): integer min / max
+            for t in range(c0, c0 + nc):
+                rk = bi[t * D: (t + 1) * D]
+                for d in range(D):
+                    v = rk[d]
+                    cmin_b[d] = min(cmin_b[d], v)
+                    cmax_b[d] = max(cmax_b[d], v)
             for d in range(D):
                 mq = qsum[d] // np.int32(nc)
                 mu16[d] = mq
@@ -290,15 +347,16 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut
                     msk, top = np.int32((1 << bs) - 1), np.int32(1 << (bs - 1))
                     sgn, smask = np.int32(8), np.int32(0)
                 if bs == 4:
+                    ob = out[pos: pos + (m + 1) // 2]
                     for i in range(m // 2):
                         c = codes[2 * i]
                         e = codes[2 * i + 1]
                         fc = ((((c & 255) >> sh) & msk) ^ top) | (((c & 256) >> sgn) & smask)
                         fe2 = ((((e & 255) >> sh) & msk) ^ top) | (((e & 256) >> sgn) & smask)
-                        out[pos + i] = np.uint8(fc | (fe2 << 4))
+                        ob[i] = np.uint8(fc | (fe2 << 4))
                     if m % 2:
                         c = codes[m - 1]
-                        out[pos + m // 2] = np.uint8(
+                        ob[m // 2] = np.uint8(
                             ((((c & 255) >> sh) & msk) ^ top) | (((c & 256) >> sgn) & smask))
                 else:
                     fs = fields[s]
@@ -366,14 +424,15 @@ def _decode_kernel(src, nstreams, P, C, split, values, stream_base, layer_bytes,
             if nstreams == 2 and split[0] == 4 and split[1] == 4:  # 4+4: keys from 2 bytes
                 pos1 = (stream_base[1] + l * layer_bytes[1] + p * full_bytes[1]
                         + code_off[last, 1] + row * row_bytes[last, 1] + (c0 * D * 4) // 8)
+                s0 = src[pos0: pos0 + (m + 1) // 2]  # slices: index from 0 (see _pack)
+                s1 = src[pos1: pos1 + (m + 1) // 2]
                 for i in range(m // 2):
-                    a = np.int32(src[pos0 + i])
-                    b = np.int32(src[pos1 + i])
+                    a = np.int32(s0[i])
+                    b = np.int32(s1[i])
                     keys[2 * i] = ((a & 15) << 4) | (b & 15)
                     keys[2 * i + 1] = ((a >> 4) << 4) | (b >> 4)
                 if m % 2:
-                    keys[m - 1] = ((np.int32(src[pos0 + m // 2]) & 15) << 4) | (
-                        np.int32(src[pos1 + m // 2]) & 15)
+                    keys[m - 1] = ((np.int32(s0[m // 2]) & 15) << 4) | (np.int32(s1[m // 2]) & 15)
             else:
                 for s in range(nstreams):
                     pos = (stream_base[s] + l * layer_bytes[s] + p * full_bytes[s]
@@ -470,6 +529,7 @@ def encode_cpu(x: torch.Tensor, lay: LynxLayout, tab: LynxTables,
     n = len(tab.split)
     base, layer_b, full_b, code_off, rows, meta = _layout_arrays(lay, n)
     out = np.empty(int(base[-1] + layer_b[-1] * L), np.uint8)
+    bad = np.zeros(L * 2 * H * lay.pages, np.bool_)
     lo = np.empty((L, lay.pages, 2, H, D), np.float32)
     k = np.empty((L, lay.pages, 2, H, D), np.int8)
     mu = np.empty((L, 2, H, lay.total_chunks, D), np.uint16)
@@ -487,7 +547,9 @@ def encode_cpu(x: torch.Tensor, lay: LynxLayout, tab: LynxTables,
     _encode_kernel(xf, xb, use_bits, lay.page_tokens, lay.chunk_tokens, split, shifts,
                    np.int32(tab.lut_lo), tab.lut_shift, _lut64(tab), base,
                    layer_b, full_b,
-                   code_off, rows, meta, lo, k, mu, sig, out)
+                   code_off, rows, meta, lo, k, mu, sig, out, bad)
+    if bad.any():
+        check_finite(x)  # raises the error Codec.encode would have
     buffers = [torch.from_numpy(out[base[s]: base[s] + layer_b[s] * L]) for s in range(n)]
     if scales is not None:
         write_scales(buffers[0], scales, lay)
