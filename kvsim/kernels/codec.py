@@ -276,10 +276,13 @@ def finite_bits(raw: np.ndarray, kind: str) -> bool:
 def concat_payloads(parts: list[np.ndarray]) -> np.ndarray:
     """Payloads (1-D uint8) -> one uint8 array of them end to end. Without a copy when they
     already lie end to end in one buffer (chunks of a local encode are slices of the
-    kernel's output), else np.concatenate. Read-only use: the result may alias the parts."""
+    kernel's output) and are writeable (torch.from_numpy warns otherwise), else
+    np.concatenate. For reading only: the result may alias the parts."""
     if not parts:
         return np.zeros(0, np.uint8)
     first = parts[0]
+    if not first.flags.writeable:  # torch.from_numpy wants writeable arrays: copy those
+        return np.concatenate(parts)
     addr, total = first.__array_interface__["data"][0], 0
     for p in parts:
         if (p.dtype != np.uint8 or p.ndim != 1 or not p.flags.c_contiguous
@@ -292,8 +295,7 @@ def concat_payloads(parts: list[np.ndarray]) -> np.ndarray:
     lo, hi = np.lib.array_utils.byte_bounds(root)
     if not (lo <= addr and addr + total <= hi):  # pragma: no cover - adjacent but unrelated
         return np.concatenate(parts)
-    return np.lib.stride_tricks.as_strided(first, shape=(total,), strides=(1,),
-                                           writeable=False)
+    return np.lib.stride_tricks.as_strided(first, shape=(total,), strides=(1,))
 
 
 def _is_index(x: object, n: int) -> bool:

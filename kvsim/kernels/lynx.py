@@ -76,7 +76,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvsim.kernels.codec import Codec, CodecError, finite_bits, register
+from kvsim.kernels.codec import (
+    Codec,
+    CodecError,
+    cast_finite,
+    concat_payloads,
+    finite_bits,
+    register,
+)
 from kvsim.kernels.encoded import Chunk, Encoded
 from kvsim.kernels.hadamard import check_hadamard_dim, hadamard
 from kvsim.layout import DTYPES, KVShape
@@ -786,7 +793,11 @@ class LynxCodec(Codec):
         lay, tab = self.layout(shape), self.tables
         backend = self._backend(kv.device, shape)
         scales = None
-        if p.precondition == "oscar":
+        if p.precondition == "oscar" and backend == "cpu" and kv.device.type == "cpu":
+            from kvsim.kernels import lynx_cpu
+
+            x, scales = lynx_cpu.oscar_forward_cpu(kv, p.oscar_targets)  # fused, same bits
+        elif p.precondition == "oscar":
             x, scales = oscar_forward(kv.detach().to(torch.float32), p.oscar_targets,
                                       _rotation(backend, kv.device))
         else:
@@ -816,17 +827,25 @@ class LynxCodec(Codec):
             streams.append(chunks)
         return streams
 
-    def _decode(self, enc: Encoded, streams: int, device: torch.device) -> torch.Tensor:
+    def _decode_to(self, enc: Encoded, streams: int, device: torch.device,
+                   dtype: torch.dtype) -> torch.Tensor:
+        """The cpu oscar path rounds to bf16 in its last pass when bf16 is asked for."""
+        out = self._decode(enc, streams, device, bf16=dtype == torch.bfloat16)
+        return cast_finite(out, dtype)
+
+    def _decode(self, enc: Encoded, streams: int, device: torch.device,
+                bf16: bool = False) -> torch.Tensor:
+        """bf16: the caller wants bfloat16; a path that can write it directly may return it
+        (every path returns values clamped to the encoded dtype's finite range)."""
         p = self.params
         lay, tab = self.layout(enc.shape), self.tables
         backend = self._backend(device, enc.shape)
         work = torch.device("cpu") if backend == "cpu" else device  # where the kernel runs
         bufs = []  # one buffer per stream, chunks in (layer, page) order
         for s in range(streams):
-            parts = enc.payloads(s)
-            flat = np.concatenate([np.asarray(parts[(layer, page)], dtype=np.uint8)
-                                   for layer in range(lay.shape.layers)
-                                   for page in range(lay.pages)])
+            parts = enc.payloads(s)  # sizes checked by Codec.decode
+            flat = concat_payloads([parts[(layer, page)] for layer in range(lay.shape.layers)
+                                    for page in range(lay.pages)])
             bufs.append(torch.from_numpy(flat).to(work))
         if backend == "cpu":
             from kvsim.kernels import lynx_cpu
@@ -844,11 +863,18 @@ class LynxCodec(Codec):
                 from kvsim.kernels import lynx_triton
 
                 out = lynx_triton.decode_triton(arr, lay, tab, streams)
-        if p.precondition == "oscar":
+        big = torch.finfo(DTYPES[enc.shape.dtype]).max
+        if p.precondition == "oscar" and backend == "cpu" and out.device.type == "cpu":
+            from kvsim.kernels import lynx_cpu
+
+            # both clamps and the inverse preconditioning below in one pass, same bits
+            out = lynx_cpu.oscar_inverse_cpu(out, scales, p.oscar_targets, OSCAR_DECODE_MAX,
+                                             big, bf16=bf16)
+        elif p.precondition == "oscar":
             out = oscar_inverse(out.clamp_(-OSCAR_DECODE_MAX, OSCAR_DECODE_MAX), scales,
                                 p.oscar_targets, _rotation(backend, out.device))
-        if out.dtype == torch.float32:  # else: already in the encoded dtype, clamped, rounded
-            big = torch.finfo(DTYPES[enc.shape.dtype]).max
+            out = out.clamp_(-big, big)
+        elif out.dtype == torch.float32:  # else: already in the encoded dtype, clamped, rounded
             out = out.clamp_(-big, big)
         return out.to(device)
 

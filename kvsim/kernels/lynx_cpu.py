@@ -472,15 +472,15 @@ def _decode_kernel(src, nstreams, P, C, split, values, stream_base, layer_bytes,
                     of[t0 + c0 + t] = res[t * D: (t + 1) * D]
 
 
-@numba.njit(parallel=True, **_JIT)
-def _fwht_kernel(x, out, scale):
-    """x, out: [n, d] fp32, d a power of two. Same butterflies in the same order as
-    kvsim.kernels.hadamard.hadamard (level h pairs (j, j + h) in blocks of 2h), then * scale,
-    so the result is bit-identical to the torch reference."""
-    n, d = x.shape
-    for r in numba.prange(n):
-        y = out[r]
-        y[:] = x[r]
+@numba.njit(**_JIT)
+def _fwht_row(y):
+    """In place on one row y [d] fp32 (d a power of two): the butterflies of
+    kvsim.kernels.hadamard.hadamard, level h pairing (j, j + h) in blocks of 2h (a + b,
+    a - b), without the final scale. Levels 1, 2, 4 run per group of 8 (written out, the
+    same pairs in the same levels), levels >= 8 on contiguous slices (vectorized); pairs of
+    one level are independent, so the result is the reference's bit for bit."""
+    d = y.shape[0]
+    if d < 8:
         h = 1
         while h < d:
             for i in range(0, d, 2 * h):
@@ -490,8 +490,181 @@ def _fwht_kernel(x, out, scale):
                     y[j] = a + b
                     y[j + h] = a - b
             h *= 2
+        return
+    for g in range(d // 8):
+        v = y[8 * g: 8 * g + 8]
+        a0 = v[0] + v[1]
+        a1 = v[0] - v[1]
+        a2 = v[2] + v[3]
+        a3 = v[2] - v[3]
+        a4 = v[4] + v[5]
+        a5 = v[4] - v[5]
+        a6 = v[6] + v[7]
+        a7 = v[6] - v[7]
+        b0 = a0 + a2
+        b2 = a0 - a2
+        b1 = a1 + a3
+        b3 = a1 - a3
+        b4 = a4 + a6
+        b6 = a4 - a6
+        b5 = a5 + a7
+        b7 = a5 - a7
+        v[0] = b0 + b4
+        v[4] = b0 - b4
+        v[1] = b1 + b5
+        v[5] = b1 - b5
+        v[2] = b2 + b6
+        v[6] = b2 - b6
+        v[3] = b3 + b7
+        v[7] = b3 - b7
+    h = 8
+    while h < d:
+        for i in range(0, d, 2 * h):
+            ya = y[i: i + h]
+            yb = y[i + h: i + 2 * h]
+            for j in range(h):
+                a = ya[j]
+                b = yb[j]
+                ya[j] = a + b
+                yb[j] = a - b
+        h *= 2
+
+
+@numba.njit(parallel=True, **_JIT)
+def _fwht_kernel(x, out, scale):
+    """x, out: [n, d] fp32, d a power of two -> out = hadamard(x) (butterflies, then * scale),
+    bit-identical to kvsim.kernels.hadamard.hadamard. Rows in parallel."""
+    n, d = x.shape
+    for r in numba.prange(n):
+        y = out[r]
+        y[:] = x[r]
+        _fwht_row(y)
         for j in range(d):
             y[j] = y[j] * scale
+
+
+@numba.njit(**_JIT)
+def _abs_max_bits(y):
+    """fp32 bits (int32) of max |y| over a finite fp32 row: |y| as int32 orders like the
+    value, and the integer reduction vectorizes where the fp32 max does not."""
+    yb = y.view(np.int32)
+    m = np.int32(0)
+    for j in range(y.shape[0]):
+        m = max(m, yb[j] & np.int32(0x7FFFFFFF))
+    return m
+
+
+@numba.njit(**_JIT)
+def _norm_sq(y, den, lanes, acc):
+    """sum of (y_j / den)^2 (mul, then add: no FMA) in `lanes` interleaved fp32 partial sums
+    (element j into lane j % lanes), the lanes added in order, then the tail (d % lanes
+    elements) in order: torch's CPU reduction over the last dim (see _torch_norm_lanes).
+    acc: scratch fp32 [lanes]."""
+    d = y.shape[0]
+    vec = d - d % lanes
+    acc[:] = 0.0
+    if lanes == 8:  # literal width: the partial sums stay in one vector register
+        for j0 in range(0, vec, 8):
+            ys = y[j0: j0 + 8]
+            for k in range(8):
+                q = ys[k] / den
+                acc[k] = acc[k] + q * q
+    else:
+        for j in range(vec):
+            q = y[j] / den
+            acc[j % lanes] = acc[j % lanes] + q * q
+    tot = acc[0]
+    for k in range(1, lanes):
+        tot = tot + acc[k]
+    for j in range(vec, d):
+        q = y[j] / den
+        tot = tot + q * q
+    return tot
+
+
+@numba.njit(parallel=True, **_JIT)
+def _oscar_forward_kernel(xf, xb, use_bits, nkv, scale, lanes, out, s16, amax):
+    """OScaR preconditioning of rows kv < nkv of xf (fp32) or xb (bf16 bits, use_bits), both
+    [L, 2, H, T, D] -> out (same shape, fp32) and s16 [L, nkv, H, T] (fp16 bits), op for op
+    as lynx.oscar_forward with the reference rotation:
+        y = hadamard(x); peak = max |y|; norm = peak * ||y / (peak or 1)||_2;
+        s16 = fp16(min(norm, 65504)); out = y * (1 / fp32(s16), 0 when s16 is 0),
+    the norm as torch computes it (_norm_sq with `lanes` from _torch_norm_lanes, then
+    sqrt). amax[w]: max |x| of work item w (the reference refuses >= 2^100 first)."""
+    if use_bits:
+        L, _, H, T, D = xb.shape
+    else:
+        L, _, H, T, D = xf.shape
+    fp16_max = np.float32(65504.0)
+    one = np.float32(1.0)
+    zero = np.float32(0.0)
+    for w in numba.prange(L * nkv * H):
+        h = w % H
+        kv = (w // H) % nkv
+        l = w // (H * nkv)
+        acc = np.empty(lanes, np.float32)
+        tmp = np.empty(1, np.float32)
+        tmpb = tmp.view(np.uint32)
+        tmpi = tmp.view(np.int32)
+        ami = np.int32(0)
+        for t in range(T):
+            y = out[l, kv, h, t]
+            if use_bits:
+                yb = y.view(np.uint32)
+                src = xb[l, kv, h, t]
+                for j in range(D):
+                    yb[j] = np.uint32(src[j]) << np.uint32(16)
+            else:
+                y[:] = xf[l, kv, h, t]
+            ami = max(ami, _abs_max_bits(y))
+            _fwht_row(y)
+            for j in range(D):
+                y[j] = y[j] * scale
+            tmpi[0] = _abs_max_bits(y)
+            peak = tmp[0]
+            tot = _norm_sq(y, peak if peak > zero else one, lanes, acc)
+            tmp[0] = min(peak * np.sqrt(tot), fp16_max)
+            hs = f32_bits_to_f16_bits(np.int64(tmpb[0]))
+            s16[l, kv, h, t] = hs
+            tmpb[0] = np.uint32(f16_bits_to_f32_bits(hs))
+            sv = tmp[0]
+            inv = one / sv if sv > zero else zero
+            for j in range(D):
+                y[j] = y[j] * inv
+        tmpi[0] = ami
+        amax[w] = tmp[0]
+
+
+@numba.njit(parallel=True, **_JIT)
+def _oscar_inverse_kernel(x, s16, nkv, scale, pre_max, post_max, to_bits, out_b):
+    """Undo _oscar_forward_kernel on rows kv < nkv of x [L, 2, H, T, D] fp32, op for op as
+    the decode path of lynx.LynxCodec: clamp to +-pre_max, * fp32(s16) (s16: fp16 bits
+    [L, nkv, H, T]), hadamard (butterflies, then * scale), clamp to +-post_max. Writes x in
+    place, or (to_bits) the bf16 bits of the result into out_b (same shape as x, uint16;
+    round to nearest even as torch .to(torch.bfloat16))."""
+    L, _, H, T, D = x.shape
+    for w in numba.prange(L * nkv * H):
+        h = w % H
+        kv = (w // H) % nkv
+        l = w // (H * nkv)
+        tmp = np.empty(1, np.float32)
+        tmpb = tmp.view(np.uint32)
+        for t in range(T):
+            y = x[l, kv, h, t]
+            tmpb[0] = np.uint32(f16_bits_to_f32_bits(np.int64(s16[l, kv, h, t])))
+            sr = tmp[0]
+            for j in range(D):
+                y[j] = max(-pre_max, min(pre_max, y[j])) * sr
+            _fwht_row(y)
+            for j in range(D):
+                y[j] = max(-post_max, min(post_max, y[j] * scale))
+            if to_bits:
+                yb = y.view(np.uint32)
+                ob = out_b[l, kv, h, t]
+                for j in range(D):
+                    ub = yb[j]
+                    ub = ub + np.uint32(0x7FFF) + ((ub >> np.uint32(16)) & np.uint32(1))
+                    ob[j] = np.uint16(ub >> np.uint32(16))
 
 
 def fwht_cpu(x: torch.Tensor) -> torch.Tensor:
@@ -503,6 +676,110 @@ def fwht_cpu(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(src)
     _fwht_kernel(src.numpy(), out.numpy(), np.float32(1.0 / math.sqrt(d)))
     return out.reshape(x.shape)
+
+
+@functools.lru_cache(maxsize=16)
+def _torch_norm_lanes(d: int) -> int:
+    """The lane count with which _oscar_forward_kernel's L2 norm equals torch's
+    .norm(dim=-1) bit for bit on rows of d fp32 values (torch's vectorized reduction: 8 lanes
+    with AVX2, 16 with AVX-512), found on a probe batch; 0 when no lane count matches (the
+    caller then keeps the torch reference)."""
+    g = torch.Generator().manual_seed(1234)
+    y = torch.randn(512, d, generator=g) * torch.rand(512, 1, generator=g) * 7
+    y[0] = 0.0  # a zero row (peak 0)
+    want = y.abs().amax(-1, keepdim=True)
+    want = want * (y / torch.where(want > 0, want, 1.0)).norm(dim=-1, keepdim=True)
+    want16 = want.clamp(max=torch.finfo(torch.float16).max).to(torch.float16)
+    want16 = want16.view(torch.int16).numpy().reshape(-1).view(np.uint16)
+    for lanes in (8, 16, 4, 32, 1):
+        if np.array_equal(_norm16(y.numpy(), lanes), want16):
+            return lanes
+    return 0
+
+
+@numba.njit(**_JIT)
+def _norm16_kernel(y, lanes, out):
+    """fp16 bits of min(peak * ||y / peak||, 65504) per row of y [n, d], computed as in
+    _oscar_forward_kernel (the probe of _torch_norm_lanes)."""
+    acc = np.empty(lanes, np.float32)
+    tmp = np.empty(1, np.float32)
+    tmpb = tmp.view(np.uint32)
+    tmpi = tmp.view(np.int32)
+    for i in range(y.shape[0]):
+        tmpi[0] = _abs_max_bits(y[i])
+        peak = tmp[0]
+        tot = _norm_sq(y[i], peak if peak > np.float32(0.0) else np.float32(1.0), lanes, acc)
+        tmp[0] = min(peak * np.sqrt(tot), np.float32(65504.0))
+        out[i] = f32_bits_to_f16_bits(np.int64(tmpb[0]))
+
+
+def _norm16(y: np.ndarray, lanes: int) -> np.ndarray:
+    out = np.empty(y.shape[0], np.uint16)
+    _norm16_kernel(np.ascontiguousarray(y, np.float32), lanes, out)
+    return out
+
+
+def oscar_forward_cpu(kv: torch.Tensor, targets: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """lynx.oscar_forward with the reference rotation, fused in one numba pass per block of
+    rows (bf16 read from its bits: no fp32 copy of the cache; no temporaries): same
+    (preconditioned fp32 x, fp16 scales [L, T_kv, H, T]), bit for bit. Falls back to the
+    torch path where torch's norm reduction order is not reproduced (_torch_norm_lanes)."""
+    from kvsim.kernels.lynx import OSCAR_MAX_ABS, oscar_forward
+
+    L, _, H, T, D = (int(v) for v in kv.shape)
+    check_hadamard_dim(D)
+    lanes = _torch_norm_lanes(D)
+    if not lanes:
+        return oscar_forward(kv.to(torch.float32), targets, fwht_cpu)
+    nkv = 2 if targets == "kv" else 1
+    x = kv.detach().contiguous()
+    if x.dtype == torch.bfloat16:
+        xb, xf, use_bits = x.view(torch.int16).numpy().view(np.uint16), _F32_1, True
+    else:
+        x = x.to(torch.float32)
+        xb, xf, use_bits = _U16_1, x.numpy(), False
+    # np.empty, not torch.empty: torch's allocator takes ~4x longer for a fresh 100 MB
+    # block on the CPUs measured (page faulting), numpy's is what clone costs elsewhere
+    out = torch.from_numpy(np.empty((L, 2, H, T, D), np.float32))
+    s16 = np.empty((L, nkv, H, T), np.uint16)
+    amax = np.zeros(L * nkv * H, np.float32)
+    _oscar_forward_kernel(xf, xb, use_bits, nkv, np.float32(1.0 / math.sqrt(D)), lanes,
+                          out.numpy(), s16, amax)
+    peak = float(amax.max()) if amax.size else 0.0
+    if nkv == 1:  # V passes through (fp32), its max |x| counts for the check as well
+        out[:, 1] = x[:, 1]
+        if x.numel():
+            peak = max(peak, float(x[:, 1].abs().max()))
+    if peak >= OSCAR_MAX_ABS:
+        oscar_forward(kv.to(torch.float32), targets, fwht_cpu)  # raises the reference's error
+    return out, torch.from_numpy(s16.view(np.int16)).view(torch.float16)
+
+
+def oscar_inverse_cpu(x: torch.Tensor, scales: torch.Tensor, targets: str, pre_max: float,
+                      post_max: float, bf16: bool = False) -> torch.Tensor:
+    """x [L, 2, H, T, D] fp32 (CPU, overwritten): clamp to +-pre_max, lynx.oscar_inverse
+    with the reference rotation, clamp to +-post_max, in one numba pass per block of rows; bit
+    for bit the torch sequence in LynxCodec._decode. Returns x, or (bf16) the result rounded
+    to bf16 as torch .to(torch.bfloat16), written by the same pass."""
+    D = int(x.shape[-1])
+    check_hadamard_dim(D)
+    nkv = 2 if targets == "kv" else 1
+    s16 = scales.contiguous().view(torch.int16).numpy().view(np.uint16)
+    out_b = np.empty(tuple(x.shape), np.uint16) if bf16 else _U16_1
+    _oscar_inverse_kernel(x.numpy(), s16, nkv, np.float32(1.0 / math.sqrt(D)),
+                          np.float32(pre_max), np.float32(post_max), bf16, out_b)
+    if nkv == 1:
+        x[:, 1].clamp_(-pre_max, pre_max).clamp_(-post_max, post_max)
+    if not bf16:
+        return x
+    out = torch.from_numpy(out_b.view(np.int16)).view(torch.bfloat16)
+    if nkv == 1:
+        out[:, 1] = x[:, 1]
+    return out
+
+
+_F32_1 = np.empty((1, 1, 1, 1, 1), np.float32)  # placeholder for the unused input
+_U16_1 = np.empty((1, 1, 1, 1, 1), np.uint16)
 
 
 def _layout_arrays(lay: LynxLayout, streams: int) -> tuple[np.ndarray, ...]:
