@@ -302,19 +302,15 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut
                 for d in range(D):
                     rw[d] = (rw[d] - mu[d]) * inv[d]
             cb = bi[c0 * D: c0 * D + m]
-            # code = LUT over the bits of |u|, in three simple loops so that only the table
-            # load stays scalar (cell index and the compare / sign vectorize)
+            # code = LUT over the bits of |u|, in simple loops so that only the table load
+            # stays scalar (cell index, compare, fields and packing vectorize)
             for j in range(m):
-                cellidx[j] = min(max((cb[j] & np.int32(0x7FFFFFFF)) - lut_lo, np.int32(0)) >> shift,
-                               cmax)
+                cellidx[j] = min(max((cb[j] & m31) - lut_lo, np.int32(0)) >> shift, cmax)
             for j in range(m):
                 ents[j] = lut[cellidx[j]]
             for j in range(m):
-                b = cb[j]
-                mag = b & np.int32(0x7FFFFFFF)
                 ent = ents[j]
-                codes[j] = ((np.int32(ent >> 32) + np.int32(mag > (ent & 0xFFFFFFFF)))
-                            | (np.int32((b < 0) & (mag != 0)) << np.int32(8)))  # sign: u < 0
+                codes[j] = np.int32(ent >> 32) + np.int32((cb[j] & m31) > (ent & 0xFFFFFFFF))
             if nib and m % 2 == 0:  # 4+4 or 4: both nibble streams from pairs of codes
                 pos0 = (stream_base[0] + l * layer_bytes[0] + p * full_bytes[0]
                         + code_off[last, 0] + row * row_bytes[last, 0] + (c0 * D) // 2)
@@ -323,17 +319,27 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut
                         + row * row_bytes[last, nstreams - 1] + (c0 * D) // 2)
                 sh0 = np.int32(shifts[0])
                 o0 = out[pos0: pos0 + m // 2]
-                for i in range(m // 2):
-                    c = codes[2 * i]
-                    e2 = codes[2 * i + 1]
-                    o0[i] = np.uint8(((c & 255) >> sh0) | ((c >> 5) & 8)
-                                     | ((((e2 & 255) >> sh0) | ((e2 >> 5) & 8)) << 4))
-                if nstreams == 2:
+                k3 = np.int32(3)
+                k4 = np.int32(4)
+                for i in range(m // 2):  # anchor: sign (u < 0, so not -0.0) | top bits
+                    a = cb[2 * i]
+                    b = cb[2 * i + 1]
+                    sa = np.int32((a < 0) & ((a & m31) != 0))
+                    sb = np.int32((b < 0) & ((b & m31) != 0))
+                    fa = (codes[2 * i] >> sh0) | (sa << k3)
+                    fb = (codes[2 * i + 1] >> sh0) | (sb << k3)
+                    o0[i] = np.uint8(fa | (fb << k4))
+                if nstreams == 2:  # residual: the low 4 bits as a signed digit
+                    m15i = np.int32(15)
+                    k8 = np.int32(8)
                     o1 = out[pos1: pos1 + m // 2]
                     for i in range(m // 2):
-                        o1[i] = np.uint8(((codes[2 * i] & 15) ^ 8)
-                                         | (((codes[2 * i + 1] & 15) ^ 8) << 4))
+                        o1[i] = np.uint8(((codes[2 * i] & m15i) ^ k8)
+                                         | (((codes[2 * i + 1] & m15i) ^ k8) << k4))
                 continue
+            for j in range(m):  # magnitude code | sign << 8 for the general split below
+                b = cb[j]
+                codes[j] |= np.int32((b < 0) & ((b & m31) != 0)) << np.int32(8)
             for s in range(nstreams):
                 pos = (stream_base[s] + l * layer_bytes[s] + p * full_bytes[s]
                        + code_off[last, s] + row * row_bytes[last, s] + (c0 * D * split[s]) // 8)
