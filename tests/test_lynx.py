@@ -449,14 +449,20 @@ def test_cpu_backend_bytes_equal_reference_bf16_fp16(data, split, dtype):
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("precondition", ["none", "oscar"])
-def test_nonfinite_bf16_rejected_by_the_kernel(bad, precondition):
-    """The cpu kernel's own finite check (bf16 keys) raises Codec.encode's error."""
-    kv = torch.randn(1, 2, 2, 20, 8).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_nonfinite_rejected_by_the_kernel(bad, precondition, dtype):
+    """The cpu kernels' own finite checks (bf16 keys of the hierarchy, max |x| of the oscar
+    kernel) raise Codec.encode's error; fp32 without oscar keeps Codec.encode's check."""
+    kv = torch.randn(1, 2, 2, 20, 8).to(dtype)
     kv[0, 1, 1, 13, 5] = bad
-    c = codec(backend="cpu", page_tokens=16, chunk_tokens=8, precondition=precondition)
-    assert c._kernel_checks_finite(kv) == (precondition == "none")
-    with pytest.raises(ValueError, match="non-finite value.*first at index \\(0, 1, 1, 13, 5\\)"):
-        c.encode(kv)
+    for targets in ("kv", "k"):
+        c = codec(backend="cpu", page_tokens=16, chunk_tokens=8, precondition=precondition,
+                  oscar_targets=targets)
+        assert c._kernel_checks_finite(kv) == (precondition == "oscar"
+                                               or dtype == torch.bfloat16)
+        with pytest.raises(ValueError, match="non-finite value.*first at index "
+                                             "\\(0, 1, 1, 13, 5\\)"):
+            c.encode(kv)
 
 
 oscar_values = st.one_of(

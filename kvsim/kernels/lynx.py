@@ -59,8 +59,9 @@ OScaR preconditioning (`precondition: oscar`): Hadamard rotation per head over h
 then per-token L2-norm scaling (one fp16 scale per token per head, in the anchor stream),
 before the hierarchy; applied to K and V (`oscar_targets: kv`) or K only (`k`). Decode
 undoes the scaling then the rotation, so decode returns unrotated K/V and callers need not
-rotate queries. The preconditioning runs as torch ops (on the tensor's device) for every
-backend; only the hierarchy has a numba / Triton kernel.
+rotate queries. The preconditioning runs as torch ops (on the tensor's device) for the torch
+and triton backends; the cpu backend runs it (and its inverse) as numba kernels with the
+same bits (lynx_cpu.oscar_forward_cpu / oscar_inverse_cpu).
 
 Backends (`backend`: auto | torch | cpu | triton) all produce identical bytes; auto uses the
 Triton kernels for CUDA tensors and the numba kernel for CPU tensors. `backend` is an
@@ -784,9 +785,11 @@ class LynxCodec(Codec):
         return b
 
     def _kernel_checks_finite(self, kv: torch.Tensor) -> bool:
-        """The numba kernel checks bf16 input for Inf / NaN in its page min / max pass."""
-        return (self.params.precondition == "none" and kv.dtype == torch.bfloat16
-                and self._backend(kv.device, KVShape.of(kv)) == "cpu")
+        """The numba kernels check the input for Inf / NaN: the hierarchy's bf16 page min /
+        max, the oscar kernel's max |x| (any dtype)."""
+        if kv.device.type != "cpu" or self._backend(kv.device, KVShape.of(kv)) != "cpu":
+            return False
+        return self.params.precondition == "oscar" or kv.dtype == torch.bfloat16
 
     def _encode(self, kv: torch.Tensor, shape: KVShape) -> list[list[Chunk]]:
         p = self.params

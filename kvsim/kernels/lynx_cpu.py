@@ -5,7 +5,16 @@ a thread-local fp32 scratch (bf16 input is widened from its bits there, no fp32 
 cache), then statistics, companding (lookup table over the fp32 bits of u, see
 lynx.LynxTables), the split into stream fields and the bit packing run on that L2-resident
 block, writing packed codes straight into the stream buffers. Items run in parallel
-(numba prange). Decode mirrors it and writes bf16 (or fp32) directly.
+(numba prange). Decode mirrors it and writes bf16 (or fp32) directly. The oscar
+preconditioning and its inverse are numba kernels too (rows of head_dim in parallel).
+
+Speed rules the kernels follow (measured on a 2-core AVX2 VM; each cost 2-5x where broken):
+loops index arrays or slices from 0 (x[i] with i in range(a, b) and a runtime a pays
+numba's negative-index wraparound on every access and does not vectorize); min / max run on
+integer keys of the float bits (integer reductions vectorize, fp32 compare-selects do not),
+which for bf16 also checks the input for Inf / NaN (Codec.encode then skips its own pass);
+no allocation per row inside the parallel loops; big outputs come from np.empty (torch's
+CPU allocator costs ~4x more per fresh 100 MB block there).
 
 All arithmetic follows lynx.encode_torch operation by operation (IEEE fp32, no fast-math, no
 FMA contraction), so codes and metadata are identical; tests/test_lynx.py checks bytes.
@@ -751,11 +760,14 @@ def oscar_forward_cpu(kv: torch.Tensor, targets: str) -> tuple[torch.Tensor, tor
     amax = np.zeros(L * nkv * H, np.float32)
     _oscar_forward_kernel(xf, xb, use_bits, nkv, np.float32(1.0 / math.sqrt(D)), lanes,
                           out.numpy(), s16, amax)
-    peak = float(amax.max()) if amax.size else 0.0
-    if nkv == 1:  # V passes through (fp32), its max |x| counts for the check as well
+    peaks = [float(amax.max()) if amax.size else 0.0]  # NaN / Inf propagate (from the bits)
+    if nkv == 1:  # V passes through (fp32), its max |x| counts for the checks as well
         out[:, 1] = x[:, 1]
         if x.numel():
-            peak = max(peak, float(x[:, 1].abs().max()))
+            peaks.append(float(x[:, 1].abs().max()))
+    peak = max(peaks)
+    if not all(math.isfinite(v) for v in peaks):  # (max() would drop a NaN)
+        check_finite(kv)  # raises the error Codec.encode would have (it left the check here)
     if peak >= OSCAR_MAX_ABS:
         oscar_forward(kv.to(torch.float32), targets, fwht_cpu)  # raises the reference's error
     return out, torch.from_numpy(s16.view(np.int16)).view(torch.float16)

@@ -6,7 +6,10 @@ bits, no fp32 copy of the cache), then every group of `group` channels is quanti
 codes are bit-packed straight into the chunk payload buffer (all chunks of the stream laid
 end to end in (layer, page) order, each chunk in uniform.py's payload layout: codes, then
 fp16 scales, then fp16 zero points). Work items run in parallel (numba prange). Decode
-mirrors it and writes fp32, bf16 or fp16 directly.
+mirrors it and writes fp32, bf16 or fp16 directly. bf16 input takes its group min / max on
+int16 keys of the bits (16 lanes; the same pass checks for Inf / NaN, so Codec.encode skips
+its own), and every inner loop indexes a slice from 0 (see lynx_cpu.py: numba's
+negative-index wraparound on range(a, b) blocked vectorization).
 
 The arithmetic is the exact op sequence of groupquant.quantize_groups / dequantize_groups
 (IEEE fp32, no fast-math except in the order-free min/max, no FMA contraction):
