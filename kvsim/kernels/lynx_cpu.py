@@ -29,6 +29,7 @@ import numba
 import numpy as np
 import torch
 
+from kvsim.kernels.codec import concat_payloads
 from kvsim.kernels.fp16_bits import f16_bits_to_f32_bits, f32_bits_to_f16_bits
 from kvsim.kernels.hadamard import check_hadamard_dim
 from kvsim.kernels.lynx import (
@@ -121,6 +122,23 @@ def _unpack(src, pos, n, bits, fields):
             fields[2 * i + 1] = b >> 4
         if n % 2:
             fields[n - 1] = src[pos + n // 2] & 15
+    elif bits == 2:
+        for i in range(n // 4):
+            b = src[i]
+            fields[4 * i] = b & 3
+            fields[4 * i + 1] = (b >> 2) & 3
+            fields[4 * i + 2] = (b >> 4) & 3
+            fields[4 * i + 3] = b >> 6
+        for i in range(n - n % 4, n):
+            fields[i] = (src[i // 4] >> (2 * (i % 4))) & 3
+    elif bits == 6 and n % 4 == 0:  # 4 codes in 3 bytes, little-end first
+        for i in range(n // 4):
+            w = (np.int32(src[3 * i]) | (np.int32(src[3 * i + 1]) << 8)
+                 | (np.int32(src[3 * i + 2]) << 16))
+            fields[4 * i] = w & 63
+            fields[4 * i + 1] = (w >> 6) & 63
+            fields[4 * i + 2] = (w >> 12) & 63
+            fields[4 * i + 3] = w >> 18
     else:
         mask = (1 << bits) - 1
         acc = np.int64(0)
@@ -860,8 +878,8 @@ def decode_cpu(buffers: list[torch.Tensor], lay: LynxLayout, tab: LynxTables, st
     L, H, T, D = lay.shape.layers, lay.shape.kv_heads, lay.shape.tokens, lay.shape.head_dim
     split = np.asarray(tab.split, np.int64)
     base, layer_b, full_b, code_off, rows, meta = _layout_arrays(lay, streams)
-    src = (np.concatenate([b.numpy() for b in buffers[:streams]]) if streams > 1
-           else buffers[0].numpy())
+    # the streams of a local encode lie end to end in one buffer: read in place
+    src = concat_payloads([b.numpy() for b in buffers[:streams]])
     if bf16:
         out_b = np.empty((L, 2, H, T, D), np.uint16)
         out_f = np.empty((1, 1, 1, 1, 1), np.float32)
