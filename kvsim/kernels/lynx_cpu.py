@@ -91,6 +91,13 @@ def _pack(fields, n, bits, out, pos):
             for j in range(n - 4 * m):
                 acc |= np.int64(fields[4 * m + j]) << (2 * j)
             out[pos + m] = acc
+    elif bits == 6 and n % 4 == 0:  # 4 codes in 3 bytes, little-end first
+        for i in range(n // 4):
+            w = (np.int32(fields[4 * i]) | (np.int32(fields[4 * i + 1]) << 6)
+                 | (np.int32(fields[4 * i + 2]) << 12) | (np.int32(fields[4 * i + 3]) << 18))
+            out[3 * i] = w & 255
+            out[3 * i + 1] = (w >> 8) & 255
+            out[3 * i + 2] = w >> 16
     else:
         acc = np.int64(0)
         nb = 0
