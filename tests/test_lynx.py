@@ -405,7 +405,7 @@ def test_cpu_fp16_bit_conversions_match_torch():
     np.testing.assert_array_equal(back, f)
 
 
-@pytest.mark.parametrize("d", [1, 2, 16, 128, 256])
+@pytest.mark.parametrize("d", [1, 2, 4, 8, 16, 32, 128, 256])
 def test_cpu_fwht_bit_identical_to_reference(d):
     """The numba Hadamard used by the cpu backend's oscar path == kvsim.kernels.hadamard,
     bit for bit, so oscar bytes do not depend on the backend."""
@@ -417,6 +417,126 @@ def test_cpu_fwht_bit_identical_to_reference(d):
     assert torch.equal(fwht_cpu(x).view(torch.int32), hadamard(x).view(torch.int32))
     with pytest.raises(ValueError, match="power-of-two"):
         fwht_cpu(torch.randn(2, 12))
+
+
+# ---- fast cpu paths: bf16 keys, in-kernel finite check, fused oscar ---------------------
+bf16_values = st.one_of(
+    finite32, extremes,
+    st.sampled_from([2.0**-133, -(2.0**-133), 1e-39, 3.3895e38, -3.3895e38, 2.0**-126]))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), split=st.sampled_from([(4, 4), (2, 6), (2, 2, 4), (4,), (8,)]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16]))
+def test_cpu_backend_bytes_equal_reference_bf16_fp16(data, split, dtype):
+    """bf16 input runs the int16-key page min / max (and the in-kernel finite check); fp16 the
+    fp32 path: bytes and every decode dtype equal the torch reference."""
+    tokens = data.draw(st.integers(1, 40))
+    head_dim = data.draw(st.integers(1, 6))
+    vals = data.draw(arrays(np.float32, (1, 2, 2, tokens, head_dim), elements=bf16_values))
+    vals = np.clip(vals, -65504, 65504) if dtype == torch.float16 else np.clip(
+        vals, -3.3895e38, 3.3895e38)  # finite in the dtype
+    x = torch.from_numpy(vals).to(dtype)
+    params = dict(split=list(split), page_tokens=16, chunk_tokens=8)
+    ref, cpu = codec(**params, backend="torch"), codec(**params, backend="cpu")
+    enc = cpu.encode(x)
+    assert enc.to_bytes() == ref.encode(x).to_bytes()
+    for out in (None, torch.float32, torch.bfloat16, torch.float16):
+        a, b = cpu.decode(enc, dtype=out), ref.decode(enc, dtype=out)
+        assert a.dtype == b.dtype
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("precondition", ["none", "oscar"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_nonfinite_rejected_by_the_kernel(bad, precondition, dtype):
+    """The cpu kernels' own finite checks (bf16 keys of the hierarchy, max |x| of the oscar
+    kernel) raise Codec.encode's error; fp32 without oscar keeps Codec.encode's check."""
+    kv = torch.randn(1, 2, 2, 20, 8).to(dtype)
+    kv[0, 1, 1, 13, 5] = bad
+    for targets in ("kv", "k"):
+        c = codec(backend="cpu", page_tokens=16, chunk_tokens=8, precondition=precondition,
+                  oscar_targets=targets)
+        assert c._kernel_checks_finite(kv) == (precondition == "oscar"
+                                               or dtype == torch.bfloat16)
+        with pytest.raises(ValueError, match="non-finite value.*first at index "
+                                             "\\(0, 1, 1, 13, 5\\)"):
+            c.encode(kv)
+
+
+oscar_values = st.one_of(
+    st.floats(-1e6, 1e6, allow_nan=False, width=32),
+    st.sampled_from([0.0, -0.0, 1e-45, 1e-38, 1e20, -1e20, 1e29, 65504.0, 3.0e4]))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), targets=st.sampled_from(["kv", "k"]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32, torch.float16]),
+       head_dim=st.sampled_from([1, 2, 4, 8, 16, 32]))
+def test_cpu_oscar_fused_equals_reference(data, targets, dtype, head_dim):
+    """The fused numba preconditioning / its inverse (torch's norm order, both decode clamps,
+    direct bf16 output) give the torch reference's bytes and decoded tensors, zero and huge
+    tokens included."""
+    tokens = data.draw(st.integers(1, 40))
+    vals = data.draw(arrays(np.float32, (2, 2, 2, tokens, head_dim), elements=oscar_values))
+    if dtype == torch.float16:
+        vals = np.clip(vals, -65504, 65504)
+    x = torch.from_numpy(vals).to(dtype)
+    params = dict(split=[4, 4], page_tokens=16, chunk_tokens=8, precondition="oscar",
+                  oscar_targets=targets)
+    ref, cpu = codec(**params, backend="torch"), codec(**params, backend="cpu")
+    enc = cpu.encode(x)
+    assert enc.to_bytes() == ref.encode(x).to_bytes()
+    for streams in (1, 2):
+        for out in (None, torch.float32, torch.bfloat16, torch.float16):
+            a = cpu.decode(enc, streams, dtype=out)
+            b = ref.decode(enc, streams, dtype=out)
+            assert a.dtype == b.dtype
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_cpu_oscar_norm_order_probe_and_fallback(monkeypatch):
+    """The norm's lane count is found on this machine; without one the cpu backend falls back
+    to the torch preconditioning, with the same bytes."""
+    from kvsim.kernels import lynx_cpu
+
+    assert lynx_cpu._torch_norm_lanes(128) > 0
+    kv = torch.randn(1, 2, 2, 40, 16).to(torch.bfloat16)
+    params = dict(precondition="oscar", page_tokens=32, chunk_tokens=8)
+    want = codec(**params, backend="torch").encode(kv).to_bytes()
+    assert codec(**params, backend="cpu").encode(kv).to_bytes() == want
+    monkeypatch.setattr(lynx_cpu, "_torch_norm_lanes", lambda d: 0)
+    assert codec(**params, backend="cpu").encode(kv).to_bytes() == want
+    with pytest.raises(CodecError, match="oscar"):
+        codec(**params, backend="cpu").encode(torch.full((1, 2, 1, 4, 16), 1e35))
+
+
+def test_cpu_oscar_refuses_huge_values_like_the_reference():
+    kv = torch.randn(1, 2, 1, 4, 16)
+    kv[0, 1, 0, 2, 3] = 2.0**101  # in V: counts for targets "k" too
+    for targets in ("kv", "k"):
+        for backend in ("torch", "cpu"):
+            c = codec(precondition="oscar", oscar_targets=targets, backend=backend)
+            with pytest.raises(CodecError, match="2\\^100"):
+                c.encode(kv)
+
+
+def test_decode_takes_adjacent_chunks_without_a_copy():
+    """Chunks of a local encode are slices of one buffer: decode reads them in place; chunks
+    from the wire (separate buffers) are joined; both decode the same."""
+    from kvsim.kernels.codec import concat_payloads
+
+    kv = torch.randn(2, 2, 2, 70, 8).to(torch.bfloat16)
+    c = codec(backend="cpu", page_tokens=32, chunk_tokens=8)
+    enc = c.encode(kv)
+    parts = [ch.payload for ch in enc.streams[0]]
+    joined = concat_payloads(parts)
+    assert np.shares_memory(joined, parts[0])
+    assert joined.tobytes() == b"".join(p.tobytes() for p in parts)
+    assert not np.shares_memory(concat_payloads(parts[::-1]), parts[0])
+    back = Encoded.from_bytes(enc.to_bytes())
+    assert torch.equal(c.decode(back).view(torch.int16), c.decode(enc).view(torch.int16))
 
 
 # ---- anchor reconstruction of each chunk's largest element ---------------------------------

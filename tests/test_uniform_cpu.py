@@ -92,6 +92,56 @@ def test_cpu_backend_refuses_values_beyond_fp16():
         uniform_cpu.encode_cpu(torch.zeros(1, 2, 1, 4, 60), 4, 16, 4, 1, 1)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_nonfinite_bf16_rejected_by_the_kernel(bad, bits):
+    """bf16 input: the kernel's int16-key min / max is the finite check (Codec.encode skips
+    its own pass) and raises the same error; fp32 input keeps Codec.encode's check."""
+    kv = torch.randn(2, 2, 2, 20, 64).to(torch.bfloat16)
+    kv[1, 0, 1, 17, 40] = bad
+    c = make_codec("uniform", {"bits": bits, "page_tokens": 8, "backend": "cpu"})
+    assert c._kernel_checks_finite(kv) and not c._kernel_checks_finite(kv.float())
+    where = "non-finite value.*first at index \\(1, 0, 1, 17, 40\\)"
+    for x in (kv, kv.float()):
+        with pytest.raises(ValueError, match=where):
+            c.encode(x)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(bits=st.sampled_from([2, 4, 8]), group=st.sampled_from([8, 16, 32, 64]),
+       tokens=st.integers(1, 30), page_tokens=st.integers(1, 16), seed=st.integers(0, 2**31),
+       raw=st.lists(st.integers(0, 0xFFFF), min_size=1, max_size=64))
+def test_cpu_backend_any_finite_bf16_bits(bits, group, tokens, page_tokens, seed, raw):
+    """Arbitrary finite bf16 bit patterns (subnormals, signed zeros, the whole exponent range
+    within fp16's) through the int16-key path: same bytes and decodes as the reference."""
+    pool = np.array(raw, np.uint16)
+    pool = pool[(pool & 0x7F80) != 0x7F80]  # finite
+    if pool.size == 0:
+        pool = np.array([0x8000], np.uint16)
+    rng = np.random.default_rng(seed)
+    bits_arr = rng.choice(pool, size=(1, 2, 2, tokens, 2 * group))
+    kv = torch.from_numpy(bits_arr.view(np.int16)).view(torch.bfloat16)
+    kv = kv.clamp(-65280, 65280)  # the fp16 scales' range (beyond: refused by both)
+    params = {"bits": bits, "group": group, "page_tokens": page_tokens}
+    ref = make_codec("uniform", {**params, "backend": "torch"})
+    cpu = make_codec("uniform", {**params, "backend": "cpu"})
+    a, b = ref.encode(kv), cpu.encode(kv)
+    assert payloads(a) == payloads(b)
+    for out in (None, torch.float32, torch.float16):
+        x, y = ref.decode(a, dtype=out), cpu.decode(b, dtype=out)
+        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+
+
+def test_decode_reads_adjacent_chunks_in_place():
+    """A local encode's chunks are slices of one buffer: decoded without joining them; the
+    same chunks from the wire decode the same."""
+    kv = torch.randn(2, 2, 2, 40, 64).to(torch.bfloat16)
+    c = make_codec("uniform", {"bits": 4, "page_tokens": 16, "backend": "cpu"})
+    enc = c.encode(kv)
+    back = Encoded.from_bytes(enc.to_bytes())
+    assert torch.equal(c.decode(enc).view(torch.int16), c.decode(back).view(torch.int16))
+
+
 def test_auto_backend_runs_the_cpu_kernel_on_cpu_tensors(monkeypatch):
     assert use_cpu("auto", torch.device("cpu"))
     assert not use_cpu("auto", torch.device("cuda"))

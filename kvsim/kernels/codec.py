@@ -125,7 +125,8 @@ class Codec(ABC):
     def encode(self, kv: torch.Tensor) -> Encoded:
         """kv: [layers, 2, kv_heads, tokens, head_dim] in bf16/fp16/fp32, finite."""
         shape = KVShape.of(kv)
-        check_finite(kv)
+        if not self._kernel_checks_finite(kv):
+            check_finite(kv)
         self.check_shape(shape)
         streams = self._encode(kv, shape)
         if len(streams) != self.num_streams:
@@ -153,6 +154,11 @@ class Codec(ABC):
         out = self._decode_to(enc, n, torch.device(device) if device else torch.device("cpu"),
                               dtype)
         return cast_finite(out, dtype)
+
+    def _kernel_checks_finite(self, kv: torch.Tensor) -> bool:
+        """True where _encode's kernel finds NaN / Inf in `kv` itself (saving encode() a pass
+        over the cache); it must then raise check_finite's error (call check_finite(kv))."""
+        return False
 
     def check_shape(self, shape: KVShape) -> None:  # noqa: B027 (optional hook)
         """Refuse shapes this codec cannot handle, with a clear message (override)."""
@@ -279,6 +285,31 @@ def finite_bits(raw: np.ndarray, kind: str) -> bool:
         return True
     u = np.ascontiguousarray(raw).view(view)
     return int(np.bitwise_and(u, mask).max()) != mask
+
+
+def concat_payloads(parts: list[np.ndarray]) -> np.ndarray:
+    """Payloads (1-D uint8) -> one uint8 array of them end to end. Without a copy when they
+    already lie end to end in one buffer (chunks of a local encode are slices of the
+    kernel's output) and are writeable (torch.from_numpy warns otherwise), else
+    np.concatenate. For reading only: the result may alias the parts."""
+    if not parts:
+        return np.zeros(0, np.uint8)
+    first = parts[0]
+    if not first.flags.writeable:  # torch.from_numpy wants writeable arrays: copy those
+        return np.concatenate(parts)
+    addr, total = first.__array_interface__["data"][0], 0
+    for p in parts:
+        if (p.dtype != np.uint8 or p.ndim != 1 or not p.flags.c_contiguous
+                or p.__array_interface__["data"][0] != addr + total):
+            return np.concatenate(parts)
+        total += p.size
+    root = first
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    lo, hi = np.lib.array_utils.byte_bounds(root)
+    if not (lo <= addr and addr + total <= hi):  # pragma: no cover - adjacent but unrelated
+        return np.concatenate(parts)
+    return np.lib.stride_tricks.as_strided(first, shape=(total,), strides=(1,))
 
 
 def _is_index(x: object, n: int) -> bool:

@@ -59,8 +59,9 @@ OScaR preconditioning (`precondition: oscar`): Hadamard rotation per head over h
 then per-token L2-norm scaling (one fp16 scale per token per head, in the anchor stream),
 before the hierarchy; applied to K and V (`oscar_targets: kv`) or K only (`k`). Decode
 undoes the scaling then the rotation, so decode returns unrotated K/V and callers need not
-rotate queries. The preconditioning runs as torch ops (on the tensor's device) for every
-backend; only the hierarchy has a numba / Triton kernel.
+rotate queries. The preconditioning runs as torch ops (on the tensor's device) for the torch
+and triton backends; the cpu backend runs it (and its inverse) as numba kernels with the
+same bits (lynx_cpu.oscar_forward_cpu / oscar_inverse_cpu).
 
 Backends (`backend`: auto | torch | cpu | triton) all produce identical bytes; auto uses the
 Triton kernels for CUDA tensors and the numba kernel for CPU tensors. `backend` is an
@@ -76,7 +77,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvsim.kernels.codec import Codec, CodecError, finite_bits, register
+from kvsim.kernels.codec import (
+    Codec,
+    CodecError,
+    cast_finite,
+    concat_payloads,
+    finite_bits,
+    register,
+)
 from kvsim.kernels.encoded import Chunk, Encoded
 from kvsim.kernels.hadamard import check_hadamard_dim, hadamard
 from kvsim.layout import DTYPES, KVShape
@@ -776,12 +784,23 @@ class LynxCodec(Codec):
             return "triton" if triton_ok else "torch"
         return b
 
+    def _kernel_checks_finite(self, kv: torch.Tensor) -> bool:
+        """The numba kernels check the input for Inf / NaN: the hierarchy's bf16 page min /
+        max, the oscar kernel's max |x| (any dtype)."""
+        if kv.device.type != "cpu" or self._backend(kv.device, KVShape.of(kv)) != "cpu":
+            return False
+        return self.params.precondition == "oscar" or kv.dtype == torch.bfloat16
+
     def _encode(self, kv: torch.Tensor, shape: KVShape) -> list[list[Chunk]]:
         p = self.params
         lay, tab = self.layout(shape), self.tables
         backend = self._backend(kv.device, shape)
         scales = None
-        if p.precondition == "oscar":
+        if p.precondition == "oscar" and backend == "cpu" and kv.device.type == "cpu":
+            from kvsim.kernels import lynx_cpu
+
+            x, scales = lynx_cpu.oscar_forward_cpu(kv, p.oscar_targets)  # fused, same bits
+        elif p.precondition == "oscar":
             x, scales = oscar_forward(kv.detach().to(torch.float32), p.oscar_targets,
                                       _rotation(backend, kv.device))
         else:
@@ -811,22 +830,32 @@ class LynxCodec(Codec):
             streams.append(chunks)
         return streams
 
-    def _decode(self, enc: Encoded, streams: int, device: torch.device) -> torch.Tensor:
+    def _decode_to(self, enc: Encoded, streams: int, device: torch.device,
+                   dtype: torch.dtype) -> torch.Tensor:
+        """The cpu oscar path rounds to bf16 in its last pass when bf16 is asked for."""
+        out = self._decode(enc, streams, device, bf16=dtype == torch.bfloat16)
+        return cast_finite(out, dtype)
+
+    def _decode(self, enc: Encoded, streams: int, device: torch.device,
+                bf16: bool = False) -> torch.Tensor:
+        """bf16: the caller wants bfloat16; a path that can write it directly may return it
+        (every path returns values clamped to the encoded dtype's finite range)."""
         p = self.params
         lay, tab = self.layout(enc.shape), self.tables
         backend = self._backend(device, enc.shape)
         work = torch.device("cpu") if backend == "cpu" else device  # where the kernel runs
         bufs = []  # one buffer per stream, chunks in (layer, page) order
         for s in range(streams):
-            parts = enc.payloads(s)
-            flat = np.concatenate([np.asarray(parts[(layer, page)], dtype=np.uint8)
-                                   for layer in range(lay.shape.layers)
-                                   for page in range(lay.pages)])
+            parts = enc.payloads(s)  # sizes checked by Codec.decode
+            flat = concat_payloads([parts[(layer, page)] for layer in range(lay.shape.layers)
+                                    for page in range(lay.pages)])
             bufs.append(torch.from_numpy(flat).to(work))
         if backend == "cpu":
             from kvsim.kernels import lynx_cpu
 
-            direct = enc.shape.dtype == "bfloat16" and p.precondition == "none"
+            # bf16 straight from the kernel only when bf16 is asked for (fp32 asked for a
+            # bf16 cache gets the unrounded values, as from the reference)
+            direct = bf16 and enc.shape.dtype == "bfloat16" and p.precondition == "none"
             out = lynx_cpu.decode_cpu(bufs, lay, tab, streams, bf16=direct)
             scales = read_scales(bufs[0], lay)
         else:
@@ -839,11 +868,18 @@ class LynxCodec(Codec):
                 from kvsim.kernels import lynx_triton
 
                 out = lynx_triton.decode_triton(arr, lay, tab, streams)
-        if p.precondition == "oscar":
+        big = torch.finfo(DTYPES[enc.shape.dtype]).max
+        if p.precondition == "oscar" and backend == "cpu" and out.device.type == "cpu":
+            from kvsim.kernels import lynx_cpu
+
+            # both clamps and the inverse preconditioning below in one pass, same bits
+            out = lynx_cpu.oscar_inverse_cpu(out, scales, p.oscar_targets, OSCAR_DECODE_MAX,
+                                             big, bf16=bf16)
+        elif p.precondition == "oscar":
             out = oscar_inverse(out.clamp_(-OSCAR_DECODE_MAX, OSCAR_DECODE_MAX), scales,
                                 p.oscar_targets, _rotation(backend, out.device))
-        if out.dtype == torch.float32:  # else: already in the encoded dtype, clamped, rounded
-            big = torch.finfo(DTYPES[enc.shape.dtype]).max
+            out = out.clamp_(-big, big)
+        elif out.dtype == torch.float32:  # else: already in the encoded dtype, clamped, rounded
             out = out.clamp_(-big, big)
         return out.to(device)
 

@@ -5,7 +5,16 @@ a thread-local fp32 scratch (bf16 input is widened from its bits there, no fp32 
 cache), then statistics, companding (lookup table over the fp32 bits of u, see
 lynx.LynxTables), the split into stream fields and the bit packing run on that L2-resident
 block, writing packed codes straight into the stream buffers. Items run in parallel
-(numba prange). Decode mirrors it and writes bf16 (or fp32) directly.
+(numba prange). Decode mirrors it and writes bf16 (or fp32) directly. The oscar
+preconditioning and its inverse are numba kernels too (rows of head_dim in parallel).
+
+Speed rules the kernels follow (measured on a 2-core AVX2 VM; each cost 2-5x where broken):
+loops index arrays or slices from 0 (x[i] with i in range(a, b) and a runtime a pays
+numba's negative-index wraparound on every access and does not vectorize); min / max run on
+integer keys of the float bits (integer reductions vectorize, fp32 compare-selects do not),
+which for bf16 also checks the input for Inf / NaN (Codec.encode then skips its own pass);
+no allocation per row inside the parallel loops; big outputs come from np.empty (torch's
+CPU allocator costs ~4x more per fresh 100 MB block there).
 
 All arithmetic follows lynx.encode_torch operation by operation (IEEE fp32, no fast-math, no
 FMA contraction), so codes and metadata are identical; tests/test_lynx.py checks bytes.
@@ -20,6 +29,7 @@ import numba
 import numpy as np
 import torch
 
+from kvsim.kernels.codec import concat_payloads
 from kvsim.kernels.fp16_bits import f16_bits_to_f32_bits, f32_bits_to_f16_bits
 from kvsim.kernels.hadamard import check_hadamard_dim
 from kvsim.kernels.lynx import (
@@ -30,8 +40,14 @@ from kvsim.kernels.lynx import (
     signed_values,
     write_scales,
 )
+from kvsim.layout import check_finite
 
 _JIT = dict(cache=True, nogil=True, error_model="numpy")
+
+# bf16 bits v (int16) -> key v ^ ((v >> 15) & 0x7FFF), ordered like the values; keys of
+# finite values lie strictly between these two (exponent all ones: Inf, NaN beyond)
+KEY16_POS_INF = 0x7F80  # key of +Inf (bits 0x7F80)
+KEY16_NEG_INF = -32641  # key of -Inf (bits 0xFF80)
 
 
 @numba.njit(**_JIT)
@@ -51,7 +67,11 @@ def f16_bits_to_f32(src, dst, dst_bits):
 
 @numba.njit(**_JIT)
 def _pack(fields, n, bits, out, pos):
-    """fields[0:n] b-bit codes -> bytes out[pos:pos + ceil(n*b/8)], little-end first."""
+    """fields[0:n] b-bit codes -> bytes out[pos:pos + ceil(n*b/8)], little-end first. Loops
+    index a slice from 0 (out[pos + i] costs numba's negative-index wraparound per access and
+    blocks vectorization)."""
+    out = out[pos: pos + (n * bits + 7) // 8]
+    pos = 0
     if bits == 8:
         for i in range(n):
             out[pos + i] = fields[i]
@@ -71,6 +91,13 @@ def _pack(fields, n, bits, out, pos):
             for j in range(n - 4 * m):
                 acc |= np.int64(fields[4 * m + j]) << (2 * j)
             out[pos + m] = acc
+    elif bits == 6 and n % 4 == 0:  # 4 codes in 3 bytes, little-end first
+        for i in range(n // 4):
+            w = (np.int32(fields[4 * i]) | (np.int32(fields[4 * i + 1]) << 6)
+                 | (np.int32(fields[4 * i + 2]) << 12) | (np.int32(fields[4 * i + 3]) << 18))
+            out[3 * i] = w & 255
+            out[3 * i + 1] = (w >> 8) & 255
+            out[3 * i + 2] = w >> 16
     else:
         acc = np.int64(0)
         nb = 0
@@ -89,7 +116,9 @@ def _pack(fields, n, bits, out, pos):
 
 @numba.njit(**_JIT)
 def _unpack(src, pos, n, bits, fields):
-    """Inverse of _pack: bytes src[pos:] -> fields[0:n]."""
+    """Inverse of _pack: bytes src[pos:] -> fields[0:n] (indexing a slice from 0, as _pack)."""
+    src = src[pos: pos + (n * bits + 7) // 8]
+    pos = 0
     if bits == 8:
         for i in range(n):
             fields[i] = src[pos + i]
@@ -100,6 +129,23 @@ def _unpack(src, pos, n, bits, fields):
             fields[2 * i + 1] = b >> 4
         if n % 2:
             fields[n - 1] = src[pos + n // 2] & 15
+    elif bits == 2:
+        for i in range(n // 4):
+            b = src[i]
+            fields[4 * i] = b & 3
+            fields[4 * i + 1] = (b >> 2) & 3
+            fields[4 * i + 2] = (b >> 4) & 3
+            fields[4 * i + 3] = b >> 6
+        for i in range(n - n % 4, n):
+            fields[i] = (src[i // 4] >> (2 * (i % 4))) & 3
+    elif bits == 6 and n % 4 == 0:  # 4 codes in 3 bytes, little-end first
+        for i in range(n // 4):
+            w = (np.int32(src[3 * i]) | (np.int32(src[3 * i + 1]) << 8)
+                 | (np.int32(src[3 * i + 2]) << 16))
+            fields[4 * i] = w & 63
+            fields[4 * i + 1] = (w >> 6) & 63
+            fields[4 * i + 2] = (w >> 12) & 63
+            fields[4 * i + 3] = w >> 18
     else:
         mask = (1 << bits) - 1
         acc = np.int64(0)
@@ -118,8 +164,10 @@ def _unpack(src, pos, n, bits, fields):
 @numba.njit(parallel=True, **_JIT)
 def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut,
                    stream_base, layer_bytes, full_bytes, code_off, row_bytes, meta_off,
-                   lo_out, k_out, mu_out, sig_out, out):
+                   lo_out, k_out, mu_out, sig_out, out, bad):
     """xf: [L, 2, H, T, D] fp32, or xb: same shape uint16 bf16 bits (use_bits).
+    bad[w]: 1 when a bf16 input of work item w is Inf / NaN (Codec.encode's finite check,
+    done in the page min / max; not set for fp32 input).
     Per stream s (buffer at out[stream_base[s]:]): layer_bytes, full_bytes (chunk bytes of a
     full page); code_off / row_bytes: [2 (full page, last page), streams]; meta_off:
     [2, 4] offsets of lo, mu, sigma, k in an anchor chunk. Writes the metadata arrays, the
@@ -134,6 +182,8 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut
     qscale = np.float32(1 << MU_FRAC_BITS)
     mscale = np.float32(2.0 ** -MU_FRAC_BITS)
     half = np.float32(0.5)
+    m15 = np.int16(0x7FFF)
+    m31 = np.int32(0x7FFFFFFF)
     for w in numba.prange(L * 2 * H * pages):
         p = w % pages
         row = (w // pages) % (2 * H)
@@ -148,23 +198,55 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut
         buf = np.empty(n * D, np.float32)
         bu = buf.view(np.uint32)
         # ---- stage 1: load the page (widening bf16 bits) + page min / max, one pass ----
+        # min / max run on integer keys ordered like the values (int16 lanes for bf16 bits,
+        # int32 for fp32; -0.0 sorts below +0.0, normalized below): integer min / max
+        # vectorize where the fp32 compare-select does not. bf16 keys also check the input:
+        # finite keys lie strictly inside (KEY16_NEG_INF, KEY16_POS_INF).
         lo = np.empty(D, np.float32)
         hi = np.empty(D, np.float32)
-        lo[:] = np.inf
-        hi[:] = -np.inf
-        for t in range(n):
-            rw = buf[t * D: (t + 1) * D]
-            if use_bits:
+        lou = lo.view(np.uint32)
+        hiu = hi.view(np.uint32)
+        if use_bits:
+            lk = np.empty(D, np.int16)
+            hk = np.empty(D, np.int16)
+            lk[:] = 32767
+            hk[:] = -32768
+            for t in range(n):
                 sr = xb[l, kv, h, t0 + t]
+                si = sr.view(np.int16)
                 ru = bu[t * D: (t + 1) * D]
                 for d in range(D):
                     ru[d] = np.uint32(sr[d]) << np.uint32(16)
-            else:
-                rw[:] = xf[l, kv, h, t0 + t]
+                for d in range(D):
+                    v = si[d]
+                    key = v ^ ((v >> np.int16(15)) & m15)
+                    lk[d] = min(lk[d], key)
+                    hk[d] = max(hk[d], key)
+            nonfinite = False
             for d in range(D):
-                v = rw[d]
-                lo[d] = v if v < lo[d] else lo[d]
-                hi[d] = v if v > hi[d] else hi[d]
+                nonfinite |= (hk[d] >= KEY16_POS_INF) | (lk[d] <= KEY16_NEG_INF)
+                a = lk[d] ^ ((lk[d] >> np.int16(15)) & m15)  # back to bf16 bits
+                b = hk[d] ^ ((hk[d] >> np.int16(15)) & m15)
+                lou[d] = np.uint32(np.uint16(a)) << np.uint32(16)
+                hiu[d] = np.uint32(np.uint16(b)) << np.uint32(16)
+            bad[w] = nonfinite
+        else:
+            bi0 = buf.view(np.int32)
+            lk32 = np.empty(D, np.int32)
+            hk32 = np.empty(D, np.int32)
+            lk32[:] = 2147483647
+            hk32[:] = -2147483648
+            for t in range(n):
+                buf[t * D: (t + 1) * D] = xf[l, kv, h, t0 + t]
+                rk = bi0[t * D: (t + 1) * D]
+                for d in range(D):
+                    v = rk[d]
+                    key = v ^ ((v >> np.int32(31)) & m31)
+                    lk32[d] = min(lk32[d], key)
+                    hk32[d] = max(hk32[d], key)
+            for d in range(D):
+                lou[d] = np.uint32(lk32[d] ^ ((lk32[d] >> np.int32(31)) & m31))
+                hiu[d] = np.uint32(hk32[d] ^ ((hk32[d] >> np.int32(31)) & m31))
         r = np.empty(D, np.float32)
         for d in range(D):
             lo[d] = lo[d] + np.float32(0.0)  # -0.0 -> +0.0, as the reference
@@ -190,6 +272,8 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut
         qsum = np.empty(D, np.int32)  # < 2^16 * 4096 tokens
         cmin = np.empty(D, np.float32)
         cmax_x = np.empty(D, np.float32)
+        cmin_b = cmin.view(np.int32)
+        cmax_b = cmax_x.view(np.int32)
         mu = np.empty(D, np.float32)
         mu16 = np.empty(D, np.uint16)
         sig16 = np.empty(D, np.uint16)
@@ -208,16 +292,23 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut
             ci = (t0 + c0) // C
             m = nc * D
             qsum[:] = 0
-            cmin[:] = np.inf
-            cmax_x[:] = -np.inf
-            for t in range(c0, c0 + nc):  # normalize (stage 1) + fixed-point sum + min/max
+            cmin_b[:] = 2147483647
+            cmax_b[:] = -2147483648
+            for t in range(c0, c0 + nc):  # normalize (stage 1) + fixed-point sum
                 rw = buf[t * D: (t + 1) * D]
                 for d in range(D):
                     xn = (rw[d] * half - lh[d]) * fe[d]
                     rw[d] = xn
                     qsum[d] += np.int32(xn * qscale)
-                    cmin[d] = xn if xn < cmin[d] else cmin[d]
-                    cmax_x[d] = xn if xn > cmax_x[d] else cmax_x[d]
+            # chunk min / max of x' on its bits as int32: x' >= +0.0 (x >= the page min) or
+            # -0.0 (x = -0.0 with a +0.0 minimum), and for such values the signed bit patterns
+            # order like the values (-0.0 is the smallest, and equals 0): integer min / max
+            for t in range(c0, c0 + nc):
+                rk = bi[t * D: (t + 1) * D]
+                for d in range(D):
+                    v = rk[d]
+                    cmin_b[d] = min(cmin_b[d], v)
+                    cmax_b[d] = max(cmax_b[d], v)
             for d in range(D):
                 mq = qsum[d] // np.int32(nc)
                 mu16[d] = mq
@@ -245,19 +336,15 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut
                 for d in range(D):
                     rw[d] = (rw[d] - mu[d]) * inv[d]
             cb = bi[c0 * D: c0 * D + m]
-            # code = LUT over the bits of |u|, in three simple loops so that only the table
-            # load stays scalar (cell index and the compare / sign vectorize)
+            # code = LUT over the bits of |u|, in simple loops so that only the table load
+            # stays scalar (cell index, compare, fields and packing vectorize)
             for j in range(m):
-                cellidx[j] = min(max((cb[j] & np.int32(0x7FFFFFFF)) - lut_lo, np.int32(0)) >> shift,
-                               cmax)
+                cellidx[j] = min(max((cb[j] & m31) - lut_lo, np.int32(0)) >> shift, cmax)
             for j in range(m):
                 ents[j] = lut[cellidx[j]]
             for j in range(m):
-                b = cb[j]
-                mag = b & np.int32(0x7FFFFFFF)
                 ent = ents[j]
-                codes[j] = ((np.int32(ent >> 32) + np.int32(mag > (ent & 0xFFFFFFFF)))
-                            | (np.int32((b < 0) & (mag != 0)) << np.int32(8)))  # sign: u < 0
+                codes[j] = np.int32(ent >> 32) + np.int32((cb[j] & m31) > (ent & 0xFFFFFFFF))
             if nib and m % 2 == 0:  # 4+4 or 4: both nibble streams from pairs of codes
                 pos0 = (stream_base[0] + l * layer_bytes[0] + p * full_bytes[0]
                         + code_off[last, 0] + row * row_bytes[last, 0] + (c0 * D) // 2)
@@ -266,17 +353,27 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut
                         + row * row_bytes[last, nstreams - 1] + (c0 * D) // 2)
                 sh0 = np.int32(shifts[0])
                 o0 = out[pos0: pos0 + m // 2]
-                for i in range(m // 2):
-                    c = codes[2 * i]
-                    e2 = codes[2 * i + 1]
-                    o0[i] = np.uint8(((c & 255) >> sh0) | ((c >> 5) & 8)
-                                     | ((((e2 & 255) >> sh0) | ((e2 >> 5) & 8)) << 4))
-                if nstreams == 2:
+                k3 = np.int32(3)
+                k4 = np.int32(4)
+                for i in range(m // 2):  # anchor: sign (u < 0, so not -0.0) | top bits
+                    a = cb[2 * i]
+                    b = cb[2 * i + 1]
+                    sa = np.int32((a < 0) & ((a & m31) != 0))
+                    sb = np.int32((b < 0) & ((b & m31) != 0))
+                    fa = (codes[2 * i] >> sh0) | (sa << k3)
+                    fb = (codes[2 * i + 1] >> sh0) | (sb << k3)
+                    o0[i] = np.uint8(fa | (fb << k4))
+                if nstreams == 2:  # residual: the low 4 bits as a signed digit
+                    m15i = np.int32(15)
+                    k8 = np.int32(8)
                     o1 = out[pos1: pos1 + m // 2]
                     for i in range(m // 2):
-                        o1[i] = np.uint8(((codes[2 * i] & 15) ^ 8)
-                                         | (((codes[2 * i + 1] & 15) ^ 8) << 4))
+                        o1[i] = np.uint8(((codes[2 * i] & m15i) ^ k8)
+                                         | (((codes[2 * i + 1] & m15i) ^ k8) << k4))
                 continue
+            for j in range(m):  # magnitude code | sign << 8 for the general split below
+                b = cb[j]
+                codes[j] |= np.int32((b < 0) & ((b & m31) != 0)) << np.int32(8)
             for s in range(nstreams):
                 pos = (stream_base[s] + l * layer_bytes[s] + p * full_bytes[s]
                        + code_off[last, s] + row * row_bytes[last, s] + (c0 * D * split[s]) // 8)
@@ -290,15 +387,16 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut
                     msk, top = np.int32((1 << bs) - 1), np.int32(1 << (bs - 1))
                     sgn, smask = np.int32(8), np.int32(0)
                 if bs == 4:
+                    ob = out[pos: pos + (m + 1) // 2]
                     for i in range(m // 2):
                         c = codes[2 * i]
                         e = codes[2 * i + 1]
                         fc = ((((c & 255) >> sh) & msk) ^ top) | (((c & 256) >> sgn) & smask)
                         fe2 = ((((e & 255) >> sh) & msk) ^ top) | (((e & 256) >> sgn) & smask)
-                        out[pos + i] = np.uint8(fc | (fe2 << 4))
+                        ob[i] = np.uint8(fc | (fe2 << 4))
                     if m % 2:
                         c = codes[m - 1]
-                        out[pos + m // 2] = np.uint8(
+                        ob[m // 2] = np.uint8(
                             ((((c & 255) >> sh) & msk) ^ top) | (((c & 256) >> sgn) & smask))
                 else:
                     fs = fields[s]
@@ -366,14 +464,15 @@ def _decode_kernel(src, nstreams, P, C, split, values, stream_base, layer_bytes,
             if nstreams == 2 and split[0] == 4 and split[1] == 4:  # 4+4: keys from 2 bytes
                 pos1 = (stream_base[1] + l * layer_bytes[1] + p * full_bytes[1]
                         + code_off[last, 1] + row * row_bytes[last, 1] + (c0 * D * 4) // 8)
+                s0 = src[pos0: pos0 + (m + 1) // 2]  # slices: index from 0 (see _pack)
+                s1 = src[pos1: pos1 + (m + 1) // 2]
                 for i in range(m // 2):
-                    a = np.int32(src[pos0 + i])
-                    b = np.int32(src[pos1 + i])
+                    a = np.int32(s0[i])
+                    b = np.int32(s1[i])
                     keys[2 * i] = ((a & 15) << 4) | (b & 15)
                     keys[2 * i + 1] = ((a >> 4) << 4) | (b >> 4)
                 if m % 2:
-                    keys[m - 1] = ((np.int32(src[pos0 + m // 2]) & 15) << 4) | (
-                        np.int32(src[pos1 + m // 2]) & 15)
+                    keys[m - 1] = ((np.int32(s0[m // 2]) & 15) << 4) | (np.int32(s1[m // 2]) & 15)
             else:
                 for s in range(nstreams):
                     pos = (stream_base[s] + l * layer_bytes[s] + p * full_bytes[s]
@@ -413,15 +512,15 @@ def _decode_kernel(src, nstreams, P, C, split, values, stream_base, layer_bytes,
                     of[t0 + c0 + t] = res[t * D: (t + 1) * D]
 
 
-@numba.njit(parallel=True, **_JIT)
-def _fwht_kernel(x, out, scale):
-    """x, out: [n, d] fp32, d a power of two. Same butterflies in the same order as
-    kvsim.kernels.hadamard.hadamard (level h pairs (j, j + h) in blocks of 2h), then * scale,
-    so the result is bit-identical to the torch reference."""
-    n, d = x.shape
-    for r in numba.prange(n):
-        y = out[r]
-        y[:] = x[r]
+@numba.njit(**_JIT)
+def _fwht_row(y):
+    """In place on one row y [d] fp32 (d a power of two): the butterflies of
+    kvsim.kernels.hadamard.hadamard, level h pairing (j, j + h) in blocks of 2h (a + b,
+    a - b), without the final scale. Levels 1, 2, 4 run per group of 8 (written out, the
+    same pairs in the same levels), levels >= 8 on contiguous slices (vectorized); pairs of
+    one level are independent, so the result is the reference's bit for bit."""
+    d = y.shape[0]
+    if d < 8:
         h = 1
         while h < d:
             for i in range(0, d, 2 * h):
@@ -431,8 +530,181 @@ def _fwht_kernel(x, out, scale):
                     y[j] = a + b
                     y[j + h] = a - b
             h *= 2
+        return
+    for g in range(d // 8):
+        v = y[8 * g: 8 * g + 8]
+        a0 = v[0] + v[1]
+        a1 = v[0] - v[1]
+        a2 = v[2] + v[3]
+        a3 = v[2] - v[3]
+        a4 = v[4] + v[5]
+        a5 = v[4] - v[5]
+        a6 = v[6] + v[7]
+        a7 = v[6] - v[7]
+        b0 = a0 + a2
+        b2 = a0 - a2
+        b1 = a1 + a3
+        b3 = a1 - a3
+        b4 = a4 + a6
+        b6 = a4 - a6
+        b5 = a5 + a7
+        b7 = a5 - a7
+        v[0] = b0 + b4
+        v[4] = b0 - b4
+        v[1] = b1 + b5
+        v[5] = b1 - b5
+        v[2] = b2 + b6
+        v[6] = b2 - b6
+        v[3] = b3 + b7
+        v[7] = b3 - b7
+    h = 8
+    while h < d:
+        for i in range(0, d, 2 * h):
+            ya = y[i: i + h]
+            yb = y[i + h: i + 2 * h]
+            for j in range(h):
+                a = ya[j]
+                b = yb[j]
+                ya[j] = a + b
+                yb[j] = a - b
+        h *= 2
+
+
+@numba.njit(parallel=True, **_JIT)
+def _fwht_kernel(x, out, scale):
+    """x, out: [n, d] fp32, d a power of two -> out = hadamard(x) (butterflies, then * scale),
+    bit-identical to kvsim.kernels.hadamard.hadamard. Rows in parallel."""
+    n, d = x.shape
+    for r in numba.prange(n):
+        y = out[r]
+        y[:] = x[r]
+        _fwht_row(y)
         for j in range(d):
             y[j] = y[j] * scale
+
+
+@numba.njit(**_JIT)
+def _abs_max_bits(y):
+    """fp32 bits (int32) of max |y| over a finite fp32 row: |y| as int32 orders like the
+    value, and the integer reduction vectorizes where the fp32 max does not."""
+    yb = y.view(np.int32)
+    m = np.int32(0)
+    for j in range(y.shape[0]):
+        m = max(m, yb[j] & np.int32(0x7FFFFFFF))
+    return m
+
+
+@numba.njit(**_JIT)
+def _norm_sq(y, den, lanes, acc):
+    """sum of (y_j / den)^2 (mul, then add: no FMA) in `lanes` interleaved fp32 partial sums
+    (element j into lane j % lanes), the lanes added in order, then the tail (d % lanes
+    elements) in order: torch's CPU reduction over the last dim (see _torch_norm_lanes).
+    acc: scratch fp32 [lanes]."""
+    d = y.shape[0]
+    vec = d - d % lanes
+    acc[:] = 0.0
+    if lanes == 8:  # literal width: the partial sums stay in one vector register
+        for j0 in range(0, vec, 8):
+            ys = y[j0: j0 + 8]
+            for k in range(8):
+                q = ys[k] / den
+                acc[k] = acc[k] + q * q
+    else:
+        for j in range(vec):
+            q = y[j] / den
+            acc[j % lanes] = acc[j % lanes] + q * q
+    tot = acc[0]
+    for k in range(1, lanes):
+        tot = tot + acc[k]
+    for j in range(vec, d):
+        q = y[j] / den
+        tot = tot + q * q
+    return tot
+
+
+@numba.njit(parallel=True, **_JIT)
+def _oscar_forward_kernel(xf, xb, use_bits, nkv, scale, lanes, out, s16, amax):
+    """OScaR preconditioning of rows kv < nkv of xf (fp32) or xb (bf16 bits, use_bits), both
+    [L, 2, H, T, D] -> out (same shape, fp32) and s16 [L, nkv, H, T] (fp16 bits), op for op
+    as lynx.oscar_forward with the reference rotation:
+        y = hadamard(x); peak = max |y|; norm = peak * ||y / (peak or 1)||_2;
+        s16 = fp16(min(norm, 65504)); out = y * (1 / fp32(s16), 0 when s16 is 0),
+    the norm as torch computes it (_norm_sq with `lanes` from _torch_norm_lanes, then
+    sqrt). amax[w]: max |x| of work item w (the reference refuses >= 2^100 first)."""
+    if use_bits:
+        L, _, H, T, D = xb.shape
+    else:
+        L, _, H, T, D = xf.shape
+    fp16_max = np.float32(65504.0)
+    one = np.float32(1.0)
+    zero = np.float32(0.0)
+    for w in numba.prange(L * nkv * H):
+        h = w % H
+        kv = (w // H) % nkv
+        l = w // (H * nkv)
+        acc = np.empty(lanes, np.float32)
+        tmp = np.empty(1, np.float32)
+        tmpb = tmp.view(np.uint32)
+        tmpi = tmp.view(np.int32)
+        ami = np.int32(0)
+        for t in range(T):
+            y = out[l, kv, h, t]
+            if use_bits:
+                yb = y.view(np.uint32)
+                src = xb[l, kv, h, t]
+                for j in range(D):
+                    yb[j] = np.uint32(src[j]) << np.uint32(16)
+            else:
+                y[:] = xf[l, kv, h, t]
+            ami = max(ami, _abs_max_bits(y))
+            _fwht_row(y)
+            for j in range(D):
+                y[j] = y[j] * scale
+            tmpi[0] = _abs_max_bits(y)
+            peak = tmp[0]
+            tot = _norm_sq(y, peak if peak > zero else one, lanes, acc)
+            tmp[0] = min(peak * np.sqrt(tot), fp16_max)
+            hs = f32_bits_to_f16_bits(np.int64(tmpb[0]))
+            s16[l, kv, h, t] = hs
+            tmpb[0] = np.uint32(f16_bits_to_f32_bits(hs))
+            sv = tmp[0]
+            inv = one / sv if sv > zero else zero
+            for j in range(D):
+                y[j] = y[j] * inv
+        tmpi[0] = ami
+        amax[w] = tmp[0]
+
+
+@numba.njit(parallel=True, **_JIT)
+def _oscar_inverse_kernel(x, s16, nkv, scale, pre_max, post_max, to_bits, out_b):
+    """Undo _oscar_forward_kernel on rows kv < nkv of x [L, 2, H, T, D] fp32, op for op as
+    the decode path of lynx.LynxCodec: clamp to +-pre_max, * fp32(s16) (s16: fp16 bits
+    [L, nkv, H, T]), hadamard (butterflies, then * scale), clamp to +-post_max. Writes x in
+    place, or (to_bits) the bf16 bits of the result into out_b (same shape as x, uint16;
+    round to nearest even as torch .to(torch.bfloat16))."""
+    L, _, H, T, D = x.shape
+    for w in numba.prange(L * nkv * H):
+        h = w % H
+        kv = (w // H) % nkv
+        l = w // (H * nkv)
+        tmp = np.empty(1, np.float32)
+        tmpb = tmp.view(np.uint32)
+        for t in range(T):
+            y = x[l, kv, h, t]
+            tmpb[0] = np.uint32(f16_bits_to_f32_bits(np.int64(s16[l, kv, h, t])))
+            sr = tmp[0]
+            for j in range(D):
+                y[j] = max(-pre_max, min(pre_max, y[j])) * sr
+            _fwht_row(y)
+            for j in range(D):
+                y[j] = max(-post_max, min(post_max, y[j] * scale))
+            if to_bits:
+                yb = y.view(np.uint32)
+                ob = out_b[l, kv, h, t]
+                for j in range(D):
+                    ub = yb[j]
+                    ub = ub + np.uint32(0x7FFF) + ((ub >> np.uint32(16)) & np.uint32(1))
+                    ob[j] = np.uint16(ub >> np.uint32(16))
 
 
 def fwht_cpu(x: torch.Tensor) -> torch.Tensor:
@@ -444,6 +716,113 @@ def fwht_cpu(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(src)
     _fwht_kernel(src.numpy(), out.numpy(), np.float32(1.0 / math.sqrt(d)))
     return out.reshape(x.shape)
+
+
+@functools.lru_cache(maxsize=16)
+def _torch_norm_lanes(d: int) -> int:
+    """The lane count with which _oscar_forward_kernel's L2 norm equals torch's
+    .norm(dim=-1) bit for bit on rows of d fp32 values (torch's vectorized reduction: 8 lanes
+    with AVX2, 16 with AVX-512), found on a probe batch; 0 when no lane count matches (the
+    caller then keeps the torch reference)."""
+    g = torch.Generator().manual_seed(1234)
+    y = torch.randn(512, d, generator=g) * torch.rand(512, 1, generator=g) * 7
+    y[0] = 0.0  # a zero row (peak 0)
+    want = y.abs().amax(-1, keepdim=True)
+    want = want * (y / torch.where(want > 0, want, 1.0)).norm(dim=-1, keepdim=True)
+    want16 = want.clamp(max=torch.finfo(torch.float16).max).to(torch.float16)
+    want16 = want16.view(torch.int16).numpy().reshape(-1).view(np.uint16)
+    for lanes in (8, 16, 4, 32, 1):
+        if np.array_equal(_norm16(y.numpy(), lanes), want16):
+            return lanes
+    return 0
+
+
+@numba.njit(**_JIT)
+def _norm16_kernel(y, lanes, out):
+    """fp16 bits of min(peak * ||y / peak||, 65504) per row of y [n, d], computed as in
+    _oscar_forward_kernel (the probe of _torch_norm_lanes)."""
+    acc = np.empty(lanes, np.float32)
+    tmp = np.empty(1, np.float32)
+    tmpb = tmp.view(np.uint32)
+    tmpi = tmp.view(np.int32)
+    for i in range(y.shape[0]):
+        tmpi[0] = _abs_max_bits(y[i])
+        peak = tmp[0]
+        tot = _norm_sq(y[i], peak if peak > np.float32(0.0) else np.float32(1.0), lanes, acc)
+        tmp[0] = min(peak * np.sqrt(tot), np.float32(65504.0))
+        out[i] = f32_bits_to_f16_bits(np.int64(tmpb[0]))
+
+
+def _norm16(y: np.ndarray, lanes: int) -> np.ndarray:
+    out = np.empty(y.shape[0], np.uint16)
+    _norm16_kernel(np.ascontiguousarray(y, np.float32), lanes, out)
+    return out
+
+
+def oscar_forward_cpu(kv: torch.Tensor, targets: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """lynx.oscar_forward with the reference rotation, fused in one numba pass per block of
+    rows (bf16 read from its bits: no fp32 copy of the cache; no temporaries): same
+    (preconditioned fp32 x, fp16 scales [L, T_kv, H, T]), bit for bit. Falls back to the
+    torch path where torch's norm reduction order is not reproduced (_torch_norm_lanes)."""
+    from kvsim.kernels.lynx import OSCAR_MAX_ABS, oscar_forward
+
+    L, _, H, T, D = (int(v) for v in kv.shape)
+    check_hadamard_dim(D)
+    lanes = _torch_norm_lanes(D)
+    if not lanes:
+        return oscar_forward(kv.to(torch.float32), targets, fwht_cpu)
+    nkv = 2 if targets == "kv" else 1
+    x = kv.detach().contiguous()
+    if x.dtype == torch.bfloat16:
+        xb, xf, use_bits = x.view(torch.int16).numpy().view(np.uint16), _F32_1, True
+    else:
+        x = x.to(torch.float32)
+        xb, xf, use_bits = _U16_1, x.numpy(), False
+    # np.empty, not torch.empty: torch's allocator takes ~4x longer for a fresh 100 MB
+    # block on the CPUs measured (page faulting), numpy's is what clone costs elsewhere
+    out = torch.from_numpy(np.empty((L, 2, H, T, D), np.float32))
+    s16 = np.empty((L, nkv, H, T), np.uint16)
+    amax = np.zeros(L * nkv * H, np.float32)
+    _oscar_forward_kernel(xf, xb, use_bits, nkv, np.float32(1.0 / math.sqrt(D)), lanes,
+                          out.numpy(), s16, amax)
+    peaks = [float(amax.max()) if amax.size else 0.0]  # NaN / Inf propagate (from the bits)
+    if nkv == 1:  # V passes through (fp32), its max |x| counts for the checks as well
+        out[:, 1] = x[:, 1]
+        if x.numel():
+            peaks.append(float(x[:, 1].abs().max()))
+    peak = max(peaks)
+    if not all(math.isfinite(v) for v in peaks):  # (max() would drop a NaN)
+        check_finite(kv)  # raises the error Codec.encode would have (it left the check here)
+    if peak >= OSCAR_MAX_ABS:
+        oscar_forward(kv.to(torch.float32), targets, fwht_cpu)  # raises the reference's error
+    return out, torch.from_numpy(s16.view(np.int16)).view(torch.float16)
+
+
+def oscar_inverse_cpu(x: torch.Tensor, scales: torch.Tensor, targets: str, pre_max: float,
+                      post_max: float, bf16: bool = False) -> torch.Tensor:
+    """x [L, 2, H, T, D] fp32 (CPU, overwritten): clamp to +-pre_max, lynx.oscar_inverse
+    with the reference rotation, clamp to +-post_max, in one numba pass per block of rows; bit
+    for bit the torch sequence in LynxCodec._decode. Returns x, or (bf16) the result rounded
+    to bf16 as torch .to(torch.bfloat16), written by the same pass."""
+    D = int(x.shape[-1])
+    check_hadamard_dim(D)
+    nkv = 2 if targets == "kv" else 1
+    s16 = scales.contiguous().view(torch.int16).numpy().view(np.uint16)
+    out_b = np.empty(tuple(x.shape), np.uint16) if bf16 else _U16_1
+    _oscar_inverse_kernel(x.numpy(), s16, nkv, np.float32(1.0 / math.sqrt(D)),
+                          np.float32(pre_max), np.float32(post_max), bf16, out_b)
+    if nkv == 1:
+        x[:, 1].clamp_(-pre_max, pre_max).clamp_(-post_max, post_max)
+    if not bf16:
+        return x
+    out = torch.from_numpy(out_b.view(np.int16)).view(torch.bfloat16)
+    if nkv == 1:
+        out[:, 1] = x[:, 1]
+    return out
+
+
+_F32_1 = np.empty((1, 1, 1, 1, 1), np.float32)  # placeholder for the unused input
+_U16_1 = np.empty((1, 1, 1, 1, 1), np.uint16)
 
 
 def _layout_arrays(lay: LynxLayout, streams: int) -> tuple[np.ndarray, ...]:
@@ -470,6 +849,7 @@ def encode_cpu(x: torch.Tensor, lay: LynxLayout, tab: LynxTables,
     n = len(tab.split)
     base, layer_b, full_b, code_off, rows, meta = _layout_arrays(lay, n)
     out = np.empty(int(base[-1] + layer_b[-1] * L), np.uint8)
+    bad = np.zeros(L * 2 * H * lay.pages, np.bool_)
     lo = np.empty((L, lay.pages, 2, H, D), np.float32)
     k = np.empty((L, lay.pages, 2, H, D), np.int8)
     mu = np.empty((L, 2, H, lay.total_chunks, D), np.uint16)
@@ -487,7 +867,9 @@ def encode_cpu(x: torch.Tensor, lay: LynxLayout, tab: LynxTables,
     _encode_kernel(xf, xb, use_bits, lay.page_tokens, lay.chunk_tokens, split, shifts,
                    np.int32(tab.lut_lo), tab.lut_shift, _lut64(tab), base,
                    layer_b, full_b,
-                   code_off, rows, meta, lo, k, mu, sig, out)
+                   code_off, rows, meta, lo, k, mu, sig, out, bad)
+    if bad.any():
+        check_finite(x)  # raises the error Codec.encode would have
     buffers = [torch.from_numpy(out[base[s]: base[s] + layer_b[s] * L]) for s in range(n)]
     if scales is not None:
         write_scales(buffers[0], scales, lay)
@@ -503,8 +885,8 @@ def decode_cpu(buffers: list[torch.Tensor], lay: LynxLayout, tab: LynxTables, st
     L, H, T, D = lay.shape.layers, lay.shape.kv_heads, lay.shape.tokens, lay.shape.head_dim
     split = np.asarray(tab.split, np.int64)
     base, layer_b, full_b, code_off, rows, meta = _layout_arrays(lay, streams)
-    src = (np.concatenate([b.numpy() for b in buffers[:streams]]) if streams > 1
-           else buffers[0].numpy())
+    # the streams of a local encode lie end to end in one buffer: read in place
+    src = concat_payloads([b.numpy() for b in buffers[:streams]])
     if bf16:
         out_b = np.empty((L, 2, H, T, D), np.uint16)
         out_f = np.empty((1, 1, 1, 1, 1), np.float32)

@@ -30,7 +30,13 @@ import torch
 
 from kvsim.kernels import uniform_cpu, uniform_triton
 from kvsim.kernels.bitpack import pack, unpack
-from kvsim.kernels.codec import Codec, CodecError, cast_finite, register
+from kvsim.kernels.codec import (
+    Codec,
+    cast_finite,
+    concat_payloads,
+    finite_bits,
+    register,
+)
 from kvsim.kernels.encoded import Chunk, Encoded
 from kvsim.kernels.groupquant import (
     FP16_MAX,
@@ -42,7 +48,7 @@ from kvsim.kernels.groupquant import (
     page_bounds,
     quantize_groups,
 )
-from kvsim.layout import KVShape
+from kvsim.layout import KVShape, check_finite
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 SCOPES = ("group", "tensor")
@@ -135,12 +141,19 @@ class UniformCodec(Codec):
         return out
 
     def _check_content(self, enc: Encoded, n: int) -> None:
-        """Every scale and zero point finite (sizes were checked by Codec.decode)."""
+        """Every scale and zero point finite (sizes were checked by Codec.decode): the f16
+        scale and zero fields follow the codes, so one vectorised check per chunk, and the
+        per-field check (which names the field) only for a chunk that fails it."""
         shape, layouts = enc.shape, {}
         for c in enc.streams[0]:
             t0, t1 = page_bounds(shape.tokens, self.params.page_tokens, c.page)
-            lay = layouts.get(t1 - t0) or layouts.setdefault(t1 - t0, self.layout(shape, t1 - t0))
-            lay.check(c.payload, f"uniform: chunk (stream 0, layer {c.layer}, page {c.page})")
+            if t1 - t0 not in layouts:
+                lay = self.layout(shape, t1 - t0)
+                layouts[t1 - t0] = (lay, lay.offsets()["scale"])
+            lay, meta_at = layouts[t1 - t0]
+            if not finite_bits(c.payload[meta_at:], "f16"):
+                lay.check(c.payload, f"uniform: chunk (stream 0, layer {c.layer}, page "
+                                     f"{c.page})")
 
     def chunk_geometry(self, shape: KVShape) -> tuple[int, int]:
         """(bytes of one layer's chunks, bytes of a full-page chunk): chunk (l, p) starts at
@@ -209,10 +222,18 @@ class UniformCodec(Codec):
                 n).reshape(codes.shape)
         return out
 
+    def _kernel_checks_finite(self, kv: torch.Tensor) -> bool:
+        """The numba kernel checks bf16 input for Inf / NaN in its min / max pass."""
+        return (not self.per_tensor and kv.dtype == torch.bfloat16
+                and use_cpu(self.params.backend, kv.device))
+
     def _encode_cpu(self, kv: torch.Tensor, shape: KVShape) -> list[list[Chunk]]:
         layer_bytes, full_bytes = self.chunk_geometry(shape)
-        flat, peak = uniform_cpu.encode_cpu(kv, self.params.page_tokens, self.group_of(shape),
-                                            self.params.bits, layer_bytes, full_bytes)
+        flat, peak, finite = uniform_cpu.encode_cpu(kv, self.params.page_tokens,
+                                                    self.group_of(shape), self.params.bits,
+                                                    layer_bytes, full_bytes)
+        if not finite:
+            check_finite(kv)  # raises the error Codec.encode would have
         if peak > FP16_MAX:  # same refusal as check_fp16_range, from the kernel's group min/max
             raise ValueError(f"uniform: |value| up to {peak:.4g} exceeds the fp16 range "
                              f"({FP16_MAX}) of the stored scales / zero points")
@@ -237,16 +258,9 @@ class UniformCodec(Codec):
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
         shape = enc.shape
         layer_bytes, full_bytes = self.chunk_geometry(shape)
-        parts = enc.payloads(0)
-        for (layer, p), payload in parts.items():
-            t0, t1 = page_bounds(shape.tokens, enc.page_tokens, p)
-            want = self.layout(shape, t1 - t0).nbytes
-            if payload.nbytes != want:
-                raise CodecError(f"uniform: chunk (layer {layer}, page {p}) payload is "
-                                 f"{payload.nbytes} bytes, expected {want}")
-        src = np.concatenate([np.asarray(parts[(layer, p)], dtype=np.uint8)
-                              for layer in range(shape.layers)
-                              for p in range(self.num_pages(shape))])
+        parts = enc.payloads(0)  # sizes checked by Codec.decode (exact-size codec)
+        src = concat_payloads([parts[(layer, p)] for layer in range(shape.layers)
+                               for p in range(self.num_pages(shape))])
         out = uniform_cpu.decode_cpu(src, shape.dims, enc.page_tokens, self.group_of(shape),
                                      self.params.bits, layer_bytes, full_bytes,
                                      dtype)
