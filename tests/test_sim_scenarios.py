@@ -486,3 +486,34 @@ def test_weighted_and_aging_policies_between_anchors_first_and_fifo(tmp_path):
     # aging with age 0 orders by arrival time, which is fifo's request order
     assert ag["ttft_s"] == pytest.approx(ff["ttft_s"], rel=1e-12)
     assert ag["ttkt_committed_s"] == pytest.approx(ff["ttkt_committed_s"], rel=1e-12)
+
+
+def test_decode_memory_admits_only_what_fits_and_reports_the_wait(tmp_path):
+    """Weights + sum of the decoding requests' bf16 caches never exceed the instance's
+    memory: with room for two caches, four simultaneous requests decode two at a time,
+    the others wait (memory_wait_s > 0); with ample memory nobody waits."""
+    import pandas as pd
+
+    def run(memory_gb):
+        cfg = _cfg(tmp_path, ["bf16"], requests_path=str(tmp_path / f"r{memory_gb}.csv"))
+        cfg.hardware = replace(cfg.hardware, memory_gb=memory_gb)
+        cfg.workload = replace(cfg.workload, kind="poisson", requests=4, rate_per_s=1e6)
+        (row,), _ = run_all(cfg)
+        return row, pd.read_csv(tmp_path / f"r{memory_gb}.csv"), cfg
+
+    _, _, cfg = run(100.0)
+    cache = cfg.model.kv_bytes_bf16(1000 + 130)
+    tight_gb = (cfg.model.weight_bytes + 2.5 * cache) / 1e9
+    row, log, _ = run(tight_gb)
+    starts, ends = log["decode_start_t"].to_numpy(), log["last_token_t"].to_numpy()
+    for t in starts:  # caches resident at each admission
+        assert ((starts <= t) & (ends > t)).sum() <= 2
+    assert (log["memory_wait_s"] > 0).sum() == 2 and row["memory_wait_s"] > 0
+    assert row["memory_wait_pct_s"]["p99"] > 0
+    assert (log["decode_kv_bytes"] == cache).all()
+    roomy, roomy_log, _ = run(100.0)
+    assert roomy["memory_wait_s"] == 0.0 and (roomy_log["memory_wait_s"] == 0).all()
+    assert roomy["ttkt_s"][128] < row["ttkt_s"][128]
+    # a cache that can never fit is an error naming the fix, not a hang
+    with pytest.raises(ValueError, match="never fits"):
+        run((cfg.model.weight_bytes + 0.95 * cache) / 1e9)  # context fits, + output not

@@ -92,6 +92,8 @@ def request_row(rec: RequestRecord, ks: list[int], breakdown_k: int) -> dict:
         "prefill_s": rec.prefill_end_t - rec.prefill_start_t,
         "breakdown_k": breakdown_k,
         "breakdown_s": rec.breakdown(breakdown_k),
+        # decode admission waited for decode memory (part of the breakdown's queueing)
+        "memory_wait_s": float(rec.extra.get("memory_wait_s", 0.0)),
         "proposed_tokens": rec.timeline.proposed,
         "accepted_tokens": rec.timeline.accepted,
         "tpot_s": rec.timeline.tpot_s,

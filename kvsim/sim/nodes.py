@@ -34,12 +34,20 @@ class PrefillNode:
 
 
 class DecodeNode:
-    """One decode instance: up to `max_batch` sequences decode concurrently."""
+    """One decode instance: up to `max_batch` sequences decode concurrently, and only while
+    their bf16 KV caches fit beside the weights: `kv_memory` holds the free bytes
+    (memory - weights); a request takes its cache's bytes when it is admitted to decode
+    and gives them back when it finishes (first come, first served: a request that does not
+    fit waits, and the ones behind it wait too)."""
 
-    def __init__(self, env: simpy.Environment, index: int, max_batch: int) -> None:
+    def __init__(self, env: simpy.Environment, index: int, max_batch: int,
+                 kv_memory_bytes: float = math.inf) -> None:
         self.name = f"decode{index}"
         self.slot = simpy.Resource(env, capacity=max_batch)
         self.assigned = 0  # requests routed here and not finished
+        self.kv_memory_bytes = float(kv_memory_bytes)
+        self.kv_memory = None if math.isinf(kv_memory_bytes) else simpy.Container(
+            env, capacity=self.kv_memory_bytes, init=self.kv_memory_bytes)
 
     @property
     def active(self) -> int:

@@ -33,6 +33,8 @@ def request_rows(records: list[RequestRecord], ks: list[int], scenario: dict[str
             "ttft_committed_s": rec.ttkt_committed(1) - rec.arrival_t,
             "ttft_from_prefill_end_s": rec.ttkt(1) - rec.prefill_end_t,
             "queueing_s": rec.decode_start_t - rec.needed_ready_t,
+            "memory_wait_s": float(rec.extra.get("memory_wait_s", 0.0)),
+            "decode_kv_bytes": float(rec.extra.get("decode_kv_bytes", 0.0)),
             "prefill_wait_s": rec.prefill_start_t - rec.arrival_t,
             "total_bytes": int(sum(rec.stream_bytes)),
             "received_bytes": float(rec.received_bytes),

@@ -147,7 +147,9 @@ class Scenario:
                       for i in range(n_links)]
         self.prefill = [PrefillNode(env, i, self.links[0 if n_links == 1 else i])
                         for i in range(w.prefill_nodes)]
-        self.decode = [DecodeNode(env, i, w.decode_max_batch) for i in range(w.decode_nodes)]
+        kv_memory = self.hw.memory_gb * 1e9 * self.hw.devices - self.model.weight_bytes
+        self.decode = [DecodeNode(env, i, w.decode_max_batch, kv_memory)
+                       for i in range(w.decode_nodes)]
         self.finished = 0
         self.all_done = env.event()
         self.n_requests = len(reqs)
@@ -191,8 +193,19 @@ class Scenario:
         yield simpy.AllOf(env, [rx.ready for rx in needed])
         t_need = env.now
         tokens = cfg.workload.output_tokens
+        # the request's cache in decode memory (bf16, its context and the tokens it decodes)
+        kv_bytes = float(self.model.kv_bytes_bf16(req.context_tokens + tokens))
+        if kv_bytes > dnode.kv_memory_bytes:
+            raise ValueError(
+                f"request {req.seq}: its bf16 KV cache ({req.context_tokens} + {tokens} tokens, "
+                f"{kv_bytes / 1e9:.1f} GB) never fits the decode instance's "
+                f"{dnode.kv_memory_bytes / 1e9:.1f} GB left beside the weights; raise "
+                "hardware.devices or shorten the context / output")
         with dnode.slot.request() as slot:
             yield slot
+            t_slot = env.now
+            if dnode.kv_memory is not None:
+                yield dnode.kv_memory.get(kv_bytes)
             t_start = env.now
             tpot = self.timing.tpot_s(req.context_tokens, dnode.active)
             if plan.speculative:
@@ -208,6 +221,8 @@ class Scenario:
                 t_full = t_start
             last_t = float(timeline.token_t[-1])
             yield env.timeout(max(0.0, last_t - env.now))
+            if dnode.kv_memory is not None:
+                yield dnode.kv_memory.put(kv_bytes)
         dnode.assigned -= 1
         last_needed = max(needed, key=lambda rx: rx.last_arrival_t)
         rec = RequestRecord(
@@ -215,7 +230,8 @@ class Scenario:
             last_needed.last_arrival_t, last_needed.backlog_start_t, t_need,
             max(rx.last_arrival_t for rx in receivers), max(rx.ready_t for rx in receivers),
             t_start, timeline, plan.stream_bytes, sum(rx.received_bytes for rx in receivers),
-            plan.policy == "monolithic")
+            plan.policy == "monolithic",
+            {"memory_wait_s": t_start - t_slot, "decode_kv_bytes": kv_bytes})
         # bytes conserved: what arrived = the codec's wire bytes + per-message framing
         framing = pnode.link.message_overhead_bytes * sum(len(f.sizes_bytes) for f in plan.flows)
         if abs(rec.received_bytes - plan.total_bytes - framing) > 1e-9 * plan.total_bytes:
@@ -296,6 +312,8 @@ class Scenario:
         row["breakdown_k"] = cfg.metrics.breakdown_k
         row["breakdown_s"] = {key: float(np.mean([p["breakdown_s"][key] for p in per]))
                               for key in BREAKDOWN_KEYS}
+        row["memory_wait_s"] = float(np.mean([p["memory_wait_s"] for p in per]))
+        row["memory_wait_pct_s"] = percentiles([p["memory_wait_s"] for p in per])
         row["proposed_tokens"] = int(sum(p["proposed_tokens"] for p in per))
         row["accepted_tokens"] = int(sum(p["accepted_tokens"] for p in per))
         span = max(float(r.timeline.token_t[-1]) for r in recs) - min(r.arrival_t for r in recs)
