@@ -517,3 +517,57 @@ def test_decode_memory_admits_only_what_fits_and_reports_the_wait(tmp_path):
     # a cache that can never fit is an error naming the fix, not a hang
     with pytest.raises(ValueError, match="never fits"):
         run((cfg.model.weight_bytes + 0.95 * cache) / 1e9)  # context fits, + output not
+
+
+def test_request_trace_csv_drives_arrivals_contexts_and_outputs(tmp_path):
+    """A generated file in the Azure LLM inference trace format: each request arrives at its
+    TIMESTAMP (relative to the first), with its context, and decodes its own
+    GeneratedTokens; TTKT(k) averages the requests that decode k tokens."""
+    import pandas as pd
+
+    trace = tmp_path / "trace.csv"
+    stamps = pd.to_datetime("2023-11-16 18:15:46.6805900") + pd.to_timedelta(
+        [0.0, 0.25, 0.25, 1.5], unit="s")
+    pd.DataFrame({"TIMESTAMP": stamps.strftime("%Y-%m-%d %H:%M:%S.%f"),
+                  "ContextTokens": [800, 1000, 1200, 900],
+                  "GeneratedTokens": [40, 130, 8, 64]}).to_csv(trace, index=False)
+    cfg = _cfg(tmp_path, ["bf16"], requests_path=str(tmp_path / "r.csv"))
+    cfg.workload = replace(cfg.workload, kind="trace", trace_path=str(trace))
+    (row,), _ = run_all(cfg)
+    log = pd.read_csv(tmp_path / "r.csv").sort_values("request")
+    assert log["arrival_t"].tolist() == pytest.approx([0.0, 0.25, 0.25, 1.5], abs=1e-6)
+    assert log["context_tokens"].tolist() == [800, 1000, 1200, 900]
+    assert log["output_tokens"].tolist() == [40, 130, 8, 64]
+    assert row["requests"] == 4
+    assert row["ttkt_requests"][1] == 4 and row["ttkt_requests"][64] == 2
+    assert row["ttkt_requests"][128] == 1
+    assert row["ttkt_s"][128] == pytest.approx(float(log["ttkt_s.128"].iloc[1]), rel=1e-12)
+    assert row["ttkt_s"][64] == pytest.approx(float(log["ttkt_s.64"].dropna().mean()),
+                                              rel=1e-12)
+    assert np.isnan(log["ttkt_s.16"].iloc[2])  # request 2 decodes 8 tokens
+    # seconds instead of date-times, replayed twice as fast, first 2 rows
+    secs = tmp_path / "secs.csv"
+    pd.DataFrame({"TIMESTAMP": [10.0, 12.0], "ContextTokens": [500, 600],
+                  "GeneratedTokens": [16, 16]}).to_csv(secs, index=False)
+    cfg.workload = replace(cfg.workload, trace_path=str(secs), trace_time_scale=0.5,
+                           trace_max_requests=2)
+    cfg.metrics = replace(cfg.metrics, ks=[], breakdown_k=0)
+    run_all(cfg)
+    assert pd.read_csv(tmp_path / "r.csv")["arrival_t"].tolist() == pytest.approx([0.0, 1.0])
+
+
+@pytest.mark.parametrize("body, match", [
+    ("TIMESTAMP,ContextTokens\n0,5\n", "missing column"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n", "no requests"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n1,5,3\n0,5,3\n", "back in time at row 1"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n0,5,3\n1,x,3\n", "ContextTokens row 1"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n0,5,0\n", "GeneratedTokens row 0"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,5,3\n", "TIMESTAMP"),
+])
+def test_bad_request_traces_are_refused_with_the_row(tmp_path, body, match):
+    from kvsim.sim.request_trace import load_request_trace
+
+    path = tmp_path / "bad.csv"
+    path.write_text(body)
+    with pytest.raises(ValueError, match=match):
+        load_request_trace(path)

@@ -77,6 +77,11 @@ class WorkloadConfig:
     context_round_tokens: int = 256  # sampled contexts are rounded up to this multiple
     arrivals_t: list[float] = field(default_factory=list)  # trace: arrival times (s)
     arrivals_context_tokens: list[int] = field(default_factory=list)  # trace: contexts
+    # trace from a CSV file instead (TIMESTAMP, ContextTokens, GeneratedTokens: the Azure LLM
+    # inference trace columns; each request decodes its own GeneratedTokens)
+    trace_path: str = ""
+    trace_max_requests: int = 0  # first N rows of trace_path (0: all)
+    trace_time_scale: float = 1.0  # arrival gaps x this (0.5: replay twice as fast)
     prefill_nodes: int = 1
     decode_nodes: int = 1
     decode_max_batch: int = 64  # concurrent sequences per decode instance
@@ -107,10 +112,23 @@ class WorkloadConfig:
             prev_t = t
         for i, c in enumerate(self.arrivals_context_tokens):
             check_number(f"workload.arrivals_context_tokens[{i}]", c, minimum=1, strict=False)
-        if self.kind == "trace" and (not self.arrivals_t or len(self.arrivals_t) != len(
-                self.arrivals_context_tokens)):
-            raise ValueError("workload.kind=trace needs arrivals_t and arrivals_context_tokens "
-                             "of equal, non-zero length")
+        check_number("workload.trace_time_scale", self.trace_time_scale)
+        if self.trace_path and self.kind != "trace":
+            raise ValueError(f"workload.trace_path is set but workload.kind={self.kind!r}; "
+                             "set workload.kind=trace")
+        if self.kind == "trace" and not self.trace_path and (
+                not self.arrivals_t or len(self.arrivals_t) != len(self.arrivals_context_tokens)):
+            raise ValueError("workload.kind=trace needs trace_path, or arrivals_t and "
+                             "arrivals_context_tokens of equal, non-zero length")
+
+    def max_output_tokens(self) -> int:
+        """The most tokens any request decodes (a trace file's GeneratedTokens vary)."""
+        if self.kind == "trace" and self.trace_path:
+            from kvsim.sim.request_trace import cached_request_trace
+
+            return int(cached_request_trace(self.trace_path, self.trace_max_requests,
+                                            self.trace_time_scale).output_tokens.max())
+        return self.output_tokens
 
 
 @dataclass
@@ -204,7 +222,9 @@ class SimConfig:
         self.link.validate()
         self.workload.validate()
         self.speculative.validate()
-        self.metrics.resolve(self.workload.output_tokens)
+        # ks up to the longest request; with a trace file's varying outputs, TTKT(k) is over
+        # the requests that decode k tokens (rows count them: ttkt_requests)
+        self.metrics.resolve(self.workload.max_output_tokens())
         self.sweep.validate()
         self.hardware.validate()
         self.model.validate()

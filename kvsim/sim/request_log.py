@@ -43,9 +43,12 @@ def request_rows(records: list[RequestRecord], ks: list[int], scenario: dict[str
         })
         for i, b in enumerate(rec.stream_bytes):
             row[f"stream{i}_bytes"] = int(b)
-        for k in ks:
-            row[f"ttkt_s.{k}"] = rec.ttkt(k) - rec.arrival_t
-            row[f"ttkt_committed_s.{k}"] = rec.ttkt_committed(k) - rec.arrival_t
+        tokens = len(tl.token_t)
+        row["output_tokens"] = tokens
+        for k in ks:  # NaN: this request decodes fewer than k tokens (trace files)
+            row[f"ttkt_s.{k}"] = rec.ttkt(k) - rec.arrival_t if k <= tokens else float("nan")
+            row[f"ttkt_committed_s.{k}"] = rec.ttkt_committed(k) - rec.arrival_t \
+                if k <= tokens else float("nan")
         rows.append(row)
     return rows
 

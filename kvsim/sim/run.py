@@ -192,7 +192,7 @@ class Scenario:
         needed = receivers[:1] if plan.speculative else receivers
         yield simpy.AllOf(env, [rx.ready for rx in needed])
         t_need = env.now
-        tokens = cfg.workload.output_tokens
+        tokens = req.output_tokens
         # the request's cache in decode memory (bf16, its context and the tokens it decodes)
         kv_bytes = float(self.model.kv_bytes_bf16(req.context_tokens + tokens))
         if kv_bytes > dnode.kv_memory_bytes:
@@ -302,23 +302,32 @@ class Scenario:
             row[key] = float(np.mean([p[key] for p in per]))
         row["ttft_pct_s"] = percentiles([p["ttft_s"] for p in per])
         row["ttft_committed_pct_s"] = percentiles([p["ttft_committed_s"] for p in per])
-        kk = [k for k in ks if all(k in p["ttkt_s"] for p in per)]
+        # TTKT(k) over the requests that decode k tokens (all of them unless a trace file
+        # gives requests their own output lengths); ttkt_requests says how many
+        kk = [k for k in ks if any(k in p["ttkt_s"] for p in per)]
+        row["ttkt_requests"] = {k: sum(k in p["ttkt_s"] for p in per) for k in kk}
         for key in ("ttkt_s", "ttkt_from_prefill_end_s", "ttkt_committed_s",
                     "ttkt_committed_from_prefill_end_s"):
-            row[key] = {k: float(np.mean([p[key][k] for p in per])) for k in kk}
-        row["ttkt_pct_s"] = {k: percentiles([p["ttkt_s"][k] for p in per]) for k in kk}
-        row["ttkt_committed_pct_s"] = {k: percentiles([p["ttkt_committed_s"][k] for p in per])
-                                       for k in kk}
+            row[key] = {k: float(np.mean([p[key][k] for p in per if k in p[key]]))
+                        for k in kk}
+        row["ttkt_pct_s"] = {k: percentiles([p["ttkt_s"][k] for p in per if k in p["ttkt_s"]])
+                             for k in kk}
+        row["ttkt_committed_pct_s"] = {
+            k: percentiles([p["ttkt_committed_s"][k] for p in per if k in p["ttkt_committed_s"]])
+            for k in kk}
         row["breakdown_k"] = cfg.metrics.breakdown_k
         row["breakdown_s"] = {key: float(np.mean([p["breakdown_s"][key] for p in per]))
                               for key in BREAKDOWN_KEYS}
         row["memory_wait_s"] = float(np.mean([p["memory_wait_s"] for p in per]))
+        row["prefill_wait_s"] = float(np.mean([p["prefill_wait_s"] for p in per]))
+        row["prefill_wait_pct_s"] = percentiles([p["prefill_wait_s"] for p in per])
         row["memory_wait_pct_s"] = percentiles([p["memory_wait_s"] for p in per])
         row["proposed_tokens"] = int(sum(p["proposed_tokens"] for p in per))
         row["accepted_tokens"] = int(sum(p["accepted_tokens"] for p in per))
         span = max(float(r.timeline.token_t[-1]) for r in recs) - min(r.arrival_t for r in recs)
         row["throughput_rps"] = len(recs) / span if span > 0 else math.nan
-        row["output_tokens_per_s"] = row["throughput_rps"] * cfg.workload.output_tokens
+        row["output_tokens_per_s"] = sum(len(r.timeline.token_t) for r in recs) / span \
+            if span > 0 else math.nan
         return row
 
 

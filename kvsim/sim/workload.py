@@ -14,24 +14,33 @@ class Request:
     seq: int
     arrival_t: float  # s
     context_tokens: int
+    output_tokens: int  # tokens it decodes
 
 
 def requests(cfg: WorkloadConfig, rng: np.random.Generator) -> list[Request]:
     cfg.validate()
+    out = cfg.output_tokens
     if cfg.kind == "single":
-        return [Request(0, 0.0, cfg.context_tokens)]
+        return [Request(0, 0.0, cfg.context_tokens, out)]
+    if cfg.kind == "trace" and cfg.trace_path:
+        from kvsim.sim.request_trace import cached_request_trace
+
+        tr = cached_request_trace(cfg.trace_path, cfg.trace_max_requests, cfg.trace_time_scale)
+        return [Request(i, float(t), int(c), int(o)) for i, (t, c, o) in enumerate(zip(
+            tr.arrival_s, tr.context_tokens, tr.output_tokens, strict=True))]
     if cfg.kind == "trace":
         times = np.asarray(cfg.arrivals_t, dtype=float)
         if np.any(np.diff(times) < 0) or times[0] < 0:
             raise ValueError("workload.arrivals_t must be non-negative and non-decreasing")
-        return [Request(i, float(t), int(c)) for i, (t, c) in
+        return [Request(i, float(t), int(c), out) for i, (t, c) in
                 enumerate(zip(times, cfg.arrivals_context_tokens, strict=True))]
     if cfg.rate_per_s <= 0:
         raise ValueError(f"workload.rate_per_s must be > 0, got {cfg.rate_per_s}")
     gaps = rng.exponential(1.0 / cfg.rate_per_s, size=cfg.requests)
     times = np.cumsum(gaps) - gaps[0]  # first request at t = 0
     ctx = _contexts(cfg, rng)
-    return [Request(i, float(t), int(c)) for i, (t, c) in enumerate(zip(times, ctx, strict=True))]
+    return [Request(i, float(t), int(c), out)
+            for i, (t, c) in enumerate(zip(times, ctx, strict=True))]
 
 
 def _contexts(cfg: WorkloadConfig, rng: np.random.Generator) -> np.ndarray:

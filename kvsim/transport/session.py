@@ -123,6 +123,10 @@ def outgoing_requests(cfg: EmulateConfig, lm: Any | None) -> list[list[OutgoingR
         raise ValueError("kv_source=live needs the model loaded")
     timing = TimingModel(cfg.model, cfg.hardware)
     reqs = workload_requests(cfg.workload, np.random.default_rng(cfg.seed))
+    if any(r.output_tokens != cfg.workload.output_tokens for r in reqs):
+        raise ValueError("the transport decodes workload.output_tokens tokens for every "
+                         "request; a trace file's own GeneratedTokens per request are "
+                         "simulated only (kvsim sim), not emulated")
     nonce = secrets.randbits(20)  # request ids never repeat across runs against one server
     out = []
     for vi, v in enumerate(variants(cfg)):
