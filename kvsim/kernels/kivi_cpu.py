@@ -26,8 +26,8 @@ the fused path below leaves to BackboneCodec's generic path (gear 'exact' outlie
 
 The fused path (encode_fused / decode_fused, the default for CPU tensors): one parallel
 kernel writes every chunk payload of the cache straight from the bf16 bits (gear's outliers,
-low-rank fits and oscar's V rotation inside it), one writes the decoded cache in the output
-dtype; see "fused whole-cache encode / decode" below.
+low-rank fits and oscar's rotations and per-token norms inside it), one writes the decoded
+cache in the output dtype; see "fused whole-cache encode / decode" below.
 tests/test_kivi_cpu.py checks bytes and decoded bits against torch.
 """
 
@@ -262,9 +262,9 @@ def decode_page(src: np.ndarray, offsets: dict[str, int], kmeta: np.ndarray,
 # call writes every chunk payload of the cache, one reads them all back. No fp32 copy of
 # the cache, no unpacked codes, no per-page torch calls. Work item = (layer, page, K|V,
 # head): a head-page of q quantized + r bf16 tokens, loaded once into a thread-local fp32
-# [q, D] buffer (bf16 input straight from its bits) where gear's outliers and oscar's V
-# rotation happen before it is quantized; all heads of a (layer, page, K|V) in one item
-# when the packed codes of two heads would share a byte (D * q not a multiple of the codes
+# [q, D] buffer (bf16 input straight from its bits) where gear's outliers and oscar's
+# rotations and norms happen before it is quantized; all heads of a (layer, page, K|V) in
+# one item when the packed codes of two heads would share a byte (D * q not a multiple of the codes
 # per byte), so that no two threads ever write the same byte.
 #
 # Page geometry `geo` (int64 [pages, GEO_COLS]): the token split of page p and the byte
