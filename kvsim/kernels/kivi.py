@@ -185,9 +185,8 @@ class FusedInput:
     src_k: kivi_cpu.Source | None = None  # K values to quantize (None: the cache)
     src_v: kivi_cpu.Source | None = None  # V values to quantize (None: the cache)
     src_peak: tuple[int, int] = (1, 1)  # src_k / src_v hold the cache's values (peak check)
-    div: np.ndarray | None = None  # oscar: per-token divisors [2, L, H, Tq] fp32
-    dflag: tuple[int, int] = (0, 0)  # divide K, V by div
-    rotate_v: bool = False  # oscar: V rotated in the kernel
+    norms: tuple[bool, bool] = (False, False)  # oscar: K, V tokens divided by their norms
+    rotate: tuple[bool, bool] = (False, False)  # oscar: K, V rotated in the kernel (first)
     select_outliers: bool = False  # gear: outliers picked in the kernel
     lowrank: kivi_cpu.LowRankOut | None = None  # gear: the per-page low-rank fits (filled in)
     peak: float = 0.0  # max |x| the hook saw
@@ -340,7 +339,7 @@ class BackboneCodec(Codec):
         inp = self.fused_prepare(x, shape, geo, layer_bytes, out)
         peak, vpeak = kivi_cpu.encode_fused(
             x, geo, layer_bytes, bb.key_group, bb.vgroup(shape), bb.bits, out, inp.src_k,
-            inp.src_v, inp.div, inp.dflag, inp.src_peak, inp.rotate_v, inp.select_outliers,
+            inp.src_v, inp.norms, inp.src_peak, inp.rotate, inp.select_outliers,
             inp.lowrank, self.index_bytes(shape))
         peak = max(peak, inp.peak)
         if peak > FP16_MAX:  # check_fp16_range's refusal, from the kernels' peaks

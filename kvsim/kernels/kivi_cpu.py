@@ -26,8 +26,8 @@ the fused path below leaves to BackboneCodec's generic path (gear 'exact' outlie
 
 The fused path (encode_fused / decode_fused, the default for CPU tensors): one parallel
 kernel writes every chunk payload of the cache straight from the bf16 bits (gear's outliers,
-low-rank fits and oscar's V rotation inside it), one writes the decoded cache in the output
-dtype; see "fused whole-cache encode / decode" below.
+low-rank fits and oscar's rotations and per-token norms inside it), one writes the decoded
+cache in the output dtype; see "fused whole-cache encode / decode" below.
 tests/test_kivi_cpu.py checks bytes and decoded bits against torch.
 """
 
@@ -262,9 +262,9 @@ def decode_page(src: np.ndarray, offsets: dict[str, int], kmeta: np.ndarray,
 # call writes every chunk payload of the cache, one reads them all back. No fp32 copy of
 # the cache, no unpacked codes, no per-page torch calls. Work item = (layer, page, K|V,
 # head): a head-page of q quantized + r bf16 tokens, loaded once into a thread-local fp32
-# [q, D] buffer (bf16 input straight from its bits) where gear's outliers and oscar's V
-# rotation happen before it is quantized; all heads of a (layer, page, K|V) in one item
-# when the packed codes of two heads would share a byte (D * q not a multiple of the codes
+# [q, D] buffer (bf16 input straight from its bits) where gear's outliers and oscar's
+# rotations and norms happen before it is quantized; all heads of a (layer, page, K|V) in
+# one item when the packed codes of two heads would share a byte (D * q not a multiple of the codes
 # per byte), so that no two threads ever write the same byte.
 #
 # Page geometry `geo` (int64 [pages, GEO_COLS]): the token split of page p and the byte
@@ -439,26 +439,31 @@ def _fwht_rows(buf, n, D, scale):
 
 
 @numba.njit(inline="always", **_JIT)
-def _keep_extremes(v, i, tv, ti, n, m, top):
-    """Insert value v (index i) into the sorted list tv / ti [0:n] of at most m entries:
-    largest first (top) or smallest first; an entry never passes an equal one, so ties keep
-    the lower index first (visit indices in increasing order): torch.sort(stable=True)'s
-    order, gear.extremes. Returns the new length."""
+def _keep_extremes(v, i, tv, ti, r, n, m, top):
+    """Insert value v (index i) into the sorted list tv[r] / ti[r] [0:n] (2-D lists, row r:
+    a row view would cost a reference count per call) of at most m entries: largest first
+    (top) or smallest first; an entry never passes an equal one, so ties keep the lower
+    index first (visit indices in increasing order): torch.sort(stable=True)'s order,
+    gear.extremes. Returns the new length."""
     if n == m:
-        if (v > tv[m - 1]) if top else (v < tv[m - 1]):
+        if (v > tv[r, m - 1]) if top else (v < tv[r, m - 1]):
             pos = m - 1
         else:
             return n
     else:
         pos = n
         n += 1
-    while pos > 0 and ((v > tv[pos - 1]) if top else (v < tv[pos - 1])):
-        tv[pos] = tv[pos - 1]
-        ti[pos] = ti[pos - 1]
+    while pos > 0 and ((v > tv[r, pos - 1]) if top else (v < tv[r, pos - 1])):
+        tv[r, pos] = tv[r, pos - 1]
+        ti[r, pos] = ti[r, pos - 1]
         pos -= 1
-    tv[pos] = v
-    ti[pos] = i
+    tv[r, pos] = v
+    ti[r, pos] = i
     return n
+
+
+OUT_BLOCK = 8  # K outliers: tokens per block whose per-channel max / min gate a scan
+OUT_LANES = 8  # V outliers: channel lanes (c % 8) whose maxima / minima bound a threshold
 
 
 @numba.njit(**_JIT)
@@ -467,26 +472,90 @@ def _page_outliers(buf, q, D, kv, k, h, out, idx_at, val_at, ib, tmp):
     entries of every K channel over the q tokens (kv 0) or of every V token over the D
     channels (kv 1), as gear.split_outliers picks them, stored as the idx / val fields at
     bytes idx_at / val_at (head h's part; index bytes ib), each slot then filled with
-    clamp(0, (k+1)-th smallest, (k+1)-th largest)."""
+    clamp(0, (k+1)-th smallest, (k+1)-th largest).
+
+    The m = k + 1 extremes of a vector come from _keep_extremes fed, in index order, only
+    the entries >= a lower bound of its m-th largest (and <= an upper bound of its m-th
+    smallest): those include all m extremes, in the same relative order, so the stable lists
+    are those of the whole vector (the input is finite: the codec refuses NaN / inf). The
+    bound is a value that m distinct entries reach, found with branch-free vector loops: K,
+    per channel, the m-th largest of the maxima of its blocks of OUT_BLOCK tokens, and a
+    block whose maximum is below the bound is skipped whole; V, per token, the least of the
+    maxima of m parts, the channel lanes l = c % OUT_LANES with the same l % m. Vectors with
+    fewer blocks / lanes than m are scanned whole.
+    """
     m = k + 1
     zero = np.float32(0.0)
+    ninf = np.float32(-np.inf)
+    pinf = np.float32(np.inf)
     if kv == 0:  # per channel over tokens; m <= q since k <= (q - 1) // 2
         tv = np.empty((D, m), np.float32)
         ti = np.empty((D, m), np.int64)
         bv = np.empty((D, m), np.float32)
         bi = np.empty((D, m), np.int64)
-        for j in range(m):
+        nb = (q + OUT_BLOCK - 1) // OUT_BLOCK
+        bmax = np.empty((nb, D), np.float32)  # per block of tokens, per channel
+        bmin = np.empty((nb, D), np.float32)
+        for b in range(nb):  # 2-D indexing: numba's row views here cost 2x
+            j0 = b * OUT_BLOCK
             for c in range(D):
-                _keep_extremes(buf[j, c], j, tv[c], ti[c], j, m, True)
-                _keep_extremes(buf[j, c], j, bv[c], bi[c], j, m, False)
-        for j in range(m, q):
-            row = buf[j]
+                bmax[b, c] = buf[j0, c]
+                bmin[b, c] = buf[j0, c]
+            for j in range(j0 + 1, min(q, j0 + OUT_BLOCK)):
+                for c in range(D):
+                    v = buf[j, c]
+                    hi = bmax[b, c]
+                    lo = bmin[b, c]
+                    bmax[b, c] = v if v > hi else hi
+                    bmin[b, c] = v if v < lo else lo
+        tlb = np.full(D, ninf, np.float32)  # lower bound of each channel's m-th largest
+        bub = np.full(D, pinf, np.float32)  # upper bound of its m-th smallest
+        if nb >= m:  # m largest block maxima per channel: a branch-free insertion network
+            tops = np.full((m, D), ninf, np.float32)
+            bots = np.full((m, D), pinf, np.float32)
+            cu = np.empty(D, np.float32)  # the value carried down the network
+            cl = np.empty(D, np.float32)
+            for b in range(nb):
+                for c in range(D):
+                    cu[c] = bmax[b, c]
+                    cl[c] = bmin[b, c]
+                for s in range(m):
+                    for c in range(D):
+                        t = tops[s, c]
+                        u = cu[c]
+                        tops[s, c] = u if u > t else t
+                        cu[c] = t if u > t else u
+                        t = bots[s, c]
+                        u = cl[c]
+                        bots[s, c] = u if u < t else t
+                        cl[c] = t if u < t else u
             for c in range(D):
-                v = row[c]
-                if v > tv[c, k]:
-                    _keep_extremes(v, j, tv[c], ti[c], m, m, True)
-                if v < bv[c, k]:
-                    _keep_extremes(v, j, bv[c], bi[c], m, m, False)
+                tlb[c] = tops[m - 1, c]
+                bub[c] = bots[m - 1, c]
+        nt = np.zeros(D, np.int64)  # list lengths
+        nbt = np.zeros(D, np.int64)
+        hu = np.empty(D, np.int64)  # channels whose block max / min passes the bound
+        hl = np.empty(D, np.int64)
+        for b in range(nb):
+            nu = 0  # branch-free compaction
+            nl = 0
+            for c in range(D):
+                hu[nu] = c
+                nu += 1 if bmax[b, c] >= tlb[c] else 0
+                hl[nl] = c
+                nl += 1 if bmin[b, c] <= bub[c] else 0
+            for j in range(b * OUT_BLOCK, min(q, (b + 1) * OUT_BLOCK)):  # rows in order
+                row = buf[j]
+                for i in range(nu):
+                    c = hu[i]
+                    v = row[c]
+                    if v >= tlb[c]:
+                        nt[c] = _keep_extremes(v, j, tv, ti, c, nt[c], m, True)
+                for i in range(nl):
+                    c = hl[i]
+                    v = row[c]
+                    if v <= bub[c]:
+                        nbt[c] = _keep_extremes(v, j, bv, bi, c, nbt[c], m, False)
         for c in range(D):
             fill = min(max(zero, bv[c, k]), tv[c, k])
             for s in range(2 * k):
@@ -501,25 +570,69 @@ def _page_outliers(buf, q, D, kv, k, h, out, idx_at, val_at, ib, tmp):
             for s in range(2 * k):
                 buf[ti[c, s] if s < k else bi[c, s - k], c] = fill
     else:  # per token over channels; m <= D
-        tv = np.empty(m, np.float32)
-        ti = np.empty(m, np.int64)
-        bv = np.empty(m, np.float32)
-        bi = np.empty(m, np.int64)
+        tv = np.empty((1, m), np.float32)  # lists as in _keep_extremes: 2-D, one row
+        ti = np.empty((1, m), np.int64)
+        bv = np.empty((1, m), np.float32)
+        bi = np.empty((1, m), np.int64)
+        lanes = D % OUT_LANES == 0 and m <= OUT_LANES
+        lm = np.empty(OUT_LANES, np.float32)  # per channel lane c % OUT_LANES: max, min
+        ln = np.empty(OUT_LANES, np.float32)
+        pmax = np.empty(m, np.float32)  # per part (the lanes with the same lane % m)
+        pmin = np.empty(m, np.float32)
+        cand = np.empty(D, np.int64)  # channels inside the bounds, in index order
+        cbot = np.empty(D, np.int64)
         for j in range(q):
             row = buf[j]
-            for c in range(m):
-                _keep_extremes(row[c], c, tv, ti, c, m, True)
-                _keep_extremes(row[c], c, bv, bi, c, m, False)
-            for c in range(m, D):
+            tlb = ninf  # lower bound of the row's m-th largest
+            bub = pinf  # upper bound of its m-th smallest
+            if lanes:  # eight lanes as scalars: one vector register each for max and min
+                a0, a1, a2, a3 = row[0], row[1], row[2], row[3]
+                a4, a5, a6, a7 = row[4], row[5], row[6], row[7]
+                b0, b1, b2, b3, b4, b5, b6, b7 = a0, a1, a2, a3, a4, a5, a6, a7
+                for i in range(OUT_LANES, D, OUT_LANES):
+                    v0, v1, v2, v3 = row[i], row[i + 1], row[i + 2], row[i + 3]
+                    v4, v5, v6, v7 = row[i + 4], row[i + 5], row[i + 6], row[i + 7]
+                    a0, a1 = (v0 if v0 > a0 else a0), (v1 if v1 > a1 else a1)
+                    a2, a3 = (v2 if v2 > a2 else a2), (v3 if v3 > a3 else a3)
+                    a4, a5 = (v4 if v4 > a4 else a4), (v5 if v5 > a5 else a5)
+                    a6, a7 = (v6 if v6 > a6 else a6), (v7 if v7 > a7 else a7)
+                    b0, b1 = (v0 if v0 < b0 else b0), (v1 if v1 < b1 else b1)
+                    b2, b3 = (v2 if v2 < b2 else b2), (v3 if v3 < b3 else b3)
+                    b4, b5 = (v4 if v4 < b4 else b4), (v5 if v5 < b5 else b5)
+                    b6, b7 = (v6 if v6 < b6 else b6), (v7 if v7 < b7 else b7)
+                lm[0], lm[1], lm[2], lm[3], lm[4], lm[5], lm[6], lm[7] = (
+                    a0, a1, a2, a3, a4, a5, a6, a7)
+                ln[0], ln[1], ln[2], ln[3], ln[4], ln[5], ln[6], ln[7] = (
+                    b0, b1, b2, b3, b4, b5, b6, b7)
+                for c in range(m):
+                    pmax[c] = lm[c]
+                    pmin[c] = ln[c]
+                for c in range(m, OUT_LANES):
+                    s = c % m
+                    pmax[s] = lm[c] if lm[c] > pmax[s] else pmax[s]
+                    pmin[s] = ln[c] if ln[c] < pmin[s] else pmin[s]
+                tlb = pmax.min()
+                bub = pmin.max()
+            nc = 0  # branch-free compaction of the candidates
+            nd = 0
+            for c in range(D):
                 v = row[c]
-                if v > tv[k]:
-                    _keep_extremes(v, c, tv, ti, m, m, True)
-                if v < bv[k]:
-                    _keep_extremes(v, c, bv, bi, m, m, False)
-            fill = min(max(zero, bv[k]), tv[k])
+                cand[nc] = c
+                nc += 1 if v >= tlb else 0
+                cbot[nd] = c
+                nd += 1 if v <= bub else 0
+            nt = 0
+            for i in range(nc):
+                c = cand[i]
+                nt = _keep_extremes(row[c], c, tv, ti, 0, nt, m, True)
+            nbt = 0
+            for i in range(nd):
+                c = cbot[i]
+                nbt = _keep_extremes(row[c], c, bv, bi, 0, nbt, m, False)
+            fill = min(max(zero, bv[0, k]), tv[0, k])
             for s in range(2 * k):
-                c = ti[s] if s < k else bi[s - k]
-                val = tv[s] if s < k else bv[s - k]
+                c = ti[0, s] if s < k else bi[0, s - k]
+                val = tv[0, s] if s < k else bv[0, s - k]
                 o = (h * q + j) * 2 * k + s
                 if ib == 1:
                     out[idx_at + o] = np.uint8(c)
@@ -527,7 +640,49 @@ def _page_outliers(buf, q, D, kv, k, h, out, idx_at, val_at, ib, tmp):
                     _put16(out, idx_at + 2 * o, c)
                 _put16(out, val_at + 2 * o, f32_bits_to_f16_bits(_f32_bits(val, tmp)))
             for s in range(2 * k):
-                row[ti[s] if s < k else bi[s - k]] = fill
+                row[ti[0, s] if s < k else bi[0, s - k]] = fill
+
+
+FP16_MAX_F32 = np.float32(65504.0)
+
+
+@numba.njit(**_JIT)
+def _token_norms(buf, q, D, out, at, tmp):
+    """oscar's per-token scaling of buf [q, D] in place (oscar.norm_scale_factors op for op):
+    n = sqrt(x_0^2 + x_1^2 + ...) (squares and sums in fp32, in index order; sqrt rounded
+    to nearest), n16 = fp16(min(n, 65504)), stored little-endian at bytes at + 2 j; row j
+    divided by fp32(n16), or by 1 where n16 == 0. Eight rows at a time: eight independent
+    sums (each still in index order), not one sum's chain of dependent adds."""
+    acc = np.empty(q, np.float32)
+    j8 = q - q % 8
+    for j0 in range(0, j8, 8):
+        r0, r1, r2, r3 = buf[j0], buf[j0 + 1], buf[j0 + 2], buf[j0 + 3]
+        r4, r5, r6, r7 = buf[j0 + 4], buf[j0 + 5], buf[j0 + 6], buf[j0 + 7]
+        a0, a1, a2, a3 = r0[0] * r0[0], r1[0] * r1[0], r2[0] * r2[0], r3[0] * r3[0]
+        a4, a5, a6, a7 = r4[0] * r4[0], r5[0] * r5[0], r6[0] * r6[0], r7[0] * r7[0]
+        for c in range(1, D):
+            a0, a1 = a0 + r0[c] * r0[c], a1 + r1[c] * r1[c]
+            a2, a3 = a2 + r2[c] * r2[c], a3 + r3[c] * r3[c]
+            a4, a5 = a4 + r4[c] * r4[c], a5 + r5[c] * r5[c]
+            a6, a7 = a6 + r6[c] * r6[c], a7 + r7[c] * r7[c]
+        acc[j0], acc[j0 + 1], acc[j0 + 2], acc[j0 + 3] = a0, a1, a2, a3
+        acc[j0 + 4], acc[j0 + 5], acc[j0 + 6], acc[j0 + 7] = a4, a5, a6, a7
+    for j in range(j8, q):
+        row = buf[j]
+        a = row[0] * row[0]
+        for c in range(1, D):
+            a = a + row[c] * row[c]
+        acc[j] = a
+    for j in range(q):
+        row = buf[j]
+        n = np.float32(np.sqrt(acc[j]))
+        n = n if n < FP16_MAX_F32 else FP16_MAX_F32
+        h16 = f32_bits_to_f16_bits(_f32_bits(n, tmp))
+        _put16(out, at + 2 * j, h16)
+        d = _bits_f32(f16_bits_to_f32_bits(h16), tmp)
+        d = d if d > np.float32(0.0) else np.float32(1.0)
+        for c in range(D):
+            row[c] = row[c] / d
 
 
 @numba.njit(parallel=True, **_JIT)
@@ -558,7 +713,7 @@ def _kcvt_stats_kernel(sb, sf, use_bits, sst, L, H, D, tq, bits, kstat):
 
 
 @numba.njit(parallel=True, **_JIT)
-def _encode_kernel(kb, kf, kbits, kst, vb, vf, vbits, vst, speak, div, dflag, rot_v, scale,
+def _encode_kernel(kb, kf, kbits, kst, vb, vf, vbits, vst, speak, nflag, rot, scale,
                    kstat, kcvt, select, xr, rst, rpeak, geo, layer_bytes, L, H, D, G, VG, bits,
                    whole, out, peak, want_lr, b0, iters, fa, aoff, fb, boff, ik, iv):
     """Quantize, pack and serialize the backbone fields of every chunk into `out` (uint8,
@@ -566,9 +721,9 @@ def _encode_kernel(kb, kf, kbits, kst, vb, vf, vbits, vst, speak, div, dflag, ro
 
     kb / kf (K) and vb / vf (V): flat quantization sources, bf16 bits (kbits / vbits) or
     fp32, element (l, kv, h, t, c) at l*st[0] + kv*st[1] + h*st[2] + t*st[3] + c (strides kst
-    / vst); speak[kv]: whether they are the cache's values (count in the peak). div: fp32
-    [2, L, H, Tq] per-token divisors applied on load where dflag[kv] (oscar's
-    norms); rot_v: V rotated on load (oscar, fp32 scale = 1 / sqrt(D)). kstat: kcvt's
+    / vst); speak[kv]: whether they are the cache's values (count in the peak). oscar, on
+    load: rot[kv]: K / V rotated (_fwht_rows, fp32 scale = 1 / sqrt(D)), then nflag[kv]: each
+    token divided by its norm (_token_norms: the k_norm / v_norm field written). kstat: kcvt's
     per-channel key scale / zero bits [L, H, D, 2]. select: gear's outliers picked here
     (_page_outliers; else, if the page has outlier fields, already written and filled in the
     sources). xr: flat bf16 bits of the cache (bf16 window), strides rst.
@@ -603,7 +758,6 @@ def _encode_kernel(kb, kf, kbits, kst, vb, vf, vbits, vst, speak, div, dflag, ro
         zv = np.empty(D, np.float32)
         pkl = np.zeros(D, np.float32)  # per-channel peaks: |source| and bf16 window
         prl = np.zeros(D, np.float32)  # |rotated V|
-        use_div = dflag[kv] != 0
         h_lo = 0 if whole else h0
         h_hi = H if whole else h0 + 1
         want_err = want_lr and q > 0
@@ -617,17 +771,16 @@ def _encode_kernel(kb, kf, kbits, kst, vb, vf, vbits, vst, speak, div, dflag, ro
                     else:
                         _load_row(vb, vf, vbits, l * vst[0] + vst[1] + h * vst[2] + t * vst[3],
                                   D, buf[j])
-                    row = buf[j]
                     if speak[kv]:
-                        _lane_peak(pkl, row, D)
-                    if use_div:
-                        dv = div[kv, l, h, t]
-                        for c in range(D):
-                            row[c] = row[c] / dv
-                if kv == 1 and rot_v:
+                        _lane_peak(pkl, buf[j], D)
+                if rot[kv]:
                     _fwht_rows(buf, q, D, scale)
-                    for j in range(q):
-                        _lane_peak(prl, buf[j], D)
+                    if kv == 1:
+                        for j in range(q):
+                            _lane_peak(prl, buf[j], D)
+                if nflag[kv]:
+                    _token_norms(buf, q, D, out, base + (g[G_KN] if kv == 0 else g[G_VN])
+                                 + h * q * 2, tmp)
                 k = g[G_KK] if kv == 0 else g[G_KV]
                 if select and k > 0:
                     _page_outliers(buf, q, D, kv, k, h, out,
@@ -1102,20 +1255,21 @@ _NO_LOWRANK = LowRankOut(np.zeros((1, 1, 1), np.float32), 0, np.zeros(1, np.floa
 
 def encode_fused(x: torch.Tensor, geo: np.ndarray, layer_bytes: int, key_group: int,
                  value_group: int, bits: int, out: np.ndarray, src_k: Source | None = None,
-                 src_v: Source | None = None, div: np.ndarray | None = None,
-                 dflag: tuple[int, int] = (0, 0), src_peak: tuple[int, int] = (1, 1),
-                 rotate_v: bool = False,
+                 src_v: Source | None = None, norms: tuple[bool, bool] = (False, False),
+                 src_peak: tuple[int, int] = (1, 1),
+                 rotate: tuple[bool, bool] = (False, False),
                  select_outliers: bool = False, lowrank: LowRankOut | None = None,
                  index_bytes: tuple[int, int] = (1, 1)) -> tuple[float, float]:
     """The backbone fields (and bf16 window) of every chunk of x [L, 2, H, T, D] into `out`
     (uint8 [L * layer_bytes], zeroed; chunk (l, p) at l * layer_bytes + geo[p, G_BASE]).
     key_group 0 = kcvt. src_k / src_v: the K / V values to quantize (default x itself, else
-    gear / oscar's transformed cache); src_peak: which of them are the cache's own values
-    (count in the peak). div / dflag: oscar's per-token divisors; rotate_v:
-    oscar's V rotation on load; select_outliers: gear's outliers picked in the kernel (a kivi
-    backbone); lowrank: gear's low-rank fits (filled in). See _encode_kernel. Returns (peak
-    |value| seen: sources as loaded, and the bf16 window if x is bf16 (else the caller
-    checks x's range itself: the window is stored rounded to bf16); peak |rotated V|)."""
+    gear's transformed cache); src_peak: which of them are the cache's own values
+    (count in the peak). rotate / norms (oscar, per K / V): rotated on load, then each token
+    divided by its norm (the k_norm / v_norm fields written); select_outliers: gear's
+    outliers picked in the kernel (a kivi backbone); lowrank: gear's low-rank fits (filled
+    in). See _encode_kernel. Returns (peak |value| seen: sources as loaded, and the bf16
+    window if x is bf16 (else the caller checks x's range itself: the window is stored
+    rounded to bf16); peak |rotated V|)."""
     qmax_of(bits)
     L, _, H, T, D = (int(s) for s in x.shape)
     kcvt = key_group == 0
@@ -1137,8 +1291,8 @@ def encode_fused(x: torch.Tensor, geo: np.ndarray, layer_bytes: int, key_group: 
     lr = lowrank or _NO_LOWRANK
     _encode_kernel(src_k.sb, src_k.sf, src_k.use_bits, src_k.strides, src_v.sb, src_v.sf,
                    src_v.use_bits, src_v.strides, np.asarray(src_peak, np.int64),
-                   div if div is not None else np.ones((2, 1, 1, 1), np.float32),
-                   np.asarray(dflag, np.int64), rotate_v, np.float32(1.0 / math.sqrt(D)),
+                   np.asarray(norms, np.int64), np.asarray(rotate, np.int64),
+                   np.float32(1.0 / math.sqrt(D)),
                    kstat, kcvt, select_outliers, xr, rst, x.dtype == torch.bfloat16, geo,
                    layer_bytes, L, H, D, max(key_group, 1), value_group, bits, not aligned,
                    out, peak, lowrank is not None, lr.b0, lr.iters, lr.a, lr.aoff, lr.b,

@@ -22,8 +22,9 @@ n16 = 0 and divided by 1 instead (it is all zeros and decodes to zeros).
 Extra fields of chunk (layer, page) with q quantized tokens, after the backbone's:
     k_norm fp16 [kv_heads, q]          v_norm fp16 [kv_heads, q] (only if scale_values)
 Rotation runs through the Triton FWHT kernel for CUDA tensors, the torch reference on CPU
-with backend 'torch'; the fused CPU path (backend auto / cpu) rotates in numba, bit for bit
-as the reference (kivi_cpu._fwht_rows), the norms staying torch's vector_norm.
+with backend 'torch'; the fused CPU path (backend auto / cpu) rotates and scales in numba,
+bit for bit as the reference (kivi_cpu._fwht_rows, _token_norms: the norm is a sum of
+squares in index order, fp32, then a sqrt rounded to nearest).
 """
 
 from __future__ import annotations
@@ -34,12 +35,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvsim.kernels import hadamard_triton, kivi_cpu
+from kvsim.kernels import hadamard_triton
 from kvsim.kernels.codec import register
+from kvsim.kernels.gear import seq_sum, sqrt_rn
 from kvsim.kernels.groupquant import FP16_MAX, Field
 from kvsim.kernels.hadamard import check_hadamard_dim, hadamard
 from kvsim.kernels.kivi import Backbone, BackboneCodec, FusedInput, KiviParams
-from kvsim.kernels.kivi_cpu import G_BASE, G_KN, G_QK, G_T0, G_VN
 from kvsim.layout import KVShape
 
 
@@ -49,10 +50,13 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
 
 
 def norm_scale_factors(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [..., tokens, d] -> (divisor [..., tokens] fp32, n16 [..., tokens] fp16): n16 =
-    fp16(||x||_2), the divisor n16 (1 for a zero norm)."""
+    """x: [..., tokens, d] fp32 -> (divisor [..., tokens] fp32, n16 [..., tokens] fp16): n16 =
+    fp16(||x||_2), the divisor n16 (1 for a zero norm). The norm in one defined order, the
+    squares summed in index order in fp32 (gear.seq_sum) and the sqrt rounded to nearest
+    (gear.sqrt_rn), so that the fused CPU kernel (kivi_cpu._token_norms) gives the same bits
+    (vector_norm's order is its own)."""
     # clamp: a norm beyond the fp16 range is stored as FP16_MAX (x / n16 stays finite)
-    n16 = torch.linalg.vector_norm(x, dim=-1).clamp(max=FP16_MAX).to(torch.float16)
+    n16 = sqrt_rn(seq_sum(x * x, -1)).clamp(max=FP16_MAX).to(torch.float16)
     n = n16.to(torch.float32)
     return torch.where(n > 0, n, torch.ones_like(n)), n16
 
@@ -112,36 +116,13 @@ class OscarCodec(BackboneCodec):
 
     def fused_prepare(self, x: torch.Tensor, shape: KVShape, geo: np.ndarray, layer_bytes: int,
                       out: np.ndarray) -> FusedInput:
-        """K (and V if scale_values) rotated in numba (kivi_cpu.rotate_fused, bit-identical to
-        hadamard) for the norms, computed in torch as pre_quantize does; the encode kernel
-        divides them out (and rotates V as it loads it when there is no V norm). k_norm /
-        v_norm written. The kernels' peaks meet _encode's and pre_quantize's refusals in
-        their order (BackboneCodec._encode_fused, check_rotated)."""
+        """Everything in the encode kernel: K (and V if rotate_values) rotated as it is loaded
+        (kivi_cpu._fwht_rows, bit-identical to hadamard), K (and V if scale_values) divided by
+        the per-token norms it computes as norm_scale_factors does (kivi_cpu._token_norms),
+        which writes k_norm / v_norm. The kernel's peaks meet _encode's and pre_quantize's
+        refusals in their order (BackboneCodec._encode_fused, check_rotated)."""
         p = self.params
-        tq = int(geo[:, G_QK].sum())
-        rot, peak = kivi_cpu.rotate_fused(kivi_cpu.Source.of(x), shape.dims, tq,
-                                          p.scale_values, p.rotate_values)
-        div = np.ones((2, shape.layers, shape.kv_heads, tq), np.float32)
-        norms = {}
-        for kv, name in ((0, "k_norm"), (1, "v_norm")):
-            if kv == 1 and not p.scale_values:
-                continue
-            dv, norms[name] = norm_scale_factors(rot[kv])  # rot[kv]: contiguous [L, H, Tq, D]
-            div[kv] = dv.numpy()
-        for layer in range(shape.layers):
-            for page in range(geo.shape[0]):
-                t0, q = int(geo[page, G_T0]), int(geo[page, G_QK])
-                for name, n16 in norms.items():
-                    raw = n16[layer, :, t0:t0 + q].contiguous().view(torch.int16).numpy()
-                    o = (layer * layer_bytes + int(geo[page, G_BASE])
-                         + int(geo[page, G_KN if name == "k_norm" else G_VN]))
-                    out[o:o + raw.nbytes] = raw.reshape(-1).view(np.uint8)
-        d, h = shape.head_dim, shape.kv_heads
-        src = kivi_cpu.Source(rot.numpy().reshape(-1),
-                              (h * tq * d, shape.layers * h * tq * d, tq * d, d))
-        if p.scale_values:
-            return FusedInput(src, src, (0, 0), div, (1, 1), peak=peak)
-        return FusedInput(src, None, (0, 1), div, (1, 0), rotate_v=p.rotate_values, peak=peak)
+        return FusedInput(norms=(True, p.scale_values), rotate=(True, p.rotate_values))
 
     def check_rotated(self, vpeak: float) -> None:
         """pre_quantize's refusal of rotated values beyond fp16 (vpeak: the encode kernel's)."""
