@@ -1156,26 +1156,6 @@ def _outlier_kernel(sb, sf, use_bits, sst, geo, layer_bytes, L, H, D, ik, iv, ou
         peak[w] = pkl.max()
 
 
-@numba.njit(parallel=True, **_JIT)
-def _rotate_kernel(sb, sf, use_bits, sst, L, H, D, tq, nkv, rot_v, scale, rot, peak):
-    """oscar: rot [nkv, L, H, tq, D] fp32 = the Walsh-Hadamard rotation of the first tq
-    tokens of K (and V if nkv == 2: rotated if rot_v, else copied). peak[item]: max |x| of
-    the source rows."""
-    for w in numba.prange(nkv * L * H):
-        kv = w // (L * H)
-        l = (w // H) % L
-        h = w % H
-        buf = rot[kv, l, h]
-        pkl = np.zeros(D, np.float32)  # per-channel peaks |x|
-        for t in range(tq):
-            _load_row(sb, sf, use_bits, l * sst[0] + kv * sst[1] + h * sst[2] + t * sst[3], D,
-                      buf[t])
-            _lane_peak(pkl, buf[t], D)
-        if kv == 0 or rot_v:
-            _fwht_rows(buf, tq, D, scale)
-        peak[w] = pkl.max()
-
-
 # ---- Python side of the fused path --------------------------------------------------------
 class Source:
     """A quantization source for the fused kernels: element (l, kv, h, t, c) of a flat
@@ -1314,20 +1294,6 @@ def split_outliers_fused(src: Source, geo: np.ndarray, layer_bytes: int,
         _outlier_kernel(src.sb, src.sf, src.use_bits, src.strides, geo, layer_bytes, L, H, D,
                         index_bytes[0], index_bytes[1], out, filled, peak)
     return torch.from_numpy(filled), float(peak.max()) if peak.size else 0.0
-
-
-def rotate_fused(src: Source, dims: tuple[int, ...], tq: int, values: bool, rotate_v: bool
-                 ) -> tuple[torch.Tensor, float]:
-    """oscar: the first tq tokens of K rotated (and of V if values: rotated if rotate_v)
-    [1 or 2, L, H, tq, D] fp32, and the peak |x| of the source rows."""
-    L, _, H, _, D = dims
-    nkv = 2 if values else 1
-    rot = np.empty((nkv, L, H, tq, D), np.float32)
-    peak = np.zeros(nkv * L * H, np.float32)
-    if tq:
-        _rotate_kernel(src.sb, src.sf, src.use_bits, src.strides, L, H, D, tq, nkv, rotate_v,
-                       np.float32(1.0 / math.sqrt(D)), rot, peak)
-    return torch.from_numpy(rot), float(peak.max()) if peak.size else 0.0
 
 
 def decode_fused(src: np.ndarray, geo: np.ndarray, layer_bytes: int, dims: tuple[int, ...],
