@@ -174,25 +174,28 @@ def rans_decode(words, seg_counts, q, start, out, hist):
     lut = np.empty(PROB_SCALE, dtype=np.uint8)
     mask = np.uint64(PROB_SCALE - 1)
     shift = np.uint64(PROB_BITS)
+    n_words = words.size
     pos = 2
     k = 0
     for seg in range(seg_counts.size):
+        qs = q[seg]  # this segment's table rows (1-D views: cheaper loads in the loop)
+        ss = start[seg]
+        hs = hist[seg]
         for s in range(256):
-            f = q[seg, s]
-            c = start[seg, s]
-            for j in range(c, c + f):
-                lut[j] = s
+            c = ss[s]
+            for j in range(qs[s]):
+                lut[c + j] = s
         for _ in range(seg_counts[seg]):
             slot = x & mask
             s = lut[slot]
-            x = np.uint64(q[seg, s]) * (x >> shift) + slot - np.uint64(start[seg, s])
+            x = np.uint64(qs[s]) * (x >> shift) + slot - np.uint64(ss[s])
             if x < low:
-                if pos >= words.size:
+                if pos >= n_words:
                     return OUT_OF_WORDS
                 x = (x << np.uint64(32)) | np.uint64(words[pos])
                 pos += 1
             out[k] = s
-            hist[seg, s] += 1
+            hs[s] += 1
             k += 1
     if pos != words.size:
         return WORDS_LEFT
