@@ -128,6 +128,7 @@ def dequantize_rows(codes: torch.Tensor, scale16: torch.Tensor) -> torch.Tensor:
     return codes.to(torch.float32) * scale16.to(torch.float32)[..., None]
 
 
+@functools.lru_cache(maxsize=16)  # asked per layer; callers never modify the tensors
 def _token_roles(tokens: int, page_tokens: int, group_tokens: int) -> tuple[torch.Tensor,
                                                                             torch.Tensor]:
     """(is_anchor bool [tokens], anchor_rank int64 [tokens]: index among anchors of the anchor
@@ -339,11 +340,7 @@ class CacheGenCodec(Codec):
         merged: dict[tuple[str, str, int], SegmentTally] = {}
         for tallies in halves:
             for key, t in tallies.items():
-                acc = merged.setdefault(key, SegmentTally())
-                acc.symbols += t.symbols
-                acc.coded_bits += t.coded_bits
-                acc.table_symbols += t.table_symbols
-                acc.segments += t.segments
+                merged.setdefault(key, SegmentTally()).merge(t)
         model = CacheGenSizeModel.from_tallies(merged, source, max(errors) if errors else None,
                                                len(picks))
         self.use_size_model(model)

@@ -60,6 +60,12 @@ class SegmentTally:
         self.table_symbols += table_symbols
         self.segments += 1
 
+    def merge(self, other: SegmentTally) -> None:
+        self.symbols += other.symbols
+        self.coded_bits += other.coded_bits
+        self.table_symbols += other.table_symbols
+        self.segments += other.segments
+
     def rate(self) -> SegmentRate:
         return SegmentRate(self.coded_bits / self.symbols, self.table_symbols / self.segments)
 

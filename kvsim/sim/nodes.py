@@ -41,13 +41,13 @@ class DecodeNode:
     fit waits, and the ones behind it wait too)."""
 
     def __init__(self, env: simpy.Environment, index: int, max_batch: int,
-                 kv_memory_bytes: float = math.inf) -> None:
+                 kv_memory_bytes: float) -> None:
         self.name = f"decode{index}"
         self.slot = simpy.Resource(env, capacity=max_batch)
         self.assigned = 0  # requests routed here and not finished
         self.kv_memory_bytes = float(kv_memory_bytes)
-        self.kv_memory = None if math.isinf(kv_memory_bytes) else simpy.Container(
-            env, capacity=self.kv_memory_bytes, init=self.kv_memory_bytes)
+        self.kv_memory = simpy.Container(env, capacity=self.kv_memory_bytes,
+                                         init=self.kv_memory_bytes)
 
     @property
     def active(self) -> int:

@@ -204,8 +204,7 @@ class Scenario:
         with dnode.slot.request() as slot:
             yield slot
             t_slot = env.now
-            if dnode.kv_memory is not None:
-                yield dnode.kv_memory.get(kv_bytes)
+            yield dnode.kv_memory.get(kv_bytes)
             t_start = env.now
             tpot = self.timing.tpot_s(req.context_tokens, dnode.active)
             if plan.speculative:
@@ -221,8 +220,7 @@ class Scenario:
                 t_full = t_start
             last_t = float(timeline.token_t[-1])
             yield env.timeout(max(0.0, last_t - env.now))
-            if dnode.kv_memory is not None:
-                yield dnode.kv_memory.put(kv_bytes)
+            yield dnode.kv_memory.put(kv_bytes)
         dnode.assigned -= 1
         last_needed = max(needed, key=lambda rx: rx.last_arrival_t)
         rec = RequestRecord(
