@@ -137,6 +137,8 @@ def test_tc_rows_say_skipped_without_namespaces(monkeypatch):
     ("policy=nope", "policy must be"),
     ("anchor.encode=[later]", "anchor.encode"),
     ("token_bucket.rates_gbps=[0]", "must be > 0"),
+    ("max_queued_bytes=0", "max_queued_bytes must be > 0"),
+    ("session_timeout_s=-1", "session_timeout_s must be > 0"),
 ])
 def test_bad_config_is_refused(override, message, capsys):
     assert main(["bench", "transport", override]) == 1
@@ -149,3 +151,9 @@ def test_pre_encoded_codec_repeats_layers():
     assert [pre.encode(i) for i in range(5)] == ["layer0", "layer1", "layer0", "layer1",
                                                  "layer0"]
     assert pre.name == "c" and pre.exact_sizes
+
+
+def test_frame_overhead_is_the_protocol_framing():
+    from kvsim.transport import protocol as P
+
+    assert bt.FRAME_OVERHEAD_BYTES == P.CONTROL_BYTES + P.CHUNK_HEADER_BYTES

@@ -173,12 +173,11 @@ def _replace_payload(enc: Encoded, stream: int, index: int, payload: np.ndarray)
 @pytest.mark.parametrize("size", [0, 1, "short", "long"])
 def test_wrong_payload_length_is_codec_error(name, size):
     codec = make_codec(name)
-    enc = codec.encode(sample(SHAPES[0]))
     for s in range(codec.num_streams):
-        good = enc.streams[s][-1].payload
+        broken = codec.encode(sample(SHAPES[0]))
+        good = broken.streams[s][-1].payload
         n = {"short": good.size - 1, "long": good.size + 1}.get(size, size)
         bad = np.resize(good, n).astype(np.uint8)
-        broken = codec.encode(sample(SHAPES[0]))
         where = _replace_payload(broken, s, -1, bad)
         with pytest.raises(CodecError, match=re.escape(where)):
             codec.decode(broken)

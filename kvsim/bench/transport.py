@@ -55,7 +55,10 @@ from typing import Any
 
 from kvsim.transport.children import stop
 
-FRAME_OVERHEAD_BYTES = 36  # transport control frame (16) + chunk header (20) per chunk message
+# transport control frame (16) + chunk header (20) per chunk message; a literal, not
+# protocol's constants: importing protocol pulls in torch, and the bare-ROUTER child
+# (rx-raw) stays light (tests/test_bench_transport.py checks the sum)
+FRAME_OVERHEAD_BYTES = 36
 START_TIMEOUT_S = 120.0  # a receiver process imports torch before it listens
 ROLES = ("rx-transport", "rx-raw", "tx")
 
@@ -137,9 +140,8 @@ def _wait_endpoint(proc: subprocess.Popen, path: Path, log: Path) -> str:
 
 
 def run_session(cases: list[CaseSpec], *, bind_host: str = "127.0.0.1",
-                wrap: Wrap | None = None, window_bytes: int = 16 << 20,
-                max_queued_bytes: int = 256 << 20, timeout_s: float = 30.0,
-                session_timeout_s: float = 600.0) -> dict[str, dict]:
+                wrap: Wrap | None = None, window_bytes: int, max_queued_bytes: int,
+                timeout_s: float, session_timeout_s: float) -> dict[str, dict]:
     """Start the receivers and the sender (each through `wrap`), run `cases` in order and
     return each case's result by name (a failed case: status != 'done' and an error)."""
     wrap = wrap or (lambda side, argv: argv)

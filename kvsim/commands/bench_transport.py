@@ -146,7 +146,9 @@ class Config:
                     "tc.seconds": self.tc.seconds, "anchor.rate_gbps": self.anchor.rate_gbps,
                     "anchor.anchor_seconds": self.anchor.anchor_seconds,
                     "distinct_layers": self.distinct_layers, "timeout_s": self.timeout_s,
-                    "window_bytes": self.window_bytes, "shape.kv_heads": self.shape.kv_heads,
+                    "window_bytes": self.window_bytes, "max_queued_bytes": self.max_queued_bytes,
+                    "session_timeout_s": self.session_timeout_s,
+                    "shape.kv_heads": self.shape.kv_heads,
                     "shape.head_dim": self.shape.head_dim, "shape.tokens": self.shape.tokens,
                     **{f"rate {r}": r for r in [*self.token_bucket.rates_gbps,
                                                 *self.tc.rates_gbps]}}
