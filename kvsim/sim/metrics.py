@@ -111,3 +111,39 @@ def percentiles(values: list[float] | np.ndarray) -> dict[str, float]:
         return {"p50": math.nan, "p90": math.nan, "p99": math.nan, "mean": math.nan}
     p50, p90, p99 = np.percentile(v, [50, 90, 99])
     return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(v.mean())}
+
+
+# per-request keys averaged into a multi-request row (those every request has)
+MEAN_KEYS = ("ttft_s", "ttft_from_prefill_end_s", "ttft_committed_s",
+             "ttft_committed_from_prefill_end_s", "prefill_s", "prefill_wait_s",
+             "memory_wait_s", "tpot_s")
+TTKT_KEYS = ("ttkt_s", "ttkt_from_prefill_end_s", "ttkt_committed_s",
+             "ttkt_committed_from_prefill_end_s")
+
+
+def aggregate_request_rows(per: list[dict]) -> dict:
+    """Request rows (request_row, or the transport's measured rows) -> the metrics of a
+    multi-request row, for the simulator and the emulator alike: means of MEAN_KEYS,
+    percentiles of TTFT (drafted, committed) and of the waits, TTKT(k) means and percentiles
+    over the requests that decode k tokens (`ttkt_requests` counts them), the breakdown's
+    means, summed drafts."""
+    out: dict = {}
+    for key in MEAN_KEYS:
+        if all(key in p for p in per):
+            out[key] = float(np.mean([p[key] for p in per]))
+    for key in ("ttft_s", "ttft_committed_s", "prefill_wait_s", "memory_wait_s"):
+        if all(key in p for p in per):
+            out[key.removesuffix("_s") + "_pct_s"] = percentiles([p[key] for p in per])
+    ks = sorted({k for p in per for k in p["ttkt_s"]}, key=int)
+    out["ttkt_requests"] = {k: sum(k in p["ttkt_s"] for p in per) for k in ks}
+    for key in TTKT_KEYS:
+        if all(key in p for p in per):
+            out[key] = {k: float(np.mean([p[key][k] for p in per if k in p[key]])) for k in ks}
+    for key in ("ttkt_s", "ttkt_committed_s"):
+        out[key.removesuffix("_s") + "_pct_s"] = {
+            k: percentiles([p[key][k] for p in per if k in p[key]]) for k in ks}
+    out["breakdown_s"] = {key: float(np.mean([p["breakdown_s"][key] for p in per]))
+                          for key in BREAKDOWN_KEYS}
+    out["proposed_tokens"] = int(sum(p["proposed_tokens"] for p in per))
+    out["accepted_tokens"] = int(sum(p["accepted_tokens"] for p in per))
+    return out

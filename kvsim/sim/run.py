@@ -24,7 +24,7 @@ from kvsim.config.sim import SimConfig
 from kvsim.hardware import TimingModel
 from kvsim.sim.codec_timing import CodecTiming, load_codec_timing
 from kvsim.sim.link import Link
-from kvsim.sim.metrics import BREAKDOWN_KEYS, RequestRecord, percentiles, request_row
+from kvsim.sim.metrics import RequestRecord, aggregate_request_rows, request_row
 from kvsim.sim.nodes import DecodeNode, Deserializer, PrefillNode, Receiver
 from kvsim.sim.policy import POLICIES, TransferPlan, build_plan, natural_policy, release_times
 from kvsim.sim.request_log import request_rows, write_request_log
@@ -295,33 +295,8 @@ class Scenario:
         row["bits_per_element"] = float(np.mean(
             [8.0 * sum(r.stream_bytes) / self.model.kv_shape(r.context_tokens).numel
              for r in recs]))
-        for key in ("ttft_s", "ttft_from_prefill_end_s", "ttft_committed_s",
-                    "ttft_committed_from_prefill_end_s"):
-            row[key] = float(np.mean([p[key] for p in per]))
-        row["ttft_pct_s"] = percentiles([p["ttft_s"] for p in per])
-        row["ttft_committed_pct_s"] = percentiles([p["ttft_committed_s"] for p in per])
-        # TTKT(k) over the requests that decode k tokens (all of them unless a trace file
-        # gives requests their own output lengths); ttkt_requests says how many
-        kk = [k for k in ks if any(k in p["ttkt_s"] for p in per)]
-        row["ttkt_requests"] = {k: sum(k in p["ttkt_s"] for p in per) for k in kk}
-        for key in ("ttkt_s", "ttkt_from_prefill_end_s", "ttkt_committed_s",
-                    "ttkt_committed_from_prefill_end_s"):
-            row[key] = {k: float(np.mean([p[key][k] for p in per if k in p[key]]))
-                        for k in kk}
-        row["ttkt_pct_s"] = {k: percentiles([p["ttkt_s"][k] for p in per if k in p["ttkt_s"]])
-                             for k in kk}
-        row["ttkt_committed_pct_s"] = {
-            k: percentiles([p["ttkt_committed_s"][k] for p in per if k in p["ttkt_committed_s"]])
-            for k in kk}
+        row.update(aggregate_request_rows(per))
         row["breakdown_k"] = cfg.metrics.breakdown_k
-        row["breakdown_s"] = {key: float(np.mean([p["breakdown_s"][key] for p in per]))
-                              for key in BREAKDOWN_KEYS}
-        row["memory_wait_s"] = float(np.mean([p["memory_wait_s"] for p in per]))
-        row["prefill_wait_s"] = float(np.mean([p["prefill_wait_s"] for p in per]))
-        row["prefill_wait_pct_s"] = percentiles([p["prefill_wait_s"] for p in per])
-        row["memory_wait_pct_s"] = percentiles([p["memory_wait_s"] for p in per])
-        row["proposed_tokens"] = int(sum(p["proposed_tokens"] for p in per))
-        row["accepted_tokens"] = int(sum(p["accepted_tokens"] for p in per))
         span = max(float(r.timeline.token_t[-1]) for r in recs) - min(r.arrival_t for r in recs)
         row["throughput_rps"] = len(recs) / span if span > 0 else math.nan
         row["output_tokens_per_s"] = sum(len(r.timeline.token_t) for r in recs) / span \

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kvsim.sim.metrics import BREAKDOWN_KEYS, RequestRecord, percentiles, request_row
+from kvsim.sim.metrics import RequestRecord, aggregate_request_rows, request_row
 from kvsim.sim.speculative import DecodeTimeline
 from kvsim.transport.assembly import Assembly
 
@@ -162,22 +162,12 @@ def aggregate_rows(rows: list[dict]) -> list[dict]:
         row = {k: v for k, v in first.items() if not isinstance(v, (dict, list))}
         row.update(requests=len(done), failed_requests=len(group) - len(done),
                    request_id=None, per_request=group)
-        for key in ("ttft_s", "ttft_from_prefill_end_s", "ttft_committed_s", "prefill_s",
-                    "tpot_s", "goodput_gbps", "total_bytes"):
+        row.update(aggregate_request_rows(done))
+        for key in ("goodput_gbps", "total_bytes"):
             row[key] = float(np.mean([r[key] for r in done]))
         row["context_tokens_mean"] = float(np.mean([r["context_tokens"] for r in done]))
-        row["ttft_pct_s"] = percentiles([r["ttft_s"] for r in done])
-        row["ttft_committed_pct_s"] = percentiles([r["ttft_committed_s"] for r in done])
-        ks = [k for k in first.get("ttkt_s", {}) if all(k in r["ttkt_s"] for r in done)]
-        for key in ("ttkt_s", "ttkt_from_prefill_end_s", "ttkt_committed_s"):
-            row[key] = {k: float(np.mean([r[key][k] for r in done])) for k in ks}
-        row["ttkt_pct_s"] = {k: percentiles([r["ttkt_s"][k] for r in done]) for k in ks}
-        row["ttkt_committed_pct_s"] = {k: percentiles([r["ttkt_committed_s"][k] for r in done])
-                                       for k in ks}
-        row["breakdown_s"] = {key: float(np.mean([r["breakdown_s"][key] for r in done]))
-                              for key in BREAKDOWN_KEYS}
-        row["stream_bytes"] = first["stream_bytes"]
-        row["proposed_tokens"] = int(sum(r["proposed_tokens"] for r in done))
-        row["accepted_tokens"] = int(sum(r["accepted_tokens"] for r in done))
+        # contexts may differ between requests: mean bytes per stream, as the simulator
+        row["stream_bytes"] = {name: float(np.mean([r["stream_bytes"][name] for r in done]))
+                               for name in first["stream_bytes"]}
         out.append(row)
     return out
