@@ -19,3 +19,18 @@ def check_root() -> None:
         raise FileNotFoundError(
             f"kvsim's configs are not at {CONF_DIR}: install kvsim from its checkout in "
             "editable mode (`make setup`), or set KVSIM_ROOT to a checkout")
+
+
+def output_dir() -> Path:
+    """Where a command writes what it produces by default: the run's Hydra output directory
+    (outputs/<date>/<time>/, or multirun/<date>/<time>/<job>/ under -m) when the command runs
+    under kvsim's command line, else the current directory. Never the repository's data/ or
+    plots/: updating those is an explicit out_dir=/out= of the command."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            return Path(HydraConfig.get().runtime.output_dir)
+    except ImportError:  # pragma: no cover - hydra is a dependency
+        pass
+    return Path.cwd()
