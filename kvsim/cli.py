@@ -1,11 +1,17 @@
-"""`kvsim` command line: one entry point, subcommands, Hydra overrides.
+"""`kvsim` command line: one entry point, subcommands, each subcommand a Hydra application.
 
-    kvsim <command> [<subcommand>] [key=value ...] [report=PATH]
+    kvsim <command> [<subcommand>] [key=value ...] [-m key=a,b ...] [report=PATH]
+    kvsim sweep key=a,b ...        (a resumable multirun of `kvsim sim`, kvsim/sweep.py)
+    kvsim list [group]   kvsim --version
 
 Each command lives in `kvsim/commands/<name>.py` and declares COMMAND (its words),
 CONFIG_NAME (conf/<CONFIG_NAME>.yaml), a `Config` dataclass schema and `run(cfg) -> rows`.
-This is the only module that touches Hydra / OmegaConf objects: commands receive their
-typed `Config`.
+Everything after the command words is Hydra's command line: overrides, `-m/--multirun`,
+`--cfg job`, `--info`, `--hydra-help`, `--shell-completion`, `hydra.run.dir=...`. Every run
+gets Hydra's run directory (outputs/<date>/<time>-<command>/, or multirun/.../<job>/ under
+-m; $KVSIM_OUTPUT_ROOT moves both) with .hydra/ (the composed config and overrides) and
+report.json beside it. This is the only module that drives Hydra's application machinery:
+commands receive their typed `Config`.
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from hydra.errors import CompactHydraException
 
 from kvsim.paths import CONF_DIR, check_root
 
@@ -27,16 +36,26 @@ class UsageError(Exception):
     pass
 
 
+class CommandFailed(CompactHydraException):
+    """A user-facing error of a command run by Hydra: Hydra prints the message alone (no
+    traceback) and exits 1; under -m the job is marked failed."""
+
+
 @dataclass(frozen=True)
 class CommandInfo:
     words: tuple[str, ...]
     help: str
     module: str  # imported only when the command runs (heavy dependencies: torch, transformers)
+    config_name: str = ""
+
+    @property
+    def job_name(self) -> str:
+        return "_".join(self.words)
 
 
 def _commands() -> dict[tuple[str, ...], CommandInfo]:
-    """Read COMMAND and HELP from each kvsim/commands/*.py without importing it, so
-    `kvsim --help` stays instant."""
+    """Read COMMAND, HELP and CONFIG_NAME from each kvsim/commands/*.py without importing it,
+    so `kvsim --help` stays instant."""
     import kvsim.commands as pkg
 
     found: dict[tuple[str, ...], CommandInfo] = {}
@@ -45,18 +64,21 @@ def _commands() -> dict[tuple[str, ...], CommandInfo]:
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.Assign) and len(node.targets) == 1:
                 target = node.targets[0]
-                if isinstance(target, ast.Name) and target.id in ("COMMAND", "HELP"):
+                if isinstance(target, ast.Name) and target.id in ("COMMAND", "HELP",
+                                                                  "CONFIG_NAME"):
                     consts[target.id] = ast.literal_eval(node.value)
         if "COMMAND" in consts:
             words = tuple(consts["COMMAND"])  # type: ignore[arg-type]
             found[words] = CommandInfo(words, str(consts.get("HELP", "")),
-                                       f"kvsim.commands.{path.stem}")
+                                       f"kvsim.commands.{path.stem}",
+                                       str(consts.get("CONFIG_NAME", "")))
     return found
 
 
 def _usage(commands: dict[tuple[str, ...], CommandInfo]) -> str:
     lines = [
-        "usage: kvsim <command> [key=value ...] [report=PATH]",
+        "usage: kvsim <command> [key=value ...] [-m key=a,b ...] [report=PATH]",
+        "       kvsim list [group]      kvsim --version",
         "",
         "commands:",
     ]
@@ -64,30 +86,54 @@ def _usage(commands: dict[tuple[str, ...], CommandInfo]) -> str:
         lines.append(f"  {' '.join(words):<16} {info.help}")
     lines += [
         "",
-        "Overrides are Hydra syntax (e.g. link.bandwidth_gbps=25 'codecs=[bf16,lynx]').",
-        "report=PATH writes the rows and the resolved config as JSON.",
-        "`kvsim <command> --help` shows the command's config with its defaults.",
+        "Overrides are Hydra syntax (e.g. link.bandwidth_gbps=25 'codecs=[bf16,lynx]');",
+        "-m runs every combination of comma-separated values (link.bandwidth_gbps=10,25,50).",
+        "Each run writes report.json and .hydra/ into outputs/<date>/<time>-<command>/",
+        "($KVSIM_OUTPUT_ROOT moves it; hydra.run.dir=DIR names it); report=PATH adds a copy.",
+        "`kvsim <command> --help` shows the command's config, groups and every field's comment.",
     ]
     return "\n".join(lines)
+
+
+def version_string() -> str:
+    """`kvsim 0.1.0 (<git describe --always --dirty> of the checkout)`."""
+    import subprocess
+
+    import kvsim
+
+    try:
+        described = subprocess.run(["git", "describe", "--always", "--dirty"],
+                                   capture_output=True, text=True, timeout=5,
+                                   cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        described = ""
+    return f"kvsim {kvsim.__version__}" + (f" ({described})" if described else "")
 
 
 def compose(config_name: str, overrides: list[str], schema: type | None = None):
     """Compose conf/<config_name>.yaml with overrides; return (typed config, plain dict)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
-    from hydra.core.config_store import ConfigStore
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
     check_root()
-    if schema is not None:
-        ConfigStore.instance().store(name=f"{config_name}_schema", node=schema)
+    register_schema(config_name, schema)
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = hydra_compose(config_name=config_name, overrides=overrides)
     plain = OmegaConf.to_container(cfg, resolve=True)
     typed = OmegaConf.to_object(cfg) if schema is not None else plain
     return typed, plain
+
+
+def register_schema(config_name: str, schema: type | None) -> None:
+    """conf/<name>.yaml's defaults list starts with `<name>_schema`: the command's dataclass,
+    which types and validates every key."""
+    from hydra.core.config_store import ConfigStore
+
+    if schema is not None:
+        ConfigStore.instance().store(name=f"{config_name}_schema", node=schema)
 
 
 def from_resolved(path: str, schema: type):
@@ -118,66 +164,264 @@ def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage(commands))
         return 0
-    words = [a for a in argv if "=" not in a and not a.startswith("-")]
+    if argv[0] in ("--version", "-V", "version"):
+        print(version_string())
+        return 0
+    if argv[0] in ("-sc", "--shell-completion"):
+        return _shell_completion(commands, argv[1:])
+    if argv[0] == "list":
+        from kvsim.config_help import list_groups
+
+        try:
+            print(list_groups(argv[1:]))
+        except ValueError as exc:
+            print(f"kvsim list: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    words = []
+    for a in argv:
+        if "=" in a or a.startswith("-"):
+            break
+        words.append(a)
     match = max((w for w in commands if tuple(words[: len(w)]) == w), key=len, default=None)
     if match is None:
-        print(f"kvsim: unknown command {' '.join(words)!r}\n\n{_usage(commands)}", file=sys.stderr)
+        from kvsim.config_keys import closest
+
+        hint = closest(" ".join(words), [" ".join(w) for w in commands])
+        print(f"kvsim: unknown command {' '.join(words)!r}" + (f"; did you mean {hint!r}?"
+              if hint else "") + f"\n\n{_usage(commands)}", file=sys.stderr)
         return 2
-    mod = importlib.import_module(commands[match].module)
-    rest = [a for a in argv[len(match):]]
-    want_help = any(a in ("-h", "--help") for a in rest)
+    info = commands[match]
+    mod = importlib.import_module(info.module)
+    rest = list(argv[len(match):])
+    name = " ".join(match)
+    resolved = [a for a in rest if a.startswith("--resolved=")]
+    if resolved:  # a parent kvsim process hands its child the config it resolved
+        return _run_resolved(name, mod, resolved[0].split("=", 1)[1])
+    if getattr(mod, "MULTIRUN_OF", None):  # `kvsim sweep`: a multirun of another command
+        target = next(i for w, i in commands.items() if w == tuple(mod.MULTIRUN_OF))
+        if any(a in ("-h", "--help") for a in rest):
+            from kvsim.config_help import command_help
+
+            print(f"kvsim {name}: {dedent_doc(mod)}\n\n(the options are `kvsim "
+                  f"{' '.join(target.words)}`'s, below)\n")
+            target_mod = importlib.import_module(target.module)
+            print(command_help(" ".join(target.words), target_mod,
+                               [a for a in rest if "=" in a and not a.startswith("-")]))
+            return 0
+        try:
+            rest = mod.multirun_arguments(rest)
+        except (ValueError, UsageError) as exc:
+            print(f"kvsim {name}: {exc}", file=sys.stderr)
+            return 2
+        name, info = " ".join(target.words), target
+        mod = importlib.import_module(target.module)
+    return _run_hydra_app(name, info, mod, rest)
+
+
+def _shell_completion(commands: dict[tuple[str, ...], CommandInfo], args: list[str]) -> int:
+    """`eval "$(kvsim --shell-completion install=bash)"` installs Hydra's completion for
+    `kvsim`; the script then calls `kvsim -sc query=bash` with COMP_LINE set, which completes
+    the command words here and hands the rest of the line to that command's Hydra app."""
+    line = os.environ.get("COMP_LINE", "")
+    if not any(a.startswith("query=") for a in args):  # install= / uninstall=
+        info = commands[("sim",)]
+        mod = importlib.import_module(info.module)
+        return _launch("sim", info, mod, ["--shell-completion", *args], None, prog="kvsim")
+    words = line.split()
+    typed = words[1:]
+    match = max((w for w in commands if tuple(typed[: len(w)]) == w), key=len, default=None)
+    if match is None or (len(typed) == len(match) and not line.endswith(" ")):
+        prefix = " ".join(typed)
+        print("\n".join(sorted({" ".join(w)[len(prefix) - len(typed[-1]):].split(" ")[0]
+                                 if typed else w[0]
+                                 for w in commands if " ".join(w).startswith(prefix)})))
+        return 0
+    info = commands[match]
+    mod = importlib.import_module(info.module)
+    cut = line.index(match[-1], len(words[0])) + len(match[-1])
+    os.environ["COMP_LINE"] = "kvsim" + line[cut:]
+    point = int(os.environ.get("COMP_POINT", len(line)))
+    os.environ["COMP_POINT"] = str(max(len("kvsim"), point - cut + len("kvsim")))
+    return _launch(" ".join(match), info, mod, ["--shell-completion", *args], None,
+                   prog="kvsim")
+
+
+def _run_resolved(name: str, mod: Any, path: str) -> int:
+    try:
+        cfg, _ = from_resolved(path, mod.Config)
+    except Exception as exc:  # OmegaConf validation of a config another process wrote
+        print(f"kvsim {name}: bad resolved configuration {path}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        mod.run(cfg)
+    except (ValueError, FileNotFoundError, UsageError, TimeoutError) as exc:
+        print(f"kvsim {name}: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+_FLAGS_WITHOUT_RUN = ("--cfg", "-c", "--info", "-i", "--shell-completion", "-sc",
+                      "--hydra-help", "--help", "-h")
+
+
+def _run_hydra_app(name: str, info: CommandInfo, mod: Any, rest: list[str]) -> int:
+    """Hand `rest` to Hydra as the command line of an application whose config is
+    conf/<CONFIG_NAME>.yaml and whose task runs the command."""
+    from hydra._internal.utils import get_args_parser
+
     report_path = None
-    overrides = []
+    args: list[str] = []
     for arg in rest:
-        if arg in ("-h", "--help"):
-            continue
         if arg.startswith("report="):
             report_path = arg.split("=", 1)[1]
-        elif arg.startswith("--resolved="):
-            overrides.append(arg)
-        elif "=" not in arg:
-            print(f"kvsim {' '.join(match)}: unexpected argument {arg!r} "
-                  "(overrides look like key=value)", file=sys.stderr)
+        else:
+            args.append(arg)
+    parser = get_args_parser()
+    parser.prog = f"kvsim {name}"
+    try:  # flags and overrides in any order (Hydra's own parser wants flags first)
+        parsed = parser.parse_intermixed_args(args)
+    except SystemExit as exc:  # argparse printed its usage error
+        return int(exc.code or 2)
+    for flag in ("config_path", "config_name", "experimental_rerun"):
+        if getattr(parsed, flag) is not None:
+            print(f"kvsim {name}: --{flag.replace('_', '-')} is not offered: the command "
+                  f"names its config (conf/{info.config_name}.yaml); use --config-dir DIR "
+                  "to add a directory of presets", file=sys.stderr)
             return 2
-        else:
-            overrides.append(arg)
-    resolved = [a for a in overrides if a.startswith("--resolved=")]
-    try:
-        if resolved:  # a parent kvsim process hands its child the config it resolved
-            cfg, plain = from_resolved(resolved[0].split("=", 1)[1], mod.Config)
-        else:
-            cfg, plain = compose(mod.CONFIG_NAME, overrides, getattr(mod, "Config", None))
-    except Exception as exc:  # Hydra/OmegaConf composition and validation errors
-        msg = str(exc).strip()
-        if exc.__cause__ is not None and str(exc.__cause__).strip() not in msg:
-            msg += f"\n  {str(exc.__cause__).strip().splitlines()[0]}"
-        print(f"kvsim {' '.join(match)}: bad configuration: {msg}", file=sys.stderr)
+    if parsed.help:
+        from kvsim.config_help import command_help
+
+        try:
+            print(command_help(name, mod, parsed.overrides))
+        except ValueError as exc:
+            print(f"kvsim {name}: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    if report_path is not None and parsed.multirun:
+        print(f"kvsim {name}: report= names one file, but -m runs several jobs; each job "
+              "writes report.json in its own directory under multirun/", file=sys.stderr)
         return 2
-    if want_help:
+    from kvsim.config_keys import OverrideError, check_overrides
+
+    schema = getattr(mod, "Config", None)
+    try:
+        if not parsed.shell_completion:  # its arguments (install=bash) are not overrides
+            check_overrides(info.config_name, schema, parsed.overrides)
+    except OverrideError as exc:
+        print(f"kvsim {name}: {exc}", file=sys.stderr)
+        return 2
+    hydra_args = _hydra_flags(parsed) + list(parsed.overrides) + \
+        _default_hydra_overrides(info, parsed.overrides)
+    return _launch(name, info, mod, hydra_args, report_path)
+
+
+def _hydra_flags(parsed: Any) -> list[str]:
+    """The flags of a parsed Hydra command line, rebuilt in the order Hydra's parser wants
+    (before the overrides)."""
+    flags: list[str] = []
+    for attr, flag in (("multirun", "--multirun"), ("run", "--run"), ("resolve", "--resolve"),
+                       ("shell_completion", "--shell-completion"),
+                       ("hydra_help", "--hydra-help")):
+        if getattr(parsed, attr):
+            flags.append(flag)
+    for attr, flag in (("cfg", "--cfg"), ("package", "--package"), ("info", "--info"),
+                       ("config_dir", "--config-dir")):
+        value = getattr(parsed, attr)
+        if value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
+def _default_hydra_overrides(info: CommandInfo, overrides: list[str]) -> list[str]:
+    """Where runs go (unless the command line says): $KVSIM_OUTPUT_ROOT (default: the
+    current directory)/outputs/<date>/<time>-<command>, multirun/<date>/<time>-<command>/N."""
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    root = "${oc.env:KVSIM_OUTPUT_ROOT,.}"
+    stamp = "${now:%Y-%m-%d}/${now:%H-%M-%S}-" + info.job_name
+    defaults = {
+        "hydra.job.name": info.job_name,
+        "hydra.run.dir": f"{root}/outputs/{stamp}",
+        "hydra.sweep.dir": f"{root}/multirun/{stamp}",
+    }
+    return [f"{k}='{v}'" for k, v in defaults.items() if k not in given]
+
+
+def _launch(name: str, info: CommandInfo, mod: Any, hydra_args: list[str],
+            report_path: str | None, prog: str | None = None) -> int:
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+
+    register_schema(info.config_name, getattr(mod, "Config", None))
+    task = _task(name, mod, report_path)
+    app = hydra.main(version_base="1.3", config_path=str(CONF_DIR),
+                     config_name=info.config_name)(task)
+    saved_argv = sys.argv
+    sys.argv = [prog or f"kvsim {name}", *hydra_args]
+    try:
+        app()
+    except SystemExit as exc:  # Hydra reports composition / job errors, then exits
+        code = exc.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    finally:
+        sys.argv = saved_argv
+        HydraConfig.instance().cfg = None  # a later in-process call is not inside this run
+    return 0
+
+
+def _task(name: str, mod: Any, report_path: str | None):
+    """The Hydra task: typed config -> mod.run -> report.json in the run directory."""
+    def task(dcfg: Any) -> list[dict]:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
         from omegaconf import OmegaConf
 
-        doc = textwrap.dedent(mod.__doc__ or mod.HELP).strip()
-        print(f"kvsim {' '.join(match)}: {doc}\n\nconfig (conf/{mod.CONFIG_NAME}.yaml) with "
-              f"defaults; override with key=value, add report=PATH for JSON:\n")
-        print(OmegaConf.to_yaml(OmegaConf.create(plain)))
-        return 0
-    from kvsim.report import write_report
+        from kvsim.paths import output_dir
+        from kvsim.report import write_report
 
-    started = time.time()
-    try:
-        rows = mod.run(cfg)
-    except (ValueError, FileNotFoundError, UsageError, TimeoutError) as exc:
-        print(f"kvsim {' '.join(match)}: error: {exc}", file=sys.stderr)
-        return 1
-    if report_path:
-        write_report(report_path, " ".join(match), plain, rows or [], time.time() - started,
-                     overrides)
-        print(f"report written to {report_path}", file=sys.stderr)
-    return 0
+        hc = HydraConfig.get()
+        overrides = list(hc.overrides.task)
+        where = f" (job {hc.job.num}: {' '.join(overrides)})" \
+            if hc.mode == RunMode.MULTIRUN else ""
+        plain = OmegaConf.to_container(dcfg, resolve=True)
+        try:  # the schema's own checks (__post_init__) run here
+            typed = OmegaConf.to_object(dcfg) if getattr(mod, "Config", None) else plain
+        except Exception as exc:  # OmegaConf validation / ValueError of a dataclass check
+            msg = str(exc.__cause__ or exc).strip().splitlines()[0]
+            raise CommandFailed(f"kvsim {name}: bad configuration{where}: {msg}") from None
+        in_sweep = hc.mode == RunMode.MULTIRUN and \
+            str(hc.sweeper.get("_target_", "")).endswith("ResumingSweeper")
+        if hc.mode == RunMode.RUN and hc.sweeper.get("params"):
+            grid = " ".join(f"{k}={v}" for k, v in hc.sweeper.params.items())
+            print(f"kvsim {name}: this configuration declares a grid ({grid}); this run is one "
+                  "point of it, add -m to run them all", file=sys.stderr)
+        started = time.time()
+        try:
+            if in_sweep:
+                from kvsim.sweep import run_point
+
+                rows = run_point(mod.run, typed, plain, overrides, name)
+            else:
+                rows = mod.run(typed)
+        except (ValueError, FileNotFoundError, UsageError, TimeoutError) as exc:
+            raise CommandFailed(f"kvsim {name}: error{where}: {exc}") from None
+        wall_s = time.time() - started
+        run_dir = output_dir()
+        write_report(run_dir / "report.json", name, plain, rows or [], wall_s, overrides)
+        if report_path:
+            write_report(report_path, name, plain, rows or [], wall_s, overrides)
+            print(f"report written to {report_path}", file=sys.stderr)
+        return rows or []
+
+    return task
 
 
 def config_as_dict(cfg) -> dict:
     return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
+
+
+def dedent_doc(mod: Any) -> str:
+    return textwrap.dedent(mod.__doc__ or getattr(mod, "HELP", "")).strip()
 
 
 if __name__ == "__main__":

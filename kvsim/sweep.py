@@ -1,110 +1,59 @@
-"""Grid sweeps over `kvsim sim`: expand grid axes into points, compose one sim config per point
-(Hydra, through kvsim.cli.compose), run the simulator in-process, and collect a tidy table with
-one row per (grid point, codec, transfer policy).
+"""Resumable sweeps: a Hydra sweeper that runs each point of a multirun once, and the tidy
+table of a sweep directory.
 
-Columns: `point` (grid point index), `grid.<key>` for every swept key (the value given on the
-command line), then the simulator's row with nested dicts flattened to `<key>.<sub>` (e.g.
-`ttkt_s.64`, `breakdown_s.decode`, `stream_bytes.anchor`). Written as <out>.csv and
-<out>.parquet, with a sidecar <out>.json holding the grid, the base overrides, the resolved base
-sim config, each point's overrides and provenance.
+`kvsim sweep key=a,b ...` is `kvsim sim -m hydra/sweeper=kvsim_resume
+hydra/launcher=joblib ...` (kvsim/commands/sweep.py). The sweeper is a Hydra plugin, so it
+lives where Hydra looks for plugins (hydra_plugins/kvsim_sweeper/). It expands the grid as
+Hydra's basic sweeper does (the scenario's `hydra.sweeper.params`, then the command line: a
+key given there wins), composes every point's config and hashes it (`point_key`: sha256 of
+the resolved config), and launches only the points whose `points/<key>.json` is missing from
+the sweep directory, through whichever Hydra launcher is configured (joblib, submitit_local
+or submitit_slurm, ray). Each job, when it finishes, writes its point file and rewrites the
+merged table under a file lock, so an interrupted sweep leaves every finished point and a
+table of them; a rerun computes only what is missing.
+
+Sweep directory layout:
+    points/<key>.json    one finished point: overrides, resolved config, rows, wall time
+    <job number>/        Hydra's job directory (.hydra/, report.json, output.txt)
+    sweep.csv, sweep.parquet
+                         one row per (point, codec, transfer): `point`, `overrides`,
+                         `grid.<key>` per swept key, `config.<key>` per resolved config
+                         value, and the simulator's row flattened (`ttkt_s.64`, ...)
+    sweep.json           the sidecar: grid, points, columns, provenance
 """
 
 from __future__ import annotations
 
-import itertools
+import contextlib
+import fcntl
+import hashlib
 import json
-import math
+import os
+import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
+from hydra.errors import CompactHydraException
 
-from kvsim.config.sim import SimConfig
-from kvsim.report import json_safe, provenance
+from kvsim.report import json_safe
 
+POINTS_DIR = "points"
+TABLE_STEM = "sweep"
 GRID_PREFIX = "grid."
-# grid keys that replace the simulator's own inner sweep list of the same quantity
-_INNER_SWEEP = {"workload.context_tokens": "sweep.context_tokens",
-                "link.bandwidth_gbps": "sweep.bandwidth_gbps"}
+CONFIG_PREFIX = "config."
+MANIFEST = "manifest.json"
 
 
-@dataclass
-class GridPoint:
-    index: int
-    values: dict[str, Any]  # swept key -> value at this point
-    overrides: list[str]  # the `kvsim sim` overrides that make this point (base + grid)
+class SweepFailed(CompactHydraException):
+    pass
 
 
-@dataclass
-class SweepResult:
-    table: pd.DataFrame
-    points: list[GridPoint]
-    base_config: dict
-    files: dict[str, str] = field(default_factory=dict)
-    wall_s: float = 0.0
-
-
-def hydra_value(value: Any) -> str:
-    """Render plain data as a Hydra override value (numbers, bools, null, quoted strings,
-    lists, dicts), so that values given as data round-trip into `key=value` overrides."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise ValueError(f"grid value {value!r} is not finite")
-        return repr(value)
-    if isinstance(value, str):
-        escaped = value.replace("\\", "\\\\").replace("'", "\\'")
-        return f"'{escaped}'"
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(hydra_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ",".join(f"{k}:{hydra_value(v)}" for k, v in value.items()) + "}"
-    raise ValueError(f"cannot express {value!r} ({type(value).__name__}) as a Hydra override")
-
-
-def expand_grid(grid: dict[str, list[Any]]) -> list[dict[str, Any]]:
-    """Cartesian product of the axes, first axis slowest; every axis needs >= 1 value."""
-    if not grid:
-        raise ValueError("grid is empty: give at least one axis, e.g. "
-                         "'grid={link.bandwidth_gbps: [10,25,50]}'")
-    for key, values in grid.items():
-        if not isinstance(values, (list, tuple)) or len(values) == 0:
-            raise ValueError(f"grid axis {key!r} must be a non-empty list of values, "
-                             f"got {values!r}")
-        if not key or key.startswith(("+", "~")) or "=" in key:
-            raise ValueError(f"grid axis {key!r} must be a plain config key such as "
-                             "link.bandwidth_gbps or a group name such as model")
-    keys = list(grid)
-    return [dict(zip(keys, combo, strict=True))
-            for combo in itertools.product(*(grid[k] for k in keys))]
-
-
-def _override_key(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+~")
-
-
-def point_overrides(base: list[str], values: dict[str, Any]) -> list[str]:
-    """Base overrides + one `key=value` per swept key; a swept key must not also be fixed in
-    the base (which value wins would be unclear)."""
-    fixed = {_override_key(o) for o in base}
-    clash = sorted(fixed & set(values))
-    if clash:
-        raise ValueError(f"grid axes {clash} are also set by the base overrides; "
-                         "set each key in one place")
-    out = list(base)
-    for key, value in values.items():
-        out.append(f"{key}={hydra_value(value)}")
-        inner = _INNER_SWEEP.get(key)
-        if inner and inner not in fixed:  # the grid value must not be replaced by a
-            out.append(f"{inner}=[]")  # scenario's inner sweep list
-    return out
+def point_key(config: dict) -> str:
+    """The identity of a point: sha256 of its resolved config (sorted JSON), 16 hex digits."""
+    text = json.dumps(json_safe(config), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def flatten(row: dict, prefix: str = "") -> dict[str, Any]:
@@ -121,82 +70,157 @@ def flatten(row: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def compose_sim(overrides: list[str]) -> tuple[SimConfig, dict]:
-    """Typed and plain `kvsim sim` config for these overrides (Hydra lives in kvsim.cli)."""
-    from kvsim.cli import compose
-
-    try:
-        return compose("sim", overrides, SimConfig)
-    except Exception as exc:  # Hydra / OmegaConf errors: name the overrides that failed
-        cause = f" ({str(exc.__cause__).strip().splitlines()[0]})" if exc.__cause__ else ""
-        raise ValueError(f"sim config with overrides {overrides} does not compose: "
-                         f"{str(exc).strip()}{cause}") from exc
+def _write_atomic(path: Path, text: str | bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    if isinstance(text, bytes):
+        tmp.write_bytes(text)
+    else:
+        tmp.write_text(text)
+    os.replace(tmp, path)
 
 
-def run_sweep(grid: dict[str, list[Any]], base: list[str], progress: bool = True) -> SweepResult:
-    """Run `kvsim sim` at every grid point; one table row per (point, codec, transfer)."""
-    from kvsim.sim.run import run_all
+@contextlib.contextmanager
+def _locked(sweep_dir: Path) -> Iterator[None]:
+    """One writer of the merged table at a time (jobs finish in parallel processes)."""
+    with open(sweep_dir / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
-    started = time.perf_counter()
-    combos = expand_grid(grid)
-    points = [GridPoint(i, values, point_overrides(base, values))
-              for i, values in enumerate(combos)]
-    base_cfg, base_plain = compose_sim(list(base))
-    if base_cfg.trace_path:
-        raise ValueError("trace_path is set: a sweep would overwrite one trace per point; "
-                         "trace single runs with `kvsim sim trace_path=...`")
-    configs = [compose_sim(p.overrides)[0] for p in points]  # fail before running anything
-    from tqdm import tqdm
 
-    rows: list[dict[str, Any]] = []
-    for point, cfg in tqdm(list(zip(points, configs, strict=True)), desc="sweep", unit="point",
-                           disable=not progress):
-        sim_rows, _ = run_all(cfg, progress=False)
-        for sim_row in sim_rows:
-            row: dict[str, Any] = {"point": point.index}
-            row.update({f"{GRID_PREFIX}{k}": v for k, v in point.values.items()})
+def load_points(sweep_dir: Path, keys: list[str] | None = None) -> list[dict]:
+    """The finished points of a sweep directory (those of `keys`, in that order, if given)."""
+    folder = sweep_dir / POINTS_DIR
+    if keys is None:
+        paths = sorted(folder.glob("*.json"))
+    else:
+        paths = [folder / f"{k}.json" for k in keys if (folder / f"{k}.json").is_file()]
+    points = []
+    for p in paths:
+        try:
+            points.append(json.loads(p.read_text()))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"sweep point file {p} is unreadable ({exc}); delete it and "
+                             "rerun the sweep to recompute that point") from exc
+    return points
+
+
+def _grid_value(config: dict, key: str, override_value: str) -> Any:
+    """A swept key's value at a point: the resolved config value, or the preset name for a
+    group (model=..., hardware=...)."""
+    node: Any = config
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return override_value
+        node = node[part]
+    return override_value if isinstance(node, (dict, list)) else node
+
+
+def build_table(points: list[dict], grid: dict[str, list[str]]):
+    import pandas as pd
+
+    rows = []
+    for point in points:
+        values = dict(o.split("=", 1) for o in point["overrides"] if "=" in o)
+        for sim_row in point["rows"]:
+            row: dict[str, Any] = {"point": point["key"],
+                                   "overrides": " ".join(point["overrides"])}
+            for key in grid:
+                row[f"{GRID_PREFIX}{key}"] = _grid_value(point["config"], key,
+                                                         values.get(key, ""))
             row.update(flatten(sim_row))
+            row.update(flatten(point["config"], CONFIG_PREFIX))
             rows.append(row)
-    table = pd.DataFrame(rows)
-    return SweepResult(table, points, base_plain, wall_s=time.perf_counter() - started)
+    return pd.DataFrame(rows)
 
 
-def output_paths(out: str | Path) -> dict[str, Path]:
-    """<out>.csv, <out>.parquet and the sidecar <out>.json (a given suffix is dropped)."""
-    out = Path(out)
-    if out.suffix in (".csv", ".parquet", ".json"):
-        out = out.with_suffix("")
-    if not out.name:
-        raise ValueError("out must name a file stem, e.g. out=results/sweep1")
-    return {"csv": out.with_suffix(".csv"), "parquet": out.with_suffix(".parquet"),
-            "sidecar": out.with_suffix(".json")}
+def write_table(sweep_dir: Path) -> dict[str, Path]:
+    """Rewrite sweep.csv / sweep.parquet / sweep.json from the finished points (call under
+    the lock)."""
+    from kvsim.report import provenance
 
+    manifest = json.loads((sweep_dir / MANIFEST).read_text())
+    points = load_points(sweep_dir, [p["key"] for p in manifest["points"]])
+    table = build_table(points, manifest["grid"])
+    paths = {"csv": sweep_dir / f"{TABLE_STEM}.csv",
+             "parquet": sweep_dir / f"{TABLE_STEM}.parquet",
+             "sidecar": sweep_dir / f"{TABLE_STEM}.json"}
+    _write_atomic(paths["csv"], table.to_csv(index=False))
+    import io
 
-def write_sweep(result: SweepResult, out: str | Path, grid: dict, base: list[str],
-                sweep_config: dict) -> dict[str, Path]:
-    paths = output_paths(out)
-    paths["csv"].parent.mkdir(parents=True, exist_ok=True)
-    result.table.to_csv(paths["csv"], index=False)
-    result.table.to_parquet(paths["parquet"], index=False)
+    buf = io.BytesIO()
+    table.to_parquet(buf, index=False)
+    _write_atomic(paths["parquet"], buf.getvalue())
     sidecar = {
         "command": "sweep",
-        "sweep_config": sweep_config,
-        "grid": grid,
-        "base_overrides": base,
-        "base_config": result.base_config,
-        "points": [{"point": p.index, "values": p.values, "overrides": p.overrides}
-                   for p in result.points],
-        "grid_columns": [f"{GRID_PREFIX}{k}" for k in grid],
-        "columns": list(result.table.columns),
-        "rows": len(result.table),
+        "arguments": manifest["arguments"],
+        "grid": manifest["grid"],
+        "grid_columns": [f"{GRID_PREFIX}{k}" for k in manifest["grid"]],
+        "points_expected": len(manifest["points"]),
+        "points_done": len(points),
+        "points": [{"key": p["key"], "overrides": p["overrides"], "wall_s": p["wall_s"],
+                    "job_dir": p["job_dir"]} for p in points],
+        "columns": list(table.columns),
+        "rows": len(table),
         "files": {"csv": str(paths["csv"]), "parquet": str(paths["parquet"])},
         "provenance": provenance(),
-        "wall_s": result.wall_s,
     }
-    paths["sidecar"].write_text(json.dumps(json_safe(sidecar), indent=1) + "\n")
-    result.files = {k: str(v) for k, v in paths.items()}
+    _write_atomic(paths["sidecar"], json.dumps(json_safe(sidecar), indent=1) + "\n")
     return paths
 
 
-__all__ = ["GridPoint", "SweepResult", "hydra_value", "expand_grid", "point_overrides",
-           "flatten", "compose_sim", "run_sweep", "output_paths", "write_sweep", "GRID_PREFIX"]
+def run_point(run: Callable[[Any], list[dict]], typed: Any, plain: dict,
+              overrides: list[str], name: str) -> list[dict]:
+    """One job of a resumable sweep (called inside the Hydra job): run the command with its
+    printed output going to <job dir>/output.txt, write points/<key>.json, rewrite the merged
+    table, and say how far the sweep is."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hc = HydraConfig.get()
+    sweep_dir = Path(hc.sweep.dir)
+    job_dir = Path(hc.runtime.output_dir)
+    key = point_key(plain)
+    started = time.perf_counter()
+    job_dir.mkdir(parents=True, exist_ok=True)
+    with open(job_dir / "output.txt", "w") as out, contextlib.redirect_stdout(out), \
+            contextlib.redirect_stderr(out):
+        rows = run(typed) or []
+    wall_s = time.perf_counter() - started
+    doc = {"key": key, "overrides": overrides, "config": plain, "rows": rows,
+           "wall_s": wall_s, "job_dir": str(job_dir), "command": name}
+    (sweep_dir / POINTS_DIR).mkdir(parents=True, exist_ok=True)
+    _write_atomic(sweep_dir / POINTS_DIR / f"{key}.json", json.dumps(json_safe(doc)) + "\n")
+    with _locked(sweep_dir):
+        write_table(sweep_dir)
+        manifest = json.loads((sweep_dir / MANIFEST).read_text())
+        keys = {p["key"] for p in manifest["points"]}
+        done = sum(1 for k in keys if (sweep_dir / POINTS_DIR / f"{k}.json").is_file())
+    print(f"sweep: {done}/{len(keys)} points done ({wall_s:.1f} s: {' '.join(overrides)})",
+          file=sys.stderr, flush=True)
+    return rows
+
+
+def print_summary(table_path: Path, grid: dict[str, list[str]]) -> None:
+    """The merged table's headline columns, one line per (point, codec, transfer)."""
+    import pandas as pd
+
+    from kvsim.report import format_table
+
+    if not table_path.is_file():
+        return
+    table = pd.read_parquet(table_path)
+    if table.empty:
+        return
+    cols = [("point", "point", "")]
+    cols += [(f"{GRID_PREFIX}{k}", k, "") for k in grid]
+    cols += [(c, h, f) for c, h, f in (("codec", "codec", ""), ("transfer", "transfer", ""),
+                                       ("ttft_s", "TTFT s", ".3f"),
+                                       ("ttft_committed_s", "TTFT-c", ".3f"),
+                                       ("ttkt_s.32", "TT32T s", ".3f"),
+                                       ("ttkt_s.64", "TT64T s", ".3f")) if c in table.columns]
+    rows = table.to_dict(orient="records")
+    for row in rows:
+        row["point"] = str(row["point"])[:8]
+    print(format_table(rows, cols))

@@ -41,6 +41,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _kvsim_run_directories(tmp_path_factory):
+    """Hydra run directories (outputs/, multirun/) of the commands tests run go to a temporary
+    directory, not into the checkout the tests run from."""
+    os.environ["KVSIM_OUTPUT_ROOT"] = str(tmp_path_factory.mktemp("kvsim-runs"))
+
+
 @pytest.fixture
 def kernel_device() -> str:
     """Where Triton kernels run in this session: 'cuda', or 'cpu' under TRITON_INTERPRET=1."""

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 from kvsim.cli import _commands, main
 
@@ -28,6 +31,8 @@ def test_unknown_command_and_bad_arguments(capsys):
     assert "no_such_key" in capsys.readouterr().err
     assert main(["sim", "link.bandwidth_gbps=abc"]) == 2
     assert "could not be converted" in capsys.readouterr().err
+    assert main(["sim", "link.bandwidth_gbps=-3"]) == 1  # the command's own check, via Hydra
+    assert "link.bandwidth_gbps must be > 0" in capsys.readouterr().err
 
 
 def test_command_help_shows_config(capsys):
@@ -46,3 +51,86 @@ def test_report_carries_config_and_provenance(tmp_path, capsys):
     assert doc["config"]["workload"]["context_tokens"] == 2048
     assert doc["provenance"]["kvsim_version"]
     assert doc["rows"][0]["context_tokens"] == 2048
+
+
+def test_typos_fail_with_the_closest_key(capsys):
+    assert main(["sim", "link.bandwith_gbps=25"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean link.bandwidth_gbps?" in err and "+link" not in err
+    assert main(["sim", "+link.bandwith_gbps=25"]) == 2  # appending is no way around it
+    assert "did you mean link.bandwidth_gbps?" in capsys.readouterr().err
+    assert main(["sim", "model=llama3"]) == 2
+    assert "did you mean model=llama-3.1-8b?" in capsys.readouterr().err
+    assert main(["sim", "-m", "link.bandwidth_gbps=10,25", "worklod.context_tokens=1,2"]) == 2
+    assert "did you mean workload.context_tokens?" in capsys.readouterr().err
+    assert main(["smi"]) == 2
+    assert "did you mean 'sim'?" in capsys.readouterr().err
+
+
+def test_version_list_and_help_with_comments(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("kvsim 0.")
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "scenario" in out and "table1-qwen32b-16k" in out
+    assert main(["list", "scenario"]) == 0
+    out = capsys.readouterr().out
+    assert "grid (-m): workload.context_tokens=32768,65536,131072" in out
+    assert main(["list", "scenaro"]) == 2
+    assert "did you mean 'scenario'" in capsys.readouterr().err
+    assert main(["sim", "--help"]) == 0
+    out = capsys.readouterr().out
+    # groups with their presets, the scenarios, and each field's comment (units)
+    assert "hardware   [ascend-910b4]" in out and "fig11-context" in out
+    assert "bandwidth_gbps: 10.0  # 1e9 bit/s" in out
+
+
+def test_hydra_command_line_flags(capsys):
+    assert main(["sim", "--cfg", "job", "link.bandwidth_gbps=3"]) == 0
+    assert "bandwidth_gbps: 3.0" in capsys.readouterr().out
+    assert main(["sim", "link.bandwidth_gbps=3", "--info", "defaults"]) == 0
+    assert "scenario/table1-qwen32b-16k" in capsys.readouterr().out
+    assert main(["sim", "-m", "link.bandwidth_gbps=3", "report=x.json"]) == 2
+    assert "report= names one file" in capsys.readouterr().err
+
+
+def test_run_directory_holds_report_and_hydra_config(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["sim", "scenario=none", "model=smollm2-135m", "codecs=[int8]", "samples=1",
+                 "workload.context_tokens=1024", f"hydra.run.dir={run_dir}"]) == 0
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["config"]["model"]["name"] == "smollm2-135m"
+    assert "codecs=[int8]" in report["overrides"]
+    assert (run_dir / ".hydra" / "overrides.yaml").is_file()
+
+
+def test_default_run_writes_nothing_into_the_repository(tmp_path):
+    repo = Path(__file__).resolve().parent.parent
+
+    def status() -> str:
+        return subprocess.run(["git", "status", "--porcelain", "--ignored"], cwd=repo,
+                              capture_output=True, text=True, timeout=30).stdout
+
+    before = status()
+    env = {k: v for k, v in os.environ.items() if k != "KVSIM_OUTPUT_ROOT"}
+    for args in (["sim", "scenario=none", "codecs=[int8]", "samples=1"],
+                 ["plot", "kind=survival"]):
+        proc = subprocess.run([sys.executable, "-m", "kvsim", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    assert status() == before
+    reports = list((tmp_path / "outputs").glob("*/*-sim/report.json"))
+    assert len(reports) == 1  # the run directory under the current directory
+
+
+def test_shell_completion_completes_commands_and_keys(monkeypatch, capsys):
+    assert main(["--shell-completion", "install=bash"]) == 0
+    assert "complete -o nospace -o default -F hydra_bash_completion kvsim" in \
+        capsys.readouterr().out
+    for line, expected in (("kvsim si", "sim"), ("kvsim sim link.band", "link.bandwidth_gbps="),
+                           ("kvsim bench c", "codecs"), ("kvsim sim model=qwen3-3",
+                                                         "model=qwen3-32b")):
+        monkeypatch.setenv("COMP_LINE", line)
+        monkeypatch.setenv("COMP_POINT", str(len(line)))
+        assert main(["-sc", "query=bash"]) == 0
+        assert expected in capsys.readouterr().out.split(), line

@@ -24,11 +24,10 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("plot_inputs")
     paths = {"sim": d / "sim.json", "sweep": d / "sweep", "bench": d / "bench.json"}
     assert main(["sim", *SIM, f"report={paths['sim']}"]) == 0
-    assert main(["sweep", "grid={workload.context_tokens: [1024,2048], "
-                 "link.bandwidth_gbps: [10,40]}",
-                 "base={scenario: none, model: llama-3.1-8b, workload.output_tokens: 64}",
-                 "codecs=[int8,lynx]", "samples=1", "progress=false",
-                 f"out={paths['sweep']}"]) == 0
+    assert main(["sweep", "workload.context_tokens=1024,2048", "link.bandwidth_gbps=10,40",
+                 "scenario=none", "model=llama-3.1-8b", "workload.output_tokens=64",
+                 "codecs=[int8,lynx]", "samples=1", "hydra/launcher=basic",
+                 f"hydra.sweep.dir={paths['sweep']}"]) == 0
     assert main(["bench", "codecs", "codecs=[bf16,int8,lynx]", "kv_source=synthetic",
                  "shape.layers=1",
                  "shape.tokens=64", "shape.q_tokens=2", "repeats=1", "warmup=0",
@@ -71,7 +70,7 @@ def test_breakdown_bars_total_the_critical_path(inputs, tmp_path):
         assert bar["total_s"] == pytest.approx(r["ttkt_from_prefill_end_s"][k], rel=1e-9)
 
 
-@pytest.mark.parametrize("suffix", [".parquet", ".csv", ".json"])
+@pytest.mark.parametrize("suffix", ["/sweep.parquet", "/sweep.csv", "/sweep.json", ""])
 def test_fig11_from_each_sweep_file(inputs, tmp_path, suffix):
     rows = run(PlotOptions(kind="fig11", input=f"{inputs['sweep']}{suffix}", k=32,
                            out=str(tmp_path / "f.png"), formats=["png"]))
@@ -84,7 +83,7 @@ def test_fig11_from_each_sweep_file(inputs, tmp_path, suffix):
 
 def test_fig11_fixed_value_not_in_table(inputs, tmp_path):
     with pytest.raises(ValueError, match="not in the sweep table"):
-        run(PlotOptions(kind="fig11", input=f"{inputs['sweep']}.parquet", k=32,
+        run(PlotOptions(kind="fig11", input=f"{inputs['sweep']}/sweep.parquet", k=32,
                         fixed_bandwidth_gbps=25.0, out=str(tmp_path / "f.png")))
 
 
@@ -121,7 +120,7 @@ def test_bad_inputs_are_clear_errors(inputs, tmp_path):
         run(PlotOptions(kind="ttkt", input=str(inputs["bench"]), out=out))
     with pytest.raises(ValueError, match="is a 'sim' report"):
         run(PlotOptions(kind="codecs", input=str(inputs["sim"]), out=out))
-    with pytest.raises(ValueError, match="expected a `kvsim sweep` table"):
+    with pytest.raises(ValueError, match="expected a `kvsim sweep` directory"):
         run(PlotOptions(kind="fig11", input=str(inputs["sim"]), out=out))
     with pytest.raises(ValueError, match="no 'survival' curve"):
         run(PlotOptions(kind="survival", input=str(inputs["sim"]), out=out))
@@ -138,11 +137,11 @@ def test_bad_inputs_are_clear_errors(inputs, tmp_path):
 
 def test_fig11_needs_a_context_or_bandwidth_axis(tmp_path):
     out = tmp_path / "hw"
-    assert main(["sweep", "grid={workload.output_tokens: [32, 64]}",
-                 "base={scenario: none, model: llama-3.1-8b, workload.context_tokens: 1024}",
-                 "codecs=[int8]", "samples=1", "progress=false", f"out={out}"]) == 0
+    assert main(["sweep", "workload.output_tokens=32,64", "scenario=none",
+                 "model=llama-3.1-8b", "workload.context_tokens=1024", "codecs=[int8]",
+                 "samples=1", "hydra/launcher=basic", f"hydra.sweep.dir={out}"]) == 0
     with pytest.raises(ValueError, match="needs a sweep over"):
-        run(PlotOptions(kind="fig11", input=f"{out}.parquet", k=32,
+        run(PlotOptions(kind="fig11", input=str(out / "sweep.parquet"), k=32,
                         out=str(tmp_path / "f.png")))
 
 

@@ -243,10 +243,22 @@ def test_bad_policy_and_missing_timing_are_clear(tmp_path):
 
 
 # ---- the seeds' results, from the simulator ------------------------------------------------
-def _rows(scenario: str, codecs: list) -> list[dict]:
-    cfg, _ = compose("sim", [f"scenario={scenario}"], SimConfig)
+def _rows(scenario: str, codecs: list, overrides: tuple[str, ...] = ()) -> list[dict]:
+    cfg, _ = compose("sim", [f"scenario={scenario}", *overrides], SimConfig)
     cfg.codecs = codecs
     return run_all(cfg)[0]
+
+
+def _grid_rows(scenario: str, codecs: list) -> list[dict]:
+    """Every point of the grid the scenario declares (hydra.sweeper.params), as `kvsim sim -m
+    scenario=...` runs them: one composed config per point."""
+    from kvsim.config_help import declared_grid
+    from kvsim.paths import CONF_DIR
+
+    grid = declared_grid(CONF_DIR / "scenario" / f"{scenario}.yaml")
+    assert len(grid) == 1, grid
+    (key, values), = grid.items()
+    return [row for v in values.split(",") for row in _rows(scenario, codecs, (f"{key}={v}",))]
 
 
 def test_table1_ordering_bf16_int8_lynx_int4():
@@ -268,14 +280,14 @@ def _gain(rows, key):
 
 def test_fig11_lynx_gain_grows_with_context():
     # seeds: 0.22 s (32K) -> 0.84 s (128K); this calibration: ~0.28 -> 0.51 -> 0.88 s
-    gains = _gain(_rows("fig11-context", ["int8", LYNX]), "context_tokens")
+    gains = _gain(_grid_rows("fig11-context", ["int8", LYNX]), "context_tokens")
     assert len(gains) == 3 and all(g > 0 for g in gains)
     assert gains[0] < gains[1] < gains[2]
 
 
 def test_fig11_lynx_gain_shrinks_with_bandwidth():
     # seeds: 0.86 s (10 Gbps) -> 0.18 s (50 Gbps); this calibration: ~0.89 -> 0.51 -> 0.30 s
-    gains = _gain(_rows("fig11-bandwidth", ["int8", LYNX]), "bandwidth_gbps")
+    gains = _gain(_grid_rows("fig11-bandwidth", ["int8", LYNX]), "bandwidth_gbps")
     assert len(gains) == 3 and all(g > 0 for g in gains)
     assert gains[0] > gains[1] > gains[2]
 

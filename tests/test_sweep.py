@@ -1,116 +1,184 @@
-"""`kvsim sweep`: grid expansion, one sim run per point, tidy table + sidecar."""
+"""`kvsim sweep` and `kvsim sim -m`: Hydra multiruns, the resuming sweeper, the merged table,
+resume after an interruption, launchers (basic, joblib, submitit_local)."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pandas as pd
 import pytest
 
 from kvsim.cli import main
-from kvsim.sweep import expand_grid, hydra_value, point_overrides, run_sweep
+from kvsim.commands.sweep import default_sweep_dir, multirun_arguments
+from kvsim.sweep import build_table, point_key
 
 BASE = ["scenario=none", "model=llama-3.1-8b", "codecs=[int8,lynx]", "samples=1",
         "workload.output_tokens=64"]
 
 
-def test_hydra_value_renders_plain_data():
-    assert hydra_value(10) == "10"
-    assert hydra_value(2.5) == "2.5"
-    assert hydra_value(True) == "true"
-    assert hydra_value(None) == "null"
-    assert hydra_value("it's") == "'it\\'s'"
-    assert hydra_value(["int8", {"preset": "lynx", "acceptance": "geometric:0.9"}]) == \
-        "['int8',{preset:'lynx',acceptance:'geometric:0.9'}]"
-    with pytest.raises(ValueError, match="not finite"):
-        hydra_value(float("nan"))
+def _job_dirs(sweep_dir: Path) -> list[Path]:
+    return sorted(p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit())
 
 
-def test_expand_grid_is_the_product_first_axis_slowest():
-    points = expand_grid({"a": [1, 2], "b": ["x", "y", "z"]})
-    assert len(points) == 6
-    assert points[0] == {"a": 1, "b": "x"} and points[3] == {"a": 2, "b": "x"}
+def test_point_key_follows_the_resolved_config_not_its_order():
+    a = {"link": {"bandwidth_gbps": 10.0, "latency_s": 0.0}, "codecs": ["int8"]}
+    b = {"codecs": ["int8"], "link": {"latency_s": 0.0, "bandwidth_gbps": 10.0}}
+    assert point_key(a) == point_key(b)
+    assert point_key(a) != point_key({**a, "codecs": ["lynx"]})
+    assert len(point_key(a)) == 16
 
 
-@pytest.mark.parametrize("grid, match", [({}, "grid is empty"), ({"a": []}, "non-empty list"),
-                                         ({"a": 3}, "non-empty list"),
-                                         ({"a=b": [1]}, "plain config key")])
-def test_bad_grids_are_rejected(grid, match):
-    with pytest.raises(ValueError, match=match):
-        expand_grid(grid)
+def test_table_has_grid_config_and_metric_columns():
+    point = {"key": "k1", "overrides": ["link.bandwidth_gbps=25", "hardware=a100"],
+             "config": {"link": {"bandwidth_gbps": 25.0}, "hardware": {"name": "a100"}},
+             "rows": [{"codec": "int8", "ttkt_s": {"32": 1.5}}, {"codec": "lynx"}]}
+    t = build_table([point], {"link.bandwidth_gbps": ["10", "25"], "hardware": ["h100"]})
+    assert len(t) == 2
+    assert t["grid.link.bandwidth_gbps"].tolist() == [25.0, 25.0]  # the resolved value
+    assert t["grid.hardware"].tolist() == ["a100", "a100"]  # a group: the preset's name
+    assert t["config.link.bandwidth_gbps"].tolist() == [25.0, 25.0]
+    assert t.loc[0, "ttkt_s.32"] == 1.5 and t.loc[0, "point"] == "k1"
 
 
-def test_grid_key_also_in_base_is_rejected():
-    with pytest.raises(ValueError, match="also set by the base"):
-        point_overrides(["link.bandwidth_gbps=10"], {"link.bandwidth_gbps": 25})
+def test_sweep_arguments_default_to_joblib_and_a_directory_named_by_the_grid():
+    args = multirun_arguments(["link.bandwidth_gbps=10,25", "codecs=[int8]"])
+    assert args[:3] == ["--multirun", "hydra/sweeper=kvsim_resume", "hydra/launcher=joblib"]
+    assert any(a.startswith("hydra.sweep.dir=") for a in args)
+    # the same grid in another order finds the same directory (and resumes there)
+    assert default_sweep_dir(["a=1", "b=2,3"]) == default_sweep_dir(["b=2,3", "a=1"])
+    assert default_sweep_dir(["a=1"]) != default_sweep_dir(["a=2"])
+    mine = multirun_arguments(["x=1", "hydra/launcher=basic", "hydra.sweep.dir=/tmp/s"])
+    assert "hydra/launcher=joblib" not in mine and mine.count("hydra/launcher=basic") == 1
+    with pytest.raises(ValueError, match="report="):
+        multirun_arguments(["x=1", "report=r.json"])
 
 
-def test_sweep_rows_columns_and_values_follow_the_grid():
-    grid = {"link.bandwidth_gbps": [10, 40], "workload.context_tokens": [2048, 4096]}
-    result = run_sweep(grid, BASE, progress=False)
-    t = result.table
-    assert len(t) == 4 * 2  # points x codecs
-    for col in ("point", "grid.link.bandwidth_gbps", "grid.workload.context_tokens", "codec",
-                "transfer", "ttft_s", "ttkt_s.32", "breakdown_s.decode", "stream_bytes.anchor"):
+def test_multirun_over_two_keys_writes_a_run_directory_per_job(tmp_path, capsys):
+    sweep_dir = tmp_path / "m"
+    rc = main(["sim", "-m", *BASE, "link.bandwidth_gbps=10,40",
+               "workload.context_tokens=1024,2048", f"hydra.sweep.dir={sweep_dir}"])
+    assert rc == 0
+    jobs = _job_dirs(sweep_dir)
+    assert len(jobs) == 4
+    seen = set()
+    for job in jobs:
+        report = json.loads((job / "report.json").read_text())
+        cfg = report["config"]
+        seen.add((cfg["link"]["bandwidth_gbps"], cfg["workload"]["context_tokens"]))
+        assert (job / ".hydra" / "config.yaml").is_file()
+        assert {r["codec"] for r in report["rows"]} == {"int8", "lynx"}
+        assert report["rows"][0]["bandwidth_gbps"] == cfg["link"]["bandwidth_gbps"]
+    assert seen == {(10.0, 1024), (10.0, 2048), (40.0, 1024), (40.0, 2048)}
+
+
+def test_sweep_table_follows_the_grid_and_a_rerun_computes_nothing(tmp_path, capsys):
+    sweep_dir = tmp_path / "s"
+    args = ["sweep", *BASE, "link.bandwidth_gbps=10,40", "workload.context_tokens=2048,4096",
+            "hydra/launcher=basic", f"hydra.sweep.dir={sweep_dir}"]
+    assert main(args) == 0
+    t = pd.read_parquet(sweep_dir / "sweep.parquet")
+    assert len(t) == 4 * 2 and t["point"].nunique() == 4
+    for col in ("grid.link.bandwidth_gbps", "grid.workload.context_tokens", "codec",
+                "ttft_s", "ttkt_s.32", "breakdown_s.decode", "config.model.name",
+                "config.link.bandwidth_gbps", "config.samples"):
         assert col in t.columns, col
-    assert sorted(t["codec"].unique()) == ["int8", "lynx"]
-    # the simulator ran with the grid's values, not the base config's
+    # the simulator ran with the grid's values
     assert (t["bandwidth_gbps"] == t["grid.link.bandwidth_gbps"]).all()
     assert (t["context_tokens"] == t["grid.workload.context_tokens"]).all()
-    assert t.groupby("point").size().tolist() == [2, 2, 2, 2]
-    # physics: at a fixed context, a 4x faster link gives int8 an earlier first token, and
-    # twice the context moves twice the bytes
     int8 = t[t["codec"] == "int8"].set_index(["context_tokens", "bandwidth_gbps"])
     assert int8.loc[(4096, 40.0), "ttft_s"] < int8.loc[(4096, 10.0), "ttft_s"]
     ratio = int8.loc[(4096, 10.0), "total_bytes"] / int8.loc[(2048, 10.0), "total_bytes"]
-    assert ratio == pytest.approx(2.0, rel=1e-3)  # twice the tokens (+ a fixed header)
-    assert result.base_config["model"]["name"] == "llama-3.1-8b"
-
-
-def test_grid_over_a_config_group_and_inner_sweep_is_replaced(tmp_path):
-    # fig11-context has its own sweep.context_tokens list; a grid axis on the context must
-    # replace it (one row per codec per point, at the grid's context)
-    result = run_sweep({"workload.context_tokens": [2048], "hardware": ["h100", "a100"]},
-                       ["scenario=fig11-context", "samples=1"], progress=False)
-    t = result.table
-    assert len(t) == 2 * 2
-    assert set(t["context_tokens"]) == {2048}
-    assert sorted(t["hardware"].unique()) == ["a100", "h100"]
-    assert (t["hardware"] == t["grid.hardware"]).all()
-
-
-def test_unknown_key_names_the_overrides():
-    with pytest.raises(ValueError, match="does not compose"):
-        run_sweep({"link.no_such_key": [1]}, BASE, progress=False)
-
-
-def test_cli_writes_csv_parquet_and_sidecar(tmp_path, capsys):
-    out = tmp_path / "s"
-    rc = main(["sweep", "grid={link.bandwidth_gbps: [10,25], workload.context_tokens: [2048]}",
-               "base={scenario: none, model: llama-3.1-8b, workload.output_tokens: 64}",
-               "codecs=[int8,lynx]", "samples=1", "progress=false", f"out={out}",
-               f"report={tmp_path / 'report.json'}"])
-    assert rc == 0
-    csv, parquet = pd.read_csv(f"{out}.csv"), pd.read_parquet(f"{out}.parquet")
-    assert len(csv) == len(parquet) == 4
-    assert list(csv.columns) == list(parquet.columns)
-    assert sorted(parquet["grid.link.bandwidth_gbps"].unique()) == [10, 25]
-    side = json.loads((tmp_path / "s.json").read_text())
-    assert side["command"] == "sweep" and side["rows"] == 4
-    assert side["grid"] == {"link.bandwidth_gbps": [10, 25], "workload.context_tokens": [2048]}
-    assert side["base_config"]["model"]["name"] == "llama-3.1-8b"
-    assert side["base_config"]["workload"]["output_tokens"] == 64
-    assert len(side["points"]) == 2
-    assert "link.bandwidth_gbps=25" in side["points"][1]["overrides"]
+    assert ratio == pytest.approx(2.0, rel=1e-3)
+    side = json.loads((sweep_dir / "sweep.json").read_text())
+    assert side["command"] == "sweep" and side["rows"] == 8 and side["points_done"] == 4
+    assert side["grid"] == {"link.bandwidth_gbps": ["10", "40"],
+                            "workload.context_tokens": ["2048", "4096"]}
     assert side["provenance"]["kvsim_version"]
-    report = json.loads((tmp_path / "report.json").read_text())
-    assert report["command"] == "sweep" and len(report["rows"]) == 4
-    assert "int8" in capsys.readouterr().out
+    assert len(_job_dirs(sweep_dir)) == 4
+    capsys.readouterr()
+    assert main(args) == 0
+    assert "4 already done, 0 to run" in capsys.readouterr().err
+    assert len(_job_dirs(sweep_dir)) == 4  # nothing launched again
+    assert len(pd.read_parquet(sweep_dir / "sweep.parquet")) == 8
 
 
-def test_cli_bad_grid_and_duplicate_codecs_are_clear(tmp_path, capsys):
-    assert main(["sweep", "grid=[1,2]", f"out={tmp_path / 'x'}"]) == 1
-    assert "grid must be a mapping" in capsys.readouterr().err
-    assert main(["sweep", "grid={samples: [1]}", "base={codecs: [int8]}", "codecs=[lynx]",
-                 f"out={tmp_path / 'x'}"]) == 1
-    assert "codecs is given twice" in capsys.readouterr().err
+def test_interrupted_sweep_resumes_with_only_the_missing_points(tmp_path):
+    sweep_dir = tmp_path / "i"
+    # six points of ~1 s each, one at a time, so an interrupt lands in the middle
+    args = [sys.executable, "-m", "kvsim", "sweep", "scenario=table1-qwen32b-16k",
+            "codecs=[int8,lynx]", "samples=16", "workload.context_tokens=8192,16384,24576",
+            "link.bandwidth_gbps=10,25", "hydra/launcher=basic",
+            f"hydra.sweep.dir={sweep_dir}"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ}, text=True)
+    deadline = time.monotonic() + 240
+    points = sweep_dir / "points"
+    while time.monotonic() < deadline and proc.poll() is None:
+        if points.is_dir() and len(list(points.glob("*.json"))) >= 1:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=120)
+    done_first = len(list(points.glob("*.json")))
+    assert 1 <= done_first < 6, "the interrupt missed the sweep"
+    table = pd.read_parquet(sweep_dir / "sweep.parquet")  # the finished points, already merged
+    assert table["point"].nunique() == done_first
+    rerun = subprocess.run(args, capture_output=True, text=True, timeout=600,
+                           env={**os.environ})
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert f"{done_first} already done, {6 - done_first} to run" in rerun.stderr
+    assert len(list(points.glob("*.json"))) == 6
+    assert pd.read_parquet(sweep_dir / "sweep.parquet")["point"].nunique() == 6
+
+
+def test_scenario_grid_runs_and_a_command_line_key_wins(tmp_path, capsys):
+    sweep_dir = tmp_path / "f"
+    assert main(["sweep", "scenario=fig11-context", "codecs=[int8]", "samples=1",
+                 "hydra/launcher=basic", f"hydra.sweep.dir={sweep_dir}"]) == 0
+    t = pd.read_parquet(sweep_dir / "sweep.parquet")
+    assert sorted(t["context_tokens"]) == [32768, 65536, 131072]  # the scenario's grid
+    one = tmp_path / "g"
+    assert main(["sim", "-m", "scenario=fig11-context", "workload.context_tokens=4096",
+                 "codecs=[int8]", "samples=1", f"hydra.sweep.dir={one}"]) == 0
+    jobs = _job_dirs(one)
+    assert len(jobs) == 1  # the command line's value replaced the scenario's three
+    report = json.loads((jobs[0] / "report.json").read_text())
+    assert report["config"]["workload"]["context_tokens"] == 4096
+    # a single run of a scenario that declares a grid says so
+    capsys.readouterr()
+    assert main(["sim", "scenario=fig11-context", "codecs=[int8]", "samples=1"]) == 0
+    assert "add -m to run them all" in capsys.readouterr().err
+
+
+def test_a_failing_point_is_reported_and_the_others_are_kept(tmp_path, capsys):
+    sweep_dir = tmp_path / "bad"
+    rc = main(["sweep", *BASE, "link.bandwidth_gbps=10,-1", "hydra/launcher=basic",
+               f"hydra.sweep.dir={sweep_dir}"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "1 of 2 points failed" in err and "link.bandwidth_gbps" in err
+    assert pd.read_parquet(sweep_dir / "sweep.parquet")["point"].nunique() == 1
+
+
+def test_joblib_launcher_by_default(tmp_path, capsys):
+    sweep_dir = tmp_path / "j"
+    assert main(["sweep", *BASE, "link.bandwidth_gbps=10,40",
+                 f"hydra.sweep.dir={sweep_dir}"]) == 0
+    err = capsys.readouterr().err
+    assert "with JoblibLauncher" in err
+    assert pd.read_parquet(sweep_dir / "sweep.parquet")["point"].nunique() == 2
+
+
+def test_submitit_local_launcher(tmp_path, capsys):
+    sweep_dir = tmp_path / "sub"
+    assert main(["sweep", *BASE, "link.bandwidth_gbps=10,40", "hydra/launcher=submitit_local",
+                 "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={sweep_dir}"]) == 0
+    assert "with LocalLauncher" in capsys.readouterr().err
+    t = pd.read_parquet(sweep_dir / "sweep.parquet")
+    assert sorted(t["bandwidth_gbps"].unique()) == [10.0, 40.0]

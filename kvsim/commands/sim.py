@@ -16,6 +16,18 @@ CONFIG_NAME = "sim"
 Config = SimConfig
 
 
+# overrides that change what is reported or how often, not the scenario's setting
+_SETTING_KEEPERS = {"scenario", "codecs", "samples", "seed", "trace_path", "requests_path",
+                    "metrics.ks", "metrics.breakdown_k", "transfer", "title"}
+
+
+def run_overrides() -> list[str]:
+    """This run's command-line overrides (empty outside kvsim's command line)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
 def table_rows(rows: list[dict]) -> list[dict]:
     out = []
     for r in rows:
@@ -57,10 +69,15 @@ def print_table(cfg: SimConfig, rows: list[dict]) -> None:
                  ("link_utilisation", "link util", ".2f"),
                  ("link_busy_utilisation", "link busy", ".2f"), ("throughput_rps", "req/s", ".2f")]
     if cfg.title:
-        print(f"scenario: {cfg.title}")
+        changed = [o for o in run_overrides()
+                   if o.split("=", 1)[0].lstrip("+~") not in _SETTING_KEEPERS]
+        print(f"scenario: {cfg.title}" + (
+            f"; changed by this run's overrides: {' '.join(changed)} (the title describes the "
+            "scenario as written; the line below, this run)" if changed else ""))
     first = rows[0] if rows else {}
     print(f"model={cfg.model.name} hardware={cfg.hardware.devices}x{cfg.hardware.name} "
-          f"link={cfg.link.name} acceptance={cfg.speculative.acceptance} "
+          f"link={cfg.link.name} ({cfg.link.bandwidth_gbps:g} Gbps"
+          + (", trace" if cfg.link.trace else "") + f") acceptance={cfg.speculative.acceptance} "
           f"workload={cfg.workload.kind} ({first.get('requests', 0)} request(s), mean of "
           f"{cfg.samples} run(s)); times from "
           f"request arrival" + (f" (prefill {first['prefill_s']:.3f} s)" if "prefill_s" in first

@@ -1,73 +1,57 @@
-"""Run `kvsim sim` over the product of grid axes and write a tidy table: one row per
-(grid point, codec, transfer policy), the swept values as `grid.<key>` columns, the simulator's
-metrics flattened (`ttkt_s.64`, `breakdown_s.decode`, ...). Writes <out>.csv, <out>.parquet and
-a sidecar <out>.json with the grid, the base overrides, the resolved base config and
-provenance. Base config: `kvsim sim`'s, changed by base={scenario: ..., model: ..., ...}."""
+"""Run `kvsim sim` over a grid, resumably, in parallel, into one tidy table.
+
+    kvsim sweep link.bandwidth_gbps=10,25,50 workload.context_tokens=32768,65536 \\
+        'codecs=[int8,lynx]' samples=8
+    kvsim sweep scenario=fig11-context                  (the grid the scenario declares)
+    kvsim sweep ... hydra/launcher=submitit_slurm hydra.launcher.partition=gpu   (a cluster)
+
+A convenience over `kvsim sim -m`: the same overrides (comma-separated values are the grid
+axes; a scenario's `hydra.sweeper.params` add axes, a key on the command line wins), run
+with the joblib launcher on every core by default (`hydra/launcher=basic` runs them one by one
+in this process; submitit_local, submitit_slurm and ray are Hydra's other launchers). Every
+finished point is kept as points/<hash of its resolved config>.json in the sweep directory,
+and the merged table (sweep.parquet, sweep.csv, sidecar sweep.json: one row per point, codec
+and transfer policy, every resolved config value as a `config.*` column and every metric) is
+rewritten as points finish. Rerunning the same command resumes: only points without a result
+run. The sweep directory is multirun/sweep-<hash of the arguments> under $KVSIM_OUTPUT_ROOT
+(default: the current directory); hydra.sweep.dir=DIR names another."""
 
 from __future__ import annotations
 
-import sys
-from dataclasses import asdict, dataclass
-from typing import Any
-
-from kvsim.report import format_table
-from kvsim.sweep import GRID_PREFIX, hydra_value, run_sweep, write_sweep
+import hashlib
 
 COMMAND = ("sweep",)
-HELP = "run `kvsim sim` over a grid of config values -> tidy CSV/Parquet table + sidecar JSON"
-CONFIG_NAME = "sweep"
+HELP = "`kvsim sim` over a grid (key=a,b ...), resumable and parallel -> tidy Parquet/CSV table"
+CONFIG_NAME = "sim"
+MULTIRUN_OF = ("sim",)
+
+_SWEEP_FLAGS = ("-m", "--multirun")
 
 
-@dataclass
-class Config:
-    # {key: [values]}: `kvsim sim` keys or groups (typed Any: Hydra then assigns the mapping,
-    # dotted keys included, instead of merging it into a struct)
-    grid: Any = None
-    base: Any = None  # {key: value}: `kvsim sim` overrides shared by every grid point
-    codecs: list[Any] | None = None  # shorthand for base.codecs
-    samples: int | None = None  # shorthand for base.samples
-    out: str = "results/sweep"  # <out>.csv, <out>.parquet, <out>.json
-    progress: bool = True
+def default_sweep_dir(arguments: list[str]) -> str:
+    """multirun/sweep-<10 hex digits of the sorted arguments> under $KVSIM_OUTPUT_ROOT: the
+    same command finds the same directory again (and resumes there)."""
+    plain = sorted(a for a in arguments if not a.startswith(("hydra.", "hydra/", "-")))
+    digest = hashlib.sha256("\n".join(plain).encode()).hexdigest()[:10]
+    return "${oc.env:KVSIM_OUTPUT_ROOT,.}/multirun/sweep-" + digest
 
 
-def _mapping(value: Any, what: str) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise ValueError(f"{what} must be a mapping like {{key: value}}, got {value!r}")
-    return {str(k): v for k, v in value.items()}
-
-
-def base_overrides(cfg: Config) -> list[str]:
-    """The `kvsim sim` overrides shared by every grid point (base + the shorthands)."""
-    base = _mapping(cfg.base, "base")
-    for key in ("codecs", "samples"):
-        value = getattr(cfg, key)
-        if value is None:
-            continue
-        if key in base:
-            raise ValueError(f"{key} is given twice (as {key}= and in base); give it once")
-        base[key] = list(value) if key == "codecs" else int(value)
-    return [f"{key}={hydra_value(value)}" for key, value in base.items()]
-
-
-def run(cfg: Config) -> list[dict]:
-    grid = _mapping(cfg.grid, "grid")
-    base = base_overrides(cfg)
-    result = run_sweep(grid, base, progress=cfg.progress)
-    paths = write_sweep(result, cfg.out, grid, base, asdict(cfg))
-    table = result.table
-    rows = table.to_dict(orient="records")
-    ks = [c for c in ("ttkt_s.32", "ttkt_s.64") if c in table.columns]
-    cols = [("point", "point", "d")]
-    cols += [(f"{GRID_PREFIX}{k}", k, "") for k in grid]
-    cols += [("codec", "codec", ""), ("transfer", "transfer", ""),
-             ("context_tokens", "ctx", "d"), ("bandwidth_gbps", "Gbps", "g"),
-             ("ttft_s", "TTFT s", ".3f")]
-    cols += [(c, f"TT{c.split('.')[1]}T s", ".3f") for c in ks]
-    print(f"sweep: {len(result.points)} point(s) x codecs -> {len(table)} rows, "
-          f"{len(table.columns)} columns; base overrides {base}")
-    print(format_table(rows, cols))
-    for what, path in paths.items():
-        print(f"wrote {what}: {path}", file=sys.stderr)
-    return rows
+def multirun_arguments(arguments: list[str]) -> list[str]:
+    """The `kvsim sim` command line of this sweep: -m, the resuming sweeper, the joblib
+    launcher and the sweep directory, unless the arguments name their own."""
+    if any(a.startswith("report=") for a in arguments):
+        raise ValueError("report= names one file, but a sweep runs many jobs: the merged "
+                         "table is <sweep dir>/sweep.parquet (and each job's report.json)")
+    if any(a.startswith(("hydra/sweeper=", "hydra.sweeper._target_")) for a in arguments):
+        raise ValueError("kvsim sweep uses its own resuming sweeper; for another Hydra "
+                         "sweeper run `kvsim sim -m hydra/sweeper=...`")
+    if any(a in ("--cfg", "-c", "--info", "-i", "--shell-completion", "-sc")
+           for a in arguments):
+        raise ValueError("--cfg / --info / --shell-completion: ask `kvsim sim` directly")
+    given = {a.split("=", 1)[0] for a in arguments}
+    out = ["--multirun", "hydra/sweeper=kvsim_resume"]
+    if "hydra/launcher" not in given:
+        out.append("hydra/launcher=joblib")
+    if "hydra.sweep.dir" not in given:
+        out.append(f"hydra.sweep.dir='{default_sweep_dir(arguments)}'")
+    return out + [a for a in arguments if a not in _SWEEP_FLAGS]

@@ -174,20 +174,6 @@ class MetricsConfig:
 
 
 @dataclass
-class SweepConfig:
-    """Lists to run the product of (empty: use the single value from link / workload)."""
-
-    context_tokens: list[int] = field(default_factory=list)
-    bandwidth_gbps: list[float] = field(default_factory=list)
-
-    def validate(self) -> None:
-        for i, c in enumerate(self.context_tokens):
-            check_number(f"sweep.context_tokens[{i}]", c, minimum=1, strict=False)
-        for i, b in enumerate(self.bandwidth_gbps):
-            check_number(f"sweep.bandwidth_gbps[{i}]", b)
-
-
-@dataclass
 class SimConfig:
     model: ModelSpec = MISSING
     hardware: HardwareSpec = MISSING
@@ -195,7 +181,6 @@ class SimConfig:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
-    sweep: SweepConfig = field(default_factory=SweepConfig)
     # codec entries: preset names or {preset|name, params, label}; optional `transfer` key
     codecs: list[Any] = field(default_factory=lambda: ["bf16"])
     transfer: Any = "auto"  # auto (codec's natural policy) | policy | list of policies
@@ -225,7 +210,6 @@ class SimConfig:
         # ks up to the longest request; with a trace file's varying outputs, TTKT(k) is over
         # the requests that decode k tokens (rows count them: ttkt_requests)
         self.metrics.resolve(self.workload.max_output_tokens())
-        self.sweep.validate()
         self.hardware.validate()
         self.model.validate()
         if self.granularity not in GRANULARITIES:

@@ -89,6 +89,3 @@ class EmulateConfig(SimConfig):
     def validate(self) -> None:
         super().validate()
         self.transport.validate()
-        if self.sweep.context_tokens or self.sweep.bandwidth_gbps:
-            raise ValueError("sweep.* lists are not run by the transport: run one context and "
-                             "bandwidth per call")

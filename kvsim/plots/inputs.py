@@ -49,8 +49,13 @@ def load_report(path: str | Path, command: str) -> dict:
 
 def load_sweep(path: str | Path) -> tuple[pd.DataFrame, dict]:
     """A `kvsim sweep` table (.parquet / .csv) or its sidecar .json -> (table, sidecar)."""
-    what = "a `kvsim sweep` table (<out>.parquet, <out>.csv or the sidecar <out>.json)"
+    what = ("a `kvsim sweep` directory, or its table (sweep.parquet, sweep.csv or the "
+            "sidecar sweep.json)")
     p = _existing(path, what)
+    if p.is_dir():
+        p = p / "sweep.parquet"
+        if not p.is_file():
+            raise ValueError(f"{p.parent} holds no sweep.parquet; expected {what}")
     stem = p.with_suffix("")
     sidecar_path = stem.with_suffix(".json")
     sidecar = load_json(sidecar_path, what) if sidecar_path.is_file() else {}
@@ -102,8 +107,7 @@ def describe_sim(config: dict) -> str:
     model = (config.get("model") or {}).get("name", "?")
     hw = config.get("hardware") or {}
     link = config.get("link") or {}
-    bws = (config.get("sweep") or {}).get("bandwidth_gbps") or [link.get("bandwidth_gbps")]
-    bw = "/".join(f"{b:g}" for b in bws if b is not None)
+    bw = f"{link['bandwidth_gbps']:g}" if link.get("bandwidth_gbps") is not None else "?"
     return f"{model}, {hw.get('devices', 1)}x {hw.get('name', '?')}, {bw} Gbps"
 
 

@@ -337,12 +337,11 @@ def _with_context(w, context_tokens: int):
 
 
 def run_all(cfg: SimConfig, progress: bool = False) -> tuple[list[dict], TraceLog | None]:
-    """Every (codec, transfer) x context x bandwidth of the config; one row each."""
+    """Every (codec, transfer) of the config; one row each. Grids over contexts, bandwidths
+    or any other key are Hydra multiruns (`kvsim sim -m`, `kvsim sweep`): one config each."""
     cfg.validate()
     trace = TraceLog() if cfg.trace_path else None
-    contexts = list(cfg.sweep.context_tokens) or [cfg.workload.context_tokens]
-    bandwidths = list(cfg.sweep.bandwidth_gbps) or [cfg.link.bandwidth_gbps]
-    jobs = [(v, c, b) for v in variants(cfg) for c in contexts for b in bandwidths]
+    jobs = [(v, cfg.workload.context_tokens, cfg.link.bandwidth_gbps) for v in variants(cfg)]
     rows, request_log = [], []
     if progress and len(jobs) > 1:
         from tqdm import tqdm

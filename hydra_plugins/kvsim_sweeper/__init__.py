@@ -1,0 +1,1 @@
+"""kvsim's Hydra plugins: the resuming sweeper of `kvsim sweep`."""
