@@ -46,6 +46,10 @@ def table_rows(rows: list[dict]) -> list[dict]:
         flat["gb"] = r["total_bytes"] / 1e9
         pct = r.get("ttft_pct_s") or {}
         flat["ttft_p50"], flat["ttft_p99"] = pct.get("p50"), pct.get("p99")
+        spread = r.get("spread") or {}
+        for key, col in (("ttft_s", "ttft_ci"), ("ttkt_s.32", "tt32t_ci")):
+            iv = spread.get(key) or {}
+            flat[col] = None if iv.get("ci95_high") is None else iv["ci95_high"] - iv["mean"]
         acc, prop = r.get("accepted_tokens", 0), r.get("proposed_tokens", 0)
         flat["acc"] = f"{acc:.4g}/{prop:.4g}"
         out.append(flat)
@@ -59,7 +63,11 @@ def print_table(cfg: SimConfig, rows: list[dict]) -> None:
             ("gb", "GB", ".3f"), ("ttft_s", "TTFT s", ".3f"),
             ("ttft_from_prefill_end_s", "TTFT-pe", ".3f"),
             ("ttft_committed_s", "TTFT-c", ".3f")]
+    if rows and rows[0].get("samples", 1) > 1:
+        cols += [("ttft_ci", "TTFT ±95%", ".3f")]
     cols += [(f"tt{k}t", f"TT{k}T", ".3f") for k in ks if k != 1 and k in (8, 32, 64, 128)]
+    if rows and rows[0].get("samples", 1) > 1 and 32 in ks:
+        cols += [("tt32t_ci", "TT32T ±95%", ".3f")]
     cols += [(f"tt{k}t_c", f"TT{k}T-c", ".3f") for k in ks if k == 32]
     cols += [(f"tt{k}t_pe", f"TT{k}T-pe", ".3f") for k in ks if k in (32, 64)]
     cols += [("comm", "comm", ".3f"), ("deser", "deser", ".3f"), ("rej", "rej", ".3f"),
@@ -79,8 +87,9 @@ def print_table(cfg: SimConfig, rows: list[dict]) -> None:
           f"link={cfg.link.name} ({cfg.link.bandwidth_gbps:g} Gbps"
           + (", trace" if cfg.link.trace else "") + f") acceptance={cfg.speculative.acceptance} "
           f"workload={cfg.workload.kind} ({first.get('requests', 0)} request(s), mean of "
-          f"{cfg.samples} run(s)); times from "
-          f"request arrival" + (f" (prefill {first['prefill_s']:.3f} s)" if "prefill_s" in first
+          f"{cfg.samples} run(s)" + (", ±95%: half-width of the 95% interval of that mean"
+                                     if cfg.samples > 1 else "") + "); times from "
+          "request arrival" + (f" (prefill {first['prefill_s']:.3f} s)" if "prefill_s" in first
                                 else "") +
           f", -pe: from prefill end; -c: committed (a drafted token counts once verified; "
           "without -c: when drafted, as the seeds count); breakdown of "

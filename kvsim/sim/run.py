@@ -30,6 +30,7 @@ from kvsim.sim.policy import POLICIES, TransferPlan, build_plan, natural_policy,
 from kvsim.sim.request_log import request_rows, write_request_log
 from kvsim.sim.size_calibration import calibrate_sizes
 from kvsim.sim.speculative import plain_decode, speculative_decode
+from kvsim.sim.spread import spread_of
 from kvsim.sim.trace import TraceLog
 from kvsim.sim.workload import Request, requests
 
@@ -127,6 +128,8 @@ class Scenario:
                     "seed": self.cfg.seed + i})
         out = mean_rows(rows)
         out["samples"] = samples
+        # std and 95% interval of the mean of the headline metrics (None with one sample)
+        out["spread"] = spread_of(rows)
         return out
 
     def run(self) -> dict:
