@@ -214,7 +214,7 @@ def command_help(name: str, mod: Any, overrides: list[str]) -> str:
             lines.append(f"  {g:<10} [{current}] " + ", ".join(group_options(g)))
         lines.append("")
     yaml_text = (CONF_DIR / f"{mod.CONFIG_NAME}.yaml").read_text()
-    if "scenario:" in yaml_text or "- scenario" in yaml_text:
+    if re.search(r"^\s*-\s*scenario\s*:", yaml_text, flags=re.M):  # a defaults-list entry
         lines.append("scenarios (scenario=NAME; `kvsim " + name +
                      " -m scenario=NAME` runs the grid a scenario declares):")
         lines += _describe_group("scenario")
