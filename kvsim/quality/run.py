@@ -14,7 +14,6 @@ Rows average over contexts. Writes the acceptance models (data/acceptance/), the
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 from dataclasses import dataclass, field
@@ -23,12 +22,15 @@ from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import MISSING
 from tqdm import tqdm
 
 from kvsim.acceptance import ACCEPTANCE_DIR, AcceptanceModel
 from kvsim.capture import CAPTURE_DIR
+from kvsim.config.checks import refuse_renamed
 from kvsim.config.codecs import CodecSpec, preset_names, resolve_codec
 from kvsim.layout import DTYPES
+from kvsim.models import ModelSpec
 from kvsim.quality.calibrate import SYNTHETIC_DIR, calibrate, save_calibration
 from kvsim.quality.capture import run_context
 from kvsim.quality.speculative import DECODINGS, speculative_round, survival_curve
@@ -50,27 +52,9 @@ class SpeculativeConfig:
 
 
 @dataclass
-class LLMConfig:
-    """conf/llm/<preset>.yaml (a Hydra group: `llm=qwen3-32b llm.path=/models/Qwen3-32B`)."""
-
-    name: str = "smollm2-135m"
-    display: str = ""
-    layers: int | None = None
-    q_heads: int | None = None
-    kv_heads: int | None = None
-    head_dim: int | None = None
-    rope_base: float = 10000.0
-    hf_id: str | None = None
-    path: str | None = None  # local checkpoint directory or .gguf file
-    package: str | None = None
-    package_version: str | None = None
-    wheel_member: str | None = None
-    random_init: bool = False
-
-
-@dataclass
 class QualityConfig:
-    llm: LLMConfig = field(default_factory=LLMConfig)
+    model: ModelSpec = MISSING  # conf/model/<preset> (`model=llama-3.1-8b model.path=DIR`)
+    llm: Any = None  # renamed to `model`: refused when set, with that pointer
     cache_dir: str | None = None  # model cache (kvsim model fetch)
     threads: int = 1
     dtype: str = "float32"  # model compute dtype; the reference cache has this dtype
@@ -87,6 +71,9 @@ class QualityConfig:
     capture_dtype: str = "bfloat16"
     progress: bool = True
 
+    def __post_init__(self) -> None:
+        refuse_renamed("llm", self.llm, "model", "model=tiny-random, model.path=DIR")
+
 
 def _codec_specs(entries: list[Any]) -> list[CodecSpec]:
     names: list[Any] = []
@@ -99,10 +86,8 @@ def _codec_specs(entries: list[Any]) -> list[CodecSpec]:
 
 def _load(cfg: QualityConfig) -> tuple[Any, Any, str, dict]:
     from kvsim.model import load_lm
-    from kvsim.model.presets import preset_from_dict
 
-    preset = preset_from_dict(dataclasses.asdict(cfg.llm), "quality: llm")
-    lm = load_lm(preset, cfg.cache_dir, cfg.dtype, cfg.threads, cfg.seed)
+    lm = load_lm(cfg.model, cfg.cache_dir, cfg.dtype, cfg.threads, cfg.seed)
     return lm.model, lm.tokenizer, lm.name, {**lm.meta, "load_s": lm.load_s}
 
 
@@ -130,7 +115,7 @@ def run_quality(cfg: QualityConfig) -> tuple[list[dict], dict]:
     model, tokenizer, model_name, model_meta = _load(cfg)
     spec_mode = cfg.speculative.prefixes
     out_dir = cfg.out_dir
-    if out_dir is None and cfg.llm.random_init:
+    if out_dir is None and cfg.model.random_init:
         # A random-weight model's numbers say nothing about real models: keep them out of
         # data/, where the simulator looks up acceptance models and vNMSE tables by name.
         out_dir = "outputs/quality"
