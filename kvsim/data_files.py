@@ -1,6 +1,6 @@
 """The data files a run loaded (acceptance curves, codec timings, captures, vNMSE tables, size
-models, synthetic calibrations, request traces, hardware profiles, figure inputs), each with its
-sha256, for the provenance of every report and figure.
+models, synthetic calibrations, request traces, hardware profiles, figure inputs, GGUF model
+weights), each with its sha256, for the provenance of every report and figure.
 
 Loaders call `record_loaded(path)` right after reading a file. Loaders that do not (or cannot,
 e.g. a library reading a path it was given) are still covered for files under the repository's
@@ -36,7 +36,8 @@ _lock = threading.Lock()
 _in_hook = threading.local()  # hashing opens the file: the hook must not record that open
 
 
-def _display_path(path: Path) -> str:
+def repo_relative(path: Path) -> str:
+    """How provenance names a resolved path: relative to the repository root inside it."""
     try:
         return str(path.relative_to(ROOT.resolve()))
     except ValueError:
@@ -67,7 +68,7 @@ def record_loaded(path: str | Path) -> None:
     nested = getattr(_in_hook, "active", False)
     _in_hook.active = True
     try:
-        entry = LoadedFile(_display_path(p), sha256_file(p), stat.st_size)
+        entry = LoadedFile(repo_relative(p), sha256_file(p), stat.st_size)
     finally:
         _in_hook.active = nested
     with _lock:
@@ -82,7 +83,9 @@ def loaded_files() -> list[dict]:
 
 
 def forget_loaded() -> None:
-    """Start a new record (a process that runs several independent jobs, and tests)."""
+    """Start a new record (tests). Not between the jobs of one process: loaders that cache
+    what they read (request traces, size calibrations) would not record it again, so the
+    record is per process, a superset of any one job's files."""
     with _lock:
         _loaded.clear()
 

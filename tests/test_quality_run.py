@@ -89,6 +89,11 @@ def test_smollm2_real_model(tmp_path):
     if not cached_gguf_path(preset).is_file():
         pytest.fail("SmolLM2-135M weights missing: run `kvsim model fetch` first")
     lm = load_lm(preset, threads=2)
+    from kvsim.data_files import loaded_files, repo_relative, sha256_file
+
+    gguf = cached_gguf_path(preset).resolve()  # the weights are in the run's provenance
+    assert {"path": repo_relative(gguf), "sha256": sha256_file(gguf),
+            "size_bytes": gguf.stat().st_size} in loaded_files()
     sample = assemble(lm.tokenizer, 256 + 16, "stdlib-docs", 0)
     ctx, held = sample.ids[:256], sample.ids[256:]
     ref = run_context(lm.model, ctx, held)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvsim.data_files import record_loaded
 from kvsim.model.fetch import cached_gguf_path
 from kvsim.model.presets import load_model_preset, model_preset_names
 from kvsim.models import ModelSpec
@@ -103,6 +104,9 @@ def load_lm(spec: str | ModelSpec, cache: str | Path | None = None, dtype: str =
                 "kv_heads": spec.kv_heads, "head_dim": spec.head_dim}
         return LoadedLM(model, ByteTokenizer(), spec.name, None, 0.0, meta)
     loc = locate_weights(spec, cache)
+    if loc.gguf_file:  # one file (~100 MB for SmolLM2): hashed for provenance; checkpoint
+        # directories (many GB of shards) are named in meta["weights"] only
+        record_loaded(loc.directory / loc.gguf_file)
     hf_logging.set_verbosity_error()  # GGUF dequantization logs per tensor otherwise
     started = time.perf_counter()
     kwargs: dict[str, Any] = {"local_files_only": True}
