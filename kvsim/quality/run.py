@@ -53,7 +53,6 @@ class SpeculativeConfig:
 @dataclass
 class QualityConfig:
     model: ModelSpec = MISSING  # conf/model/<preset> (`model=llama-3.1-8b model.path=DIR`)
-    llm: Any = None  # renamed to `model`: refused when set, with that pointer
     cache_dir: str | None = None  # model cache (kvsim model fetch)
     threads: int = 1
     dtype: str = "float32"  # model compute dtype; the reference cache has this dtype
@@ -72,6 +71,7 @@ class QualityConfig:
     tag: str = ""  # appended to output names, e.g. "-long"
     capture_dtype: str = "bfloat16"
     progress: bool = True
+    llm: Any = None  # renamed to `model`: refused when set, with that pointer
 
     def __post_init__(self) -> None:
         refuse_renamed("llm", self.llm, "model", "model=tiny-random, model.path=DIR")
