@@ -112,7 +112,10 @@ def _audit(event: str, args: tuple) -> None:
         return
     full = os.path.abspath(os.fspath(path))  # no system call: imports open many files
     if full.startswith(_DATA_PREFIXES):
-        record_loaded(full)
+        try:
+            record_loaded(full)
+        except OSError:  # unreadable here: the caller's own open reports it, not this hook
+            pass
 
 
 _DATA_PREFIXES = _data_dir_prefixes()
