@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvsim.data_files import record_loaded
 from kvsim.paths import DATA_DIR
 
 ACCEPTANCE_DIR = DATA_DIR / "acceptance"
@@ -128,6 +129,7 @@ def load_acceptance(name_or_path: str) -> AcceptanceModel:
         raise ValueError(f"unknown acceptance model {name_or_path!r}; use geometric:<a>, "
                          f"seeds-fig10, a path, or one of {known}")
     doc = json.loads(path.read_text())
+    record_loaded(path)
     if doc.get("version") != FORMAT_VERSION:
         raise ValueError(f"{path}: acceptance file version {doc.get('version')} "
                          f"!= {FORMAT_VERSION}")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from kvsim.data_files import record_loaded
 from kvsim.layout import KVShape, check_finite
 from kvsim.paths import DATA_DIR
 
@@ -70,6 +71,7 @@ def load_capture(name_or_path: str | Path) -> Capture:
     path = resolve_capture_path(name_or_path)
     try:
         doc = torch.load(path, map_location="cpu", weights_only=True)
+        record_loaded(path)
     except Exception as exc:
         raise ValueError(f"{path}: not a readable KV capture ({exc})") from exc
     if not isinstance(doc, dict) or doc.get("version") != CAPTURE_VERSION or "kv" not in doc:

@@ -24,6 +24,7 @@ import numpy as np
 from omegaconf import MISSING
 
 from kvsim.config.checks import check_number
+from kvsim.data_files import record_loaded
 from kvsim.models import ModelSpec
 
 
@@ -147,6 +148,7 @@ def _load_profile(path: str, model_name: str) -> dict:
     if not p.is_file():
         raise ValueError(f"hardware profile {path!r} not found")
     doc = json.loads(p.read_text())
+    record_loaded(p)
     if doc.get("model") != model_name:
         raise ValueError(f"hardware profile {path} is for model {doc.get('model')!r}, "
                          f"not {model_name!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 import platform
@@ -11,27 +12,48 @@ from pathlib import Path
 from typing import Any
 
 import kvsim
+from kvsim.data_files import loaded_files
+
+CODE_DIR = Path(__file__).resolve().parent  # the checkout whose code ran
 
 
-def _git_commit() -> str | None:
+def _git(args: list[str], cwd: Path) -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=5, cwd=Path(__file__).resolve().parent)
-        return out.stdout.strip() or None
+        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=5,
+                             cwd=cwd)
     except (OSError, subprocess.TimeoutExpired):
+        return None
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+
+def git_state(cwd: Path | None = None) -> dict[str, Any]:
+    """The commit the code is at and `git describe --always --dirty` (a "-dirty" suffix: tracked
+    files differ from that commit, so the commit alone does not reproduce the run)."""
+    cwd = cwd or CODE_DIR
+    describe = _git(["describe", "--always", "--dirty"], cwd)
+    return {"git_commit": _git(["rev-parse", "HEAD"], cwd), "git_describe": describe,
+            "git_dirty": describe.endswith("-dirty") if describe else None}
+
+
+def _installed_version(package: str) -> str | None:
+    # from the installed metadata: importing torch only for its version costs seconds
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
         return None
 
 
 def provenance() -> dict[str, Any]:
-    import torch
-
+    """Who made a result and from what: code version and git state, runtime, host, and every
+    data file this process loaded (kvsim.data_files: path, sha256, size_bytes)."""
     return {
         "kvsim_version": kvsim.__version__,
-        "git_commit": _git_commit(),
+        **git_state(),
         "python": platform.python_version(),
-        "torch": torch.__version__,
+        "torch": _installed_version("torch"),
         "host": platform.node(),
         "created_unix_s": time.time(),
+        "data_files": loaded_files(),
     }
 
 

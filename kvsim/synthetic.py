@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from kvsim.data_files import record_loaded
 from kvsim.layout import DTYPES, K, KVShape, V
 
 
@@ -120,6 +121,7 @@ class SyntheticKVParams:
         path = Path(path)
         try:
             doc = json.loads(path.read_text())
+            record_loaded(path)
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"{path}: cannot read synthetic KV params ({exc})") from exc
         if not isinstance(doc, dict):

@@ -137,17 +137,33 @@ def test_device_and_timing_helpers():
         median_seconds(lambda: None, 0, 0, torch.device("cpu"))
 
 
-def test_write_timing_feeds_the_simulator(tmp_path):
+def test_write_timing_feeds_the_simulator(tmp_path, monkeypatch, capsys):
+    """write_timing goes to the run directory (here the cwd: no Hydra run), keeps the shipped
+    file's other entries, never touches data/, and an existing file needs overwrite=true."""
+    from kvsim.data_files import sha256_file
     from kvsim.sim.codec_timing import TIMING_DIR, load_codec_timing
 
-    name = "pytest-bench-hw"
-    path = TIMING_DIR / f"{name}.json"
-    try:
-        assert main(["bench", "codecs", *TINY, "codecs=[bf16,int4]", f"write_timing={name}",
-                     f"report={tmp_path / 'r.json'}"]) == 0
-        rows = {r["codec"]: r for r in json.loads((tmp_path / "r.json").read_text())["rows"]}
-        table = load_codec_timing(name)
-        timing = table.lookup("int4", "uniform")
-        assert timing.encode_s(1e9) == pytest.approx(1.0 / rows["int4"]["encode_gbps"])
-    finally:
-        path.unlink(missing_ok=True)
+    shipped = TIMING_DIR / "h100.json"
+    shipped_sha = sha256_file(shipped)
+    monkeypatch.chdir(tmp_path)
+    args = ["bench", "codecs", *TINY, "codecs=[bf16,int4]", "write_timing=h100",
+            f"report={tmp_path / 'r.json'}"]
+    assert main(args) == 0
+    path = tmp_path / "codec_timing" / "h100.json"
+    rows = {r["codec"]: r for r in json.loads((tmp_path / "r.json").read_text())["rows"]}
+    table = load_codec_timing("h100", path)
+    timing = table.lookup("int4", "uniform")
+    assert timing.encode_s(1e9) == pytest.approx(1.0 / rows["int4"]["encode_gbps"])
+    old = load_codec_timing("h100")  # the shipped entries the run did not measure are kept
+    assert table.lookup("lynx", "lynx") == old.lookup("lynx", "lynx")
+    assert sha256_file(shipped) == shipped_sha
+    written = path.read_bytes()
+    capsys.readouterr()
+    assert main(args) == 1  # refused before measuring
+    err = capsys.readouterr().err
+    assert str(path) in err and "overwrite=true" in err
+    assert path.read_bytes() == written
+    assert main([*args, "overwrite=true"]) == 0
+    rows = {r["codec"]: r for r in json.loads((tmp_path / "r.json").read_text())["rows"]}
+    timing = load_codec_timing("h100", path).lookup("int4", "uniform")
+    assert timing.encode_s(1e9) == pytest.approx(1.0 / rows["int4"]["encode_gbps"])

@@ -235,6 +235,11 @@ def test_remeasure_cli_on_a_capture(tmp_path):
     assert prov["source"]["path"] == str(path)
     assert prov["shape"]["tokens"] == 48
     assert model.rate("V", "delta", 4).bits_per_symbol > 0
+    written = out.read_bytes()
+    with pytest.raises(SystemExit):  # an existing file is kept without --overwrite
+        main(["--capture", str(path), "--out", str(out)])
+    assert out.read_bytes() == written
+    assert main(["--capture", str(path), "--out", str(out), "--overwrite"]) == 0
 
 
 @pytest.mark.parametrize("words", [-10, -3, -2, -1, 1, 2, 10])

@@ -10,16 +10,15 @@ import pytest
 import torch
 
 from kvsim.acceptance import load_acceptance
-from kvsim.quality.run import LLMConfig, QualityConfig, SpeculativeConfig, run_quality
+from kvsim.model.presets import load_model_preset
+from kvsim.quality.run import QualityConfig, SpeculativeConfig, run_quality
 from kvsim.quality.vnmse import load_vnmse_table
 
 
 def _tiny_cfg(tmp_path, **kw) -> QualityConfig:
-    llm = LLMConfig(name="tiny-random", layers=3, q_heads=4, kv_heads=2, head_dim=16,
-                    random_init=True)
     spec = SpeculativeConfig(max_draft=6, decoding=["greedy"], prefixes="all")
-    base = dict(llm=llm, codecs=["bf16"], context_tokens=48, heldout_tokens=8, runs=2,
-                speculative=spec, out_dir=str(tmp_path), progress=False)
+    base = dict(model=load_model_preset("tiny-random"), codecs=["bf16"], context_tokens=48,
+                heldout_tokens=8, runs=2, speculative=spec, out_dir=str(tmp_path), progress=False)
     return QualityConfig(**{**base, **kw})
 
 
@@ -63,14 +62,14 @@ def test_config_errors(tmp_path):
 def test_cli_with_report(tmp_path):
     report = tmp_path / "r.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "kvsim", "quality", "llm=tiny-random", "codecs=[bf16]",
+        [sys.executable, "-m", "kvsim", "quality", "model=tiny-random", "codecs=[bf16]",
          "context_tokens=32", "heldout_tokens=4", "runs=1", "speculative.max_draft=3",
          "speculative.prefixes=all", f"out_dir={tmp_path}", "progress=false",
          f"report={report}"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "vNMSE" in proc.stdout and "bf16" in proc.stdout
     doc = json.loads(report.read_text())
-    assert doc["config"]["llm"]["name"] == "tiny-random"
+    assert doc["config"]["model"]["name"] == "tiny-random"
     assert doc["rows"][0]["survival"]["0"] == 1.0
 
 
@@ -81,16 +80,20 @@ def test_smollm2_real_model(tmp_path):
     from kvsim.config.codecs import resolve_codec
     from kvsim.model import load_lm
     from kvsim.model.fetch import cached_gguf_path
-    from kvsim.model.presets import load_llm_preset
     from kvsim.quality.capture import run_context
     from kvsim.quality.speculative import decode, speculative_round
     from kvsim.quality.vnmse import cache_error
     from kvsim.text import assemble
 
-    preset = load_llm_preset("smollm2-135m")
+    preset = load_model_preset("smollm2-135m")
     if not cached_gguf_path(preset).is_file():
         pytest.fail("SmolLM2-135M weights missing: run `kvsim model fetch` first")
     lm = load_lm(preset, threads=2)
+    from kvsim.data_files import loaded_files, repo_relative, sha256_file
+
+    gguf = cached_gguf_path(preset).resolve()  # the weights are in the run's provenance
+    assert {"path": repo_relative(gguf), "sha256": sha256_file(gguf),
+            "size_bytes": gguf.stat().st_size} in loaded_files()
     sample = assemble(lm.tokenizer, 256 + 16, "stdlib-docs", 0)
     ctx, held = sample.ids[:256], sample.ids[256:]
     ref = run_context(lm.model, ctx, held)

@@ -506,3 +506,34 @@ def test_emulate_aggregates_a_multi_request_workload(tmp_path):
     assert row["ttft_s"] == pytest.approx(np.mean([r["ttft_s"] for r in per]))
     assert row["ttft_pct_s"]["p99"] >= row["ttft_pct_s"]["p50"]
     assert "TTFT p99" in proc.stdout
+
+
+def test_model_preset_weights_drive_live_prefill_and_real_decode():
+    """One model group: the preset's weights source decides `auto` (tiny-random's random init
+    is here; a preset with no weights here falls back to synthetic KV and the timing model),
+    and the transfer runs on the model `model=` names."""
+    assert session.source_kind(config("model=llama-3.1-8b", "transport.kv_source=auto")) == \
+        "synthetic"
+    cfg = config("model=tiny-random", "transport.kv_source=auto", "transport.decode=auto",
+                 "codecs=[int8]", "workload.context_tokens=64", "workload.output_tokens=4")
+    assert (session.source_kind(cfg), session.decode_mode(cfg)) == ("live", "real")
+    lm = session.load_model(cfg)
+    assert lm.meta["weights"] == "random init" and lm.meta["layers"] == 3
+    mode = session.decode_mode(cfg)
+    rx = Receiver(session.receiver_settings(cfg, "tcp://127.0.0.1:*"),
+                  session.decoder_factory(cfg, mode, lm), session.row_builder(mode),
+                  log=lambda m: None, check_hello=session.hello_checker(cfg, mode))
+    thread = threading.Thread(target=rx.serve, daemon=True)
+    thread.start()
+    try:
+        assert rx.bound.wait(10)
+        [batch] = session.outgoing_requests(cfg, lm)
+        [res] = Sender(rx.endpoint, Unlimited(), cfg.link.scheduling, cfg.transport.timeout_s,
+                       cfg.transport.heartbeat_s, log=lambda m: None).run(batch)
+    finally:
+        rx.stop.set()
+        thread.join(10)
+    assert res.status == "done", res.error
+    assert res.row["decode"] == "real"
+    assert res.row["kv_source"]["kv_source"] == "live"
+    assert res.row["kv_source"]["live_model"] == "tiny-random"

@@ -364,10 +364,10 @@ def test_smollm2_speculative_decoding_is_lossless():
     on the anchor while the residual arrives commits exactly plain greedy decoding."""
     from kvsim.model import load_lm
     from kvsim.model.fetch import cached_gguf_path
-    from kvsim.model.presets import load_llm_preset
+    from kvsim.model.presets import load_model_preset
     from kvsim.text import assemble
 
-    preset = load_llm_preset("smollm2-135m")
+    preset = load_model_preset("smollm2-135m")
     if not cached_gguf_path(preset).is_file():
         pytest.skip("SmolLM2-135M weights not fetched (`kvsim model fetch`)")
     lm = load_lm(preset)

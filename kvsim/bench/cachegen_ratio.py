@@ -3,16 +3,19 @@ capture or on synthetic KV, and write data/cachegen_ratio.json with its provenan
 
     python -m kvsim.bench.cachegen_ratio --capture smollm2-135m-ctx1024 --out PATH
 
-(the shipped file, data/cachegen_ratio.json, changes only when --out names it).
+(the shipped file, data/cachegen_ratio.json, changes only when --out names it and --overwrite
+is given; an existing file is never replaced without --overwrite).
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from kvsim.capture import load_capture, resolve_capture_path
 from kvsim.kernels.cachegen import RATIO_FILE, write_ratio_file
 from kvsim.layout import KVShape
+from kvsim.outputs import OutputExistsError, check_new
 from kvsim.synthetic import SyntheticKVParams, generate_kv
 
 
@@ -23,10 +26,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True,
                         help=f"where to write (the shipped file is {RATIO_FILE}; name it "
                              "explicitly to replace it)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace --out if it exists (else refused before measuring)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shape", default="8,4,2048,128",
                    help="layers,kv_heads,tokens,head_dim of the synthetic KV")
     args = parser.parse_args(argv)
+    try:
+        check_new([Path(args.out)], args.overwrite, "--overwrite")
+    except OutputExistsError as exc:
+        parser.error(str(exc))
     if args.capture:
         cap = load_capture(args.capture)
         kv = cap.kv

@@ -23,6 +23,7 @@ from kvsim.bench.codecs import (
 from kvsim.capture import CAPTURE_DIR
 from kvsim.config.codecs import resolve_codec
 from kvsim.layout import KVShape
+from kvsim.outputs import check_new, out_root
 from kvsim.paths import DATA_DIR
 from kvsim.report import format_table
 from kvsim.sim.codec_timing import TIMING_DIR, timing_doc_from_rows
@@ -64,7 +65,8 @@ class ShapeConfig:
 class Config:
     # preset names (conf/codec/<name>.yaml) or mappings {preset|name, params, label}
     codecs: list[Any] = field(default_factory=lambda: list(DEFAULT_CODECS))
-    # "auto": the real SmolLM2 capture when `kvsim quality` has made one, else synthetic KV
+    # "auto": the real SmolLM2 capture when `kvsim quality out_dir=data` has made one in
+    # data/captures/, else synthetic KV
     # with the generator calibrated on it; "synthetic"; or a capture name / path
     kv_source: str = "auto"
     synthetic_params: str | None = None  # JSON of SyntheticKVParams (null: defaults)
@@ -74,9 +76,13 @@ class Config:
     warmup: int = 1  # untimed runs before timing
     device: str = "auto"  # cpu | cuda | auto
     progress: bool = True
-    # hardware preset name: also write the measured GB/s as the simulator's codec timing
-    # file data/codec_timing/<name>.json (e.g. local-cpu here, h100 on a lent GPU)
+    # hardware preset name: also write the measured GB/s as a codec timing file
+    # <out_dir>/codec_timing/<name>.json (e.g. local-cpu here, h100 on a lent GPU)
     write_timing: str | None = None
+    # root of that file; null: the run directory (use it with `kvsim sim codec_timing=PATH`);
+    # `data` updates the simulator's shipped data/codec_timing/<name>.json
+    out_dir: str | None = None
+    overwrite: bool = False  # replace an existing timing file (else refused before measuring)
 
 
 COLUMNS = [("codec", "codec", ""), ("bits_per_element", "bits/elem", ".3f"),
@@ -91,6 +97,10 @@ def run(cfg: Config) -> list[dict]:
     specs = [resolve_codec(entry) for entry in cfg.codecs]  # a missing preset is an error
     if not specs:
         raise ValueError("codecs is empty: name at least one codec preset")
+    timing_path = None
+    if cfg.write_timing:
+        timing_path = out_root(cfg.out_dir) / "codec_timing" / f"{cfg.write_timing}.json"
+        check_new([timing_path], cfg.overwrite)
     device = resolve_device(cfg.device)
     s = cfg.shape
     kv_source, synthetic_params = cfg.kv_source, cfg.synthetic_params
@@ -135,11 +145,15 @@ def run(cfg: Config) -> list[dict]:
         command = (f"kvsim bench codecs (kv_source={source.description['kind']}, shape "
                    f"{shape.to_dict()}, median of {cfg.repeats}, device {device})")
         doc = timing_doc_from_rows(rows, cfg.write_timing, command)
-        path = TIMING_DIR / f"{cfg.write_timing}.json"
-        if path.is_file():  # keep the file's other entries and default; replace what was measured
-            old = json.loads(path.read_text())
+        # keep the other entries and the default of the file replaced (overwrite=true), else of
+        # the shipped one, so that the new file stands in for it; replace what was measured
+        shipped = TIMING_DIR / f"{cfg.write_timing}.json"
+        base = timing_path if timing_path.is_file() else shipped
+        if base.is_file():
+            old = json.loads(base.read_text())
             doc = {**old, **doc, "codecs": {**old.get("codecs", {}), **doc["codecs"]}}
-        path.write_text(json.dumps(doc, indent=1) + "\n")
-        print(f"codec timing for hardware {cfg.write_timing!r} written to {path}",
+        timing_path.parent.mkdir(parents=True, exist_ok=True)
+        timing_path.write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"codec timing for hardware {cfg.write_timing!r} written to {timing_path}",
               file=sys.stderr)
     return rows

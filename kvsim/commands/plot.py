@@ -2,7 +2,9 @@
 Agg). kind=ttkt (TTKT vs k per codec, Figure 9) and kind=breakdown (Figure-2 stacked bars) read
 a `kvsim sim` report; kind=fig11 (TT<k>T vs context and vs bandwidth) a `kvsim sweep` table;
 kind=survival (P(accepted >= k), Figure 10a) data/acceptance/ files; kind=codecs
-(bits/element vs vNMSE) a `kvsim bench codecs` report or a data/vnmse table."""
+(bits/element vs vNMSE) a `kvsim bench codecs` report or a data/vnmse table. Figures go to the
+run directory unless out= names a path (out=plots/<name>.png updates a committed figure, with
+overwrite=true when it exists)."""
 
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ Config = PlotOptions
 
 
 def run(cfg: PlotOptions) -> list[dict]:
+    from kvsim.outputs import check_new, out_root
     from kvsim.plots import KINDS
-    from kvsim.plots.style import save
+    from kvsim.plots.style import figure_paths, save
 
     if cfg.kind not in KINDS:
         raise ValueError(f"kind must be one of {sorted(KINDS)}, got {cfg.kind!r}")
@@ -26,8 +29,10 @@ def run(cfg: PlotOptions) -> list[dict]:
         raise ValueError(f"dpi must be >= 10, got {cfg.dpi}")
     if not cfg.formats:
         raise ValueError("formats is empty: name at least one of png, pdf, svg")
+    # default: the run directory; the committed plots/ only when out= names it
+    out = Path(cfg.out) if cfg.out else out_root(None) / f"{cfg.kind}.png"
+    check_new(figure_paths(out, list(cfg.formats)), cfg.overwrite)
     fig, summary = KINDS[cfg.kind].make(cfg)
-    out = cfg.out or str(Path("plots") / f"{cfg.kind}.png")
     paths = save(fig, out, list(cfg.formats), cfg.dpi)
     for p in paths:
         print(f"wrote {p} ({p.stat().st_size} bytes)")

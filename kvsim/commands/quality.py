@@ -1,8 +1,9 @@
 """Run a real model (default SmolLM2-135M, `kvsim model fetch` first) on real text: capture its
 KV cache, measure each codec's attention-output vNMSE per layer, next-token top-1 agreement and
 perplexity with the dequantized cache, and speculative acceptance (draft on a stream prefix,
-verify on the full-precision cache). Writes data/acceptance/*.json, data/vnmse/*.json, the
-capture (data/captures/) and the synthetic-KV calibration (data/synthetic/)."""
+verify on the full-precision cache). Writes acceptance/*.json, vnmse/*.json, the capture
+(captures/) and the synthetic-KV calibration (synthetic/) into the run directory, or under
+out_dir (out_dir=data updates the repository's data/; overwrite=true replaces existing files)."""
 
 from __future__ import annotations
 

@@ -36,10 +36,11 @@ class TransportConfig:
     max_queued_bytes: int = 268435456  # encoded chunks waiting for the link (backpressure)
     max_request_bytes: int = 8589934592  # kvsim serve refuses larger (bf16) caches
     max_active_requests: int = 64  # kvsim serve refuses a request beyond this many at once
-    kv_source: str = "auto"  # auto: live if the model's weights are here, else synthetic
+    # auto: live if the model preset's weights are here (model.path, fetched, random_init),
+    # else synthetic
+    kv_source: str = "auto"
     capture: str = ""  # kv_source=capture: a capture name or path
     decode: str = "auto"  # auto: real if the model's weights are here, else timing
-    llm: str = ""  # weights for live prefill / real decode ("": the model preset's name)
     text_source: str = "stdlib-docs"  # the real text a live prefill reads (kvsim.text)
     threads: int = 1  # torch threads per process (sender and receiver share the cores)
     max_requests: int = 0  # kvsim serve: exit after this many requests (0: until Ctrl-C)

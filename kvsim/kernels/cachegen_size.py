@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from kvsim.data_files import record_loaded
 from kvsim.paths import DATA_DIR
 
 RATIO_FILE = DATA_DIR / "cachegen_ratio.json"
@@ -119,6 +120,7 @@ class CacheGenSizeModel:
         path = Path(path)
         try:
             doc = json.loads(path.read_text())
+            record_loaded(path)
         except (OSError, json.JSONDecodeError) as exc:
             raise SizeModelError(f"cachegen: cannot read the size-model file {path} ({exc}); "
                                  "re-create it with `python -m kvsim.bench.cachegen_ratio`"

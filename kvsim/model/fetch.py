@@ -17,7 +17,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvsim.model.presets import LLMPreset
+from kvsim.models import ModelSpec
 from kvsim.paths import ROOT
 
 REPO_ROOT = ROOT
@@ -32,10 +32,10 @@ def cache_dir(path: str | Path | None = None) -> Path:
     return Path(env).expanduser() if env else DEFAULT_CACHE_DIR
 
 
-def cached_gguf_path(preset: LLMPreset, cache: str | Path | None = None) -> Path:
+def cached_gguf_path(preset: ModelSpec, cache: str | Path | None = None) -> Path:
     if not preset.fetchable:
-        raise ValueError(f"LLM preset {preset.name!r} ships no weights on PyPI; point "
-                         f"`path` at a local checkpoint instead")
+        raise ValueError(f"model preset {preset.name!r} ships no weights on PyPI; point "
+                         f"model.path at a local checkpoint instead")
     return cache_dir(cache) / preset.name / Path(preset.wheel_member).name
 
 
@@ -47,7 +47,7 @@ class FetchResult:
     downloaded: bool  # False: already in the cache
 
 
-def _is_cached(preset: LLMPreset, target: Path) -> bool:
+def _is_cached(preset: ModelSpec, target: Path) -> bool:
     record = target.parent / "fetch.json"
     if not (target.is_file() and record.is_file()):
         return False
@@ -61,7 +61,7 @@ def _is_cached(preset: LLMPreset, target: Path) -> bool:
             and doc.get("size_bytes") == target.stat().st_size)
 
 
-def fetch_model(preset: LLMPreset, cache: str | Path | None = None,
+def fetch_model(preset: ModelSpec, cache: str | Path | None = None,
                 pip_timeout_s: float = 600.0) -> FetchResult:
     """Make the preset's .gguf available in the cache; download only if it is not there."""
     target = cached_gguf_path(preset, cache)

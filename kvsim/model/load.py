@@ -1,7 +1,7 @@
 """Load a real causal LM (and its tokenizer) offline with transformers.
 
 `spec` is one of:
-- an LLM preset name (conf/llm/<name>.yaml): its `path` if set, else its fetched .gguf
+- a model preset (conf/model/<name>.yaml, or its name): its `path` if set, else its fetched .gguf
   (`kvsim model fetch`);
 - a local .gguf file;
 - a local Hugging Face checkpoint directory (config.json + weights + tokenizer files).
@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvsim.data_files import record_loaded
 from kvsim.model.fetch import cached_gguf_path
-from kvsim.model.presets import LLMPreset, llm_preset_names, load_llm_preset
+from kvsim.model.presets import load_model_preset, model_preset_names
+from kvsim.models import ModelSpec
 
 _DTYPES = {"float32", "bfloat16", "float16"}
 
@@ -28,7 +30,7 @@ class WeightsLocation:
     directory: Path  # what from_pretrained gets
     gguf_file: str | None  # file name inside `directory` for GGUF weights, else None
     name: str  # what reports call the model
-    preset: LLMPreset | None = None
+    preset: ModelSpec | None = None
 
 
 @dataclass
@@ -41,7 +43,7 @@ class LoadedLM:
     meta: dict = field(default_factory=dict)
 
 
-def _from_path(path: Path, name: str, preset: LLMPreset | None) -> WeightsLocation:
+def _from_path(path: Path, name: str, preset: ModelSpec | None) -> WeightsLocation:
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"{path}: a model file must be a .gguf (or give a checkpoint "
@@ -54,31 +56,32 @@ def _from_path(path: Path, name: str, preset: LLMPreset | None) -> WeightsLocati
     raise FileNotFoundError(f"model path {path} does not exist")
 
 
-def locate_weights(spec: str | LLMPreset, cache: str | Path | None = None) -> WeightsLocation:
+def locate_weights(spec: str | ModelSpec, cache: str | Path | None = None) -> WeightsLocation:
     """Resolve a preset (or its name) or a path to where its weights are on this machine."""
-    if isinstance(spec, LLMPreset) or spec in llm_preset_names():
-        preset = spec if isinstance(spec, LLMPreset) else load_llm_preset(spec)
+    if isinstance(spec, ModelSpec) or spec in model_preset_names():
+        preset = spec if isinstance(spec, ModelSpec) else load_model_preset(spec)
         if preset.path:
             return _from_path(Path(preset.path).expanduser(), preset.name, preset)
         if preset.fetchable:
             gguf = cached_gguf_path(preset, cache)
             if not gguf.is_file():
                 raise FileNotFoundError(f"{preset.name}: weights not fetched ({gguf} missing); "
-                                        f"run `kvsim model fetch llms=[{preset.name}]` first")
+                                        f"run `kvsim model fetch models=[{preset.name}]` first")
             return WeightsLocation(gguf.parent, gguf.name, preset.name, preset)
         if preset.name == "custom":
-            raise ValueError("llm=custom needs llm.path=/path/to/checkpoint-dir-or-file.gguf")
-        raise ValueError(f"LLM preset {preset.name!r} has no weights on this machine "
-                         f"(upstream: {preset.hf_id}); set llm.path=/path/to/checkpoint-or-gguf "
+            raise ValueError("model=custom needs model.path=/path/to/checkpoint-dir-or-file.gguf")
+        raise ValueError(f"model preset {preset.name!r} has no weights on this machine "
+                         f"(upstream: {preset.hf_id}); set model.path=/path/to/checkpoint-or-gguf "
                          "or pass the path itself as the model")
     path = Path(spec).expanduser()
     if path.exists():
         return _from_path(path, path.stem if path.is_file() else path.name, None)
-    raise ValueError(f"model {spec!r} is neither an LLM preset ({', '.join(llm_preset_names())}) "
-                     "nor an existing .gguf file / checkpoint directory")
+    raise ValueError(f"model {spec!r} is neither a model preset "
+                     f"({', '.join(model_preset_names())}) nor an existing .gguf file / checkpoint "
+                     "directory")
 
 
-def load_lm(spec: str | LLMPreset, cache: str | Path | None = None, dtype: str = "float32",
+def load_lm(spec: str | ModelSpec, cache: str | Path | None = None, dtype: str = "float32",
             threads: int | None = None, seed: int = 0) -> LoadedLM:
     """Load model + tokenizer offline (a random_init preset: a tiny random Llama)."""
     if dtype not in _DTYPES:
@@ -91,16 +94,19 @@ def load_lm(spec: str | LLMPreset, cache: str | Path | None = None, dtype: str =
 
     if threads:
         torch.set_num_threads(int(threads))
-    if isinstance(spec, LLMPreset) and spec.random_init:
+    if isinstance(spec, ModelSpec) and spec.random_init:
         from kvsim.model.tiny import ByteTokenizer, tiny_llama
 
-        model = tiny_llama(seed, spec.layers, spec.q_heads * spec.head_dim, spec.q_heads,
-                           spec.kv_heads)
+        model = tiny_llama(seed, spec.layers, spec.attention_heads * spec.head_dim,
+                           spec.attention_heads, spec.kv_heads)
         meta = {"model": spec.name, "weights": "random init", "dtype": "float32",
-                "layers": spec.layers, "q_heads": spec.q_heads, "kv_heads": spec.kv_heads,
-                "head_dim": spec.head_dim}
+                "layers": spec.layers, "attention_heads": spec.attention_heads,
+                "kv_heads": spec.kv_heads, "head_dim": spec.head_dim}
         return LoadedLM(model, ByteTokenizer(), spec.name, None, 0.0, meta)
     loc = locate_weights(spec, cache)
+    if loc.gguf_file:  # one file (~100 MB for SmolLM2): hashed for provenance; checkpoint
+        # directories (many GB of shards) are named in meta["weights"] only
+        record_loaded(loc.directory / loc.gguf_file)
     hf_logging.set_verbosity_error()  # GGUF dequantization logs per tensor otherwise
     started = time.perf_counter()
     kwargs: dict[str, Any] = {"local_files_only": True}
@@ -114,12 +120,12 @@ def load_lm(spec: str | LLMPreset, cache: str | Path | None = None, dtype: str =
     cfg = model.config
     meta = {"model": loc.name, "weights": str(loc.directory / (loc.gguf_file or "")),
             "dtype": dtype, "layers": cfg.num_hidden_layers,
-            "q_heads": cfg.num_attention_heads,
+            "attention_heads": cfg.num_attention_heads,
             "kv_heads": getattr(cfg, "num_key_value_heads", cfg.num_attention_heads),
             "head_dim": getattr(cfg, "head_dim", None)
             or cfg.hidden_size // cfg.num_attention_heads}
     if loc.preset is not None and loc.preset.known_shape:
-        for key in ("layers", "q_heads", "kv_heads", "head_dim"):
+        for key in ("layers", "attention_heads", "kv_heads", "head_dim"):
             if getattr(loc.preset, key) != meta[key]:
                 raise ValueError(f"{loc.preset.name}: preset says {key}={getattr(loc.preset, key)} "
                                  f"but the weights have {meta[key]}")

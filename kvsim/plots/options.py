@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 class PlotOptions:
     kind: str = ""  # ttkt | fig11 | survival | codecs | breakdown
     input: str = ""  # the file (or, for survival, directory / files) the figure is made from
-    out: str = ""  # output path; .png and .pdf are written (default plots/<kind>.png)
+    # output path, one file per format (x.png -> x.png, x.pdf); "": <run directory>/<kind>.png
+    out: str = ""
+    overwrite: bool = False  # replace existing figure files (else refused, nothing drawn)
     dpi: int = 100
     title: str = ""  # replaces the automatic title (which names the source config)
     # ttkt / fig11: times measured from request arrival, or from prefill end (the seeds'

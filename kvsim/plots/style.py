@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import zlib
 from pathlib import Path
 
@@ -39,19 +40,41 @@ def new_figure(width_in: float, height_in: float, ncols: int = 1, sharey: bool =
     return fig, list(axes[0])
 
 
-def save(fig: Figure, out: str | Path, formats: list[str], dpi: int) -> list[Path]:
-    """Write `out` with each format's suffix (out=plots/x.png -> plots/x.png, plots/x.pdf)."""
+FORMATS = ("png", "pdf", "svg")
+PROVENANCE_KEY = "kvsim provenance"  # PNG text chunk holding the provenance JSON
+
+
+def figure_paths(out: str | Path, formats: list[str]) -> list[Path]:
+    """The files `save` writes: `out` with each format's suffix (out=plots/x.png ->
+    plots/x.png, plots/x.pdf)."""
     out = Path(out)
     stem = out.with_suffix("") if out.suffix.lower() in (".png", ".pdf", ".svg") else out
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    paths = []
     for fmt in formats:
-        if fmt not in ("png", "pdf", "svg"):
+        if fmt not in FORMATS:
             raise ValueError(f"unknown figure format {fmt!r}; use png, pdf or svg")
-        path = stem.with_suffix(f".{fmt}")
-        fig.savefig(path, dpi=dpi, bbox_inches="tight",
-                    metadata={"Creator": "kvsim plot"} if fmt == "png" else None)
-        paths.append(path)
+    return [stem.with_suffix(f".{fmt}") for fmt in formats]
+
+
+def _metadata(fmt: str, provenance_json: str) -> dict[str, str]:
+    """Each format's own metadata fields: PNG takes any text chunk; PDF and SVG only their
+    standard keys (PDF's Subject, SVG's Dublin Core Description) hold the JSON."""
+    if fmt == "png":
+        return {"Creator": "kvsim plot", PROVENANCE_KEY: provenance_json}
+    if fmt == "pdf":
+        return {"Creator": "kvsim plot", "Subject": provenance_json}
+    return {"Creator": "kvsim plot", "Description": provenance_json}
+
+
+def save(fig: Figure, out: str | Path, formats: list[str], dpi: int) -> list[Path]:
+    """Write the figure in each format (see figure_paths), each file carrying the provenance
+    (git state, the data files the figure was made from with their sha256) in its metadata."""
+    from kvsim.report import json_safe, provenance
+
+    paths = figure_paths(out, formats)
+    provenance_json = json.dumps(json_safe(provenance()), sort_keys=True)
+    for path, fmt in zip(paths, formats, strict=True):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=dpi, bbox_inches="tight", metadata=_metadata(fmt, provenance_json))
     plt.close(fig)
     return paths
 

@@ -7,32 +7,33 @@ For each of `runs` contexts (real text, seeds seed..seed+runs-1):
   per layer, relative MSE, top-1 agreement and perplexity on the held-out tokens;
   for stream prefixes selected by speculative.prefixes: one speculative round per decoding
   mode (draft on the prefix cache, verify on the full-precision cache).
-Rows average over contexts. Writes the acceptance models (data/acceptance/), the vNMSE table
-(data/vnmse/), the first context's capture (data/captures/) and the synthetic-KV calibration
-(data/synthetic/).
+Rows average over contexts. Writes the acceptance models (acceptance/), the vNMSE table
+(vnmse/), the first context's capture (captures/) and the synthetic-KV calibration (synthetic/)
+under the run directory, or under out_dir (out_dir=data: the repository's data/).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import MISSING
 from tqdm import tqdm
 
-from kvsim.acceptance import ACCEPTANCE_DIR, AcceptanceModel
-from kvsim.capture import CAPTURE_DIR
+from kvsim.acceptance import AcceptanceModel
+from kvsim.config.checks import refuse_renamed
 from kvsim.config.codecs import CodecSpec, preset_names, resolve_codec
 from kvsim.layout import DTYPES
-from kvsim.quality.calibrate import SYNTHETIC_DIR, calibrate, save_calibration
+from kvsim.models import ModelSpec
+from kvsim.quality.calibrate import calibrate, save_calibration
 from kvsim.quality.capture import run_context
+from kvsim.quality.outputs import acceptance_name, plan_outputs
 from kvsim.quality.speculative import DECODINGS, speculative_round, survival_curve
-from kvsim.quality.vnmse import VNMSE_DIR, VNMSETable, cache_error, perplexity
+from kvsim.quality.vnmse import VNMSETable, cache_error, perplexity
 from kvsim.text import SOURCES, assemble
 
 PREFIX_MODES = ("partial", "all", "none")
@@ -50,27 +51,8 @@ class SpeculativeConfig:
 
 
 @dataclass
-class LLMConfig:
-    """conf/llm/<preset>.yaml (a Hydra group: `llm=qwen3-32b llm.path=/models/Qwen3-32B`)."""
-
-    name: str = "smollm2-135m"
-    display: str = ""
-    layers: int | None = None
-    q_heads: int | None = None
-    kv_heads: int | None = None
-    head_dim: int | None = None
-    rope_base: float = 10000.0
-    hf_id: str | None = None
-    path: str | None = None  # local checkpoint directory or .gguf file
-    package: str | None = None
-    package_version: str | None = None
-    wheel_member: str | None = None
-    random_init: bool = False
-
-
-@dataclass
 class QualityConfig:
-    llm: LLMConfig = field(default_factory=LLMConfig)
+    model: ModelSpec = MISSING  # conf/model/<preset> (`model=llama-3.1-8b model.path=DIR`)
     cache_dir: str | None = None  # model cache (kvsim model fetch)
     threads: int = 1
     dtype: str = "float32"  # model compute dtype; the reference cache has this dtype
@@ -82,10 +64,17 @@ class QualityConfig:
     runs: int = 2  # contexts (text seeds) averaged over; one speculative round each
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     write_files: bool = True  # acceptance models, vNMSE table, capture, calibration
-    out_dir: str | None = None  # root for those files (default: the repo's data/)
+    # root for those files (acceptance/, vnmse/, captures/, synthetic/); null: the run
+    # directory; `data` updates the repository's data/, which the simulator reads by name
+    out_dir: str | None = None
+    overwrite: bool = False  # replace existing files (else refused before the model loads)
     tag: str = ""  # appended to output names, e.g. "-long"
     capture_dtype: str = "bfloat16"
     progress: bool = True
+    llm: Any = None  # renamed to `model`: refused when set, with that pointer
+
+    def __post_init__(self) -> None:
+        refuse_renamed("llm", self.llm, "model", "model=tiny-random, model.path=DIR")
 
 
 def _codec_specs(entries: list[Any]) -> list[CodecSpec]:
@@ -99,10 +88,8 @@ def _codec_specs(entries: list[Any]) -> list[CodecSpec]:
 
 def _load(cfg: QualityConfig) -> tuple[Any, Any, str, dict]:
     from kvsim.model import load_lm
-    from kvsim.model.presets import preset_from_dict
 
-    preset = preset_from_dict(dataclasses.asdict(cfg.llm), "quality: llm")
-    lm = load_lm(preset, cfg.cache_dir, cfg.dtype, cfg.threads, cfg.seed)
+    lm = load_lm(cfg.model, cfg.cache_dir, cfg.dtype, cfg.threads, cfg.seed)
     return lm.model, lm.tokenizer, lm.name, {**lm.meta, "load_s": lm.load_s}
 
 
@@ -122,23 +109,27 @@ def _check(cfg: QualityConfig) -> None:
         raise ValueError(f"quality: capture_dtype must be one of {sorted(DTYPES)}")
 
 
+def _speculates(spec_mode: str, streams_used: int, num_streams: int) -> bool:
+    """Whether a stream prefix gets speculative rounds (see SpeculativeConfig.prefixes)."""
+    return spec_mode == "all" or (spec_mode == "partial" and streams_used < num_streams)
+
+
 def run_quality(cfg: QualityConfig) -> tuple[list[dict], dict]:
     """Returns (rows, summary with wall times and the files written)."""
     _check(cfg)
     specs = _codec_specs(cfg.codecs)
+    codecs = [(spec, spec.build()) for spec in specs]
+    spec_mode = cfg.speculative.prefixes
+    outputs = None
+    if cfg.write_files:  # named and checked before the model loads
+        names = [acceptance_name(cfg.model.name, spec.label, k, d, cfg.tag)
+                 for spec, codec in codecs for k in range(1, codec.num_streams + 1)
+                 if _speculates(spec_mode, k, codec.num_streams)
+                 for d in cfg.speculative.decoding]
+        outputs = plan_outputs(cfg.out_dir, cfg.model.name, cfg.context_tokens, cfg.tag, names,
+                               cfg.model.random_init, cfg.overwrite)
     started = time.perf_counter()
     model, tokenizer, model_name, model_meta = _load(cfg)
-    spec_mode = cfg.speculative.prefixes
-    out_dir = cfg.out_dir
-    if out_dir is None and cfg.llm.random_init:
-        # A random-weight model's numbers say nothing about real models: keep them out of
-        # data/, where the simulator looks up acceptance models and vNMSE tables by name.
-        out_dir = "outputs/quality"
-    acc_dir = Path(out_dir) / "acceptance" if out_dir else ACCEPTANCE_DIR
-    vn_dir = Path(out_dir) / "vnmse" if out_dir else VNMSE_DIR
-    cap_dir = Path(out_dir) / "captures" if out_dir else CAPTURE_DIR
-    syn_dir = Path(out_dir) / "synthetic" if out_dir else SYNTHETIC_DIR
-    codecs = [(spec, spec.build()) for spec in specs]
     # one accumulator per (codec label, streams_used)
     acc: dict[tuple[str, int], dict] = {}
     for spec, codec in codecs:
@@ -164,17 +155,17 @@ def run_quality(cfg: QualityConfig) -> tuple[list[dict], dict]:
         ref = run_context(model, context, heldout)
         timing["prefill_s"].append(ref.prefill_s)
         ppl_ref = perplexity(ref.heldout_logits[:-1], held[1:])
-        if run == 0 and cfg.write_files:
+        if run == 0 and outputs is not None:
             meta = {"model": model_name, **sample.describe()}
-            path = ref.to_capture(meta, DTYPES[cfg.capture_dtype]).save(
-                cap_dir / f"{model_name}-ctx{cfg.context_tokens}{cfg.tag}.pt")
+            path = ref.to_capture(meta, DTYPES[cfg.capture_dtype]).save(outputs.capture)
             files["capture"] = str(path)
             rope_base = _rope_base(model.config)
             params = calibrate(ref.kv, rope_base)
             files["synthetic"] = str(save_calibration(
-                params, f"{model_name}{cfg.tag}",
+                params, outputs.synthetic.stem,
                 {"model": model_name, "capture": str(path), "rope_base": rope_base,
-                 "context_tokens": cfg.context_tokens, **sample.describe()}, syn_dir))
+                 "context_tokens": cfg.context_tokens, **sample.describe()},
+                outputs.synthetic.parent))
         gen = torch.Generator().manual_seed(cfg.seed + run)
         first = {"greedy": int(ref.last_logits.argmax())}
         if "sampling" in cfg.speculative.decoding:
@@ -198,7 +189,7 @@ def run_quality(cfg: QualityConfig) -> tuple[list[dict], dict]:
                 a["top1"].append(err.top1_agreement)
                 a["ppl"].append(err.ppl)
                 a["ppl_ref"].append(ppl_ref)
-                if spec_mode == "all" or (spec_mode == "partial" and k < codec.num_streams):
+                if _speculates(spec_mode, k, codec.num_streams):
                     for decoding in cfg.speculative.decoding:
                         t0 = time.perf_counter()
                         rnd = speculative_round(model, kv_hat, ref.kv, first[decoding],
@@ -237,13 +228,14 @@ def run_quality(cfg: QualityConfig) -> tuple[list[dict], dict]:
         for decoding in measured:
             accepted = a["accepted"][decoding]
             curve = survival_curve(accepted, cfg.speculative.max_draft)
-            name = f"{model_name}-{a['codec']}-s{a['streams_used']}-{decoding}{cfg.tag}"
+            name = acceptance_name(cfg.model.name, a["codec"], a["streams_used"], decoding,
+                                   cfg.tag)
             row = {**base, "decoding": decoding, "proposed_mean": cfg.speculative.max_draft,
                    "accepted_mean": float(np.mean(accepted)), "accepted": accepted,
                    "survival": {k: s for k, s in enumerate(curve)},
                    "draft_verify_s": float(np.mean(a["draft_s"][decoding])),
                    "acceptance_model": name}
-            if cfg.write_files:
+            if outputs is not None:
                 model_file = AcceptanceModel(name, curve, "measured", {
                     **provenance, "codec": a["codec"], "streams_used": a["streams_used"],
                     "stream": a["stream"], "decoding": decoding,
@@ -251,12 +243,12 @@ def run_quality(cfg: QualityConfig) -> tuple[list[dict], dict]:
                     else None, "max_draft": cfg.speculative.max_draft,
                     "target": "full-precision cache", "accepted": accepted,
                     "proposed": [cfg.speculative.max_draft] * len(accepted)})
-                files[f"acceptance:{name}"] = str(model_file.save(acc_dir / f"{name}.json"))
+                files[f"acceptance:{name}"] = str(model_file.save(outputs.acceptance[name]))
             rows.append(row)
-    if cfg.write_files:
-        table = VNMSETable(f"{model_name}-ctx{cfg.context_tokens}{cfg.tag}", table_rows,
+    if outputs is not None:
+        table = VNMSETable(outputs.vnmse.stem, table_rows,
                            {**provenance, "query_tokens": cfg.heldout_tokens})
-        files["vnmse"] = str(table.save(vn_dir / f"{table.name}.json"))
+        files["vnmse"] = str(table.save(outputs.vnmse))
     summary = {"wall_s": time.perf_counter() - started, "load_s": timing["load_s"],
                "prefill_s_mean": float(np.mean(timing["prefill_s"])),
                "draft_s_per_token": float(np.mean(timing["draft_tokens_s"]))

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from kvsim.attention_error import attention_vnmse, relative_mse
+from kvsim.data_files import record_loaded
 from kvsim.paths import DATA_DIR
 from kvsim.report import json_safe
 
@@ -110,6 +111,7 @@ def load_vnmse_table(name_or_path: str) -> VNMSETable:
         known = sorted(p.stem for p in VNMSE_DIR.glob("*.json")) if VNMSE_DIR.is_dir() else []
         raise ValueError(f"unknown vNMSE table {name_or_path!r}; a path or one of {known}")
     doc = json.loads(path.read_text())
+    record_loaded(path)
     if doc.get("version") != VNMSE_VERSION or not isinstance(doc.get("rows"), list):
         raise ValueError(f"{path}: not a version-{VNMSE_VERSION} vNMSE table")
     meta = {k: v for k, v in doc.items() if k not in ("version", "name", "source", "rows")}

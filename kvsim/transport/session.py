@@ -16,6 +16,7 @@ import numpy as np
 from kvsim.config.transport import EmulateConfig
 from kvsim.hardware import TimingModel
 from kvsim.layout import KVShape
+from kvsim.models import ModelSpec
 from kvsim.report import format_table
 from kvsim.sim.run import variants
 from kvsim.sim.workload import requests as workload_requests
@@ -27,27 +28,23 @@ from kvsim.transport.sender import OutgoingRequest
 from kvsim.transport.source import capture_source, live_source, synthetic_source
 
 
-def weights_available(name: str) -> bool:
-    """Whether real weights for LLM preset `name` are on this machine (fetched / a path)."""
+def weights_available(model: ModelSpec) -> bool:
+    """Whether real weights for the model preset are on this machine (fetched, a path, or a
+    random-init preset's)."""
     from kvsim.model.load import locate_weights
-    from kvsim.model.presets import llm_preset_names
 
-    if name not in llm_preset_names():
-        return False
+    if model.random_init:
+        return True
     try:
-        locate_weights(name)
+        locate_weights(model)
         return True
     except (FileNotFoundError, ValueError):
         return False
 
 
-def llm_name(cfg: EmulateConfig) -> str:
-    return cfg.transport.llm or cfg.model.name
-
-
 def _real_model_here(cfg: EmulateConfig) -> bool:
     """What `auto` resolves by: the model's weights are here and time runs unscaled."""
-    return cfg.transport.time_scale == 1 and weights_available(llm_name(cfg))
+    return cfg.transport.time_scale == 1 and weights_available(cfg.model)
 
 
 def decode_mode(cfg: EmulateConfig) -> str:
@@ -65,7 +62,7 @@ def source_kind(cfg: EmulateConfig) -> str:
 def load_model(cfg: EmulateConfig) -> Any:
     from kvsim.model.load import load_lm
 
-    lm = load_lm(llm_name(cfg), threads=cfg.transport.threads)
+    lm = load_lm(cfg.model, threads=cfg.transport.threads, seed=cfg.seed)
     shape = cfg.model.kv_shape(8)
     meta = lm.meta
     if (meta["layers"], meta["kv_heads"], meta["head_dim"]) != (shape.layers, shape.kv_heads,

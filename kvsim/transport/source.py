@@ -52,7 +52,7 @@ def live_source(lm: Any, context_ids: list[int], describe: dict | None = None) -
     prefill_s = time.perf_counter() - started
     kv = cache_to_kv(cache).to(torch.bfloat16).contiguous()
     return KVSource(KVShape.of(kv), "live", prefill_s, True, int(torch.argmax(logits)),
-                    {"kv_source": "live", "llm": lm.name, **(describe or {})}, _kv=kv)
+                    {"kv_source": "live", "live_model": lm.name, **(describe or {})}, _kv=kv)
 
 
 def capture_source(name_or_path: str, prefill_s: float) -> KVSource:
