@@ -97,16 +97,10 @@ def _usage(commands: dict[tuple[str, ...], CommandInfo]) -> str:
 
 def version_string() -> str:
     """`kvsim 0.1.0 (<git describe --always --dirty> of the checkout)`."""
-    import subprocess
-
     import kvsim
+    from kvsim.report import git_state
 
-    try:
-        described = subprocess.run(["git", "describe", "--always", "--dirty"],
-                                   capture_output=True, text=True, timeout=5,
-                                   cwd=Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        described = ""
+    described = git_state().get("git_describe") or ""
     return f"kvsim {kvsim.__version__}" + (f" ({described})" if described else "")
 
 

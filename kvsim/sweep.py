@@ -167,6 +167,12 @@ def write_table(sweep_dir: Path) -> dict[str, Path]:
         "files": {"csv": str(paths["csv"]), "parquet": str(paths["parquet"])},
         "provenance": provenance(),
     }
+    # the jobs ran in other processes (joblib, submitit): their data files, merged
+    seen = {(f["path"], f["sha256"]): f for f in sidecar["provenance"]["data_files"]}
+    for p in points:
+        for f in p.get("data_files", []):
+            seen.setdefault((f["path"], f["sha256"]), f)
+    sidecar["provenance"]["data_files"] = sorted(seen.values(), key=lambda f: f["path"])
     _write_atomic(paths["sidecar"], json.dumps(json_safe(sidecar), indent=1) + "\n")
     return paths
 
@@ -188,8 +194,11 @@ def run_point(run: Callable[[Any], list[dict]], typed: Any, plain: dict,
             contextlib.redirect_stderr(out):
         rows = run(typed) or []
     wall_s = time.perf_counter() - started
+    from kvsim.data_files import loaded_files
+
     doc = {"key": key, "overrides": overrides, "config": plain, "rows": rows,
-           "wall_s": wall_s, "job_dir": str(job_dir), "command": name}
+           "wall_s": wall_s, "job_dir": str(job_dir), "command": name,
+           "data_files": loaded_files()}  # what this job's process loaded (path, sha256)
     (sweep_dir / POINTS_DIR).mkdir(parents=True, exist_ok=True)
     _write_atomic(sweep_dir / POINTS_DIR / f"{key}.json", json.dumps(json_safe(doc)) + "\n")
     with _locked(sweep_dir):

@@ -49,7 +49,9 @@ def test_check_new_names_the_file_and_the_flag(tmp_path):
 
 def test_default_cli_runs_write_nothing_into_the_repository(tmp_path):
     before = _repo_state()
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    # runs go under the cwd (no KVSIM_OUTPUT_ROOT): outputs/<date>/<time>-<command>/
+    env = {**{k: v for k, v in os.environ.items() if k != "KVSIM_OUTPUT_ROOT"},
+           "PYTHONDONTWRITEBYTECODE": "1"}
     for args in (["quality", "model=tiny-random", "codecs=[bf16]", "context_tokens=24",
                   "heldout_tokens=4", "runs=1", "speculative.max_draft=3",
                   "speculative.prefixes=all", "progress=false"],
@@ -59,7 +61,7 @@ def test_default_cli_runs_write_nothing_into_the_repository(tmp_path):
         assert proc.returncode == 0, proc.stderr
     assert _repo_state() == before
     written = {p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()}
-    # under the run directory (today the cwd; outputs/<date>/<time>/ under a Hydra run)
+    assert all(w.startswith("outputs/") for w in written), written
     for name in ("captures/tiny-random-ctx24.pt", "synthetic/tiny-random.json",
                  "vnmse/tiny-random-ctx24.json", "acceptance/tiny-random-bf16-s1-greedy.json",
                  "survival.png"):

@@ -173,6 +173,11 @@ def test_joblib_launcher_by_default(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "with JoblibLauncher" in err
     assert pd.read_parquet(sweep_dir / "sweep.parquet")["point"].nunique() == 2
+    # the data files the worker processes loaded reach the sidecar's provenance
+    side = json.loads((sweep_dir / "sweep.json").read_text())
+    files = {f["path"]: f["sha256"] for f in side["provenance"]["data_files"]}
+    timing = [p for p in files if "codec_timing" in p]
+    assert timing and all(len(files[p]) == 64 for p in timing)
 
 
 def test_submitit_local_launcher(tmp_path, capsys):
