@@ -17,6 +17,8 @@ import math
 import numpy as np
 import simpy
 
+from kvsim.hardware import TimingModel
+from kvsim.sim.batch import DecodeBatch
 from kvsim.sim.link import Flow, Link
 from kvsim.sim.policy import FlowPlan, serial_pipeline
 
@@ -38,16 +40,19 @@ class DecodeNode:
     their bf16 KV caches fit beside the weights: `kv_memory` holds the free bytes
     (memory - weights); a request takes its cache's bytes when it is admitted to decode
     and gives them back when it finishes (first come, first served: a request that does not
-    fit waits, and the ones behind it wait too)."""
+    fit waits, and the ones behind it wait too). Admitted requests decode together in
+    `batch`, a continuous batch (kvsim.sim.batch: every join and leave re-times the
+    step)."""
 
     def __init__(self, env: simpy.Environment, index: int, max_batch: int,
-                 kv_memory_bytes: float) -> None:
+                 kv_memory_bytes: float, timing: TimingModel) -> None:
         self.name = f"decode{index}"
         self.slot = simpy.Resource(env, capacity=max_batch)
         self.assigned = 0  # requests routed here and not finished
         self.kv_memory_bytes = float(kv_memory_bytes)
         self.kv_memory = simpy.Container(env, capacity=self.kv_memory_bytes,
                                          init=self.kv_memory_bytes)
+        self.batch = DecodeBatch(env, timing)
 
     @property
     def active(self) -> int:
@@ -125,17 +130,24 @@ def priority_server(arrival_t: list[np.ndarray], work_s: list[np.ndarray]) -> li
     left = sum(n)
     if classes == 1:  # one class: the serial pipeline (closed form)
         return [serial_pipeline(arrival_t[0], work_s[0])] if n[0] else [np.empty(0)]
+    inf = math.inf
     while left:
+        # next[c]: arrival of class c's next job (inf: none left); plain loops, not min()
+        # over generators: this loop runs once per run of jobs, the simulator's hot spot
+        nxt = [arr[c][head[c]] if head[c] < n[c] else inf for c in range(classes)]
         # the earliest time any job can start, then the best class waiting by then
-        soonest = min(arr[c][head[c]] for c in range(classes) if head[c] < n[c])
+        soonest = inf
+        for x in nxt:
+            if x < soonest:
+                soonest = x
         start = soonest if soonest > free else free
+        limit = inf  # a better class's next arrival ends the run
         for c in range(classes):
-            i = head[c]
-            if i < n[c] and arr[c][i] <= start:
+            if nxt[c] <= start:
                 break
+            if nxt[c] < limit:
+                limit = nxt[c]
         # serve class c back to back while no better class has a job waiting
-        better = [arr[b][head[b]] if head[b] < n[b] else math.inf for b in range(c)]
-        limit = min(better, default=math.inf)  # a better job arriving ends the run
         a, w, f = arr[c], work[c], fin[c]
         i = head[c]
         t = start

@@ -5,7 +5,9 @@ queues for a prefill instance, prefills (its chunks are handed to the link as th
 releases them), then waits on the decode instance until the flows its policy needs are
 deserialized, takes a decode slot and decodes (speculatively on the anchor for
 split-stream). Links are fluid servers (kvsim.sim.link); the per-token decode timeline is
-closed-form (kvsim.sim.speculative), so a request costs events per flow, not per token.
+a continuous batch per decode instance (kvsim.sim.batch: a fluid clock re-timed at every
+join, leave and phase change), so a request costs events per flow and per batch change,
+not per token.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from kvsim.sim.nodes import DecodeNode, Deserializer, PrefillNode, Receiver
 from kvsim.sim.policy import POLICIES, TransferPlan, build_plan, natural_policy, release_times
 from kvsim.sim.request_log import request_rows, write_request_log
 from kvsim.sim.size_calibration import calibrate_sizes
-from kvsim.sim.speculative import plain_decode, speculative_decode
 from kvsim.sim.trace import TraceLog
 from kvsim.sim.workload import Request, requests
 
@@ -148,7 +149,7 @@ class Scenario:
         self.prefill = [PrefillNode(env, i, self.links[0 if n_links == 1 else i])
                         for i in range(w.prefill_nodes)]
         kv_memory = self.hw.memory_gb * 1e9 * self.hw.devices - self.model.weight_bytes
-        self.decode = [DecodeNode(env, i, w.decode_max_batch, kv_memory)
+        self.decode = [DecodeNode(env, i, w.decode_max_batch, kv_memory, self.timing)
                        for i in range(w.decode_nodes)]
         self.finished = 0
         self.all_done = env.event()
@@ -206,20 +207,16 @@ class Scenario:
             t_slot = env.now
             yield dnode.kv_memory.get(kv_bytes)
             t_start = env.now
-            tpot = self.timing.tpot_s(req.context_tokens, dnode.active)
-            if plan.speculative:
+            spec = cfg.speculative
+            # speculative only while some stream is still missing when decoding starts
+            drafting = plan.speculative and not all(rx.ready.triggered for rx in receivers)
+            member = dnode.batch.join(
+                req.seq, req.context_tokens, tokens, spec.cap_tokens, spec.draft_overhead_s,
+                (lambda n: self.acceptance.sample_accepted(n, self.rng)) if drafting else None)
+            if drafting:
                 yield simpy.AllOf(env, [rx.ready for rx in receivers])
-                t_full = max(env.now, t_start)
-                spec = cfg.speculative
-                timeline = speculative_decode(
-                    t_start, t_full, tpot, tpot + spec.draft_overhead_s,
-                    lambda n: self.timing.verify_s(n, req.context_tokens), spec.cap_tokens,
-                    lambda n: self.acceptance.sample_accepted(n, self.rng), tokens)
-            else:
-                timeline = plain_decode(t_start, tpot, tokens)
-                t_full = t_start
-            last_t = float(timeline.token_t[-1])
-            yield env.timeout(max(0.0, last_t - env.now))
+                dnode.batch.full_ready(member)
+            timeline = yield member.done
             yield dnode.kv_memory.put(kv_bytes)
         dnode.assigned -= 1
         last_needed = max(needed, key=lambda rx: rx.last_arrival_t)
