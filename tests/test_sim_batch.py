@@ -4,7 +4,7 @@ timelines, mixed contexts, speculative members, and the end-to-end simulator."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -12,6 +12,8 @@ import simpy
 
 from kvsim.config.sim import SimConfig
 from kvsim.hardware import HardwareSpec, TimingModel
+from kvsim.kernels.codec import Codec, register
+from kvsim.layout import KVShape
 from kvsim.models import ModelSpec
 from kvsim.sim.batch import DecodeBatch
 from kvsim.sim.run import Scenario, variants
@@ -197,3 +199,62 @@ def test_simulator_retimes_a_decoding_request_when_another_joins(tmp_path):
     b_at_a_left = (a_left - b.decode_start_t) / s2
     last = a_left + (64 - b_at_a_left) * step_s(3000)
     assert b.timeline.token_t[-1] == pytest.approx(last, rel=1e-12)
+
+
+@dataclass(frozen=True)
+class _QuarterParams:
+    page_tokens: int = 64
+
+
+@register
+class _AnchorQuarter(Codec):
+    """Test-only codec: an anchor of 1/4 and a residual of 3/4 of the bf16 bytes."""
+
+    name = "test-anchor-quarter"
+    Params = _QuarterParams
+
+    def stream_names(self):
+        return ["anchor", "residual"]
+
+    def page_tokens(self, shape):
+        return self.params.page_tokens
+
+    def payload_bytes(self, shape: KVShape):
+        pages = self.num_pages(shape)
+        tok = np.full(pages, self.params.page_tokens, dtype=np.int64)
+        tok[-1] = shape.tokens - self.params.page_tokens * (pages - 1)
+        elems = tok * (2 * shape.kv_heads * shape.head_dim)  # bf16: 2 bytes per element
+        out = np.empty((2, shape.layers, pages), dtype=np.int64)
+        out[0], out[1] = elems // 2, elems * 3 // 2  # 1/4 and 3/4 of 2 bytes per element
+        return out
+
+    def _encode(self, kv, shape):
+        raise NotImplementedError("size-only test codec")
+
+    def _decode(self, enc, streams, device):
+        raise NotImplementedError("size-only test codec")
+
+
+def test_draft_overhead_defaults_to_the_anchors_dequantization(tmp_path):
+    # one request, anchor first on a slow link: it drafts while the residual arrives.
+    # Default overhead per drafted token = anchor share x bf16 cache / decode throughput
+    # (codec timing: 25 GB/s) = (anchor bytes / all bytes) x 1000 x 2048 B / 25e9 B/s.
+    cfg = SimConfig(model=MODEL, hardware=HW, codecs=[{"name": "test-anchor-quarter"}],
+                    codec_timing=_timing_file(tmp_path))
+    cfg.link = replace(cfg.link, bandwidth_gbps=1.0)
+    cfg.workload = replace(cfg.workload, context_tokens=1000, output_tokens=64)
+    sc = Scenario(cfg, variants(cfg)[0], 1000, 1.0)
+    sc.run()
+    plan = sc.plan(1000)
+    assert plan.speculative
+    share = plan.stream_bytes[0] / plan.total_bytes
+    assert share == pytest.approx(0.25, rel=3e-3)  # + chunk frame headers and the preamble
+    overhead = share * 1000 * KV_PER_TOKEN / 25e9
+    tl = sc.records[0].timeline
+    assert tl.proposed > 0
+    assert tl.draft_tpot_s == pytest.approx(step_s(1000) + overhead, rel=1e-9)
+    # a configured overhead replaces it
+    cfg.speculative = replace(cfg.speculative, draft_overhead_s=0.0)
+    sc = Scenario(cfg, variants(cfg)[0], 1000, 1.0)
+    sc.run()
+    assert sc.records[0].timeline.draft_tpot_s == pytest.approx(step_s(1000), rel=1e-9)

@@ -135,14 +135,18 @@ class WorkloadConfig:
 class SpeculativeConfig:
     cap_tokens: int = 64  # drafted tokens at most (the seeds' cap)
     acceptance: str = "seeds-fig10"  # geometric:<a> | seeds-fig10 | data/acceptance/<name>
-    draft_overhead_s: float = 0.0  # extra per drafted token (dequantized-anchor overhead)
+    # extra seconds per drafted token (s, >= 0), or null (the default): from the codec
+    # timing, a draft step dequantizes the request's anchor (its bf16-equivalent cache at
+    # the codec's decode GB/s; kvsim.sim.speculative.draft_overhead_s)
+    draft_overhead_s: float | None = None
 
     def validate(self) -> None:
         if isinstance(self.cap_tokens, bool) or int(self.cap_tokens) != self.cap_tokens or \
                 self.cap_tokens < 0:
             raise ValueError(f"speculative.cap_tokens must be an integer >= 0, "
                              f"got {self.cap_tokens!r}")
-        check_number("speculative.draft_overhead_s", self.draft_overhead_s, strict=False)
+        if self.draft_overhead_s is not None:
+            check_number("speculative.draft_overhead_s", self.draft_overhead_s, strict=False)
         if not str(self.acceptance).strip():
             raise ValueError("speculative.acceptance must name an acceptance model")
 

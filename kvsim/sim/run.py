@@ -31,6 +31,7 @@ from kvsim.sim.nodes import DecodeNode, Deserializer, PrefillNode, Receiver
 from kvsim.sim.policy import POLICIES, TransferPlan, build_plan, natural_policy, release_times
 from kvsim.sim.request_log import request_rows, write_request_log
 from kvsim.sim.size_calibration import calibrate_sizes
+from kvsim.sim.speculative import draft_overhead_s
 from kvsim.sim.trace import TraceLog
 from kvsim.sim.workload import Request, requests
 
@@ -210,8 +211,12 @@ class Scenario:
             spec = cfg.speculative
             # speculative only while some stream is still missing when decoding starts
             drafting = plan.speculative and not all(rx.ready.triggered for rx in receivers)
+            overhead_s = draft_overhead_s(spec.draft_overhead_s, self.codec_timing,
+                                          self.model.kv_bytes_bf16(req.context_tokens),
+                                          plan.stream_bytes[0], plan.total_bytes,
+                                          self.hw.devices)
             member = dnode.batch.join(
-                req.seq, req.context_tokens, tokens, spec.cap_tokens, spec.draft_overhead_s,
+                req.seq, req.context_tokens, tokens, spec.cap_tokens, overhead_s,
                 (lambda n: self.acceptance.sample_accepted(n, self.rng)) if drafting else None)
             if drafting:
                 yield simpy.AllOf(env, [rx.ready for rx in receivers])
