@@ -41,6 +41,9 @@ class LinkConfig:
     # aging: a request's residual goes ahead of the anchors of requests that arrived more
     # than this many seconds after it (0: fifo by request; large: anchors_first)
     residual_age_s: float = 1.0
+    # Gbps (1e9 bit/s) of each decode instance's ingress link, shared by every flow to that
+    # instance on top of its prefill link (kvsim.sim.ingress); 0 (default): no ingress limit
+    decode_ingress_gbps: float = 0.0
 
     def validate(self) -> None:
         if self.sharing not in SHARINGS:
@@ -55,6 +58,7 @@ class LinkConfig:
             raise ValueError(f"link.residual_weight must be in (0, 1], got "
                              f"{self.residual_weight!r}")
         check_number("link.latency_s", self.latency_s, strict=False)
+        check_number("link.decode_ingress_gbps", self.decode_ingress_gbps, strict=False)
         check_number("link.message_overhead_bytes", self.message_overhead_bytes, strict=False)
         check_trace("link.trace", self.trace)
         if self.trace_origin not in TRACE_ORIGINS:

@@ -13,13 +13,14 @@ residual's dequantization (nor the reverse): what drafting costs on a partial ca
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import numpy as np
 import simpy
 
 from kvsim.hardware import TimingModel
 from kvsim.sim.batch import DecodeBatch
-from kvsim.sim.link import Flow, Link
+from kvsim.sim.link import Link
 from kvsim.sim.policy import FlowPlan, serial_pipeline
 
 
@@ -46,7 +47,7 @@ class DecodeNode:
 
     def __init__(self, env: simpy.Environment, index: int, max_batch: int,
                  kv_memory_bytes: float, timing: TimingModel) -> None:
-        self.name = f"decode{index}"
+        self.name, self.index = f"decode{index}", index
         self.slot = simpy.Resource(env, capacity=max_batch)
         self.assigned = 0  # requests routed here and not finished
         self.kv_memory_bytes = float(kv_memory_bytes)
@@ -57,6 +58,15 @@ class DecodeNode:
     @property
     def active(self) -> int:
         return self.slot.count
+
+
+class Carried(Protocol):
+    """What a receiver reads of a flow once carried: a link's `Flow`, or the join of an
+    egress and an ingress crossing (kvsim.sim.ingress.CarriedFlow)."""
+
+    release: np.ndarray  # [m] s, messages released by the encoder
+    complete_t: np.ndarray  # [m] s, last byte carried
+    cum_l: list[float]  # [m] bytes through message j
 
 
 class Receiver:
@@ -82,13 +92,13 @@ class Receiver:
             return self.arrival_t
         return np.concatenate(self._arrivals) if self._arrivals else np.empty(0)
 
-    def delivered(self, flow: Flow, j0: int, j1: int, arrival_t: np.ndarray) -> None:
+    def delivered(self, flow: Carried, j0: int, j1: int, arrival_t: np.ndarray) -> None:
         # arrivals come in order; deserialization is evaluated when the flow (and every
         # higher-priority flow of the request) is done, which keeps per-event cost low
         self._arrivals.append(arrival_t)
         self.received_bytes += flow.cum_l[j1 - 1] - (flow.cum_l[j0 - 1] if j0 else 0.0)
 
-    def done(self, flow: Flow) -> None:
+    def done(self, flow: Carried) -> None:
         self.arrival_t = np.concatenate(self._arrivals)  # [m] s, every message of the flow
         self.first_arrival_t, self.last_arrival_t = (float(self.arrival_t[0]),
                                                     float(self.arrival_t[-1]))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ from kvsim.config.codecs import CodecSpec, resolve_codec
 from kvsim.config.sim import SimConfig
 from kvsim.hardware import TimingModel
 from kvsim.sim.codec_timing import CodecTiming, load_codec_timing
+from kvsim.sim.ingress import IngressJoin
 from kvsim.sim.link import Link
 from kvsim.sim.metrics import RequestRecord, aggregate_request_rows, request_row
 from kvsim.sim.nodes import DecodeNode, Deserializer, PrefillNode, Receiver
@@ -138,20 +140,27 @@ class Scenario:
         for ctx in sorted({r.context_tokens for r in reqs}):
             self.timing.check_fits(ctx)
         env = self.env = CountingEnvironment()
-        link_kw = dict(latency_s=cfg.link.latency_s,
-                       message_overhead_bytes=cfg.link.message_overhead_bytes,
-                       trace=cfg.link.trace, trace_origin=cfg.link.trace_origin)
+        class_weight: Callable[[Any], float] | None = None
         if cfg.link.scheduling == "weighted":  # GPS between streams, weight r^stream
             r = cfg.link.residual_weight
-            link_kw["class_weight"] = lambda key: r ** key[0]
+            class_weight = lambda key: r ** key[0]  # noqa: E731
         n_links = 1 if cfg.link.sharing == "shared" else w.prefill_nodes
-        self.links = [Link(env, self.bandwidth_gbps, name=f"link{i}", **link_kw)
+        self.links = [Link(env, self.bandwidth_gbps, name=f"link{i}",
+                           latency_s=cfg.link.latency_s,
+                           message_overhead_bytes=cfg.link.message_overhead_bytes,
+                           trace=cfg.link.trace, trace_origin=cfg.link.trace_origin,
+                           class_weight=class_weight)
                       for i in range(n_links)]
         self.prefill = [PrefillNode(env, i, self.links[0 if n_links == 1 else i])
                         for i in range(w.prefill_nodes)]
         kv_memory = self.hw.memory_gb * 1e9 * self.hw.devices - self.model.weight_bytes
         self.decode = [DecodeNode(env, i, w.decode_max_batch, kv_memory, self.timing)
                        for i in range(w.decode_nodes)]
+        # optional ingress per decode node (no latency: counted once, on the egress link)
+        self.ingress = [Link(env, cfg.link.decode_ingress_gbps, name=f"ingress{i}",
+                             message_overhead_bytes=cfg.link.message_overhead_bytes,
+                             class_weight=class_weight)
+                        for i in range(w.decode_nodes)] if cfg.link.decode_ingress_gbps else []
         self.finished = 0
         self.all_done = env.event()
         self.n_requests = len(reqs)
@@ -185,8 +194,16 @@ class Scenario:
             receivers = deser.receivers
             for fp, rx in zip(plan.flows, receivers, strict=True):
                 prio = link_priority(cfg.link, req.seq, req.arrival_t, fp.stream)
-                pnode.link.submit(fp.sizes_bytes, rel[fp.chunk], prio, rx.delivered, rx.done,
-                                  name=f"r{req.seq}.{fp.name}", tag=req.seq)
+                name = f"r{req.seq}.{fp.name}"
+                if self.ingress:  # both links carry every message (kvsim.sim.ingress)
+                    join = IngressJoin(rx)
+                    pnode.link.submit(fp.sizes_bytes, rel[fp.chunk], prio, None,
+                                      join.egress_done, name=name, tag=req.seq)
+                    self.ingress[dnode.index].submit(fp.sizes_bytes, rel[fp.chunk], prio, None,
+                                                     join.ingress_done, name=name, tag=req.seq)
+                else:
+                    pnode.link.submit(fp.sizes_bytes, rel[fp.chunk], prio, rx.delivered,
+                                      rx.done, name=name, tag=req.seq)
                 self.messages += len(fp.sizes_bytes)
             yield env.timeout(prefill_s)
             t_pe = env.now
@@ -281,6 +298,10 @@ class Scenario:
             "link_busy_utilisation": float(np.nanmean(
                 [lk.busy_utilisation() for lk in self.links]
                 if any(not math.isnan(lk.first_byte_t) for lk in self.links) else [0.0])),
+            # decode ingress links (link.decode_ingress_gbps), busy over their own bytes
+            "ingress_busy_utilisation": float(np.nanmean(
+                [lk.busy_utilisation() for lk in self.ingress if not math.isnan(lk.first_byte_t)]))
+            if any(not math.isnan(lk.first_byte_t) for lk in self.ingress) else math.nan,
             "sim_end_s": end_t, "wall_s": wall_s, "events": self.env.scheduled,
             "messages": self.messages,
             "events_per_s": self.env.scheduled / wall_s if wall_s > 0 else math.nan,

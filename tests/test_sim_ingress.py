@@ -1,0 +1,63 @@
+"""Decode-side ingress (kvsim.sim.ingress): hand-computed incast."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from kvsim.config.sim import LinkConfig, SimConfig
+from kvsim.hardware import HardwareSpec
+from kvsim.models import ModelSpec
+from kvsim.sim.run import Scenario, variants
+
+MODEL = ModelSpec(name="tiny", layers=4, attention_heads=4, kv_heads=2, head_dim=64,
+                  hidden_size=256, params_total=1e8, params_active=1e8)
+HW = HardwareSpec(name="test", hbm_gb_per_s=100.0, bf16_tflops=10.0, memory_gb=100.0)
+
+
+def _run(tmp_path, ingress_gbps: float, decode_nodes: int = 1):
+    timing = tmp_path / "timing.json"
+    entry = {"encode_gb_per_s": 50.0, "decode_gb_per_s": 25.0, "source": "assumed",
+             "assumption": "test"}
+    timing.write_text(json.dumps({"version": 1, "hardware": "test", "default": entry}))
+    cfg = SimConfig(model=MODEL, hardware=HW, codecs=["bf16"], codec_timing=str(timing))
+    cfg.link = replace(cfg.link, bandwidth_gbps=1.0, latency_s=0.002,
+                       decode_ingress_gbps=ingress_gbps)
+    # two identical requests at t=0 on two prefill nodes (one egress link each of 1 Gbps)
+    cfg.workload = replace(cfg.workload, kind="trace", arrivals_t=[0.0, 0.0],
+                           arrivals_context_tokens=[1000, 1000], output_tokens=8,
+                           prefill_nodes=2, decode_nodes=decode_nodes)
+    sc = Scenario(cfg, variants(cfg)[0], 1000, 1.0)
+    sc.run()
+    return sc, sorted(sc.records, key=lambda r: r.seq)
+
+
+def test_two_prefill_links_into_one_ingress_of_one_link_take_twice_as_long(tmp_path):
+    sc, recs = _run(tmp_path, 0.0)
+    wire_bytes = recs[0].received_bytes  # bf16 monolithic: one flow, released at encode end
+    one_link_s = 8 * wire_bytes / 1e9
+    for r in recs:  # no ingress: each request has its own 1 Gbps link
+        assert r.needed_arrival_t == pytest.approx(r.encode_end_t + one_link_s + 0.002,
+                                                   rel=1e-12)
+    sc, recs = _run(tmp_path, 1.0)
+    for r in recs:  # ingress of 1 Gbps: both flows share it, each at 0.5 Gbps
+        assert r.needed_arrival_t == pytest.approx(r.encode_end_t + 2 * one_link_s + 0.002,
+                                                   rel=1e-12)
+        assert r.received_bytes == wire_bytes  # bytes counted once, not per crossing
+    assert sc.ingress[0].busy_utilisation() == pytest.approx(1.0, rel=1e-9)
+
+
+def test_ample_ingress_or_one_per_decode_node_changes_nothing(tmp_path):
+    _, base = _run(tmp_path, 0.0)
+    _, ample = _run(tmp_path, 1000.0)  # never the bottleneck
+    _, spread = _run(tmp_path, 1.0, decode_nodes=2)  # one request per decode node
+    for b, a, s in zip(base, ample, spread, strict=True):
+        assert a.needed_arrival_t == pytest.approx(b.needed_arrival_t, rel=1e-12)
+        assert s.needed_arrival_t == pytest.approx(b.needed_arrival_t, rel=1e-12)
+
+
+def test_ingress_rate_is_validated():
+    with pytest.raises(ValueError, match="link.decode_ingress_gbps must be >= 0"):
+        LinkConfig(decode_ingress_gbps=-1.0).validate()
