@@ -61,3 +61,45 @@ def test_ample_ingress_or_one_per_decode_node_changes_nothing(tmp_path):
 def test_ingress_rate_is_validated():
     with pytest.raises(ValueError, match="link.decode_ingress_gbps must be >= 0"):
         LinkConfig(decode_ingress_gbps=-1.0).validate()
+
+
+def _deser_run(tmp_path, mode: str, transfer: str = "auto", arrivals=(0.0, 0.0)):
+    timing = tmp_path / "timing.json"
+    entry = {"encode_gb_per_s": 50.0, "decode_gb_per_s": 25.0, "source": "assumed",
+             "assumption": "test"}
+    timing.write_text(json.dumps({"version": 1, "hardware": "test", "default": entry}))
+    cfg = SimConfig(model=MODEL, hardware=HW, codecs=["bf16"], codec_timing=str(timing),
+                    deserializer=mode, transfer=transfer)
+    cfg.link = replace(cfg.link, bandwidth_gbps=1.0, latency_s=0.002)
+    cfg.workload = replace(cfg.workload, kind="trace", arrivals_t=list(arrivals),
+                           arrivals_context_tokens=[1000] * len(arrivals), output_tokens=8,
+                           prefill_nodes=2, decode_nodes=1)
+    sc = Scenario(cfg, variants(cfg)[0], 1000, 1.0)
+    sc.run()
+    return sorted(sc.records, key=lambda r: r.seq)
+
+
+def test_node_deserializer_serves_the_instances_requests_one_after_another(tmp_path):
+    # bf16 monolithic: each request is one deserialization job of its whole cache, at its
+    # last arrival: 1000 tokens x 2048 B / 25 GB/s. Both arrive together.
+    work_s = 1000 * 2048 / 25e9
+    for r in _deser_run(tmp_path, "shared"):  # per request: both in parallel
+        assert r.needed_ready_t == pytest.approx(r.needed_arrival_t + work_s, rel=1e-12)
+    a, b = _deser_run(tmp_path, "node")  # one server on the decode instance: FIFO
+    assert a.needed_arrival_t == pytest.approx(b.needed_arrival_t, rel=1e-12)
+    assert sorted([a.needed_ready_t, b.needed_ready_t]) == pytest.approx(
+        [a.needed_arrival_t + work_s, a.needed_arrival_t + 2 * work_s], rel=1e-12)
+
+
+def test_node_deserializer_alone_is_the_per_request_pipeline(tmp_path):
+    # one request, layer-wise pipelined: a FIFO over the instance = its own serial pipeline
+    (shared,) = _deser_run(tmp_path, "shared", "layerwise", arrivals=(0.0,))
+    (node,) = _deser_run(tmp_path, "node", "layerwise", arrivals=(0.0,))
+    assert node.needed_ready_t == pytest.approx(shared.needed_ready_t, rel=1e-12)
+
+
+def test_node_deserializer_with_ingress_is_refused():
+    cfg = SimConfig(model=MODEL, hardware=HW, deserializer="node")
+    cfg.link = replace(cfg.link, decode_ingress_gbps=10.0)
+    with pytest.raises(ValueError, match="deserializer=node cannot be combined"):
+        cfg.validate()

@@ -22,7 +22,7 @@ TRACE_ORIGINS = ("run", "first_byte")  # = kvsim.sim.link.TRACE_ORIGINS
 WORKLOAD_KINDS = ("single", "poisson", "trace")
 CONTEXT_DISTS = ("fixed", "uniform", "lognormal")
 GRANULARITIES = ("page", "layer")
-DESERIALIZERS = ("shared", "per_stream")
+DESERIALIZERS = ("shared", "per_stream", "node")
 
 
 @dataclass
@@ -209,7 +209,8 @@ class SimConfig:
     transfer: Any = "auto"  # auto (codec's natural policy) | policy | list of policies
     granularity: str = "page"  # page: one message per (layer, page) | layer
     # shared: one deserializer per decode instance and request, streams in priority order
-    # (anchor first) | per_stream: every stream its own deserializer (runs in parallel)
+    # (anchor first) | per_stream: every stream its own deserializer (runs in parallel) |
+    # node: one deserializer per decode instance shared by all its requests (FIFO by arrival)
     deserializer: str = "shared"
     codec_timing: str = ""  # path of a codec timing file (default data/codec_timing/<hw>.json)
     # what estimated-size codecs (cachegen) measure their coded bytes on: file (the shipped
@@ -242,6 +243,11 @@ class SimConfig:
         if self.deserializer not in DESERIALIZERS:
             raise ValueError(f"deserializer must be one of {DESERIALIZERS}, "
                              f"got {self.deserializer!r}")
+        if self.deserializer == "node" and self.link.decode_ingress_gbps:
+            # the ingress join reports a flow's arrivals only when it is done: a FIFO
+            # over the whole instance could not see every arrival so far
+            raise ValueError("deserializer=node cannot be combined with "
+                             "link.decode_ingress_gbps > 0 (not modelled)")
         if isinstance(self.samples, bool) or not isinstance(self.samples, int) or \
                 self.samples < 1:
             raise ValueError(f"samples must be an integer >= 1, got {self.samples!r}")

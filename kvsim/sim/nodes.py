@@ -3,9 +3,11 @@ arrival bookkeeping and the request's deserializer on its decode instance.
 
 Deserialization model (stated assumptions): a request's streams are deserialized by one
 server on its decode instance in priority order (anchor first; `deserializer=shared`, the
-default) or by one server per stream (`deserializer=per_stream`). Concurrent requests on
-the same decode instance deserialize independently (the instance overlaps them as it
-overlaps its batched decode steps), and drafting on the anchor does not slow the
+default) or by one server per stream (`deserializer=per_stream`); with these two,
+concurrent requests on the same decode instance deserialize independently (the instance
+overlaps them as it overlaps its batched decode steps). `deserializer=node`: one server
+per decode instance for every message of every request on it, first come first served
+by arrival (NodeDeserializer; no priority between streams). Drafting on the anchor does not slow the
 residual's dequantization (nor the reverse): what drafting costs on a partial cache is
 `speculative.draft_overhead_s` per drafted token.
 """
@@ -54,6 +56,7 @@ class DecodeNode:
         self.kv_memory = simpy.Container(env, capacity=self.kv_memory_bytes,
                                          init=self.kv_memory_bytes)
         self.batch = DecodeBatch(env, timing)
+        self.deserializer: NodeDeserializer | None = None  # deserializer=node only
 
     @property
     def active(self) -> int:
@@ -85,6 +88,7 @@ class Receiver:
         self.first_arrival_t = math.nan
         self.backlog_start_t = math.nan  # release of the message opening the last backlog
         self.is_done = False
+        self.node_finish_t = -math.inf  # deserializer=node: its last message processed
 
     def known_arrivals(self) -> np.ndarray:
         """[j] arrival times (s) reported so far, in order."""
@@ -96,6 +100,9 @@ class Receiver:
         # arrivals come in order; deserialization is evaluated when the flow (and every
         # higher-priority flow of the request) is done, which keeps per-event cost low
         self._arrivals.append(arrival_t)
+        node = self.group.node
+        if node is not None and self.group.pipelined:
+            node.offer(self, arrival_t, self.plan.deserialize_s[j0:j1])
         self.received_bytes += flow.cum_l[j1 - 1] - (flow.cum_l[j0 - 1] if j0 else 0.0)
 
     def done(self, flow: Carried) -> None:
@@ -173,6 +180,49 @@ def priority_server(arrival_t: list[np.ndarray], work_s: list[np.ndarray]) -> li
     return [np.asarray(f) for f in fin]
 
 
+class NodeDeserializer:
+    """One deserialization server per decode instance (`deserializer=node`): every message
+    of every request on the instance, first come first served by arrival time.
+
+    Exact without an event per message: messages are buffered as the links report them and
+    served when some flow to the instance is done. Then every link is flushed, so every
+    message that arrives by now + latency is known (one not yet reported leaves its link
+    after now); FIFO by arrival, none of them can be overtaken by a later report, so the
+    buffered batch is served in arrival order after the server's previous work
+    (serial_pipeline from free_t), and a done flow's last message has its finish time."""
+
+    def __init__(self, links: list[Link]) -> None:
+        self.links = links  # every link that carries flows to this instance
+        self.free_t = -math.inf  # the server finishes its work so far (s)
+        self._arrival: list[np.ndarray] = []  # buffered jobs: arrival (s) ...
+        self._work: list[np.ndarray] = []  # ... work (s) ...
+        self._owner: list[Receiver] = []  # ... and whose (one entry per array)
+
+    def offer(self, rx: Receiver, arrival_t: np.ndarray, work_s: np.ndarray) -> None:
+        self._arrival.append(np.asarray(arrival_t, dtype=np.float64))
+        self._work.append(np.asarray(work_s, dtype=np.float64))
+        self._owner.append(rx)
+
+    def serve(self) -> None:
+        """Serve every message reported so far; owners learn their last finish time."""
+        for link in self.links:
+            link.flush()
+        if not self._arrival:
+            return
+        arrival = np.concatenate(self._arrival)  # [j] s
+        work = np.concatenate(self._work)  # [j] s
+        owner = np.repeat(np.arange(len(self._owner)), [len(a) for a in self._arrival])
+        order = np.argsort(arrival, kind="stable")  # ties: in report order
+        finish = serial_pipeline(arrival[order], work[order], self.free_t)  # [j] s
+        self.free_t = float(finish[-1])
+        last = np.full(len(self._owner), -math.inf)
+        np.maximum.at(last, owner[order], finish)
+        for rx, f in zip(self._owner, last.tolist(), strict=True):
+            if f > rx.node_finish_t:
+                rx.node_finish_t = f
+        self._arrival, self._work, self._owner = [], [], []
+
+
 class Deserializer:
     """Deserialization of one request's flows on its decode instance.
 
@@ -186,15 +236,30 @@ class Deserializer:
     """
 
     def __init__(self, env: simpy.Environment, plans: list[FlowPlan], pipelined: bool,
-                 mode: str = "shared") -> None:
-        if mode not in ("shared", "per_stream"):
-            raise ValueError(f"deserializer must be 'shared' or 'per_stream', got {mode!r}")
-        self.pipelined, self.mode = pipelined, mode
+                 mode: str = "shared", node: NodeDeserializer | None = None) -> None:
+        if mode not in ("shared", "per_stream", "node"):
+            raise ValueError(f"deserializer must be 'shared', 'per_stream' or 'node', "
+                             f"got {mode!r}")
+        if (mode == "node") != (node is not None):
+            raise ValueError("deserializer=node needs the decode instance's NodeDeserializer")
+        self.pipelined, self.mode, self.node = pipelined, mode, node
         self.receivers = [Receiver(env, fp, self) for fp in plans]
         self._fired = 0  # flows 0.._fired-1 have their ready time
 
     def flow_done(self) -> None:
         rx = self.receivers
+        if self.node is not None:
+            if not self.pipelined:  # one job: the whole request after its last arrival
+                if not all(r.is_done for r in rx):
+                    return
+                work = sum(float(r.plan.deserialize_s.sum()) for r in rx)
+                self.node.offer(rx[0], np.array([max(r.last_arrival_t for r in rx)]),
+                                np.array([work]))
+            self.node.serve()
+            for r in rx:
+                if r.is_done and math.isnan(r.ready_t):
+                    r.fire(rx[0].node_finish_t if not self.pipelined else r.node_finish_t)
+            return
         if not self.pipelined:
             if all(r.is_done for r in rx):
                 last = max(r.last_arrival_t for r in rx)

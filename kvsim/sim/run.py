@@ -29,7 +29,7 @@ from kvsim.sim.codec_timing import CodecTiming, load_codec_timing
 from kvsim.sim.ingress import IngressJoin
 from kvsim.sim.link import Link
 from kvsim.sim.metrics import RequestRecord, aggregate_request_rows, request_row
-from kvsim.sim.nodes import DecodeNode, Deserializer, PrefillNode, Receiver
+from kvsim.sim.nodes import DecodeNode, Deserializer, NodeDeserializer, PrefillNode, Receiver
 from kvsim.sim.policy import POLICIES, TransferPlan, build_plan, natural_policy, release_times
 from kvsim.sim.request_log import request_rows, write_request_log
 from kvsim.sim.size_calibration import calibrate_sizes
@@ -156,6 +156,9 @@ class Scenario:
         kv_memory = self.hw.memory_gb * 1e9 * self.hw.devices - self.model.weight_bytes
         self.decode = [DecodeNode(env, i, w.decode_max_batch, kv_memory, self.timing)
                        for i in range(w.decode_nodes)]
+        if cfg.deserializer == "node":  # one FIFO deserializer per decode instance
+            for node in self.decode:
+                node.deserializer = NodeDeserializer(self.links)
         # optional ingress per decode node (no latency: counted once, on the egress link)
         self.ingress = [Link(env, cfg.link.decode_ingress_gbps, name=f"ingress{i}",
                              message_overhead_bytes=cfg.link.message_overhead_bytes,
@@ -190,7 +193,8 @@ class Scenario:
             prefill_s = self.timing.prefill_s(req.context_tokens)
             rel = release_times(plan, t_p0, prefill_s, self.model.layers, pnode.encoder_free_t)
             pnode.encoder_free_t = float(rel[-1])
-            deser = Deserializer(env, plan.flows, plan.pipelined, cfg.deserializer)
+            deser = Deserializer(env, plan.flows, plan.pipelined, cfg.deserializer,
+                                 dnode.deserializer)
             receivers = deser.receivers
             for fp, rx in zip(plan.flows, receivers, strict=True):
                 prio = link_priority(cfg.link, req.seq, req.arrival_t, fp.stream)
