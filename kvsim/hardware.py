@@ -115,6 +115,23 @@ class TimingModel:
         return self._forward_s(tokens, 0, 1, self.hw.prefill_mfu, self.hw.decode_mbu) + \
             self.hw.step_overhead_s
 
+    def prefill_step_s(self, parts: list[tuple[int, int]]) -> float:
+        """One chunked prefill step over `parts` [(n new tokens of a prompt, c tokens of the
+        same prompt prefilled before them)]: the roofline over their summed FLOPs (n queries
+        over c + n keys) and reads (weights once, each part's KV of c + n tokens). One part
+        (n, 0) is prefill_s(n). A profile scales its measured prefill of the step's tokens
+        by the roofline's ratio to a fresh prompt of that many tokens."""
+        m, hw = self.model, self.hw
+        new = sum(n for n, _ in parts)
+        flops = sum(m.forward_flops(n, c) for n, c in parts)
+        read = m.weight_read_bytes(new) + sum(m.kv_bytes_bf16(c + n) for n, c in parts)
+        roof = max(flops / (hw.flops_per_s * hw.prefill_mfu),
+                   read / (hw.hbm_bytes_per_s * hw.decode_mbu))
+        if self._profile is not None:
+            return self.prefill_s(new) * roof / self._forward_s(new, 0, 1, hw.prefill_mfu,
+                                                                hw.decode_mbu)
+        return roof + hw.step_overhead_s
+
     def tpot_s(self, context_tokens: int, batch: int = 1) -> float:
         key = (int(context_tokens), int(batch))
         hit = self._tpot_cache.get(key)

@@ -89,6 +89,9 @@ class WorkloadConfig:
     prefill_nodes: int = 1
     decode_nodes: int = 1
     decode_max_batch: int = 64  # concurrent sequences per decode instance
+    # tokens per chunked prefill step, prompts batched first come first served
+    # (kvsim.sim.prefill_batch); 0 (default): one whole prompt at a time
+    prefill_chunk_tokens: int = 0
 
     def validate(self) -> None:
         if self.kind not in WORKLOAD_KINDS:
@@ -100,6 +103,10 @@ class WorkloadConfig:
                     "decode_nodes", "decode_max_batch", "context_round_tokens"):
             if getattr(self, key) < 1:
                 raise ValueError(f"workload.{key} must be >= 1, got {getattr(self, key)}")
+        if isinstance(self.prefill_chunk_tokens, bool) or \
+                not isinstance(self.prefill_chunk_tokens, int) or self.prefill_chunk_tokens < 0:
+            raise ValueError(f"workload.prefill_chunk_tokens must be an integer >= 0 (0: off), "
+                             f"got {self.prefill_chunk_tokens!r}")
         check_number("workload.rate_per_s", self.rate_per_s)
         check_number("workload.context_sigma", self.context_sigma)
         for key in ("context_min_tokens", "context_max_tokens"):

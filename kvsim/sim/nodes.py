@@ -24,6 +24,7 @@ from kvsim.hardware import TimingModel
 from kvsim.sim.batch import DecodeBatch
 from kvsim.sim.link import Link
 from kvsim.sim.policy import FlowPlan, serial_pipeline
+from kvsim.sim.prefill_batch import ChunkedPrefill
 
 
 class PrefillNode:
@@ -36,6 +37,8 @@ class PrefillNode:
         self.encoder_free_t = 0.0
         self.link = link
         self.queued = 0  # requests assigned and not yet through prefill
+        # chunked prefill batching (workload.prefill_chunk_tokens > 0) replaces `slot`
+        self.chunked: ChunkedPrefill | None = None
 
 
 class DecodeNode:

@@ -31,6 +31,7 @@ from kvsim.sim.link import Link
 from kvsim.sim.metrics import RequestRecord, aggregate_request_rows, request_row
 from kvsim.sim.nodes import DecodeNode, Deserializer, NodeDeserializer, PrefillNode, Receiver
 from kvsim.sim.policy import POLICIES, TransferPlan, build_plan, natural_policy, release_times
+from kvsim.sim.prefill_batch import ChunkedPrefill
 from kvsim.sim.request_log import request_rows, write_request_log
 from kvsim.sim.size_calibration import calibrate_sizes
 from kvsim.sim.speculative import draft_overhead_s
@@ -153,6 +154,9 @@ class Scenario:
                       for i in range(n_links)]
         self.prefill = [PrefillNode(env, i, self.links[0 if n_links == 1 else i])
                         for i in range(w.prefill_nodes)]
+        if w.prefill_chunk_tokens:  # chunked prefill batching on every prefill instance
+            for pnode in self.prefill:
+                pnode.chunked = ChunkedPrefill(env, self.timing, w.prefill_chunk_tokens)
         kv_memory = self.hw.memory_gb * 1e9 * self.hw.devices - self.model.weight_bytes
         self.decode = [DecodeNode(env, i, w.decode_max_batch, kv_memory, self.timing)
                        for i in range(w.decode_nodes)]
@@ -187,30 +191,22 @@ class Scenario:
         dnode = min(self.decode, key=lambda n: n.assigned)
         pnode.queued += 1
         dnode.assigned += 1
-        with pnode.slot.request() as slot:
-            yield slot
-            t_p0 = env.now
-            prefill_s = self.timing.prefill_s(req.context_tokens)
-            rel = release_times(plan, t_p0, prefill_s, self.model.layers, pnode.encoder_free_t)
-            pnode.encoder_free_t = float(rel[-1])
-            deser = Deserializer(env, plan.flows, plan.pipelined, cfg.deserializer,
-                                 dnode.deserializer)
-            receivers = deser.receivers
-            for fp, rx in zip(plan.flows, receivers, strict=True):
-                prio = link_priority(cfg.link, req.seq, req.arrival_t, fp.stream)
-                name = f"r{req.seq}.{fp.name}"
-                if self.ingress:  # both links carry every message (kvsim.sim.ingress)
-                    join = IngressJoin(rx)
-                    pnode.link.submit(fp.sizes_bytes, rel[fp.chunk], prio, None,
-                                      join.egress_done, name=name, tag=req.seq)
-                    self.ingress[dnode.index].submit(fp.sizes_bytes, rel[fp.chunk], prio, None,
-                                                     join.ingress_done, name=name, tag=req.seq)
-                else:
-                    pnode.link.submit(fp.sizes_bytes, rel[fp.chunk], prio, rx.delivered,
-                                      rx.done, name=name, tag=req.seq)
-                self.messages += len(fp.sizes_bytes)
+        if pnode.chunked is not None:  # chunked prefill batching (kvsim.sim.prefill_batch)
+            job = pnode.chunked.submit(req.seq, req.context_tokens)
+            yield job.last_step  # the step with its last chunk starts now
+            t_p0, prefill_s = job.first_step_t, job.last_step_s
+            receivers, encode_end_t = self._send(req, plan, pnode, dnode, env.now, prefill_s)
             yield env.timeout(prefill_s)
             t_pe = env.now
+        else:
+            with pnode.slot.request() as slot:
+                yield slot
+                t_p0 = env.now
+                prefill_s = self.timing.prefill_s(req.context_tokens)
+                receivers, encode_end_t = self._send(req, plan, pnode, dnode, t_p0,
+                                                     prefill_s)
+                yield env.timeout(prefill_s)
+                t_pe = env.now
         pnode.queued -= 1
         needed = receivers[:1] if plan.speculative else receivers
         yield simpy.AllOf(env, [rx.ready for rx in needed])
@@ -247,7 +243,7 @@ class Scenario:
         dnode.assigned -= 1
         last_needed = max(needed, key=lambda rx: rx.last_arrival_t)
         rec = RequestRecord(
-            req.seq, req.context_tokens, req.arrival_t, t_p0, t_pe, float(rel[-1]),
+            req.seq, req.context_tokens, req.arrival_t, t_p0, t_pe, encode_end_t,
             last_needed.last_arrival_t, last_needed.backlog_start_t, t_need,
             max(rx.last_arrival_t for rx in receivers), max(rx.ready_t for rx in receivers),
             t_start, timeline, plan.stream_bytes, sum(rx.received_bytes for rx in receivers),
@@ -264,6 +260,34 @@ class Scenario:
         self.finished += 1
         if self.finished == self.n_requests:
             self.all_done.succeed()
+
+    def _send(self, req: Request, plan: TransferPlan, pnode: PrefillNode, dnode: DecodeNode,
+              layers_start_t: float, layers_s: float) -> tuple[list[Receiver], float]:
+        """Hand the request's flows to the link(s) as the encoder releases its chunks: layer
+        l's KV is complete at layers_start_t + (l + 1) / layers x layers_s (the prefill, or
+        the step carrying its last chunk). Returns the receivers on the decode instance and
+        the time (s) its last chunk is encoded."""
+        cfg = self.cfg
+        rel = release_times(plan, layers_start_t, layers_s, self.model.layers,
+                            pnode.encoder_free_t)
+        pnode.encoder_free_t = float(rel[-1])
+        deser = Deserializer(self.env, plan.flows, plan.pipelined, cfg.deserializer,
+                             dnode.deserializer)
+        receivers = deser.receivers
+        for fp, rx in zip(plan.flows, receivers, strict=True):
+            prio = link_priority(cfg.link, req.seq, req.arrival_t, fp.stream)
+            name = f"r{req.seq}.{fp.name}"
+            if self.ingress:  # both links carry every message (kvsim.sim.ingress)
+                join = IngressJoin(rx)
+                pnode.link.submit(fp.sizes_bytes, rel[fp.chunk], prio, None,
+                                  join.egress_done, name=name, tag=req.seq)
+                self.ingress[dnode.index].submit(fp.sizes_bytes, rel[fp.chunk], prio, None,
+                                                 join.ingress_done, name=name, tag=req.seq)
+            else:
+                pnode.link.submit(fp.sizes_bytes, rel[fp.chunk], prio, rx.delivered,
+                                  rx.done, name=name, tag=req.seq)
+            self.messages += len(fp.sizes_bytes)
+        return receivers, float(rel[-1])
 
     def _trace(self, rec: RequestRecord, pnode: PrefillNode, dnode: DecodeNode,
                receivers: list[Receiver]) -> None:
