@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from kvsim.config.sim import LinkConfig, SimConfig
 from kvsim.hardware import HardwareSpec
 from kvsim.models import ModelSpec
+from kvsim.sim.nodes import NodeDeserializer
 from kvsim.sim.run import Scenario, variants
 
 MODEL = ModelSpec(name="tiny", layers=4, attention_heads=4, kv_heads=2, head_dim=64,
@@ -103,3 +107,19 @@ def test_node_deserializer_with_ingress_is_refused():
     cfg.link = replace(cfg.link, decode_ingress_gbps=10.0)
     with pytest.raises(ValueError, match="deserializer=node cannot be combined"):
         cfg.validate()
+
+
+def test_node_deserializer_is_fifo_by_arrival_across_requests():
+    # A: messages at 0, 1, 2 s of 0.5 s work; B: at 0.2, 0.4 s of 1 s work. One server,
+    # by arrival: A0 0->0.5, B0 0.5->1.5, B1 1.5->2.5, A1 2.5->3.0, A2 3.0->3.5.
+    node = NodeDeserializer([])
+    a = SimpleNamespace(node_finish_t=-math.inf)
+    b = SimpleNamespace(node_finish_t=-math.inf)
+    node.offer(a, np.array([0.0, 1.0, 2.0]), np.full(3, 0.5))
+    node.offer(b, np.array([0.2, 0.4]), np.full(2, 1.0))
+    node.serve()
+    assert (a.node_finish_t, b.node_finish_t) == pytest.approx((3.5, 2.5), rel=1e-12)
+    # later reports queue behind the work so far
+    node.offer(b, np.array([3.0]), np.array([1.0]))
+    node.serve()
+    assert b.node_finish_t == pytest.approx(4.5, rel=1e-12)

@@ -61,10 +61,6 @@ class DecodeNode:
         self.batch = DecodeBatch(env, timing)
         self.deserializer: NodeDeserializer | None = None  # deserializer=node only
 
-    @property
-    def active(self) -> int:
-        return self.slot.count
-
 
 class Carried(Protocol):
     """What a receiver reads of a flow once carried: a link's `Flow`, or the join of an
