@@ -258,3 +258,16 @@ def test_draft_overhead_defaults_to_the_anchors_dequantization(tmp_path):
     sc = Scenario(cfg, variants(cfg)[0], 1000, 1.0)
     sc.run()
     assert sc.records[0].timeline.draft_tpot_s == pytest.approx(step_s(1000), rel=1e-9)
+
+
+def test_measured_profile_scales_the_batch_step(tmp_path):
+    prof = tmp_path / "profile.json"
+    prof.write_text(json.dumps({"model": "tiny", "prefill": {"tokens": [1, 4096],
+                                                             "s": [0.01, 0.5]},
+                                "tpot": {"context_tokens": [1, 4096], "s": [0.02, 0.03]}}))
+    tm = TimingModel(MODEL, replace(HW, profile=str(prof)))
+    f, k = tm.member_work(1, 2000)
+    assert tm.batch_step_s(1, f, k, 1, 2000) == pytest.approx(tm.tpot_s(2000), rel=1e-12)
+    assert tm.batch_step_s(2, 2 * f, 2 * k, 2, 4000) == pytest.approx(tm.tpot_s(2000, 2),
+                                                                       rel=1e-12)
+    assert tm.prefill_step_s([(1000, 0)]) == pytest.approx(tm.prefill_s(1000), rel=1e-12)
