@@ -4,6 +4,8 @@ prefill_s(tokens)          = max(FLOPs / (peak * prefill_mfu), weight bytes / (H
 tpot_s(context, batch)     = max((weights read + batch * KV bytes) / (HBM * decode_mbu),
                                  batch * FLOPs per token / (peak * prefill_mfu)) + step_overhead_s
 verify_s(drafted, context) = one forward over the drafted tokens (same roofline)
+batch_step_s(...)          = one step of a continuous batch of mixed members (the same
+                             roofline over the members' summed new tokens, FLOPs, KV reads)
 
 `devices` is the tensor-parallel degree of one prefill or decode instance: peak FLOP/s and
 HBM bandwidth scale with it (times `tp_efficiency`). A measured profile file (JSON,
@@ -83,6 +85,7 @@ class TimingModel:
         self.model, self.hw = model, hw
         self._profile = _load_profile(hw.profile, model.name) if hw.profile else None
         self._tpot_cache: dict[tuple[int, int], float] = {}
+        self._step_rates: tuple[float, float] | None = None
 
     def check_fits(self, context_tokens: int) -> None:
         """Weights + one bf16 cache of `context_tokens` must fit the instance's memory; the
@@ -113,6 +116,23 @@ class TimingModel:
         return self._forward_s(tokens, 0, 1, self.hw.prefill_mfu, self.hw.decode_mbu) + \
             self.hw.step_overhead_s
 
+    def prefill_step_s(self, parts: list[tuple[int, int]]) -> float:
+        """One chunked prefill step over `parts` [(n new tokens of a prompt, c tokens of the
+        same prompt prefilled before them)]: the roofline over their summed FLOPs (n queries
+        over c + n keys) and reads (weights once, each part's KV of c + n tokens). One part
+        (n, 0) is prefill_s(n). A profile scales its measured prefill of the step's tokens
+        by the roofline's ratio to a fresh prompt of that many tokens."""
+        m, hw = self.model, self.hw
+        new = sum(n for n, _ in parts)
+        flops = sum(m.forward_flops(n, c) for n, c in parts)
+        read = m.weight_read_bytes(new) + sum(m.kv_bytes_bf16(c + n) for n, c in parts)
+        roof = max(flops / (hw.flops_per_s * hw.prefill_mfu),
+                   read / (hw.hbm_bytes_per_s * hw.decode_mbu))
+        if self._profile is not None:
+            return self.prefill_s(new) * roof / self._forward_s(new, 0, 1, hw.prefill_mfu,
+                                                                hw.decode_mbu)
+        return roof + hw.step_overhead_s
+
     def tpot_s(self, context_tokens: int, batch: int = 1) -> float:
         key = (int(context_tokens), int(batch))
         hit = self._tpot_cache.get(key)
@@ -128,6 +148,33 @@ class TimingModel:
             value = roof + self.hw.step_overhead_s
         self._tpot_cache[key] = value
         return value
+
+    def member_work(self, new_tokens: int, context_tokens: int) -> tuple[float, float]:
+        """One sequence's share of a batched forward step over `new_tokens` new tokens
+        (1 decoding, n verifying n drafts) attending to its `context_tokens`: (FLOPs, bf16
+        KV bytes read). Summed over the batch, they give `batch_step_s`."""
+        return (self.model.forward_flops(new_tokens, context_tokens),
+                float(self.model.kv_bytes_bf16(context_tokens + new_tokens)))
+
+    def batch_step_s(self, new_tokens: int, flops: float, kv_read_bytes: float,
+                     sequences: int, context_tokens_sum: float) -> float:
+        """One forward step of a continuous batch: `sequences` members with `new_tokens`
+        new tokens between them, their summed FLOPs and KV bytes read (`member_work`); the
+        weights are read once per step (MoE: once per active-expert set, see
+        ModelSpec.weight_read_bytes). A batch of B members of one context c gives
+        tpot_s(c, B); one member verifying n drafts alone gives verify_s(n, c). A profile
+        scales its measured TPOT at the members' mean context by the roofline's ratio."""
+        hw = self.hw
+        if self._step_rates is None:  # FLOP/s and bytes/s a step reaches (hw is fixed)
+            self._step_rates = (hw.flops_per_s * hw.prefill_mfu, hw.hbm_bytes_per_s * hw.decode_mbu)
+        flop_rate, byte_rate = self._step_rates
+        roof = max(flops / flop_rate,
+                   (self.model.weight_read_bytes(new_tokens) + kv_read_bytes) / byte_rate)
+        if self._profile is None:
+            return roof + hw.step_overhead_s
+        mean_ctx = round(context_tokens_sum / sequences)
+        one = self._forward_s(1, mean_ctx, 1, hw.prefill_mfu, hw.decode_mbu)
+        return self.tpot_s(mean_ctx) * roof / one
 
     def verify_s(self, drafted_tokens: int, context_tokens: int) -> float:
         """One forward over the drafted tokens on the full cache (scores all of them and

@@ -22,7 +22,7 @@ TRACE_ORIGINS = ("run", "first_byte")  # = kvsim.sim.link.TRACE_ORIGINS
 WORKLOAD_KINDS = ("single", "poisson", "trace")
 CONTEXT_DISTS = ("fixed", "uniform", "lognormal")
 GRANULARITIES = ("page", "layer")
-DESERIALIZERS = ("shared", "per_stream")
+DESERIALIZERS = ("shared", "per_stream", "node")
 
 
 @dataclass
@@ -41,6 +41,9 @@ class LinkConfig:
     # aging: a request's residual goes ahead of the anchors of requests that arrived more
     # than this many seconds after it (0: fifo by request; large: anchors_first)
     residual_age_s: float = 1.0
+    # Gbps (1e9 bit/s) of each decode instance's ingress link, shared by every flow to that
+    # instance on top of its prefill link (kvsim.sim.ingress); 0 (default): no ingress limit
+    decode_ingress_gbps: float = 0.0
 
     def validate(self) -> None:
         if self.sharing not in SHARINGS:
@@ -55,6 +58,7 @@ class LinkConfig:
             raise ValueError(f"link.residual_weight must be in (0, 1], got "
                              f"{self.residual_weight!r}")
         check_number("link.latency_s", self.latency_s, strict=False)
+        check_number("link.decode_ingress_gbps", self.decode_ingress_gbps, strict=False)
         check_number("link.message_overhead_bytes", self.message_overhead_bytes, strict=False)
         check_trace("link.trace", self.trace)
         if self.trace_origin not in TRACE_ORIGINS:
@@ -85,6 +89,9 @@ class WorkloadConfig:
     prefill_nodes: int = 1
     decode_nodes: int = 1
     decode_max_batch: int = 64  # concurrent sequences per decode instance
+    # tokens per chunked prefill step, prompts batched first come first served
+    # (kvsim.sim.prefill_batch); 0 (default): one whole prompt at a time
+    prefill_chunk_tokens: int = 0
 
     def validate(self) -> None:
         if self.kind not in WORKLOAD_KINDS:
@@ -96,6 +103,10 @@ class WorkloadConfig:
                     "decode_nodes", "decode_max_batch", "context_round_tokens"):
             if getattr(self, key) < 1:
                 raise ValueError(f"workload.{key} must be >= 1, got {getattr(self, key)}")
+        if isinstance(self.prefill_chunk_tokens, bool) or \
+                not isinstance(self.prefill_chunk_tokens, int) or self.prefill_chunk_tokens < 0:
+            raise ValueError(f"workload.prefill_chunk_tokens must be an integer >= 0 (0: off), "
+                             f"got {self.prefill_chunk_tokens!r}")
         check_number("workload.rate_per_s", self.rate_per_s)
         check_number("workload.context_sigma", self.context_sigma)
         for key in ("context_min_tokens", "context_max_tokens"):
@@ -135,14 +146,18 @@ class WorkloadConfig:
 class SpeculativeConfig:
     cap_tokens: int = 64  # drafted tokens at most (the seeds' cap)
     acceptance: str = "seeds-fig10"  # geometric:<a> | seeds-fig10 | data/acceptance/<name>
-    draft_overhead_s: float = 0.0  # extra per drafted token (dequantized-anchor overhead)
+    # extra seconds per drafted token (s, >= 0), or null (the default): from the codec
+    # timing, a draft step dequantizes the request's anchor (its bf16-equivalent cache at
+    # the codec's decode GB/s; kvsim.sim.speculative.draft_overhead_s)
+    draft_overhead_s: float | None = None
 
     def validate(self) -> None:
         if isinstance(self.cap_tokens, bool) or int(self.cap_tokens) != self.cap_tokens or \
                 self.cap_tokens < 0:
             raise ValueError(f"speculative.cap_tokens must be an integer >= 0, "
                              f"got {self.cap_tokens!r}")
-        check_number("speculative.draft_overhead_s", self.draft_overhead_s, strict=False)
+        if self.draft_overhead_s is not None:
+            check_number("speculative.draft_overhead_s", self.draft_overhead_s, strict=False)
         if not str(self.acceptance).strip():
             raise ValueError("speculative.acceptance must name an acceptance model")
 
@@ -186,7 +201,8 @@ class SimConfig:
     transfer: Any = "auto"  # auto (codec's natural policy) | policy | list of policies
     granularity: str = "page"  # page: one message per (layer, page) | layer
     # shared: one deserializer per decode instance and request, streams in priority order
-    # (anchor first) | per_stream: every stream its own deserializer (runs in parallel)
+    # (anchor first) | per_stream: every stream its own deserializer (runs in parallel) |
+    # node: one deserializer per decode instance shared by all its requests (FIFO by arrival)
     deserializer: str = "shared"
     codec_timing: str = ""  # path of a codec timing file (default data/codec_timing/<hw>.json)
     # what estimated-size codecs (cachegen) measure their coded bytes on: file (the shipped
@@ -218,6 +234,11 @@ class SimConfig:
         if self.deserializer not in DESERIALIZERS:
             raise ValueError(f"deserializer must be one of {DESERIALIZERS}, "
                              f"got {self.deserializer!r}")
+        if self.deserializer == "node" and self.link.decode_ingress_gbps:
+            # the ingress join reports a flow's arrivals only when it is done: a FIFO
+            # over the whole instance could not see every arrival so far
+            raise ValueError("deserializer=node cannot be combined with "
+                             "link.decode_ingress_gbps > 0 (not modelled)")
         if isinstance(self.samples, bool) or not isinstance(self.samples, int) or \
                 self.samples < 1:
             raise ValueError(f"samples must be an integer >= 1, got {self.samples!r}")

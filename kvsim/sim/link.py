@@ -171,6 +171,13 @@ class Link:
         self._reschedule()
         return flow
 
+    def flush(self) -> None:
+        """Report (on_delivered) every message whose last byte has left by now. Messages
+        complete between rate changes without an event, so their reports wait for the next
+        one; a reader that needs every arrival so far (a decode instance's FIFO
+        deserializer) flushes first. Rates are unchanged: nothing drains between events."""
+        self._advance(self.env.now)
+
     # ---- the fluid engine --------------------------------------------------------------
     def _advance(self, t: float) -> None:
         """Send bytes at the current rates over [last_t, t]; record message completions."""

@@ -3,9 +3,11 @@ arrival bookkeeping and the request's deserializer on its decode instance.
 
 Deserialization model (stated assumptions): a request's streams are deserialized by one
 server on its decode instance in priority order (anchor first; `deserializer=shared`, the
-default) or by one server per stream (`deserializer=per_stream`). Concurrent requests on
-the same decode instance deserialize independently (the instance overlaps them as it
-overlaps its batched decode steps), and drafting on the anchor does not slow the
+default) or by one server per stream (`deserializer=per_stream`); with these two,
+concurrent requests on the same decode instance deserialize independently (the instance
+overlaps them as it overlaps its batched decode steps). `deserializer=node`: one server
+per decode instance for every message of every request on it, first come first served
+by arrival (NodeDeserializer; no priority between streams). Drafting on the anchor does not slow the
 residual's dequantization (nor the reverse): what drafting costs on a partial cache is
 `speculative.draft_overhead_s` per drafted token.
 """
@@ -13,12 +15,16 @@ residual's dequantization (nor the reverse): what drafting costs on a partial ca
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import numpy as np
 import simpy
 
-from kvsim.sim.link import Flow, Link
+from kvsim.hardware import TimingModel
+from kvsim.sim.batch import DecodeBatch
+from kvsim.sim.link import Link
 from kvsim.sim.policy import FlowPlan, serial_pipeline
+from kvsim.sim.prefill_batch import ChunkedPrefill
 
 
 class PrefillNode:
@@ -31,6 +37,8 @@ class PrefillNode:
         self.encoder_free_t = 0.0
         self.link = link
         self.queued = 0  # requests assigned and not yet through prefill
+        # chunked prefill batching (workload.prefill_chunk_tokens > 0) replaces `slot`
+        self.chunked: ChunkedPrefill | None = None
 
 
 class DecodeNode:
@@ -38,20 +46,29 @@ class DecodeNode:
     their bf16 KV caches fit beside the weights: `kv_memory` holds the free bytes
     (memory - weights); a request takes its cache's bytes when it is admitted to decode
     and gives them back when it finishes (first come, first served: a request that does not
-    fit waits, and the ones behind it wait too)."""
+    fit waits, and the ones behind it wait too). Admitted requests decode together in
+    `batch`, a continuous batch (kvsim.sim.batch: every join and leave re-times the
+    step)."""
 
     def __init__(self, env: simpy.Environment, index: int, max_batch: int,
-                 kv_memory_bytes: float) -> None:
-        self.name = f"decode{index}"
+                 kv_memory_bytes: float, timing: TimingModel) -> None:
+        self.name, self.index = f"decode{index}", index
         self.slot = simpy.Resource(env, capacity=max_batch)
         self.assigned = 0  # requests routed here and not finished
         self.kv_memory_bytes = float(kv_memory_bytes)
         self.kv_memory = simpy.Container(env, capacity=self.kv_memory_bytes,
                                          init=self.kv_memory_bytes)
+        self.batch = DecodeBatch(env, timing)
+        self.deserializer: NodeDeserializer | None = None  # deserializer=node only
 
-    @property
-    def active(self) -> int:
-        return self.slot.count
+
+class Carried(Protocol):
+    """What a receiver reads of a flow once carried: a link's `Flow`, or the join of an
+    egress and an ingress crossing (kvsim.sim.ingress.CarriedFlow)."""
+
+    release: np.ndarray  # [m] s, messages released by the encoder
+    complete_t: np.ndarray  # [m] s, last byte carried
+    cum_l: list[float]  # [m] bytes through message j
 
 
 class Receiver:
@@ -70,6 +87,7 @@ class Receiver:
         self.first_arrival_t = math.nan
         self.backlog_start_t = math.nan  # release of the message opening the last backlog
         self.is_done = False
+        self.node_finish_t = -math.inf  # deserializer=node: its last message processed
 
     def known_arrivals(self) -> np.ndarray:
         """[j] arrival times (s) reported so far, in order."""
@@ -77,13 +95,16 @@ class Receiver:
             return self.arrival_t
         return np.concatenate(self._arrivals) if self._arrivals else np.empty(0)
 
-    def delivered(self, flow: Flow, j0: int, j1: int, arrival_t: np.ndarray) -> None:
+    def delivered(self, flow: Carried, j0: int, j1: int, arrival_t: np.ndarray) -> None:
         # arrivals come in order; deserialization is evaluated when the flow (and every
         # higher-priority flow of the request) is done, which keeps per-event cost low
         self._arrivals.append(arrival_t)
+        node = self.group.node
+        if node is not None and self.group.pipelined:
+            node.offer(self, arrival_t, self.plan.deserialize_s[j0:j1])
         self.received_bytes += flow.cum_l[j1 - 1] - (flow.cum_l[j0 - 1] if j0 else 0.0)
 
-    def done(self, flow: Flow) -> None:
+    def done(self, flow: Carried) -> None:
         self.arrival_t = np.concatenate(self._arrivals)  # [m] s, every message of the flow
         self.first_arrival_t, self.last_arrival_t = (float(self.arrival_t[0]),
                                                     float(self.arrival_t[-1]))
@@ -125,17 +146,24 @@ def priority_server(arrival_t: list[np.ndarray], work_s: list[np.ndarray]) -> li
     left = sum(n)
     if classes == 1:  # one class: the serial pipeline (closed form)
         return [serial_pipeline(arrival_t[0], work_s[0])] if n[0] else [np.empty(0)]
+    inf = math.inf
     while left:
+        # next[c]: arrival of class c's next job (inf: none left); plain loops, not min()
+        # over generators: this loop runs once per run of jobs, the simulator's hot spot
+        nxt = [arr[c][head[c]] if head[c] < n[c] else inf for c in range(classes)]
         # the earliest time any job can start, then the best class waiting by then
-        soonest = min(arr[c][head[c]] for c in range(classes) if head[c] < n[c])
+        soonest = inf
+        for x in nxt:
+            if x < soonest:
+                soonest = x
         start = soonest if soonest > free else free
+        limit = inf  # a better class's next arrival ends the run
         for c in range(classes):
-            i = head[c]
-            if i < n[c] and arr[c][i] <= start:
+            if nxt[c] <= start:
                 break
+            if nxt[c] < limit:
+                limit = nxt[c]
         # serve class c back to back while no better class has a job waiting
-        better = [arr[b][head[b]] if head[b] < n[b] else math.inf for b in range(c)]
-        limit = min(better, default=math.inf)  # a better job arriving ends the run
         a, w, f = arr[c], work[c], fin[c]
         i = head[c]
         t = start
@@ -151,6 +179,49 @@ def priority_server(arrival_t: list[np.ndarray], work_s: list[np.ndarray]) -> li
     return [np.asarray(f) for f in fin]
 
 
+class NodeDeserializer:
+    """One deserialization server per decode instance (`deserializer=node`): every message
+    of every request on the instance, first come first served by arrival time.
+
+    Exact without an event per message: messages are buffered as the links report them and
+    served when some flow to the instance is done. Then every link is flushed, so every
+    message that arrives by now + latency is known (one not yet reported leaves its link
+    after now); FIFO by arrival, none of them can be overtaken by a later report, so the
+    buffered batch is served in arrival order after the server's previous work
+    (serial_pipeline from free_t), and a done flow's last message has its finish time."""
+
+    def __init__(self, links: list[Link]) -> None:
+        self.links = links  # every link that carries flows to this instance
+        self.free_t = -math.inf  # the server finishes its work so far (s)
+        self._arrival: list[np.ndarray] = []  # buffered jobs: arrival (s) ...
+        self._work: list[np.ndarray] = []  # ... work (s) ...
+        self._owner: list[Receiver] = []  # ... and whose (one entry per array)
+
+    def offer(self, rx: Receiver, arrival_t: np.ndarray, work_s: np.ndarray) -> None:
+        self._arrival.append(np.asarray(arrival_t, dtype=np.float64))
+        self._work.append(np.asarray(work_s, dtype=np.float64))
+        self._owner.append(rx)
+
+    def serve(self) -> None:
+        """Serve every message reported so far; owners learn their last finish time."""
+        for link in self.links:
+            link.flush()
+        if not self._arrival:
+            return
+        arrival = np.concatenate(self._arrival)  # [j] s
+        work = np.concatenate(self._work)  # [j] s
+        owner = np.repeat(np.arange(len(self._owner)), [len(a) for a in self._arrival])
+        order = np.argsort(arrival, kind="stable")  # ties: in report order
+        finish = serial_pipeline(arrival[order], work[order], self.free_t)  # [j] s
+        self.free_t = float(finish[-1])
+        last = np.full(len(self._owner), -math.inf)
+        np.maximum.at(last, owner[order], finish)
+        for rx, f in zip(self._owner, last.tolist(), strict=True):
+            if f > rx.node_finish_t:
+                rx.node_finish_t = f
+        self._arrival, self._work, self._owner = [], [], []
+
+
 class Deserializer:
     """Deserialization of one request's flows on its decode instance.
 
@@ -164,15 +235,30 @@ class Deserializer:
     """
 
     def __init__(self, env: simpy.Environment, plans: list[FlowPlan], pipelined: bool,
-                 mode: str = "shared") -> None:
-        if mode not in ("shared", "per_stream"):
-            raise ValueError(f"deserializer must be 'shared' or 'per_stream', got {mode!r}")
-        self.pipelined, self.mode = pipelined, mode
+                 mode: str = "shared", node: NodeDeserializer | None = None) -> None:
+        if mode not in ("shared", "per_stream", "node"):
+            raise ValueError(f"deserializer must be 'shared', 'per_stream' or 'node', "
+                             f"got {mode!r}")
+        if (mode == "node") != (node is not None):
+            raise ValueError("deserializer=node needs the decode instance's NodeDeserializer")
+        self.pipelined, self.mode, self.node = pipelined, mode, node
         self.receivers = [Receiver(env, fp, self) for fp in plans]
         self._fired = 0  # flows 0.._fired-1 have their ready time
 
     def flow_done(self) -> None:
         rx = self.receivers
+        if self.node is not None:
+            if not self.pipelined:  # one job: the whole request after its last arrival
+                if not all(r.is_done for r in rx):
+                    return
+                work = sum(float(r.plan.deserialize_s.sum()) for r in rx)
+                self.node.offer(rx[0], np.array([max(r.last_arrival_t for r in rx)]),
+                                np.array([work]))
+            self.node.serve()
+            for r in rx:
+                if r.is_done and math.isnan(r.ready_t):
+                    r.fire(rx[0].node_finish_t if not self.pipelined else r.node_finish_t)
+            return
         if not self.pipelined:
             if all(r.is_done for r in rx):
                 last = max(r.last_arrival_t for r in rx)

@@ -5,13 +5,16 @@ queues for a prefill instance, prefills (its chunks are handed to the link as th
 releases them), then waits on the decode instance until the flows its policy needs are
 deserialized, takes a decode slot and decodes (speculatively on the anchor for
 split-stream). Links are fluid servers (kvsim.sim.link); the per-token decode timeline is
-closed-form (kvsim.sim.speculative), so a request costs events per flow, not per token.
+a continuous batch per decode instance (kvsim.sim.batch: a fluid clock re-timed at every
+join, leave and phase change), so a request costs events per flow and per batch change,
+not per token.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,13 +26,15 @@ from kvsim.config.codecs import CodecSpec, resolve_codec
 from kvsim.config.sim import SimConfig
 from kvsim.hardware import TimingModel
 from kvsim.sim.codec_timing import CodecTiming, load_codec_timing
+from kvsim.sim.ingress import IngressJoin
 from kvsim.sim.link import Link
 from kvsim.sim.metrics import RequestRecord, aggregate_request_rows, request_row
-from kvsim.sim.nodes import DecodeNode, Deserializer, PrefillNode, Receiver
+from kvsim.sim.nodes import DecodeNode, Deserializer, NodeDeserializer, PrefillNode, Receiver
 from kvsim.sim.policy import POLICIES, TransferPlan, build_plan, natural_policy, release_times
+from kvsim.sim.prefill_batch import ChunkedPrefill
 from kvsim.sim.request_log import request_rows, write_request_log
 from kvsim.sim.size_calibration import calibrate_sizes
-from kvsim.sim.speculative import plain_decode, speculative_decode
+from kvsim.sim.speculative import draft_overhead_s
 from kvsim.sim.spread import spread_of
 from kvsim.sim.trace import TraceLog
 from kvsim.sim.workload import Request, requests
@@ -139,20 +144,33 @@ class Scenario:
         for ctx in sorted({r.context_tokens for r in reqs}):
             self.timing.check_fits(ctx)
         env = self.env = CountingEnvironment()
-        link_kw = dict(latency_s=cfg.link.latency_s,
-                       message_overhead_bytes=cfg.link.message_overhead_bytes,
-                       trace=cfg.link.trace, trace_origin=cfg.link.trace_origin)
+        class_weight: Callable[[Any], float] | None = None
         if cfg.link.scheduling == "weighted":  # GPS between streams, weight r^stream
             r = cfg.link.residual_weight
-            link_kw["class_weight"] = lambda key: r ** key[0]
+            class_weight = lambda key: r ** key[0]  # noqa: E731
         n_links = 1 if cfg.link.sharing == "shared" else w.prefill_nodes
-        self.links = [Link(env, self.bandwidth_gbps, name=f"link{i}", **link_kw)
+        self.links = [Link(env, self.bandwidth_gbps, name=f"link{i}",
+                           latency_s=cfg.link.latency_s,
+                           message_overhead_bytes=cfg.link.message_overhead_bytes,
+                           trace=cfg.link.trace, trace_origin=cfg.link.trace_origin,
+                           class_weight=class_weight)
                       for i in range(n_links)]
         self.prefill = [PrefillNode(env, i, self.links[0 if n_links == 1 else i])
                         for i in range(w.prefill_nodes)]
+        if w.prefill_chunk_tokens:  # chunked prefill batching on every prefill instance
+            for pnode in self.prefill:
+                pnode.chunked = ChunkedPrefill(env, self.timing, w.prefill_chunk_tokens)
         kv_memory = self.hw.memory_gb * 1e9 * self.hw.devices - self.model.weight_bytes
-        self.decode = [DecodeNode(env, i, w.decode_max_batch, kv_memory)
+        self.decode = [DecodeNode(env, i, w.decode_max_batch, kv_memory, self.timing)
                        for i in range(w.decode_nodes)]
+        if cfg.deserializer == "node":  # one FIFO deserializer per decode instance
+            for node in self.decode:
+                node.deserializer = NodeDeserializer(self.links)
+        # optional ingress per decode node (no latency: counted once, on the egress link)
+        self.ingress = [Link(env, cfg.link.decode_ingress_gbps, name=f"ingress{i}",
+                             message_overhead_bytes=cfg.link.message_overhead_bytes,
+                             class_weight=class_weight)
+                        for i in range(w.decode_nodes)] if cfg.link.decode_ingress_gbps else []
         self.finished = 0
         self.all_done = env.event()
         self.n_requests = len(reqs)
@@ -176,21 +194,22 @@ class Scenario:
         dnode = min(self.decode, key=lambda n: n.assigned)
         pnode.queued += 1
         dnode.assigned += 1
-        with pnode.slot.request() as slot:
-            yield slot
-            t_p0 = env.now
-            prefill_s = self.timing.prefill_s(req.context_tokens)
-            rel = release_times(plan, t_p0, prefill_s, self.model.layers, pnode.encoder_free_t)
-            pnode.encoder_free_t = float(rel[-1])
-            deser = Deserializer(env, plan.flows, plan.pipelined, cfg.deserializer)
-            receivers = deser.receivers
-            for fp, rx in zip(plan.flows, receivers, strict=True):
-                prio = link_priority(cfg.link, req.seq, req.arrival_t, fp.stream)
-                pnode.link.submit(fp.sizes_bytes, rel[fp.chunk], prio, rx.delivered, rx.done,
-                                  name=f"r{req.seq}.{fp.name}", tag=req.seq)
-                self.messages += len(fp.sizes_bytes)
+        if pnode.chunked is not None:  # chunked prefill batching (kvsim.sim.prefill_batch)
+            job = pnode.chunked.submit(req.seq, req.context_tokens)
+            yield job.last_step  # the step with its last chunk starts now
+            t_p0, prefill_s = job.first_step_t, job.last_step_s
+            receivers, encode_end_t = self._send(req, plan, pnode, dnode, env.now, prefill_s)
             yield env.timeout(prefill_s)
             t_pe = env.now
+        else:
+            with pnode.slot.request() as slot:
+                yield slot
+                t_p0 = env.now
+                prefill_s = self.timing.prefill_s(req.context_tokens)
+                receivers, encode_end_t = self._send(req, plan, pnode, dnode, t_p0,
+                                                     prefill_s)
+                yield env.timeout(prefill_s)
+                t_pe = env.now
         pnode.queued -= 1
         needed = receivers[:1] if plan.speculative else receivers
         yield simpy.AllOf(env, [rx.ready for rx in needed])
@@ -209,25 +228,25 @@ class Scenario:
             t_slot = env.now
             yield dnode.kv_memory.get(kv_bytes)
             t_start = env.now
-            tpot = self.timing.tpot_s(req.context_tokens, dnode.active)
-            if plan.speculative:
+            spec = cfg.speculative
+            # speculative only while some stream is still missing when decoding starts
+            drafting = plan.speculative and not all(rx.ready.triggered for rx in receivers)
+            overhead_s = draft_overhead_s(spec.draft_overhead_s, self.codec_timing,
+                                          self.model.kv_bytes_bf16(req.context_tokens),
+                                          plan.stream_bytes[0], plan.total_bytes,
+                                          self.hw.devices)
+            member = dnode.batch.join(
+                req.seq, req.context_tokens, tokens, spec.cap_tokens, overhead_s,
+                (lambda n: self.acceptance.sample_accepted(n, self.rng)) if drafting else None)
+            if drafting:
                 yield simpy.AllOf(env, [rx.ready for rx in receivers])
-                t_full = max(env.now, t_start)
-                spec = cfg.speculative
-                timeline = speculative_decode(
-                    t_start, t_full, tpot, tpot + spec.draft_overhead_s,
-                    lambda n: self.timing.verify_s(n, req.context_tokens), spec.cap_tokens,
-                    lambda n: self.acceptance.sample_accepted(n, self.rng), tokens)
-            else:
-                timeline = plain_decode(t_start, tpot, tokens)
-                t_full = t_start
-            last_t = float(timeline.token_t[-1])
-            yield env.timeout(max(0.0, last_t - env.now))
+                dnode.batch.full_ready(member)
+            timeline = yield member.done
             yield dnode.kv_memory.put(kv_bytes)
         dnode.assigned -= 1
         last_needed = max(needed, key=lambda rx: rx.last_arrival_t)
         rec = RequestRecord(
-            req.seq, req.context_tokens, req.arrival_t, t_p0, t_pe, float(rel[-1]),
+            req.seq, req.context_tokens, req.arrival_t, t_p0, t_pe, encode_end_t,
             last_needed.last_arrival_t, last_needed.backlog_start_t, t_need,
             max(rx.last_arrival_t for rx in receivers), max(rx.ready_t for rx in receivers),
             t_start, timeline, plan.stream_bytes, sum(rx.received_bytes for rx in receivers),
@@ -244,6 +263,34 @@ class Scenario:
         self.finished += 1
         if self.finished == self.n_requests:
             self.all_done.succeed()
+
+    def _send(self, req: Request, plan: TransferPlan, pnode: PrefillNode, dnode: DecodeNode,
+              layers_start_t: float, layers_s: float) -> tuple[list[Receiver], float]:
+        """Hand the request's flows to the link(s) as the encoder releases its chunks: layer
+        l's KV is complete at layers_start_t + (l + 1) / layers x layers_s (the prefill, or
+        the step carrying its last chunk). Returns the receivers on the decode instance and
+        the time (s) its last chunk is encoded."""
+        cfg = self.cfg
+        rel = release_times(plan, layers_start_t, layers_s, self.model.layers,
+                            pnode.encoder_free_t)
+        pnode.encoder_free_t = float(rel[-1])
+        deser = Deserializer(self.env, plan.flows, plan.pipelined, cfg.deserializer,
+                             dnode.deserializer)
+        receivers = deser.receivers
+        for fp, rx in zip(plan.flows, receivers, strict=True):
+            prio = link_priority(cfg.link, req.seq, req.arrival_t, fp.stream)
+            name = f"r{req.seq}.{fp.name}"
+            if self.ingress:  # both links carry every message (kvsim.sim.ingress)
+                join = IngressJoin(rx)
+                pnode.link.submit(fp.sizes_bytes, rel[fp.chunk], prio, None,
+                                  join.egress_done, name=name, tag=req.seq)
+                self.ingress[dnode.index].submit(fp.sizes_bytes, rel[fp.chunk], prio, None,
+                                                 join.ingress_done, name=name, tag=req.seq)
+            else:
+                pnode.link.submit(fp.sizes_bytes, rel[fp.chunk], prio, rx.delivered,
+                                  rx.done, name=name, tag=req.seq)
+            self.messages += len(fp.sizes_bytes)
+        return receivers, float(rel[-1])
 
     def _trace(self, rec: RequestRecord, pnode: PrefillNode, dnode: DecodeNode,
                receivers: list[Receiver]) -> None:
@@ -282,6 +329,10 @@ class Scenario:
             "link_busy_utilisation": float(np.nanmean(
                 [lk.busy_utilisation() for lk in self.links]
                 if any(not math.isnan(lk.first_byte_t) for lk in self.links) else [0.0])),
+            # decode ingress links (link.decode_ingress_gbps), busy over their own bytes
+            "ingress_busy_utilisation": float(np.nanmean(
+                [lk.busy_utilisation() for lk in self.ingress if not math.isnan(lk.first_byte_t)]))
+            if any(not math.isnan(lk.first_byte_t) for lk in self.ingress) else math.nan,
             "sim_end_s": end_t, "wall_s": wall_s, "events": self.env.scheduled,
             "messages": self.messages,
             "events_per_s": self.env.scheduled / wall_s if wall_s > 0 else math.nan,

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvsim.sim.codec_timing import CodecTiming
+
 
 @dataclass
 class DecodeTimeline:
@@ -43,6 +45,21 @@ class DecodeTimeline:
     def __post_init__(self) -> None:
         if self.committed_t is None:
             self.committed_t = self.token_t
+
+
+def draft_overhead_s(configured_s: float | None, timing: CodecTiming, kv_bf16_bytes: float,
+                     anchor_bytes: float, total_bytes: float, devices: int) -> float:
+    """Extra time per drafted token (s): `configured_s` when set (speculative.
+    draft_overhead_s), else the dequantization of the anchor from the codec timing: a draft
+    step attends over the anchor-only cache, which it dequantizes as it reads it (no bf16
+    copy of a partial cache is kept), at the deserializer's cost for the anchor: its byte
+    share (anchor_bytes / total_bytes, as kvsim.sim.policy splits a chunk's decode work
+    between streams) of the request's bf16-equivalent cache (`kv_bf16_bytes`) at the
+    codec's decode throughput on `devices` devices."""
+    if configured_s is not None:
+        return float(configured_s)
+    share = anchor_bytes / total_bytes if total_bytes > 0 else 0.0
+    return share * timing.decode_s(kv_bf16_bytes, devices)
 
 
 def plain_decode(t_ready: float, tpot_s: float, tokens: int) -> DecodeTimeline:

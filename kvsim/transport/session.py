@@ -18,7 +18,9 @@ from kvsim.hardware import TimingModel
 from kvsim.layout import KVShape
 from kvsim.models import ModelSpec
 from kvsim.report import format_table
+from kvsim.sim.codec_timing import load_codec_timing
 from kvsim.sim.run import variants
+from kvsim.sim.speculative import draft_overhead_s
 from kvsim.sim.workload import requests as workload_requests
 from kvsim.transport.assembly import Assembly
 from kvsim.transport.rate_limiter import TokenBucket, Unlimited
@@ -126,17 +128,25 @@ def outgoing_requests(cfg: EmulateConfig, lm: Any | None) -> list[list[OutgoingR
                          "simulated only (kvsim sim), not emulated")
     nonce = secrets.randbits(20)  # request ids never repeat across runs against one server
     out = []
+    timing_table = load_codec_timing(cfg.hardware.name, cfg.codec_timing or None)
     for vi, v in enumerate(variants(cfg)):
         codec = v.spec.build()
+        codec_timing = timing_table.lookup(v.spec.label, v.spec.name)
         batch = []
         for r in reqs:
             rid = (nonce << 40) | (vi << 24) | r.seq
+            sizes = codec.size_table(cfg.model.kv_shape(r.context_tokens))
             hello = {"model": cfg.model.name, "seq": r.seq,
                      "output_tokens": cfg.workload.output_tokens,
                      "cap_tokens": cfg.speculative.cap_tokens, "ks": list(cfg.metrics.ks),
                      "breakdown_k": cfg.metrics.breakdown_k,
                      "acceptance": v.acceptance or cfg.speculative.acceptance,
-                     "draft_overhead_s": cfg.speculative.draft_overhead_s,
+                     # the simulator's per-drafted-token overhead for this request
+                     "draft_overhead_s": draft_overhead_s(
+                         cfg.speculative.draft_overhead_s, codec_timing,
+                         cfg.model.kv_bytes_bf16(r.context_tokens),
+                         float(sizes.chunk_bytes[0].sum()) + sizes.header_bytes,
+                         float(sizes.total_bytes), cfg.hardware.devices),
                      "bandwidth_gbps": cfg.link.bandwidth_gbps,
                      "link_emulation": cfg.transport.emulation,
                      "time_scale": cfg.transport.time_scale}

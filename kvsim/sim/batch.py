@@ -1,0 +1,339 @@
+"""Continuous batching on one decode instance: processor sharing over the batch.
+
+Every member of a decode instance's batch gains one token per forward step, and the step's
+length depends on the whole batch (TimingModel.batch_step_s: the members' new tokens,
+FLOPs and KV reads, plus `draft_overhead_s` per drafting member). So all members advance
+at the same rate, 1 / step_s(t) steps per second, and that rate changes only when the
+batch changes: a member joins, leaves, or changes phase (draft -> verify -> decode).
+Between those instants it is constant, so one fluid clock serves every member:
+
+    steps(t) = steps(t0) + (t - t0) / step_s      (steps the instance has run)
+
+A member that enters a phase when the clock reads v0 has its j-th token of the phase when
+the clock reads v0 + j; token times are read off the clock's breakpoints by interpolation
+when the member leaves. This is the fluid limit of iteration-level scheduling: a step in
+progress when the batch changes is re-timed at the new rate (as the link re-times a
+message when its share changes), so a member that decoded alone slows down as soon as
+another joins, and speeds up when one leaves. Cost: O(log batch) per batch change, and
+none per token.
+
+Context of a member: its prompt (`context_tokens`). The tokens it generates (output_tokens,
+128 by default, against prompts of thousands) are left out so that the step time is
+constant between batch changes: the clock stays exact, and a request alone on its
+instance keeps the closed-form timeline of kvsim.sim.speculative (batch-1 TPOT).
+
+Phases of a member (speculative: split-stream decoding that starts on the anchor):
+  draft   on the anchor, one drafted token per step; each drafting member makes the step
+          `draft_overhead_s` longer (dequantizing its anchor); at most `cap` drafts;
+  wait    `cap` drafts done and the full cache not ready: holds its slot, computes nothing;
+  verify  full cache ready: the draft step in progress finishes (the clock reaches the
+          next whole draft), then one step in which this member's forward covers its n
+          drafts on the full cache (batched with the others' decode steps); its accepted
+          prefix is drawn then, and the step yields the correction / bonus token;
+  decode  one token per step until the request's tokens are out.
+Drafted and committed token times follow kvsim.sim.speculative's definitions.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable
+
+import numpy as np
+import simpy
+
+from kvsim.hardware import TimingModel
+from kvsim.sim.speculative import DecodeTimeline
+
+_EPS_STEPS = 1e-9  # clock slack (steps) when deciding that members reached their target
+
+
+class Member:
+    """One request in a decode batch. Clock values (`*_v`) are in steps, times in s."""
+
+    __slots__ = ("seq", "context_tokens", "tokens", "cap", "draft_overhead_s",
+                 "sample_accepted", "phase", "phase_v", "phase_i", "target_v", "full_ready",
+                 "work", "done", "timeline", "start_t", "full_t", "draft_v", "draft_i",
+                 "draft_end_t", "draft_end_i", "proposed", "accepted", "verify_start_t",
+                 "verify_end_t", "_verify_work")
+
+    def __init__(self, env: simpy.Environment, seq: int, context_tokens: int, tokens: int,
+                 cap: int, draft_overhead_s: float,
+                 sample_accepted: Callable[[int], int] | None) -> None:
+        self.seq, self.context_tokens, self.tokens = seq, int(context_tokens), int(tokens)
+        self.cap, self.draft_overhead_s = int(cap), float(draft_overhead_s)
+        self.sample_accepted = sample_accepted
+        self.phase = ""
+        self.phase_v = 0.0  # clock when the current phase began
+        self.phase_i = 0  # its breakpoint index
+        self.target_v = math.inf  # clock at which the current phase ends
+        self.full_ready = sample_accepted is None  # plain members decode on the full cache
+        # this member's share of the step now: (new tokens, FLOPs, KV bytes, overhead s)
+        self.work = (0, 0.0, 0.0, 0.0)
+        self.done = env.event()  # succeeds with the DecodeTimeline when the member leaves
+        self.timeline: DecodeTimeline | None = None
+        self.start_t = self.full_t = self.draft_end_t = math.nan
+        self.verify_start_t = self.verify_end_t = math.nan
+        self.draft_v, self.draft_i, self.draft_end_i = 0.0, 0, 0
+        self.proposed = self.accepted = 0
+        self._verify_work = (0, 0.0, 0.0, 0.0)
+
+
+class DecodeBatch:
+    """The continuous batch of one decode instance (see the module docstring)."""
+
+    def __init__(self, env: simpy.Environment, timing: TimingModel) -> None:
+        self.env, self.timing = env, timing
+        self.steps = 0.0  # the fluid clock (steps run since the start)
+        self.last_t = env.now
+        self.step_s = math.inf  # length of one step of the current batch (s)
+        self.bp_t: list[float] = [env.now]  # clock breakpoints: time (s) ...
+        self.bp_v: list[float] = [0.0]  # ... and clock (steps), piecewise linear between
+        self.members = 0
+        # sums over the computing members: new tokens, FLOPs, KV bytes read, draft overhead
+        # (s), sequences, prompt tokens (the profile's mean context)
+        self._tokens, self._flops, self._kv, self._overhead = 0, 0.0, 0.0, 0.0
+        self._seqs, self._ctx = 0, 0
+        self._heap: list[tuple[float, int, Member]] = []  # (target clock, push #, member)
+        self._pushed = 0
+        self._timer: simpy.Event | None = None
+        self._timer_v = math.inf  # the armed timer's clock target (steps) ...
+        self._timer_t = math.inf  # ... and time (s)
+        # (new tokens, context) -> TimingModel.member_work: (FLOPs, KV bytes)
+        self._work: dict[tuple[int, int], tuple[float, float]] = {}
+        self.changes = 0  # batch changes (rate recomputations)
+
+    # ---- members in and out ------------------------------------------------------------
+    def join(self, seq: int, context_tokens: int, tokens: int, cap: int = 0,
+             draft_overhead_s: float = 0.0,
+             sample_accepted: Callable[[int], int] | None = None) -> Member:
+        """A request takes its place in the batch now. With `sample_accepted` (drawing the
+        accepted prefix of n drafts) it starts speculatively on the anchor (drafting, or
+        waiting when cap is 0) and `full_ready` must follow; without it, it decodes."""
+        if tokens < 1:
+            raise ValueError(f"request {seq}: a decode member needs tokens >= 1, got {tokens}")
+        self._advance()
+        m = Member(self.env, seq, context_tokens, tokens, cap, draft_overhead_s,
+                   sample_accepted)
+        m.start_t = self.env.now
+        self.members += 1
+        if m.full_ready:
+            m.full_t = m.start_t
+            self._enter(m, "decode", m.tokens)
+        elif m.cap > 0:
+            m.draft_v, m.draft_i = self.steps, len(self.bp_v) - 1
+            self._enter(m, "draft", m.cap)
+        else:
+            self._enter(m, "wait", 0)
+        self._changed()
+        return m
+
+    def full_ready(self, m: Member) -> None:
+        """Every stream of speculative member m is deserialized now."""
+        if m.full_ready:
+            raise RuntimeError(f"request {m.seq}: full cache reported ready twice")
+        self._advance()
+        m.full_ready, m.full_t = True, self.env.now
+        if m.phase == "draft":
+            progress = self.steps - m.draft_v  # drafts done (fractional: one in progress)
+            proposed = min(m.cap, math.ceil(progress - 1e-12))
+            if proposed <= 0:  # full cache with the anchor: no draft, plain decoding
+                self._enter(m, "decode", m.tokens)
+            else:
+                target = m.draft_v + proposed
+                if target != m.target_v:  # fewer than cap: the step in progress is the last
+                    m.target_v = target
+                    self._push(m)
+                self._arm()
+                return  # the batch itself is unchanged until the draft step finishes
+        elif m.phase == "wait":
+            if m.cap == 0:
+                self._enter(m, "decode", m.tokens)
+            else:
+                self._start_verify(m, m.cap)
+        self._changed()
+
+    # ---- phases ------------------------------------------------------------------------
+    def _enter(self, m: Member, phase: str, steps: int) -> None:
+        """m starts `phase` now, lasting `steps` steps (0: until an outside event)."""
+        self._set_work(m, phase)
+        m.phase, m.phase_v, m.phase_i = phase, self.steps, len(self.bp_v) - 1
+        m.target_v = self.steps + steps if steps > 0 else math.inf
+        if steps > 0:
+            self._push(m)
+
+    def _push(self, m: Member) -> None:
+        self._pushed += 1  # unique tie-breaker: members never compare
+        heapq.heappush(self._heap, (m.target_v, self._pushed, m))
+
+    def _set_work(self, m: Member, phase: str) -> None:
+        if phase in ("decode", "draft"):
+            hit = self._member_work(1, m.context_tokens)
+            work = (1, hit[0], hit[1], m.draft_overhead_s if phase == "draft" else 0.0)
+        elif phase == "verify":
+            work = m._verify_work
+        else:
+            work = (0, 0.0, 0.0, 0.0)
+        old = m.work
+        if old[0]:
+            self._tokens -= old[0]
+            self._flops -= old[1]
+            self._kv -= old[2]
+            self._overhead -= old[3]
+            self._seqs -= 1
+            self._ctx -= m.context_tokens
+        if work[0]:
+            self._tokens += work[0]
+            self._flops += work[1]
+            self._kv += work[2]
+            self._overhead += work[3]
+            self._seqs += 1
+            self._ctx += m.context_tokens
+        if self._seqs == 0:  # no float residue once the batch is idle
+            self._tokens, self._flops, self._kv, self._overhead, self._ctx = 0, 0.0, 0.0, 0.0, 0
+        m.work = work
+
+    def _member_work(self, new_tokens: int, context_tokens: int) -> tuple[float, float]:
+        key = (new_tokens, context_tokens)
+        hit = self._work.get(key)
+        if hit is None:
+            hit = self._work[key] = self.timing.member_work(new_tokens, context_tokens)
+        return hit
+
+    def _start_verify(self, m: Member, proposed: int) -> None:
+        m.proposed = proposed
+        accepted = int(m.sample_accepted(proposed)) if m.sample_accepted else 0
+        if not 0 <= accepted <= proposed:
+            raise ValueError(f"acceptance model returned {accepted} of {proposed} drafted tokens")
+        m.accepted, m.verify_start_t = accepted, self.env.now
+        flops, kv = self._member_work(proposed, m.context_tokens)
+        m._verify_work = (proposed, flops, kv, 0.0)
+        self._enter(m, "verify", 1)
+
+    def _reached(self, m: Member) -> None:
+        """m's clock target is reached now: next phase, or leave."""
+        if m.phase == "draft":
+            m.draft_end_t, m.draft_end_i = self.env.now, len(self.bp_v) - 1
+            if m.full_ready:
+                self._start_verify(m, round(m.target_v - m.draft_v))
+            else:
+                self._enter(m, "wait", 0)
+        elif m.phase == "verify":
+            m.verify_end_t = self.env.now
+            rest = m.tokens - m.accepted - 1
+            if rest > 0:
+                self._enter(m, "decode", rest)
+            else:
+                self._leave(m)
+        else:
+            self._leave(m)
+
+    def _leave(self, m: Member) -> None:
+        self._set_work(m, "gone")
+        m.phase, m.target_v = "gone", math.inf
+        self.members -= 1
+        m.timeline = self._timeline(m)
+        m.done.succeed(m.timeline)
+
+    # ---- token times -------------------------------------------------------------------
+    def _times(self, from_i: int, to_i: int, v0: float, n: int) -> np.ndarray:
+        """[n] times (s) at which the clock reads v0 + 1 .. v0 + n, from the breakpoints
+        from_i..to_i of one phase of a member (it computes throughout, so the clock is
+        strictly increasing there; outside, it may stand still)."""
+        if to_i == from_i + 1:  # one rate throughout: closed form
+            t0, t1 = self.bp_t[from_i], self.bp_t[to_i]
+            v_from, v_to = self.bp_v[from_i], self.bp_v[to_i]
+            return t0 + (v0 - v_from + np.arange(1, n + 1)) * ((t1 - t0) / (v_to - v_from))
+        return np.interp(v0 + np.arange(1, n + 1), self.bp_v[from_i:to_i + 1],
+                         self.bp_t[from_i:to_i + 1])
+
+    def _timeline(self, m: Member) -> DecodeTimeline:
+        now, k = self.env.now, m.tokens
+        if m.proposed == 0:  # plain decode from the full cache (after a wait with cap 0)
+            times = self._times(m.phase_i, len(self.bp_v) - 1, m.phase_v, k)
+            times[-1] = now
+            tl = DecodeTimeline(times, m.start_t, m.full_t, tpot_s=(now - m.full_t) / k,
+                                segments=[("decode", m.full_t, now)])
+            if m.full_t > m.start_t:
+                tl.segments.insert(0, ("wait", m.start_t, m.full_t))
+            return tl
+        a = m.accepted
+        head = min(a, k)
+        drafted = self._times(m.draft_i, m.draft_end_i, m.draft_v, m.proposed)  # [n] s
+        v_end = m.verify_end_t
+        times = np.empty(k)
+        times[:head] = drafted[:head]
+        if k > a:
+            times[a] = v_end
+        rest = k - a - 1
+        if rest > 0:
+            times[a + 1:] = self._times(m.phase_i, len(self.bp_v) - 1, m.phase_v, rest)
+            times[-1] = now
+        t_acc = float(drafted[a - 1]) if a else m.start_t
+        seg = [("draft_accepted", m.start_t, t_acc), ("draft_rejected", t_acc, m.draft_end_t)]
+        if m.verify_start_t > m.draft_end_t:
+            seg.append(("wait", m.draft_end_t, m.verify_start_t))
+        seg.append(("verify", m.verify_start_t, v_end))
+        if rest > 0:
+            seg.append(("decode", v_end, now))
+        committed = times.copy()
+        committed[: min(a + 1, k)] = v_end  # drafts count once verification accepts them
+        return DecodeTimeline(
+            times, m.start_t, m.full_t, m.proposed, a, m.verify_start_t, v_end - m.verify_start_t,
+            (m.draft_end_t - m.start_t) / m.proposed, (now - v_end) / rest if rest > 0 else 0.0,
+            seg, committed)
+
+    # ---- the fluid clock ---------------------------------------------------------------
+    def _advance(self) -> None:
+        now = self.env.now
+        if now > self.last_t and self._seqs:
+            self.steps += (now - self.last_t) / self.step_s
+        self.last_t = now
+
+    def _changed(self) -> None:
+        """The batch changed now: new step time, a clock breakpoint, the next target."""
+        self.changes += 1
+        self.step_s = self.timing.batch_step_s(
+            self._tokens, self._flops, self._kv, self._seqs, self._ctx) + self._overhead \
+            if self._seqs else math.inf
+        self._mark()
+        self._arm()
+
+    def _mark(self) -> None:
+        if self.bp_t[-1] == self.env.now:
+            self.bp_v[-1] = self.steps
+        else:
+            self.bp_t.append(self.env.now)
+            self.bp_v.append(self.steps)
+
+    def _arm(self) -> None:
+        heap = self._heap
+        while heap and heap[0][0] != heap[0][2].target_v:
+            heapq.heappop(heap)  # stale: the member moved on or left
+        target = heap[0][0] if heap else math.inf
+        if math.isinf(target) or not self._seqs:
+            self._timer, self._timer_v, self._timer_t = None, math.inf, math.inf
+            return
+        delay = max(0.0, (target - self.steps) * self.step_s)
+        t = self.env.now + delay
+        if target == self._timer_v and t == self._timer_t and self._timer is not None:
+            return  # same target at the same rate: the armed timer stands
+        timer = self.env.timeout(delay)
+        self._timer, self._timer_v, self._timer_t = timer, target, t
+        timer.callbacks.append(self._on_timer)
+
+    def _on_timer(self, event: simpy.Event) -> None:
+        if event is not self._timer:
+            return  # superseded: the batch changed before this target was reached
+        target = self._timer_v
+        self._timer, self._timer_v, self._timer_t = None, math.inf, math.inf
+        self._advance()
+        self.steps = target  # exact: the timer was set for this clock value
+        self._mark()
+        heap = self._heap
+        while heap and heap[0][0] <= target + _EPS_STEPS:
+            v, _seq, m = heapq.heappop(heap)
+            if v == m.target_v:
+                self._reached(m)
+        self._changed()

@@ -1,0 +1,273 @@
+"""Continuous batching on a decode instance (kvsim.sim.batch): hand-computed join / leave
+timelines, mixed contexts, speculative members, and the end-to-end simulator."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+
+import numpy as np
+import pytest
+import simpy
+
+from kvsim.config.sim import SimConfig
+from kvsim.hardware import HardwareSpec, TimingModel
+from kvsim.kernels.codec import Codec, register
+from kvsim.layout import KVShape
+from kvsim.models import ModelSpec
+from kvsim.sim.batch import DecodeBatch
+from kvsim.sim.run import Scenario, variants
+
+# tiny dense model: 1e8 params (2e8 bf16 weight bytes), KV 2 (K,V) x 2 heads x 64 x 4 layers
+# x 2 bytes = 2048 bytes per token; memory bound at these contexts (checked below)
+MODEL = ModelSpec(name="tiny", layers=4, attention_heads=4, kv_heads=2, head_dim=64,
+                  hidden_size=256, params_total=1e8, params_active=1e8)
+HW = HardwareSpec(name="test", hbm_gb_per_s=100.0, bf16_tflops=10.0, memory_gb=100.0,
+                  step_overhead_s=0.001)
+HBM = 100e9 * 0.7  # bytes/s a decode step reaches (decode_mbu 0.7)
+KV_PER_TOKEN = 2048  # bytes
+
+
+def step_s(*contexts: int, new_tokens: tuple[int, ...] = ()) -> float:
+    """By hand: one memory-bound step reads the weights once and every member's KV
+    (context + its new tokens), plus the step overhead."""
+    new = new_tokens or (1,) * len(contexts)
+    kv = sum((c + n) * KV_PER_TOKEN for c, n in zip(contexts, new, strict=True))
+    return (2e8 + kv) / HBM + 0.001
+
+
+def test_step_time_is_the_roofline_over_the_members():
+    tm = TimingModel(MODEL, HW)
+    assert tm.tpot_s(1000, 1) == pytest.approx(step_s(1000), rel=1e-12)
+    assert tm.tpot_s(1000, 2) == pytest.approx(step_s(1000, 1000), rel=1e-12)
+    f1, k1 = tm.member_work(1, 1000)
+    f2, k2 = tm.member_work(1, 3000)
+    assert tm.batch_step_s(2, f1 + f2, k1 + k2, 2, 4000) == pytest.approx(
+        step_s(1000, 3000), rel=1e-12)
+    fv, kv = tm.member_work(5, 1000)  # verifying 5 drafts alone = verify_s
+    assert tm.batch_step_s(5, fv, kv, 1, 1000) == pytest.approx(tm.verify_s(5, 1000), rel=1e-12)
+    # memory bound: the FLOPs of the step take far less than its reads
+    assert (f1 + f2) / (10e12 * 0.5) < 0.1 * step_s(1000, 3000)
+
+
+def _run(joins):
+    """joins: [(t_s, context, tokens)] -> token times [K] per member."""
+    env = simpy.Environment()
+    batch = DecodeBatch(env, TimingModel(MODEL, HW))
+    out: dict[int, np.ndarray] = {}
+
+    def request(i, t, ctx, k):
+        yield env.timeout(t)
+        m = batch.join(i, ctx, k)
+        tl = yield m.done
+        out[i] = tl.token_t
+
+    for i, (t, ctx, k) in enumerate(joins):
+        env.process(request(i, t, ctx, k))
+    env.run()
+    return out, batch
+
+
+def test_single_member_keeps_batch_one_speed():
+    out, _ = _run([(0.5, 1000, 8)])
+    np.testing.assert_allclose(out[0], 0.5 + step_s(1000) * np.arange(1, 9), rtol=1e-12)
+
+
+def test_join_slows_the_running_member_and_leave_speeds_it_up():
+    # A (1000-token prompt, 10 tokens) decodes alone at s1; B (3000 tokens, 4 tokens) joins
+    # when A has done 2.5 steps; both then run at s2 until B's 4th token; A's last 3.5
+    # steps run alone at s1 again.
+    s1, s2 = step_s(1000), step_s(1000, 3000)
+    tb = 2.5 * s1
+    out, batch = _run([(0.0, 1000, 10), (tb, 3000, 4)])
+    b_end = tb + 4 * s2
+    a = [s1, 2 * s1,  # alone
+         tb + 0.5 * s2, tb + 1.5 * s2, tb + 2.5 * s2, tb + 3.5 * s2,  # tokens 3..6 shared
+         b_end + 0.5 * s1, b_end + 1.5 * s1, b_end + 2.5 * s1, b_end + 3.5 * s1]  # 7..10 alone
+    np.testing.assert_allclose(out[0], a, rtol=1e-12)
+    np.testing.assert_allclose(out[1], tb + s2 * np.arange(1, 5), rtol=1e-12)
+    # one timer per batch change, none per token
+    assert batch.changes == 4  # A joins, B joins, B leaves, A leaves
+
+
+def test_two_equal_members_share_the_batch_two_step():
+    s1, s2 = step_s(1000), step_s(1000, 1000)
+    out, _ = _run([(0.0, 1000, 4), (0.0, 1000, 4)])
+    for i in (0, 1):
+        np.testing.assert_allclose(out[i], s2 * np.arange(1, 5), rtol=1e-12)
+    assert s1 < s2 < 2 * s1  # batching: slower per member, faster in total
+
+
+def test_speculative_member_drafts_verifies_in_the_batch_then_decodes():
+    # S drafts on the anchor beside a plain member P; its full cache is ready after 2.5
+    # shared draft steps: the 3rd draft finishes, then one step verifies its 3 drafts
+    # (its forward over 3 tokens, batched with P's decode step), 1 accepted.
+    env = simpy.Environment()
+    tm = TimingModel(MODEL, HW)
+    batch = DecodeBatch(env, tm)
+    o = 0.002  # draft overhead per drafted token (s)
+    out = {}
+
+    def plain():
+        m = batch.join(0, 1000, 20)
+        out["p"] = yield m.done
+
+    def spec():
+        m = batch.join(1, 2000, 6, cap=64, draft_overhead_s=o, sample_accepted=lambda n: 1)
+        yield env.timeout(2.5 * (step_s(1000, 2000) + o))
+        batch.full_ready(m)
+        out["s"] = yield m.done
+
+    env.process(plain())
+    env.process(spec())
+    env.run()
+    sd = step_s(1000, 2000) + o  # draft step: both decode, plus S's dequantization overhead
+    sv = step_s(1000, 2000, new_tokens=(1, 3))  # verification step: S's forward covers 3
+    sp = step_s(1000, 2000)  # plain shared decode step
+    s = out["s"]
+    assert (s.proposed, s.accepted) == (3, 1)
+    v_end = 3 * sd + sv
+    np.testing.assert_allclose(s.token_t, [sd, v_end] + [v_end + j * sp for j in range(1, 5)],
+                               rtol=1e-12)
+    np.testing.assert_allclose(s.committed_t, [v_end, v_end] + list(s.token_t[2:]), rtol=1e-12)
+    assert s.verify_s == pytest.approx(sv, rel=1e-12)
+    # P: 3 draft-steps, the verify step, 4 shared steps, then alone at batch-1 speed
+    p = out["p"].token_t
+    end_s = v_end + 4 * sp
+    expect = [sd, 2 * sd, 3 * sd, v_end] + [v_end + j * sp for j in range(1, 5)] + \
+        [end_s + j * step_s(1000) for j in range(1, 13)]
+    np.testing.assert_allclose(p, expect, rtol=1e-12)
+
+
+def test_cap_reached_waits_out_of_the_batch():
+    # cap 2: S drafts 2 tokens alone, then waits (computes nothing) until its full cache
+    env = simpy.Environment()
+    batch = DecodeBatch(env, TimingModel(MODEL, HW))
+    out = {}
+
+    def spec():
+        m = batch.join(0, 1000, 4, cap=2, sample_accepted=lambda n: 2)
+        yield env.timeout(1.0)
+        batch.full_ready(m)
+        out["s"] = yield m.done
+
+    env.process(spec())
+    env.run()
+    s1 = step_s(1000)
+    sv = step_s(1000, new_tokens=(2,))
+    tl = out["s"]
+    np.testing.assert_allclose(tl.token_t, [s1, 2 * s1, 1.0 + sv, 1.0 + sv + s1], rtol=1e-12)
+    assert [k for k, _, _ in tl.segments] == ["draft_accepted", "draft_rejected", "wait",
+                                              "verify", "decode"]
+
+
+def _timing_file(tmp_path) -> str:
+    p = tmp_path / "timing.json"
+    entry = {"encode_gb_per_s": 50.0, "decode_gb_per_s": 25.0, "source": "assumed",
+             "assumption": "test"}
+    p.write_text(json.dumps({"version": 1, "hardware": "test", "default": entry}))
+    return str(p)
+
+
+def _two_request_cfg(tmp_path, second_arrival_s: float) -> SimConfig:
+    cfg = SimConfig(model=MODEL, hardware=HW, codecs=["bf16"],
+                    codec_timing=_timing_file(tmp_path))
+    cfg.link = replace(cfg.link, bandwidth_gbps=100.0)
+    cfg.workload = replace(cfg.workload, kind="trace", arrivals_t=[0.0, second_arrival_s],
+                           arrivals_context_tokens=[1000, 3000], output_tokens=64,
+                           prefill_nodes=2, decode_nodes=1)
+    return cfg
+
+
+def test_simulator_retimes_a_decoding_request_when_another_joins(tmp_path):
+    cfg = _two_request_cfg(tmp_path, 0.02)
+    sc = Scenario(cfg, variants(cfg)[0], 1000, 100.0)
+    sc.run()
+    a, b = sorted(sc.records, key=lambda r: r.seq)
+    assert a.decode_start_t < b.decode_start_t < a.timeline.token_t[-1]  # B joins mid-decode
+    s1, s2 = step_s(1000), step_s(1000, 3000)
+    done_alone = (b.decode_start_t - a.decode_start_t) / s1  # A's steps before B joined
+    j = np.arange(1, 65)
+    first = a.decode_start_t + j[j <= done_alone] * s1
+    np.testing.assert_allclose(a.timeline.token_t[: len(first)], first, rtol=1e-12)
+    # A's next token: the step in progress finishes at the shared rate
+    k = len(first) + 1
+    assert a.timeline.token_t[k - 1] == pytest.approx(
+        b.decode_start_t + (k - done_alone) * s2, rel=1e-12)
+    # B decodes in the shared batch until A leaves, then alone
+    a_left = a.timeline.token_t[-1]
+    b_at_a_left = (a_left - b.decode_start_t) / s2
+    last = a_left + (64 - b_at_a_left) * step_s(3000)
+    assert b.timeline.token_t[-1] == pytest.approx(last, rel=1e-12)
+
+
+@dataclass(frozen=True)
+class _QuarterParams:
+    page_tokens: int = 64
+
+
+@register
+class _AnchorQuarter(Codec):
+    """Test-only codec: an anchor of 1/4 and a residual of 3/4 of the bf16 bytes."""
+
+    name = "test-anchor-quarter"
+    Params = _QuarterParams
+
+    def stream_names(self):
+        return ["anchor", "residual"]
+
+    def page_tokens(self, shape):
+        return self.params.page_tokens
+
+    def payload_bytes(self, shape: KVShape):
+        pages = self.num_pages(shape)
+        tok = np.full(pages, self.params.page_tokens, dtype=np.int64)
+        tok[-1] = shape.tokens - self.params.page_tokens * (pages - 1)
+        elems = tok * (2 * shape.kv_heads * shape.head_dim)  # bf16: 2 bytes per element
+        out = np.empty((2, shape.layers, pages), dtype=np.int64)
+        out[0], out[1] = elems // 2, elems * 3 // 2  # 1/4 and 3/4 of 2 bytes per element
+        return out
+
+    def _encode(self, kv, shape):
+        raise NotImplementedError("size-only test codec")
+
+    def _decode(self, enc, streams, device):
+        raise NotImplementedError("size-only test codec")
+
+
+def test_draft_overhead_defaults_to_the_anchors_dequantization(tmp_path):
+    # one request, anchor first on a slow link: it drafts while the residual arrives.
+    # Default overhead per drafted token = anchor share x bf16 cache / decode throughput
+    # (codec timing: 25 GB/s) = (anchor bytes / all bytes) x 1000 x 2048 B / 25e9 B/s.
+    cfg = SimConfig(model=MODEL, hardware=HW, codecs=[{"name": "test-anchor-quarter"}],
+                    codec_timing=_timing_file(tmp_path))
+    cfg.link = replace(cfg.link, bandwidth_gbps=1.0)
+    cfg.workload = replace(cfg.workload, context_tokens=1000, output_tokens=64)
+    sc = Scenario(cfg, variants(cfg)[0], 1000, 1.0)
+    sc.run()
+    plan = sc.plan(1000)
+    assert plan.speculative
+    share = plan.stream_bytes[0] / plan.total_bytes
+    assert share == pytest.approx(0.25, rel=3e-3)  # + chunk frame headers and the preamble
+    overhead = share * 1000 * KV_PER_TOKEN / 25e9
+    tl = sc.records[0].timeline
+    assert tl.proposed > 0
+    assert tl.draft_tpot_s == pytest.approx(step_s(1000) + overhead, rel=1e-9)
+    # a configured overhead replaces it
+    cfg.speculative = replace(cfg.speculative, draft_overhead_s=0.0)
+    sc = Scenario(cfg, variants(cfg)[0], 1000, 1.0)
+    sc.run()
+    assert sc.records[0].timeline.draft_tpot_s == pytest.approx(step_s(1000), rel=1e-9)
+
+
+def test_measured_profile_scales_the_batch_step(tmp_path):
+    prof = tmp_path / "profile.json"
+    prof.write_text(json.dumps({"model": "tiny", "prefill": {"tokens": [1, 4096],
+                                                             "s": [0.01, 0.5]},
+                                "tpot": {"context_tokens": [1, 4096], "s": [0.02, 0.03]}}))
+    tm = TimingModel(MODEL, replace(HW, profile=str(prof)))
+    f, k = tm.member_work(1, 2000)
+    assert tm.batch_step_s(1, f, k, 1, 2000) == pytest.approx(tm.tpot_s(2000), rel=1e-12)
+    assert tm.batch_step_s(2, 2 * f, 2 * k, 2, 4000) == pytest.approx(tm.tpot_s(2000, 2),
+                                                                       rel=1e-12)
+    assert tm.prefill_step_s([(1000, 0)]) == pytest.approx(tm.prefill_s(1000), rel=1e-12)
