@@ -21,6 +21,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvsim.data_files import record_loaded
 from kvsim.paths import DATA_DIR
 
 TIMING_DIR = DATA_DIR / "codec_timing"
@@ -80,6 +81,7 @@ def load_codec_timing(hardware: str, path: str | Path | None = None) -> CodecTim
         raise ValueError(f"no codec timing file for hardware {hardware!r} ({p}); write one "
                          "from `kvsim bench codecs` or with stated assumptions")
     doc = json.loads(p.read_text())
+    record_loaded(p)  # provenance: path and sha256 in every report (kvsim.data_files)
     if doc.get("version") != FORMAT_VERSION:
         raise ValueError(f"{p}: codec timing version {doc.get('version')} != {FORMAT_VERSION}")
     entries = {k: _entry(v, f"{p}: codecs.{k}") for k, v in (doc.get("codecs") or {}).items()}

@@ -35,6 +35,9 @@ def load_request_trace(path: str | Path, max_requests: int = 0,
         table = pd.read_csv(path, nrows=max_requests or None)
     except (OSError, ValueError) as exc:
         raise ValueError(f"workload trace {path}: cannot read it as CSV ({exc})") from exc
+    from kvsim.data_files import record_loaded
+
+    record_loaded(path)  # provenance: path and sha256 in every report
     missing = [c for c in COLUMNS if c not in table.columns]
     if missing:
         raise ValueError(f"workload trace {path}: missing column(s) {missing}; expected "
