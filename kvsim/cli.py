@@ -5,7 +5,9 @@
     kvsim list [group]   kvsim --version
 
 Each command lives in `kvsim/commands/<name>.py` and declares COMMAND (its words),
-CONFIG_NAME (conf/<CONFIG_NAME>.yaml), a `Config` dataclass schema and `run(cfg) -> rows`.
+CONFIG_NAME (conf/<CONFIG_NAME>.yaml), a `Config` dataclass schema and `run(cfg) -> rows`;
+optionally POSITIONAL, the config keys that bare words after the command fill in order
+(`kvsim compare A.json B.json` with POSITIONAL = ("a", "b") is `a=A.json b=B.json`).
 Everything after the command words is Hydra's command line: overrides, `-m/--multirun`,
 `--cfg job`, `--info`, `--hydra-help`, `--shell-completion`, `hydra.run.dir=...`. Every run
 gets Hydra's run directory (outputs/<date>/<time>-<command>/, or multirun/.../<job>/ under
@@ -188,6 +190,10 @@ def _main(argv: list[str]) -> int:
     info = commands[match]
     mod = importlib.import_module(info.module)
     rest = list(argv[len(match):])
+    positional = tuple(getattr(mod, "POSITIONAL", ()))
+    for i, key in enumerate(positional):  # `kvsim compare A.json B.json` -> a=A.json b=B.json
+        if i < len(rest) and "=" not in rest[i] and not rest[i].startswith("-"):
+            rest[i] = f"{key}={_quoted(rest[i])}"
     name = " ".join(match)
     resolved = [a for a in rest if a.startswith("--resolved=")]
     if resolved:  # a parent kvsim process hands its child the config it resolved
@@ -211,6 +217,11 @@ def _main(argv: list[str]) -> int:
         name, info = " ".join(target.words), target
         mod = importlib.import_module(target.module)
     return _run_hydra_app(name, info, mod, rest)
+
+
+def _quoted(value: str) -> str:
+    """A bare command-line word as a Hydra string value (quoted: paths hold `/`, `:` ...)."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def _shell_completion(commands: dict[tuple[str, ...], CommandInfo], args: list[str]) -> int:
