@@ -124,9 +124,10 @@ def test_interrupted_sweep_resumes_with_only_the_missing_points(tmp_path):
             break
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=120)
     done_first = len(list(points.glob("*.json")))
-    assert 1 <= done_first < 6, "the interrupt missed the sweep"
+    assert 1 <= done_first < 6, f"the interrupt missed the sweep:\n{err[-2000:]}"
+    assert (sweep_dir / "sweep.parquet").is_file(), err[-3000:]
     table = pd.read_parquet(sweep_dir / "sweep.parquet")  # the finished points, already merged
     assert table["point"].nunique() == done_first
     rerun = subprocess.run(args, capture_output=True, text=True, timeout=600,

@@ -48,6 +48,10 @@ class ResumingSweeper(BasicSweeper):
 
         assert self.config is not None and self.launcher is not None
         assert self.hydra_context is not None
+        # the table writer's libraries, imported before any job: a Ctrl-C that lands inside
+        # their first import would leave them half-imported for the final table write
+        import pandas  # noqa: F401
+        import pyarrow.parquet  # noqa: F401
         params = self._parse_config() + list(arguments)
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         overrides = parser.parse_overrides(params)
