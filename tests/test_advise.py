@@ -92,7 +92,7 @@ def test_slow_link_smallest_admissible_codec_wins():
     assert got.recommended.codec == "int8"
     assert [c.codec for c in got.candidates] == ["int8", "bf16", "int4"]
     assert not got.candidates[-1].admissible and got.candidates[-1].rank is None
-    assert "faster but excluded by the floor: int4/monolithic" in got.reason
+    assert "fastest over the floor: int4/monolithic" in got.reason
     # the front: int4 (fastest), int8, bf16 (best vNMSE) all trade time for quality
     assert [c.codec for c in got.front] == ["int4", "int8", "bf16"]
 

@@ -212,11 +212,17 @@ def explain(best: Candidate | None, ranked: list[Candidate], cands: list[Candida
         if both:
             sig = " (beyond" if abs(gap) > sum(both) else " (within"
             sig += " their combined 95% intervals)"
+        gap = round(gap, 3) + 0.0  # no "-0.000"
         parts.append(f"next other codec: {_fmt(runner)}, {gap:+.3f} s{sig}")
     faster_out = [c for c in cands if not c.admissible and c.objective_s < best.objective_s]
-    if faster_out:
-        f = min(faster_out, key=lambda c: c.objective_s)
-        parts.append(f"faster but excluded by the floor: {_fmt(f)} ({f.excluded_because})")
-    else:
+    over = [c for c in faster_out if c.vnmse is not None]
+    unmeasured = [c for c in faster_out if c.vnmse is None]
+    if over:
+        f = min(over, key=lambda c: c.objective_s)
+        parts.append(f"fastest over the floor: {_fmt(f)} ({f.excluded_because})")
+    if unmeasured:
+        f = min(unmeasured, key=lambda c: c.objective_s)
+        parts.append(f"fastest unmeasured: {_fmt(f)}")
+    if not faster_out:
         parts.append("no excluded candidate is faster: the floor costs nothing here")
     return "; ".join(parts) + "."
