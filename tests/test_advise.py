@@ -9,7 +9,7 @@ import pytest
 
 from kvsim.advise.floor import CodecQuality, QualityFloor, admissible, parse_floor
 from kvsim.advise.pareto import dominates, pareto_front
-from kvsim.advise.rank import advise, load_qualities, simulate
+from kvsim.advise.rank import advise, candidate_policies, load_qualities, simulate
 from kvsim.cli import compose, main
 from kvsim.config.advise import AdviseConfig, objective_key
 
@@ -128,3 +128,22 @@ def test_advise_command_end_to_end(tmp_path, capsys):
     assert doc["config"]["floor"] == 1e-3
     assert main(["advise", *SLOW, "floor=abc"]) == 1
     assert "floor" in capsys.readouterr().err
+
+
+def test_codec_entries_pin_transfer_and_measured_acceptance_per_codec():
+    cfg = _slow(["codecs=[int8,lynx,lynx-2+2+4,{preset:lynx-oscar,transfer:layerwise}]",
+                 "transfer=[monolithic,split_stream]",
+                 "acceptance_files=smollm2-135m-CODEC-s1-greedy"])
+    got = {(entry if isinstance(entry, str) else entry["preset"]): (entry, policies)
+           for entry, policies in candidate_policies(cfg)}
+    assert got["int8"] == ("int8", ["monolithic"])  # one stream: nothing to split
+    assert got["lynx-oscar"][1] == ["layerwise"]  # the entry's own transfer
+    assert got["lynx"] == ({"preset": "lynx", "acceptance": "smollm2-135m-lynx-s1-greedy"},
+                           ["monolithic", "split_stream"])
+    rows = simulate(cfg)
+    acc = {(r["codec"], r["transfer"]): r["acceptance"] for r in rows}
+    assert acc[("lynx-2+2+4", "split_stream")] == "smollm2-135m-lynx-2+2+4-s1-greedy"
+    assert acc[("lynx-oscar", "layerwise")] == "smollm2-135m-lynx-oscar-s1-greedy"
+    assert acc[("int8", "monolithic")] == cfg.speculative.acceptance
+    with pytest.raises(ValueError, match="acceptance_files must contain"):
+        _slow(["acceptance_files=smollm2-135m-lynx-s1-greedy"])

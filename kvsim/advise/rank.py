@@ -37,6 +37,7 @@ class Candidate:
     objective_s: float  # the ranked time
     objective_ci95_s: float | None  # half-width of its 95% interval (None: one sample)
     vnmse: float | None  # output quality (every stream used); None: not measured
+    acceptance: str  # the acceptance model its drafts were drawn from
     admissible: bool
     excluded_because: str = ""
     rank: int | None = None  # 1 = recommended (admissible ones only)
@@ -71,20 +72,36 @@ def half_width(row: dict, key: str) -> float | None:
     return None if high is None or mean is None else high - mean
 
 
-def candidate_policies(cfg: AdviseConfig) -> list[tuple[str, list[str]]]:
-    """(preset, policies) pairs: every preset (or cfg.codecs) with every listed policy,
-    the split-stream ones only for codecs with several streams."""
-    presets = [str(c) for c in cfg.codecs] if cfg.codecs else preset_names()
+def candidate_policies(cfg: AdviseConfig) -> list[tuple[str | dict, list[str]]]:
+    """(codecs entry, policies) pairs: every preset (or cfg.codecs: preset names or `kvsim
+    sim` mappings, which may pin a transfer or an acceptance) with every listed policy, the
+    split-stream ones only for codecs with several streams. With cfg.acceptance_files, a
+    several-stream codec with a measured acceptance file drafts with it."""
+    from kvsim.acceptance import ACCEPTANCE_DIR
+
+    entries = list(cfg.codecs) if cfg.codecs else preset_names()
     transfers = cfg.transfer if isinstance(cfg.transfer, (list, tuple)) else [cfg.transfer]
     for t in transfers:
         if t not in POLICIES:
             raise ValueError(f"advise: transfer {t!r} is not a policy; choose from {POLICIES}")
-    out = []
-    for preset in presets:
-        streams = resolve_codec(preset).build().num_streams
-        policies = [t for t in transfers if streams > 1 or not t.startswith("split_stream")]
+    out: list[tuple[str | dict, list[str]]] = []
+    for entry in entries:
+        entry = dict(entry) if isinstance(entry, dict) else str(entry)
+        pinned = entry.get("transfer") if isinstance(entry, dict) else None
+        spec = resolve_codec({k: v for k, v in entry.items()
+                              if k not in ("transfer", "acceptance")}
+                             if isinstance(entry, dict) else entry)
+        streams = spec.build().num_streams
+        if cfg.acceptance_files and streams > 1 and not (
+                isinstance(entry, dict) and entry.get("acceptance")):
+            name = cfg.acceptance_files.replace("CODEC", spec.label)
+            if (ACCEPTANCE_DIR / f"{name}.json").is_file():
+                entry = {**entry, "acceptance": name} if isinstance(entry, dict) \
+                    else {"preset": entry, "acceptance": name}
+        policies = [str(pinned)] if pinned else [
+            t for t in transfers if streams > 1 or not t.startswith("split_stream")]
         if policies:
-            out.append((preset, policies))
+            out.append((entry, policies))
     return out
 
 
@@ -93,13 +110,12 @@ def simulate(cfg: AdviseConfig, progress: bool = False) -> list[dict]:
     from kvsim.sim.run import run_all
 
     rows: list[dict] = []
-    for preset, policies in candidate_policies(cfg):
-        one = dataclasses.replace(cfg, codecs=[preset], transfer=list(policies),
+    for entry, policies in candidate_policies(cfg):
+        one = dataclasses.replace(cfg, codecs=[entry], transfer=list(policies),
                                   trace_path="", requests_path="")
         got, _ = run_all(one, progress=progress)
         for row, policy in zip(got, policies, strict=True):
-            row.setdefault("codec", preset)
-            row["transfer"] = row.get("transfer", policy)
+            assert row["transfer"] == policy, (row["transfer"], policy)
         rows += got
     return rows
 
@@ -139,7 +155,8 @@ def advise(cfg: AdviseConfig, rows: list[dict],
             ttkt_s=metric(row, "ttkt_s", k) if k else None,
             ttkt_committed_s=metric(row, "ttkt_committed_s", k) if k else None,
             objective_s=float(time_s), objective_ci95_s=half_width(row, spread_key),
-            vnmse=None if q is None else q.vnmse, admissible=ok, excluded_because=why))
+            vnmse=None if q is None else q.vnmse, acceptance=str(row.get("acceptance", "")),
+            admissible=ok, excluded_because=why))
     measured = [c for c in cands if c.vnmse is not None]
     front = [measured[i] for i in
              pareto_front([(c.objective_s, c.vnmse) for c in measured])]  # type: ignore[misc]

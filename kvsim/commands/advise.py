@@ -36,6 +36,8 @@ def print_advice(cfg: AdviseConfig, advice: Advice) -> None:
             ("ttkt_s", f"TT{k}T", ".3f"), ("ttkt_committed_s", f"TT{k}T-c", ".3f"),
             ("objective_ci95_s", "±95%", ".3f"), ("vnmse", "vNMSE", ".3g"),
             ("front", "front", "")]
+    if cfg.acceptance_files:  # which acceptance curve each candidate drafted with
+        cols.append(("acceptance", "acceptance", ""))
     link = cfg.link
     print(f"setting: model={cfg.model.name} hardware={cfg.hardware.devices}x"
           f"{cfg.hardware.name} link={link.name} ({link.bandwidth_gbps:g} Gbps"

@@ -27,6 +27,11 @@ class AdviseConfig(SimConfig):
     # notices; 0: strictly the fastest)
     tie_s: float = 0.01
     top: int = 12  # ranked rows printed (every row is in report.json)
+    # measured acceptance per codec: a data/acceptance/ file name in which CODEC stands for
+    # the codec label, e.g. smollm2-135m-CODEC-s1-greedy; a several-stream codec whose file
+    # exists drafts with its own curve (a 2-bit anchor is accepted less than a 4-bit one);
+    # "": every codec drafts with speculative.acceptance, as in `kvsim sim`
+    acceptance_files: str = ""
 
     def validate(self) -> None:
         if not self.codecs:  # empty: every preset in conf/codec
@@ -42,6 +47,9 @@ class AdviseConfig(SimConfig):
             raise ValueError(f"tie_s must be a number >= 0 (seconds), got {self.tie_s!r}")
         if isinstance(self.top, bool) or not isinstance(self.top, int) or self.top < 1:
             raise ValueError(f"top must be an integer >= 1, got {self.top!r}")
+        if self.acceptance_files and "CODEC" not in self.acceptance_files:
+            raise ValueError(f"acceptance_files must contain CODEC (where the codec label "
+                             f"goes), got {self.acceptance_files!r}")
         if not self.vnmse_tables:
             raise ValueError("vnmse_tables must name at least one table (data/vnmse/)")
 
