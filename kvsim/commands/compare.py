@@ -15,6 +15,7 @@ COMMAND = ("compare",)
 HELP = "two kvsim sim reports or sweep tables side by side: metric differences vs 95% intervals"
 CONFIG_NAME = "compare"
 POSITIONAL = ("a", "b")
+_UNMATCHED_SHOWN = 8  # rows present in one run only, listed before a count of the rest
 
 
 @dataclass
@@ -58,8 +59,10 @@ def run(cfg: Config) -> list[dict]:
     flagged = sum(bool(r["beyond_ci95"]) for r in rows)
     print(f"{flagged} of {len(rows)} differences beyond the combined 95% intervals")
     for label, keys in (("only in A", cmp.only_a), ("only in B", cmp.only_b)):
-        for k in keys:
+        for k in keys[:_UNMATCHED_SHOWN]:
             print(f"{label}: codec={k[0]} transfer={k[1]} context={k[2]} bandwidth={k[3]:g}")
+        if len(keys) > _UNMATCHED_SHOWN:
+            print(f"{label}: ... and {len(keys) - _UNMATCHED_SHOWN} more rows")
     if cmp.config:
         print("config differences (A -> B):")
         for c in cmp.config:
