@@ -143,8 +143,8 @@ def advise(cfg: AdviseConfig, rows: list[dict],
         time_s = metric(row, name, k)
         if time_s is None:
             raise ValueError(f"objective {cfg.objective!r}: row {row.get('codec')}/"
-                             f"{row.get('transfer')} has no such metric (is {k} <= "
-                             "workload.output_tokens?)")
+                             f"{row.get('transfer')} has no such metric (is {k} among "
+                             "metrics.ks and <= workload.output_tokens?)")
         q = qualities.get(row["codec"])
         ok, why = admissible(floor, q, serving)
         cands.append(Candidate(
