@@ -150,3 +150,78 @@ def test_cli_reports_missing_input(tmp_path, capsys):
                f"out={tmp_path / 'x.png'}"])
     assert rc == 1
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_ttkt_bands_are_the_report_intervals(inputs, tmp_path):
+    rows = run(PlotOptions(kind="ttkt", input=str(inputs["sim"]), out=str(tmp_path / "t.png"),
+                           formats=["png"]))
+    report = json.loads(inputs["sim"].read_text())["rows"]
+    lynx = next(r for r in report if r["codec"] == "lynx")
+    series = next(s for s in rows[0]["series"] if s["codec"] == "lynx")
+    i = series["k"].index(32)  # default origin: arrival
+    assert series["t_s"][i] == lynx["ttkt_s"]["32"]
+    assert series["ci95_low"][i] == lynx["spread"]["ttkt_s.32"]["ci95_low"]
+    assert series["ci95_high"][i] == lynx["spread"]["ttkt_s.32"]["ci95_high"]
+    assert series["ci95_low"][i] <= series["t_s"][i] <= series["ci95_high"][i]
+
+
+def test_coincident_series_are_named():
+    from kvsim.plots.style import coincident_with
+
+    drawn = {"lynx": [1.0, 2.0, 4.0], "int8": [1.5, 2.5, 3.5]}
+    assert coincident_with([1.0, 2.001, 4.0], drawn) == "lynx"
+    assert coincident_with([1.0, 2.2, 4.0], drawn) is None
+    assert coincident_with([1.0, 2.0], drawn) is None  # other length: not the same line
+
+
+def test_fig11_defaults_to_prefill_end_and_a_log_bandwidth_axis(inputs, tmp_path):
+    rows = run(PlotOptions(kind="fig11", input=str(inputs["sweep"]), k=32,
+                           out=str(tmp_path / "f.png"), formats=["png"]))
+    assert rows[0]["metric"] == "ttkt_from_prefill_end_s.32"
+    assert rows[0]["x_scale"] == {"context_tokens": "log", "bandwidth_gbps": "log"}
+    rows = run(PlotOptions(kind="fig11", input=str(inputs["sweep"]), k=32, origin="arrival",
+                           out=str(tmp_path / "g.png"), formats=["png"]))
+    assert rows[0]["metric"] == "ttkt_s.32"
+
+
+def test_breakdown_names_parts_too_thin_to_see(inputs, tmp_path):
+    from kvsim.plots.breakdown import SLIVER_FRACTION
+    from kvsim.sim.metrics import BREAKDOWN_KEYS
+
+    rows = run(PlotOptions(kind="breakdown", input=str(inputs["sim"]),
+                           out=str(tmp_path / "b.png"), formats=["png"]))
+    bars = rows[0]["bars"]
+    x_max_s = 1.15 * max(b["total_s"] for b in bars)
+    for b in bars:
+        thin = [k for k in BREAKDOWN_KEYS if 0 < b[k] < SLIVER_FRACTION * x_max_s]
+        assert b["slivers"] == thin
+    assert any(b["slivers"] for b in bars)  # this input has one (lynx's verification)
+
+
+def test_codecs_figure_names_codecs_on_the_same_point(tmp_path):
+    from kvsim.paths import DATA_DIR
+
+    rows = run(PlotOptions(kind="codecs", input=str(DATA_DIR / "vnmse" /
+                                                    "smollm2-135m-ctx1024-lynx.json"),
+                           out=str(tmp_path / "c.png"), formats=["png"]))
+    same = {p["codec"]: p["same_point_as"] for p in rows[0]["points"]}
+    # lynx-int8 is lynx's full cache as one stream; lynx-2+2+4 ends on the same residual
+    assert same["lynx-int8"] == "lynx" and same["lynx-2+2+4"] == "lynx"
+    assert same["lynx"] is None and same["lynx-oscar"] is None
+
+
+def test_pareto_from_an_advise_report(inputs, tmp_path):
+    report = tmp_path / "advice.json"
+    assert main(["advise", "scenario=none", "model=smollm2-135m", "hardware=h100",
+                 "link.bandwidth_gbps=0.05", "workload.context_tokens=2048",
+                 "workload.output_tokens=32", "samples=1", "codecs=[bf16,int8,int4]",
+                 "transfer=[monolithic]", "floor=1e-3", f"report={report}"]) == 0
+    files = _render(tmp_path, kind="pareto", input=str(report))
+    rows = run(PlotOptions(kind="pareto", input=str(report), out=str(tmp_path / "p.png"),
+                           formats=["png"]))
+    assert rows[0]["recommended"] == ["int8", "monolithic"]
+    by = {p["codec"]: p for p in rows[0]["points"]}
+    assert not by["int4"]["admissible"] and by["int4"]["on_front"]
+    assert len(files) == 2
+    with pytest.raises(ValueError, match="is a 'sim' report, not a 'advise' one"):
+        run(PlotOptions(kind="pareto", input=str(inputs["sim"]), out=str(tmp_path / "q.png")))

@@ -2,7 +2,8 @@
 Agg). kind=ttkt (TTKT vs k per codec, Figure 9) and kind=breakdown (Figure-2 stacked bars) read
 a `kvsim sim` report; kind=fig11 (TT<k>T vs context and vs bandwidth) a `kvsim sweep` table;
 kind=survival (P(accepted >= k), Figure 10a) data/acceptance/ files; kind=codecs
-(bits/element vs vNMSE) a `kvsim bench codecs` report or a data/vnmse table. Figures go to the
+(bits/element vs vNMSE) a `kvsim bench codecs` report or a data/vnmse table; kind=pareto
+(time vs vNMSE per codec and transfer policy) a `kvsim advise` report. Figures go to the
 run directory unless out= names a path (out=plots/<name>.png updates a committed figure, with
 overwrite=true when it exists)."""
 
@@ -13,7 +14,8 @@ from pathlib import Path
 from kvsim.plots.options import PlotOptions
 
 COMMAND = ("plot",)
-HELP = "figures (PNG+PDF): kind=ttkt|fig11|survival|codecs|breakdown from kvsim output files"
+HELP = ("figures (PNG+PDF): kind=ttkt|fig11|survival|codecs|breakdown|pareto from kvsim "
+        "output files")
 CONFIG_NAME = "plot"
 Config = PlotOptions
 

@@ -1,18 +1,19 @@
 """Bits per element vs attention-output vNMSE per codec, from a `kvsim bench codecs` report
 or a vNMSE table written by `kvsim quality` (data/vnmse/*.json). Progressive codecs also show
 their stream prefixes (anchor only, anchor + residual, ...) as hollow points joined to the
-full-cache point. Log vNMSE axis; an exact (zero-error) codec sits on the axis floor."""
+full-cache point. Log vNMSE axis; an exact (zero-error) codec sits on the axis floor. Codecs
+whose full-cache points coincide (lynx, lynx-int8 and lynx-2+2+4's last stream are the same
+bytes) are drawn as rings around one point and named together in the legend."""
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 from matplotlib.figure import Figure
 
 from kvsim.plots.inputs import load_json
 from kvsim.plots.options import PlotOptions
-from kvsim.plots.style import codec_color, codec_marker, new_figure
+from kvsim.plots.style import codec_color, codec_marker, coincident_with, new_figure
 
 Point = tuple[float, float]  # (bits per element, vNMSE)
 
@@ -69,20 +70,33 @@ def make(opts: PlotOptions) -> tuple[Figure, dict]:
     floor = 10 ** math.floor(math.log10(min(positive)) - 0.5)  # where exact codecs sit
     fig, (ax,) = new_figure(7.0, 4.6)
     points = []
+    finals: dict[str, list[float]] = {}  # codec -> its full-cache point (bits, vNMSE)
+    stacked: dict[str, int] = {}  # codec drawn first at a point -> codecs on it since
     for codec, pts in curves.items():
         color, marker = codec_color(codec), codec_marker(codec)
         xs = [b for b, _ in pts]
         ys = [e if e and e > 0 else floor for _, e in pts]
         exact = pts[-1][1] is not None and pts[-1][1] <= 0
         label = f"{codec} (vNMSE 0: on the floor)" if exact else codec
+        under = coincident_with([xs[-1], ys[-1]], finals, rel_tol=0.01)
+        size = 48
+        if under:  # a larger ring around the point already drawn there
+            stacked[under] = stacked.get(under, 0) + 1
+            size = 48 * (1 + 1.2 * stacked[under]) ** 2
+            label = f"{codec} (same point as {under})"
+        finals[codec] = [xs[-1], ys[-1]]
         if len(pts) > 1:
             ax.plot(xs, ys, color=color, linewidth=1.0, alpha=0.7)
             ax.scatter(xs[:-1], ys[:-1], marker=marker, facecolors="none", edgecolors=color,
                        s=36, linewidths=1.2)
-        ax.scatter(xs[-1:], ys[-1:], marker="v" if exact else marker, color=color, s=48,
-                   label=label, zorder=3)
+        if under:
+            ax.scatter(xs[-1:], ys[-1:], marker="o", facecolors="none", edgecolors=color,
+                       s=size, linewidths=1.5, label=label, zorder=2)
+        else:
+            ax.scatter(xs[-1:], ys[-1:], marker="v" if exact else marker, color=color, s=size,
+                       label=label, zorder=3)
         points.append({"codec": codec, "bits_per_element": xs[-1], "vnmse": pts[-1][1],
-                       "prefixes": pts[:-1]})
+                       "prefixes": pts[:-1], "same_point_as": under})
     ax.set_yscale("log")
     ax.set_ylim(bottom=floor / 2)
     ax.set_xlabel("serialized size (bits per KV element)")
@@ -92,7 +106,6 @@ def make(opts: PlotOptions) -> tuple[Figure, dict]:
     if any(p["prefixes"] for p in points):
         ax.text(0.99, 0.98, "hollow: stream prefixes (anchor, +residual...)",
                 transform=ax.transAxes, ha="right", va="top", fontsize=7)
-    name = Path(opts.input).name
-    ax.set_title(opts.title or f"Codec size vs error ({name}):\n{source}", fontsize=10)
+    ax.set_title(opts.title or f"Codec size vs attention error:\n{source}", fontsize=10)
     fig.tight_layout()
     return fig, {"points": points}

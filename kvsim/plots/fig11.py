@@ -1,6 +1,10 @@
 """TT<k>T vs context length and vs link bandwidth per codec (the Lynx paper's Figure 11) from a
 `kvsim sweep` table. Left panel: contexts at one bandwidth; right: bandwidths at one context.
-With exactly two codecs, the gap between them is written at each point."""
+With exactly two codecs, the gap between them is written at each point. Times count from
+prefill end by default (from arrival, prefill dominates and hides the codecs' differences);
+the bandwidth axis is logarithmic (5 and 10 Gbps apart as 50 and 100); with samples > 1 a
+band shows each mean's 95% interval (the `spread.*` columns); a codec lying on an earlier
+codec's line is dashed and says so in the legend."""
 
 from __future__ import annotations
 
@@ -9,7 +13,15 @@ from matplotlib.figure import Figure
 
 from kvsim.plots.inputs import load_sweep
 from kvsim.plots.options import PlotOptions
-from kvsim.plots.style import codec_color, codec_marker, new_figure, tokens_label
+from kvsim.plots.style import (
+    codec_color,
+    codec_marker,
+    coincident_with,
+    max_gap,
+    new_figure,
+    one_line_tolerance,
+    tokens_label,
+)
 from kvsim.plots.ttkt import ttkt_field
 
 _NEEDED = ("codec", "context_tokens", "bandwidth_gbps", "model", "hardware")
@@ -28,11 +40,27 @@ def _fixed(table: pd.DataFrame, column: str, wanted: float | None) -> float:
 def _panel(ax, table: pd.DataFrame, x: str, metric: str) -> list[dict]:
     series = []
     codecs = list(dict.fromkeys(table["codec"]))
+    drawn: dict[str, list[float]] = {}
+    tol_s = one_line_tolerance([[float(v) for v in table[metric]]])
+    low_col, high_col = f"spread.{metric}.ci95_low", f"spread.{metric}.ci95_high"
     for codec in codecs:
         part = table[table["codec"] == codec].sort_values(x)
-        ax.plot(part[x], part[metric], marker=codec_marker(codec), color=codec_color(codec),
-                label=codec, linewidth=1.5, markersize=6)
-        series.append({"codec": codec, x: part[x].tolist(), metric: part[metric].tolist()})
+        ys = [float(v) for v in part[metric]]
+        under = coincident_with(ys, drawn, abs_tol=tol_s) if len(ys) > 1 else None
+        color = codec_color(codec)
+        shown = (f"{codec} (on {under}'s line: within {max_gap(ys, drawn[under]):.2g} s)"
+                 if under else codec)
+        ax.plot(part[x], ys, marker=codec_marker(codec), color=color, label=shown, linewidth=1.5,
+                markersize=6, linestyle="--" if under else "-",
+                markerfacecolor="none" if under else color)
+        band = None
+        if low_col in part.columns and part[low_col].notna().all():
+            band = ([float(v) for v in part[low_col]], [float(v) for v in part[high_col]])
+            ax.fill_between(part[x], band[0], band[1], color=color, alpha=0.2, linewidth=0)
+        drawn[codec] = ys
+        series.append({"codec": codec, x: part[x].tolist(), metric: ys, "on_line_of": under,
+                       "ci95_low": band[0] if band else None,
+                       "ci95_high": band[1] if band else None})
     if len(codecs) == 2:  # the gap the seeds quote ("Lynx's gain over INT8")
         a, b = (table[table["codec"] == c].set_index(x)[metric] for c in codecs)
         for xv in a.index.intersection(b.index):
@@ -46,7 +74,8 @@ def _panel(ax, table: pd.DataFrame, x: str, metric: str) -> list[dict]:
 
 def make(opts: PlotOptions) -> tuple[Figure, dict]:
     table, sidecar = load_sweep(opts.input)
-    metric = f"{ttkt_field(opts.origin)}.{opts.k}"
+    origin = opts.origin or "prefill_end"  # default: the part the codecs change
+    metric = f"{ttkt_field(origin)}.{opts.k}"
     missing = [c for c in (*_NEEDED, metric) if c not in table.columns]
     if missing:
         raise ValueError(f"sweep table {opts.input} lacks columns {missing} (is k={opts.k} "
@@ -72,20 +101,24 @@ def make(opts: PlotOptions) -> tuple[Figure, dict]:
         panels.append(("bandwidth_gbps", table[table["context_tokens"] == ctx],
                        f"(b) vs bandwidth, {tokens_label(ctx)} context"))
     fig, axes = new_figure(5.0 * len(panels), 3.8, ncols=len(panels))
-    origin = "request arrival" if opts.origin == "arrival" else "prefill end"
-    summary = {}
+    origin_text = "request arrival" if origin == "arrival" else "prefill end"
+    summary: dict = {"metric": metric, "x_scale": {}}
     for ax, (x, part, title) in zip(axes, panels, strict=True):
         summary[x] = _panel(ax, part, x, metric)
         ax.set_title(title, fontsize=10)
-        ax.set_ylabel(f"TT{opts.k}T (s, from {origin})")
+        ax.set_ylabel(f"TT{opts.k}T (s, from {origin_text})")
         if x == "context_tokens":
             ticks = sorted(part[x].unique())
             ax.set_xscale("log", base=2)
             ax.set_xticks(ticks, [tokens_label(t) for t in ticks])
             ax.set_xlabel("context (tokens)")
         else:
-            ax.set_xticks(sorted(part[x].unique()))
-            ax.set_xlabel("link bandwidth (Gbps)")
+            ticks = sorted(part[x].unique())
+            ax.set_xscale("log")
+            ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+            ax.minorticks_off()
+            ax.set_xlabel("link bandwidth (Gbps, log scale)")
+        summary["x_scale"][x] = ax.get_xscale()
         codecs = list(dict.fromkeys(part["codec"]))
         ax.legend(fontsize=8, loc="lower right" if x == "context_tokens" else "upper right",
                   title=f"labels: {codecs[0]} - {codecs[1]}" if len(codecs) == 2 else None,
@@ -93,9 +126,13 @@ def make(opts: PlotOptions) -> tuple[Figure, dict]:
     base = sidecar.get("base_config", {})
     hw = base.get("hardware", {})
     samples = int(table["samples"].iloc[0]) if "samples" in table.columns else 1
-    source = (f"{table['model'].iloc[0]}, {hw.get('devices', '?')}x "
+    # devices: the sidecar's base config, else the table's resolved config column
+    devices = hw.get("devices") or (table["config.hardware.devices"].iloc[0]
+                                    if "config.hardware.devices" in table.columns else "?")
+    source = (f"{table['model'].iloc[0]}, {devices}x "
               f"{table['hardware'].iloc[0]}, mean of {samples} run(s)")
-    fig.suptitle(opts.title or f"TT{opts.k}T per codec (Figure 11 style): {source}",
+    spread = ", band: 95% interval" if samples > 1 else ""
+    fig.suptitle(opts.title or f"TT{opts.k}T from {origin_text} per codec: {source}{spread}",
                  fontsize=11)
     fig.tight_layout()
     return fig, summary

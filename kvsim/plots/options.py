@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class PlotOptions:
-    kind: str = ""  # ttkt | fig11 | survival | codecs | breakdown
+    kind: str = ""  # ttkt | fig11 | survival | codecs | breakdown | pareto
     input: str = ""  # the file (or, for survival, directory / files) the figure is made from
     # output path, one file per format (x.png -> x.png, x.pdf); "": <run directory>/<kind>.png
     out: str = ""
@@ -15,8 +15,9 @@ class PlotOptions:
     dpi: int = 100
     title: str = ""  # replaces the automatic title (which names the source config)
     # ttkt / fig11: times measured from request arrival, or from prefill end (the seeds'
-    # Figure 2 convention)
-    origin: str = "arrival"  # arrival | prefill_end
+    # Figure 2 convention); "": each figure's default (ttkt: arrival; fig11: prefill_end,
+    # where the codecs' differences are not hidden under the prefill)
+    origin: str = ""  # "" | arrival | prefill_end
     k: int = 64  # fig11: the TT<k>T plotted
     fixed_bandwidth_gbps: float | None = None  # fig11 context panel (null: the table's median)
     fixed_context_tokens: int | None = None  # fig11 bandwidth panel (null: the table's median)

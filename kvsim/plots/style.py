@@ -81,3 +81,40 @@ def save(fig: Figure, out: str | Path, formats: list[str], dpi: int) -> list[Pat
 
 def tokens_label(tokens: float) -> str:
     return f"{tokens / 1024:g}K" if tokens >= 1024 and tokens % 1024 == 0 else f"{tokens:g}"
+
+
+def coincident_with(ys: list[float], drawn: dict[str, list[float]], rel_tol: float = 0.005,
+                    abs_tol: float = 0.0) -> str | None:
+    """The first already-drawn series this one lies on (every point within rel_tol of the
+    larger value, or within abs_tol: pass 1% of the axis range for "one line to the eye"),
+    so the figure can say so instead of hiding one line under another."""
+    for name, other in drawn.items():
+        if len(other) != len(ys):
+            continue
+        if all(abs(a - b) <= max(rel_tol * max(abs(a), abs(b), 1e-12), abs_tol)
+               for a, b in zip(ys, other, strict=True)):
+            return name
+    return None
+
+
+def max_gap(ys: list[float], other: list[float]) -> float:
+    return max(abs(a - b) for a, b in zip(ys, other, strict=True))
+
+
+def one_line_tolerance(series: list[list[float]], fraction: float = 0.01) -> float:
+    """What reads as one line: `fraction` of the y range the series span together."""
+    values = [v for ys in series for v in ys]
+    return fraction * (max(values) - min(values)) if values else 0.0
+
+
+def interval_band(spread: dict, keys: list[str]) -> tuple[list[float], list[float]] | None:
+    """(lows, highs) of the 95% intervals of `keys` in a row's `spread`, or None when any is
+    missing (one sample: no interval)."""
+    lows, highs = [], []
+    for key in keys:
+        iv = spread.get(key) or {}
+        if iv.get("ci95_low") is None or iv.get("ci95_high") is None:
+            return None
+        lows.append(float(iv["ci95_low"]))
+        highs.append(float(iv["ci95_high"]))
+    return lows, highs

@@ -1,5 +1,7 @@
 """TTKT vs k per codec (the Lynx paper's Figure 9) from a `kvsim sim` report: time to the
-k-th valid token; one panel per (context, bandwidth) the report holds."""
+k-th valid token; one panel per (context, bandwidth) the report holds. With samples > 1 a
+band shows each mean's 95% interval (the row's `spread`); a codec whose line lies on an
+earlier one is drawn dashed and says so in the legend."""
 
 from __future__ import annotations
 
@@ -13,7 +15,16 @@ from kvsim.plots.inputs import (
     many_policy_codecs,
 )
 from kvsim.plots.options import ORIGINS, PlotOptions
-from kvsim.plots.style import codec_color, codec_marker, new_figure, tokens_label
+from kvsim.plots.style import (
+    codec_color,
+    codec_marker,
+    coincident_with,
+    interval_band,
+    max_gap,
+    new_figure,
+    one_line_tolerance,
+    tokens_label,
+)
 
 
 def ttkt_field(origin: str) -> str:
@@ -24,7 +35,8 @@ def ttkt_field(origin: str) -> str:
 
 def make(opts: PlotOptions) -> tuple[Figure, dict]:
     doc = load_report(opts.input, "sim")
-    field = ttkt_field(opts.origin)
+    origin = opts.origin or "arrival"  # default: the wait the user sees
+    field = ttkt_field(origin)
     rows = doc["rows"]
     missing = [r.get("codec") for r in rows if not r.get(field)]
     if missing:
@@ -34,26 +46,40 @@ def make(opts: PlotOptions) -> tuple[Figure, dict]:
     fig, axes = new_figure(5.2 * len(groups), 3.8, ncols=len(groups), sharey=True)
     series = []
     for ax, ((ctx, bw), group) in zip(axes, sorted(groups.items()), strict=True):
+        drawn: dict[str, list[float]] = {}
+        tol_s = one_line_tolerance([list(r[field].values()) for r in group])
         for r in group:
             ks = sorted(int(k) for k in r[field])
             ts = [r[field][str(k)] if str(k) in r[field] else r[field][k] for k in ks]
             label = codec_label(r, many)
-            ax.plot(ks, ts, marker=codec_marker(r["codec"]), color=codec_color(r["codec"]),
-                    label=label, linewidth=1.5, markersize=5)
+            under = coincident_with(ts, drawn, abs_tol=tol_s)
+            color = codec_color(r["codec"])
+            shown = (f"{label} (on {under}'s line: within {max_gap(ts, drawn[under]):.2g} s)"
+                     if under else label)
+            ax.plot(ks, ts, marker=codec_marker(r["codec"]), color=color, label=shown,
+                    linewidth=1.5, markersize=5, linestyle="--" if under else "-",
+                    markerfacecolor="none" if under else color)
+            band = interval_band(r.get("spread") or {}, [f"{field}.{k}" for k in ks])
+            if band is not None:
+                ax.fill_between(ks, band[0], band[1], color=color, alpha=0.2, linewidth=0)
+            drawn[label] = ts
             series.append({"codec": label, "context_tokens": ctx, "bandwidth_gbps": bw,
-                           "k": ks, "t_s": ts})
+                           "k": ks, "t_s": ts, "on_line_of": under,
+                           "ci95_low": band[0] if band else None,
+                           "ci95_high": band[1] if band else None})
         ax.set_xscale("log", base=2)
         all_ks = sorted({k for s in series if s["context_tokens"] == ctx for k in s["k"]})
         ax.set_xticks(all_ks, [str(k) for k in all_ks])
         ax.set_xlabel("k (valid tokens)")
         ax.set_title(f"{tokens_label(ctx)} context, {bw:g} Gbps", fontsize=10)
         ax.grid(True, which="major", alpha=0.3)
-    origin = "request arrival" if opts.origin == "arrival" else "prefill end"
+    origin = "request arrival" if origin == "arrival" else "prefill end"
     axes[0].set_ylabel(f"TTKT (s, from {origin})")
     axes[-1].legend(fontsize=8, loc="upper left")
     cfg = doc.get("config", {})
     samples = cfg.get("samples", 1)
+    spread = ", band: 95% interval of the mean" if samples > 1 else ""
     fig.suptitle(opts.title or f"Time to k-th valid token: {describe_sim(cfg)}"
-                 f" (mean of {samples} run(s))", fontsize=11)
+                 f" (mean of {samples} run(s){spread})", fontsize=11)
     fig.tight_layout()
     return fig, {"series": series}

@@ -1,0 +1,149 @@
+"""`kvsim advise`: the Pareto front, the quality floor, and a ranking whose answer is known
+by construction (a link so slow that wire bytes decide every time)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvsim.advise.floor import CodecQuality, QualityFloor, admissible, parse_floor
+from kvsim.advise.pareto import dominates, pareto_front
+from kvsim.advise.rank import advise, candidate_policies, load_qualities, simulate
+from kvsim.cli import compose, main
+from kvsim.config.advise import AdviseConfig, objective_key
+
+# a tiny model on a 0.05 Gbps link: transfer (seconds) dwarfs prefill and decode (ms), so
+# the time to any token orders the codecs as their wire bytes do
+SLOW = ["scenario=none", "model=smollm2-135m", "hardware=h100", "link.bandwidth_gbps=0.05",
+        "workload.context_tokens=2048", "workload.output_tokens=32", "samples=1",
+        "codecs=[bf16,int8,int4]", "transfer=[monolithic]"]
+
+
+def test_pareto_front_of_hand_made_points():
+    pts = [(1.0, 5.0), (2.0, 3.0), (3.0, 3.0), (2.0, 4.0), (4.0, 1.0), (5.0, 2.0), (1.0, 5.0)]
+    # (3,3) and (2,4) are dominated by (2,3); (5,2) by (4,1); the duplicate (1,5) is kept
+    assert pareto_front(pts) == [0, 6, 1, 4]
+    assert pareto_front([]) == []
+    assert pareto_front([(7.0, 7.0)]) == [0]
+    assert dominates((1.0, 1.0), (1.0, 2.0)) and not dominates((1.0, 2.0), (1.0, 2.0))
+    assert not dominates((1.0, 3.0), (2.0, 2.0)) and not dominates((2.0, 2.0), (1.0, 3.0))
+
+
+def test_every_point_off_the_front_is_dominated_by_one_on_it():
+    import random
+
+    rng = random.Random(0)
+    pts = [(rng.randint(0, 9) * 1.0, rng.randint(0, 9) * 1.0) for _ in range(200)]
+    front = set(pareto_front(pts))
+    for i, p in enumerate(pts):
+        dominated = any(dominates(pts[j], p) for j in range(len(pts)))
+        assert (i in front) == (not dominated)
+
+
+def test_floor_parsing_and_admissibility():
+    assert parse_floor("lossless") == QualityFloor("lossless")
+    assert parse_floor("None") == QualityFloor("none")
+    assert parse_floor(1e-3) == QualityFloor("vnmse", 1e-3)
+    assert parse_floor("0.01") == QualityFloor("vnmse", 0.01)
+    for bad in (-1.0, "abc", True, float("nan"), None):
+        with pytest.raises(ValueError, match="floor"):
+            parse_floor(bad)
+    bf16 = CodecQuality("bf16", 1.3e-5, 16.0, "t")
+    int4 = CodecQuality("int4", 0.04, 4.5, "t")
+    assert admissible(parse_floor(1e-3), bf16, bf16) == (True, "")
+    ok, why = admissible(parse_floor(1e-3), int4, bf16)
+    assert not ok and "0.04 > 0.001" in why
+    assert admissible(parse_floor("lossless"), bf16, bf16)[0]
+    assert not admissible(parse_floor("lossless"), int4, bf16)[0]
+    assert admissible(parse_floor("none"), None, bf16) == (True, "")
+    assert admissible(parse_floor(1.0), None, bf16) == (False, "vNMSE not measured")
+
+
+def test_objective_keys():
+    assert objective_key("ttkt_committed_s.32") == ("ttkt_committed_s", 32)
+    assert objective_key("ttft_s") == ("ttft_s", None)
+    for bad in ("ttkt_s", "ttkt_s.0", "ttft_s.3", "tpot_s"):
+        with pytest.raises(ValueError, match="objective"):
+            objective_key(bad)
+
+
+def _slow(extra: list[str]) -> AdviseConfig:
+    cfg, _ = compose("advise", SLOW + extra, AdviseConfig)
+    cfg.validate()
+    return cfg
+
+
+def test_slow_link_smallest_admissible_codec_wins():
+    cfg = _slow([])
+    rows = simulate(cfg)
+    by_codec = {r["codec"]: r for r in rows}
+    # the construction: bytes and times are in the same order (int4 < int8 < bf16)
+    assert by_codec["int4"]["total_bytes"] < by_codec["int8"]["total_bytes"] \
+        < by_codec["bf16"]["total_bytes"]
+    assert by_codec["int4"]["ttkt_committed_s"][32] < by_codec["int8"]["ttkt_committed_s"][32]
+    qualities = load_qualities(list(cfg.vnmse_tables))
+
+    cfg.floor = "none"  # no floor: the fewest bytes win
+    assert advise(cfg, rows, qualities).recommended.codec == "int4"
+
+    cfg.floor = 1e-3  # int4's measured vNMSE (~0.04) is over the bound: int8 is next
+    got = advise(cfg, rows, qualities)
+    assert got.recommended.codec == "int8"
+    assert [c.codec for c in got.candidates] == ["int8", "bf16", "int4"]
+    assert not got.candidates[-1].admissible and got.candidates[-1].rank is None
+    assert "fastest over the floor: int4/monolithic" in got.reason
+    # the front: int4 (fastest), int8, bf16 (best vNMSE) all trade time for quality
+    assert [c.codec for c in got.front] == ["int4", "int8", "bf16"]
+
+    cfg.floor = "lossless"  # only the serving precision itself
+    assert advise(cfg, rows, qualities).recommended.codec == "bf16"
+    cfg.objective = "ttkt_s.32"  # drafted times cannot certify a lossless output
+    with pytest.raises(ValueError, match="committed"):
+        advise(cfg, rows, qualities)
+
+
+def test_tie_goes_to_the_better_quality():
+    cfg = _slow(["tie_s=0.5"])
+    q = {"a": CodecQuality("a", 0.01, 4.0, "t"), "b": CodecQuality("b", 0.001, 8.0, "t")}
+
+    def row(codec, t_s, nbytes):
+        return {"codec": codec, "transfer": "monolithic", "total_bytes": nbytes,
+                "ttft_s": t_s, "ttkt_committed_s": {32: t_s}, "ttkt_s": {32: t_s}}
+
+    rows = [row("a", 10.0, 1e6), row("b", 10.3, 2e6)]
+    cfg.floor = "none"
+    assert advise(cfg, rows, q).recommended.codec == "b"  # 0.3 s apart, inside the tie
+    cfg.tie_s = 0.1
+    assert advise(cfg, rows, q).recommended.codec == "a"  # outside it: the faster
+
+
+def test_advise_command_end_to_end(tmp_path, capsys):
+    path = tmp_path / "advice.json"
+    assert main(["advise", *SLOW, "floor=1e-3", f"report={path}"]) == 0
+    out = capsys.readouterr().out
+    assert "recommendation: int8 / monolithic" in out and "Pareto front" in out
+    doc = json.loads(path.read_text())
+    assert [r["codec"] for r in doc["rows"] if r["recommended"]] == ["int8"]
+    assert doc["config"]["floor"] == 1e-3
+    assert main(["advise", *SLOW, "floor=abc"]) == 1
+    assert "floor" in capsys.readouterr().err
+
+
+def test_codec_entries_pin_transfer_and_measured_acceptance_per_codec():
+    cfg = _slow(["codecs=[int8,lynx,lynx-2+2+4,{preset:lynx-oscar,transfer:layerwise}]",
+                 "transfer=[monolithic,split_stream]",
+                 "acceptance_files=smollm2-135m-CODEC-s1-greedy"])
+    got = {(entry if isinstance(entry, str) else entry["preset"]): (entry, policies)
+           for entry, policies in candidate_policies(cfg)}
+    assert got["int8"] == ("int8", ["monolithic"])  # one stream: nothing to split
+    assert got["lynx-oscar"][1] == ["layerwise"]  # the entry's own transfer
+    assert got["lynx"] == ({"preset": "lynx", "acceptance": "smollm2-135m-lynx-s1-greedy"},
+                           ["monolithic", "split_stream"])
+    rows = simulate(cfg)
+    acc = {(r["codec"], r["transfer"]): r["acceptance"] for r in rows}
+    assert acc[("lynx-2+2+4", "split_stream")] == "smollm2-135m-lynx-2+2+4-s1-greedy"
+    assert acc[("lynx-oscar", "layerwise")] == "smollm2-135m-lynx-oscar-s1-greedy"
+    assert acc[("int8", "monolithic")] == cfg.speculative.acceptance
+    with pytest.raises(ValueError, match="acceptance_files must contain"):
+        _slow(["acceptance_files=smollm2-135m-lynx-s1-greedy"])
