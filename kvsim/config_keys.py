@@ -17,6 +17,10 @@ class OverrideError(ValueError):
     pass
 
 
+# keys that were renamed: the old spelling fails with the new one
+RENAMED = {"llm": "model", "llms": "models", "transport.llm": "model"}
+
+
 def closest(word: str, candidates: list[str]) -> str | None:
     """The candidate nearest to `word` (difflib ratio >= 0.6), or None."""
     found = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
@@ -110,6 +114,10 @@ def check_overrides(config_name: str, schema: type | None, overrides: list[str])
         key = o.key_or_group
         if key.startswith(("hydra.", "hydra/")) or key == "hydra":
             continue  # Hydra's own settings: Hydra checks them
+        old = next((k for k in RENAMED if key == k or key.startswith(f"{k}.")), None)
+        if old is not None:
+            raise OverrideError(f"`{old}=` was renamed to `{RENAMED[old]}=` "
+                                f"({o.input_line} -> {RENAMED[old]}{key[len(old):]}=...)")
         if is_group(key):
             options = group_options(key)
             choices = list(o.sweep_string_iterator()) if o.is_sweep_override() \

@@ -138,8 +138,9 @@ def test_device_and_timing_helpers():
 
 
 def test_write_timing_feeds_the_simulator(tmp_path, monkeypatch, capsys):
-    """write_timing goes to the run directory (here the cwd: no Hydra run), keeps the shipped
-    file's other entries, never touches data/, and an existing file needs overwrite=true."""
+    """write_timing goes to the run directory (named here with hydra.run.dir), keeps the
+    shipped file's other entries, never touches data/, and an existing file needs
+    overwrite=true."""
     from kvsim.data_files import sha256_file
     from kvsim.sim.codec_timing import TIMING_DIR, load_codec_timing
 
@@ -147,7 +148,7 @@ def test_write_timing_feeds_the_simulator(tmp_path, monkeypatch, capsys):
     shipped_sha = sha256_file(shipped)
     monkeypatch.chdir(tmp_path)
     args = ["bench", "codecs", *TINY, "codecs=[bf16,int4]", "write_timing=h100",
-            f"report={tmp_path / 'r.json'}"]
+            f"report={tmp_path / 'r.json'}", f"hydra.run.dir={tmp_path}"]
     assert main(args) == 0
     path = tmp_path / "codec_timing" / "h100.json"
     rows = {r["codec"]: r for r in json.loads((tmp_path / "r.json").read_text())["rows"]}
