@@ -155,9 +155,10 @@ class Link:
         if sizes.ndim != 1 or sizes.shape != release.shape or len(sizes) == 0:
             raise ValueError(f"{self.name}: sizes and release times must be equal-length, "
                              f"non-empty 1-D arrays, got {sizes.shape} and {release.shape}")
-        if np.any(sizes <= 0):
+        # array methods, not np.any(np.diff(...)): this runs once per flow
+        if sizes.min() <= 0:
             raise ValueError(f"{self.name}: message sizes must be > 0 bytes")
-        if np.any(np.diff(release) < 0):
+        if (release[1:] < release[:-1]).any():
             raise ValueError(f"{self.name}: release times must be non-decreasing")
         if release[0] < now - 1e-12 * max(1.0, abs(now)):
             raise ValueError(f"{self.name}: release time {release[0]} is before now ({now})")
