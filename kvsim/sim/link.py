@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -115,6 +116,7 @@ class Link:
         self._timer_t = math.inf
         self._finished_bytes = 0.0
         self._finished_pending = False  # a flow sent its last message since the last reschedule
+        self._holding = False  # inside holding(): submits wait for its one reallocation
         self.submitted_bytes = 0.0
         self.events = 0  # rate recomputations (for events/s accounting)
         self.first_byte_t = math.nan  # the link first carried a byte
@@ -169,8 +171,23 @@ class Link:
         self.submitted_bytes += flow.total_bytes
         if math.isnan(self.first_t):
             self.first_t = now
-        self._reschedule()
+        if not self._holding:
+            self._reschedule()
         return flow
+
+    @contextmanager
+    def holding(self) -> Iterator[None]:
+        """Submit several flows at one instant with one reallocation, when the block ends,
+        instead of one per flow (a request's streams enter its link together). The outcome
+        is the same: the rates, drain points and timer after the last of several
+        reallocations at one instant depend only on the flows there are, and nothing
+        between the submits reads the link."""
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+            self._reschedule()
 
     def flush(self) -> None:
         """Report (on_delivered) every message whose last byte has left by now. Messages

@@ -278,19 +278,23 @@ class Scenario:
         deser = Deserializer(self.env, plan.flows, plan.pipelined, cfg.deserializer,
                              dnode.deserializer)
         receivers = deser.receivers
-        for fp, rx in zip(plan.flows, receivers, strict=True):
-            prio = link_priority(cfg.link, req.seq, req.arrival_t, fp.stream)
-            name = f"r{req.seq}.{fp.name}"
-            if self.ingress:  # both links carry every message (kvsim.sim.ingress)
+        if self.ingress:  # both links carry every message (kvsim.sim.ingress)
+            for fp, rx in zip(plan.flows, receivers, strict=True):
+                prio = link_priority(cfg.link, req.seq, req.arrival_t, fp.stream)
+                name = f"r{req.seq}.{fp.name}"
                 join = IngressJoin(rx)
                 pnode.link.submit(fp.sizes_bytes, rel[fp.chunk], prio, None,
                                   join.egress_done, name=name, tag=req.seq)
                 self.ingress[dnode.index].submit(fp.sizes_bytes, rel[fp.chunk], prio, None,
                                                  join.ingress_done, name=name, tag=req.seq)
-            else:
+                self.messages += len(fp.sizes_bytes)
+            return receivers, float(rel[-1])
+        with pnode.link.holding():  # the request's flows enter the link with one reallocation
+            for fp, rx in zip(plan.flows, receivers, strict=True):
+                prio = link_priority(cfg.link, req.seq, req.arrival_t, fp.stream)
                 pnode.link.submit(fp.sizes_bytes, rel[fp.chunk], prio, rx.delivered,
-                                  rx.done, name=name, tag=req.seq)
-            self.messages += len(fp.sizes_bytes)
+                                  rx.done, name=f"r{req.seq}.{fp.name}", tag=req.seq)
+                self.messages += len(fp.sizes_bytes)
         return receivers, float(rel[-1])
 
     def _trace(self, rec: RequestRecord, pnode: PrefillNode, dnode: DecodeNode,
