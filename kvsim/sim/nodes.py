@@ -36,7 +36,6 @@ class PrefillNode:
         self.slot = simpy.Resource(env, capacity=1)
         self.encoder_free_t = 0.0
         self.link = link
-        self.queued = 0  # requests assigned and not yet through prefill
         # chunked prefill batching (workload.prefill_chunk_tokens > 0) replaces `slot`
         self.chunked: ChunkedPrefill | None = None
 
@@ -54,7 +53,6 @@ class DecodeNode:
                  kv_memory_bytes: float, timing: TimingModel) -> None:
         self.name, self.index = f"decode{index}", index
         self.slot = simpy.Resource(env, capacity=max_batch)
-        self.assigned = 0  # requests routed here and not finished
         self.kv_memory_bytes = float(kv_memory_bytes)
         self.kv_memory = simpy.Container(env, capacity=self.kv_memory_bytes,
                                          init=self.kv_memory_bytes)
