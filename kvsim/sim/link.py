@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -175,19 +174,13 @@ class Link:
             self._reschedule()
         return flow
 
-    @contextmanager
-    def holding(self) -> Iterator[None]:
-        """Submit several flows at one instant with one reallocation, when the block ends,
-        instead of one per flow (a request's streams enter its link together). The outcome
-        is the same: the rates, drain points and timer after the last of several
-        reallocations at one instant depend only on the flows there are, and nothing
-        between the submits reads the link."""
-        self._holding = True
-        try:
-            yield
-        finally:
-            self._holding = False
-            self._reschedule()
+    def holding(self) -> Holding:
+        """`with link.holding():` submit several flows at one instant with one reallocation,
+        when the block ends, instead of one per flow (a request's streams enter its link
+        together). The outcome is the same: the rates, drain points and timer after the
+        last of several reallocations at one instant depend only on the flows there are,
+        and nothing between the submits reads the link."""
+        return Holding(self)
 
     def flush(self) -> None:
         """Report (on_delivered) every message whose last byte has left by now. Messages
@@ -384,3 +377,20 @@ class Link:
     @property
     def total_sent_bytes(self) -> float:
         return self._finished_bytes + sum(f.served for f in self.flows)
+
+
+class Holding:
+    """Link.holding's context: submits inside it skip their reallocation; one follows at
+    its end. (A plain class, not contextlib's generator: it is entered once per request.)"""
+
+    __slots__ = ("link",)
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+
+    def __enter__(self) -> None:
+        self.link._holding = True
+
+    def __exit__(self, *exc: object) -> None:
+        self.link._holding = False
+        self.link._reschedule()
