@@ -144,3 +144,35 @@ def test_bad_input_is_refused():
         link.submit(np.array([0.0]), np.array([0.0]))
     with pytest.raises(ValueError, match="non-decreasing"):
         Link(env, 10.0, trace=[[1.0, 5.0], [0.5, 5.0]])
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_flows_submitted_while_holding_finish_as_if_submitted_one_by_one(weighted):
+    """Link.holding defers the reallocation to the block's end: same completion times."""
+    rng = np.random.default_rng(3)
+    plans = [(rng.uniform(1e5, 1e6, 6), np.sort(rng.uniform(0, 0.002, 6)), (int(s),))
+             for s in rng.integers(0, 2, 5)]
+
+    def complete_t(hold: bool) -> list[list[float]]:
+        env = simpy.Environment()
+        link = Link(env, 10.0, latency_s=1e-4,
+                    class_weight=(lambda key: 0.25 ** key[0]) if weighted else None)
+        flows = []
+
+        def request(i):
+            yield env.timeout(0.0005 * i)  # two requests at each instant
+            group = plans[2 * i: 2 * i + 2]
+            if hold:
+                with link.holding():
+                    for sizes, rel, prio in group:
+                        flows.append(link.submit(sizes, rel + env.now, prio))
+            else:
+                for sizes, rel, prio in group:
+                    flows.append(link.submit(sizes, rel + env.now, prio))
+
+        for i in range(3):
+            env.process(request(i))
+        env.run()
+        return [f.complete_t.tolist() for f in flows]
+
+    assert complete_t(True) == complete_t(False)

@@ -389,14 +389,15 @@ def test_per_stream_deserializers_run_in_parallel(tmp_path):
     assert row["ttft_s"] < shared["ttft_s"]
 
 
-def test_priority_server_matches_a_job_by_job_simulation():
+@pytest.mark.parametrize("max_work_s", [0.08, 0.002])  # queueing / mostly none (closed form)
+def test_priority_server_matches_a_job_by_job_simulation(max_work_s):
     from kvsim.sim.nodes import priority_server
 
     rng = np.random.default_rng(7)
     for _ in range(30):
         classes = int(rng.integers(1, 4))
         arr = [np.sort(rng.uniform(0, 1, int(rng.integers(0, 25)))) for _ in range(classes)]
-        work = [rng.uniform(0, 0.08, len(a)) for a in arr]
+        work = [rng.uniform(0, max_work_s, len(a)) for a in arr]
         if not any(len(a) for a in arr):
             continue
         # reference: at each decision instant pick the best class with a job waiting

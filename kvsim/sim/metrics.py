@@ -79,17 +79,25 @@ def request_row(rec: RequestRecord, ks: list[int], breakdown_k: int) -> dict:
     tokens = len(rec.timeline.token_t)
     ks_ok = [k for k in ks if 1 <= k <= tokens]
     breakdown_k = min(breakdown_k, tokens)
+    # TTKT(k) and committed TTKT(k) (s) of the reported ks and of token 1, read once
+    # (the values rec.ttkt / rec.ttkt_committed return)
+    drafted = {k: float(t) for k, t in zip(ks_ok, rec.timeline.token_t[[k - 1 for k in ks_ok]],
+                                           strict=True)}
+    committed = {k: float(t) for k, t in zip(
+        ks_ok, rec.timeline.committed_t[[k - 1 for k in ks_ok]], strict=True)}
+    t1, c1 = rec.ttkt(1), rec.ttkt_committed(1)
+    arrival_t, prefill_end_t = rec.arrival_t, rec.prefill_end_t
     return {
-        "ttft_s": rec.ttkt(1) - rec.arrival_t,
-        "ttft_from_prefill_end_s": rec.ttkt(1) - rec.prefill_end_t,
-        "ttkt_s": {k: rec.ttkt(k) - rec.arrival_t for k in ks_ok},
-        "ttkt_from_prefill_end_s": {k: rec.ttkt(k) - rec.prefill_end_t for k in ks_ok},
+        "ttft_s": t1 - arrival_t,
+        "ttft_from_prefill_end_s": t1 - prefill_end_t,
+        "ttkt_s": {k: t - arrival_t for k, t in drafted.items()},
+        "ttkt_from_prefill_end_s": {k: t - prefill_end_t for k, t in drafted.items()},
         # committed: a token counts when it is verified (drafts wait for verification)
-        "ttft_committed_s": rec.ttkt_committed(1) - rec.arrival_t,
-        "ttft_committed_from_prefill_end_s": rec.ttkt_committed(1) - rec.prefill_end_t,
-        "ttkt_committed_s": {k: rec.ttkt_committed(k) - rec.arrival_t for k in ks_ok},
-        "ttkt_committed_from_prefill_end_s": {k: rec.ttkt_committed(k) - rec.prefill_end_t
-                                              for k in ks_ok},
+        "ttft_committed_s": c1 - arrival_t,
+        "ttft_committed_from_prefill_end_s": c1 - prefill_end_t,
+        "ttkt_committed_s": {k: t - arrival_t for k, t in committed.items()},
+        "ttkt_committed_from_prefill_end_s": {k: t - prefill_end_t
+                                              for k, t in committed.items()},
         "prefill_s": rec.prefill_end_t - rec.prefill_start_t,
         # waited for a prefill node (before the breakdown's window, which starts at prefill end)
         "prefill_wait_s": rec.prefill_start_t - rec.arrival_t,

@@ -36,7 +36,6 @@ class PrefillNode:
         self.slot = simpy.Resource(env, capacity=1)
         self.encoder_free_t = 0.0
         self.link = link
-        self.queued = 0  # requests assigned and not yet through prefill
         # chunked prefill batching (workload.prefill_chunk_tokens > 0) replaces `slot`
         self.chunked: ChunkedPrefill | None = None
 
@@ -54,7 +53,6 @@ class DecodeNode:
                  kv_memory_bytes: float, timing: TimingModel) -> None:
         self.name, self.index = f"decode{index}", index
         self.slot = simpy.Resource(env, capacity=max_batch)
-        self.assigned = 0  # requests routed here and not finished
         self.kv_memory_bytes = float(kv_memory_bytes)
         self.kv_memory = simpy.Container(env, capacity=self.kv_memory_bytes,
                                          init=self.kv_memory_bytes)
@@ -137,6 +135,10 @@ def priority_server(arrival_t: list[np.ndarray], work_s: list[np.ndarray]) -> li
     (smallest c); idle, it takes the next job to arrive (ties: the best class). Returns
     [m_c] finish times per class."""
     classes = len(arrival_t)
+    if classes > 1:
+        fast = _uncontended(arrival_t, work_s)
+        if fast is not None:
+            return fast
     arr = [a.tolist() for a in arrival_t]
     work = [w.tolist() for w in work_s]
     fin = [[0.0] * len(a) for a in arr]
@@ -177,6 +179,23 @@ def priority_server(arrival_t: list[np.ndarray], work_s: list[np.ndarray]) -> li
         head[c] = i
         free = t
     return [np.asarray(f) for f in fin]
+
+
+def _uncontended(arrival_t: list[np.ndarray], work_s: list[np.ndarray],
+                 ) -> list[np.ndarray] | None:
+    """priority_server's answer when no job ever waits: taken in arrival order, every job
+    ends by the next one's arrival, so each starts on arrival and ends at arrival + work
+    (the float the job-by-job loop computes too; priorities never come into play). None
+    when some job would wait: then the loop decides who goes first."""
+    arrival = np.concatenate(arrival_t)  # [j] s, every class's jobs
+    if len(arrival) < 2:
+        return [a + w for a, w in zip(arrival_t, work_s, strict=True)]
+    order = np.argsort(arrival, kind="stable")
+    a = arrival[order]
+    finish = a + np.concatenate(work_s)[order]  # [j] s, in arrival order
+    if not (finish[:-1] <= a[1:]).all():
+        return None
+    return [a + w for a, w in zip(arrival_t, work_s, strict=True)]
 
 
 class NodeDeserializer:

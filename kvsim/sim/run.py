@@ -12,6 +12,7 @@ not per token.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from kvsim.config.codecs import CodecSpec, resolve_codec
 from kvsim.config.sim import SimConfig
 from kvsim.hardware import TimingModel
 from kvsim.sim.codec_timing import CodecTiming, load_codec_timing
+from kvsim.sim.gc_pause import gc_paused
 from kvsim.sim.ingress import IngressJoin
 from kvsim.sim.link import Link
 from kvsim.sim.metrics import RequestRecord, aggregate_request_rows, request_row
@@ -41,15 +43,15 @@ from kvsim.sim.workload import Request, requests
 
 
 class CountingEnvironment(simpy.Environment):
-    """simpy environment that counts scheduled events (for events/s)."""
+    """simpy environment that counts scheduled events (for events/s).
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.scheduled = 0
+    simpy numbers every scheduled event from its own counter (`_eid`, an itertools.count
+    starting at 0), so the count is read off a copy of it rather than by overriding
+    `schedule`, which would add a Python call to every event."""
 
-    def schedule(self, event: simpy.Event, priority: int = 1, delay: float = 0) -> None:
-        self.scheduled += 1
-        super().schedule(event, priority, delay)
+    @property
+    def scheduled(self) -> int:
+        return next(copy.copy(self._eid))
 
 
 @dataclass
@@ -157,12 +159,16 @@ class Scenario:
                       for i in range(n_links)]
         self.prefill = [PrefillNode(env, i, self.links[0 if n_links == 1 else i])
                         for i in range(w.prefill_nodes)]
+        # [i] requests routed to prefill node i and not yet through its prefill
+        self.prefill_queued = [0] * w.prefill_nodes
         if w.prefill_chunk_tokens:  # chunked prefill batching on every prefill instance
             for pnode in self.prefill:
                 pnode.chunked = ChunkedPrefill(env, self.timing, w.prefill_chunk_tokens)
         kv_memory = self.hw.memory_gb * 1e9 * self.hw.devices - self.model.weight_bytes
         self.decode = [DecodeNode(env, i, w.decode_max_batch, kv_memory, self.timing)
                        for i in range(w.decode_nodes)]
+        # [i] requests routed to decode node i and not finished
+        self.decode_assigned = [0] * w.decode_nodes
         if cfg.deserializer == "node":  # one FIFO deserializer per decode instance
             for node in self.decode:
                 node.deserializer = NodeDeserializer(self.links)
@@ -175,10 +181,11 @@ class Scenario:
         self.all_done = env.event()
         self.n_requests = len(reqs)
         started = time.perf_counter()
-        env.process(self.arrivals(reqs))
-        env.run(until=self.all_done)
-        wall_s = time.perf_counter() - started
-        return self.row(wall_s)
+        with gc_paused():  # kvsim.sim.gc_pause: the collector's cost grows with the run
+            env.process(self.arrivals(reqs))
+            env.run(until=self.all_done)
+            wall_s = time.perf_counter() - started
+            return self.row(wall_s)
 
     def arrivals(self, reqs: list[Request]):
         env = self.env
@@ -190,10 +197,12 @@ class Scenario:
     def request(self, req: Request):
         env, cfg = self.env, self.cfg
         plan = self.plan(req.context_tokens)
-        pnode = min(self.prefill, key=lambda n: n.queued)
-        dnode = min(self.decode, key=lambda n: n.assigned)
-        pnode.queued += 1
-        dnode.assigned += 1
+        # the least loaded instances (the first of equals), by builtin min over int lists
+        queued, assigned = self.prefill_queued, self.decode_assigned
+        p, d = queued.index(min(queued)), assigned.index(min(assigned))
+        pnode, dnode = self.prefill[p], self.decode[d]
+        queued[p] += 1
+        assigned[d] += 1
         if pnode.chunked is not None:  # chunked prefill batching (kvsim.sim.prefill_batch)
             job = pnode.chunked.submit(req.seq, req.context_tokens)
             yield job.last_step  # the step with its last chunk starts now
@@ -210,7 +219,7 @@ class Scenario:
                                                      prefill_s)
                 yield env.timeout(prefill_s)
                 t_pe = env.now
-        pnode.queued -= 1
+        queued[p] -= 1
         needed = receivers[:1] if plan.speculative else receivers
         yield simpy.AllOf(env, [rx.ready for rx in needed])
         t_need = env.now
@@ -243,7 +252,7 @@ class Scenario:
                 dnode.batch.full_ready(member)
             timeline = yield member.done
             yield dnode.kv_memory.put(kv_bytes)
-        dnode.assigned -= 1
+        assigned[d] -= 1
         last_needed = max(needed, key=lambda rx: rx.last_arrival_t)
         rec = RequestRecord(
             req.seq, req.context_tokens, req.arrival_t, t_p0, t_pe, encode_end_t,
@@ -277,19 +286,23 @@ class Scenario:
         deser = Deserializer(self.env, plan.flows, plan.pipelined, cfg.deserializer,
                              dnode.deserializer)
         receivers = deser.receivers
-        for fp, rx in zip(plan.flows, receivers, strict=True):
-            prio = link_priority(cfg.link, req.seq, req.arrival_t, fp.stream)
-            name = f"r{req.seq}.{fp.name}"
-            if self.ingress:  # both links carry every message (kvsim.sim.ingress)
+        if self.ingress:  # both links carry every message (kvsim.sim.ingress)
+            for fp, rx in zip(plan.flows, receivers, strict=True):
+                prio = link_priority(cfg.link, req.seq, req.arrival_t, fp.stream)
+                name = f"r{req.seq}.{fp.name}"
                 join = IngressJoin(rx)
                 pnode.link.submit(fp.sizes_bytes, rel[fp.chunk], prio, None,
                                   join.egress_done, name=name, tag=req.seq)
                 self.ingress[dnode.index].submit(fp.sizes_bytes, rel[fp.chunk], prio, None,
                                                  join.ingress_done, name=name, tag=req.seq)
-            else:
+                self.messages += len(fp.sizes_bytes)
+            return receivers, float(rel[-1])
+        with pnode.link.holding():  # the request's flows enter the link with one reallocation
+            for fp, rx in zip(plan.flows, receivers, strict=True):
+                prio = link_priority(cfg.link, req.seq, req.arrival_t, fp.stream)
                 pnode.link.submit(fp.sizes_bytes, rel[fp.chunk], prio, rx.delivered,
-                                  rx.done, name=name, tag=req.seq)
-            self.messages += len(fp.sizes_bytes)
+                                  rx.done, name=f"r{req.seq}.{fp.name}", tag=req.seq)
+                self.messages += len(fp.sizes_bytes)
         return receivers, float(rel[-1])
 
     def _trace(self, rec: RequestRecord, pnode: PrefillNode, dnode: DecodeNode,
