@@ -42,7 +42,8 @@ ATTRIBUTION = ("Pratyush Patel, Esha Choukse, Chaojie Zhang, Aashaka Shah, Inigo
 # quantile probabilities: every percent, and finer in both tails (the tails set the load
 # of the longest prompts and outputs)
 PROBS = np.unique(np.round(np.concatenate([
-    np.linspace(0.0, 1.0, 101), [0.001, 0.002, 0.005, 0.995, 0.998, 0.999]]), 6))
+    np.linspace(0.0, 1.0, 101),
+    [0.0001, 0.0005, 0.001, 0.002, 0.005, 0.995, 0.998, 0.999, 0.9995, 0.9999]]), 6))
 DISPERSION_WINDOWS_S = (1.0, 10.0, 60.0)  # count windows for the index of dispersion
 
 
