@@ -20,7 +20,7 @@ SHARINGS = ("per_prefill", "shared")
 SCHEDULINGS = ("anchors_first", "fifo", "weighted", "aging")
 TRACE_ORIGINS = ("run", "first_byte")  # = kvsim.sim.link.TRACE_ORIGINS
 WORKLOAD_KINDS = ("single", "poisson", "trace", "azure")
-AZURE_TRACES = ("code",)  # = kvsim.sim.azure_workload.AZURE_TRACES
+AZURE_TRACES = ("code", "conv")  # = kvsim.sim.azure_workload.AZURE_TRACES
 AZURE_ARRIVALS = ("trace", "gamma", "poisson")  # = kvsim.sim.azure_workload
 CONTEXT_DISTS = ("fixed", "uniform", "lognormal")
 GRANULARITIES = ("page", "layer")
@@ -90,7 +90,7 @@ class WorkloadConfig:
     trace_time_scale: float = 1.0  # arrival gaps x this (0.5: replay twice as fast)
     # kind=azure (kvsim.sim.azure_workload): `requests` requests whose ContextTokens and
     # GeneratedTokens are drawn from the measured shape of an Azure LLM inference trace 2023,
-    # data/workload/azure-2023-<azure_trace>.json: code. Contexts are clipped to
+    # data/workload/azure-2023-<azure_trace>.json: code | conv. Contexts are clipped to
     # context_min/max_tokens and rounded up to context_round_tokens (as for lognormal); each
     # request decodes its own drawn GeneratedTokens (output_tokens is not used)
     azure_trace: str = "code"

@@ -8,8 +8,9 @@ drawn jointly through a Gaussian copula: two standard normals with the correlati
 the measured Spearman correlation, each mapped to its marginal by inverse-CDF sampling with
 linear interpolation between the table's quantiles. Arrivals come at `workload.rate_per_s` as a
 renewal process: `trace` (default) draws each gap from the trace's inter-arrival quantile table
-scaled to mean 1 / rate_per_s (the measured, bursty shape: CV ~13 for code); `gamma` draws gamma
-gaps with the trace's coefficient of variation; `poisson` draws exponential gaps (CV 1).
+scaled to mean 1 / rate_per_s (the measured shape: CV ~13 for code, bursty; ~1.1 for conv);
+`gamma` draws gamma gaps with the trace's coefficient of variation; `poisson` draws exponential
+gaps (CV 1).
 
 Source: Azure/AzurePublicDataset (CC-BY); Patel et al., "Splitwise: Efficient generative LLM
 inference using phase splitting", ISCA 2024.
@@ -27,7 +28,7 @@ import numpy as np
 
 from kvsim.paths import DATA_DIR
 
-AZURE_TRACES = ("code",)
+AZURE_TRACES = ("code", "conv")
 AZURE_ARRIVALS = ("trace", "gamma", "poisson")  # = kvsim.config.sim.AZURE_ARRIVALS
 SHAPE_DIR = DATA_DIR / "workload"
 
