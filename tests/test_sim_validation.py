@@ -34,6 +34,8 @@ SMALL = ["scenario=none", "model=smollm2-135m", "hardware=h100", "workload.conte
     ("speculative.cap_tokens=-1", "speculative.cap_tokens"),
     ("speculative.draft_overhead_s=nan", "speculative.draft_overhead_s must be finite"),
     ("workload.rate_per_s=nan", "workload.rate_per_s must be finite"),
+    ("workload.azure_trace=chat", "workload.azure_trace must be one of"),
+    ("workload.azure_arrivals=bursty", "workload.azure_arrivals must be one of"),
     ("hardware.hbm_gb_per_s=nan", "hbm_gb_per_s must be finite"),
     ("hardware.step_overhead_s=inf", "step_overhead_s must be finite"),
     ("model.params_total=inf", "params_total must be finite"),

@@ -19,7 +19,9 @@ from kvsim.models import ModelSpec
 SHARINGS = ("per_prefill", "shared")
 SCHEDULINGS = ("anchors_first", "fifo", "weighted", "aging")
 TRACE_ORIGINS = ("run", "first_byte")  # = kvsim.sim.link.TRACE_ORIGINS
-WORKLOAD_KINDS = ("single", "poisson", "trace")
+WORKLOAD_KINDS = ("single", "poisson", "trace", "azure")
+AZURE_TRACES = ("code", "conv")  # = kvsim.sim.azure_workload.AZURE_TRACES
+AZURE_ARRIVALS = ("trace", "gamma", "poisson")  # = kvsim.sim.azure_workload
 CONTEXT_DISTS = ("fixed", "uniform", "lognormal")
 GRANULARITIES = ("page", "layer")
 DESERIALIZERS = ("shared", "per_stream", "node")
@@ -69,7 +71,7 @@ class LinkConfig:
 @dataclass
 class WorkloadConfig:
     name: str = "single"
-    kind: str = "single"  # single | poisson | trace
+    kind: str = "single"  # single | poisson | trace | azure
     context_tokens: int = 16384  # fixed context, or the mean of a distribution
     output_tokens: int = 128  # tokens decoded per request
     requests: int = 1
@@ -86,6 +88,16 @@ class WorkloadConfig:
     trace_path: str = ""
     trace_max_requests: int = 0  # first N rows of trace_path (0: all)
     trace_time_scale: float = 1.0  # arrival gaps x this (0.5: replay twice as fast)
+    # kind=azure (kvsim.sim.azure_workload): `requests` requests whose ContextTokens and
+    # GeneratedTokens are drawn from the measured shape of an Azure LLM inference trace 2023,
+    # data/workload/azure-2023-<azure_trace>.json: code | conv. Contexts are clipped to
+    # context_min/max_tokens and rounded up to context_round_tokens (as for lognormal); each
+    # request decodes its own drawn GeneratedTokens (output_tokens is not used)
+    azure_trace: str = "code"
+    # arrivals at rate_per_s (requests/s), a renewal process: trace (default): gaps drawn from
+    # the trace's measured inter-arrival distribution scaled to mean 1/rate_per_s (bursty) |
+    # gamma: gamma gaps with the trace's inter-arrival CV | poisson: exponential gaps
+    azure_arrivals: str = "trace"
     prefill_nodes: int = 1
     decode_nodes: int = 1
     decode_max_batch: int = 64  # concurrent sequences per decode instance
@@ -127,6 +139,12 @@ class WorkloadConfig:
         if self.trace_path and self.kind != "trace":
             raise ValueError(f"workload.trace_path is set but workload.kind={self.kind!r}; "
                              "set workload.kind=trace")
+        if self.azure_trace not in AZURE_TRACES:
+            raise ValueError(f"workload.azure_trace must be one of {AZURE_TRACES}, "
+                             f"got {self.azure_trace!r}")
+        if self.azure_arrivals not in AZURE_ARRIVALS:
+            raise ValueError(f"workload.azure_arrivals must be one of {AZURE_ARRIVALS}, "
+                             f"got {self.azure_arrivals!r}")
         if self.kind == "trace" and not self.trace_path and (
                 not self.arrivals_t or len(self.arrivals_t) != len(self.arrivals_context_tokens)):
             raise ValueError("workload.kind=trace needs trace_path, or arrivals_t and "
@@ -139,6 +157,10 @@ class WorkloadConfig:
 
             return int(cached_request_trace(self.trace_path, self.trace_max_requests,
                                             self.trace_time_scale).output_tokens.max())
+        if self.kind == "azure":
+            from kvsim.sim.azure_workload import load_azure_shape
+
+            return load_azure_shape(self.azure_trace).max_generated_tokens()
         return self.output_tokens
 
 

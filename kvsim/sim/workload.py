@@ -1,4 +1,5 @@
-"""Request arrivals: one request, a Poisson stream, or a trace; context lengths."""
+"""Request arrivals: one request, a Poisson stream, a trace, or the shape of an Azure trace
+(kvsim.sim.azure_workload); context lengths."""
 
 from __future__ import annotations
 
@@ -36,6 +37,12 @@ def requests(cfg: WorkloadConfig, rng: np.random.Generator) -> list[Request]:
                 enumerate(zip(times, cfg.arrivals_context_tokens, strict=True))]
     if cfg.rate_per_s <= 0:
         raise ValueError(f"workload.rate_per_s must be > 0, got {cfg.rate_per_s}")
+    if cfg.kind == "azure":
+        from kvsim.sim.azure_workload import azure_requests
+
+        times, ctx, gen = azure_requests(cfg, rng)
+        return [Request(i, float(t), int(c), int(o))
+                for i, (t, c, o) in enumerate(zip(times, ctx, gen, strict=True))]
     gaps = rng.exponential(1.0 / cfg.rate_per_s, size=cfg.requests)
     times = np.cumsum(gaps) - gaps[0]  # first request at t = 0
     ctx = _contexts(cfg, rng)
