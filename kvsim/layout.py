@@ -5,17 +5,38 @@ kv: [layers, 2 (K, V), kv_heads, tokens, head_dim]   (GQA-aware: kv_heads, not q
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 K, V = 0, 1  # index of keys / values on dim 1
 
-DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
+
+class _TorchDtypes(Mapping):
+    """{name: torch dtype} of the supported KV dtypes. torch is imported on the first value
+    looked up, not with this module: the simulator and the command line use the layout's
+    shapes and byte counts without torch (importing it costs ~1.5 s per process)."""
+
+    _names = ("bfloat16", "float16", "float32")
+
+    def __getitem__(self, name: str) -> torch.dtype:
+        if name not in self._names:
+            raise KeyError(name)
+        import torch
+
+        return getattr(torch, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+DTYPES = _TorchDtypes()
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
@@ -76,6 +97,8 @@ def check_finite(kv: torch.Tensor, what: str = "KV tensor") -> None:
     """Refuse NaN/Inf: a quantizer fed one would emit silent garbage for the whole group."""
     if kv.numel() == 0:
         return
+    import torch
+
     lo, hi = torch.aminmax(kv)  # NaN propagates: ~20x faster than isfinite(kv).all() on CPU
     if bool(torch.isfinite(lo)) and bool(torch.isfinite(hi)):
         return

@@ -12,11 +12,20 @@ or submitit_slurm, ray). Each job, when it finishes, writes its point file and r
 merged table under a file lock, so an interrupted sweep leaves every finished point and a
 table of them; a rerun computes only what is missing.
 
+Which points are done is known without composing anything when nothing that shapes a resolved
+config changed: every finished job leaves `jobs/<job id>.json` (job id: sha256 of its
+overrides) naming its point key and the fingerprint of conf/ and kvsim's code it ran with; a
+rerun with the same fingerprint reads those markers, launches nothing that is done and
+composes nothing. With another fingerprint every job is launched again, and a job whose
+resolved config hashes to an existing point returns that point without running (the
+resolved config, not the command line, decides).
+
 Sweep directory layout:
     points/<key>.json    one finished point: overrides, resolved config, rows, wall time
+    jobs/<job id>.json   a job's marker: its overrides, point key and fingerprint
     <job number>/        Hydra's job directory (.hydra/, report.json, output.txt)
     sweep.csv, sweep.parquet
-                         one row per (point, codec, transfer): `point`, `overrides`,
+                         one row per (job, codec, transfer): `point`, `overrides`,
                          `grid.<key>` per swept key, `config.<key>` per resolved config
                          value, and the simulator's row flattened (`ttkt_s.64`, ...)
     sweep.json           the sidecar: grid, points, columns, provenance
@@ -40,6 +49,8 @@ from hydra.errors import CompactHydraException
 from kvsim.report import json_safe
 
 POINTS_DIR = "points"
+JOBS_DIR = "jobs"
+TABLE_EVERY_S = 10.0  # a finishing job rewrites the merged table when it is older than this
 TABLE_STEM = "sweep"
 GRID_PREFIX = "grid."
 CONFIG_PREFIX = "config."
@@ -54,6 +65,42 @@ def point_key(config: dict) -> str:
     """The identity of a point: sha256 of its resolved config (sorted JSON), 16 hex digits."""
     text = json.dumps(json_safe(config), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def job_id(overrides: list[str]) -> str:
+    """A job's identity on the command line: sha256 of its overrides, 16 hex digits."""
+    return hashlib.sha256("\n".join(overrides).encode()).hexdigest()[:16]
+
+
+def config_fingerprint() -> str:
+    """sha256 over conf/ and kvsim's code: what, with the overrides, decides a resolved config
+    (presets, schema defaults). Equal fingerprints let a rerun trust its job markers."""
+    from kvsim.paths import CONF_DIR
+
+    digest = hashlib.sha256()
+    code = Path(__file__).resolve().parent
+    for root, pattern in ((CONF_DIR, "*.yaml"), (code, "*.py")):
+        for path in sorted(root.rglob(pattern)):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def read_marker(sweep_dir: Path, overrides: list[str]) -> dict | None:
+    path = sweep_dir / JOBS_DIR / f"{job_id(overrides)}.json"
+    try:
+        marker = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    point = sweep_dir / POINTS_DIR / f"{marker.get('key')}.json"
+    return marker if point.is_file() else None
+
+
+def write_marker(sweep_dir: Path, overrides: list[str], key: str, fingerprint: str) -> None:
+    (sweep_dir / JOBS_DIR).mkdir(parents=True, exist_ok=True)
+    _write_atomic(sweep_dir / JOBS_DIR / f"{job_id(overrides)}.json",
+                  json.dumps({"overrides": overrides, "key": key,
+                              "fingerprint": fingerprint}) + "\n")
 
 
 def flatten(row: dict, prefix: str = "") -> dict[str, Any]:
@@ -80,12 +127,17 @@ def _write_atomic(path: Path, text: str | bytes) -> None:
 
 
 @contextlib.contextmanager
-def _locked(sweep_dir: Path) -> Iterator[None]:
-    """One writer of the merged table at a time (jobs finish in parallel processes)."""
+def _locked(sweep_dir: Path, wait: bool = True) -> Iterator[bool]:
+    """One writer of the merged table at a time (jobs finish in parallel processes); with
+    wait=False, yields False at once when another process holds the lock."""
     with open(sweep_dir / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            yield
+            fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
@@ -119,6 +171,7 @@ def _grid_value(config: dict, key: str, override_value: str) -> Any:
 
 
 def build_table(points: list[dict], grid: dict[str, list[str]]):
+    """One row per (point, codec, transfer); a point is {key, overrides, config, rows}."""
     import pandas as pd
 
     rows = []
@@ -136,20 +189,34 @@ def build_table(points: list[dict], grid: dict[str, list[str]]):
     return pd.DataFrame(rows)
 
 
+def done_points(sweep_dir: Path, jobs: list[list[str]]) -> list[dict]:
+    """The finished points of these jobs, in job order, each with the job's overrides."""
+    out, cache = [], {}
+    for overrides in jobs:
+        marker = read_marker(sweep_dir, overrides)
+        if marker is None:
+            continue
+        key = marker["key"]
+        if key not in cache:
+            cache[key] = load_points(sweep_dir, [key])[0]
+        out.append({**cache[key], "overrides": list(overrides)})
+    return out
+
+
 def write_table(sweep_dir: Path) -> dict[str, Path]:
-    """Rewrite sweep.csv / sweep.parquet / sweep.json from the finished points (call under
-    the lock)."""
+    """Rewrite sweep.csv / sweep.parquet / sweep.json from the finished jobs of the manifest
+    (call under the lock)."""
+    import io
+
     from kvsim.report import provenance
 
     manifest = json.loads((sweep_dir / MANIFEST).read_text())
-    points = load_points(sweep_dir, [p["key"] for p in manifest["points"]])
+    points = done_points(sweep_dir, manifest["jobs"])
     table = build_table(points, manifest["grid"])
     paths = {"csv": sweep_dir / f"{TABLE_STEM}.csv",
              "parquet": sweep_dir / f"{TABLE_STEM}.parquet",
              "sidecar": sweep_dir / f"{TABLE_STEM}.json"}
     _write_atomic(paths["csv"], table.to_csv(index=False))
-    import io
-
     buf = io.BytesIO()
     table.to_parquet(buf, index=False)
     _write_atomic(paths["parquet"], buf.getvalue())
@@ -158,7 +225,7 @@ def write_table(sweep_dir: Path) -> dict[str, Path]:
         "arguments": manifest["arguments"],
         "grid": manifest["grid"],
         "grid_columns": [f"{GRID_PREFIX}{k}" for k in manifest["grid"]],
-        "points_expected": len(manifest["points"]),
+        "points_expected": len(manifest["jobs"]),
         "points_done": len(points),
         "points": [{"key": p["key"], "overrides": p["overrides"], "wall_s": p["wall_s"],
                     "job_dir": p["job_dir"]} for p in points],
@@ -179,34 +246,45 @@ def write_table(sweep_dir: Path) -> dict[str, Path]:
 
 def run_point(run: Callable[[Any], list[dict]], typed: Any, plain: dict,
               overrides: list[str], name: str) -> list[dict]:
-    """One job of a resumable sweep (called inside the Hydra job): run the command with its
-    printed output going to <job dir>/output.txt, write points/<key>.json, rewrite the merged
-    table, and say how far the sweep is."""
+    """One job of a resumable sweep (called inside the Hydra job): unless its resolved
+    config's point exists, run the command with its printed output going to <job
+    dir>/output.txt and write points/<key>.json; leave the job's marker; rewrite the merged
+    table when it is older than TABLE_EVERY_S; say how far the sweep is."""
     from hydra.core.hydra_config import HydraConfig
 
     hc = HydraConfig.get()
     sweep_dir = Path(hc.sweep.dir)
     job_dir = Path(hc.runtime.output_dir)
     key = point_key(plain)
+    manifest = json.loads((sweep_dir / MANIFEST).read_text())
     started = time.perf_counter()
-    job_dir.mkdir(parents=True, exist_ok=True)
-    with open(job_dir / "output.txt", "w") as out, contextlib.redirect_stdout(out), \
-            contextlib.redirect_stderr(out):
-        rows = run(typed) or []
-    wall_s = time.perf_counter() - started
-    from kvsim.data_files import loaded_files
+    existing = sweep_dir / POINTS_DIR / f"{key}.json"
+    if existing.is_file():  # the same resolved config, run before (another grid, other code)
+        rows = load_points(sweep_dir, [key])[0]["rows"]
+        how = "reused"
+    else:
+        from kvsim.data_files import loaded_files
 
-    doc = {"key": key, "overrides": overrides, "config": plain, "rows": rows,
-           "wall_s": wall_s, "job_dir": str(job_dir), "command": name,
-           "data_files": loaded_files()}  # what this job's process loaded (path, sha256)
-    (sweep_dir / POINTS_DIR).mkdir(parents=True, exist_ok=True)
-    _write_atomic(sweep_dir / POINTS_DIR / f"{key}.json", json.dumps(json_safe(doc)) + "\n")
-    with _locked(sweep_dir):
-        write_table(sweep_dir)
-        manifest = json.loads((sweep_dir / MANIFEST).read_text())
-        keys = {p["key"] for p in manifest["points"]}
-        done = sum(1 for k in keys if (sweep_dir / POINTS_DIR / f"{k}.json").is_file())
-    print(f"sweep: {done}/{len(keys)} points done ({wall_s:.1f} s: {' '.join(overrides)})",
+        job_dir.mkdir(parents=True, exist_ok=True)
+        with open(job_dir / "output.txt", "w") as out, contextlib.redirect_stdout(out), \
+                contextlib.redirect_stderr(out):
+            rows = run(typed) or []
+        doc = {"key": key, "overrides": overrides, "config": plain, "rows": rows,
+               "wall_s": time.perf_counter() - started, "job_dir": str(job_dir),
+               "command": name,
+               "data_files": loaded_files()}  # what this job's process loaded (path, sha256)
+        (sweep_dir / POINTS_DIR).mkdir(parents=True, exist_ok=True)
+        _write_atomic(existing, json.dumps(json_safe(doc)) + "\n")
+        how = f"{time.perf_counter() - started:.1f} s"
+    write_marker(sweep_dir, overrides, key, manifest["fingerprint"])
+    table = sweep_dir / f"{TABLE_STEM}.parquet"
+    if not table.is_file() or time.time() - table.stat().st_mtime > TABLE_EVERY_S:
+        with _locked(sweep_dir, wait=False) as mine:
+            if mine:
+                write_table(sweep_dir)
+    done = sum(1 for job in manifest["jobs"]
+               if (sweep_dir / JOBS_DIR / f"{job_id(job)}.json").is_file())
+    print(f"sweep: {done}/{len(manifest['jobs'])} points done ({how}: {' '.join(overrides)})",
           file=sys.stderr, flush=True)
     return rows
 

@@ -106,6 +106,17 @@ def test_sweep_table_follows_the_grid_and_a_rerun_computes_nothing(tmp_path, cap
     assert "4 already done, 0 to run" in capsys.readouterr().err
     assert len(_job_dirs(sweep_dir)) == 4  # nothing launched again
     assert len(pd.read_parquet(sweep_dir / "sweep.parquet")) == 8
+    # after a change of conf/ or code (another fingerprint) the jobs run again, and each finds
+    # its point by its resolved config instead of simulating it again
+    for marker in (sweep_dir / "jobs").glob("*.json"):
+        doc = json.loads(marker.read_text())
+        marker.write_text(json.dumps({**doc, "fingerprint": "other-code"}))
+    points_before = sorted(p.name for p in (sweep_dir / "points").iterdir())
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "0 already done, 4 to run" in err and err.count("(reused:") == 4
+    assert sorted(p.name for p in (sweep_dir / "points").iterdir()) == points_before
+    assert len(pd.read_parquet(sweep_dir / "sweep.parquet")) == 8
 
 
 def test_interrupted_sweep_resumes_with_only_the_missing_points(tmp_path):

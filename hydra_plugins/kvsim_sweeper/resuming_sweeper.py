@@ -15,13 +15,13 @@ from hydra.core.config_store import ConfigStore
 
 from kvsim.sweep import (
     MANIFEST,
-    POINTS_DIR,
+    TABLE_STEM,
     SweepFailed,
     _locked,
     _write_atomic,
-    load_points,
-    point_key,
+    config_fingerprint,
     print_summary,
+    read_marker,
     write_table,
 )
 
@@ -38,13 +38,13 @@ def _next_job_number(sweep_dir: Path) -> int:
 
 
 class ResumingSweeper(BasicSweeper):
-    """Hydra's basic sweeper (same grid expansion and precedence) that launches only the
-    points whose result is not in the sweep directory yet, all in one batch."""
+    """Hydra's basic sweeper (same grid expansion and precedence) that launches only the jobs
+    without a finished point in the sweep directory, all in one batch."""
 
     def sweep(self, arguments: list[str]) -> Any:
         from hydra.core.override_parser.overrides_parser import OverridesParser
         from hydra.core.utils import JobStatus
-        from omegaconf import OmegaConf, open_dict
+        from omegaconf import OmegaConf
 
         assert self.config is not None and self.launcher is not None
         assert self.hydra_context is not None
@@ -52,10 +52,12 @@ class ResumingSweeper(BasicSweeper):
         # their first import would leave them half-imported for the final table write
         import pandas  # noqa: F401
         import pyarrow.parquet  # noqa: F401
+
+        started = time.perf_counter()
         params = self._parse_config() + list(arguments)
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         overrides = parser.parse_overrides(params)
-        jobs = self.split_arguments(overrides, None)[0]
+        jobs = [list(job) for job in self.split_arguments(overrides, None)[0]]
         grid: dict[str, list[str]] = {}
         for o in overrides:
             if o.is_sweep_override():
@@ -63,45 +65,40 @@ class ResumingSweeper(BasicSweeper):
         sweep_dir = Path(self.config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
-        started = time.perf_counter()
-        points: dict[str, list[str]] = {}
-        for job in jobs:
-            try:
-                cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(job))
-            except Exception as exc:  # a point that does not compose: name it
-                raise SweepFailed(f"sweep point {' '.join(job)} does not compose: "
-                                  f"{str(exc).strip()}") from None
-            with open_dict(cfg):
-                del cfg["hydra"]
-            points.setdefault(point_key(OmegaConf.to_container(cfg, resolve=True)), list(job))
-        compose_s = time.perf_counter() - started
+        fingerprint = config_fingerprint()
         with _locked(sweep_dir):
-            manifest = {"arguments": list(arguments), "grid": grid,
-                        "points": [{"key": k, "overrides": v} for k, v in points.items()]}
+            manifest = {"arguments": list(arguments), "grid": grid, "jobs": jobs,
+                        "fingerprint": fingerprint}
             _write_atomic(sweep_dir / MANIFEST, json.dumps(manifest, indent=1) + "\n")
-        missing = [(k, v) for k, v in points.items()
-                   if not (sweep_dir / POINTS_DIR / f"{k}.json").is_file()]
+        # done: a marker written under the same conf/ and code; otherwise the job runs, and
+        # finds its point itself if its resolved config is unchanged
+        markers = [read_marker(sweep_dir, job) for job in jobs]
+        missing = [job for job, m in zip(jobs, markers, strict=True)
+                   if m is None or m.get("fingerprint") != fingerprint]
         launcher = str(self.config.hydra.launcher.get("_target_", "?")).rsplit(".", 1)[-1]
-        print(f"sweep: {len(points)} points in {sweep_dir} ({len(points) - len(missing)} "
-              f"already done, {len(missing)} to run with {launcher}; configs composed in "
-              f"{compose_s:.1f} s)", file=sys.stderr, flush=True)
+        print(f"sweep: {len(jobs)} points in {sweep_dir} ({len(jobs) - len(missing)} already "
+              f"done, {len(missing)} to run with {launcher})", file=sys.stderr, flush=True)
         results: list[Any] = []
+        table = sweep_dir / f"{TABLE_STEM}.parquet"
         try:
             if missing:
                 results = list(self.launcher.launch(
-                    [v for _, v in missing], initial_job_idx=_next_job_number(sweep_dir)))
+                    missing, initial_job_idx=_next_job_number(sweep_dir)))
         finally:  # interrupted too: the table holds every point that finished
-            with _locked(sweep_dir):
-                paths = write_table(sweep_dir)
+            stale = missing or not table.is_file() or \
+                table.stat().st_mtime < (sweep_dir / MANIFEST).stat().st_mtime
+            if stale:
+                with _locked(sweep_dir):
+                    write_table(sweep_dir)
         failed = [(" ".join(r.overrides), r._return_value) for r in results
                   if r.status == JobStatus.FAILED]
-        done = len(load_points(sweep_dir, list(points)))
-        print_summary(paths["parquet"], grid)
-        print(f"sweep: {done}/{len(points)} points in {paths['parquet']} (+ .csv, .json); "
+        done = sum(1 for job in jobs if read_marker(sweep_dir, job) is not None)
+        print_summary(table, grid)
+        print(f"sweep: {done}/{len(jobs)} points in {table} (+ .csv, .json); "
               f"{time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
         if failed:
             lines = "\n".join(f"  {ov}: {str(err).strip().splitlines()[-1] if str(err) else err}"
                               for ov, err in failed)
-            raise SweepFailed(f"sweep: {len(failed)} of {len(points)} points failed (the "
+            raise SweepFailed(f"sweep: {len(failed)} of {len(jobs)} points failed (the "
                               f"table holds the others; rerun to retry them):\n{lines}")
         return [results]

@@ -8,7 +8,6 @@ import sys
 
 from kvsim.config.sim import SimConfig
 from kvsim.report import format_table
-from kvsim.sim.run import run_all
 
 COMMAND = ("sim",)
 HELP = "discrete-event simulation of KV transfer + decoding: TTFT/TTKT per codec and policy"
@@ -103,6 +102,10 @@ def print_table(cfg: SimConfig, rows: list[dict]) -> None:
 
 
 def run(cfg: SimConfig) -> list[dict]:
+    # imported here: the simulator pulls in the codecs (torch); a sweep's parent process,
+    # which only composes configs and launches jobs, never needs it
+    from kvsim.sim.run import run_all
+
     rows, trace = run_all(cfg, progress=sys.stderr.isatty())
     print_table(cfg, rows)
     if trace is not None:

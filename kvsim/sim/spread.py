@@ -32,10 +32,11 @@ class Interval:
 
 
 def t_quantile(p: float, dof: int) -> float:
-    """Student's t quantile (scipy's, a dependency)."""
-    from scipy.stats import t
+    """Student's t quantile: scipy.special.stdtrit (scipy.stats costs 1.5 s to import, the
+    special function 0.3 s)."""
+    from scipy.special import stdtrit
 
-    return float(t.ppf(p, dof))
+    return float(stdtrit(dof, p))
 
 
 def interval(values: Sequence[float], confidence: float = CONFIDENCE) -> Interval:
