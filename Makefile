@@ -20,8 +20,9 @@ run: setup
 	$(VENV)/bin/kvsim model fetch
 	$(VENV)/bin/kvsim sim
 
+# the fetch's run record (a Hydra run directory) goes beside the model cache, not outputs/
 test: setup
-	$(VENV)/bin/kvsim model fetch
+	KVSIM_OUTPUT_ROOT=.cache/runs $(VENV)/bin/kvsim model fetch
 	$(PY) -m pytest -q
 
 lint: setup
