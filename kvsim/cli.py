@@ -19,7 +19,6 @@ commands receive their typed `Config`.
 from __future__ import annotations
 
 import ast
-import dataclasses
 import importlib
 import os
 import sys
@@ -266,10 +265,6 @@ def _run_resolved(name: str, mod: Any, path: str) -> int:
     return 0
 
 
-_FLAGS_WITHOUT_RUN = ("--cfg", "-c", "--info", "-i", "--shell-completion", "-sc",
-                      "--hydra-help", "--help", "-h")
-
-
 def _run_hydra_app(name: str, info: CommandInfo, mod: Any, rest: list[str]) -> int:
     """Hand `rest` to Hydra as the command line of an application whose config is
     conf/<CONFIG_NAME>.yaml and whose task runs the command."""
@@ -419,10 +414,6 @@ def _task(name: str, mod: Any, report_path: str | None):
         return rows or []
 
     return task
-
-
-def config_as_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
 
 
 def dedent_doc(mod: Any) -> str:

@@ -17,7 +17,8 @@ class OverrideError(ValueError):
     pass
 
 
-# keys that were renamed: the old spelling fails with the new one
+# keys that were renamed: the old spelling fails with the new one (before Hydra runs, so
+# the schemas carry no placeholder fields for them)
 RENAMED = {"llm": "model", "llms": "models", "transport.llm": "model"}
 
 

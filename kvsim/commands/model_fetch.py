@@ -4,9 +4,7 @@ unzip the .gguf) into the model cache. Idempotent: already-fetched files are kep
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from kvsim.config.checks import refuse_renamed
 from kvsim.model import fetch_model, load_model_preset
 from kvsim.report import format_table
 
@@ -19,10 +17,6 @@ CONFIG_NAME = "model_fetch"
 class Config:
     models: list[str] = field(default_factory=lambda: ["smollm2-135m"])  # conf/model/ presets
     cache_dir: str | None = None
-    llms: Any = None  # renamed to `models`: refused when set, with that pointer
-
-    def __post_init__(self) -> None:
-        refuse_renamed("llms", self.llms, "models", "models=[smollm2-135m]")
 
 
 def run(cfg: Config) -> list[dict]:

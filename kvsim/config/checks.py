@@ -35,10 +35,7 @@ def check_trace(key: str, trace: Sequence[Sequence[float]]) -> None:
         prev_t = t
 
 
-
-def refuse_renamed(old_key: str, value: Any, new_key: str, example: str) -> None:
-    """A key that was renamed stays in its schema only to be refused with the new name when
-    set (a plain unknown key would get Hydra's hint to append it with `+`)."""
-    if value is not None:
-        raise ValueError(f"`{old_key}=` was renamed to `{new_key}=` (one model group, "
-                         f"conf/model/): e.g. {example}")
+def check_choice(key: str, value: Any, choices: Sequence[Any]) -> None:
+    """`value` must be one of `choices`; else a ValueError naming `key` and the choices."""
+    if value not in choices:
+        raise ValueError(f"{key} must be one of {tuple(choices)}, got {value!r}")

@@ -12,7 +12,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from kvsim.config.checks import check_number, check_trace
+from kvsim.config.checks import check_choice, check_number, check_trace
 from kvsim.hardware import HardwareSpec
 from kvsim.models import ModelSpec
 
@@ -48,11 +48,8 @@ class LinkConfig:
     decode_ingress_gbps: float = 0.0
 
     def validate(self) -> None:
-        if self.sharing not in SHARINGS:
-            raise ValueError(f"link.sharing must be one of {SHARINGS}, got {self.sharing!r}")
-        if self.scheduling not in SCHEDULINGS:
-            raise ValueError(f"link.scheduling must be one of {SCHEDULINGS}, "
-                             f"got {self.scheduling!r}")
+        check_choice("link.sharing", self.sharing, SHARINGS)
+        check_choice("link.scheduling", self.scheduling, SCHEDULINGS)
         check_number("link.bandwidth_gbps", self.bandwidth_gbps)
         check_number("link.residual_weight", self.residual_weight)
         check_number("link.residual_age_s", self.residual_age_s, strict=False)
@@ -63,9 +60,7 @@ class LinkConfig:
         check_number("link.decode_ingress_gbps", self.decode_ingress_gbps, strict=False)
         check_number("link.message_overhead_bytes", self.message_overhead_bytes, strict=False)
         check_trace("link.trace", self.trace)
-        if self.trace_origin not in TRACE_ORIGINS:
-            raise ValueError(f"link.trace_origin must be one of {TRACE_ORIGINS}, "
-                             f"got {self.trace_origin!r}")
+        check_choice("link.trace_origin", self.trace_origin, TRACE_ORIGINS)
 
 
 @dataclass
@@ -106,11 +101,8 @@ class WorkloadConfig:
     prefill_chunk_tokens: int = 0
 
     def validate(self) -> None:
-        if self.kind not in WORKLOAD_KINDS:
-            raise ValueError(f"workload.kind must be one of {WORKLOAD_KINDS}, got {self.kind!r}")
-        if self.context_dist not in CONTEXT_DISTS:
-            raise ValueError(f"workload.context_dist must be one of {CONTEXT_DISTS}, "
-                             f"got {self.context_dist!r}")
+        check_choice("workload.kind", self.kind, WORKLOAD_KINDS)
+        check_choice("workload.context_dist", self.context_dist, CONTEXT_DISTS)
         for key in ("context_tokens", "output_tokens", "requests", "prefill_nodes",
                     "decode_nodes", "decode_max_batch", "context_round_tokens"):
             if getattr(self, key) < 1:
@@ -139,12 +131,8 @@ class WorkloadConfig:
         if self.trace_path and self.kind != "trace":
             raise ValueError(f"workload.trace_path is set but workload.kind={self.kind!r}; "
                              "set workload.kind=trace")
-        if self.azure_trace not in AZURE_TRACES:
-            raise ValueError(f"workload.azure_trace must be one of {AZURE_TRACES}, "
-                             f"got {self.azure_trace!r}")
-        if self.azure_arrivals not in AZURE_ARRIVALS:
-            raise ValueError(f"workload.azure_arrivals must be one of {AZURE_ARRIVALS}, "
-                             f"got {self.azure_arrivals!r}")
+        check_choice("workload.azure_trace", self.azure_trace, AZURE_TRACES)
+        check_choice("workload.azure_arrivals", self.azure_arrivals, AZURE_ARRIVALS)
         if self.kind == "trace" and not self.trace_path and (
                 not self.arrivals_t or len(self.arrivals_t) != len(self.arrivals_context_tokens)):
             raise ValueError("workload.kind=trace needs trace_path, or arrivals_t and "
@@ -250,12 +238,8 @@ class SimConfig:
         self.metrics.resolve(self.workload.max_output_tokens())
         self.hardware.validate()
         self.model.validate()
-        if self.granularity not in GRANULARITIES:
-            raise ValueError(f"granularity must be one of {GRANULARITIES}, "
-                             f"got {self.granularity!r}")
-        if self.deserializer not in DESERIALIZERS:
-            raise ValueError(f"deserializer must be one of {DESERIALIZERS}, "
-                             f"got {self.deserializer!r}")
+        check_choice("granularity", self.granularity, GRANULARITIES)
+        check_choice("deserializer", self.deserializer, DESERIALIZERS)
         if self.deserializer == "node" and self.link.decode_ingress_gbps:
             # the ingress join reports a flow's arrivals only when it is done: a FIFO
             # over the whole instance could not see every arrival so far

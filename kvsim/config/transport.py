@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvsim.config.checks import check_number
+from kvsim.config.checks import check_choice, check_number
 from kvsim.config.sim import SimConfig
 
 EMULATIONS = ("token_bucket", "tc", "none")
@@ -56,9 +56,7 @@ class TransportConfig:
     def validate(self) -> None:
         for key, allowed in (("emulation", EMULATIONS), ("kv_source", KV_SOURCES),
                              ("decode", DECODES)):
-            if getattr(self, key) not in allowed:
-                raise ValueError(f"transport.{key} must be one of {allowed}, "
-                                 f"got {getattr(self, key)!r}")
+            check_choice(f"transport.{key}", getattr(self, key), allowed)
         for key in ("timeout_s", "heartbeat_s", "start_timeout_s"):
             check_number(f"transport.{key}", getattr(self, key))
         for key in ("delay_ms", "jitter_ms", "idle_exit_s", "in_flight_ms"):

@@ -25,7 +25,6 @@ from omegaconf import MISSING
 from tqdm import tqdm
 
 from kvsim.acceptance import AcceptanceModel
-from kvsim.config.checks import refuse_renamed
 from kvsim.config.codecs import CodecSpec, preset_names, resolve_codec
 from kvsim.layout import DTYPES
 from kvsim.models import ModelSpec
@@ -71,10 +70,6 @@ class QualityConfig:
     tag: str = ""  # appended to output names, e.g. "-long"
     capture_dtype: str = "bfloat16"
     progress: bool = True
-    llm: Any = None  # renamed to `model`: refused when set, with that pointer
-
-    def __post_init__(self) -> None:
-        refuse_renamed("llm", self.llm, "model", "model=tiny-random, model.path=DIR")
 
 
 def _codec_specs(entries: list[Any]) -> list[CodecSpec]:
