@@ -4,16 +4,15 @@ timelines, mixed contexts, speculative members, and the end-to-end simulator."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import simpy
+from sim_codecs import size_only_split_codec
 
 from kvsim.config.sim import SimConfig
 from kvsim.hardware import HardwareSpec, TimingModel
-from kvsim.kernels.codec import Codec, register
-from kvsim.layout import KVShape
 from kvsim.models import ModelSpec
 from kvsim.sim.batch import DecodeBatch
 from kvsim.sim.run import Scenario, variants
@@ -201,38 +200,7 @@ def test_simulator_retimes_a_decoding_request_when_another_joins(tmp_path):
     assert b.timeline.token_t[-1] == pytest.approx(last, rel=1e-12)
 
 
-@dataclass(frozen=True)
-class _QuarterParams:
-    page_tokens: int = 64
-
-
-@register
-class _AnchorQuarter(Codec):
-    """Test-only codec: an anchor of 1/4 and a residual of 3/4 of the bf16 bytes."""
-
-    name = "test-anchor-quarter"
-    Params = _QuarterParams
-
-    def stream_names(self):
-        return ["anchor", "residual"]
-
-    def page_tokens(self, shape):
-        return self.params.page_tokens
-
-    def payload_bytes(self, shape: KVShape):
-        pages = self.num_pages(shape)
-        tok = np.full(pages, self.params.page_tokens, dtype=np.int64)
-        tok[-1] = shape.tokens - self.params.page_tokens * (pages - 1)
-        elems = tok * (2 * shape.kv_heads * shape.head_dim)  # bf16: 2 bytes per element
-        out = np.empty((2, shape.layers, pages), dtype=np.int64)
-        out[0], out[1] = elems // 2, elems * 3 // 2  # 1/4 and 3/4 of 2 bytes per element
-        return out
-
-    def _encode(self, kv, shape):
-        raise NotImplementedError("size-only test codec")
-
-    def _decode(self, enc, streams, device):
-        raise NotImplementedError("size-only test codec")
+size_only_split_codec("test-anchor-quarter", 2)  # an anchor of 1/4, a residual of 3/4
 
 
 def test_draft_overhead_defaults_to_the_anchors_dequantization(tmp_path):

@@ -5,53 +5,23 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import pytest
+from sim_codecs import size_only_split_codec
 
 from kvsim.cli import CONF_DIR, compose
 from kvsim.config.sim import SimConfig
 from kvsim.hardware import HardwareSpec, TimingModel
-from kvsim.kernels.codec import Codec, register
 from kvsim.kernels.wire import CHUNK_HEADER_BYTES
-from kvsim.layout import KVShape
 from kvsim.models import ModelSpec
 from kvsim.sim.run import Scenario, run_all, variants
 
 LYNX = {"name": "lynx", "label": "lynx"}  # inline entry: independent of conf/codec presets
 
 
-@dataclass(frozen=True)
-class _HalfParams:
-    page_tokens: int = 64
-
-
-@register
-class _TwoHalves(Codec):
-    """Test-only codec: two streams, each half of the bf16 bytes (sizes only)."""
-
-    name = "test-two-halves"
-    Params = _HalfParams
-
-    def stream_names(self):
-        return ["anchor", "residual"]
-
-    def page_tokens(self, shape):
-        return self.params.page_tokens
-
-    def payload_bytes(self, shape: KVShape):
-        pages = self.num_pages(shape)
-        tok = np.full(pages, self.params.page_tokens, dtype=np.int64)
-        tok[-1] = shape.tokens - self.params.page_tokens * (pages - 1)
-        half = tok * (2 * shape.kv_heads * shape.head_dim)  # 1 byte per element
-        return np.broadcast_to(half, (2, shape.layers, pages)).copy()
-
-    def _encode(self, kv, shape):
-        raise NotImplementedError("size-only test codec")
-
-    def _decode(self, enc, streams, device):
-        raise NotImplementedError("size-only test codec")
+_TwoHalves = size_only_split_codec("test-two-halves", 4)  # two streams, half each
 
 
 def _timing_file(tmp_path, enc_gbs, dec_gbs):
