@@ -8,11 +8,18 @@ batch_step_s(...)          = one step of a continuous batch of mixed members (th
                              roofline over the members' summed new tokens, FLOPs, KV reads)
 
 `devices` is the tensor-parallel degree of one prefill or decode instance: peak FLOP/s and
-HBM bandwidth scale with it (times `tp_efficiency`). A measured profile file (JSON,
-`profile: path`) overrides the roofline for its model:
+HBM bandwidth scale with it (times `tp_efficiency`). A measured profile (JSON; `profile:` a
+path or the name of a shipped one, kvsim.profiles; `kvsim calibrate` writes them) overrides
+the roofline for its model:
   {"model": "<model name>", "prefill": {"tokens": [...], "s": [...]},
    "tpot": {"context_tokens": [...], "s": [...]}, "source": "..."}
-(piecewise-linear interpolation; batch-1 TPOT scaled by the roofline for batch > 1).
+and optionally (written by `kvsim calibrate`)
+  "tpot_batch": {"context_tokens": c, "batch": [...], "s": [...]}    decode step vs batch
+  "verify": {"context_tokens": c, "drafted_tokens": [...], "s": [...]}  verification pass
+  "first_step_extra": {"context_tokens": [...], "s": [...]}   first step on a fresh cache
+Piecewise-linear interpolation; batch and drafted-token curves measured at one context are
+applied as ratios to the batch-1 TPOT at other contexts; without them the roofline's ratio
+is used.
 """
 
 from __future__ import annotations
@@ -83,7 +90,7 @@ class TimingModel:
 
     def __init__(self, model: ModelSpec, hw: HardwareSpec) -> None:
         self.model, self.hw = model, hw
-        self._profile = _load_profile(hw.profile, model.name) if hw.profile else None
+        self._profile = load_profile(hw.profile, model.name) if hw.profile else None
         self._tpot_cache: dict[tuple[int, int], float] = {}
         self._step_rates: tuple[float, float] | None = None
 
@@ -142,12 +149,29 @@ class TimingModel:
         if self._profile is not None:
             p = self._profile["tpot"]
             base = float(np.interp(context_tokens, p["context_tokens"], p["s"]))
-            value = base * roof / self._forward_s(1, context_tokens, 1, self.hw.prefill_mfu,
-                                                  self.hw.decode_mbu)
+            value = base * self._batch_ratio(int(batch), roof, int(context_tokens))
         else:
             value = roof + self.hw.step_overhead_s
         self._tpot_cache[key] = value
         return value
+
+    def _batch_ratio(self, batch: int, roof: float, context_tokens: int) -> float:
+        """A batch-B step over a batch-1 step: the profile's measured curve when it has
+        one, else the roofline's ratio (roof: the batch-B roofline at this context)."""
+        curve = self._profile.get("tpot_batch") if self._profile else None
+        if curve:
+            return float(np.interp(batch, curve["batch"], curve["s"]) /
+                         np.interp(1, curve["batch"], curve["s"]))
+        return roof / self._forward_s(1, context_tokens, 1, self.hw.prefill_mfu,
+                                      self.hw.decode_mbu)
+
+    def first_step_extra_s(self, context_tokens: int) -> float:
+        """What the first decode step on a freshly built cache costs beyond a later step
+        (s; measured profiles only: the roofline has no such term)."""
+        curve = self._profile.get("first_step_extra") if self._profile else None
+        if not curve:
+            return 0.0
+        return float(np.interp(context_tokens, curve["context_tokens"], curve["s"]))
 
     def member_work(self, new_tokens: int, context_tokens: int) -> tuple[float, float]:
         """One sequence's share of a batched forward step over `new_tokens` new tokens
@@ -173,6 +197,8 @@ class TimingModel:
         if self._profile is None:
             return roof + hw.step_overhead_s
         mean_ctx = round(context_tokens_sum / sequences)
+        if self._profile.get("tpot_batch") and new_tokens == sequences:  # plain decode steps
+            return self.tpot_s(mean_ctx, sequences)
         one = self._forward_s(1, mean_ctx, 1, hw.prefill_mfu, hw.decode_mbu)
         return self.tpot_s(mean_ctx) * roof / one
 
@@ -181,6 +207,12 @@ class TimingModel:
         yields the correction / bonus token)."""
         if drafted_tokens <= 0:
             return 0.0
+        curve = self._profile.get("verify") if self._profile is not None else None
+        if curve:  # measured at one context: its ratio to that context's TPOT, scaled
+            at = float(curve["context_tokens"])
+            ratio = float(np.interp(drafted_tokens, curve["drafted_tokens"], curve["s"])) / \
+                self.tpot_s(int(at))
+            return self.tpot_s(context_tokens) * ratio
         if self._profile is not None:  # profile TPOT scaled by the roofline's ratio
             one = self._forward_s(1, context_tokens, 1, self.hw.prefill_mfu, self.hw.decode_mbu)
             many = self._forward_s(drafted_tokens, context_tokens, 1, self.hw.prefill_mfu,
@@ -190,18 +222,45 @@ class TimingModel:
                                self.hw.decode_mbu) + self.hw.step_overhead_s
 
 
-def _load_profile(path: str, model_name: str) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"hardware profile {path!r} not found")
-    doc = json.loads(p.read_text())
+def _check_curve(path: Path, doc: dict, key: str, xs: str, scalar_x: str = "") -> None:
+    """doc[key] holds equal-length lists xs and s of finite numbers (s > 0 unless extra),
+    xs increasing; scalar_x (optional): a positive number the curve was measured at."""
+    curve = doc.get(key)
+    if not isinstance(curve, dict) or not isinstance(curve.get(xs), list) or \
+            not isinstance(curve.get("s"), list):
+        raise ValueError(f"hardware profile {path}: needs {key}.{xs} and {key}.s (lists)")
+    x, s = curve[xs], curve["s"]
+    if len(x) != len(s) or len(s) < 1:
+        raise ValueError(f"hardware profile {path}: {key} lists differ in length or are empty")
+    values = [*x, *s] + ([curve.get(scalar_x)] if scalar_x else [])
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+               for v in values):
+        raise ValueError(f"hardware profile {path}: {key} holds a non-finite or non-number")
+    if any(b <= a for a, b in zip(x, x[1:], strict=False)):
+        raise ValueError(f"hardware profile {path}: {key}.{xs} must increase")
+    floor_ok = min(s) >= 0 if key == "first_step_extra" else min(s) > 0
+    if not floor_ok:
+        raise ValueError(f"hardware profile {path}: {key}.s must be > 0 s (extra: >= 0)")
+
+
+def load_profile(name_or_path: str, model_name: str) -> dict:
+    """A measured hardware profile (a path, or a shipped profile's name), checked."""
+    from kvsim.profiles import profile_path
+
+    p = profile_path("hardware", name_or_path)
+    try:
+        doc = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"hardware profile {p}: not JSON ({exc})") from None
     record_loaded(p)
     if doc.get("model") != model_name:
-        raise ValueError(f"hardware profile {path} is for model {doc.get('model')!r}, "
+        raise ValueError(f"hardware profile {p} is for model {doc.get('model')!r}, "
                          f"not {model_name!r}")
     for key, xs in (("prefill", "tokens"), ("tpot", "context_tokens")):
-        if key not in doc or xs not in doc[key] or "s" not in doc[key]:
-            raise ValueError(f"hardware profile {path}: needs {key}.{xs} and {key}.s")
-        if len(doc[key][xs]) != len(doc[key]["s"]) or len(doc[key]["s"]) < 1:
-            raise ValueError(f"hardware profile {path}: {key} lists differ in length")
+        _check_curve(p, doc, key, xs)
+    for key, xs, at in (("tpot_batch", "batch", "context_tokens"),
+                        ("verify", "drafted_tokens", "context_tokens"),
+                        ("first_step_extra", "context_tokens", "")):
+        if key in doc:
+            _check_curve(p, doc, key, xs, at)
     return doc

@@ -24,7 +24,7 @@ AZURE_TRACES = ("code", "conv")  # = kvsim.sim.azure_workload.AZURE_TRACES
 AZURE_ARRIVALS = ("trace", "gamma", "poisson")  # = kvsim.sim.azure_workload
 CONTEXT_DISTS = ("fixed", "uniform", "lognormal")
 GRANULARITIES = ("page", "layer")
-DESERIALIZERS = ("shared", "per_stream", "node")
+DESERIALIZERS = ("shared", "per_stream", "node", "on_demand")
 
 
 @dataclass
@@ -212,9 +212,14 @@ class SimConfig:
     granularity: str = "page"  # page: one message per (layer, page) | layer
     # shared: one deserializer per decode instance and request, streams in priority order
     # (anchor first) | per_stream: every stream its own deserializer (runs in parallel) |
-    # node: one deserializer per decode instance shared by all its requests (FIFO by arrival)
+    # node: one deserializer per decode instance shared by all its requests (FIFO by arrival) |
+    # on_demand: nothing is dequantized on arrival; the decoder dequantizes the streams it
+    # needs when they are all in (anchor, then the full cache once drafting stops), as
+    # kvsim's transport receiver does
     deserializer: str = "shared"
-    codec_timing: str = ""  # path of a codec timing file (default data/codec_timing/<hw>.json)
+    # codec timing: a file path or a calibrated profile's name (kvsim calibrate); default
+    # data/codec_timing/<hardware>.json
+    codec_timing: str = ""
     # what estimated-size codecs (cachegen) measure their coded bytes on: file (the shipped
     # data/cachegen_ratio.json, SmolLM2 capture; error on other KV unknown) | synthetic (a
     # sample encode of synthetic KV of the model's shape) | a capture name or path

@@ -56,7 +56,7 @@ class Member:
                  "sample_accepted", "phase", "phase_v", "phase_i", "target_v", "full_ready",
                  "work", "done", "timeline", "start_t", "full_t", "draft_v", "draft_i",
                  "draft_end_t", "draft_end_i", "proposed", "accepted", "verify_start_t",
-                 "verify_end_t", "_verify_work")
+                 "verify_end_t", "_verify_work", "load_s")
 
     def __init__(self, env: simpy.Environment, seq: int, context_tokens: int, tokens: int,
                  cap: int, draft_overhead_s: float,
@@ -78,6 +78,7 @@ class Member:
         self.draft_v, self.draft_i, self.draft_end_i = 0.0, 0, 0
         self.proposed = self.accepted = 0
         self._verify_work = (0, 0.0, 0.0, 0.0)
+        self.load_s = 0.0  # deserializer=on_demand: full cache dequantized after drafting (s)
 
 
 class DecodeBatch:
@@ -129,17 +130,20 @@ class DecodeBatch:
         self._changed()
         return m
 
-    def full_ready(self, m: Member) -> None:
-        """Every stream of speculative member m is deserialized now."""
+    def full_ready(self, m: Member, load_s: float = 0.0) -> None:
+        """Every stream of speculative member m is here now. load_s > 0
+        (deserializer=on_demand): drafting stops after the step in progress, then the full
+        cache is dequantized for load_s seconds (the member leaves the batch's work), then
+        verification (or plain decoding) starts; load_s = 0: it is usable now."""
         if m.full_ready:
             raise RuntimeError(f"request {m.seq}: full cache reported ready twice")
         self._advance()
-        m.full_ready, m.full_t = True, self.env.now
+        m.full_ready, m.full_t, m.load_s = True, self.env.now, float(load_s)
         if m.phase == "draft":
             progress = self.steps - m.draft_v  # drafts done (fractional: one in progress)
             proposed = min(m.cap, math.ceil(progress - 1e-12))
             if proposed <= 0:  # full cache with the anchor: no draft, plain decoding
-                self._enter(m, "decode", m.tokens)
+                self._after_load(m, lambda: self._enter(m, "decode", m.tokens))
             else:
                 target = m.draft_v + proposed
                 if target != m.target_v:  # fewer than cap: the step in progress is the last
@@ -149,10 +153,25 @@ class DecodeBatch:
                 return  # the batch itself is unchanged until the draft step finishes
         elif m.phase == "wait":
             if m.cap == 0:
-                self._enter(m, "decode", m.tokens)
+                self._after_load(m, lambda: self._enter(m, "decode", m.tokens))
             else:
-                self._start_verify(m, m.cap)
+                self._after_load(m, lambda: self._start_verify(m, m.cap))
         self._changed()
+
+    def _after_load(self, m: Member, start: Callable[[], None]) -> None:
+        """Run `start` (m's next phase) now, or after m.load_s with m waiting meanwhile."""
+        if m.load_s <= 0:
+            start()
+            return
+        if m.phase != "wait":
+            self._enter(m, "wait", 0)
+
+        def loaded(_event: simpy.Event) -> None:
+            self._advance()
+            m.full_t = self.env.now  # the full cache is usable from here
+            start()
+            self._changed()
+        self.env.timeout(m.load_s).callbacks.append(loaded)
 
     # ---- phases ------------------------------------------------------------------------
     def _enter(self, m: Member, phase: str, steps: int) -> None:
@@ -216,7 +235,8 @@ class DecodeBatch:
         if m.phase == "draft":
             m.draft_end_t, m.draft_end_i = self.env.now, len(self.bp_v) - 1
             if m.full_ready:
-                self._start_verify(m, round(m.target_v - m.draft_v))
+                proposed = round(m.target_v - m.draft_v)
+                self._after_load(m, lambda: self._start_verify(m, proposed))
             else:
                 self._enter(m, "wait", 0)
         elif m.phase == "verify":

@@ -8,7 +8,8 @@ every chunk on each device, so the instance's throughput scales with `devices`.
 File format (version 1):
   {"version": 1, "hardware": "<preset>",
    "codecs": {"<codec label or registered name>": {"encode_gb_per_s": x, "decode_gb_per_s": y,
-               "source": "measured" | "assumed", ...provenance}},
+               "source": "measured" | "assumed", ...provenance,
+               "anchor_decode_gb_per_s": z}},   (optional: stream 0 alone, default y)
    "default": {... same fields, used for codecs not listed ...}}            (optional)
 Every entry states its `source`: "measured" entries name the `command` and `device` that
 produced them (`kvsim bench codecs report=PATH` rows: codec, encode_gbps, decode_gbps,
@@ -18,6 +19,7 @@ device; see `from_bench_report`), "assumed" entries carry an `assumption` senten
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,12 +36,21 @@ class CodecTiming:
     decode_gb_per_s: float
     source: str
     note: str = ""
+    # dequantizing stream 0 alone (a split-stream codec's anchor), GB/s of bf16 output;
+    # nan: as decode_gb_per_s
+    anchor_decode_gb_per_s: float = math.nan
 
     def encode_s(self, bf16_bytes: float, devices: int = 1) -> float:
         return bf16_bytes / (self.encode_gb_per_s * 1e9 * devices)
 
     def decode_s(self, bf16_bytes: float, devices: int = 1) -> float:
         return bf16_bytes / (self.decode_gb_per_s * 1e9 * devices)
+
+    def anchor_decode_s(self, bf16_bytes: float, devices: int = 1) -> float:
+        """Dequantizing only stream 0 of a cache of `bf16_bytes` (s)."""
+        rate = self.decode_gb_per_s if math.isnan(self.anchor_decode_gb_per_s) \
+            else self.anchor_decode_gb_per_s
+        return bf16_bytes / (rate * 1e9 * devices)
 
 
 def _entry(doc: dict, where: str) -> CodecTiming:
@@ -53,10 +64,12 @@ def _entry(doc: dict, where: str) -> CodecTiming:
     if doc["source"] == "assumed" and "assumption" not in doc:
         raise ValueError(f"{where}: an assumed entry must state its `assumption`")
     enc, dec = float(doc["encode_gb_per_s"]), float(doc["decode_gb_per_s"])
-    if enc <= 0 or dec <= 0:
-        raise ValueError(f"{where}: throughputs must be > 0 GB/s")
+    anchor = float(doc.get("anchor_decode_gb_per_s", math.nan))
+    if not (enc > 0 and dec > 0 and math.isfinite(enc) and math.isfinite(dec)) or \
+            anchor <= 0 or math.isinf(anchor):
+        raise ValueError(f"{where}: throughputs must be finite and > 0 GB/s")
     note = doc.get("assumption") or f"{doc.get('command')} on {doc.get('device')}"
-    return CodecTiming(enc, dec, doc["source"], note)
+    return CodecTiming(enc, dec, doc["source"], note, anchor)
 
 
 class CodecTimingTable:
@@ -76,7 +89,14 @@ class CodecTimingTable:
 
 
 def load_codec_timing(hardware: str, path: str | Path | None = None) -> CodecTimingTable:
-    p = Path(path) if path else TIMING_DIR / f"{hardware}.json"
+    """The codec timing of a hardware preset (data/codec_timing/<hardware>.json), or of
+    `path`: a file, or the name of a shipped calibrated profile (kvsim.profiles)."""
+    if path:
+        from kvsim.profiles import profile_path
+
+        p = profile_path("codec_timing", str(path))
+    else:
+        p = TIMING_DIR / f"{hardware}.json"
     if not p.is_file():
         raise ValueError(f"no codec timing file for hardware {hardware!r} ({p}); write one "
                          "from `kvsim bench codecs` or with stated assumptions")

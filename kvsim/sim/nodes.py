@@ -7,7 +7,10 @@ default) or by one server per stream (`deserializer=per_stream`); with these two
 concurrent requests on the same decode instance deserialize independently (the instance
 overlaps them as it overlaps its batched decode steps). `deserializer=node`: one server
 per decode instance for every message of every request on it, first come first served
-by arrival (NodeDeserializer; no priority between streams). Drafting on the anchor does not slow the
+by arrival (NodeDeserializer; no priority between streams). `deserializer=on_demand`: no work
+on arrival (a flow is ready at its last byte); the request's decoder dequantizes what it
+needs when it starts on it (kvsim.sim.run: the anchor, then the full cache after drafting),
+as kvsim's transport receiver does. Drafting on the anchor does not slow the
 residual's dequantization (nor the reverse): what drafting costs on a partial cache is
 `speculative.draft_overhead_s` per drafted token.
 """
@@ -255,9 +258,9 @@ class Deserializer:
 
     def __init__(self, env: simpy.Environment, plans: list[FlowPlan], pipelined: bool,
                  mode: str = "shared", node: NodeDeserializer | None = None) -> None:
-        if mode not in ("shared", "per_stream", "node"):
-            raise ValueError(f"deserializer must be 'shared', 'per_stream' or 'node', "
-                             f"got {mode!r}")
+        if mode not in ("shared", "per_stream", "node", "on_demand"):
+            raise ValueError(f"deserializer must be 'shared', 'per_stream', 'node' or "
+                             f"'on_demand', got {mode!r}")
         if (mode == "node") != (node is not None):
             raise ValueError("deserializer=node needs the decode instance's NodeDeserializer")
         self.pipelined, self.mode, self.node = pipelined, mode, node
@@ -277,6 +280,11 @@ class Deserializer:
             for r in rx:
                 if r.is_done and math.isnan(r.ready_t):
                     r.fire(rx[0].node_finish_t if not self.pipelined else r.node_finish_t)
+            return
+        if self.mode == "on_demand":  # dequantized by the decoder (kvsim.sim.run)
+            for r in rx:
+                if r.is_done and math.isnan(r.ready_t):
+                    r.fire(r.last_arrival_t)
             return
         if not self.pipelined:
             if all(r.is_done for r in rx):

@@ -223,6 +223,11 @@ class Scenario:
         needed = receivers[:1] if plan.speculative else receivers
         yield simpy.AllOf(env, [rx.ready for rx in needed])
         t_need = env.now
+        load_all_s = 0.0  # on_demand: dequantizing the full cache once drafting stops
+        on_demand_spec = False
+        if cfg.deserializer == "on_demand":  # the decoder dequantizes what it starts on
+            t_need, on_demand_spec, load_all_s = yield from self._load_on_demand(
+                req, plan, receivers)
         tokens = req.output_tokens
         # the request's cache in decode memory (bf16, its context and the tokens it decodes)
         kv_bytes = float(self.model.kv_bytes_bf16(req.context_tokens + tokens))
@@ -239,7 +244,8 @@ class Scenario:
             t_start = env.now
             spec = cfg.speculative
             # speculative only while some stream is still missing when decoding starts
-            drafting = plan.speculative and not all(rx.ready.triggered for rx in receivers)
+            drafting = on_demand_spec if cfg.deserializer == "on_demand" else \
+                plan.speculative and not all(rx.ready.triggered for rx in receivers)
             overhead_s = draft_overhead_s(spec.draft_overhead_s, self.codec_timing,
                                           self.model.kv_bytes_bf16(req.context_tokens),
                                           plan.stream_bytes[0], plan.total_bytes,
@@ -249,7 +255,7 @@ class Scenario:
                 (lambda n: self.acceptance.sample_accepted(n, self.rng)) if drafting else None)
             if drafting:
                 yield simpy.AllOf(env, [rx.ready for rx in receivers])
-                dnode.batch.full_ready(member)
+                dnode.batch.full_ready(member, load_all_s)
             timeline = yield member.done
             yield dnode.kv_memory.put(kv_bytes)
         assigned[d] -= 1
@@ -257,7 +263,9 @@ class Scenario:
         rec = RequestRecord(
             req.seq, req.context_tokens, req.arrival_t, t_p0, t_pe, encode_end_t,
             last_needed.last_arrival_t, last_needed.backlog_start_t, t_need,
-            max(rx.last_arrival_t for rx in receivers), max(rx.ready_t for rx in receivers),
+            max(rx.last_arrival_t for rx in receivers),
+            timeline.full_t if cfg.deserializer == "on_demand" else
+            max(rx.ready_t for rx in receivers),
             t_start, timeline, plan.stream_bytes, sum(rx.received_bytes for rx in receivers),
             plan.policy == "monolithic",
             {"memory_wait_s": t_start - t_slot, "decode_kv_bytes": kv_bytes})
@@ -272,6 +280,31 @@ class Scenario:
         self.finished += 1
         if self.finished == self.n_requests:
             self.all_done.succeed()
+
+    def _load_on_demand(self, req: Request, plan: TransferPlan, receivers: list[Receiver]):
+        """deserializer=on_demand, once the needed streams are in (now): as the transport's
+        decoder, dequantize the anchor and draft if the rest is still missing then, else
+        wait for every stream and dequantize the full cache. Each load is the codec's
+        dequantization of the whole cache (stream 0 alone, or every stream) plus the first
+        step's extra cost on a fresh cache (measured profiles). Returns (decoding may start
+        now, drafting?, the full cache's load s once drafting stops)."""
+        env = self.env
+        bf16 = float(self.model.kv_bytes_bf16(req.context_tokens))
+        devices = self.hw.devices
+        extra_s = self.timing.first_step_extra_s(req.context_tokens)
+        load_all_s = self.codec_timing.decode_s(bf16, devices)  # verification's pass, a
+        # fresh cache's first, is measured as such: no extra there
+
+        def all_in() -> bool:
+            return all(rx.ready_t <= env.now for rx in receivers)
+
+        if plan.speculative and not all_in():
+            yield env.timeout(self.codec_timing.anchor_decode_s(bf16, devices) + extra_s)
+            if not all_in():
+                return env.now, True, load_all_s
+        yield simpy.AllOf(env, [rx.ready for rx in receivers])
+        yield env.timeout(load_all_s + extra_s)
+        return env.now, False, 0.0
 
     def _send(self, req: Request, plan: TransferPlan, pnode: PrefillNode, dnode: DecodeNode,
               layers_start_t: float, layers_s: float) -> tuple[list[Receiver], float]:

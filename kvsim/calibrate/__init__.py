@@ -1,0 +1,1 @@
+"""Measure this machine and its emulated links for the simulator (`kvsim calibrate`)."""

@@ -1,0 +1,222 @@
+"""Measure the real model and the codecs on this machine, as the transport runs them: the
+hardware profile (prefill time vs context, decode step time vs context and batch, the extra
+cost of the first step on a freshly built cache, verification time vs drafted tokens) and
+the codec timing of the transport's two ends (encode layer by layer with the payload
+checksum, as the sender; dequantize n streams and build the model's cache, as the receiver).
+
+Every figure is a median of repeated wall-clock timings (time.perf_counter) in this process,
+with torch limited to `threads` threads (the transport's processes use
+`transport.threads`). The real text the prompts are made of comes from `kvsim.text`, with
+a seed of its own: calibration never reads a validation run's results.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvsim.layout import KVShape
+
+PROFILE_VERSION = 1
+
+
+@dataclass
+class ModelCalibration:
+    """What to measure (counts are repeats; times are medians over them)."""
+
+    contexts: list[int]  # prompt lengths (tokens) for prefill, decode steps and codecs
+    steps: int = 12  # decode steps timed per context (after the first)
+    repeats: int = 3  # prefill repeats at the shortest context (1 at the longest)
+    batches: tuple[int, ...] = (1, 2, 4)  # decode batch sizes, at the longest context
+    drafted: tuple[int, ...] = (1, 2, 4, 8, 16)  # drafted tokens per verification pass
+    codec_repeats: int = 3
+    text_source: str = "stdlib-docs"
+    seed: int = 1009  # of the calibration prompts (the validation's use workload seeds)
+
+
+def _median_s(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(statistics.median(times))
+
+
+def _prompt(lm: Any, tokens: int, cal: ModelCalibration) -> list[int]:
+    from kvsim.text import assemble
+
+    return list(assemble(lm.tokenizer, tokens, cal.text_source, cal.seed + tokens).ids)
+
+
+def _dtype(lm: Any) -> torch.dtype:
+    return next(lm.model.parameters()).dtype
+
+
+@torch.no_grad()
+def _steps_s(lm: Any, cache: Any, token: int, steps: int) -> tuple[float, list[float]]:
+    """(first step s, [steps] later step times s) of greedy decoding on `cache`."""
+    model = lm.model
+    times = []
+    for _ in range(steps + 1):
+        t0 = time.perf_counter()
+        out = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+        token = int(out.logits[0, -1].argmax())
+        times.append(time.perf_counter() - t0)
+    return times[0], times[1:]
+
+
+@torch.no_grad()
+def _batch_step_s(lm: Any, kv: torch.Tensor, batch: int, steps: int) -> float:
+    """Median decode step (s) of `batch` copies of the cache kv [layers, 2, h, t, d]."""
+    from transformers import DynamicCache
+
+    dtype = _dtype(lm)
+    data = [(kv[layer, 0][None].expand(batch, -1, -1, -1).to(dtype).contiguous(),
+             kv[layer, 1][None].expand(batch, -1, -1, -1).to(dtype).contiguous())
+            for layer in range(kv.shape[0])]
+    cache = DynamicCache(data, config=lm.model.config)
+    ids = torch.ones((batch, 1), dtype=torch.long)
+    lm.model(input_ids=ids, past_key_values=cache, use_cache=True)  # the first (slower) step
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        lm.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        times.append(time.perf_counter() - t0)
+    return float(statistics.median(times))
+
+
+@torch.no_grad()
+def _verify_s(lm: Any, kv: torch.Tensor, drafted: int, repeats: int) -> float:
+    """One pass over [first token, d_1..d_n] on a freshly built full cache (as the receiver
+    verifies), median s."""
+    from kvsim.quality.capture import kv_to_cache
+
+    dtype = _dtype(lm)
+    ids = torch.ones((1, drafted + 1), dtype=torch.long)
+    times = []
+    for _ in range(max(1, repeats)):
+        cache = kv_to_cache(kv, lm.model.config, dtype)
+        t0 = time.perf_counter()
+        lm.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        times.append(time.perf_counter() - t0)
+    return float(statistics.median(times))
+
+
+def measure_model(lm: Any, model_name: str, cal: ModelCalibration,
+                  progress: Callable[[str], None] = lambda msg: None,
+                  ) -> tuple[dict, dict[int, torch.Tensor]]:
+    """The hardware profile document of the real model here, and the real bf16 KV
+    [layers, 2, kv_heads, tokens, head_dim] of each calibration context (for the codecs)."""
+    from kvsim.quality.capture import cache_to_kv, kv_to_cache, prefill
+
+    contexts = sorted({int(c) for c in cal.contexts})
+    if not contexts or contexts[0] < 16:
+        raise ValueError(f"calibration contexts must be >= 16 tokens, got {cal.contexts}")
+    dtype = _dtype(lm)
+    prefill_s, tpot_s, first_extra_s, kvs = [], [], [], {}
+    for i, ctx in enumerate(contexts):
+        ids = _prompt(lm, ctx, cal)
+        prefill(lm.model, ids[:64])  # warm: allocator and kernels, not timed
+        repeats = cal.repeats if i == 0 else max(1, cal.repeats - 1 - (i == len(contexts) - 1))
+        out: dict[str, Any] = {}
+
+        def run(ids: list[int] = ids, out: dict = out) -> None:
+            out["cache"], out["logits"] = prefill(lm.model, ids)
+
+        prefill_s.append(_median_s(run, repeats))
+        kv = cache_to_kv(out["cache"]).to(torch.bfloat16).contiguous()
+        kvs[ctx] = kv
+        first_token = int(torch.argmax(out["logits"]))
+        cache = kv_to_cache(kv.float(), lm.model.config, dtype)  # as the receiver builds it
+        first, later = _steps_s(lm, cache, first_token, cal.steps)
+        step = float(statistics.median(later))
+        tpot_s.append(step)
+        first_extra_s.append(max(0.0, first - step))
+        progress(f"context {ctx}: prefill {prefill_s[-1]:.3f} s, decode step {step * 1e3:.1f} "
+                 f"ms (first +{first_extra_s[-1] * 1e3:.1f} ms)")
+    top = contexts[-1]
+    kv_top = kvs[top].float()
+    batch_s = [_batch_step_s(lm, kvs[top], b, max(4, cal.steps // 2)) for b in cal.batches]
+    progress(f"batch {list(cal.batches)} at {top}: " +
+             ", ".join(f"{s * 1e3:.1f}" for s in batch_s) + " ms per step")
+    verify_s = [_verify_s(lm, kv_top, n, cal.codec_repeats) for n in cal.drafted]
+    progress(f"verify {list(cal.drafted)} drafts at {top}: " +
+             ", ".join(f"{s * 1e3:.1f}" for s in verify_s) + " ms")
+    doc = {
+        "version": PROFILE_VERSION, "kind": "hardware", "model": model_name,
+        "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."),
+        "prefill": {"tokens": contexts, "s": prefill_s},
+        "tpot": {"context_tokens": contexts, "s": tpot_s},
+        "first_step_extra": {"context_tokens": contexts, "s": first_extra_s},
+        "tpot_batch": {"context_tokens": top, "batch": list(cal.batches), "s": batch_s},
+        "verify": {"context_tokens": top, "drafted_tokens": list(cal.drafted), "s": verify_s},
+    }
+    return doc, kvs
+
+
+def _encode_layerwise(codec: Any, kv: torch.Tensor) -> list[Any]:
+    """Encode layer by layer and checksum every payload, as the sender does."""
+    from kvsim.transport.protocol import payload_crc
+
+    out = []
+    for layer in range(kv.shape[0]):
+        enc = codec.encode(kv[layer:layer + 1])
+        for chunks in enc.streams:
+            for c in chunks:
+                payload_crc(c.payload)
+        out.append(enc)
+    return out
+
+
+def _load(codec: Any, enc: Any, n: int, lm: Any) -> Any:
+    """Dequantize the first n streams and build the model's cache, as the receiver does."""
+    from kvsim.quality.capture import kv_to_cache
+
+    kv = codec.decode(enc, streams=n, dtype=torch.float32)
+    if not torch.isfinite(kv).all():
+        raise RuntimeError(f"{codec.name}: calibration KV decodes to non-finite values")
+    return kv_to_cache(kv, lm.model.config, _dtype(lm))
+
+
+def measure_codecs(lm: Any, specs: list[Any], kv: torch.Tensor, repeats: int,
+                   command: str, progress: Callable[[str], None] = lambda msg: None) -> dict:
+    """A codec timing document (kvsim.sim.codec_timing's format) of each codec spec on the
+    real KV `kv` [layers, 2, kv_heads, tokens, head_dim] bf16: encode GB/s of bf16 input as
+    the sender encodes (layer by layer + checksum), decode GB/s as the receiver loads all
+    streams, and for split-stream codecs anchor_decode GB/s (stream 0 alone)."""
+    from kvsim.sim.codec_timing import FORMAT_VERSION
+
+    shape = KVShape.of(kv)
+    bf16_bytes = float(kv.numel() * 2)
+    codecs: dict[str, dict] = {}
+    for spec in specs:
+        codec = spec.build()
+        _encode_layerwise(codec, kv[:1])  # JIT / first-use costs, not timed
+        encode_s = _median_s(lambda codec=codec: _encode_layerwise(codec, kv), repeats)
+        enc = codec.encode(kv)
+        _load(codec, enc, codec.num_streams, lm)
+        decode_s = _median_s(lambda codec=codec, enc=enc: _load(codec, enc, codec.num_streams,
+                                                                 lm), repeats)
+        entry = {"encode_gb_per_s": bf16_bytes / encode_s / 1e9,
+                 "decode_gb_per_s": bf16_bytes / decode_s / 1e9,
+                 "source": "measured", "command": command, "device": "cpu",
+                 "threads": torch.get_num_threads(),
+                 "shape": {"layers": shape.layers, "kv_heads": shape.kv_heads,
+                           "tokens": shape.tokens, "head_dim": shape.head_dim},
+                 "what": "encode: layer by layer + payload CRC32C (the sender); decode: "
+                         "dequantize the streams + build the model's cache (the receiver)"}
+        if codec.num_streams > 1:
+            anchor_s = _median_s(lambda codec=codec, enc=enc: _load(codec, enc, 1, lm), repeats)
+            entry["anchor_decode_gb_per_s"] = bf16_bytes / anchor_s / 1e9
+        codecs[spec.label] = entry
+        progress(f"codec {spec.label}: encode {entry['encode_gb_per_s']:.3f} GB/s, load "
+                 f"{entry['decode_gb_per_s']:.3f} GB/s" +
+                 (f", anchor load {entry['anchor_decode_gb_per_s']:.3f} GB/s"
+                  if "anchor_decode_gb_per_s" in entry else ""))
+    return {"version": FORMAT_VERSION, "hardware": "calibrated", "codecs": codecs}

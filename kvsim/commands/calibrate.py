@@ -1,0 +1,192 @@
+"""`kvsim calibrate`: measure this machine and its emulated links for the simulator.
+
+Writes, under out_dir (default: the run directory):
+  hardware/<name>.json        the real model's prefill / decode step / batch / verification /
+                              first-step times here (`hardware.profile=`)
+  codec_timing/<name>.json    each codec's encode (as the sender) and load (as the receiver:
+                              dequantize + build the model's cache) GB/s (`codec_timing=`)
+  link/<name>-<emulation>.json  the emulated link's goodput fraction, first-byte latency and
+                              per-message cost, fitted to real transfers (`link.profile=`)
+and prints the overrides that make `kvsim sim` use them. With out_dir=data/profiles they
+ship with the repository and load by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING
+
+from kvsim.models import ModelSpec
+from kvsim.report import format_table
+
+COMMAND = ("calibrate",)
+HELP = "measure this machine (real model, codecs, emulated links) into simulator profiles"
+CONFIG_NAME = "calibrate"
+LINK_EMULATIONS = ("token_bucket", "tc", "none")
+
+
+@dataclass
+class Config:
+    model: ModelSpec = MISSING
+    name: str = ""
+    contexts: list[int] = field(default_factory=lambda: [256, 1024, 2048, 4096])
+    steps: int = 12
+    repeats: int = 3
+    batches: list[int] = field(default_factory=lambda: [1, 2, 4])
+    drafted: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    codecs: list[Any] = field(default_factory=lambda: ["bf16", "int8", "int4", "lynx"])
+    codec_context_tokens: int = 2048
+    threads: int = 1
+    text_source: str = "stdlib-docs"
+    seed: int = 1009
+    links: list[str] = field(default_factory=lambda: ["token_bucket", "tc"])
+    link_rates_gbps: list[float] = field(default_factory=lambda: [0.1, 0.5, 1.0])
+    out_dir: str = ""
+    overwrite: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "repeats", "threads"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if not self.contexts or min(self.contexts) < 16:
+            raise ValueError(f"contexts must be prompt lengths >= 16 tokens, got {self.contexts}")
+        if self.codec_context_tokens not in self.contexts:
+            raise ValueError(f"codec_context_tokens={self.codec_context_tokens} must be one of "
+                             f"contexts {list(self.contexts)}")
+        if not self.batches or min(self.batches) < 1 or 1 not in self.batches:
+            raise ValueError(f"batches must include 1 and be >= 1, got {self.batches}")
+        if not self.drafted or min(self.drafted) < 1:
+            raise ValueError(f"drafted must be >= 1, got {self.drafted}")
+        for e in self.links:
+            if e not in LINK_EMULATIONS:
+                raise ValueError(f"links: unknown emulation {e!r}; one of {LINK_EMULATIONS}")
+        if any(not r > 0 for r in self.link_rates_gbps):
+            raise ValueError(f"link_rates_gbps must be > 0, got {self.link_rates_gbps}")
+
+
+def profile_name(cfg: Config) -> str:
+    return cfg.name or f"local-{cfg.model.name}"
+
+
+def output_paths(cfg: Config, root: Path) -> dict[str, Path]:
+    name = profile_name(cfg)
+    out = {"hardware": root / "hardware" / f"{name}.json",
+           "codec_timing": root / "codec_timing" / f"{name}.json"}
+    for e in cfg.links:
+        out[f"link:{e}"] = root / "link" / f"{name}-{e.replace('_', '-')}.json"
+    return out
+
+
+def _provenance(cfg: Config) -> dict:
+    from kvsim.report import git_state
+
+    return {"source": "measured", "host": socket.gethostname(), "cpus": os.cpu_count(),
+            "measured_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "command": "kvsim calibrate " + " ".join(sys.argv[2:]), "git": git_state()}
+
+
+def _write(path: Path, doc: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def run(cfg: Config) -> list[dict]:
+    import torch
+
+    from kvsim.calibrate.model_profile import ModelCalibration, measure_codecs, measure_model
+    from kvsim.config.codecs import resolve_codec
+    from kvsim.model.load import load_lm
+    from kvsim.outputs import check_new, out_root
+
+    root = out_root(cfg.out_dir or None)
+    paths = output_paths(cfg, root)
+    check_new(paths.values(), cfg.overwrite)  # before anything is measured
+    say = (lambda msg: print(f"calibrate: {msg}", file=sys.stderr, flush=True)) \
+        if cfg.progress else (lambda msg: None)
+    specs = [resolve_codec(c) for c in cfg.codecs]
+    prov = _provenance(cfg)
+    rows: list[dict] = []
+
+    lm = load_lm(cfg.model, threads=cfg.threads, seed=0)
+    torch.set_num_threads(cfg.threads)
+    say(f"{lm.name}: {torch.get_num_threads()} torch thread(s)")
+    cal = ModelCalibration(list(cfg.contexts), cfg.steps, cfg.repeats, tuple(cfg.batches),
+                           tuple(cfg.drafted), cfg.repeats, cfg.text_source, cfg.seed)
+    hw_doc, kvs = measure_model(lm, cfg.model.name, cal, say)
+    hw_doc.update(name=profile_name(cfg), **prov)
+    _write(paths["hardware"], hw_doc)
+    for ctx, p, t, x in zip(hw_doc["prefill"]["tokens"], hw_doc["prefill"]["s"],
+                            hw_doc["tpot"]["s"], hw_doc["first_step_extra"]["s"], strict=True):
+        rows.append({"what": "model", "item": f"context {ctx}", "prefill_s": p,
+                     "decode_step_ms": t * 1e3, "first_step_extra_ms": x * 1e3})
+    timing_doc = measure_codecs(lm, specs, kvs[cfg.codec_context_tokens], cfg.repeats,
+                                prov["command"], say)
+    timing_doc.update(hardware=profile_name(cfg), **{k: v for k, v in prov.items()
+                                                      if k != "command"})
+    _write(paths["codec_timing"], timing_doc)
+    for label, e in timing_doc["codecs"].items():
+        rows.append({"what": "codec", "item": label, "encode_gb_per_s": e["encode_gb_per_s"],
+                     "decode_gb_per_s": e["decode_gb_per_s"],
+                     "anchor_decode_gb_per_s": e.get("anchor_decode_gb_per_s")})
+    del lm, kvs
+    for emulation in cfg.links:
+        rows.append(_link(cfg, emulation, paths[f"link:{emulation}"], prov, say))
+    _print(rows, paths, root)
+    return rows
+
+
+def _link(cfg: Config, emulation: str, path: Path, prov: dict, say) -> dict:
+    from kvsim.calibrate.link_profile import measure_link_profile
+
+    if emulation == "tc":
+        from kvsim.transport.netns import netns_available
+
+        ok, why = netns_available()
+        if not ok:
+            say(f"link tc skipped: {why}")
+            return {"what": "link", "item": emulation, "status": f"skipped: {why}"}
+    name = path.stem
+    doc = measure_link_profile(emulation, list(cfg.link_rates_gbps), name=name)
+    doc.update({k: v for k, v in prov.items() if k not in doc})
+    _write(path, doc)
+    say(f"link {emulation}: efficiency {doc['efficiency']:.4f}, latency "
+        f"{doc['latency_s'] * 1e3:.2f} ms, {doc['message_overhead_bytes']:.0f} B/message "
+        f"(fit within {doc['fit_max_abs_pct_error']:.2f}%)")
+    return {"what": "link", "item": emulation, "efficiency": doc["efficiency"],
+            "latency_ms": doc["latency_s"] * 1e3,
+            "message_overhead_bytes": doc["message_overhead_bytes"],
+            "fit_max_abs_pct_error": doc["fit_max_abs_pct_error"], "status": "measured"}
+
+
+def _print(rows: list[dict], paths: dict[str, Path], root: Path) -> None:
+    model = [r for r in rows if r["what"] == "model"]
+    print(format_table(model, [("item", "model", ""), ("prefill_s", "prefill s", ".3f"),
+                               ("decode_step_ms", "decode step ms", ".1f"),
+                               ("first_step_extra_ms", "first step +ms", ".1f")]))
+    codec = [r for r in rows if r["what"] == "codec"]
+    print(format_table(codec, [("item", "codec", ""),
+                               ("encode_gb_per_s", "encode GB/s", ".3f"),
+                               ("decode_gb_per_s", "load GB/s", ".3f"),
+                               ("anchor_decode_gb_per_s", "anchor load GB/s", ".3f")]))
+    links = [r for r in rows if r["what"] == "link"]
+    if links:
+        print(format_table(links, [("item", "link", ""), ("efficiency", "efficiency", ".4f"),
+                                   ("latency_ms", "latency ms", ".2f"),
+                                   ("message_overhead_bytes", "B/message", ".0f"),
+                                   ("fit_max_abs_pct_error", "fit max %", ".2f"),
+                                   ("status", "status", "")]))
+    link_keys = [k for k in paths if k.startswith("link:") and paths[k].is_file()]
+    print(f"profiles written under {root}; use them with:\n  kvsim sim hardware=local-cpu "
+          f"hardware.profile={paths['hardware']} codec_timing={paths['codec_timing']} "
+          f"deserializer=on_demand" +
+          "".join(f"\n    link.profile={paths[k]}  # transport.emulation={k[5:]}"
+                  for k in link_keys))
