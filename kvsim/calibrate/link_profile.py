@@ -125,6 +125,10 @@ def fit_link(measurements: Sequence[Measurement]) -> LinkFit:
     x = np.array(rows)  # [n, 3]: latency, payload seconds at the rate, message-count term
     t = np.array(y)  # [n] s
     weighted = x / t[:, None]  # relative residuals: every transfer counts alike
+    if np.linalg.matrix_rank(weighted) < 3:
+        raise ValueError("the measurements do not determine a link fit: vary the message "
+                         "size and the transfer size independently (at least 3 distinct "
+                         "transfers)")
     ones = np.ones(len(t))
     best: tuple[float, np.ndarray] | None = None
     for pinned in ((), (0,), (2,), (0, 2)):  # parameters held at 0 (latency, overhead)
@@ -141,9 +145,8 @@ def fit_link(measurements: Sequence[Measurement]) -> LinkFit:
         if best is None or cost < best[0] - 1e-15:
             best = (cost, params)
     if best is None:
-        raise ValueError("the measurements do not determine a link fit: vary the message "
-                         "size and the transfer size independently (at least 3 distinct "
-                         "transfers)")
+        raise ValueError("no link fit with latency and overhead >= 0 and a positive rate "
+                         "fits the measurements")
     latency_s, inv_eff, overhead_over_eff = (float(v) for v in best[1])
     fit = LinkFit(1.0 / inv_eff, latency_s, overhead_over_eff / inv_eff)
     if not 0.0 < fit.efficiency <= EFFICIENCY_MAX:
