@@ -15,7 +15,8 @@ message_overhead_bytes: per-message cost beyond the payload (transport control f
 ZeroMQ framing, acks). In t_s = latency_s + x_payload * a + x_messages * b, with
 x_payload = 8 * payload_bytes / (rate_gbps * 1e9) and x_messages the same of `messages`,
 the model is linear in (latency_s, a = 1 / efficiency, b = message_overhead_bytes /
-efficiency): a least-squares fit of the relative error, latency and overhead kept >= 0.
+efficiency): a least-squares fit of the relative error, latency and overhead kept >= 0,
+over the fastest repeat of each transfer (a busy machine only ever adds time).
 
 `payload_bytes` is what the simulator counts as a message's size: the codec size table's
 chunk bytes (chunk header + payload); the transport adds its control frame on the wire.
@@ -89,6 +90,22 @@ class Measurement:
     measured_s: float  # last byte arrived - first send (s)
     predicted_s: float = math.nan  # the fitted model's t_s (s)
     case: str = ""
+    fitted: bool = True  # the fastest of its repeats: the fit uses it
+
+
+def fastest_repeats(measurements: Sequence[Measurement]) -> list[Measurement]:
+    """Mark the fastest repeat of each transfer (same rate, bytes and messages) as the one
+    the fit uses, the others not; return those. Noise on a shared machine (another process
+    taking the CPU the transport needs) only ever adds time: the fastest repeat is the link."""
+    best: dict[tuple[float, float, int], Measurement] = {}
+    for m in measurements:
+        key = (m.rate_gbps, m.payload_bytes, m.messages)
+        if key not in best or m.measured_s < best[key].measured_s:
+            best[key] = m
+    chosen = {id(m) for m in best.values()}
+    for m in measurements:
+        m.fitted = id(m) in chosen
+    return list(best.values())
 
 
 @dataclass(frozen=True)
@@ -172,17 +189,21 @@ def profile_doc(name: str, emulation: str, rates_gbps: Sequence[float],
         raise ValueError(f"emulation must be one of {EMULATIONS}, got {emulation!r}")
     if not name:
         raise ValueError("a link profile needs a name")
-    fit = fit_link(measurements)
-    worst_pct = predict(fit, measurements)
+    used = fastest_repeats(measurements)
+    fit = fit_link(used)
+    worst_pct = predict(fit, used)  # over the measurements fitted
+    worst_all_pct = predict(fit, measurements)  # every repeat
     return {
         "version": VERSION, "kind": KIND, "name": name, "emulation": emulation,
         "efficiency": fit.efficiency, "latency_s": fit.latency_s,
         "message_overhead_bytes": fit.message_overhead_bytes,
         "rates_gbps": [float(r) for r in rates_gbps],
-        "fit_max_abs_pct_error": worst_pct,
+        # largest |predicted - measured| / measured, percent: over the fitted (fastest)
+        # repeats, and over every repeat (the slower repeats' noise included)
+        "fit_max_abs_pct_error": worst_pct, "all_max_abs_pct_error": worst_all_pct,
         "measurements": [{"rate_gbps": m.rate_gbps, "payload_bytes": m.payload_bytes,
                           "messages": m.messages, "measured_s": m.measured_s,
-                          "predicted_s": m.predicted_s, "case": m.case}
+                          "predicted_s": m.predicted_s, "case": m.case, "fitted": m.fitted}
                          for m in measurements],
         "source": "measured", "command": command or shlex.join(sys.argv),
         "host": platform.node(),
@@ -206,12 +227,12 @@ def _cases(emulation: str, rate_gbps: float, transfers: Sequence[Transfer],
     from kvsim.bench.transport import CaseSpec, layer_wire_bytes, layers_for
 
     cases = []
-    for tr in transfers:
-        per_layer = sum(layer_wire_bytes("bf16", tr.kv_heads, tr.head_dim, tr.tokens))
-        layers = layers_for(rate_gbps * 1e9 / 8 * tr.seconds, per_layer)
-        link = {"rate_gbps": rate_gbps} if emulation == "token_bucket" \
-            else {"link_gbps": rate_gbps}
-        for i in range(repeats):
+    link = {"rate_gbps": rate_gbps} if emulation == "token_bucket" \
+        else {"link_gbps": rate_gbps}
+    for i in range(repeats):  # the whole set again: a busy spell spoils one repeat, not all
+        for tr in transfers:
+            per_layer = sum(layer_wire_bytes("bf16", tr.kv_heads, tr.head_dim, tr.tokens))
+            layers = layers_for(rate_gbps * 1e9 / 8 * tr.seconds, per_layer)
             cases.append(CaseSpec(f"{rate_gbps:g}/{tr.name}/{i}", "transport", codec="bf16",
                                   policy="monolithic", kv_heads=tr.kv_heads,
                                   head_dim=tr.head_dim, tokens=tr.tokens, layers=layers,
@@ -258,7 +279,7 @@ def _run(cases: list[Any], **where: Any) -> dict[str, dict]:
 
 def measure(emulation: str, rates_gbps: Sequence[float],
             transfers: Sequence[Transfer] = DEFAULT_TRANSFERS,
-            repeats: int = 2) -> list[Measurement]:
+            repeats: int = 3) -> list[Measurement]:
     """Run every transfer `repeats` times at every rate through the real transport over the
     emulated link; one Measurement each. token_bucket: one set of processes on loopback;
     tc: one shaped namespace pair (and set of processes) per rate."""
@@ -295,11 +316,11 @@ def measure(emulation: str, rates_gbps: Sequence[float],
 
 def measure_link_profile(emulation: str,
                          rates_gbps: Sequence[float] = DEFAULT_RATES_GBPS, *, name: str,
-                         repeats: int = 2,
+                         repeats: int = 3,
                          transfers: Sequence[Transfer] = DEFAULT_TRANSFERS,
                          command: str = "") -> dict:
     """Measure the emulated link at each rate and fit it: the profile document (version 1;
-    see the module doc and kvsim.sim.link_profile). About 2 x 2.3 s of transfers per rate
+    see the module doc and kvsim.sim.link_profile). About 3 x 2.3 s of transfers per rate
     with the defaults, plus process start-up (once; tc: once per rate)."""
     measurements = measure(emulation, rates_gbps, transfers, repeats)
     return profile_doc(name, emulation, rates_gbps, measurements, command)
@@ -309,11 +330,13 @@ def summary(doc: dict) -> str:
     lines = [f"link profile {doc['name']} ({doc['emulation']}): efficiency "
              f"{doc['efficiency']:.4f}, latency {doc['latency_s'] * 1e3:.3f} ms, "
              f"message overhead {doc['message_overhead_bytes']:.1f} B, fit max error "
-             f"{doc['fit_max_abs_pct_error']:.2f} %",
-             f"{'case':>22} {'MB':>8} {'msgs':>6} {'measured s':>11} {'predicted s':>11}"]
+             f"{doc['fit_max_abs_pct_error']:.2f} % (every repeat: "
+             f"{doc['all_max_abs_pct_error']:.2f} %)",
+             f"{'case':>22} {'MB':>8} {'msgs':>6} {'measured s':>11} {'predicted s':>11} fit"]
     for m in doc["measurements"]:
         lines.append(f"{m['case']:>22} {m['payload_bytes'] / 1e6:8.2f} {m['messages']:6d} "
-                     f"{m['measured_s']:11.4f} {m['predicted_s']:11.4f}")
+                     f"{m['measured_s']:11.4f} {m['predicted_s']:11.4f} "
+                     f"{'*' if m['fitted'] else ''}")
     return "\n".join(lines)
 
 
@@ -323,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--emulation", choices=MEASURABLE, required=True)
     parser.add_argument("--rates", default=",".join(f"{r:g}" for r in DEFAULT_RATES_GBPS),
                         help="comma-separated configured rates, Gbps")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--name", required=True)
     parser.add_argument("--out", required=True, help="profile JSON to write")
     args = parser.parse_args(argv)
