@@ -46,6 +46,9 @@ class LinkConfig:
     # Gbps (1e9 bit/s) of each decode instance's ingress link, shared by every flow to that
     # instance on top of its prefill link (kvsim.sim.ingress); 0 (default): no ingress limit
     decode_ingress_gbps: float = 0.0
+    # a measured link profile, name or path (kvsim/profiles.py; kvsim.sim.link_profile):
+    # egress bandwidth x its efficiency, + its latency_s and message_overhead_bytes; "": none
+    profile: str = ""
 
     def validate(self) -> None:
         check_choice("link.sharing", self.sharing, SHARINGS)
@@ -61,6 +64,16 @@ class LinkConfig:
         check_number("link.message_overhead_bytes", self.message_overhead_bytes, strict=False)
         check_trace("link.trace", self.trace)
         check_choice("link.trace_origin", self.trace_origin, TRACE_ORIGINS)
+        if not isinstance(self.profile, str):
+            raise ValueError(f"link.profile must be a profile name or path, got "
+                             f"{self.profile!r}")
+        if self.profile:  # a missing profile fails here, before any run
+            from kvsim.profiles import profile_path
+
+            try:
+                profile_path("link", self.profile)
+            except ValueError as exc:
+                raise ValueError(f"link.profile: {exc}") from None
 
 
 @dataclass

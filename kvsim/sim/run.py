@@ -30,6 +30,7 @@ from kvsim.sim.codec_timing import CodecTiming, load_codec_timing
 from kvsim.sim.gc_pause import gc_paused
 from kvsim.sim.ingress import IngressJoin
 from kvsim.sim.link import Link
+from kvsim.sim.link_profile import load_link_profile, profiled_link_settings
 from kvsim.sim.metrics import RequestRecord, aggregate_request_rows, request_row
 from kvsim.sim.nodes import DecodeNode, Deserializer, NodeDeserializer, PrefillNode, Receiver
 from kvsim.sim.policy import POLICIES, TransferPlan, build_plan, natural_policy, release_times
@@ -151,10 +152,10 @@ class Scenario:
             r = cfg.link.residual_weight
             class_weight = lambda key: r ** key[0]  # noqa: E731
         n_links = 1 if cfg.link.sharing == "shared" else w.prefill_nodes
-        self.links = [Link(env, self.bandwidth_gbps, name=f"link{i}",
-                           latency_s=cfg.link.latency_s,
-                           message_overhead_bytes=cfg.link.message_overhead_bytes,
-                           trace=cfg.link.trace, trace_origin=cfg.link.trace_origin,
+        egress = profiled_link_settings(  # link.profile: the measured emulated link
+            self.bandwidth_gbps, cfg.link.latency_s, cfg.link.message_overhead_bytes,
+            cfg.link.trace, load_link_profile(cfg.link.profile) if cfg.link.profile else None)
+        self.links = [Link(env, **egress, name=f"link{i}", trace_origin=cfg.link.trace_origin,
                            class_weight=class_weight)
                       for i in range(n_links)]
         self.prefill = [PrefillNode(env, i, self.links[0 if n_links == 1 else i])
@@ -370,6 +371,7 @@ class Scenario:
             "codec_timing_source": self.codec_timing.source,
             "size_estimate": self.codec.size_note() or "exact",
             "acceptance": self.acceptance.name,
+            "link_profile": cfg.link.profile,
             "link_utilisation": float(np.mean([lk.utilisation(end_t) for lk in self.links])),
             # busy fraction over [first byte, last byte] of each link that carried bytes
             "link_busy_utilisation": float(np.nanmean(

@@ -1,0 +1,230 @@
+"""Measured link profiles: the fit recovers known parameters exactly, the loader refuses bad
+files clearly, a profile changes the simulator's link exactly as its numbers say (analytic:
+one flow of B bytes at R Gbps x efficiency with latency d arrives at d + 8B/(R eff 1e9)), and
+one real token-bucket measurement (`slow`: real processes, a few seconds) fits a goodput
+near the rate."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import simpy
+
+from kvsim.calibrate import link_profile as lp
+from kvsim.config.sim import LinkConfig, SimConfig
+from kvsim.hardware import HardwareSpec
+from kvsim.models import ModelSpec
+from kvsim.sim.link import Link
+from kvsim.sim.link_profile import LinkProfile, load_link_profile, profiled_link_settings
+from kvsim.sim.run import Scenario, variants
+
+MODEL = ModelSpec(name="tiny", layers=4, attention_heads=4, kv_heads=2, head_dim=64,
+                  hidden_size=256, params_total=1e8, params_active=1e8)
+HW = HardwareSpec(name="test", hbm_gb_per_s=100.0, bf16_tflops=10.0, memory_gb=100.0)
+
+
+def _synthetic(fit: lp.LinkFit) -> list[lp.Measurement]:
+    """Exact model times for two message sizes x two durations x two rates."""
+    out = []
+    for rate in (0.1, 1.0):
+        for payload, messages in ((1e6, 1), (8e6, 8), (1e6, 64), (8e6, 512)):
+            scaled = payload * rate  # bigger transfers at the faster rate, as measured
+            out.append(lp.Measurement(rate, scaled, messages,
+                                      fit.predict_s(rate, scaled, messages)))
+    return out
+
+
+@pytest.mark.parametrize("truth", [lp.LinkFit(0.956, 0.0021, 80.0),
+                                   lp.LinkFit(1.0, 0.0, 0.0),
+                                   lp.LinkFit(0.5, 0.01, 16.0)])
+def test_fit_recovers_known_parameters_exactly(truth):
+    ms = _synthetic(truth)
+    got = lp.fit_link(ms)
+    assert got.efficiency == pytest.approx(truth.efficiency, rel=1e-9)
+    assert got.latency_s == pytest.approx(truth.latency_s, rel=1e-9, abs=1e-12)
+    assert got.message_overhead_bytes == pytest.approx(truth.message_overhead_bytes,
+                                                       rel=1e-9, abs=1e-6)
+    doc = lp.profile_doc("synthetic", "tc", [0.1, 1.0], ms, command="test")
+    assert doc["fit_max_abs_pct_error"] < 1e-7
+    for m in doc["measurements"]:
+        assert m["predicted_s"] == pytest.approx(m["measured_s"], rel=1e-9)
+
+
+def test_fit_keeps_latency_and_overhead_non_negative():
+    # times a little shorter than a zero-latency link would give: the free fit wants a
+    # negative latency; the kept fit pins it at 0
+    truth = lp.LinkFit(1.0, 0.0, 0.0)
+    ms = _synthetic(truth)
+    for m in ms:
+        m.measured_s -= 1e-4
+    got = lp.fit_link(ms)
+    assert got.latency_s >= 0.0 and got.message_overhead_bytes >= 0.0
+    assert got.efficiency == pytest.approx(1.0, rel=0.01)
+
+
+def test_fit_refuses_too_few_or_degenerate_or_impossible_measurements():
+    with pytest.raises(ValueError, match="at least 3"):
+        lp.fit_link(_synthetic(lp.LinkFit(1.0, 0.0, 0.0))[:2])
+    # one shape repeated: payload, messages and the constant cannot be told apart
+    same = [lp.Measurement(1.0, 1e6, 10, 0.01) for _ in range(4)]
+    with pytest.raises(ValueError, match="do not determine"):
+        lp.fit_link(same)
+    # four times faster than the rate: no link
+    fast = _synthetic(lp.LinkFit(4.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match="outside"):
+        lp.fit_link(fast)
+    bad = _synthetic(lp.LinkFit(1.0, 0.0, 0.0))
+    bad[0].measured_s = math.nan
+    with pytest.raises(ValueError, match="measured_s must be finite"):
+        lp.fit_link(bad)
+
+
+def test_control_frame_constant_matches_the_protocol():
+    from kvsim.bench.transport import FRAME_OVERHEAD_BYTES
+    from kvsim.kernels import wire
+    from kvsim.transport import protocol
+
+    assert lp.CONTROL_FRAME_BYTES == protocol.CONTROL_BYTES
+    assert lp.CONTROL_FRAME_BYTES == FRAME_OVERHEAD_BYTES - wire.CHUNK_HEADER_BYTES
+
+
+def _profile_file(tmp_path, **fields) -> str:
+    doc = {"version": 1, "kind": "link", "name": "p", "emulation": "tc", "efficiency": 0.5,
+           "latency_s": 0.0, "message_overhead_bytes": 0.0, "source": "measured", **fields}
+    path = tmp_path / "p.json"
+    lp.write_link_profile(doc, path)
+    return str(path)
+
+
+def test_loader_reads_a_written_profile(tmp_path):
+    ms = _synthetic(lp.LinkFit(0.9, 0.003, 40.0))
+    path = lp.write_link_profile(lp.profile_doc("x", "token_bucket", [0.1, 1.0], ms),
+                                 tmp_path / "x.json")
+    prof = load_link_profile(str(path))
+    assert prof.name == "x" and prof.path == str(path)
+    assert prof.efficiency == pytest.approx(0.9, rel=1e-9)
+    assert prof.latency_s == pytest.approx(0.003, rel=1e-9)
+    assert prof.message_overhead_bytes == pytest.approx(40.0, rel=1e-9)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"kind": "hardware"}, "kind must be 'link'"),
+    ({"version": 2}, "version must be 1"),
+    ({"efficiency": math.nan}, "efficiency must be finite"),
+    ({"latency_s": math.inf}, "latency_s must be finite"),
+    ({"efficiency": 0.0}, r"efficiency must be in \(0"),
+    ({"efficiency": 1.5}, "efficiency must be in"),
+    ({"latency_s": -0.1}, "latency_s must be in"),
+    ({"message_overhead_bytes": "64"}, "message_overhead_bytes must be a number"),
+    ({"emulation": "netem"}, "emulation must be one of"),
+])
+def test_loader_refuses_bad_fields(tmp_path, fields, message):
+    with pytest.raises(ValueError, match=message):
+        load_link_profile(_profile_file(tmp_path, **fields))
+
+
+def test_loader_refuses_missing_files_and_names(tmp_path):
+    with pytest.raises(ValueError, match="not found"):
+        load_link_profile(str(tmp_path / "absent.json"))
+    with pytest.raises(ValueError, match="no link profile named"):
+        load_link_profile("no-such-profile")
+    with pytest.raises(ValueError, match="link.profile: .*not found"):
+        LinkConfig(profile=str(tmp_path / "absent.json")).validate()
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    with pytest.raises(ValueError, match="not readable JSON"):
+        load_link_profile(str(broken))
+
+
+def test_shipped_link_profiles_load():
+    for name in ("local-token-bucket", "local-tc"):
+        prof = load_link_profile(name)
+        assert 0.5 < prof.efficiency <= 1.2 and prof.latency_s >= 0
+
+
+def test_profile_settings_one_flow_arrives_at_the_analytic_time():
+    prof = LinkProfile(efficiency=0.8, latency_s=0.004, message_overhead_bytes=100.0,
+                       name="p", path="p.json")
+    rate_gbps, cfg_latency_s, cfg_overhead = 10.0, 0.001, 28.0
+    settings = profiled_link_settings(rate_gbps, cfg_latency_s, cfg_overhead,
+                                      [[1.0, 5.0]], prof)
+    assert settings["trace"] == [[1.0, 4.0]]  # a trace's rates scale alike
+    assert profiled_link_settings(rate_gbps, cfg_latency_s, cfg_overhead, [], None) == {
+        "bandwidth_gbps": rate_gbps, "latency_s": cfg_latency_s,
+        "message_overhead_bytes": cfg_overhead, "trace": []}
+    settings["trace"] = []
+    env = simpy.Environment()
+    link = Link(env, **settings)
+    payload, messages = 4e6, 4
+    got = []
+    link.submit(np.full(messages, payload / messages), np.zeros(messages),
+                on_done=lambda f: got.append(float(f.arrival_t()[-1])))
+    env.run()
+    wire_bytes = payload + messages * (cfg_overhead + 100.0)
+    assert got[0] == pytest.approx(0.005 + 8 * wire_bytes / (rate_gbps * 0.8 * 1e9), rel=1e-12)
+
+
+def _scenario(tmp_path, bandwidth_gbps: float, codecs=("bf16", "lynx"),
+              contexts=(1000, 3000), **link) -> list:
+    """Per codec: (the row's link_profile, per request (encode end, needed arrival, all
+    arrived, last token), the scenario) of requests arriving 10 ms apart."""
+    timing = tmp_path / "timing.json"
+    entry = {"encode_gb_per_s": 50.0, "decode_gb_per_s": 25.0, "source": "assumed",
+             "assumption": "test"}
+    timing.write_text(json.dumps({"version": 1, "hardware": "test", "default": entry}))
+    cfg = SimConfig(model=MODEL, hardware=HW, codecs=list(codecs), codec_timing=str(timing))
+    cfg.link = replace(cfg.link, bandwidth_gbps=bandwidth_gbps, **link)
+    cfg.workload = replace(cfg.workload, kind="trace",
+                           arrivals_t=[0.01 * i for i in range(len(contexts))],
+                           arrivals_context_tokens=list(contexts), output_tokens=8)
+    out = []
+    for v in variants(cfg):
+        sc = Scenario(cfg, v, contexts[0], bandwidth_gbps)
+        row = sc.run()
+        recs = sorted(sc.records, key=lambda r: r.seq)
+        out.append((row["link_profile"], [(r.encode_end_t, r.needed_arrival_t,
+                                           r.all_arrival_t, float(r.timeline.token_t[-1]))
+                                          for r in recs], sc))
+    return out
+
+
+def test_sim_with_a_half_efficiency_profile_is_a_half_rate_link(tmp_path):
+    path = _profile_file(tmp_path, efficiency=0.5, latency_s=0.003,
+                         message_overhead_bytes=64.0)
+    profiled = _scenario(tmp_path, 10.0, profile=path, latency_s=0.001,
+                         message_overhead_bytes=16.0)
+    plain = _scenario(tmp_path, 5.0, latency_s=0.004, message_overhead_bytes=80.0)
+    assert [p[0] for p in profiled] == [path, path] and [p[0] for p in plain] == ["", ""]
+    assert [p[1] for p in profiled] == [p[1] for p in plain]  # exactly: the same floats
+
+
+def test_sim_with_a_profile_one_flow_arrives_at_the_analytic_time(tmp_path):
+    # one bf16 request, monolithic: one flow released at the encoder's end, alone on the
+    # link: last byte arrives at d + 8 (B + n overhead) / (R eff 1e9)
+    path = _profile_file(tmp_path, efficiency=0.5, latency_s=0.003,
+                         message_overhead_bytes=64.0)
+    ((name, [(encode_end_t, _, all_arrival_t, _)], sc),) = _scenario(
+        tmp_path, 10.0, codecs=("bf16",), contexts=(1000,), profile=path, latency_s=0.001,
+        message_overhead_bytes=16.0)
+    plan = sc.plan(1000)
+    (flow,) = plan.flows
+    payload, messages = float(flow.sizes_bytes.sum()), flow.sizes_bytes.size
+    expect = encode_end_t + 0.004 + 8 * (payload + messages * 80.0) / (10.0 * 0.5 * 1e9)
+    assert all_arrival_t == pytest.approx(expect, rel=1e-12)
+
+
+@pytest.mark.slow
+def test_real_token_bucket_profile_fits_a_goodput_near_the_rate(tmp_path):
+    transfers = (lp.Transfer("big", 8, 128, 256, 0.4), lp.Transfer("big-short", 8, 128, 256, 0.1),
+                 lp.Transfer("small", 1, 16, 4096, 0.4))
+    doc = lp.measure_link_profile("token_bucket", [0.5], name="t", repeats=1,
+                                  transfers=transfers, command="pytest")
+    assert 0.9 <= doc["efficiency"] <= 1.1, lp.summary(doc)
+    assert doc["latency_s"] >= 0 and doc["message_overhead_bytes"] >= 0
+    assert len(doc["measurements"]) == 3
+    path = lp.write_link_profile(doc, tmp_path / "t.json")
+    assert load_link_profile(str(path)).efficiency == doc["efficiency"]
