@@ -406,10 +406,14 @@ def _task(name: str, mod: Any, report_path: str | None):
         except (ValueError, FileNotFoundError, UsageError, TimeoutError) as exc:
             raise CommandFailed(f"kvsim {name}: error{where}: {exc}") from None
         wall_s = time.time() - started
+        extra = {}
+        if isinstance(rows, dict):  # {"rows": [...], other top-level report keys}
+            extra = {k: v for k, v in rows.items() if k != "rows"}
+            rows = rows["rows"]
         run_dir = output_dir()
-        write_report(run_dir / "report.json", name, plain, rows or [], wall_s, overrides)
+        write_report(run_dir / "report.json", name, plain, rows or [], wall_s, overrides, extra)
         if report_path:
-            write_report(report_path, name, plain, rows or [], wall_s, overrides)
+            write_report(report_path, name, plain, rows or [], wall_s, overrides, extra)
             print(f"report written to {report_path}", file=sys.stderr)
         return rows or []
 

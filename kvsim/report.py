@@ -71,13 +71,16 @@ def json_safe(obj: Any) -> Any:
 
 
 def write_report(path: str | Path, command: str, config: dict, rows: list[dict],
-                 wall_s: float, overrides: list[str] | None = None) -> None:
+                 wall_s: float, overrides: list[str] | None = None,
+                 extra: dict | None = None) -> None:
+    """extra: further top-level keys a command reports (e.g. validate's error summary)."""
     doc = {
         "command": command,
         "overrides": overrides or [],
         "config": config,
         "provenance": provenance(),
         "wall_s": wall_s,
+        **(extra or {}),
         "rows": rows,
     }
     path = Path(path)

@@ -47,6 +47,7 @@ class Config:
     threads: int = 1
     text_source: str = "stdlib-docs"
     seed: int = 1009
+    receiver_loads: bool = True  # time the receiver's loads on a calibration transfer
     links: list[str] = field(default_factory=lambda: ["token_bucket", "tc"])
     link_rates_gbps: list[float] = field(default_factory=lambda: [0.1, 0.5, 1.0])
     out_dir: str = ""
@@ -132,12 +133,25 @@ def run(cfg: Config) -> list[dict]:
                                 prov["command"], say)
     timing_doc.update(hardware=profile_name(cfg), **{k: v for k, v in prov.items()
                                                       if k != "command"})
+    del lm, kvs
+    if cfg.receiver_loads:  # the receiver's load rates, timed on a real transfer
+        from kvsim.calibrate.receiver_timing import receiver_loads
+
+        say(f"calibration transfer ({len(specs)} codecs, {cfg.codec_context_tokens} tokens) "
+            "for the receiver's load times")
+        loads = receiver_loads(cfg.model.name, list(cfg.codecs), cfg.codec_context_tokens,
+                               cfg.seed, cfg.text_source, threads=cfg.threads)
+        for label, entry in timing_doc["codecs"].items():
+            for key, rate in loads.get(label, {}).items():
+                entry[f"inprocess_{key}"] = entry.get(key)
+                entry[key] = rate
+            entry["what"] += ("; decode / anchor_decode: timed in the receiver of a "
+                              "calibration transfer (inprocess_*: the same call in one process)")
     _write(paths["codec_timing"], timing_doc)
     for label, e in timing_doc["codecs"].items():
         rows.append({"what": "codec", "item": label, "encode_gb_per_s": e["encode_gb_per_s"],
                      "decode_gb_per_s": e["decode_gb_per_s"],
                      "anchor_decode_gb_per_s": e.get("anchor_decode_gb_per_s")})
-    del lm, kvs
     for emulation in cfg.links:
         rows.append(_link(cfg, emulation, paths[f"link:{emulation}"], prov, say))
     _print(rows, paths, root)

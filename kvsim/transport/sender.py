@@ -15,6 +15,7 @@ outstanding fails every open request with what was acknowledged.
 from __future__ import annotations
 
 import math
+import os
 import queue
 import sys
 import threading
@@ -36,6 +37,9 @@ from kvsim.transport.source import KVSource
 
 LAYER_PIPELINED = ("layerwise", "split_stream", "split_stream_layerwise")
 WITH_PREFILL = ("layerwise", "split_stream_layerwise")
+# a lazily generated (synthetic) cache up to this size is generated during its modelled
+# prefill and held whole; a larger one is generated layer by layer as it is encoded
+PREPARE_BUDGET_BYTES = 1 << 30
 
 
 class PeerLost(RuntimeError):
@@ -113,6 +117,9 @@ class Sender:
         self.identity = identity or uuid.uuid4().bytes
         self.log = log or (lambda msg: print(f"kvsim send: {msg}", file=sys.stderr))
         self._outbox: queue.SimpleQueue[list[Any]] = queue.SimpleQueue()
+        # producers wake the link loop's poll when they queue a message or release a chunk
+        # (else it would sleep out its poll timeout, up to 50 ms, before sending it)
+        self._wake_r = self._wake_w = -1  # a pipe while run() runs
         self._reqs: dict[int, _Req] = {}
         self._lock = threading.Lock()
         self._prefill_lock = threading.Lock()  # one prefill instance: requests queue for it
@@ -130,6 +137,9 @@ class Sender:
         sock.setsockopt(zmq.SNDHWM, 0)  # the credit window bounds what is queued, not the HWM
         sock.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1000))
         sock.connect(self.address)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self.t0 = time.time()
         for out in requests:
             self._reqs[out.request_id] = _Req(out)
@@ -148,6 +158,10 @@ class Sender:
             ctx.term()
         for t in threads:
             t.join(timeout=self.timeout_s)
+        wake = (self._wake_r, self._wake_w)
+        self._wake_r = self._wake_w = -1  # a producer still alive now writes nowhere
+        for fd in wake:
+            os.close(fd)
         return [self._reqs[i].result for i in ids]
 
     # ---- producer (one per request) --------------------------------------------------
@@ -165,8 +179,12 @@ class Sender:
                     res.times["prefill_end_t"] = time.time()
                     res.times["prefill_start_t"] = res.times["prefill_end_t"] - source.prefill_s
                 else:
-                    if out.policy not in WITH_PREFILL:
-                        time.sleep(source.prefill_s)  # modelled: the layers exist after it
+                    if out.policy not in WITH_PREFILL:  # modelled: the layers exist after it;
+                        # synthetic KV is generated meanwhile (not counted as encoding)
+                        source.prepare(PREPARE_BUDGET_BYTES)
+                        left = res.times["prefill_start_t"] + source.prefill_s - time.time()
+                        if left > 0:
+                            time.sleep(left)
                     res.times["prefill_end_t"] = res.times["prefill_start_t"] + source.prefill_s
             self._hello(req, source)
             if not req.accepted.wait(self.timeout_s) or req.finished.is_set():
@@ -191,6 +209,7 @@ class Sender:
                **req.result.times, **out.hello}
         req.result.times["hello_t"] = time.time()
         self._outbox.put(P.json_message(P.MsgType.HELLO, out.request_id, doc))
+        self._wake()
 
     def _encode(self, req: _Req, source: KVSource) -> None:
         out, codec, shape = req.out, req.out.codec, source.shape
@@ -208,6 +227,7 @@ class Sender:
                     req.queued_chunks += 1
                 if self.scheduler.put(item, self.timeout_s):
                     req.backlog_start_t[item.stream] = item.released_t
+                self._wake()
 
         def queued(enc_streams: list, layer_offset: int) -> list[QueuedChunk]:
             items = []
@@ -267,6 +287,7 @@ class Sender:
     def _link_loop(self, sock: zmq.Socket) -> None:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         last_rx = last_tx = time.monotonic()
         while not all(r.finished.is_set() for r in self._reqs.values()):
             now = time.monotonic()
@@ -304,6 +325,21 @@ class Sender:
                 self._lose_peer(f"no message from the receiver for {self.timeout_s} s")
                 return
             poller.poll(math.ceil(max(0.0, wait_s) * 1000))  # ms; never a busy spin
+            self._drain_wake()
+
+    def _wake(self) -> None:
+        """Wake the link loop (a producer queued something for it)."""
+        try:
+            os.write(self._wake_w, b"w")
+        except (BlockingIOError, OSError):  # full (a wake is pending anyway) or closed
+            pass
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
 
     def _window(self) -> int:
         return min(self.max_in_flight_bytes, self._granted())

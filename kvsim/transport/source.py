@@ -36,6 +36,15 @@ class KVSource:
             return self._kv[index : index + 1]
         return self._make_layer(index)
 
+    def prepare(self, budget_bytes: int) -> bool:
+        """Generate a lazily made cache now and hold it whole, if its bf16 bytes fit
+        `budget_bytes` (the sender calls this while a modelled prefill runs, so generating
+        synthetic KV is not counted as encoding). Returns whether the cache is held."""
+        if self._kv is None and self._make_layer is not None and \
+                self.shape.bf16_bytes <= budget_bytes:
+            self._kv = torch.cat([self._make_layer(i) for i in range(self.shape.layers)])
+        return self._kv is not None
+
     def full(self) -> torch.Tensor:
         """The whole cache (layer-dependent codecs such as CacheGen encode it at once)."""
         if self._kv is not None:

@@ -1,0 +1,66 @@
+"""How long the transport's receiver takes to make a cache usable, measured on a real transfer.
+
+The decode side dequantizes a request's streams when it starts on them (the anchor alone,
+or every stream) and builds the model's cache from them. In a separate process, on freshly
+received frames, with the receiver's threads beside it, that costs more and varies more than
+the same codec call repeated in one process: so calibration times it where it happens.
+
+One calibration transfer (`kvsim emulate` on loopback through the token bucket, slow enough
+that a split-stream codec's residual is still on the wire when its anchor is loaded) of a
+calibration prompt (its own text seed) per codec; the decode loop's spans give
+  "dequantize stream 0"       the anchor (split-stream) or the whole cache (one stream)
+  "dequantize streams 0-N"    every stream of a split-stream codec
+as GB/s of bf16 cache (the codec timing's unit).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _spans(row: dict) -> dict[str, float]:
+    """The decode loop's load spans of one request row: name -> seconds (the longest of a
+    name if it repeats)."""
+    out: dict[str, float] = {}
+    for name, process, t0, t1 in row.get("trace_spans") or []:
+        if process == "decode" and name.startswith("dequantize stream") and \
+                not name.startswith("dequantize streams 0.."):
+            out[name] = max(out.get(name, 0.0), float(t1) - float(t0))
+    return out
+
+
+def receiver_loads(model: str, codecs: list[Any], context_tokens: int, seed: int,
+                   text_source: str, bandwidth_gbps: float = 0.1,
+                   threads: int = 1) -> dict[str, dict[str, float]]:
+    """codec label -> {"decode_gb_per_s": every stream, "anchor_decode_gb_per_s": stream 0
+    (split-stream codecs whose anchor was loaded alone)}, from one calibration transfer."""
+    from kvsim.cli import compose
+    from kvsim.commands.emulate import emulate
+    from kvsim.config.transport import EmulateConfig
+
+    overrides = [f"model={model}", "hardware=local-cpu", "link=emulated",
+                 f"link.bandwidth_gbps={bandwidth_gbps}", "transport.emulation=token_bucket",
+                 "transport.decode=real", "transport.kv_source=live",
+                 f"transport.text_source={text_source}", f"transport.threads={threads}",
+                 "workload=emulated", f"workload.context_tokens={context_tokens}",
+                 "workload.output_tokens=2", f"seed={seed}",
+                 "codecs=[" + ",".join(str(c) for c in codecs) + "]"]
+    cfg, _ = compose("transport", overrides, EmulateConfig)
+    rows = emulate(cfg)
+    out: dict[str, dict[str, float]] = {}
+    for row in rows:
+        if row.get("status") != "done":
+            raise RuntimeError(f"calibration transfer of {row.get('codec')} failed: "
+                               f"{row.get('status')}: {row.get('error')}")
+        bf16_bytes = float(cfg.model.kv_bytes_bf16(int(row["context_tokens"])))
+        spans = _spans(row)
+        n = int(row["streams"])
+        full = spans.get("dequantize stream 0" if n == 1 else f"dequantize streams 0-{n - 1}")
+        if not full:
+            raise RuntimeError(f"calibration transfer of {row['codec']}: no load span of its "
+                               f"full cache in {sorted(spans)}")
+        entry = {"decode_gb_per_s": bf16_bytes / full / 1e9}
+        if n > 1 and spans.get("dequantize stream 0"):
+            entry["anchor_decode_gb_per_s"] = bf16_bytes / spans["dequantize stream 0"] / 1e9
+        out[str(row["codec"])] = entry
+    return out

@@ -1,0 +1,254 @@
+"""`kvsim validate`: how far the simulator is from the real transport, measured.
+
+Every scenario (emulation x link rate x context, all codecs at once) runs emulated (`kvsim
+emulate`: real frames over the emulated link, live SmolLM2 prefill, real greedy decode) and
+simulated (`kvsim sim` with the profiles `kvsim calibrate` measured; see
+kvsim.fidelity.runner for what the simulator is given). Metrics: TTFT and TT{k}T from prefill
+end, drafted and committed (kvsim.fidelity.errors). The multi-request case (Poisson arrivals,
+timing-model decode, one shared link) compares TTFT p50 / p99 from arrival.
+
+Writes fidelity.json (mean_abs_pct_error, max_abs_pct_error, targets, per-scenario rows) and
+fidelity.png (simulated vs measured) in the run directory; the rows are the report's too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING
+
+from kvsim.models import ModelSpec
+from kvsim.report import format_table
+
+COMMAND = ("validate",)
+HELP = "simulator vs the real transport: relative error per scenario and metric"
+CONFIG_NAME = "validate"
+GRIDS = ("full", "quick")
+
+
+class TargetMissed(ValueError):
+    """fail_on_target=true and the mean or the worst error is above its target."""
+
+
+@dataclass
+class MultiConfig:
+    enabled: bool = True
+    emulation: str = "token_bucket"
+    bandwidth_gbps: float = 0.2
+    rates_per_s: list[float] = field(default_factory=lambda: [0.15, 0.3])
+    requests: int = 12
+    context_tokens: int = 1024
+    output_tokens: int = 16
+    codecs: list[Any] = field(default_factory=lambda: ["int8", "lynx"])
+
+
+@dataclass
+class Config:
+    model: ModelSpec = MISSING
+    grid: str = "full"
+    calibrate: bool = False
+    profile_dir: str = ""
+    profile_name: str = ""
+    emulations: list[str] = field(default_factory=lambda: ["token_bucket", "tc"])
+    rates_gbps: list[float] = field(default_factory=lambda: [0.1, 0.3, 1.0])
+    contexts: list[int] = field(default_factory=lambda: [1024, 2048])
+    codecs: list[Any] = field(default_factory=lambda: ["bf16", "int8", "int4", "lynx"])
+    output_tokens: int = 64
+    ks: list[int] = field(default_factory=lambda: [32, 64])
+    acceptance: str = "smollm2-135m-lynx-s1-greedy"
+    samples: int = 16
+    multi: MultiConfig = field(default_factory=MultiConfig)
+    target_mean_abs_pct: float = 5.0
+    target_max_abs_pct: float = 10.0
+    fail_on_target: bool = False
+    figure: bool = True
+
+    def __post_init__(self) -> None:
+        if self.grid not in GRIDS:
+            raise ValueError(f"grid must be one of {GRIDS}, got {self.grid!r}")
+        if any(k > self.output_tokens or k < 2 for k in self.ks):
+            raise ValueError(f"ks must be in 2..output_tokens ({self.output_tokens}), "
+                             f"got {self.ks}")
+        if self.samples < 1:
+            raise ValueError(f"samples must be >= 1, got {self.samples}")
+
+    def apply_grid(self) -> None:
+        """grid=quick: CI's few scenarios (under 5 minutes with calibration)."""
+        if self.grid == "quick":
+            self.emulations, self.rates_gbps, self.contexts = ["token_bucket"], [0.3], [1024]
+            self.codecs = ["int8", "lynx"]
+            self.multi.rates_per_s, self.multi.requests = [0.3], 6
+
+
+def _say(msg: str) -> None:
+    print(f"validate: {msg}", file=sys.stderr, flush=True)
+
+
+def _calibrate(cfg: Config, root: Path, name: str, emulations: list[str]) -> None:
+    from kvsim.commands.calibrate import Config as CalConfig
+    from kvsim.commands.calibrate import run as calibrate
+
+    quick = cfg.grid == "quick"
+    contexts = sorted({256, *cfg.contexts, cfg.multi.context_tokens} if quick else
+                      {256, 1024, 2048, 4096, *cfg.contexts, cfg.multi.context_tokens})
+    cal = CalConfig(model=cfg.model, name=name, contexts=contexts,
+                    drafted=[1, 2, 4, 8, 16] if quick else [1, 2, 4, 8, 16, 32, 64],
+                    codecs=sorted({str(c) for c in [*cfg.codecs, *cfg.multi.codecs]}),
+                    codec_context_tokens=max(cfg.contexts), links=emulations,
+                    out_dir=str(root), overwrite=True)
+    _say(f"calibrating into {root} (prompts, decode steps, codecs, links)")
+    calibrate(cal)
+
+
+def _emulations(cfg: Config) -> tuple[list[str], list[str]]:
+    """(emulations to run, notes on the ones skipped)."""
+    from kvsim.transport.netns import netns_available
+
+    want = list(dict.fromkeys([*cfg.emulations] +
+                              ([cfg.multi.emulation] if cfg.multi.enabled else [])))
+    notes = []
+    if "tc" in want:
+        ok, why = netns_available()
+        if not ok:
+            want.remove("tc")
+            notes.append(f"tc skipped: {why}")
+    return want, notes
+
+
+def run(cfg: Config) -> dict:
+    from kvsim.fidelity import errors
+    from kvsim.fidelity.runner import (
+        by_codec,
+        find_profiles,
+        run_pair,
+        scenario_overrides,
+        sim_overrides,
+    )
+    from kvsim.outputs import out_root
+    from kvsim.paths import DATA_DIR
+
+    cfg.apply_grid()
+    run_dir = out_root(None)
+    emulations, notes = _emulations(cfg)
+    for note in notes:
+        _say(note)
+    name = cfg.profile_name or f"local-{cfg.model.name}"
+    root = Path(cfg.profile_dir) if cfg.profile_dir else DATA_DIR / "profiles"
+    if cfg.calibrate:
+        root = run_dir / "profiles"
+        _calibrate(cfg, root, name, emulations)
+    profiles = find_profiles(root, name, emulations)
+    started = time.time()
+    rows: list[dict] = []
+    single = errors.single_metrics(list(cfg.ks))
+    grid = [(e, r, c) for e in cfg.emulations if e in emulations for r in cfg.rates_gbps
+            for c in cfg.contexts]
+    for i, (emulation, rate, ctx) in enumerate(grid):
+        _say(f"[{i + 1}/{len(grid)}] {emulation} {rate:g} Gbps, {ctx} tokens, "
+             f"{len(cfg.codecs)} codecs ({time.time() - started:.0f} s so far)")
+        workload = ["workload=emulated", f"workload.context_tokens={ctx}",
+                    f"workload.output_tokens={cfg.output_tokens}"]
+        common = scenario_overrides(cfg.model.name, emulation, rate, cfg.codecs, workload,
+                                    list(cfg.ks), profiles)
+        measured, simulated = run_pair(common, sim_overrides(common, profiles, emulation,
+                                                             cfg.acceptance, cfg.samples))
+        sim_by = by_codec(simulated)
+        for codec, m in by_codec(measured).items():
+            s = sim_by[codec]
+            scenario = {"case": "single", "emulation": emulation, "bandwidth_gbps": rate,
+                        "context_tokens": ctx, "codec": codec,
+                        "accepted_measured": f"{m.get('accepted_tokens', 0)}/"
+                                             f"{m.get('proposed_tokens', 0)}",
+                        "accepted_simulated": f"{s.get('accepted_tokens', 0):.3g}/"
+                                              f"{s.get('proposed_tokens', 0):.3g}",
+                        "prefill_measured_s": m.get("prefill_s"),
+                        "prefill_simulated_s": s.get("prefill_s")}
+            rows += errors.compare(scenario, m, s, single)
+    if cfg.multi.enabled and cfg.multi.emulation in emulations:
+        rows += _multi(cfg, profiles, started)
+    summary = errors.summary(rows)
+    summary.update(target_mean_abs_pct=cfg.target_mean_abs_pct,
+                   target_max_abs_pct=cfg.target_max_abs_pct,
+                   met=bool(summary["compared"]) and
+                   summary["mean_abs_pct_error"] <= cfg.target_mean_abs_pct and
+                   summary["max_abs_pct_error"] <= cfg.target_max_abs_pct,
+                   profiles={"hardware": str(profiles.hardware),
+                             "codec_timing": str(profiles.codec_timing),
+                             **{f"link.{k}": str(v) for k, v in profiles.links.items()}},
+                   notes=notes, wall_s=time.time() - started)
+    _print(rows, summary)
+    doc = {"summary": summary, "rows": rows}
+    (run_dir / "fidelity.json").write_text(json.dumps(_safe(doc), indent=1) + "\n")
+    if cfg.figure and rows:
+        from kvsim.fidelity.figure import fidelity_figure
+
+        paths = fidelity_figure(rows, summary, run_dir / "fidelity.png")
+        _say(f"figure: {paths[0]}")
+    if cfg.fail_on_target and not summary["met"]:
+        raise TargetMissed(f"fidelity target missed: mean |error| "
+                           f"{summary['mean_abs_pct_error']:.2f}% (target "
+                           f"{cfg.target_mean_abs_pct}%), worst "
+                           f"{summary['max_abs_pct_error']:.2f}% (target "
+                           f"{cfg.target_max_abs_pct}%)")
+    return {"rows": rows, **{k: summary[k] for k in ("mean_abs_pct_error",
+                                                      "max_abs_pct_error")},
+            "fidelity": summary}
+
+
+def _multi(cfg: Config, profiles: Any, started: float) -> list[dict]:
+    from kvsim.fidelity import errors
+    from kvsim.fidelity.runner import by_codec, run_pair, scenario_overrides, sim_overrides
+
+    m = cfg.multi
+    rows = []
+    for rate in m.rates_per_s:
+        _say(f"multi-request: {m.requests} Poisson arrivals at {rate:g}/s over "
+             f"{m.bandwidth_gbps:g} Gbps ({m.emulation}), timing-model decode "
+             f"({time.time() - started:.0f} s so far)")
+        workload = ["workload=poisson", f"workload.requests={m.requests}",
+                    f"workload.rate_per_s={rate}", f"workload.context_tokens={m.context_tokens}",
+                    "workload.context_dist=fixed", f"workload.output_tokens={m.output_tokens}",
+                    "workload.prefill_nodes=1", f"workload.decode_nodes={m.requests}",
+                    "workload.decode_max_batch=1", "transport.decode=timing",
+                    "transport.kv_source=synthetic"]
+        common = scenario_overrides(cfg.model.name, m.emulation, m.bandwidth_gbps, m.codecs,
+                                    workload, [], profiles)
+        # one sample: the emulator replays the arrivals of seed 0 and so must the simulator
+        # (percentiles of other arrival draws are not the same quantity)
+        measured, simulated = run_pair(common, sim_overrides(common, profiles, m.emulation,
+                                                             cfg.acceptance, 1))
+        sim_by = by_codec(simulated)
+        for codec, row in by_codec(measured).items():
+            scenario = {"case": "multi", "emulation": m.emulation,
+                        "bandwidth_gbps": m.bandwidth_gbps, "context_tokens": m.context_tokens,
+                        "codec": codec, "rate_per_s": rate, "requests": m.requests}
+            rows += errors.compare(scenario, row, sim_by[codec], errors.MULTI_METRICS)
+    return rows
+
+
+def _safe(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _safe(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_safe(x) for x in v]
+    return v
+
+
+def _print(rows: list[dict], summary: dict) -> None:
+    print(format_table(rows, [
+        ("case", "case", ""), ("emulation", "link", ""), ("bandwidth_gbps", "Gbps", "g"),
+        ("context_tokens", "ctx", "d"), ("rate_per_s", "req/s", "g"), ("codec", "codec", ""),
+        ("metric", "metric", ""), ("measured_s", "measured s", ".3f"),
+        ("simulated_s", "simulated s", ".3f"), ("error_pct", "error %", "+.1f")]))
+    print(f"mean |error| {summary['mean_abs_pct_error']:.2f}% (target "
+          f"{summary['target_mean_abs_pct']}%), worst {summary['max_abs_pct_error']:.2f}% "
+          f"(target {summary['target_max_abs_pct']}%) over {summary['compared']} comparisons"
+          + ("" if summary["met"] else ": TARGET MISSED"))

@@ -1,0 +1,1 @@
+"""The simulator against the real transport: paired runs and their relative errors."""

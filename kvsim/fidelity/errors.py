@@ -1,0 +1,68 @@
+"""Relative error of the simulator against the emulator, per scenario and metric.
+
+A single-request scenario compares times from prefill end (the prefill itself is the same
+real work for every codec and is reported on its own as `prefill_s`): TTFT and TT{k}T,
+drafted (the seeds' count: an accepted draft counts when drafted) and committed (when
+verified). A multi-request scenario compares TTFT percentiles from arrival (queueing
+included). error_pct = 100 * (simulated - measured) / measured.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str  # e.g. tt32t_c
+    field: str  # row key
+    key: str = ""  # sub-key of a dict field (k of TTKT, or p50 / p99)
+
+
+def single_metrics(ks: list[int]) -> list[Metric]:
+    out = [Metric("ttft", "ttft_from_prefill_end_s")]
+    out += [Metric(f"tt{k}t", "ttkt_from_prefill_end_s", str(k)) for k in ks if k > 1]
+    out += [Metric("ttft_c", "ttft_committed_from_prefill_end_s")]
+    out += [Metric(f"tt{k}t_c", "ttkt_committed_from_prefill_end_s", str(k)) for k in ks if k > 1]
+    return out
+
+
+MULTI_METRICS = [Metric("ttft_p50", "ttft_pct_s", "p50"), Metric("ttft_p99", "ttft_pct_s", "p99"),
+                 Metric("ttft_c_p50", "ttft_committed_pct_s", "p50"),
+                 Metric("ttft_c_p99", "ttft_committed_pct_s", "p99")]
+
+
+def value(row: dict, m: Metric) -> float:
+    """The metric's value in a row (nan when absent); dict keys compared as strings (a row
+    read back from JSON has string keys, one built in memory int keys)."""
+    v: Any = row.get(m.field)
+    if m.key:
+        v = {str(k): x for k, x in v.items()}.get(m.key) if isinstance(v, dict) else None
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+
+
+def compare(scenario: dict, measured: dict, simulated: dict, metrics: list[Metric]) -> list[dict]:
+    """One row per metric: the scenario's keys, measured, simulated, error_pct."""
+    out = []
+    for m in metrics:
+        a, b = value(measured, m), value(simulated, m)
+        err = 100.0 * (b - a) / a if a > 0 and math.isfinite(b) else math.nan
+        out.append({**scenario, "metric": m.name, "measured_s": a, "simulated_s": b,
+                    "error_pct": err})
+    return out
+
+
+def summary(rows: list[dict]) -> dict:
+    """mean / max absolute error (%) over the rows with a finite error, and which row is
+    the worst; rows without one are counted (`missing`), never averaged in."""
+    errs = [abs(r["error_pct"]) for r in rows if math.isfinite(r["error_pct"])]
+    if not errs:
+        return {"mean_abs_pct_error": math.nan, "max_abs_pct_error": math.nan,
+                "compared": 0, "missing": len(rows)}
+    worst = max((r for r in rows if math.isfinite(r["error_pct"])),
+                key=lambda r: abs(r["error_pct"]))
+    return {"mean_abs_pct_error": sum(errs) / len(errs), "max_abs_pct_error": max(errs),
+            "compared": len(errs), "missing": len(rows) - len(errs),
+            "worst": {k: worst[k] for k in worst if k not in ("measured_s", "simulated_s")}}

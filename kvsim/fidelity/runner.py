@@ -1,0 +1,90 @@
+"""Run one validation scenario twice: emulated (the real transport, `kvsim emulate`) and
+simulated (`kvsim sim` with the calibrated profiles), from the same scenario keys.
+
+The simulator gets what calibration measured and nothing from the emulated run it is
+compared with: the hardware profile (prefill, decode step, verification), the codec timing
+of the transport's two ends, the link profile of the emulation, the receiver's
+dequantize-when-needed (`deserializer=on_demand`), no per-draft overhead beyond the step
+(the real drafting is a plain decode step on the anchor cache) and the acceptance curve
+measured by `kvsim quality` on the same model.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Profiles:
+    """The calibrated profile files one validation uses."""
+
+    hardware: Path
+    codec_timing: Path
+    links: dict[str, Path]  # emulation -> link profile
+
+
+def find_profiles(root: Path, name: str, emulations: list[str]) -> Profiles:
+    """The files `kvsim calibrate out_dir=ROOT name=NAME` wrote (ROOT/hardware/NAME.json,
+    ROOT/codec_timing/NAME.json, ROOT/link/NAME-<emulation>.json)."""
+    hw, ct = root / "hardware" / f"{name}.json", root / "codec_timing" / f"{name}.json"
+    links = {e: root / "link" / f"{name}-{e.replace('_', '-')}.json" for e in emulations}
+    missing = [p for p in (hw, ct, *links.values()) if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"calibrated profile {name!r} is incomplete under {root}: missing "
+            f"{', '.join(str(p) for p in missing)}; run `kvsim calibrate out_dir={root} "
+            f"name={name}` (with links=[{','.join(emulations)}]) or validate calibrate=true")
+    return Profiles(hw, ct, links)
+
+
+def _list(items: list[Any]) -> str:
+    return "[" + ",".join(str(x) for x in items) + "]"
+
+
+def scenario_overrides(model: str, emulation: str, bandwidth_gbps: float, codecs: list[Any],
+                       workload: list[str], ks: list[int], profiles: Profiles) -> list[str]:
+    """The keys both engines read (`kvsim emulate` / `kvsim sim` overrides). The hardware
+    profile is the emulator's timing model too (a modelled prefill, timing-model decode)."""
+    return [f"model={model}", "hardware=local-cpu", f"hardware.profile={profiles.hardware}",
+            f"codec_timing={profiles.codec_timing}", "link=emulated",
+            f"link.bandwidth_gbps={bandwidth_gbps}", f"codecs={_list(codecs)}",
+            f"metrics.ks={_list(sorted({1, *ks}))}", "speculative.draft_overhead_s=0",
+            f"transport.emulation={emulation}", *workload]
+
+
+def sim_overrides(common: list[str], profiles: Profiles, emulation: str, acceptance: str,
+                  samples: int) -> list[str]:
+    out = [o for o in common if not o.startswith("transport.")]
+    return ["scenario=none", *out, f"link.profile={profiles.links[emulation]}",
+            "deserializer=on_demand", f"speculative.acceptance={acceptance}",
+            f"samples={samples}"]
+
+
+def run_pair(common: list[str], sim: list[str],
+             log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)
+             ) -> tuple[list[dict], list[dict]]:
+    """(emulated rows, simulated rows) of one scenario, one row per codec each."""
+    from kvsim.cli import compose
+    from kvsim.commands.emulate import emulate
+    from kvsim.config.sim import SimConfig
+    from kvsim.config.transport import EmulateConfig
+    from kvsim.sim.run import run_all
+    from kvsim.transport.record import aggregate_rows
+
+    ecfg, _ = compose("transport", common, EmulateConfig)
+    measured = aggregate_rows(emulate(ecfg))
+    failed = [r for r in measured if r.get("status") not in ("done", None)]
+    if failed:
+        raise RuntimeError(f"emulated run failed ({' '.join(common)}): "
+                           f"{failed[0].get('status')}: {failed[0].get('error')}")
+    scfg, _ = compose("sim", sim, SimConfig)
+    simulated, _trace = run_all(scfg)
+    return measured, simulated
+
+
+def by_codec(rows: list[dict]) -> dict[str, dict]:
+    return {str(r["codec"]): r for r in rows}
