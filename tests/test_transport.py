@@ -218,6 +218,11 @@ def test_loopback_transfer_delivers_the_size_table_and_a_row(codec):
     assert row["chunks_received"] == row["chunks_expected"] == res.chunks
     assert 0 < row["ttft_s"] <= row["ttkt_s"]["8"]
     assert row["ttft_committed_s"] >= row["ttft_s"] - 1e-9
+    # committed times from prefill end are the committed times (not the drafted ones)
+    pe = row["ttft_committed_s"] - row["ttft_committed_from_prefill_end_s"]
+    assert pe == pytest.approx(row["ttft_s"] - row["ttft_from_prefill_end_s"], abs=1e-9)
+    assert row["ttkt_committed_from_prefill_end_s"]["8"] == pytest.approx(
+        row["ttkt_committed_s"]["8"] - pe, abs=1e-9)
     assert 0 < row["goodput_gbps"] < 1.2
     # the parts cover the critical path up to the microseconds between two clock readings
     assert sum(row["breakdown_s"].values()) == pytest.approx(

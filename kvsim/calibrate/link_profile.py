@@ -21,8 +21,9 @@ over the fastest repeat of each transfer (a busy machine only ever adds time).
 `payload_bytes` is what the simulator counts as a message's size: the codec size table's
 chunk bytes (chunk header + payload); the transport adds its control frame on the wire.
 
+`kvsim calibrate` runs it for each of its `links`; alone:
     python -m kvsim.calibrate.link_profile --emulation tc --name local-tc \
-        --out data/profiles/link/local-tc.json
+        --out /tmp/local-tc.json
 """
 
 from __future__ import annotations

@@ -10,12 +10,19 @@ that a split-stream codec's residual is still on the wire when its anchor is loa
 calibration prompt (its own text seed) per codec; the decode loop's spans give
   "dequantize stream 0"       the anchor (split-stream) or the whole cache (one stream)
   "dequantize streams 0-N"    every stream of a split-stream codec
-as GB/s of bf16 cache (the codec timing's unit).
+as GB/s of bf16 cache (the codec timing's unit), and each request's decode steps on its
+full cache (tpot_s): the same model step as the in-process calibration measures, in the
+receiver's process. `apply_receiver_timing` puts these into the profiles.
 """
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
+
+import numpy as np
+
+DECODE_STEPS = 16  # decode steps per request of the calibration transfer
 
 
 def _spans(row: dict) -> dict[str, float]:
@@ -43,7 +50,7 @@ def receiver_loads(model: str, codecs: list[Any], context_tokens: int, seed: int
                  "transport.decode=real", "transport.kv_source=live",
                  f"transport.text_source={text_source}", f"transport.threads={threads}",
                  "workload=emulated", f"workload.context_tokens={context_tokens}",
-                 "workload.output_tokens=2", f"seed={seed}",
+                 f"workload.output_tokens={DECODE_STEPS + 1}", f"seed={seed}",
                  "codecs=[" + ",".join(str(c) for c in codecs) + "]"]
     cfg, _ = compose("transport", overrides, EmulateConfig)
     rows = emulate(cfg)
@@ -59,8 +66,36 @@ def receiver_loads(model: str, codecs: list[Any], context_tokens: int, seed: int
         if not full:
             raise RuntimeError(f"calibration transfer of {row['codec']}: no load span of its "
                                f"full cache in {sorted(spans)}")
-        entry = {"decode_gb_per_s": bf16_bytes / full / 1e9}
+        entry = {"decode_gb_per_s": bf16_bytes / full / 1e9, "tpot_s": float(row["tpot_s"])}
         if n > 1 and spans.get("dequantize stream 0"):
             entry["anchor_decode_gb_per_s"] = bf16_bytes / spans["dequantize stream 0"] / 1e9
         out[str(row["codec"])] = entry
     return out
+
+
+def apply_receiver_timing(measured: dict[str, dict[str, float]], hw_doc: dict, timing_doc: dict,
+                          context_tokens: int) -> float:
+    """Put a calibration transfer's figures into the profiles (in place): the codecs' load
+    rates replace the in-process ones (kept as inprocess_*), and the decode-step curves
+    (tpot, tpot_batch, verify) are scaled by the receiver's median step over the in-process
+    step at the transfer's context (kept as tpot_inprocess / receiver_step_ratio): the
+    receiver's process runs the same step at its own speed. Returns that ratio."""
+    for label, entry in timing_doc["codecs"].items():
+        for key in ("decode_gb_per_s", "anchor_decode_gb_per_s"):
+            if key in measured.get(label, {}):
+                entry[f"inprocess_{key}"] = entry.get(key)
+                entry[key] = measured[label][key]
+        entry["what"] += ("; decode / anchor_decode: timed in the receiver of a calibration "
+                          "transfer (inprocess_*: the same call repeated in one process)")
+    steps = [m["tpot_s"] for m in measured.values() if m.get("tpot_s", 0) > 0]
+    if not steps:
+        raise RuntimeError("calibration transfer: no decode step time in its rows")
+    inprocess = float(np.interp(context_tokens, hw_doc["tpot"]["context_tokens"],
+                                hw_doc["tpot"]["s"]))
+    ratio = statistics.median(steps) / inprocess
+    hw_doc["tpot_inprocess"] = dict(hw_doc["tpot"])
+    hw_doc["receiver_step_ratio"] = {"context_tokens": context_tokens, "ratio": ratio,
+                                     "receiver_tpot_s": steps}
+    for key in ("tpot", "tpot_batch", "verify"):
+        hw_doc[key] = {**hw_doc[key], "s": [s * ratio for s in hw_doc[key]["s"]]}
+    return ratio

@@ -47,7 +47,8 @@ class Config:
     threads: int = 1
     text_source: str = "stdlib-docs"
     seed: int = 1009
-    receiver_loads: bool = True  # time the receiver's loads on a calibration transfer
+    # time the receiver's loads and decode step on a calibration transfer
+    receiver_loads: bool = True
     links: list[str] = field(default_factory=lambda: ["token_bucket", "tc"])
     link_rates_gbps: list[float] = field(default_factory=lambda: [0.1, 0.5, 1.0])
     out_dir: str = ""
@@ -124,30 +125,27 @@ def run(cfg: Config) -> list[dict]:
                            tuple(cfg.drafted), cfg.repeats, cfg.text_source, cfg.seed)
     hw_doc, kvs = measure_model(lm, cfg.model.name, cal, say)
     hw_doc.update(name=profile_name(cfg), **prov)
-    _write(paths["hardware"], hw_doc)
-    for ctx, p, t, x in zip(hw_doc["prefill"]["tokens"], hw_doc["prefill"]["s"],
-                            hw_doc["tpot"]["s"], hw_doc["first_step_extra"]["s"], strict=True):
-        rows.append({"what": "model", "item": f"context {ctx}", "prefill_s": p,
-                     "decode_step_ms": t * 1e3, "first_step_extra_ms": x * 1e3})
     timing_doc = measure_codecs(lm, specs, kvs[cfg.codec_context_tokens], cfg.repeats,
                                 prov["command"], say)
     timing_doc.update(hardware=profile_name(cfg), **{k: v for k, v in prov.items()
                                                       if k != "command"})
     del lm, kvs
-    if cfg.receiver_loads:  # the receiver's load rates, timed on a real transfer
-        from kvsim.calibrate.receiver_timing import receiver_loads
+    if cfg.receiver_loads:  # load rates and decode step timed in a real transfer's receiver
+        from kvsim.calibrate.receiver_timing import apply_receiver_timing, receiver_loads
 
         say(f"calibration transfer ({len(specs)} codecs, {cfg.codec_context_tokens} tokens) "
-            "for the receiver's load times")
-        loads = receiver_loads(cfg.model.name, list(cfg.codecs), cfg.codec_context_tokens,
-                               cfg.seed, cfg.text_source, threads=cfg.threads)
-        for label, entry in timing_doc["codecs"].items():
-            for key, rate in loads.get(label, {}).items():
-                entry[f"inprocess_{key}"] = entry.get(key)
-                entry[key] = rate
-            entry["what"] += ("; decode / anchor_decode: timed in the receiver of a "
-                              "calibration transfer (inprocess_*: the same call in one process)")
+            "for the receiver's load and decode step times")
+        measured = receiver_loads(cfg.model.name, list(cfg.codecs), cfg.codec_context_tokens,
+                                  cfg.seed, cfg.text_source, threads=cfg.threads)
+        ratio = apply_receiver_timing(measured, hw_doc, timing_doc, cfg.codec_context_tokens)
+        say(f"receiver's decode step / in-process: {ratio:.3f} (the step curves are scaled "
+            "by it)")
+    _write(paths["hardware"], hw_doc)
     _write(paths["codec_timing"], timing_doc)
+    for ctx, p, t, x in zip(hw_doc["prefill"]["tokens"], hw_doc["prefill"]["s"],
+                            hw_doc["tpot"]["s"], hw_doc["first_step_extra"]["s"], strict=True):
+        rows.append({"what": "model", "item": f"context {ctx}", "prefill_s": p,
+                     "decode_step_ms": t * 1e3, "first_step_extra_ms": x * 1e3})
     for label, e in timing_doc["codecs"].items():
         rows.append({"what": "codec", "item": label, "encode_gb_per_s": e["encode_gb_per_s"],
                      "decode_gb_per_s": e["decode_gb_per_s"],

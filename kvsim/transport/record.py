@@ -71,7 +71,8 @@ def emulated_row(asm: Assembly, hello: dict, result: Any, error: str,
         np.asarray(result.drafted_t, dtype=float), result.start_t, result.full_t,
         result.proposed, result.accepted, result.verify_start_t,
         (result.verify_end_t - result.verify_start_t) if result.proposed else 0.0,
-        getattr(result, "draft_tpot_s", 0.0), result.tpot_s, segments)
+        getattr(result, "draft_tpot_s", 0.0), result.tpot_s, segments,
+        np.asarray(result.committed_t, dtype=float))  # committed: verified (or decoded) times
     rec = RequestRecord(
         int(hello.get("seq", asm.request_id)), asm.shape.tokens, arrival,
         _num(hello, "prefill_start_t"), prefill_end, _num(fin, "encode_end_t", prefill_end),

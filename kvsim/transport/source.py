@@ -28,6 +28,7 @@ class KVSource:
     describe: dict = field(default_factory=dict)
     _kv: torch.Tensor | None = None  # [layers, 2, kv_heads, tokens, head_dim] when held whole
     _make_layer: Any = None  # layer index -> [1, 2, kv_heads, tokens, head_dim]
+    preparable: bool = False  # _make_layer's layers may be generated ahead (prepare)
 
     def layer(self, index: int) -> torch.Tensor:
         if not 0 <= index < self.shape.layers:
@@ -40,7 +41,7 @@ class KVSource:
         """Generate a lazily made cache now and hold it whole, if its bf16 bytes fit
         `budget_bytes` (the sender calls this while a modelled prefill runs, so generating
         synthetic KV is not counted as encoding). Returns whether the cache is held."""
-        if self._kv is None and self._make_layer is not None and \
+        if self._kv is None and self.preparable and self._make_layer is not None and \
                 self.shape.bf16_bytes <= budget_bytes:
             self._kv = torch.cat([self._make_layer(i) for i in range(self.shape.layers)])
         return self._kv is not None

@@ -1,0 +1,131 @@
+"""kvsim calibrate (model, codecs) and the measured hardware profile's extra curves, on the
+tiny random model (seconds); the link profile has its own tests (test_link_profile.py)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from kvsim.calibrate.model_profile import ModelCalibration, measure_codecs, measure_model
+from kvsim.cli import main
+from kvsim.config.codecs import resolve_codec
+from kvsim.hardware import HardwareSpec, TimingModel, load_profile
+from kvsim.model.load import load_lm
+from kvsim.model.presets import load_model_preset
+from kvsim.sim.codec_timing import load_codec_timing
+
+TINY = load_model_preset("tiny-random")
+HW = HardwareSpec(name="cpu", hbm_gb_per_s=20, bf16_tflops=0.2, memory_gb=16)
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    lm = load_lm(TINY, threads=1, seed=0)
+    cal = ModelCalibration(contexts=[32, 64], steps=3, repeats=1, batches=(1, 2),
+                           drafted=(1, 2, 4))
+    doc, kvs = measure_model(lm, TINY.name, cal)
+    path = tmp_path_factory.mktemp("prof") / "hw.json"
+    path.write_text(json.dumps(doc))
+    return lm, doc, kvs, path
+
+
+def test_model_profile_has_every_curve_and_loads(measured):
+    _lm, doc, kvs, path = measured
+    assert doc["prefill"]["tokens"] == [32, 64] and len(doc["prefill"]["s"]) == 2
+    assert all(s > 0 for s in doc["tpot"]["s"])
+    assert doc["tpot_batch"]["batch"] == [1, 2] and doc["tpot_batch"]["context_tokens"] == 64
+    assert doc["verify"]["drafted_tokens"] == [1, 2, 4]
+    assert all(x >= 0 for x in doc["first_step_extra"]["s"])
+    assert tuple(kvs[64].shape) == (3, 2, 2, 64, 16)
+    assert load_profile(str(path), TINY.name)["model"] == TINY.name
+
+
+def test_timing_model_applies_the_measured_curves(measured):
+    _lm, doc, _kvs, path = measured
+    tm = TimingModel(TINY, replace(HW, profile=str(path)))
+    t1 = doc["tpot"]["s"][1]
+    b = doc["tpot_batch"]["s"]
+    assert tm.tpot_s(64) == pytest.approx(t1)
+    assert tm.tpot_s(64, 2) == pytest.approx(t1 * b[1] / b[0])
+    v = doc["verify"]["s"]
+    assert tm.verify_s(2, 64) == pytest.approx(v[1])  # measured at 64: exactly the curve
+    assert tm.verify_s(2, 32) == pytest.approx(v[1] * doc["tpot"]["s"][0] / t1)
+    assert tm.first_step_extra_s(48) == pytest.approx(sum(doc["first_step_extra"]["s"]) / 2)
+    assert TimingModel(TINY, HW).first_step_extra_s(48) == 0.0  # the roofline has none
+
+
+def test_profile_errors_name_the_curve(tmp_path, measured):
+    _lm, doc, _kvs, _path = measured
+    bad = json.loads(json.dumps(doc))
+    bad["tpot"]["context_tokens"] = [64, 32]
+    p = tmp_path / "bad.json"
+    p.write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="tpot.context_tokens must increase"):
+        load_profile(str(p), TINY.name)
+    bad = json.loads(json.dumps(doc))
+    bad["verify"]["s"][0] = float("nan")
+    p.write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="verify holds a non-finite"):
+        load_profile(str(p), TINY.name)
+    with pytest.raises(ValueError, match="no hardware profile named 'nope'"):
+        load_profile("nope", TINY.name)
+    with pytest.raises(ValueError, match="is for model"):
+        load_profile(str(_path), "smollm2-135m")
+
+
+def test_codec_timing_as_the_transport_runs_it(measured, tmp_path):
+    lm, _doc, kvs, _path = measured
+    doc = measure_codecs(lm, [resolve_codec("bf16"), resolve_codec("lynx")], kvs[64], 1, "t")
+    assert set(doc["codecs"]) == {"bf16", "lynx"}
+    assert "anchor_decode_gb_per_s" in doc["codecs"]["lynx"]
+    assert "anchor_decode_gb_per_s" not in doc["codecs"]["bf16"]
+    p = tmp_path / "ct.json"
+    p.write_text(json.dumps(doc))
+    table = load_codec_timing("ignored", str(p))
+    lynx = table.lookup("lynx", "lynx")
+    assert lynx.anchor_decode_s(1e9) == pytest.approx(
+        1 / doc["codecs"]["lynx"]["anchor_decode_gb_per_s"])
+    bf16 = table.lookup("bf16", "bf16")
+    assert bf16.anchor_decode_s(1e9) == bf16.decode_s(1e9)  # one stream: the same rate
+
+
+def test_calibrate_command_writes_profiles_and_keeps_them(tmp_path, capsys):
+    args = ["calibrate", "model=tiny-random", "contexts=[32,64]", "codec_context_tokens=64",
+            "steps=2", "repeats=1", "batches=[1,2]", "drafted=[1,2]", "codecs=[int8]",
+            "links=[]", "receiver_loads=false", "progress=false", f"out_dir={tmp_path}"]
+    assert main(args) == 0
+    hw = tmp_path / "hardware" / "local-tiny-random.json"
+    ct = tmp_path / "codec_timing" / "local-tiny-random.json"
+    assert hw.is_file() and ct.is_file()
+    out = capsys.readouterr().out
+    assert f"hardware.profile={hw}" in out and f"codec_timing={ct}" in out
+    assert main(args) != 0  # an existing profile is kept without overwrite=true
+    assert "overwrite=true" in capsys.readouterr().err
+    # the simulator runs on them (tiny-random is simulable)
+    rc = main(["sim", "scenario=none", "model=tiny-random", "hardware=local-cpu",
+               f"hardware.profile={hw}", f"codec_timing={ct}", "codecs=[int8]",
+               "deserializer=on_demand", "workload=emulated", "workload.context_tokens=64",
+               "workload.output_tokens=4"])
+    assert rc == 0
+
+
+def test_receiver_timing_replaces_loads_and_scales_the_step_curves():
+    from kvsim.calibrate.receiver_timing import apply_receiver_timing
+
+    hw = {"tpot": {"context_tokens": [100, 300], "s": [0.1, 0.2]},
+          "tpot_batch": {"context_tokens": 300, "batch": [1, 2], "s": [0.2, 0.3]},
+          "verify": {"context_tokens": 300, "drafted_tokens": [1], "s": [0.4]}}
+    timing = {"codecs": {"lynx": {"decode_gb_per_s": 1.0, "anchor_decode_gb_per_s": 2.0,
+                                  "what": "w"}}}
+    measured = {"lynx": {"decode_gb_per_s": 0.5, "anchor_decode_gb_per_s": 0.25,
+                         "tpot_s": 0.165}}
+    ratio = apply_receiver_timing(measured, hw, timing, 200)
+    assert ratio == pytest.approx(0.165 / 0.15)  # the in-process step at 200, interpolated
+    assert hw["tpot"]["s"] == pytest.approx([0.1 * ratio, 0.2 * ratio])
+    assert hw["tpot_inprocess"]["s"] == [0.1, 0.2]
+    assert hw["verify"]["s"] == pytest.approx([0.4 * ratio])
+    lynx = timing["codecs"]["lynx"]
+    assert (lynx["decode_gb_per_s"], lynx["inprocess_decode_gb_per_s"]) == (0.5, 1.0)
+    assert lynx["anchor_decode_gb_per_s"] == 0.25

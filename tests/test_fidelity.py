@@ -1,0 +1,42 @@
+"""kvsim validate's error arithmetic (kvsim.fidelity.errors) and the simulator's
+deserializer=on_demand, the receiver model validation runs with."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvsim.fidelity import errors
+
+
+def test_value_reads_int_and_string_keys_and_compare_signs_the_error():
+    m32 = errors.Metric("tt32t", "ttkt_from_prefill_end_s", "32")
+    assert errors.value({"ttkt_from_prefill_end_s": {32: 2.0}}, m32) == 2.0
+    assert errors.value({"ttkt_from_prefill_end_s": {"32": 2.5}}, m32) == 2.5
+    assert math.isnan(errors.value({"ttkt_from_prefill_end_s": {"8": 1.0}}, m32))
+    assert math.isnan(errors.value({}, errors.Metric("ttft", "ttft_s")))
+    rows = errors.compare({"codec": "int8"}, {"ttft_s": 2.0}, {"ttft_s": 2.2},
+                          [errors.Metric("ttft", "ttft_s")])
+    assert rows == [{"codec": "int8", "metric": "ttft", "measured_s": 2.0, "simulated_s": 2.2,
+                     "error_pct": pytest.approx(10.0)}]
+    low = errors.compare({}, {"ttft_s": 4.0}, {"ttft_s": 3.0}, [errors.Metric("t", "ttft_s")])
+    assert low[0]["error_pct"] == pytest.approx(-25.0)
+
+
+def test_summary_means_absolute_errors_and_counts_missing():
+    rows = [{"metric": "a", "error_pct": -4.0, "measured_s": 1, "simulated_s": 1},
+            {"metric": "b", "error_pct": 2.0, "measured_s": 1, "simulated_s": 1},
+            {"metric": "c", "error_pct": math.nan, "measured_s": 1, "simulated_s": 1}]
+    s = errors.summary(rows)
+    assert s["mean_abs_pct_error"] == pytest.approx(3.0)
+    assert s["max_abs_pct_error"] == pytest.approx(4.0)
+    assert (s["compared"], s["missing"]) == (2, 1)
+    assert s["worst"]["metric"] == "a"
+    empty = errors.summary([])
+    assert empty["compared"] == 0 and math.isnan(empty["mean_abs_pct_error"])
+
+
+def test_single_metrics_cover_drafted_and_committed():
+    names = [m.name for m in errors.single_metrics([32, 64])]
+    assert names == ["ttft", "tt32t", "tt64t", "ttft_c", "tt32t_c", "tt64t_c"]
