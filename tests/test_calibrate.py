@@ -115,12 +115,13 @@ def test_receiver_timing_replaces_loads_and_scales_the_step_curves():
     from kvsim.calibrate.receiver_timing import apply_receiver_timing
 
     hw = {"tpot": {"context_tokens": [100, 300], "s": [0.1, 0.2]},
+          "first_step_extra": {"context_tokens": [100, 300], "s": [0.0, 0.001]},
           "tpot_batch": {"context_tokens": 300, "batch": [1, 2], "s": [0.2, 0.3]},
           "verify": {"context_tokens": 300, "drafted_tokens": [1], "s": [0.4]}}
     timing = {"codecs": {"lynx": {"decode_gb_per_s": 1.0, "anchor_decode_gb_per_s": 2.0,
                                   "what": "w"}}}
     measured = {"lynx": {"decode_gb_per_s": 0.5, "anchor_decode_gb_per_s": 0.25,
-                         "tpot_s": 0.165}}
+                         "tpot_s": 0.165, "first_step_s": 0.195}}
     ratio = apply_receiver_timing(measured, hw, timing, 200)
     assert ratio == pytest.approx(0.165 / 0.15)  # the in-process step at 200, interpolated
     assert hw["tpot"]["s"] == pytest.approx([0.1 * ratio, 0.2 * ratio])
@@ -129,3 +130,5 @@ def test_receiver_timing_replaces_loads_and_scales_the_step_curves():
     lynx = timing["codecs"]["lynx"]
     assert (lynx["decode_gb_per_s"], lynx["inprocess_decode_gb_per_s"]) == (0.5, 1.0)
     assert lynx["anchor_decode_gb_per_s"] == 0.25
+    assert hw["first_step_extra"]["s"] == pytest.approx([0.03, 0.03])  # measured, flat
+    assert hw["first_step_extra_inprocess"]["s"] == [0.0, 0.001]

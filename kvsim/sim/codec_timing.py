@@ -94,7 +94,10 @@ def load_codec_timing(hardware: str, path: str | Path | None = None) -> CodecTim
     if path:
         from kvsim.profiles import profile_path
 
-        p = profile_path("codec_timing", str(path))
+        try:
+            p = profile_path("codec_timing", str(path))
+        except ValueError as exc:
+            raise ValueError(f"no codec timing file {path!r}: {exc}") from None
     else:
         p = TIMING_DIR / f"{hardware}.json"
     if not p.is_file():

@@ -337,8 +337,9 @@ class TimingDecodeLoop(_DecodeLoop):
     """Modelled step times as sleeps (a model too large for this machine).
 
     A step on the full cache sleeps tpot_s(context_tokens, batch=1) * time_scale; a draft
-    step (tpot_s + draft_overhead_s) * time_scale; verification verify_s(n, context_tokens)
-    * time_scale; the accepted count is acceptance.sample_accepted(n, rng). Back-to-back
+    step (tpot_s + draft_overhead_s) * time_scale; the first step after a load also
+    first_step_extra_s (a measured profile's; the simulator's on_demand loads add it too);
+    verification verify_s(n, context_tokens) * time_scale; the accepted count is acceptance.sample_accepted(n, rng). Back-to-back
     steps sleep until their planned end (phase start + modelled time so far), so sleep
     overshoot does not accumulate. dequantize: call view.kv(n) for real (its time is real,
     not scaled) or skip it. Reported times are raw clock readings: the caller divides
@@ -364,6 +365,9 @@ class TimingDecodeLoop(_DecodeLoop):
         self.draft_step_s = (timing.tpot_s(self.context, 1) + self.draft_overhead_s) \
             * self.time_scale
         self._planned = 0.0  # clock time the current step sequence has reached (s)
+        # the first step on a freshly loaded cache costs this much more (measured profiles;
+        # a verification pass is measured as such and pays none)
+        self._fresh_extra_s = 0.0
 
     def _begin_phase(self, t: float) -> None:
         self._planned = t
@@ -377,16 +381,19 @@ class TimingDecodeLoop(_DecodeLoop):
     def _load(self, view: CacheView, n: int) -> Any:
         if self.dequantize:
             view.kv(n)  # real dequantization cost; the tensor itself is not needed
+        self._fresh_extra_s = self.timing.first_step_extra_s(self.context) * self.time_scale
         return None
 
     def _context_tokens(self, cache: Any) -> int:
         return self.context
 
     def _step(self, cache: Any, token: int, drafting: bool) -> int:
-        self._sleep_for(self.draft_step_s if drafting else self.step_s)
+        extra, self._fresh_extra_s = self._fresh_extra_s, 0.0
+        self._sleep_for((self.draft_step_s if drafting else self.step_s) + extra)
         return -1
 
     def _verify(self, cache: Any, drafts: list[int]) -> tuple[int, int]:
+        self._fresh_extra_s = 0.0
         n = len(drafts)
         self._sleep_for(self.timing.verify_s(n, self.context) * self.time_scale)
         return int(self.acceptance.sample_accepted(n, self.rng)), -1
