@@ -341,8 +341,9 @@ class TimingDecodeLoop(_DecodeLoop):
     first_step_extra_s (a measured profile's; the simulator's on_demand loads add it too);
     verification verify_s(n, context_tokens) * time_scale; the accepted count is
     acceptance.sample_accepted(n, rng). Back-to-back steps sleep until their planned end
-    (phase start + modelled time so far), so sleep overshoot does not accumulate. dequantize: call view.kv(n) for real (its time is real,
-    not scaled) or skip it. Reported times are raw clock readings: the caller divides
+    (phase start + modelled time so far), so sleep overshoot does not accumulate.
+    dequantize: call view.kv(n) for real (its time is real, not scaled) or skip it.
+    Reported times are raw clock readings: the caller divides
     durations by time_scale to get modelled seconds; tpot_s, draft_tpot_s and verify_s are
     the modelled ones times time_scale (clock seconds, like everything else)."""
 
