@@ -40,3 +40,17 @@ def test_summary_means_absolute_errors_and_counts_missing():
 def test_single_metrics_cover_drafted_and_committed():
     names = [m.name for m in errors.single_metrics([32, 64])]
     assert names == ["ttft", "tt32t", "tt64t", "ttft_c", "tt32t_c", "tt64t_c"]
+
+
+def test_markdown_table_one_line_per_scenario_and_codec():
+    single = errors.compare({"case": "single", "emulation": "tc", "bandwidth_gbps": 0.1,
+                             "context_tokens": 1024, "codec": "int8"},
+                            {"ttft_from_prefill_end_s": 1.0}, {"ttft_from_prefill_end_s": 1.1},
+                            errors.single_metrics([])[:1])
+    multi = errors.compare({"case": "multi", "emulation": "tc", "bandwidth_gbps": 0.2,
+                            "context_tokens": 1024, "codec": "lynx", "rate_per_s": 0.3},
+                           {"ttft_pct_s": {"p50": 2.0}}, {"ttft_pct_s": {"p50": 1.9}},
+                           errors.MULTI_METRICS[:1])
+    text = errors.markdown_table(single + multi)
+    assert "| tc | 0.1 | 1024 | int8 | 1.000 / 1.100 (ttft) | +10.0 |" in text
+    assert "| tc | 0.2 | 1024 | 0.3 | lynx | 2.000 / 1.900 (ttft_p50) | -5.0 |" in text

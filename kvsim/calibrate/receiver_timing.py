@@ -5,9 +5,10 @@ or every stream) and builds the model's cache from them. In a separate process, 
 received frames, with the receiver's threads beside it, that costs more and varies more than
 the same codec call repeated in one process: so calibration times it where it happens.
 
-One calibration transfer (`kvsim emulate` on loopback through the token bucket, slow enough
-that a split-stream codec's residual is still on the wire when its anchor is loaded) of a
-calibration prompt (its own text seed) per codec; the decode loop's spans give
+One calibration transfer (`kvsim emulate` on loopback through the token bucket at 0.3 Gbps,
+slow enough that a split-stream codec's residual is still on the wire when its anchor is
+loaded) of calibration prompts (their own text seed), `repeats` requests per codec (medians:
+one load varies by tens of percent from the next); the decode loop's spans give
   "dequantize stream 0"       the anchor (split-stream) or the whole cache (one stream)
   "dequantize streams 0-N"    every stream of a split-stream codec
 as GB/s of bf16 cache (the codec timing's unit), and each request's decode steps on its
@@ -37,24 +38,29 @@ def _spans(row: dict) -> dict[str, float]:
 
 
 def receiver_loads(model: str, codecs: list[Any], context_tokens: int, seed: int,
-                   text_source: str, bandwidth_gbps: float = 0.1,
+                   text_source: str, bandwidth_gbps: float = 0.3, repeats: int = 3,
                    threads: int = 1) -> dict[str, dict[str, float]]:
     """codec label -> {"decode_gb_per_s": every stream, "anchor_decode_gb_per_s": stream 0
-    (split-stream codecs whose anchor was loaded alone)}, from one calibration transfer."""
+    (split-stream codecs whose anchor was loaded alone), "tpot_s", "first_step_s"}: medians
+    over `repeats` requests per codec of one calibration transfer (a load's time varies by
+    tens of percent from one request to the next, so one request is not a measurement)."""
     from kvsim.cli import compose
     from kvsim.commands.emulate import emulate
     from kvsim.config.transport import EmulateConfig
 
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    entries = ",".join(str(c) for _ in range(repeats) for c in codecs)
     overrides = [f"model={model}", "hardware=local-cpu", "link=emulated",
                  f"link.bandwidth_gbps={bandwidth_gbps}", "transport.emulation=token_bucket",
                  "transport.decode=real", "transport.kv_source=live",
                  f"transport.text_source={text_source}", f"transport.threads={threads}",
                  "workload=emulated", f"workload.context_tokens={context_tokens}",
                  f"workload.output_tokens={DECODE_STEPS + 1}", f"seed={seed}",
-                 "codecs=[" + ",".join(str(c) for c in codecs) + "]"]
+                 f"codecs=[{entries}]"]
     cfg, _ = compose("transport", overrides, EmulateConfig)
     rows = emulate(cfg)
-    out: dict[str, dict[str, float]] = {}
+    samples: dict[str, dict[str, list[float]]] = {}
     for row in rows:
         if row.get("status") != "done":
             raise RuntimeError(f"calibration transfer of {row.get('codec')} failed: "
@@ -66,14 +72,18 @@ def receiver_loads(model: str, codecs: list[Any], context_tokens: int, seed: int
         if not full:
             raise RuntimeError(f"calibration transfer of {row['codec']}: no load span of its "
                                f"full cache in {sorted(spans)}")
-        entry = {"decode_gb_per_s": bf16_bytes / full / 1e9, "tpot_s": float(row["tpot_s"])}
-        if int(row.get("proposed_tokens") or 0) == 0:  # plain: the first step's own length
-            entry["first_step_s"] = float(row["ttft_from_prefill_end_s"]) - \
-                float(row["full_ready_from_prefill_end_s"])
+        got = samples.setdefault(str(row["codec"]), {})
+        got.setdefault("decode_gb_per_s", []).append(bf16_bytes / full / 1e9)
+        got.setdefault("tpot_s", []).append(float(row["tpot_s"]))
         if n > 1 and spans.get("dequantize stream 0"):
-            entry["anchor_decode_gb_per_s"] = bf16_bytes / spans["dequantize stream 0"] / 1e9
-        out[str(row["codec"])] = entry
-    return out
+            got.setdefault("anchor_decode_gb_per_s", []).append(
+                bf16_bytes / spans["dequantize stream 0"] / 1e9)
+        if int(row.get("proposed_tokens") or 0) == 0:  # plain: the first step's own length
+            got.setdefault("first_step_s", []).append(
+                float(row["ttft_from_prefill_end_s"]) -
+                float(row["full_ready_from_prefill_end_s"]))
+    return {codec: {k: float(statistics.median(v)) for k, v in got.items()}
+            for codec, got in samples.items()}
 
 
 def apply_receiver_timing(measured: dict[str, dict[str, float]], hw_doc: dict, timing_doc: dict,

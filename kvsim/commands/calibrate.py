@@ -36,24 +36,29 @@ LINK_EMULATIONS = ("token_bucket", "tc", "none")
 @dataclass
 class Config:
     model: ModelSpec = MISSING
-    name: str = ""
+    name: str = ""  # profile name; "": local-<model>
+    # prompt tokens: prefill, decode step and first-step extra at each
     contexts: list[int] = field(default_factory=lambda: [256, 1024, 2048, 4096])
-    steps: int = 12
-    repeats: int = 3
-    batches: list[int] = field(default_factory=lambda: [1, 2, 4])
+    steps: int = 12  # decode steps timed per context (median)
+    repeats: int = 3  # prefill / codec / verification repeats (median)
+    batches: list[int] = field(default_factory=lambda: [1, 2, 4])  # at the longest context
+    # drafted tokens per verification pass, at the longest context
     drafted: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
     codecs: list[Any] = field(default_factory=lambda: ["bf16", "int8", "int4", "lynx"])
-    codec_context_tokens: int = 2048
-    threads: int = 1
-    text_source: str = "stdlib-docs"
-    seed: int = 1009
+    codec_context_tokens: int = 2048  # the real KV codecs are timed on (one of contexts)
+    threads: int = 1  # torch threads, as transport.threads (each process of a transfer)
+    text_source: str = "stdlib-docs"  # the real text of the calibration prompts
+    seed: int = 1009  # the calibration prompts' text seed (validation prompts use others)
     # time the receiver's loads and decode step on a calibration transfer
     receiver_loads: bool = True
+    receiver_context_tokens: int = 1024  # its prompts' tokens
+    receiver_repeats: int = 3  # requests per codec (medians)
+    # link emulations to profile (tc needs root: skipped with a note)
     links: list[str] = field(default_factory=lambda: ["token_bucket", "tc"])
-    link_rates_gbps: list[float] = field(default_factory=lambda: [0.1, 0.5, 1.0])
-    out_dir: str = ""
-    overwrite: bool = False
-    progress: bool = True
+    link_rates_gbps: list[float] = field(default_factory=lambda: [0.1, 0.5, 1.0])  # 1e9 bit/s
+    out_dir: str = ""  # "": the run directory; data/profiles: the shipped profiles
+    overwrite: bool = False  # replace existing profile files (else refused before measuring)
+    progress: bool = True  # progress lines on stderr
 
     def __post_init__(self) -> None:
         for key in ("steps", "repeats", "threads"):
@@ -61,6 +66,8 @@ class Config:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
         if not self.contexts or min(self.contexts) < 16:
             raise ValueError(f"contexts must be prompt lengths >= 16 tokens, got {self.contexts}")
+        if self.receiver_repeats < 1 or self.receiver_context_tokens < 16:
+            raise ValueError("receiver_repeats must be >= 1 and receiver_context_tokens >= 16")
         if self.codec_context_tokens not in self.contexts:
             raise ValueError(f"codec_context_tokens={self.codec_context_tokens} must be one of "
                              f"contexts {list(self.contexts)}")
@@ -133,11 +140,13 @@ def run(cfg: Config) -> list[dict]:
     if cfg.receiver_loads:  # load rates and decode step timed in a real transfer's receiver
         from kvsim.calibrate.receiver_timing import apply_receiver_timing, receiver_loads
 
-        say(f"calibration transfer ({len(specs)} codecs, {cfg.codec_context_tokens} tokens) "
-            "for the receiver's load and decode step times")
-        measured = receiver_loads(cfg.model.name, list(cfg.codecs), cfg.codec_context_tokens,
-                                  cfg.seed, cfg.text_source, threads=cfg.threads)
-        ratio = apply_receiver_timing(measured, hw_doc, timing_doc, cfg.codec_context_tokens)
+        say(f"calibration transfer ({cfg.receiver_repeats} x {len(specs)} codecs, "
+            f"{cfg.receiver_context_tokens} tokens) for the receiver's load and step times")
+        measured = receiver_loads(cfg.model.name, list(cfg.codecs),
+                                  cfg.receiver_context_tokens, cfg.seed, cfg.text_source,
+                                  repeats=cfg.receiver_repeats, threads=cfg.threads)
+        ratio = apply_receiver_timing(measured, hw_doc, timing_doc,
+                                      cfg.receiver_context_tokens)
         say(f"receiver's decode step / in-process: {ratio:.3f} (the step curves are scaled "
             "by it)")
     _write(paths["hardware"], hw_doc)

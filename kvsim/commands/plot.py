@@ -3,7 +3,8 @@ Agg). kind=ttkt (TTKT vs k per codec, Figure 9) and kind=breakdown (Figure-2 sta
 a `kvsim sim` report; kind=fig11 (TT<k>T vs context and vs bandwidth) a `kvsim sweep` table;
 kind=survival (P(accepted >= k), Figure 10a) data/acceptance/ files; kind=codecs
 (bits/element vs vNMSE) a `kvsim bench codecs` report or a data/vnmse table; kind=pareto
-(time vs vNMSE per codec and transfer policy) a `kvsim advise` report. Figures go to the
+(time vs vNMSE per codec and transfer policy) a `kvsim advise` report; kind=fidelity
+(simulated vs measured times) a `kvsim validate` report. Figures go to the
 run directory unless out= names a path (out=plots/<name>.png updates a committed figure, with
 overwrite=true when it exists)."""
 
@@ -14,8 +15,8 @@ from pathlib import Path
 from kvsim.plots.options import PlotOptions
 
 COMMAND = ("plot",)
-HELP = ("figures (PNG+PDF): kind=ttkt|fig11|survival|codecs|breakdown|pareto from kvsim "
-        "output files")
+HELP = ("figures (PNG+PDF): kind=ttkt|fig11|survival|codecs|breakdown|pareto|fidelity from "
+        "kvsim output files")
 CONFIG_NAME = "plot"
 Config = PlotOptions
 

@@ -8,6 +8,7 @@ end, drafted and committed (kvsim.fidelity.errors). The multi-request case (Pois
 timing-model decode, one shared link) compares TTFT p50 / p99 from arrival.
 
 Writes fidelity.json (mean_abs_pct_error, max_abs_pct_error, targets, per-scenario rows),
+fidelity.md (one line per scenario and codec, the signed error of every metric),
 fidelity.png (simulated vs measured) and scenarios/<scenario>.json (both engines' full rows)
 in the run directory; the rows are the report's too.
 """
@@ -39,36 +40,36 @@ class TargetMissed(ValueError):
 
 @dataclass
 class MultiConfig:
-    enabled: bool = True
-    emulation: str = "token_bucket"
-    bandwidth_gbps: float = 0.2
-    rates_per_s: list[float] = field(default_factory=lambda: [0.15, 0.3])
-    requests: int = 12
-    context_tokens: int = 1024
-    output_tokens: int = 16
+    enabled: bool = True  # run the multi-request case
+    emulation: str = "token_bucket"  # its link emulation (token_bucket | tc | none)
+    bandwidth_gbps: float = 0.2  # 1e9 bit/s, one link shared by every request
+    rates_per_s: list[float] = field(default_factory=lambda: [0.15, 0.3])  # Poisson arrivals
+    requests: int = 12  # per rate and codec
+    context_tokens: int = 1024  # every request's prompt
+    output_tokens: int = 16  # decoded per request (timing-model decode)
     codecs: list[Any] = field(default_factory=lambda: ["int8", "lynx"])
 
 
 @dataclass
 class Config:
     model: ModelSpec = MISSING
-    grid: str = "full"
-    calibrate: bool = False
-    profile_dir: str = ""
-    profile_name: str = ""
+    grid: str = "full"  # full | quick (CI: 1 emulation, 1 rate, 1 context, 2 codecs)
+    calibrate: bool = False  # true: kvsim calibrate into <run dir>/profiles first
+    profile_dir: str = ""  # where calibrated profiles are; "": data/profiles
+    profile_name: str = ""  # "": local-<model>
     emulations: list[str] = field(default_factory=lambda: ["token_bucket", "tc"])
-    rates_gbps: list[float] = field(default_factory=lambda: [0.1, 0.3, 1.0])
-    contexts: list[int] = field(default_factory=lambda: [1024, 2048])
+    rates_gbps: list[float] = field(default_factory=lambda: [0.1, 0.3, 1.0])  # link, 1e9 bit/s
+    contexts: list[int] = field(default_factory=lambda: [1024, 2048])  # prompt tokens
     codecs: list[Any] = field(default_factory=lambda: ["bf16", "int8", "int4", "lynx"])
-    output_tokens: int = 64
-    ks: list[int] = field(default_factory=lambda: [32, 64])
-    acceptance: str = "smollm2-135m-lynx-s1-greedy"
-    samples: int = 16
+    output_tokens: int = 64  # decoded per request (real greedy decode)
+    ks: list[int] = field(default_factory=lambda: [32, 64])  # TT<k>T compared (with TTFT)
+    acceptance: str = "smollm2-135m-lynx-s1-greedy"  # the simulator's acceptance curve
+    samples: int = 16  # simulator runs averaged per single-request row (acceptance draws)
     multi: MultiConfig = field(default_factory=MultiConfig)
-    target_mean_abs_pct: float = 5.0
-    target_max_abs_pct: float = 10.0
-    fail_on_target: bool = False
-    figure: bool = True
+    target_mean_abs_pct: float = 5.0  # % mean absolute error over every comparison
+    target_max_abs_pct: float = 10.0  # % worst absolute error
+    fail_on_target: bool = False  # true: exit non-zero when the mean is above its target
+    figure: bool = True  # fidelity.png in the run directory
 
     def __post_init__(self) -> None:
         if self.grid not in GRIDS:
@@ -102,6 +103,7 @@ def _calibrate(cfg: Config, root: Path, name: str, emulations: list[str]) -> Non
                     drafted=[1, 2, 4, 8, 16] if quick else [1, 2, 4, 8, 16, 32, 64],
                     codecs=sorted({str(c) for c in [*cfg.codecs, *cfg.multi.codecs]}),
                     codec_context_tokens=max(cfg.contexts), links=emulations,
+                    receiver_context_tokens=min(cfg.contexts),
                     out_dir=str(root), overwrite=True)
     _say(f"calibrating into {root} (prompts, decode steps, codecs, links)")
     calibrate(cal)
@@ -189,11 +191,13 @@ def run(cfg: Config) -> dict:
     _print(rows, summary)
     doc = {"summary": summary, "rows": rows}
     (run_dir / "fidelity.json").write_text(json.dumps(_safe(doc), indent=1) + "\n")
+    (run_dir / "fidelity.md").write_text(errors.markdown_table(rows))
     if cfg.figure and rows:
-        from kvsim.fidelity.figure import fidelity_figure
+        from kvsim.plots.fidelity import draw
+        from kvsim.plots.style import save
 
-        paths = fidelity_figure(rows, summary, run_dir / "fidelity.png")
-        _say(f"figure: {paths[0]}")
+        paths = save(draw(rows, summary), run_dir / "fidelity.png", ["png"], 150)
+        _say(f"figure: {paths[0]} (kvsim plot kind=fidelity input=<report.json> redraws it)")
     if cfg.fail_on_target and not met_mean:  # CI's gate: the mean (the worst is reported)
         raise TargetMissed(f"fidelity target missed: mean |error| "
                            f"{summary['mean_abs_pct_error']:.2f}% > "

@@ -66,3 +66,32 @@ def summary(rows: list[dict]) -> dict:
     return {"mean_abs_pct_error": sum(errs) / len(errs), "max_abs_pct_error": max(errs),
             "compared": len(errs), "missing": len(rows) - len(errs),
             "worst": {k: worst[k] for k in worst if k not in ("measured_s", "simulated_s")}}
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """One table per case (single, multi), one line per (scenario, codec): the measured and
+    simulated value of its headline metric (the longest TT<k>T committed; TTFT p50) and the
+    signed error (%) of every metric compared."""
+    out = []
+    for case in dict.fromkeys(r["case"] for r in rows):
+        cr = [r for r in rows if r["case"] == case]
+        groups: dict[tuple, list[dict]] = {}
+        for r in cr:
+            key = (r.get("emulation"), r.get("bandwidth_gbps"), r.get("context_tokens"),
+                   r.get("rate_per_s"), r["codec"])
+            groups.setdefault(key, []).append(r)
+        metrics = list(dict.fromkeys(r["metric"] for r in cr))
+        multi = case == "multi"
+        lines = [f"| link | Gbps | ctx | {'req/s | ' if multi else ''}codec | measured / "
+                 "simulated s | " + " | ".join(f"{m} %" for m in metrics) + " |",
+                 "|" + "---|" * (5 + multi + len(metrics))]
+        for (link, gbps, ctx, rate, codec), rs in groups.items():
+            by = {r["metric"]: r for r in rs}
+            head = by.get("ttft_p50", rs[0]) if multi else rs[-1]
+            errs = [f"{by[m]['error_pct']:+.1f}" if m in by and
+                    math.isfinite(by[m]["error_pct"]) else "" for m in metrics]
+            lines.append(f"| {link} | {gbps:g} | {ctx} | {f'{rate:g} | ' if multi else ''}"
+                         f"{codec} | {head['measured_s']:.3f} / {head['simulated_s']:.3f} "
+                         f"({head['metric']}) | " + " | ".join(errs) + " |")
+        out.append("\n".join(lines))
+    return "\n\n".join(out) + "\n"

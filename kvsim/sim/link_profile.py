@@ -1,4 +1,4 @@
-"""A measured link profile (`link.profile`): what `python -m kvsim.calibrate.link_profile`
+"""A measured link profile (`link.profile`): what `kvsim calibrate` (kvsim.calibrate.link_profile)
 fitted to real transfers over an emulated link, applied to the simulator's egress links so
 their transfer times match the real transport's:
 

@@ -85,4 +85,5 @@ def synthetic_source(shape: KVShape, prefill_s: float, seed: int = 0) -> KVSourc
         return generate_layer(shape, index, seed=seed)[None]
 
     return KVSource(shape, "synthetic", prefill_s, False, None,
-                    {"kv_source": "synthetic", "seed": seed}, _make_layer=make)
+                    {"kv_source": "synthetic", "seed": seed}, _make_layer=make,
+                    preparable=True)

@@ -1,16 +1,31 @@
-"""Simulated against measured, one point per (scenario, codec, metric), log-log with the
-y = x line and the +-10% band."""
+"""Simulated against measured, from a `kvsim validate` report: one point per (scenario,
+codec, metric), log-log, with the y = x line and the +-10% band; circles: single-request
+scenarios (times from prefill end), squares: the multi-request case (TTFT percentiles)."""
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
-from kvsim.plots.style import codec_color, new_figure, save
+from matplotlib.figure import Figure
+
+from kvsim.plots.inputs import load_report
+from kvsim.plots.options import PlotOptions
+from kvsim.plots.style import codec_color, new_figure
 
 
-def fidelity_figure(rows: list[dict], summary: dict, out: Path) -> list[Path]:
-    pts = [r for r in rows if math.isfinite(r["error_pct"])]
+def make(opts: PlotOptions) -> tuple[Figure, dict]:
+    doc = load_report(opts.input, "validate")
+    summary = doc.get("fidelity") or {}
+    return draw(doc["rows"], summary), {"input": opts.input,
+                                        "points": len(doc["rows"]),
+                                        "mean_abs_pct_error": summary.get("mean_abs_pct_error")}
+
+
+def draw(rows: list[dict], summary: dict) -> Figure:
+    pts = [r for r in rows if isinstance(r.get("error_pct"), (int, float)) and
+           math.isfinite(r["error_pct"])]
+    if not pts:
+        raise ValueError("no comparison with a finite error to plot")
     fig, (ax,) = new_figure(5.2, 4.6)
     for codec in sorted({r["codec"] for r in pts}):
         for case, marker in (("single", "o"), ("multi", "s")):
@@ -35,4 +50,4 @@ def fidelity_figure(rows: list[dict], summary: dict, out: Path) -> list[Path]:
                  f"{summary['mean_abs_pct_error']:.1f}%, worst "
                  f"{summary['max_abs_pct_error']:.1f}%", fontsize=9)
     ax.legend(fontsize=7, loc="upper left")
-    return save(fig, out, ["png"], 150)
+    return fig
