@@ -196,7 +196,9 @@ def _main(argv: list[str]) -> int:
     name = " ".join(match)
     resolved = [a for a in rest if a.startswith("--resolved=")]
     if resolved:  # a parent kvsim process hands its child the config it resolved
-        return _run_resolved(name, mod, resolved[0].split("=", 1)[1])
+        reports = [a.split("=", 1)[1] for a in rest if a.startswith("report=")]
+        return _run_resolved(name, mod, resolved[0].split("=", 1)[1],
+                             reports[-1] if reports else None)
     if getattr(mod, "MULTIRUN_OF", None):  # `kvsim sweep`: a multirun of another command
         target = next(i for w, i in commands.items() if w == tuple(mod.MULTIRUN_OF))
         if any(a in ("-h", "--help") for a in rest):
@@ -251,17 +253,25 @@ def _shell_completion(commands: dict[tuple[str, ...], CommandInfo], args: list[s
                    prog="kvsim")
 
 
-def _run_resolved(name: str, mod: Any, path: str) -> int:
+def _run_resolved(name: str, mod: Any, path: str, report_path: str | None = None) -> int:
+    """Run a command on a config another kvsim process resolved (its child: `kvsim emulate`
+    starts `serve` / `send` so); report_path: where the child writes its report (rows)."""
     try:
-        cfg, _ = from_resolved(path, mod.Config)
+        cfg, plain = from_resolved(path, mod.Config)
     except Exception as exc:  # OmegaConf validation of a config another process wrote
         print(f"kvsim {name}: bad resolved configuration {path}: {exc}", file=sys.stderr)
         return 2
+    started = time.time()
     try:
-        mod.run(cfg)
+        rows = mod.run(cfg)
     except (ValueError, FileNotFoundError, UsageError, TimeoutError) as exc:
         print(f"kvsim {name}: error: {exc}", file=sys.stderr)
         return 1
+    if report_path:
+        from kvsim.report import write_report
+
+        write_report(report_path, name, plain, rows or [], time.time() - started,
+                     [f"--resolved={path}"])
     return 0
 
 

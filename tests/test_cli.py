@@ -134,3 +134,24 @@ def test_shell_completion_completes_commands_and_keys(monkeypatch, capsys):
         monkeypatch.setenv("COMP_POINT", str(len(line)))
         assert main(["-sc", "query=bash"]) == 0
         assert expected in capsys.readouterr().out.split(), line
+
+
+def test_a_resolved_child_writes_its_report(tmp_path):
+    """`kvsim emulate` starts `kvsim serve` / `send` with --resolved=CONFIG report=PATH and
+    reads their rows from PATH (over tc both ends are children)."""
+    import dataclasses
+    import json
+
+    from kvsim.cli import compose
+    from kvsim.config.sim import SimConfig
+
+    cfg, _ = compose("sim", ["scenario=none", "model=tiny-random", "hardware=local-cpu",
+                             "codecs=[int8]", "workload=emulated",
+                             "workload.context_tokens=64", "workload.output_tokens=4"],
+                     SimConfig)
+    resolved = tmp_path / "cfg.json"
+    resolved.write_text(json.dumps(dataclasses.asdict(cfg)))
+    report = tmp_path / "child.json"
+    assert main(["sim", f"--resolved={resolved}", f"report={report}"]) == 0
+    doc = json.loads(report.read_text())
+    assert doc["command"] == "sim" and [r["codec"] for r in doc["rows"]] == ["int8"]

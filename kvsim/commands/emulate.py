@@ -124,6 +124,10 @@ def _emulate_tc(cfg: EmulateConfig, tmp: Path, port: int, n_requests: int,
             stop(serve)
         sent = _rows(tx_report) if tx_report.is_file() else []
         rows = _rows(rx_report) if rx_report.is_file() else []
+        if not rows and not sent:  # never an empty result without saying why
+            raise RuntimeError(f"transport.emulation=tc: neither end reported (kvsim send "
+                               f"exited with {send.returncode}, kvsim serve with "
+                               f"{serve.returncode}); their errors are above")
         return _merge(rows, sent)
 
 
