@@ -44,7 +44,7 @@ class MultiConfig:
     emulation: str = "token_bucket"  # its link emulation (token_bucket | tc | none)
     bandwidth_gbps: float = 0.2  # 1e9 bit/s, one link shared by every request
     rates_per_s: list[float] = field(default_factory=lambda: [0.15, 0.3])  # Poisson arrivals
-    requests: int = 12  # per rate and codec
+    requests: int = 8  # per rate and codec
     context_tokens: int = 1024  # every request's prompt
     output_tokens: int = 16  # decoded per request (timing-model decode)
     codecs: list[Any] = field(default_factory=lambda: ["int8", "lynx"])
