@@ -54,3 +54,23 @@ def test_markdown_table_one_line_per_scenario_and_codec():
     text = errors.markdown_table(single + multi)
     assert "| tc | 0.1 | 1024 | int8 | 1.000 / 1.100 (ttft) | +10.0 |" in text
     assert "| tc | 0.2 | 1024 | 0.3 | lynx | 2.000 / 1.900 (ttft_p50) | -5.0 |" in text
+
+
+def test_plot_kind_fidelity_draws_a_validate_report(tmp_path):
+    import json
+
+    from kvsim.cli import main
+
+    rows = errors.compare({"case": "single", "emulation": "token_bucket",
+                           "bandwidth_gbps": 0.1, "context_tokens": 1024, "codec": "int8"},
+                          {"ttft_from_prefill_end_s": 1.0, "ttkt_from_prefill_end_s": {"32": 3.0}},
+                          {"ttft_from_prefill_end_s": 1.05,
+                           "ttkt_from_prefill_end_s": {"32": 2.9}},
+                          errors.single_metrics([32])[:2])
+    report = tmp_path / "validate.json"
+    report.write_text(json.dumps({"command": "validate", "rows": rows,
+                                  "fidelity": errors.summary(rows)}))
+    out = tmp_path / "fidelity.png"
+    assert main(["plot", "kind=fidelity", f"input={report}", f"out={out}",
+                 "formats=[png]"]) == 0
+    assert out.is_file() and out.stat().st_size > 1000
