@@ -468,7 +468,13 @@ def _probe() -> tuple[bool, str, bool, str]:
         if shutil.which(tool) is None:
             why = f"`{tool}` not found (install iproute2)"
             return False, why, False, why
-    ns = make_tag() + "p"
+    # SIGINT / SIGTERM wait until the probe namespace is gone (a few `ip` / `tc` calls, each
+    # with a timeout): a run stopped mid-probe left it behind
+    with _signals_deferred(None):
+        return _probe_namespace(make_tag() + "p")
+
+
+def _probe_namespace(ns: str) -> tuple[bool, str, bool, str]:
     try:
         _run(["ip", "netns", "add", ns])
         _run(["ip", "-n", ns, "link", "add", "name", ns, "type", "veth", "peer", "name", "b"])
