@@ -16,7 +16,6 @@ in the run directory; the rows are the report's too.
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -138,6 +137,7 @@ def run(cfg: Config) -> dict:
     )
     from kvsim.outputs import out_root
     from kvsim.paths import DATA_DIR
+    from kvsim.report import json_safe
 
     cfg.apply_grid()
     run_dir = out_root(None)
@@ -193,7 +193,7 @@ def run(cfg: Config) -> dict:
                    notes=notes, wall_s=time.time() - started)
     _print(rows, summary)
     doc = {"summary": summary, "rows": rows}
-    (run_dir / "fidelity.json").write_text(json.dumps(_safe(doc), indent=1) + "\n")
+    (run_dir / "fidelity.json").write_text(json.dumps(json_safe(doc), indent=1) + "\n")
     (run_dir / "fidelity.md").write_text(errors.markdown_table(rows))
     if cfg.figure and rows:
         from kvsim.plots.fidelity import draw
@@ -251,16 +251,6 @@ def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path) -> list[di
                         "codec": codec, "rate_per_s": rate, "requests": m.requests}
             rows += errors.compare(scenario, row, sim_by[codec], errors.MULTI_METRICS)
     return rows
-
-
-def _safe(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    if isinstance(v, dict):
-        return {k: _safe(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_safe(x) for x in v]
-    return v
 
 
 def _print(rows: list[dict], summary: dict) -> None:
