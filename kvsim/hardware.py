@@ -17,6 +17,9 @@ and optionally (written by `kvsim calibrate`)
   "tpot_batch": {"context_tokens": c, "batch": [...], "s": [...]}    decode step vs batch
   "verify": {"context_tokens": c, "drafted_tokens": [...], "s": [...]}  verification pass
   "first_step_extra": {"context_tokens": [...], "s": [...]}   first step on a fresh cache
+  "cache_build": {"gb_per_s": x}    building the model's cache from dequantized layers (GB/s
+                                    of bf16 cache; deserializer=on_arrival, where it is the
+                                    only load left once the last layer is dequantized)
 Piecewise-linear interpolation; batch and drafted-token curves measured at one context are
 applied as ratios to the batch-1 TPOT at other contexts; without them the roofline's ratio
 is used.
@@ -173,6 +176,14 @@ class TimingModel:
             return 0.0
         return float(np.interp(context_tokens, curve["context_tokens"], curve["s"]))
 
+    def cache_build_s(self, context_tokens: int) -> float:
+        """Building the decoder's cache from already dequantized layers (s; measured
+        profiles with `cache_build` only, else 0)."""
+        build = self._profile.get("cache_build") if self._profile else None
+        if not build:
+            return 0.0
+        return float(self.model.kv_bytes_bf16(context_tokens)) / (build["gb_per_s"] * 1e9)
+
     def member_work(self, new_tokens: int, context_tokens: int) -> tuple[float, float]:
         """One sequence's share of a batched forward step over `new_tokens` new tokens
         (1 decoding, n verifying n drafts) attending to its `context_tokens`: (FLOPs, bf16
@@ -263,4 +274,11 @@ def load_profile(name_or_path: str, model_name: str) -> dict:
                         ("first_step_extra", "context_tokens", "")):
         if key in doc:
             _check_curve(p, doc, key, xs, at)
+    if "cache_build" in doc:
+        rate = (doc["cache_build"] or {}).get("gb_per_s") if isinstance(doc["cache_build"], dict) \
+            else None
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or \
+                not math.isfinite(rate) or rate <= 0:
+            raise ValueError(f"hardware profile {p}: cache_build.gb_per_s must be a finite "
+                             f"number > 0, got {rate!r}")
     return doc

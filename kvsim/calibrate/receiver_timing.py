@@ -1,19 +1,24 @@
 """How long the transport's receiver takes to make a cache usable, measured on a real transfer.
 
-The decode side dequantizes a request's streams when it starts on them (the anchor alone,
-or every stream) and builds the model's cache from them. In a separate process, on freshly
-received frames, with the receiver's threads beside it, that costs more and varies more than
-the same codec call repeated in one process: so calibration times it where it happens.
+The decode side dequantizes a request's streams either layer by layer as they arrive
+(`transport.dequantize=on_arrival`, the default: a worker per request) or when it starts on
+them (`on_demand`: the anchor alone, or every stream), then builds the model's cache. In a
+separate process, on freshly received frames, with the receiver's threads beside it, that
+costs more and varies more than the same codec call repeated in one process: so calibration
+times it where it happens, in the receiver mode the profiles are for.
 
 One calibration transfer (`kvsim emulate` on loopback through the token bucket at 0.3 Gbps,
 slow enough that a split-stream codec's residual is still on the wire when its anchor is
 loaded) of calibration prompts (their own text seed), `repeats` requests per codec (medians:
-one load varies by tens of percent from the next); the decode loop's spans give
+one load varies by tens of percent from the next). On demand, the decode loop's spans give
   "dequantize stream 0"       the anchor (split-stream) or the whole cache (one stream)
   "dequantize streams 0-N"    every stream of a split-stream codec
-as GB/s of bf16 cache (the codec timing's unit), and each request's decode steps on its
-full cache (tpot_s): the same model step as the in-process calibration measures, in the
-receiver's process. `apply_receiver_timing` puts these into the profiles.
+as GB/s of bf16 cache (the codec timing's unit). On arrival, the worker's per-layer spans
+("dequantize layer L stream 0" / "... streams 0-N") summed over the layers give the anchor's
+and the full cache's rates, and the decode loop's spans (now only the cache built from the
+dequantized layers) the cache build rate (hardware `cache_build`). Each request's decode
+steps on its full cache give tpot_s: the same model step as the in-process calibration
+measures, in the receiver's process. `apply_receiver_timing` puts these into the profiles.
 """
 
 from __future__ import annotations
@@ -37,13 +42,26 @@ def _spans(row: dict) -> dict[str, float]:
     return out
 
 
+def _layer_job_s(row: dict) -> dict[str, float]:
+    """The on-arrival worker's spans of one request row, summed over the layers:
+    "stream 0" (anchor jobs) / "streams 0-N" (full jobs) -> seconds."""
+    out: dict[str, float] = {}
+    for name, process, t0, t1 in row.get("trace_spans") or []:
+        if process == "decode" and name.startswith("dequantize layer "):
+            kind = name.split(" ", 3)[3]  # "dequantize layer L <streams>"
+            out[kind] = out.get(kind, 0.0) + float(t1) - float(t0)
+    return out
+
+
 def receiver_loads(model: str, codecs: list[Any], context_tokens: int, seed: int,
                    text_source: str, bandwidth_gbps: float = 0.3, repeats: int = 3,
-                   threads: int = 1) -> dict[str, dict[str, float]]:
+                   threads: int = 1, dequantize: str = "on_arrival"
+                   ) -> dict[str, dict[str, float]]:
     """codec label -> {"decode_gb_per_s": every stream, "anchor_decode_gb_per_s": stream 0
-    (split-stream codecs whose anchor was loaded alone), "tpot_s", "first_step_s"}: medians
-    over `repeats` requests per codec of one calibration transfer (a load's time varies by
-    tens of percent from one request to the next, so one request is not a measurement)."""
+    (split-stream codecs whose anchor was loaded alone), "tpot_s", "first_step_s", and on
+    arrival "cache_build_gb_per_s"}: medians over `repeats` requests per codec of one
+    calibration transfer (a load's time varies by tens of percent from one request to the
+    next, so one request is not a measurement)."""
     from kvsim.cli import compose
     from kvsim.commands.emulate import emulate
     from kvsim.config.transport import EmulateConfig
@@ -55,6 +73,7 @@ def receiver_loads(model: str, codecs: list[Any], context_tokens: int, seed: int
                  f"link.bandwidth_gbps={bandwidth_gbps}", "transport.emulation=token_bucket",
                  "transport.decode=real", "transport.kv_source=live",
                  f"transport.text_source={text_source}", f"transport.threads={threads}",
+                 f"transport.dequantize={dequantize}",
                  "workload=emulated", f"workload.context_tokens={context_tokens}",
                  f"workload.output_tokens={DECODE_STEPS + 1}", f"seed={seed}",
                  f"codecs=[{entries}]"]
@@ -68,16 +87,32 @@ def receiver_loads(model: str, codecs: list[Any], context_tokens: int, seed: int
         bf16_bytes = float(cfg.model.kv_bytes_bf16(int(row["context_tokens"])))
         spans = _spans(row)
         n = int(row["streams"])
-        full = spans.get("dequantize stream 0" if n == 1 else f"dequantize streams 0-{n - 1}")
+        full_name = "stream 0" if n == 1 else f"streams 0-{n - 1}"
+        full = spans.get(f"dequantize {full_name}")
         if not full:
             raise RuntimeError(f"calibration transfer of {row['codec']}: no load span of its "
                                f"full cache in {sorted(spans)}")
         got = samples.setdefault(str(row["codec"]), {})
-        got.setdefault("decode_gb_per_s", []).append(bf16_bytes / full / 1e9)
         got.setdefault("tpot_s", []).append(float(row["tpot_s"]))
-        if n > 1 and spans.get("dequantize stream 0"):
-            got.setdefault("anchor_decode_gb_per_s", []).append(
-                bf16_bytes / spans["dequantize stream 0"] / 1e9)
+        if row.get("dequantize") == "on_arrival":  # worker jobs; the loop only builds
+            jobs = _layer_job_s(row)
+            if not jobs.get(full_name):
+                raise RuntimeError(f"calibration transfer of {row['codec']}: no on-arrival "
+                                   f"layer spans of its full cache in {sorted(jobs)}")
+            got.setdefault("decode_gb_per_s", []).append(bf16_bytes / jobs[full_name] / 1e9)
+            if n > 1 and jobs.get("stream 0"):
+                got.setdefault("anchor_decode_gb_per_s", []).append(
+                    bf16_bytes / jobs["stream 0"] / 1e9)
+            got.setdefault("cache_build_gb_per_s", []).append(bf16_bytes / full / 1e9)
+        elif dequantize == "on_arrival":
+            raise RuntimeError(f"calibration transfer of {row['codec']}: the receiver "
+                               f"dequantized {row.get('dequantize')!r}, not on arrival (its "
+                               "layers do not decode alone); calibrate it on demand")
+        else:
+            got.setdefault("decode_gb_per_s", []).append(bf16_bytes / full / 1e9)
+            if n > 1 and spans.get("dequantize stream 0"):
+                got.setdefault("anchor_decode_gb_per_s", []).append(
+                    bf16_bytes / spans["dequantize stream 0"] / 1e9)
         if int(row.get("proposed_tokens") or 0) == 0:  # plain: the first step's own length
             got.setdefault("first_step_s", []).append(
                 float(row["ttft_from_prefill_end_s"]) -
@@ -87,9 +122,12 @@ def receiver_loads(model: str, codecs: list[Any], context_tokens: int, seed: int
 
 
 def apply_receiver_timing(measured: dict[str, dict[str, float]], hw_doc: dict, timing_doc: dict,
-                          context_tokens: int) -> float:
+                          context_tokens: int, dequantize: str = "on_arrival") -> float:
     """Put a calibration transfer's figures into the profiles (in place): the codecs' load
-    rates replace the in-process ones (kept as inprocess_*), and the decode-step curves
+    rates replace the in-process ones (kept as inprocess_*; `receiver_dequantize` names the
+    receiver mode they are for, the simulator's deserializer of the same name), on arrival
+    the cache build rate (hardware `cache_build`, median over codecs), and the decode-step
+    curves
     (tpot, tpot_batch, verify) are scaled by the receiver's median step over the in-process
     step at the transfer's context (kept as tpot_inprocess / receiver_step_ratio): the
     receiver's process runs the same step at its own speed. Returns that ratio."""
@@ -99,7 +137,16 @@ def apply_receiver_timing(measured: dict[str, dict[str, float]], hw_doc: dict, t
                 entry[f"inprocess_{key}"] = entry.get(key)
                 entry[key] = measured[label][key]
         entry["what"] += ("; decode / anchor_decode: timed in the receiver of a calibration "
-                          "transfer (inprocess_*: the same call repeated in one process)")
+                          f"transfer, dequantizing {dequantize.replace('_', ' ')} (inprocess_*: "
+                          "the same call repeated in one process)")
+    timing_doc["receiver_dequantize"] = dequantize
+    builds = [m["cache_build_gb_per_s"] for m in measured.values()
+              if "cache_build_gb_per_s" in m]
+    if builds:
+        hw_doc["cache_build"] = {
+            "gb_per_s": float(statistics.median(builds)),
+            "measured": f"receiver of the calibration transfer at {context_tokens} tokens "
+                        "(the model's cache built from dequantized layers; median over codecs)"}
     steps = [m["tpot_s"] for m in measured.values() if m.get("tpot_s", 0) > 0]
     if not steps:
         raise RuntimeError("calibration transfer: no decode step time in its rows")

@@ -3,8 +3,10 @@
 Writes, under out_dir (default: the run directory):
   hardware/<name>.json        the real model's prefill / decode step / batch / verification /
                               first-step times here (`hardware.profile=`)
-  codec_timing/<name>.json    each codec's encode (as the sender) and load (as the receiver:
-                              dequantize + build the model's cache) GB/s (`codec_timing=`)
+  codec_timing/<name>.json    each codec's encode (as the sender) and dequantize (as the
+                              receiver: per layer on arrival, the default, or the whole
+                              cache on demand: `dequantize=`) GB/s (`codec_timing=`); on
+                              arrival the hardware profile gets the cache build rate
   link/<name>-<emulation>.json  the emulated link's goodput fraction, first-byte latency and
                               per-message cost, fitted to real transfers (`link.profile=`)
 and prints the overrides that make `kvsim sim` use them. With out_dir=data/profiles they
@@ -24,6 +26,8 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from kvsim.config.checks import check_choice
+from kvsim.config.transport import DEQUANTIZE_MODES
 from kvsim.models import ModelSpec
 from kvsim.report import format_table
 
@@ -53,6 +57,9 @@ class Config:
     receiver_loads: bool = True
     receiver_context_tokens: int = 1024  # its prompts' tokens
     receiver_repeats: int = 3  # requests per codec (medians)
+    # the receiver mode the load rates are for (transport.dequantize; kvsim sim's
+    # deserializer of the same name): on_arrival | on_demand
+    dequantize: str = "on_arrival"
     # link emulations to profile (tc needs root: skipped with a note)
     links: list[str] = field(default_factory=lambda: ["token_bucket", "tc"])
     link_rates_gbps: list[float] = field(default_factory=lambda: [0.1, 0.5, 1.0])  # 1e9 bit/s
@@ -68,6 +75,7 @@ class Config:
             raise ValueError(f"contexts must be prompt lengths >= 16 tokens, got {self.contexts}")
         if self.receiver_repeats < 1 or self.receiver_context_tokens < 16:
             raise ValueError("receiver_repeats must be >= 1 and receiver_context_tokens >= 16")
+        check_choice("dequantize", self.dequantize, DEQUANTIZE_MODES)
         if self.codec_context_tokens not in self.contexts:
             raise ValueError(f"codec_context_tokens={self.codec_context_tokens} must be one of "
                              f"contexts {list(self.contexts)}")
@@ -144,9 +152,10 @@ def run(cfg: Config) -> list[dict]:
             f"{cfg.receiver_context_tokens} tokens) for the receiver's load and step times")
         measured = receiver_loads(cfg.model.name, list(cfg.codecs),
                                   cfg.receiver_context_tokens, cfg.seed, cfg.text_source,
-                                  repeats=cfg.receiver_repeats, threads=cfg.threads)
+                                  repeats=cfg.receiver_repeats, threads=cfg.threads,
+                                  dequantize=cfg.dequantize)
         ratio = apply_receiver_timing(measured, hw_doc, timing_doc,
-                                      cfg.receiver_context_tokens)
+                                      cfg.receiver_context_tokens, cfg.dequantize)
         say(f"receiver's decode step / in-process: {ratio:.3f} (the step curves are scaled "
             "by it)")
     _write(paths["hardware"], hw_doc)
@@ -161,7 +170,10 @@ def run(cfg: Config) -> list[dict]:
                      "anchor_decode_gb_per_s": e.get("anchor_decode_gb_per_s")})
     for emulation in cfg.links:
         rows.append(_link(cfg, emulation, paths[f"link:{emulation}"], prov, say))
-    _print(rows, paths, root)
+    if "cache_build" in hw_doc:
+        rows.append({"what": "model", "item": "cache build",
+                     "cache_build_gb_per_s": hw_doc["cache_build"]["gb_per_s"]})
+    _print(rows, paths, root, cfg.dequantize)
     return rows
 
 
@@ -188,16 +200,21 @@ def _link(cfg: Config, emulation: str, path: Path, prov: dict, say) -> dict:
             "fit_max_abs_pct_error": doc["fit_max_abs_pct_error"], "status": "measured"}
 
 
-def _print(rows: list[dict], paths: dict[str, Path], root: Path) -> None:
-    model = [r for r in rows if r["what"] == "model"]
+def _print(rows: list[dict], paths: dict[str, Path], root: Path, dequantize: str) -> None:
+    model = [r for r in rows if r["what"] == "model" and "prefill_s" in r]
     print(format_table(model, [("item", "model", ""), ("prefill_s", "prefill s", ".3f"),
                                ("decode_step_ms", "decode step ms", ".1f"),
                                ("first_step_extra_ms", "first step +ms", ".1f")]))
+    for r in rows:
+        if "cache_build_gb_per_s" in r:
+            print(f"cache build from dequantized layers: {r['cache_build_gb_per_s']:.3f} GB/s "
+                  "of bf16 cache")
     codec = [r for r in rows if r["what"] == "codec"]
+    print(f"codec GB/s of bf16 cache; dequantize: in the receiver, {dequantize.replace('_', ' ')}")
     print(format_table(codec, [("item", "codec", ""),
                                ("encode_gb_per_s", "encode GB/s", ".3f"),
-                               ("decode_gb_per_s", "load GB/s", ".3f"),
-                               ("anchor_decode_gb_per_s", "anchor load GB/s", ".3f")]))
+                               ("decode_gb_per_s", "dequantize GB/s", ".3f"),
+                               ("anchor_decode_gb_per_s", "anchor dequantize GB/s", ".3f")]))
     links = [r for r in rows if r["what"] == "link"]
     if links:
         print(format_table(links, [("item", "link", ""), ("efficiency", "efficiency", ".4f"),
@@ -208,6 +225,6 @@ def _print(rows: list[dict], paths: dict[str, Path], root: Path) -> None:
     link_keys = [k for k in paths if k.startswith("link:") and paths[k].is_file()]
     print(f"profiles written under {root}; use them with:\n  kvsim sim hardware=local-cpu "
           f"hardware.profile={paths['hardware']} codec_timing={paths['codec_timing']} "
-          f"deserializer=on_demand" +
+          f"deserializer={dequantize}" +
           "".join(f"\n    link.profile={paths[k]}  # transport.emulation={k[5:]}"
                   for k in link_keys))

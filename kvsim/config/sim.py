@@ -24,7 +24,7 @@ AZURE_TRACES = ("code", "conv")  # = kvsim.sim.azure_workload.AZURE_TRACES
 AZURE_ARRIVALS = ("trace", "gamma", "poisson")  # = kvsim.sim.azure_workload
 CONTEXT_DISTS = ("fixed", "uniform", "lognormal")
 GRANULARITIES = ("page", "layer")
-DESERIALIZERS = ("shared", "per_stream", "node", "on_demand")
+DESERIALIZERS = ("shared", "per_stream", "node", "on_demand", "on_arrival")
 
 
 @dataclass
@@ -228,7 +228,10 @@ class SimConfig:
     # node: one deserializer per decode instance shared by all its requests (FIFO by arrival) |
     # on_demand: nothing is dequantized on arrival; the decoder dequantizes the streams it
     # needs when they are all in (anchor, then the full cache once drafting stops), as
-    # kvsim's transport receiver does
+    # kvsim's transport receiver does with transport.dequantize=on_demand | on_arrival: one
+    # worker per request dequantizes each layer once its last message is in (anchor layers
+    # first, every policy pipelined), then the decoder builds its cache from them, as the
+    # transport receiver does by default
     deserializer: str = "shared"
     # codec timing: a file path or a calibrated profile's name (kvsim calibrate); default
     # data/codec_timing/<hardware>.json

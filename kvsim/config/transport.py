@@ -11,6 +11,7 @@ from kvsim.config.sim import SimConfig
 EMULATIONS = ("token_bucket", "tc", "none")
 KV_SOURCES = ("auto", "live", "capture", "synthetic")
 DECODES = ("auto", "real", "timing")
+DEQUANTIZE_MODES = ("on_arrival", "on_demand")  # the receiver's (kvsim.transport.assembly)
 
 
 @dataclass
@@ -52,10 +53,14 @@ class TransportConfig:
     # (encode, dequantize, framing) is not slowed, so it shrinks k-fold in the row.
     time_scale: float = 1.0
     start_timeout_s: float = 300.0  # kvsim emulate: the decode host loads + warms up by then
+    # kvsim serve: on_arrival: a worker per request dequantizes each layer once its chunks
+    # are in (kvsim sim's deserializer=on_arrival) | on_demand: the decoder dequantizes the
+    # whole cache when it starts on it (deserializer=on_demand)
+    dequantize: str = "on_arrival"
 
     def validate(self) -> None:
         for key, allowed in (("emulation", EMULATIONS), ("kv_source", KV_SOURCES),
-                             ("decode", DECODES)):
+                             ("decode", DECODES), ("dequantize", DEQUANTIZE_MODES)):
             check_choice(f"transport.{key}", getattr(self, key), allowed)
         for key in ("timeout_s", "heartbeat_s", "start_timeout_s"):
             check_number(f"transport.{key}", getattr(self, key))

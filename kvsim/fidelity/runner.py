@@ -3,14 +3,17 @@ simulated (`kvsim sim` with the calibrated profiles), from the same scenario key
 
 The simulator gets what calibration measured and nothing from the emulated run it is
 compared with: the hardware profile (prefill, decode step, verification), the codec timing
-of the transport's two ends, the link profile of the emulation, the receiver's
-dequantize-when-needed (`deserializer=on_demand`), no per-draft overhead beyond the step
+of the transport's two ends, the link profile of the emulation, the receiver's mode of
+dequantization that the codec timing was measured in (`receiver_dequantize`: the transport
+runs `transport.dequantize=` and the simulator `deserializer=` of that name; profiles
+without it were measured on demand), no per-draft overhead beyond the step
 (the real drafting is a plain decode step on the anchor cache) and the acceptance curve
 measured by `kvsim quality` on the same model.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +28,7 @@ class Profiles:
     hardware: Path
     codec_timing: Path
     links: dict[str, Path]  # emulation -> link profile
+    dequantize: str = "on_demand"  # the receiver mode the codec timing was measured in
 
 
 def find_profiles(root: Path, name: str, emulations: list[str]) -> Profiles:
@@ -38,7 +42,8 @@ def find_profiles(root: Path, name: str, emulations: list[str]) -> Profiles:
             f"calibrated profile {name!r} is incomplete under {root}: missing "
             f"{', '.join(str(p) for p in missing)}; run `kvsim calibrate out_dir={root} "
             f"name={name}` (with links=[{','.join(emulations)}]) or validate calibrate=true")
-    return Profiles(hw, ct, links)
+    mode = json.loads(ct.read_text()).get("receiver_dequantize", "on_demand")
+    return Profiles(hw, ct, links, mode)
 
 
 def _list(items: list[Any]) -> str:
@@ -53,14 +58,15 @@ def scenario_overrides(model: str, emulation: str, bandwidth_gbps: float, codecs
             f"codec_timing={profiles.codec_timing}", "link=emulated",
             f"link.bandwidth_gbps={bandwidth_gbps}", f"codecs={_list(codecs)}",
             f"metrics.ks={_list(sorted({1, *ks}))}", "speculative.draft_overhead_s=0",
-            f"transport.emulation={emulation}", *workload]
+            f"transport.emulation={emulation}", f"transport.dequantize={profiles.dequantize}",
+            *workload]
 
 
 def sim_overrides(common: list[str], profiles: Profiles, emulation: str, acceptance: str,
                   samples: int) -> list[str]:
     out = [o for o in common if not o.startswith("transport.")]
     return ["scenario=none", *out, f"link.profile={profiles.links[emulation]}",
-            "deserializer=on_demand", f"speculative.acceptance={acceptance}",
+            f"deserializer={profiles.dequantize}", f"speculative.acceptance={acceptance}",
             f"samples={samples}"]
 
 

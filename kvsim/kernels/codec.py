@@ -155,6 +155,35 @@ class Codec(ABC):
                               dtype)
         return cast_finite(out, dtype)
 
+    def decode_layer(self, shape: KVShape, layer: int, chunks: list[list[Chunk]],
+                     dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Reconstruct layer `layer` [2, kv_heads, tokens, head_dim] of a cache of `shape` from
+        that layer's chunks of streams 0..n-1 (chunks[s]: every page of stream s, n =
+        len(chunks)); equal to decode(whole cache, streams=n)[layer]. Only for
+        layer_independent codecs (a receiver dequantizes each layer as it arrives). The
+        chunks are validated as decode() validates a whole cache (CodecError)."""
+        if not self.layer_independent:
+            raise CodecError(f"{self.name}: a layer's coding depends on its depth; decode the "
+                             "whole cache")
+        if not _is_index(layer, shape.layers):
+            raise CodecError(f"{self.name}: layer {layer!r} out of range for {shape.layers} "
+                             "layers")
+        if not 1 <= len(chunks) <= self.num_streams:
+            raise CodecError(f"{self.name}: {len(chunks)} streams given, the codec has "
+                             f"{self.num_streams}")
+        relabelled: list[list[Chunk]] = []
+        for s, stream in enumerate(chunks):
+            for c in stream:
+                if c.layer != layer:
+                    raise CodecError(f"{self.name}: chunk (stream {s}, layer {c.layer}, page "
+                                     f"{c.page}) given as layer {layer}")
+            relabelled.append([Chunk(c.stream, 0, c.page, c.payload) for c in stream])
+        relabelled += [[] for _ in range(self.num_streams - len(chunks))]
+        one = dataclasses.replace(shape, layers=1)
+        enc = Encoded(self.name, self.params_dict(), one, self.page_tokens(one),
+                      self.stream_names(), relabelled)
+        return self.decode(enc, streams=len(chunks), dtype=dtype)[0]
+
     def _kernel_checks_finite(self, kv: torch.Tensor) -> bool:
         """True where _encode's kernel finds NaN / Inf in `kv` itself (saving encode() a pass
         over the cache); it must then raise check_finite's error (call check_finite(kv))."""

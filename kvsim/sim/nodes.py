@@ -247,10 +247,11 @@ class NodeDeserializer:
 class Deserializer:
     """Deserialization of one request's flows on its decode instance.
 
-    shared (default): one server for the request's streams, messages in priority order
-    (stream 0, the anchor, first; FIFO within a stream; a message in progress is not
-    preempted). Flow s's finish times depend only on messages of streams <= s and on
-    lower streams' messages that started before, which have all been reported by the time
+    shared (default), on_arrival: one server for the request's streams, messages in
+    priority order (stream 0, the anchor, first; FIFO within a stream; a message in progress
+    is not preempted; on_arrival: a layer's work on its last message, see build_plan).
+    Flow s's finish times depend only on messages of streams <= s and on lower streams'
+    messages that started before, which have all been reported by the time
     flows 0..s have left the link, so flow s is evaluated then, exactly.
     per_stream: every stream has its own server (streams deserialize in parallel).
     Monolithic transfer (not pipelined): everything is deserialized after the last arrival.
@@ -258,9 +259,9 @@ class Deserializer:
 
     def __init__(self, env: simpy.Environment, plans: list[FlowPlan], pipelined: bool,
                  mode: str = "shared", node: NodeDeserializer | None = None) -> None:
-        if mode not in ("shared", "per_stream", "node", "on_demand"):
-            raise ValueError(f"deserializer must be 'shared', 'per_stream', 'node' or "
-                             f"'on_demand', got {mode!r}")
+        if mode not in ("shared", "per_stream", "node", "on_demand", "on_arrival"):
+            raise ValueError(f"deserializer must be 'shared', 'per_stream', 'node', "
+                             f"'on_demand' or 'on_arrival', got {mode!r}")
         if (mode == "node") != (node is not None):
             raise ValueError("deserializer=node needs the decode instance's NodeDeserializer")
         self.pipelined, self.mode, self.node = pipelined, mode, node

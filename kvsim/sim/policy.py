@@ -67,7 +67,16 @@ def natural_policy(num_streams: int) -> str:
 
 
 def build_plan(table: SizeTable, shape: KVShape, policy: str, timing: CodecTiming,
-               devices: int = 1, granularity: str = "page") -> TransferPlan:
+               devices: int = 1, granularity: str = "page", layer_jobs: bool = False,
+               anchor_jobs: bool = False) -> TransferPlan:
+    """The request's flows and per-message work.
+
+    Deserialization work per message: by default each chunk's dequantization split between
+    its streams by their bytes. layer_jobs (deserializer=on_arrival, the transport
+    receiver's worker): a layer is dequantized when its last message arrives: the message
+    completing layer l of the last stream carries the layer's full dequantization and, with
+    anchor_jobs (the decoder drafts on the anchor), the one completing layer l of stream 0
+    carries the anchor's alone; every other message carries none."""
     if policy not in POLICIES:
         raise ValueError(f"unknown transfer policy {policy!r}; choose from {POLICIES}")
     if granularity not in GRANULARITIES:
@@ -93,6 +102,9 @@ def build_plan(table: SizeTable, shape: KVShape, policy: str, timing: CodecTimin
     share = np.divide(per_chunk, totals, out=np.zeros_like(per_chunk), where=totals > 0)
     deser = share * decode_full  # [streams, c]: a stream's share of the chunk's decode work
 
+    if layer_jobs:
+        deser = _layer_job_work(per_chunk, chunk_layer, bf16, timing, devices,
+                                anchor_jobs and policy.startswith("split_stream"))
     flows: list[FlowPlan] = []
     if policy.startswith("split_stream") and streams > 1:
         for s in range(streams):
@@ -115,6 +127,30 @@ def build_plan(table: SizeTable, shape: KVShape, policy: str, timing: CodecTimin
     stream_bytes[0] += table.header_bytes
     return TransferPlan(policy, flows, chunk_layer, encode_s, list(table.stream_names),
                         stream_bytes, int(table.total_bytes))
+
+
+def _layer_job_work(per_chunk: np.ndarray, chunk_layer: np.ndarray, bf16: np.ndarray,
+                    timing: CodecTiming, devices: int, anchor: bool) -> np.ndarray:
+    """[streams, c] work (s) of deserializer=on_arrival: on the last chunk of each layer
+    that has bytes in a stream, that layer's full dequantization (last stream) or the
+    anchor's (stream 0, when drafted on); zero elsewhere. In a single merged flow
+    (messages in (chunk, stream) order) the last stream's last chunk of a layer is the
+    layer's last message, so the same array serves both layouts."""
+    streams, n_chunks = per_chunk.shape
+    layers = int(chunk_layer[-1]) + 1
+    layer_bf16 = np.bincount(chunk_layer, weights=bf16, minlength=layers)  # [layers]
+    work = np.zeros((streams, n_chunks))
+    targets = [(streams - 1, timing.decode_s)]
+    if anchor and streams > 1:
+        targets.append((0, timing.anchor_decode_s))
+    for s, seconds in targets:
+        has = np.nonzero(per_chunk[s] > 0)[0]
+        if len(has) == 0:
+            continue
+        # last chunk with bytes of each layer: where the layer index changes, and the end
+        last = has[np.append(chunk_layer[has][1:] != chunk_layer[has][:-1], True)]
+        work[s, last] = [seconds(float(layer_bf16[chunk_layer[i]]), devices) for i in last]
+    return work
 
 
 def release_times(plan: TransferPlan, prefill_start_t: float, prefill_s: float, layers: int,

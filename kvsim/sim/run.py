@@ -112,8 +112,10 @@ class Scenario:
         if hit is None:
             shape = self.model.kv_shape(context_tokens)
             table = self.codec.size_table(shape)
+            on_arrival = self.cfg.deserializer == "on_arrival"
             plan = build_plan(table, shape, self.variant.policy, self.codec_timing,
-                              self.hw.devices, self.cfg.granularity)
+                              self.hw.devices, self.cfg.granularity, layer_jobs=on_arrival,
+                              anchor_jobs=on_arrival and self.cfg.speculative.cap_tokens > 0)
             hit = self._plans[context_tokens] = (plan, table)
         return hit[0]
 
@@ -229,6 +231,8 @@ class Scenario:
         if cfg.deserializer == "on_demand":  # the decoder dequantizes what it starts on
             t_need, on_demand_spec, load_all_s = yield from self._load_on_demand(
                 req, plan, receivers)
+        elif cfg.deserializer == "on_arrival":  # the decoder builds its cache from layers
+            load_all_s = yield from self._build_on_arrival(req, plan, receivers)
         tokens = req.output_tokens
         # the request's cache in decode memory (bf16, its context and the tokens it decodes)
         kv_bytes = float(self.model.kv_bytes_bf16(req.context_tokens + tokens))
@@ -282,6 +286,21 @@ class Scenario:
         if self.finished == self.n_requests:
             self.all_done.succeed()
 
+    def _build_on_arrival(self, req: Request, plan: TransferPlan, receivers: list[Receiver]):
+        """deserializer=on_arrival, once the needed streams are dequantized (now): the decoder
+        builds its cache from them (cache_build) and its first step on it costs the fresh
+        cache's extra; a split-stream request whose residual was dequantized while its anchor
+        cache was built builds the full cache too. Returns the full cache's build s once
+        drafting stops (its verification pass is measured on a fresh cache: no extra)."""
+        env = self.env
+        build_s = self.timing.cache_build_s(req.context_tokens)
+        all_in_before = all(rx.ready.triggered for rx in receivers)
+        yield env.timeout(build_s + self.timing.first_step_extra_s(req.context_tokens))
+        if plan.speculative and not all_in_before and \
+                all(rx.ready.triggered for rx in receivers):
+            yield env.timeout(build_s)  # the anchor's cache was built for nothing
+        return build_s
+
     def _load_on_demand(self, req: Request, plan: TransferPlan, receivers: list[Receiver]):
         """deserializer=on_demand, once the needed streams are in (now): as the transport's
         decoder, dequantize the anchor and draft if the rest is still missing then, else
@@ -317,8 +336,10 @@ class Scenario:
         rel = release_times(plan, layers_start_t, layers_s, self.model.layers,
                             pnode.encoder_free_t)
         pnode.encoder_free_t = float(rel[-1])
-        deser = Deserializer(self.env, plan.flows, plan.pipelined, cfg.deserializer,
-                             dnode.deserializer)
+        # on_arrival: the receiver's worker dequantizes layers as they land, whatever the policy
+        deser = Deserializer(self.env, plan.flows,
+                             plan.pipelined or cfg.deserializer == "on_arrival",
+                             cfg.deserializer, dnode.deserializer)
         receivers = deser.receivers
         if self.ingress:  # both links carry every message (kvsim.sim.ingress)
             for fp, rx in zip(plan.flows, receivers, strict=True):

@@ -1,5 +1,7 @@
 """Per-request assembler on the decode side: holds the chunks that arrived, refuses what does
-not fit the request's preamble, says what is complete, and dequantizes on demand.
+not fit the request's preamble, says what is complete, and dequantizes: layer by layer as the
+chunks arrive (`dequantize="on_arrival"`, kvsim.transport.layer_dequantizer) or the whole
+cache when the decoder starts on it (`"on_demand"`).
 
 Everything in a chunk frame is checked against what the HELLO announced before it is kept:
 stream, layer and page in range; `seq` names exactly that (layer, page); the payload length
@@ -17,11 +19,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvsim.config.transport import DEQUANTIZE_MODES
 from kvsim.kernels import wire
 from kvsim.kernels.codec import Codec
 from kvsim.kernels.encoded import Chunk, Encoded, SizeTable
 from kvsim.layout import KVShape
 from kvsim.transport import protocol as P
+from kvsim.transport.layer_dequantizer import LayerDequantizer
 
 
 @dataclass
@@ -56,12 +60,29 @@ class Assembly:
     failed: str = ""  # set when the request is dropped: waiters wake up and give up
     fin: dict | None = None
     events: list[tuple[str, float, float]] = field(default_factory=list)
+    # on_arrival: each layer dequantized once its chunks are in (codecs whose layers decode
+    # alone; others fall back to on_demand): the whole cache when the decoder starts on it
+    dequantize: str = "on_demand"
+    anchor_needed: bool = False  # the decoder drafts on stream 0 alone (split-stream, cap > 0)
 
     def __post_init__(self) -> None:
         self._cv = threading.Condition()
         for order in P.stream_order(self.table.chunk_bytes):
             self.streams.append(StreamState(order, np.zeros(len(order), dtype=bool)))
             self.chunks.append([])
+        if self.dequantize not in DEQUANTIZE_MODES:
+            raise ValueError(f"dequantize must be one of {DEQUANTIZE_MODES}, got "
+                             f"{self.dequantize!r}")
+        self._closed = False
+        self.dequantizer: LayerDequantizer | None = None
+        if self.dequantize == "on_arrival" and not self.codec.layer_independent:
+            self.dequantize = "on_demand"  # its layers do not decode alone
+        if self.dequantize == "on_arrival":
+            pages = [np.bincount([layer for layer, _ in st.expected],
+                                 minlength=self.shape.layers) for st in self.streams]
+            self.dequantizer = LayerDequantizer(
+                self.request_id, self.codec, self.shape, pages, self.anchor_needed, self._cv,
+                lambda: self.failed or self._closed)
         # bound for entropy-coded chunks: the raw bf16 bytes of the chunk, doubled, + 64 KiB
         self._max_payload = 2 * 2 * 2 * self.shape.kv_heads * self.table.page_tokens * \
             self.shape.head_dim + (64 << 10)
@@ -102,13 +123,27 @@ class Assembly:
             if st.count == 1:
                 st.first_arrival_t = now
             st.last_arrival_t = now
-            self.chunks[frame.stream].append(
-                Chunk(frame.stream, frame.layer, frame.page,
-                      np.frombuffer(frame.payload, dtype=np.uint8)))
+            chunk = Chunk(frame.stream, frame.layer, frame.page,
+                          np.frombuffer(frame.payload, dtype=np.uint8))
+            self.chunks[frame.stream].append(chunk)
+            if self.dequantizer is not None:
+                self.dequantizer.chunk_arrived(chunk)
             if st.complete:
                 st.complete_t = now
                 self._cv.notify_all()
         return "ok"
+
+    def start(self) -> None:
+        """Start the on-arrival dequantization worker (no-op on demand)."""
+        if self.dequantizer is not None:
+            threading.Thread(target=self.dequantizer.run, daemon=True,
+                             name=f"kvsim-dequantize-{self.request_id}").start()
+
+    def close(self) -> None:
+        """The request ended: the worker, if still waiting for chunks, stops."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
 
     def refuse(self, reason: str) -> None:
         key = P.refusal_key(reason)
@@ -152,22 +187,41 @@ class Assembly:
     def num_streams(self) -> int:
         return len(self.streams)
 
-    def streams_ready(self) -> int:
+    def arrived_streams(self) -> int:
+        """Leading streams whose every chunk arrived."""
         with self._cv:
             n = 0
             while n < len(self.streams) and self.streams[n].complete:
                 n += 1
             return n
 
-    def wait_streams(self, n: int, timeout_s: float) -> bool:
+    def streams_ready(self) -> int:
+        """Leading streams the decoder can use: arrived (on demand) or dequantized (on
+        arrival: 1 once the anchor is, every stream once the full cache is)."""
+        if self.dequantizer is None:
+            return self.arrived_streams()
         with self._cv:
-            self._cv.wait_for(lambda: self.failed or all(s.complete for s in self.streams[:n]),
-                              timeout=timeout_s)
-            return not self.failed and all(s.complete for s in self.streams[:n])
+            return self.dequantizer.streams_ready()
+
+    def wait_streams(self, n: int, timeout_s: float) -> bool:
+        """Block until streams 0..n-1 are usable (see streams_ready); True also when the
+        on-arrival worker refused their bytes (kv(n) then raises its error)."""
+        dq = self.dequantizer
+        with self._cv:
+            if dq is None:
+                ok = lambda: all(s.complete for s in self.streams[:n])  # noqa: E731
+            else:
+                ok = lambda: dq.error is not None or dq.ready(n)  # noqa: E731
+            self._cv.wait_for(lambda: self.failed or ok(), timeout=timeout_s)
+            return not self.failed and ok()
 
     def kv(self, n: int) -> torch.Tensor:
-        """Dequantize the first n streams -> [layers, 2, kv_heads, tokens, head_dim] fp32.
-        Raises CodecError / WireError for bytes the codec refuses."""
+        """The first n streams dequantized -> [layers, 2, kv_heads, tokens, head_dim] fp32:
+        the on-arrival worker's buffer (after wait_streams(n)), or dequantized now. Raises
+        CodecError / WireError for bytes the codec refuses."""
+        if self.dequantizer is not None:
+            with self._cv:
+                return self.dequantizer.buffer(n)
         t0 = time.time()
         with self._cv:
             snapshot = [list(c) for c in self.chunks[:n]]
@@ -183,7 +237,7 @@ class Assembly:
     def received_summary(self) -> dict:
         return {"chunks_received": [s.count for s in self.streams],
                 "chunks_expected": [len(s.expected) for s in self.streams],
-                "complete_streams": self.streams_ready()}
+                "complete_streams": self.arrived_streams()}
 
 
 class _Where:

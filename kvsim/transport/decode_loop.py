@@ -342,7 +342,9 @@ class TimingDecodeLoop(_DecodeLoop):
     verification verify_s(n, context_tokens) * time_scale; the accepted count is
     acceptance.sample_accepted(n, rng). Back-to-back steps sleep until their planned end
     (phase start + modelled time so far), so sleep overshoot does not accumulate.
-    dequantize: call view.kv(n) for real (its time is real, not scaled) or skip it.
+    dequantize: call view.kv(n) for real (its time is real, not scaled) or skip it. A view
+    dequantized on arrival (its `dequantize` attribute) hands over finished layers: the load
+    then sleeps the profile's cache build (cache_build_s) instead.
     Reported times are raw clock readings: the caller divides
     durations by time_scale to get modelled seconds; tpot_s, draft_tpot_s and verify_s are
     the modelled ones times time_scale (clock seconds, like everything else)."""
@@ -382,6 +384,12 @@ class TimingDecodeLoop(_DecodeLoop):
     def _load(self, view: CacheView, n: int) -> Any:
         if self.dequantize:
             view.kv(n)  # real dequantization cost; the tensor itself is not needed
+        if getattr(view, "dequantize", "on_demand") == "on_arrival":
+            # the layers were dequantized as they arrived: what is left is building the
+            # modelled model's cache from them (a measured profile's cache_build)
+            build_s = self.timing.cache_build_s(self.context) * self.time_scale
+            if build_s > 0:
+                self.sleep(build_s)
         self._fresh_extra_s = self.timing.first_step_extra_s(self.context) * self.time_scale
         return None
 

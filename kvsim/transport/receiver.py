@@ -50,6 +50,9 @@ class ReceiverSettings:
     max_active_requests: int = 64  # refuse a HELLO beyond this many requests in progress
     max_requests: int = 0  # stop after this many requests ended (0: until stopped)
     idle_exit_s: float = 0.0  # stop when nothing happened for this long (0: never)
+    # on_arrival: a worker per request dequantizes each layer once its chunks are in |
+    # on_demand: the decoder dequantizes the whole cache when it starts on it
+    dequantize: str = "on_arrival"
 
 
 # (hello, assembly) -> (decode loop with .run(view, ...), description dict); raises to refuse
@@ -231,6 +234,7 @@ class Receiver:
             return
         self.requests[rid] = asm
         self.peers[rid] = peer
+        asm.start()
         self._send(sock, peer, P.json_message(P.MsgType.ACCEPT, rid, {
             "window_bytes": self.s.window_bytes, "held": {}}))
         threading.Thread(target=self._decode, args=(asm,), daemon=True,
@@ -278,7 +282,9 @@ class Receiver:
             problem = self.check_hello(hello, shape)
             if problem:
                 raise P.ProtocolError(problem)
-        return Assembly(rid, codec, shape, codec.size_table(shape), hello)
+        anchor = str(policy).startswith("split_stream") and int(hello.get("cap_tokens") or 0) > 0
+        return Assembly(rid, codec, shape, codec.size_table(shape), hello,
+                        dequantize=self.s.dequantize, anchor_needed=anchor)
 
     def _send_acks(self, sock: zmq.Socket) -> None:
         for rid in self._touched:
@@ -315,7 +321,9 @@ class Receiver:
             self._send(sock, peer, P.json_message(P.MsgType.DONE, rid, row))
         self.rows.append(row)
         self.finished_ids.add(rid)
-        self.requests.pop(rid, None)
+        asm = self.requests.pop(rid, None)
+        if asm is not None:
+            asm.close()
 
     def _drop_silent(self, sock: zmq.Socket, now: float) -> None:
         for rid, asm in list(self.requests.items()):

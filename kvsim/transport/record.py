@@ -44,10 +44,11 @@ def emulated_row(asm: Assembly, hello: dict, result: Any, error: str,
         "prefill_measured": bool(hello.get("prefill_measured")),
         "stream_bytes": dict(zip(asm.codec.stream_names(), stream_bytes, strict=True)),
         "total_bytes": asm.table.total_bytes, "exact_sizes": asm.table.exact,
-        "refused_frames": dict(asm.refused), **asm.received_summary(), **(extra or {}),
+        "refused_frames": dict(asm.refused), "dequantize": asm.dequantize,
+        **asm.received_summary(), **(extra or {}),
     }
     if result is None:
-        base.update(status="partial" if asm.streams_ready() < asm.num_streams else "error",
+        base.update(status="partial" if asm.arrived_streams() < asm.num_streams else "error",
                     error=error)
         return base
     streams = asm.streams
@@ -136,7 +137,8 @@ def trace_spans(asm: Assembly, hello: dict, result: Any, fin: dict) -> list[list
     first_send = _num(fin, "first_send_t", t_pe)
     for name, st in zip(asm.codec.stream_names(), asm.streams, strict=True):
         out.append([f"transfer {name}", "link", first_send, st.complete_t])
-    for name, t0, t1 in [*asm.events, *result.events]:
+    layer_spans = asm.dequantizer.spans if asm.dequantizer is not None else []
+    for name, t0, t1 in [*asm.events, *layer_spans, *result.events]:
         if name.startswith("dequantize"):
             out.append([name, "decode", t0, t1])
     for kind, t0, t1 in result.segments:

@@ -181,7 +181,8 @@ def receiver_settings(cfg: EmulateConfig, bind: str) -> ReceiverSettings:
                             heartbeat_s=t.heartbeat_s, window_bytes=t.window_bytes,
                             max_request_bytes=t.max_request_bytes,
                             max_active_requests=t.max_active_requests,
-                            max_requests=t.max_requests, idle_exit_s=t.idle_exit_s)
+                            max_requests=t.max_requests, idle_exit_s=t.idle_exit_s,
+                            dequantize=t.dequantize)
 
 
 def decoder_factory(cfg: EmulateConfig, mode: str, lm: Any | None):

@@ -1,0 +1,138 @@
+"""Dequantization on arrival: one worker thread per request turns each layer into fp32 as soon
+as its chunks are in, so that when the last chunk lands only its own layer is left to do.
+
+    I/O thread (Assembly.add, under the assembly's lock): the last page of (stream s, layer l)
+        arrived -> anchor job (s = 0, when the decoder will draft on the anchor) and, once every
+        stream of layer l is in, a full job (every stream)
+    worker: jobs in priority order (anchor jobs first, then by layer; a job in progress is
+        not interrupted) -> codec.decode_layer -> finite check -> written into the
+        [layers, 2, kv_heads, tokens, head_dim] fp32 buffer of its kind
+
+This is what the simulator's `deserializer=on_arrival` models: one server per request whose
+work for a layer is that layer's dequantization (the anchor alone at the anchor's rate, every
+stream at the full rate), served anchors first. The decoder then only builds its cache from
+the finished buffer. Codecs whose layers do not decode alone (`layer_independent` False) are
+dequantized whole, on demand (`Assembly.dequantize` says which one ran).
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from kvsim.kernels import wire
+from kvsim.kernels.codec import Codec
+from kvsim.kernels.encoded import Chunk
+from kvsim.layout import KVShape
+
+ANCHOR, FULL = 0, 1  # job kinds, also their priority (lower first)
+Span = tuple[str, float, float]
+
+
+class LayerDequantizer:
+    """Per request; every method but `run` is called with `lock` held (the assembly's)."""
+
+    def __init__(self, request_id: int, codec: Codec, shape: KVShape,
+                 pages_per_layer: list[np.ndarray], anchor: bool,
+                 lock: threading.Condition, failed: Callable[[], str]) -> None:
+        self.request_id, self.codec, self.shape = request_id, codec, shape
+        self.num_streams = codec.num_streams
+        self.anchor = anchor and self.num_streams > 1  # the decoder drafts on stream 0 alone
+        self._pages = pages_per_layer  # [streams] of [layers]: chunks of each (stream, layer)
+        self._have = [np.zeros(shape.layers, dtype=np.int64) for _ in pages_per_layer]
+        self._chunks: list[list[list[Chunk]]] = [[[] for _ in range(shape.layers)]
+                                                 for _ in pages_per_layer]
+        self._jobs: list[tuple[int, int]] = []  # heap of (kind, layer)
+        self._done = {ANCHOR: 0, FULL: 0}  # layers finished per kind
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._cv, self._failed = lock, failed
+        self.error: Exception | None = None
+        self.spans: list[Span] = []  # (name, t0, t1) of every job, Unix s
+        self.ready_t = {ANCHOR: float("nan"), FULL: float("nan")}  # kind complete (Unix s)
+
+    # ---- I/O thread side (lock held) ------------------------------------------------------
+    def chunk_arrived(self, chunk: Chunk) -> None:
+        s, layer = chunk.stream, chunk.layer
+        self._chunks[s][layer].append(chunk)
+        self._have[s][layer] += 1
+        if self._have[s][layer] != self._pages[s][layer]:
+            return
+        if s == 0 and self.anchor:
+            heapq.heappush(self._jobs, (ANCHOR, layer))
+        if all(h[layer] == p[layer] for h, p in zip(self._have, self._pages, strict=True)):
+            heapq.heappush(self._jobs, (FULL, layer))
+        self._cv.notify_all()
+
+    # ---- decoder side (lock held) ---------------------------------------------------------
+    def ready(self, streams: int) -> bool:
+        """The cache of the first `streams` streams (1: the anchor; all) is dequantized."""
+        kind = FULL if streams >= self.num_streams or not self.anchor else ANCHOR
+        return self._done[kind] == self.shape.layers or \
+            self._done[FULL] == self.shape.layers
+
+    def streams_ready(self) -> int:
+        if self._done[FULL] == self.shape.layers:
+            return self.num_streams
+        return 1 if self.anchor and self._done[ANCHOR] == self.shape.layers else 0
+
+    def buffer(self, streams: int) -> torch.Tensor:
+        """The finished fp32 cache [layers, 2, kv_heads, tokens, head_dim] of `streams`."""
+        if self.error is not None:
+            raise self.error
+        if not self.ready(streams):
+            raise RuntimeError(f"request {self.request_id}: streams 0..{streams - 1} are not "
+                               "dequantized yet")
+        kind = ANCHOR if self.anchor and streams < self.num_streams else FULL
+        if self._done[kind] < self.shape.layers:  # the full cache arrived before the anchor's
+            kind = FULL
+        return self._buffers[kind]
+
+    # ---- worker ---------------------------------------------------------------------------
+    def run(self, poll_s: float = 0.5) -> None:
+        """Serve jobs until every layer of every kind is done, the request failed, or a
+        layer's bytes were refused (then `error` is set and waiters are woken)."""
+        kinds = (ANCHOR, FULL) if self.anchor else (FULL,)
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._jobs or self._failed(), timeout=poll_s)
+                if self._failed():
+                    return
+                if not self._jobs:
+                    continue
+                kind, layer = heapq.heappop(self._jobs)
+                n = 1 if kind == ANCHOR else self.num_streams
+                chunks = [list(self._chunks[s][layer]) for s in range(n)]
+            t0 = time.time()
+            try:
+                out = self.codec.decode_layer(self.shape, layer, chunks, dtype=torch.float32)
+                if not torch.isfinite(out).all():
+                    raise wire.WireError(f"request {self.request_id}: layer {layer} decodes to "
+                                         "non-finite values")
+                buf = self._buffers.get(kind)
+                if buf is None:  # pages are committed as layers are written
+                    buf = torch.empty(self.shape.layers, *out.shape, dtype=torch.float32)
+                    self._buffers[kind] = buf
+                buf[layer].copy_(out)
+            except Exception as exc:  # CodecError / WireError: bytes the codec refuses
+                with self._cv:
+                    self.error = exc
+                    self._cv.notify_all()
+                return
+            t1 = time.time()
+            with self._cv:
+                name = "stream 0" if n == 1 else f"streams 0-{n - 1}"
+                self.spans.append((f"dequantize layer {layer} {name}", t0, t1))
+                self._done[kind] += 1
+                if self._done[kind] == self.shape.layers:
+                    self.ready_t[kind] = t1
+                    self._cv.notify_all()
+                    if all(self._done[k] == self.shape.layers for k in kinds):
+                        return
+
+
+__all__ = ["ANCHOR", "FULL", "LayerDequantizer"]
