@@ -132,3 +132,42 @@ def test_receiver_timing_replaces_loads_and_scales_the_step_curves():
     assert lynx["anchor_decode_gb_per_s"] == 0.25
     assert hw["first_step_extra"]["s"] == pytest.approx([0.03, 0.03])  # measured, flat
     assert hw["first_step_extra_inprocess"]["s"] == [0.0, 0.001]
+
+
+def test_receiver_loads_on_arrival_sum_the_layer_jobs_and_time_the_cache_build(monkeypatch):
+    """On arrival, the rates come from the worker's per-layer spans (anchor and full jobs
+    summed over layers) and the decode loop's load span is the cache build."""
+    import kvsim.commands.emulate as emulate_mod
+    from kvsim.calibrate.receiver_timing import apply_receiver_timing, receiver_loads
+
+    seen = {}
+
+    def fake_emulate(cfg):
+        seen["dequantize"] = cfg.transport.dequantize
+        bf16 = float(cfg.model.kv_bytes_bf16(64))
+        spans = [[f"dequantize layer {i} stream 0", "decode", 0.0, bf16 / 2e9 / 2]
+                 for i in range(2)]  # anchor: 2 GB/s over two layers
+        spans += [[f"dequantize layer {i} streams 0-1", "decode", 0.0, bf16 / 1e9 / 2]
+                  for i in range(2)]  # full: 1 GB/s
+        spans += [["dequantize stream 0", "decode", 0.0, 0.001],
+                  ["dequantize streams 0-1", "decode", 1.0, 1.0 + bf16 / 4e9]]  # build
+        return [{"status": "done", "codec": "lynx", "context_tokens": 64, "streams": 2,
+                 "dequantize": "on_arrival", "tpot_s": 0.05, "proposed_tokens": 2,
+                 "trace_spans": spans}]
+
+    monkeypatch.setattr(emulate_mod, "emulate", fake_emulate)
+    got = receiver_loads("smollm2-135m", ["lynx"], 64, 1, "stdlib-docs", repeats=1)
+    assert seen["dequantize"] == "on_arrival"
+    lynx = got["lynx"]
+    assert lynx["decode_gb_per_s"] == pytest.approx(1.0)
+    assert lynx["anchor_decode_gb_per_s"] == pytest.approx(2.0)
+    assert lynx["cache_build_gb_per_s"] == pytest.approx(4.0)
+    hw = {"tpot": {"context_tokens": [64], "s": [0.05]},
+          "first_step_extra": {"context_tokens": [64], "s": [0.0]},
+          "tpot_batch": {"context_tokens": 64, "batch": [1], "s": [0.05]},
+          "verify": {"context_tokens": 64, "drafted_tokens": [1], "s": [0.06]}}
+    timing = {"codecs": {"lynx": {"decode_gb_per_s": 3.0, "what": "w"}}}
+    apply_receiver_timing(got, hw, timing, 64, "on_arrival")
+    assert hw["cache_build"]["gb_per_s"] == pytest.approx(4.0)
+    assert timing["receiver_dequantize"] == "on_arrival"
+    assert timing["codecs"]["lynx"]["inprocess_decode_gb_per_s"] == 3.0

@@ -74,3 +74,25 @@ def test_plot_kind_fidelity_draws_a_validate_report(tmp_path):
     assert main(["plot", "kind=fidelity", f"input={report}", f"out={out}",
                  "formats=[png]"]) == 0
     assert out.is_file() and out.stat().st_size > 1000
+
+
+def test_both_engines_run_the_receiver_mode_the_codec_timing_was_measured_in(tmp_path):
+    import json
+
+    from kvsim.fidelity.runner import find_profiles, scenario_overrides, sim_overrides
+
+    for d in ("hardware", "codec_timing", "link"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "hardware" / "p.json").write_text("{}")
+    (tmp_path / "link" / "p-token-bucket.json").write_text("{}")
+    ct = tmp_path / "codec_timing" / "p.json"
+    for doc, mode in (({}, "on_demand"), ({"receiver_dequantize": "on_arrival"}, "on_arrival")):
+        ct.write_text(json.dumps(doc))
+        prof = find_profiles(tmp_path, "p", ["token_bucket"])
+        assert prof.dequantize == mode
+        common = scenario_overrides("smollm2-135m", "token_bucket", 0.1, ["int8"], [], [32],
+                                    prof)
+        assert f"transport.dequantize={mode}" in common
+        sim = sim_overrides(common, prof, "token_bucket", "x", 1)
+        assert f"deserializer={mode}" in sim
+        assert not any(o.startswith("transport.") for o in sim)

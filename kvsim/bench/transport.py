@@ -483,7 +483,8 @@ def _rx_transport(job: dict, out: str) -> None:
 
     settings = ReceiverSettings(bind=job["bind"], model="", timeout_s=wait_s, heartbeat_s=0.5,
                                 window_bytes=int(job["window_bytes"]), max_request_bytes=1 << 40,
-                                max_requests=0, idle_exit_s=0.0)
+                                max_requests=0, idle_exit_s=0.0,
+                                dequantize="on_demand")  # the transport alone: nothing decoded
     rx = Receiver(settings, make_decoder, build_row,
                   log=lambda msg: print(f"rx-transport: {msg}", file=sys.stderr))
     signal.signal(signal.SIGTERM, lambda *_: rx.stop.set())
