@@ -147,3 +147,9 @@ def test_codec_entries_pin_transfer_and_measured_acceptance_per_codec():
     assert acc[("int8", "monolithic")] == cfg.speculative.acceptance
     with pytest.raises(ValueError, match="acceptance_files must contain"):
         _slow(["acceptance_files=smollm2-135m-lynx-s1-greedy"])
+
+
+@pytest.mark.parametrize("key", ["trace_path", "requests_path"])
+def test_sim_output_paths_are_refused_not_ignored(key: str):
+    with pytest.raises(ValueError, match=f"{key} is a `kvsim sim` output"):
+        _slow([f"{key}=/tmp/never-written.csv"])

@@ -39,6 +39,11 @@ class AdviseConfig(SimConfig):
 
             self.codecs = preset_names()
         super().validate()
+        for key in ("trace_path", "requests_path"):
+            if getattr(self, key):  # one file per `kvsim sim` run; advise runs dozens
+                raise ValueError(f"{key} is a `kvsim sim` output: advise simulates every "
+                                 "candidate and writes no event log or request rows; run "
+                                 f"`kvsim sim` with the recommended codec and {key}=...")
         objective_key(self.objective)
         from kvsim.advise.floor import parse_floor
 
