@@ -121,3 +121,57 @@ def test_unknown_mode_is_refused():
     codec = make_codec("uniform")
     with pytest.raises(ValueError, match="dequantize must be one of"):
         Assembly(1, codec, SHAPE, codec.size_table(SHAPE), {}, dequantize="eager")
+
+
+def _llama_config(layers: int, heads: int, dim: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(num_hidden_layers=layers, num_key_value_heads=heads,
+                       num_attention_heads=heads, hidden_size=heads * dim, vocab_size=32,
+                       intermediate_size=8)
+
+
+def _same_cache(a, b) -> None:
+    assert a.get_seq_length() == b.get_seq_length()
+    for la, lb in zip(a.layers, b.layers, strict=True):
+        assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
+
+
+def test_cache_from_layers_in_any_order_equals_kv_to_cache():
+    from kvsim.quality.capture import CacheFromLayers, kv_to_cache
+
+    cfg = _llama_config(SHAPE.layers, SHAPE.kv_heads, SHAPE.head_dim)
+    kv = generate_kv(SHAPE, seed=9).float()
+    b = CacheFromLayers(cfg, torch.float32)
+    for layer in (2, 0, 3):
+        b.add(layer, kv[layer])
+    with pytest.raises(ValueError, match=r"lacks layers \[1\]"):
+        b.cache()
+    with pytest.raises(ValueError, match="added twice"):
+        b.add(2, kv[2])
+    b.add(1, kv[1])
+    _same_cache(b.cache(), kv_to_cache(kv, cfg, torch.float32))
+
+
+def test_on_arrival_builds_the_decoders_caches_layer_by_layer():
+    """With the decode loop's cache builder, the worker grows the model's caches (anchor and
+    full) as layers arrive; each is taken once, and no fp32 copy is kept."""
+    from kvsim.quality.capture import CacheFromLayers, kv_to_cache
+
+    cfg = _llama_config(SHAPE.layers, SHAPE.kv_heads, SHAPE.head_dim)
+    codec = make_codec("lynx")
+    enc = codec.encode(generate_kv(SHAPE, seed=6))
+    asm = Assembly(7, codec, SHAPE, codec.size_table(SHAPE), {}, dequantize="on_arrival",
+                   anchor_needed=True)
+    asm.start(lambda: CacheFromLayers(cfg, torch.float32))
+    _feed(asm, _frames(enc, 7))
+    assert asm.wait_streams(2, timeout_s=30) and asm.wait_streams(1, timeout_s=30)
+    for n in (1, 2):
+        want = kv_to_cache(codec.decode(enc, streams=n, dtype=torch.float32), cfg,
+                           torch.float32)
+        _same_cache(asm.built_cache(n), want)
+        with pytest.raises(RuntimeError, match="taken already"):
+            asm.built_cache(n)
+    with pytest.raises(RuntimeError, match="built_cache"):
+        asm.kv(2)
+    asm.close()

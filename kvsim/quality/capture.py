@@ -57,6 +57,38 @@ def kv_to_cache(kv: torch.Tensor, config: Any, dtype: torch.dtype | None = None)
     return DynamicCache(data, config=config)
 
 
+class CacheFromLayers:
+    """A fresh DynamicCache filled one layer at a time, in any order (a receiver adds each
+    layer as it is dequantized, so the cache is ready when the last one is): the same cache
+    kv_to_cache builds from the whole tensor."""
+
+    def __init__(self, config: Any, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        from transformers import DynamicCache
+
+        self.layers = int(config.num_hidden_layers)
+        self.dtype, self.device = dtype, torch.device(device)
+        self._cache = DynamicCache(config=config)
+        self._added: set[int] = set()
+
+    def add(self, layer: int, kv_layer: torch.Tensor) -> None:
+        """kv_layer: [2, kv_heads, tokens, head_dim] (K, V) of `layer`."""
+        if not 0 <= layer < self.layers or layer in self._added:
+            raise ValueError(f"layer {layer} is out of 0..{self.layers - 1} or added twice")
+        if kv_layer.dim() != 4 or kv_layer.shape[0] != 2:
+            raise ValueError(f"a layer's KV must be [2, kv_heads, tokens, head_dim], got "
+                             f"{tuple(kv_layer.shape)}")
+        k, v = (kv_layer[i][None].to(device=self.device, dtype=self.dtype) for i in (K, V))
+        self._cache.update(k, v, layer)
+        self._added.add(layer)
+
+    def cache(self) -> Any:
+        if len(self._added) != self.layers:
+            missing = sorted(set(range(self.layers)) - self._added)
+            raise ValueError(f"the cache lacks layers {missing[:8]}"
+                             f"{'...' if len(missing) > 8 else ''}")
+        return self._cache
+
+
 @torch.no_grad()
 def prefill(model: Any, ids: torch.Tensor | list[int]) -> tuple[Any, torch.Tensor]:
     """Prefill `ids`; return (the model's DynamicCache with post-RoPE K/V of every token,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -133,9 +134,12 @@ class Assembly:
                 self._cv.notify_all()
         return "ok"
 
-    def start(self) -> None:
-        """Start the on-arrival dequantization worker (no-op on demand)."""
+    def start(self, new_builder: Any = None) -> None:
+        """Start the on-arrival dequantization worker (no-op on demand). new_builder: makes
+        the decoder's cache, filled layer by layer as they are dequantized (a decode loop's
+        `cache_builder`); None: fp32 buffers, read with kv()."""
         if self.dequantizer is not None:
+            self.dequantizer.new_builder = new_builder
             threading.Thread(target=self.dequantizer.run, daemon=True,
                              name=f"kvsim-dequantize-{self.request_id}").start()
 
@@ -214,6 +218,14 @@ class Assembly:
                 ok = lambda: dq.error is not None or dq.ready(n)  # noqa: E731
             self._cv.wait_for(lambda: self.failed or ok(), timeout=timeout_s)
             return not self.failed and ok()
+
+    def built_cache(self, n: int) -> Any:
+        """The decoder's cache of the first n streams built on arrival (after
+        wait_streams(n)), or None where there is none (on demand, or no cache builder)."""
+        if self.dequantizer is None:
+            return None
+        with self._cv:
+            return self.dequantizer.built_cache(n)
 
     def kv(self, n: int) -> torch.Tensor:
         """The first n streams dequantized -> [layers, 2, kv_heads, tokens, head_dim] fp32:

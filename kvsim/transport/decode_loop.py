@@ -43,7 +43,7 @@ import torch
 from kvsim.acceptance import AcceptanceModel
 from kvsim.config.checks import check_number
 from kvsim.hardware import TimingModel
-from kvsim.quality.capture import kv_to_cache
+from kvsim.quality.capture import CacheFromLayers, kv_to_cache
 from kvsim.quality.speculative import accept_greedy
 
 Clock = Callable[[], float]
@@ -305,10 +305,18 @@ class RealDecodeLoop(_DecodeLoop):
     def _ids_tensor(self, ids: list[int]) -> torch.Tensor:
         return torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, tokens]
 
+    def cache_builder(self) -> CacheFromLayers:
+        """A cache of this model filled layer by layer: a view that dequantizes on arrival
+        builds the decoder's caches with these (then `_load` only takes them)."""
+        return CacheFromLayers(self.model.config, self.dtype, self.device)
+
     @torch.no_grad()
     def _load(self, view: CacheView, n: int) -> Any:
-        kv = view.kv(n)  # [layers, 2, kv_heads, tokens, head_dim]
-        cache = kv_to_cache(kv.to(self.device), self.model.config, self.dtype)
+        built = getattr(view, "built_cache", None)
+        cache = built(n) if built is not None else None
+        if cache is None:
+            kv = view.kv(n)  # [layers, 2, kv_heads, tokens, head_dim]
+            cache = kv_to_cache(kv.to(self.device), self.model.config, self.dtype)
         self._sync()
         return cache
 

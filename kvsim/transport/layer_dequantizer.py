@@ -5,14 +5,17 @@ as its chunks are in, so that when the last chunk lands only its own layer is le
         arrived -> anchor job (s = 0, when the decoder will draft on the anchor) and, once every
         stream of layer l is in, a full job (every stream)
     worker: jobs in priority order (anchor jobs first, then by layer; a job in progress is
-        not interrupted) -> codec.decode_layer -> finite check -> written into the
-        [layers, 2, kv_heads, tokens, head_dim] fp32 buffer of its kind
+        not interrupted) -> codec.decode_layer -> finite check -> added to the decoder's
+        cache of its kind (a `CacheBuilder` the decode loop supplies: the model's cache
+        grows layer by layer) or, without one, written into a [layers, 2, kv_heads, tokens,
+        head_dim] fp32 buffer of its kind
 
 This is what the simulator's `deserializer=on_arrival` models: one server per request whose
 work for a layer is that layer's dequantization (the anchor alone at the anchor's rate, every
-stream at the full rate), served anchors first. The decoder then only builds its cache from
-the finished buffer. Codecs whose layers do not decode alone (`layer_independent` False) are
-dequantized whole, on demand (`Assembly.dequantize` says which one ran).
+stream at the full rate), served anchors first. The decoder then takes the finished cache
+(or builds it from the buffer: the hardware profile's `cache_build`). Codecs whose layers
+do not decode alone (`layer_independent` False) are dequantized whole, on demand
+(`Assembly.dequantize` says which one ran).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import heapq
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -32,6 +36,14 @@ from kvsim.layout import KVShape
 
 ANCHOR, FULL = 0, 1  # job kinds, also their priority (lower first)
 Span = tuple[str, float, float]
+
+
+class CacheBuilder(Protocol):
+    """A decoder's cache filled layer by layer (kvsim.quality.capture.CacheFromLayers)."""
+
+    def add(self, layer: int, kv_layer: torch.Tensor) -> None: ...
+
+    def cache(self) -> Any: ...
 
 
 class LayerDequantizer:
@@ -50,6 +62,10 @@ class LayerDequantizer:
         self._jobs: list[tuple[int, int]] = []  # heap of (kind, layer)
         self._done = {ANCHOR: 0, FULL: 0}  # layers finished per kind
         self._buffers: dict[int, torch.Tensor] = {}
+        # set before the worker starts: the decoder's caches are built here, layer by layer
+        self.new_builder: Callable[[], CacheBuilder] | None = None
+        self._builders: dict[int, CacheBuilder] = {}
+        self._taken: set[int] = set()
         self._cv, self._failed = lock, failed
         self.error: Exception | None = None
         self.spans: list[Span] = []  # (name, t0, t1) of every job, Unix s
@@ -80,8 +96,7 @@ class LayerDequantizer:
             return self.num_streams
         return 1 if self.anchor and self._done[ANCHOR] == self.shape.layers else 0
 
-    def buffer(self, streams: int) -> torch.Tensor:
-        """The finished fp32 cache [layers, 2, kv_heads, tokens, head_dim] of `streams`."""
+    def _finished_kind(self, streams: int) -> int:
         if self.error is not None:
             raise self.error
         if not self.ready(streams):
@@ -90,7 +105,28 @@ class LayerDequantizer:
         kind = ANCHOR if self.anchor and streams < self.num_streams else FULL
         if self._done[kind] < self.shape.layers:  # the full cache arrived before the anchor's
             kind = FULL
+        return kind
+
+    def buffer(self, streams: int) -> torch.Tensor:
+        """The finished fp32 cache [layers, 2, kv_heads, tokens, head_dim] of `streams`
+        (kept only without a cache builder)."""
+        kind = self._finished_kind(streams)
+        if kind not in self._buffers:
+            raise RuntimeError(f"request {self.request_id}: its layers went into the decoder's "
+                               "cache; take it with built_cache()")
         return self._buffers[kind]
+
+    def built_cache(self, streams: int) -> Any:
+        """The decoder's cache of `streams`, built as layers were dequantized (once: decoding
+        extends it); None without a cache builder."""
+        if self.new_builder is None:
+            return None
+        kind = self._finished_kind(streams)
+        if kind in self._taken:
+            raise RuntimeError(f"request {self.request_id}: the cache of streams "
+                               f"0..{streams - 1} was taken already")
+        self._taken.add(kind)
+        return self._builders[kind].cache()
 
     # ---- worker ---------------------------------------------------------------------------
     def run(self, poll_s: float = 0.5) -> None:
@@ -113,11 +149,17 @@ class LayerDequantizer:
                 if not torch.isfinite(out).all():
                     raise wire.WireError(f"request {self.request_id}: layer {layer} decodes to "
                                          "non-finite values")
-                buf = self._buffers.get(kind)
-                if buf is None:  # pages are committed as layers are written
-                    buf = torch.empty(self.shape.layers, *out.shape, dtype=torch.float32)
-                    self._buffers[kind] = buf
-                buf[layer].copy_(out)
+                if self.new_builder is not None:
+                    builder = self._builders.get(kind)
+                    if builder is None:
+                        builder = self._builders[kind] = self.new_builder()
+                    builder.add(layer, out)
+                else:
+                    buf = self._buffers.get(kind)
+                    if buf is None:  # pages are committed as layers are written
+                        buf = torch.empty(self.shape.layers, *out.shape, dtype=torch.float32)
+                        self._buffers[kind] = buf
+                    buf[layer].copy_(out)
             except Exception as exc:  # CodecError / WireError: bytes the codec refuses
                 with self._cv:
                     self.error = exc
@@ -135,4 +177,4 @@ class LayerDequantizer:
                         return
 
 
-__all__ = ["ANCHOR", "FULL", "LayerDequantizer"]
+__all__ = ["ANCHOR", "FULL", "CacheBuilder", "LayerDequantizer"]

@@ -234,10 +234,14 @@ class Receiver:
             return
         self.requests[rid] = asm
         self.peers[rid] = peer
-        asm.start()
+        try:  # the decode loop first: its cache builder receives layers as they arrive
+            made: tuple[Any, dict] | Exception = self.make_decoder(hello, asm)
+        except Exception as exc:  # reported in the request's row, as a decode failure
+            made = exc
+        asm.start(getattr(made[0], "cache_builder", None) if isinstance(made, tuple) else None)
         self._send(sock, peer, P.json_message(P.MsgType.ACCEPT, rid, {
             "window_bytes": self.s.window_bytes, "held": {}}))
-        threading.Thread(target=self._decode, args=(asm,), daemon=True,
+        threading.Thread(target=self._decode, args=(asm, made), daemon=True,
                          name=f"kvsim-decode-{rid}").start()
 
     def _admit(self, rid: int, hello: dict) -> Assembly:
@@ -295,10 +299,12 @@ class Receiver:
         self._touched.clear()
 
     # ---- decode thread -----------------------------------------------------------------
-    def _decode(self, asm: Assembly) -> None:
+    def _decode(self, asm: Assembly, made: tuple[Any, dict] | Exception) -> None:
         hello, result, error = asm.hello, None, ""
         try:
-            loop, _ = self.make_decoder(hello, asm)
+            if isinstance(made, Exception):
+                raise made
+            loop, _ = made
             speculative = hello["policy"].startswith("split_stream") and asm.num_streams > 1
             result = loop.run(asm, speculative, int(hello["output_tokens"]),
                               int(hello.get("cap_tokens", 0)), timeout_s=1e9)
