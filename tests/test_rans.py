@@ -75,6 +75,38 @@ def test_damaged_words_are_refused_like_the_reference(chunk, where, how):
                                                     for s in ref_segs]))
 
 
+def _damage(words: np.ndarray, where: int, how: str) -> np.ndarray:
+    if how == "none" or (how != "pad" and not words.size):
+        return words
+    if how == "cut":
+        return words[: where % words.size]
+    if how == "pad":
+        return np.append(words, np.uint32(where))
+    bad = words.copy()
+    bad[where % words.size] ^= np.uint32(1 << (where % 32))
+    return bad
+
+
+@settings(max_examples=200)
+@given(chunks(), chunks(), st.integers(0, 2**31),
+       st.sampled_from(["none", "cut", "pad", "flip"]),
+       st.sampled_from(["none", "cut", "pad", "flip"]))
+def test_pair_decode_equals_two_single_decodes(chunk_a, chunk_b, where, how_a, how_b):
+    """decode_pair (two coders interleaved) gives each chunk decode()'s status, and its
+    symbols and histogram where that is OK, whatever the other chunk holds."""
+    items = []
+    for (segs, tables), how in ((chunk_a, how_a), (chunk_b, how_b)):
+        words = _damage(rans.encode(segs, tables), where, how)
+        items.append((words, [len(s) for s in segs], tables))
+    for (words, counts, tables), (status, flat, hist) in zip(items, rans.decode_pair(items),
+                                                           strict=True):
+        ref_status, ref_flat, ref_hist = rans.decode(words, counts, tables)
+        assert status == ref_status
+        if status == rans.OK:
+            assert np.array_equal(flat, ref_flat)
+            assert np.array_equal(hist, ref_hist)
+
+
 def test_quantize_sums_to_scale_and_keeps_every_used_symbol():
     rng = np.random.default_rng(1)
     for _ in range(300):

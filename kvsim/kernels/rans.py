@@ -202,6 +202,154 @@ def rans_decode(words, seg_counts, q, start, out, hist):
     return OK if x == low else BAD_FINAL_STATE
 
 
+@numba.njit(**_JIT)
+def _lut_of(q, start, seg_counts):
+    """Symbol of each 16-bit slot, per segment with symbols: uint8 [segments, 2^16]."""
+    lut = np.zeros((seg_counts.size, PROB_SCALE), dtype=np.uint8)
+    for seg in range(seg_counts.size):
+        if seg_counts[seg] == 0:
+            continue
+        for s in range(256):
+            c = start[seg, s]
+            for j in range(q[seg, s]):
+                lut[seg, c + j] = s
+    return lut
+
+
+@numba.njit(**_JIT)
+def _start_state(words, seg_counts):
+    """(status, state, total symbols): the chunk's initial state checks of rans_decode; a
+    status other than OK (or a chunk with no symbol) means there is nothing to decode."""
+    total = 0
+    for i in range(seg_counts.size):
+        total += seg_counts[i]
+    if total == 0:
+        return (OK if words.size == 0 else WORDS_LEFT), np.uint64(0), 0
+    if words.size < 2:
+        return OUT_OF_WORDS, np.uint64(0), 0
+    x = np.uint64(words[0]) | (np.uint64(words[1]) << np.uint64(32))
+    if x < np.uint64(STATE_LOW) or x >= np.uint64(1 << 63):
+        return BAD_STATE, np.uint64(0), 0
+    return OK, x, total
+
+
+@numba.njit(inline="always", **_JIT)
+def _end_status(x, pos, words):
+    """A chunk's status after its last symbol: every word used, back in the state L."""
+    if pos != words.size:
+        return WORDS_LEFT
+    return OK if x == np.uint64(STATE_LOW) else BAD_FINAL_STATE
+
+
+@numba.njit(**_JIT)
+def rans_decode_pair(words_a, counts_a, q_a, start_a, out_a, hist_a,
+                     words_b, counts_b, q_b, start_b, out_b, hist_b, status):
+    """rans_decode of two chunks (a, b) at once, symbol by symbol in lockstep: the two
+    coders' chains of dependent operations (table look-up, multiply, refill) are
+    independent, so the CPU overlaps them. Each chunk's output, histogram and status
+    (status int64 [2]) are exactly rans_decode's; a chunk that fails stops (its output is
+    then undefined), the other goes on alone."""
+    st_a, xa, ta = _start_state(words_a, counts_a)
+    st_b, xb, tb = _start_state(words_b, counts_b)
+    lut_a = _lut_of(q_a, start_a, counts_a)
+    lut_b = _lut_of(q_b, start_b, counts_b)
+    low = np.uint64(STATE_LOW)
+    mask = np.uint64(PROB_SCALE - 1)
+    shift = np.uint64(PROB_BITS)
+    w32 = np.uint64(32)
+    na = words_a.size
+    nb = words_b.size
+    pa = 2
+    pb = 2
+    ka = 0
+    kb = 0
+    sa = -1  # current segment and the end of its symbols
+    ea = 0
+    sb = -1
+    eb = 0
+    fin_a = st_a != OK or ta == 0  # nothing to decode: the status is final
+    fin_b = st_b != OK or tb == 0
+    if fin_a:
+        ta = 0
+    if fin_b:
+        tb = 0
+    la, qa, ca, ha = lut_a[0], q_a[0], start_a[0], hist_a[0]
+    lb, qb, cb, hb = lut_b[0], q_b[0], start_b[0], hist_b[0]
+    while ka < ta or kb < tb:
+        if ka == ea and ka < ta:
+            while ka == ea:
+                sa += 1
+                ea += counts_a[sa]
+            la, qa, ca, ha = lut_a[sa], q_a[sa], start_a[sa], hist_a[sa]
+        if kb == eb and kb < tb:
+            while kb == eb:
+                sb += 1
+                eb += counts_b[sb]
+            lb, qb, cb, hb = lut_b[sb], q_b[sb], start_b[sb], hist_b[sb]
+        # both run until the first of them ends its segment (or chunk)
+        n = min(ea - ka if ka < ta else eb - kb, eb - kb if kb < tb else ea - ka)
+        if ka < ta and kb < tb:
+            for _ in range(n):
+                slot = xa & mask
+                s = la[slot]
+                xa = np.uint64(qa[s]) * (xa >> shift) + slot - np.uint64(ca[s])
+                if xa < low:
+                    if pa >= na:
+                        st_a = OUT_OF_WORDS
+                        break
+                    xa = (xa << w32) | np.uint64(words_a[pa])
+                    pa += 1
+                out_a[ka] = s
+                ha[s] += 1
+                ka += 1
+                slot2 = xb & mask
+                s2 = lb[slot2]
+                xb = np.uint64(qb[s2]) * (xb >> shift) + slot2 - np.uint64(cb[s2])
+                if xb < low:
+                    if pb >= nb:
+                        st_b = OUT_OF_WORDS
+                        break
+                    xb = (xb << w32) | np.uint64(words_b[pb])
+                    pb += 1
+                out_b[kb] = s2
+                hb[s2] += 1
+                kb += 1
+        elif ka < ta:
+            for _ in range(n):
+                slot = xa & mask
+                s = la[slot]
+                xa = np.uint64(qa[s]) * (xa >> shift) + slot - np.uint64(ca[s])
+                if xa < low:
+                    if pa >= na:
+                        st_a = OUT_OF_WORDS
+                        break
+                    xa = (xa << w32) | np.uint64(words_a[pa])
+                    pa += 1
+                out_a[ka] = s
+                ha[s] += 1
+                ka += 1
+        else:
+            for _ in range(n):
+                slot2 = xb & mask
+                s2 = lb[slot2]
+                xb = np.uint64(qb[s2]) * (xb >> shift) + slot2 - np.uint64(cb[s2])
+                if xb < low:
+                    if pb >= nb:
+                        st_b = OUT_OF_WORDS
+                        break
+                    xb = (xb << w32) | np.uint64(words_b[pb])
+                    pb += 1
+                out_b[kb] = s2
+                hb[s2] += 1
+                kb += 1
+        if st_a != OK:
+            ka = ta = 0
+        if st_b != OK:
+            kb = tb = 0
+    status[0] = st_a if fin_a or st_a != OK else _end_status(xa, pa, words_a)
+    status[1] = st_b if fin_b or st_b != OK else _end_status(xb, pb, words_b)
+
+
 def table_arrays(tables: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
     """[(q, start)] per segment -> q, start uint32 [segments, 256] (zero beyond each table)."""
     q = np.zeros((len(tables), 256), dtype=np.uint32)
@@ -234,3 +382,18 @@ def decode(words: np.ndarray, counts: list[int], tables: list[tuple[np.ndarray, 
     status = rans_decode(np.ascontiguousarray(words, dtype=np.uint32),
                          np.asarray(counts, dtype=np.int64), q, start, out, hist)
     return int(status), out, hist
+
+
+def decode_pair(chunks: list[tuple[np.ndarray, list[int], list[tuple[np.ndarray, np.ndarray]]]]
+                ) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """decode() of two chunks [(words, counts, tables)] * 2 in one interleaved kernel call
+    (rans_decode_pair): the same results, about twice the symbols per second."""
+    args = []
+    for words, counts, tables in chunks:
+        q, start = table_arrays(tables)
+        args += [np.ascontiguousarray(words, dtype=np.uint32), np.asarray(counts, dtype=np.int64),
+                 q, start, np.empty(int(sum(counts)), dtype=np.uint8),
+                 np.zeros((len(tables), 256), dtype=np.int64)]
+    status = np.zeros(2, dtype=np.int64)
+    rans_decode_pair(*args, status)
+    return [(int(status[i]), args[6 * i + 4], args[6 * i + 5]) for i in range(2)]
