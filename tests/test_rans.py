@@ -130,3 +130,25 @@ def test_empty_chunk_has_no_words():
     assert rans.encode([], []).size == 0
     assert rans.decode(np.zeros(0, np.uint32), [], [])[0] == rans.OK
     assert rans.decode(np.ones(3, np.uint32), [], [])[0] == rans.WORDS_LEFT
+
+
+def test_reciprocal_update_equals_division_for_every_frequency():
+    """The encoder's division-free state update (reciprocals, _mulhi64) equals
+    ((x // f) << 16) + x % f + c for every frequency f and states up to the largest one coded
+    with f (x < 2^47 f), its ends included."""
+    rng = np.random.default_rng(5)
+    f = np.arange(1, rans.PROB_SCALE, dtype=np.uint64)
+    q = np.zeros((f.size, 256), np.uint32)
+    q[:, 0] = f
+    start = np.full((f.size, 256), 777, np.uint32)
+    rcp, rshift, bias, cmpl = (a[:, 0] for a in rans.reciprocals(q, start))
+    lim = f << np.uint64(47)  # (STATE_LOW >> 16) << 32 = 2^47
+    for x in (lim - np.uint64(1), np.full(f.size, rans.STATE_LOW, np.uint64),
+              *(rng.integers(0, 2**63, f.size, dtype=np.uint64) % lim for _ in range(30))):
+        # mulhi64 in Python integers (exact), the update as the kernel computes it (mod 2^64)
+        hi = np.array([(int(a) * int(b)) >> 64 for a, b in zip(x, rcp, strict=True)],
+                      dtype=np.uint64)
+        got = x + bias + (hi >> rshift) * cmpl
+        assert np.array_equal(got, ((x // f) << np.uint64(16)) + x % f + np.uint64(777))
+        k = int(rng.integers(f.size))
+        assert rans._mulhi64(x[k], rcp[k]) == hi[k]

@@ -115,29 +115,81 @@ def decode_reference(words: np.ndarray, counts: list[int],
 
 
 # ---- numba kernels ------------------------------------------------------------------------------
+@numba.njit(inline="always", **_JIT)
+def _mulhi64(a, b):
+    """The high 64 bits of the 128-bit product of uint64 a and b (four 32-bit products)."""
+    m32 = np.uint64(0xFFFFFFFF)
+    s32 = np.uint64(32)
+    a_lo, a_hi = a & m32, a >> s32
+    b_lo, b_hi = b & m32, b >> s32
+    p0 = a_lo * b_lo
+    p1 = a_lo * b_hi
+    p2 = a_hi * b_lo
+    mid = (p0 >> s32) + (p1 & m32) + (p2 & m32)
+    return a_hi * b_hi + (p1 >> s32) + (p2 >> s32) + (mid >> s32)
+
+
+@numba.njit(**_JIT)
+def reciprocals(q, start):
+    """Per table entry (q/start uint32 [segments, 256]) the constants of division-free
+    coding (F. Giesen's rans64): x -> ((x // f) << 16) + x % f + c equals
+    x + bias + (mulhi64(x, rcp) >> rshift) * (2^16 - f) for every state x < 2^63 (exact:
+    rcp = ceil(2^(63 + k) / f) for f in (2^(k-1), 2^k], k >= 1; f = 1: rcp = 2^64 - 1,
+    bias absorbs the -1). Returns uint64 arrays (rcp, rshift, bias, cmpl) [segments, 256]."""
+    segs = q.shape[0]
+    rcp = np.zeros((segs, 256), np.uint64)
+    rshift = np.zeros((segs, 256), np.uint64)
+    bias = np.zeros((segs, 256), np.uint64)
+    cmpl = np.zeros((segs, 256), np.uint64)
+    for seg in range(segs):
+        for s in range(256):
+            f = np.uint64(q[seg, s])
+            if f == 0:
+                continue
+            cmpl[seg, s] = np.uint64(PROB_SCALE) - f
+            if f < np.uint64(2):
+                rcp[seg, s] = np.uint64(0xFFFFFFFFFFFFFFFF)
+                bias[seg, s] = np.uint64(start[seg, s]) + np.uint64(PROB_SCALE - 1)
+            else:
+                k = 0
+                while f > (np.uint64(1) << np.uint64(k)):
+                    k += 1
+                # ceil(2^(k + 63) / f) by long division in two 32-bit steps
+                x1 = np.uint64(1) << np.uint64(k + 31)
+                t1 = x1 // f
+                x0 = (f - np.uint64(1)) + ((x1 % f) << np.uint64(32))
+                t0 = x0 // f
+                rcp[seg, s] = t0 + (t1 << np.uint64(32))
+                rshift[seg, s] = np.uint64(k - 1)
+                bias[seg, s] = np.uint64(start[seg, s])
+    return rcp, rshift, bias, cmpl
+
+
 @numba.njit(**_JIT)
 def rans_encode(symbols, seg_ends, q, start, out):
     """symbols uint8 [N]: the chunk's coded segments back to back (segment i =
     symbols[seg_ends[i-1]:seg_ends[i]]), q/start uint32 [segments, 256]. Writes the words
-    into out (uint32, >= N / 2 + 2 long) and returns how many."""
+    into out (uint32, >= N / 2 + 2 long) and returns how many. The state update divides by
+    multiplying with a reciprocal (`reciprocals`: the same state, no 64-bit division)."""
     n = symbols.size
     if n == 0:
         return 0
     cap = out.size
+    rcp, rshift, bias, cmpl = reciprocals(q, start)
     x = np.uint64(STATE_LOW)
-    shift = np.uint64(PROB_BITS)
     w = cap  # emitted words fill out[w:] from the back, so they end up in decode order
     hi = np.uint64((STATE_LOW >> PROB_BITS) << 32)
     for seg in range(seg_ends.size - 1, -1, -1):
         begin = 0 if seg == 0 else seg_ends[seg - 1]
+        qs, rs, ss, bs, cs = q[seg], rcp[seg], rshift[seg], bias[seg], cmpl[seg]
         for i in range(seg_ends[seg] - 1, begin - 1, -1):
             s = symbols[i]
-            f = np.uint64(q[seg, s])
+            f = np.uint64(qs[s])
             if x >= hi * f:
                 w -= 1
                 out[w] = np.uint32(x & np.uint64(0xFFFFFFFF))
                 x >>= np.uint64(32)
-            x = ((x // f) << shift) + (x % f) + np.uint64(start[seg, s])
+            x = x + bs[s] + (_mulhi64(x, rs[s]) >> ss[s]) * cs[s]
     # state first, then the emitted words: move them down behind it
     count = cap - w
     out[0] = np.uint32(x & np.uint64(0xFFFFFFFF))
