@@ -107,6 +107,18 @@ def test_pair_decode_equals_two_single_decodes(chunk_a, chunk_b, where, how_a, h
             assert np.array_equal(hist, ref_hist)
 
 
+@settings(max_examples=200)
+@given(chunks(), chunks(), st.booleans(), st.booleans())
+def test_pair_encode_equals_two_single_encodes(chunk_a, chunk_b, empty_a, empty_b):
+    """encode_pair (two coders interleaved) gives each chunk encode()'s words, also when a
+    chunk has no symbol or no segment."""
+    items = []
+    for (segs, tables), empty in ((chunk_a, empty_a), (chunk_b, empty_b)):
+        items.append(([], []) if empty else (segs, tables))
+    for (segs, tables), words in zip(items, rans.encode_pair(items), strict=True):
+        assert np.array_equal(words, rans.encode(segs, tables))
+
+
 def test_quantize_sums_to_scale_and_keeps_every_used_symbol():
     rng = np.random.default_rng(1)
     for _ in range(300):

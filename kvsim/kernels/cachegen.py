@@ -200,14 +200,25 @@ def _segment_table(symbols: np.ndarray) -> tuple[bytes, np.ndarray | None, tuple
 
 def _code_chunk(segs: list[np.ndarray]) -> tuple[list[bytes], np.ndarray]:
     """A chunk's 4 segments -> (4 table byte strings, the rANS words of its coded ones)."""
-    tables, coded, quantized = [], [], []
-    for symbols in segs:
-        table, rel, q = _segment_table(symbols)
-        tables.append(table)
-        if rel is not None:
-            coded.append(rel)
-            quantized.append(q)
-    return tables, rans.encode(coded, quantized)
+    return _code_chunks([segs])[0]
+
+
+def _code_chunks(chunks: list[list[np.ndarray]]) -> list[tuple[list[bytes], np.ndarray]]:
+    """_code_chunk of one or two chunks, the words of two coded together (rans.encode_pair:
+    the same words)."""
+    tables, todo = [], []
+    for segs in chunks:
+        chunk_tables, coded, quantized = [], [], []
+        for symbols in segs:
+            table, rel, q = _segment_table(symbols)
+            chunk_tables.append(table)
+            if rel is not None:
+                coded.append(rel)
+                quantized.append(q)
+        tables.append(chunk_tables)
+        todo.append((coded, quantized))
+    words = rans.encode_pair(todo) if len(todo) == 2 else [rans.encode(*c) for c in todo]
+    return list(zip(tables, words, strict=True))
 
 
 def _coded_bits(symbols: np.ndarray, freq: np.ndarray, lo: int) -> float:
@@ -422,15 +433,22 @@ class CacheGenCodec(Codec):
         for layer in range(shape.layers):
             sym, scales = self.layer_symbols(kv[layer], layer, shape.layers)
 
-            def code_page(page: int, sym=sym, scales=scales) -> np.ndarray:
-                t0, t1 = pages[page][:2]
-                tables, words = _code_chunk(_chunk_segments(sym, is_anchor, t0, t1))
-                page_scales = np.ascontiguousarray(scales[:, :, t0:t1]).astype("<u2")
-                return np.frombuffer(b"".join([page_scales.tobytes(), *tables,
-                                               words.astype("<u4").tobytes()]), dtype=np.uint8)
+            def code_pages(first: int, sym=sym, scales=scales) -> list[np.ndarray]:
+                ranges = [pages[page][:2] for page in range(first, min(first + 2, len(pages)))]
+                coded = _code_chunks([_chunk_segments(sym, is_anchor, t0, t1)
+                                      for t0, t1 in ranges])
+                out = []
+                for (t0, t1), (tables, words) in zip(ranges, coded, strict=True):
+                    page_scales = np.ascontiguousarray(scales[:, :, t0:t1]).astype("<u2")
+                    out.append(np.frombuffer(b"".join([page_scales.tobytes(), *tables,
+                                                       words.astype("<u4").tobytes()]),
+                                             dtype=np.uint8))
+                return out
 
-            # the coder kernels release the GIL: a layer's pages are coded in parallel
-            payloads = _pool().map(code_page, range(len(pages)))
+            # the coder kernels release the GIL: a layer's pages are coded in parallel, two
+            # per task (their coders interleaved: rans.encode_pair)
+            payloads = [c for pair in _pool().map(code_pages, range(0, len(pages), 2))
+                        for c in pair]
             chunks += [Chunk(0, layer, page, payload) for page, payload in enumerate(payloads)]
         return [chunks]
 

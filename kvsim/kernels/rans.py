@@ -199,6 +199,100 @@ def rans_encode(symbols, seg_ends, q, start, out):
     return count + 2
 
 
+@numba.njit(inline="always", **_JIT)
+def _rows_or_empty(q, rcp, rshift, bias, cmpl):
+    """Row 0 of each table (placeholders of the right type; zeros where there is none)."""
+    if q.shape[0] == 0:
+        z = np.zeros(256, np.uint64)
+        return np.zeros(256, np.uint32), z, z, z, z
+    return q[0], rcp[0], rshift[0], bias[0], cmpl[0]
+
+
+@numba.njit(**_JIT)
+def rans_encode_pair(sym_a, ends_a, q_a, start_a, out_a, sym_b, ends_b, q_b, start_b, out_b,
+                     n_words):
+    """rans_encode of two chunks (a, b) at once, symbol by symbol in lockstep (their state
+    updates are independent chains, which the CPU overlaps); n_words int64 [2] = each
+    chunk's word count, its words in out_a / out_b exactly as rans_encode writes them."""
+    n_words[0] = 0
+    n_words[1] = 0
+    ra, rsa, ba, ca = reciprocals(q_a, start_a)
+    rb, rsb, bb, cb = reciprocals(q_b, start_b)
+    hi = np.uint64((STATE_LOW >> PROB_BITS) << 32)
+    m32 = np.uint64(0xFFFFFFFF)
+    s32 = np.uint64(32)
+    xa = np.uint64(STATE_LOW)
+    xb = np.uint64(STATE_LOW)
+    wa = out_a.size  # emitted words fill out[w:] from the back
+    wb = out_b.size
+    ia = sym_a.size  # symbols still to code: [0, ia), the next is ia - 1
+    ib = sym_b.size
+    sa = ends_a.size  # the segment of symbol ia - 1 and where it begins
+    ga = 0
+    sb = ends_b.size
+    gb = 0
+    # the current segment's table rows (set before the first symbol of each chunk)
+    qa, xra, xsa, xba, xca = _rows_or_empty(q_a, ra, rsa, ba, ca)
+    qb, xrb, xsb, xbb, xcb = _rows_or_empty(q_b, rb, rsb, bb, cb)
+    while ia > 0 or ib > 0:
+        if ia > 0 and (sa == ends_a.size or ia <= ga):
+            while sa == ends_a.size or ia <= ga:
+                sa -= 1
+                ga = 0 if sa == 0 else ends_a[sa - 1]
+            qa, xra, xsa, xba, xca = q_a[sa], ra[sa], rsa[sa], ba[sa], ca[sa]
+        if ib > 0 and (sb == ends_b.size or ib <= gb):
+            while sb == ends_b.size or ib <= gb:
+                sb -= 1
+                gb = 0 if sb == 0 else ends_b[sb - 1]
+            qb, xrb, xsb, xbb, xcb = q_b[sb], rb[sb], rsb[sb], bb[sb], cb[sb]
+        if ia > 0 and ib > 0:  # both, until the first ends its segment
+            for _ in range(min(ia - ga, ib - gb)):
+                ia -= 1
+                s = sym_a[ia]
+                if xa >= hi * np.uint64(qa[s]):
+                    wa -= 1
+                    out_a[wa] = np.uint32(xa & m32)
+                    xa >>= s32
+                xa = xa + xba[s] + (_mulhi64(xa, xra[s]) >> xsa[s]) * xca[s]
+                ib -= 1
+                s = sym_b[ib]
+                if xb >= hi * np.uint64(qb[s]):
+                    wb -= 1
+                    out_b[wb] = np.uint32(xb & m32)
+                    xb >>= s32
+                xb = xb + xbb[s] + (_mulhi64(xb, xrb[s]) >> xsb[s]) * xcb[s]
+        elif ia > 0:
+            for _ in range(ia - ga):
+                ia -= 1
+                s = sym_a[ia]
+                if xa >= hi * np.uint64(qa[s]):
+                    wa -= 1
+                    out_a[wa] = np.uint32(xa & m32)
+                    xa >>= s32
+                xa = xa + xba[s] + (_mulhi64(xa, xra[s]) >> xsa[s]) * xca[s]
+        else:
+            for _ in range(ib - gb):
+                ib -= 1
+                s = sym_b[ib]
+                if xb >= hi * np.uint64(qb[s]):
+                    wb -= 1
+                    out_b[wb] = np.uint32(xb & m32)
+                    xb >>= s32
+                xb = xb + xbb[s] + (_mulhi64(xb, xrb[s]) >> xsb[s]) * xcb[s]
+    for k in range(2):
+        out = out_a if k == 0 else out_b
+        x = xa if k == 0 else xb
+        w = wa if k == 0 else wb
+        if (sym_a.size if k == 0 else sym_b.size) == 0:
+            continue
+        count = out.size - w
+        out[0] = np.uint32(x & m32)
+        out[1] = np.uint32(x >> s32)
+        for i in range(count):
+            out[2 + i] = out[w + i]
+        n_words[k] = count + 2
+
+
 @numba.njit(**_JIT)
 def histogram(symbols, counts):
     """counts[s] += occurrences of s in symbols (uint8 [N]; counts int64 [256])."""
@@ -449,3 +543,19 @@ def decode_pair(chunks: list[tuple[np.ndarray, list[int], list[tuple[np.ndarray,
     status = np.zeros(2, dtype=np.int64)
     rans_decode_pair(*args, status)
     return [(int(status[i]), args[6 * i + 4], args[6 * i + 5]) for i in range(2)]
+
+
+def encode_pair(chunks: list[tuple[list[np.ndarray], list[tuple[np.ndarray, np.ndarray]]]]
+                ) -> list[np.ndarray]:
+    """encode() of two chunks [(symbols, tables)] * 2 in one interleaved kernel call
+    (rans_encode_pair): the same words."""
+    args = []
+    for symbols, tables in chunks:
+        flat = (np.concatenate([np.asarray(s, dtype=np.uint8) for s in symbols]) if symbols
+                else np.zeros(0, dtype=np.uint8))
+        ends = np.cumsum([len(s) for s in symbols]).astype(np.int64)
+        q, start = table_arrays(tables)
+        args += [flat, ends, q, start, np.empty(flat.size // 2 + 4, dtype=np.uint32)]
+    n_words = np.zeros(2, dtype=np.int64)
+    rans_encode_pair(*args, n_words)
+    return [args[5 * i + 4][: n_words[i]].copy() for i in range(2)]
