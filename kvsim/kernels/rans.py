@@ -21,6 +21,10 @@ segment has no words.
 Integrity (the words are untrusted): the decoder must never read past the words, must use
 every word, and must end in the state L it started from (any truncated, padded or flipped
 word is caught by one of the three, or by the caller's histogram check).
+
+Speed (same words as the reference): the encoder divides by multiplying with per-symbol
+reciprocals (`reciprocals`); encode_pair / decode_pair run two chunks' coders in one loop,
+symbol by symbol, so that the CPU overlaps their chains of dependent operations.
 """
 
 from __future__ import annotations
