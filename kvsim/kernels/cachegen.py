@@ -400,12 +400,18 @@ class CacheGenCodec(Codec):
         if x.device.type != "cpu":
             return _symbols_from_codes(self.quantize_layer(x, layer, layers),
                                        is_anchor.numpy(), (qa, qk, qv))
-        xf = x.to(torch.float32).contiguous().numpy()
-        sym = np.empty(xf.shape, dtype=np.uint8)
-        scales = np.empty(xf.shape[:3], dtype=np.uint16)
-        overflow = np.zeros(2 * xf.shape[1], dtype=np.int64)
-        cachegen_cpu.quantize_layer_kernel(xf, is_anchor.numpy(), qa, qk, qv, sym, scales,
-                                           overflow)
+        sym = np.empty(tuple(x.shape), dtype=np.uint8)
+        scales = np.empty(tuple(x.shape[:3]), dtype=np.uint16)
+        overflow = np.zeros(2 * x.shape[1], dtype=np.int64)
+        if x.dtype == torch.bfloat16:  # read as its bits (no fp32 copy of the layer)
+            xb = x.contiguous().view(torch.int16).numpy().view(np.uint16)
+            cachegen_cpu.quantize_layer_kernel(np.zeros((1, 1, 1, 1), np.float32),
+                                               is_anchor.numpy(), qa, qk, qv, sym, scales,
+                                               overflow, xb)
+        else:
+            cachegen_cpu.quantize_layer_kernel(x.to(torch.float32).contiguous().numpy(),
+                                               is_anchor.numpy(), qa, qk, qv, sym, scales,
+                                               overflow)
         if overflow.any():
             raise CodecError("cachegen: |values| too large for fp16 token scales "
                              f"(max |x| {float(x.abs().max()):.3g} / qmax > 65504)")

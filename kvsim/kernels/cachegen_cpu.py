@@ -30,10 +30,13 @@ FP16_INF_BITS = 0x7C00
 
 
 @numba.njit(parallel=True, **_JIT)
-def quantize_layer_kernel(x, is_anchor, qmax_a, qmax_k, qmax_v, sym, scales, overflow):
+def quantize_layer_kernel(x, is_anchor, qmax_a, qmax_k, qmax_v, sym, scales, overflow,
+                          xb=None):
     """x fp32 [2, H, T, D] (finite) -> sym uint8 [2, H, T, D], scales uint16 [2, H, T]
-    (fp16 bits); overflow int64 [2 H] set to 1 for a row whose scale overflows fp16."""
-    _, heads, tokens, dim = x.shape
+    (fp16 bits); overflow int64 [2 H] set to 1 for a row whose scale overflows fp16.
+    xb: the layer as bf16 bits (uint16 [2, H, T, D]) read instead of x (then any fp32
+    array: its values are those bits widened, as torch's bf16 -> fp32 cast)."""
+    heads, tokens, dim = sym.shape[1], sym.shape[2], sym.shape[3]
     for w in numba.prange(2 * heads):
         kv = w // heads
         h = w % heads
@@ -44,14 +47,21 @@ def quantize_layer_kernel(x, is_anchor, qmax_a, qmax_k, qmax_v, sym, scales, ove
         row = np.empty(dim, np.float32)
         zero = np.float32(0.0)
         for t in range(tokens):
+            if xb is not None:
+                ru = row.view(np.uint32)
+                src = xb[kv, h, t]
+                for d in range(dim):
+                    ru[d] = np.uint32(src[d]) << np.uint32(16)
+            else:
+                src32 = x[kv, h, t]
+                for d in range(dim):
+                    row[d] = src32[d]
             if is_anchor[t]:
                 q = qmax_a
-                for d in range(dim):
-                    row[d] = x[kv, h, t, d]
             else:
                 q = q_delta
                 for d in range(dim):
-                    row[d] = x[kv, h, t, d] - anchor[d]
+                    row[d] = row[d] - anchor[d]
             m = zero
             for d in range(dim):
                 a = abs(row[d])
