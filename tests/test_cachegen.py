@@ -15,6 +15,7 @@ from kvsim.kernels.cachegen import (
     quantize_rows,
 )
 from kvsim.kernels.cachegen_size import CacheGenSizeModel, SizeModelError
+from kvsim.kernels.codec import cast_finite
 from kvsim.layout import KVShape
 from kvsim.synthetic import generate_kv
 
@@ -345,6 +346,47 @@ def test_numba_kernels_equal_the_torch_reference(case):
                           is_anchor, rank, torch.device("cpu"))
     assert torch.equal(torch.from_numpy(out), ref)
     assert torch.equal(ref, cg._reconstruct(ref_codes, is_anchor, rank, torch.device("cpu")))
+    # the whole-cache decode kernel: the same values, written straight in each output dtype
+    # as codec.cast_finite casts them
+    for mode, dtype in enumerate((torch.float32, torch.bfloat16, torch.float16)):
+        n = sym.size
+        out_f = np.empty(n if mode == 0 else 1, np.float32)
+        out_b = np.empty(n if mode else 1, np.uint16)
+        cachegen_cpu.reconstruct_kernel(sym[None], scales[None], is_anchor.numpy(),
+                                        np.array([qmaxes], dtype=np.int64), mode, out_f, out_b)
+        got = (torch.from_numpy(out_f) if mode == 0
+               else torch.from_numpy(out_b.view(np.int16)).view(dtype))
+        want = cast_finite(ref, dtype).reshape(-1)
+        assert torch.equal(got.view(torch.int16 if mode else torch.int32),
+                           want.view(torch.int16 if mode else torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_decode_in_each_dtype_equals_the_cast_fp32_decode(dtype):
+    """decode(dtype=...) on CPU (reconstruct_kernel writing the dtype) = the fp32 decode cast
+    by cast_finite; chunks decoded in pairs and an odd chunk alone give the same symbols as
+    the torch path's reconstruction."""
+    from kvsim.kernels import cachegen as cg
+
+    gen = torch.Generator().manual_seed(3)
+    kv = torch.randn(3, 2, 2, 70, 16, generator=gen) * 300.0  # 3 layers x 3 pages: odd count
+    codec = make_codec("cachegen", {"page_tokens": 32, "group_tokens": 5})
+    enc = codec.encode(kv)
+    full = codec.decode(enc, dtype=torch.float32)
+    got = codec.decode(enc, dtype=dtype)
+    assert got.dtype == dtype
+    assert torch.equal(got, cast_finite(full, dtype))
+    shape, p = enc.shape, codec.params
+    is_anchor, rank = cg._token_roles(shape.tokens, p.page_tokens, p.group_tokens)
+    sym, scales, qmaxes = codec._decode_symbols(enc)
+    for layer in range(shape.layers):
+        qm = tuple(int(v) for v in qmaxes[layer])
+        ref = cg._reconstruct(cg._codes_from_symbols(sym[layer], scales[layer],
+                                                     is_anchor.numpy(), qm),
+                              is_anchor, rank, torch.device("cpu"))
+        assert torch.equal(full[layer], ref)
+        assert torch.equal(ref, cg._reconstruct(codec.quantize_layer(kv[layer], layer, 3),
+                                                is_anchor, rank, torch.device("cpu")))
 
 
 def test_scale_overflow_is_refused_by_kernel_and_reference():

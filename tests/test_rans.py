@@ -75,6 +75,50 @@ def test_damaged_words_are_refused_like_the_reference(chunk, where, how):
                                                     for s in ref_segs]))
 
 
+def _damage(words: np.ndarray, where: int, how: str) -> np.ndarray:
+    if how == "none" or (how != "pad" and not words.size):
+        return words
+    if how == "cut":
+        return words[: where % words.size]
+    if how == "pad":
+        return np.append(words, np.uint32(where))
+    bad = words.copy()
+    bad[where % words.size] ^= np.uint32(1 << (where % 32))
+    return bad
+
+
+@settings(max_examples=200)
+@given(chunks(), chunks(), st.integers(0, 2**31),
+       st.sampled_from(["none", "cut", "pad", "flip"]),
+       st.sampled_from(["none", "cut", "pad", "flip"]))
+def test_pair_decode_equals_two_single_decodes(chunk_a, chunk_b, where, how_a, how_b):
+    """decode_pair (two coders interleaved) gives each chunk decode()'s status, and its
+    symbols and histogram where that is OK, whatever the other chunk holds."""
+    items = []
+    for (segs, tables), how in ((chunk_a, how_a), (chunk_b, how_b)):
+        words = _damage(rans.encode(segs, tables), where, how)
+        items.append((words, [len(s) for s in segs], tables))
+    for (words, counts, tables), (status, flat, hist) in zip(items, rans.decode_pair(items),
+                                                           strict=True):
+        ref_status, ref_flat, ref_hist = rans.decode(words, counts, tables)
+        assert status == ref_status
+        if status == rans.OK:
+            assert np.array_equal(flat, ref_flat)
+            assert np.array_equal(hist, ref_hist)
+
+
+@settings(max_examples=200)
+@given(chunks(), chunks(), st.booleans(), st.booleans())
+def test_pair_encode_equals_two_single_encodes(chunk_a, chunk_b, empty_a, empty_b):
+    """encode_pair (two coders interleaved) gives each chunk encode()'s words, also when a
+    chunk has no symbol or no segment."""
+    items = []
+    for (segs, tables), empty in ((chunk_a, empty_a), (chunk_b, empty_b)):
+        items.append(([], []) if empty else (segs, tables))
+    for (segs, tables), words in zip(items, rans.encode_pair(items), strict=True):
+        assert np.array_equal(words, rans.encode(segs, tables))
+
+
 def test_quantize_sums_to_scale_and_keeps_every_used_symbol():
     rng = np.random.default_rng(1)
     for _ in range(300):
@@ -98,3 +142,25 @@ def test_empty_chunk_has_no_words():
     assert rans.encode([], []).size == 0
     assert rans.decode(np.zeros(0, np.uint32), [], [])[0] == rans.OK
     assert rans.decode(np.ones(3, np.uint32), [], [])[0] == rans.WORDS_LEFT
+
+
+def test_reciprocal_update_equals_division_for_every_frequency():
+    """The encoder's division-free state update (reciprocals, _mulhi64) equals
+    ((x // f) << 16) + x % f + c for every frequency f and states up to the largest one coded
+    with f (x < 2^47 f), its ends included."""
+    rng = np.random.default_rng(5)
+    f = np.arange(1, rans.PROB_SCALE, dtype=np.uint64)
+    q = np.zeros((f.size, 256), np.uint32)
+    q[:, 0] = f
+    start = np.full((f.size, 256), 777, np.uint32)
+    rcp, rshift, bias, cmpl = (a[:, 0] for a in rans.reciprocals(q, start))
+    lim = f << np.uint64(47)  # (STATE_LOW >> 16) << 32 = 2^47
+    for x in (lim - np.uint64(1), np.full(f.size, rans.STATE_LOW, np.uint64),
+              *(rng.integers(0, 2**63, f.size, dtype=np.uint64) % lim for _ in range(30))):
+        # mulhi64 in Python integers (exact), the update as the kernel computes it (mod 2^64)
+        hi = np.array([(int(a) * int(b)) >> 64 for a, b in zip(x, rcp, strict=True)],
+                      dtype=np.uint64)
+        got = x + bias + (hi >> rshift) * cmpl
+        assert np.array_equal(got, ((x // f) << np.uint64(16)) + x % f + np.uint64(777))
+        k = int(rng.integers(f.size))
+        assert rans._mulhi64(x[k], rcp[k]) == hi[k]

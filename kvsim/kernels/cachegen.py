@@ -59,7 +59,7 @@ from kvsim.kernels.cachegen_size import (
     SizeModelError,
     chunk_bytes_estimate,
 )
-from kvsim.kernels.codec import Codec, CodecError, finite_bits, register
+from kvsim.kernels.codec import Codec, CodecError, cast_finite, finite_bits, register
 from kvsim.kernels.encoded import Chunk, Encoded
 from kvsim.layout import KVShape, check_finite
 
@@ -200,14 +200,25 @@ def _segment_table(symbols: np.ndarray) -> tuple[bytes, np.ndarray | None, tuple
 
 def _code_chunk(segs: list[np.ndarray]) -> tuple[list[bytes], np.ndarray]:
     """A chunk's 4 segments -> (4 table byte strings, the rANS words of its coded ones)."""
-    tables, coded, quantized = [], [], []
-    for symbols in segs:
-        table, rel, q = _segment_table(symbols)
-        tables.append(table)
-        if rel is not None:
-            coded.append(rel)
-            quantized.append(q)
-    return tables, rans.encode(coded, quantized)
+    return _code_chunks([segs])[0]
+
+
+def _code_chunks(chunks: list[list[np.ndarray]]) -> list[tuple[list[bytes], np.ndarray]]:
+    """_code_chunk of one or two chunks, the words of two coded together (rans.encode_pair:
+    the same words)."""
+    tables, todo = [], []
+    for segs in chunks:
+        chunk_tables, coded, quantized = [], [], []
+        for symbols in segs:
+            table, rel, q = _segment_table(symbols)
+            chunk_tables.append(table)
+            if rel is not None:
+                coded.append(rel)
+                quantized.append(q)
+        tables.append(chunk_tables)
+        todo.append((coded, quantized))
+    words = rans.encode_pair(todo) if len(todo) == 2 else [rans.encode(*c) for c in todo]
+    return list(zip(tables, words, strict=True))
 
 
 def _coded_bits(symbols: np.ndarray, freq: np.ndarray, lo: int) -> float:
@@ -389,12 +400,18 @@ class CacheGenCodec(Codec):
         if x.device.type != "cpu":
             return _symbols_from_codes(self.quantize_layer(x, layer, layers),
                                        is_anchor.numpy(), (qa, qk, qv))
-        xf = x.to(torch.float32).contiguous().numpy()
-        sym = np.empty(xf.shape, dtype=np.uint8)
-        scales = np.empty(xf.shape[:3], dtype=np.uint16)
-        overflow = np.zeros(2 * xf.shape[1], dtype=np.int64)
-        cachegen_cpu.quantize_layer_kernel(xf, is_anchor.numpy(), qa, qk, qv, sym, scales,
-                                           overflow)
+        sym = np.empty(tuple(x.shape), dtype=np.uint8)
+        scales = np.empty(tuple(x.shape[:3]), dtype=np.uint16)
+        overflow = np.zeros(2 * x.shape[1], dtype=np.int64)
+        if x.dtype == torch.bfloat16:  # read as its bits (no fp32 copy of the layer)
+            xb = x.contiguous().view(torch.int16).numpy().view(np.uint16)
+            cachegen_cpu.quantize_layer_kernel(np.zeros((1, 1, 1, 1), np.float32),
+                                               is_anchor.numpy(), qa, qk, qv, sym, scales,
+                                               overflow, xb)
+        else:
+            cachegen_cpu.quantize_layer_kernel(x.to(torch.float32).contiguous().numpy(),
+                                               is_anchor.numpy(), qa, qk, qv, sym, scales,
+                                               overflow)
         if overflow.any():
             raise CodecError("cachegen: |values| too large for fp16 token scales "
                              f"(max |x| {float(x.abs().max()):.3g} / qmax > 65504)")
@@ -422,59 +439,119 @@ class CacheGenCodec(Codec):
         for layer in range(shape.layers):
             sym, scales = self.layer_symbols(kv[layer], layer, shape.layers)
 
-            def code_page(page: int, sym=sym, scales=scales) -> np.ndarray:
-                t0, t1 = pages[page][:2]
-                tables, words = _code_chunk(_chunk_segments(sym, is_anchor, t0, t1))
-                page_scales = np.ascontiguousarray(scales[:, :, t0:t1]).astype("<u2")
-                return np.frombuffer(b"".join([page_scales.tobytes(), *tables,
-                                               words.astype("<u4").tobytes()]), dtype=np.uint8)
+            def code_pages(first: int, sym=sym, scales=scales) -> list[np.ndarray]:
+                ranges = [pages[page][:2] for page in range(first, min(first + 2, len(pages)))]
+                coded = _code_chunks([_chunk_segments(sym, is_anchor, t0, t1)
+                                      for t0, t1 in ranges])
+                out = []
+                for (t0, t1), (tables, words) in zip(ranges, coded, strict=True):
+                    page_scales = np.ascontiguousarray(scales[:, :, t0:t1]).astype("<u2")
+                    out.append(np.frombuffer(b"".join([page_scales.tobytes(), *tables,
+                                                       words.astype("<u4").tobytes()]),
+                                             dtype=np.uint8))
+                return out
 
-            # the coder kernels release the GIL: a layer's pages are coded in parallel
-            payloads = _pool().map(code_page, range(len(pages)))
+            # the coder kernels release the GIL: a layer's pages are coded in parallel, two
+            # per task (their coders interleaved: rans.encode_pair)
+            payloads = [c for pair in _pool().map(code_pages, range(0, len(pages), 2))
+                        for c in pair]
             chunks += [Chunk(0, layer, page, payload) for page, payload in enumerate(payloads)]
         return [chunks]
 
     # ---- decode -------------------------------------------------------------------------------
-    def _decode(self, enc: Encoded, streams: int, device: torch.device) -> torch.Tensor:
+    def _decode_symbols(self, enc: Encoded) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every chunk -> (symbols uint8 [L, 2, H, T, D] in token order, fp16 scale bits
+        uint16 [L, 2, H, T], qmaxes int64 [L, 3]); chunks are decoded two at a time on the
+        pool's threads (the coder and scatter kernels release the GIL); the first failing
+        chunk (in order) raises."""
         shape, p = enc.shape, self.params
         heads, dim = shape.kv_heads, shape.head_dim
-        is_anchor, rank = _token_roles(shape.tokens, p.page_tokens, p.group_tokens)
-        anchor_np = is_anchor.numpy()
+        anchor_np = _token_roles(shape.tokens, p.page_tokens, p.group_tokens)[0].numpy()
         payloads = enc.payloads(0)
-        out = torch.empty(shape.dims, dtype=torch.float32, device=device)
-        sym = np.empty((2, heads, shape.tokens, dim), dtype=np.uint8)
-        scales = np.empty((2, heads, shape.tokens), dtype=np.uint16)
+        sym = np.empty((shape.layers, 2, heads, shape.tokens, dim), dtype=np.uint8)
+        scales = np.empty((shape.layers, 2, heads, shape.tokens), dtype=np.uint16)
+        qmaxes = np.array([self.qmaxes(layer, shape.layers) for layer in range(shape.layers)],
+                          dtype=np.int64).reshape(shape.layers, 3)
         pages = self._page_ranges(shape)
+
+        chunks = [_ChunkIn(payloads[(layer, page)], layer, page,
+                           self.qmaxes(layer, shape.layers), (t0, t1), anchor_np[t0:t1])
+                  for layer in range(shape.layers) for page, (t0, t1, _, _) in enumerate(pages)]
+        # two chunks per task (their coders interleaved), tasks in order
+        list(_pool().map(lambda i: self._decode_chunks(chunks[i:i + 2], sym, scales),
+                         range(0, len(chunks), 2)))
+        return sym, scales, qmaxes
+
+    def _decode(self, enc: Encoded, streams: int, device: torch.device) -> torch.Tensor:
+        if device.type == "cpu":
+            return self._decode_cpu(enc, torch.float32)
+        shape, p = enc.shape, self.params
+        is_anchor, rank = _token_roles(shape.tokens, p.page_tokens, p.group_tokens)
+        sym, scales, qmaxes = self._decode_symbols(enc)
+        out = torch.empty(shape.dims, dtype=torch.float32, device=device)
         for layer in range(shape.layers):
-            qmaxes = self.qmaxes(layer, shape.layers)
-
-            def decode_page(page: int, layer=layer, qmaxes=qmaxes) -> None:
-                t0, t1 = pages[page][:2]
-                self._decode_chunk(payloads[(layer, page)], layer, page, sym, scales, qmaxes,
-                                   (t0, t1), anchor_np[t0:t1])
-
-            # pages write disjoint token ranges; the first failing page (in order) raises
-            list(_pool().map(decode_page, range(len(pages))))
-            if device.type == "cpu":
-                cachegen_cpu.reconstruct_layer_kernel(sym, scales, anchor_np, *qmaxes,
-                                                      out[layer].numpy())
-            else:
-                codes = _codes_from_symbols(sym, scales, anchor_np, qmaxes)
-                out[layer] = _reconstruct(codes, is_anchor, rank, device)
+            codes = _codes_from_symbols(sym[layer], scales[layer], is_anchor.numpy(),
+                                        self.qmaxes(layer, shape.layers))
+            out[layer] = _reconstruct(codes, is_anchor, rank, device)
         return out
 
-    def _decode_chunk(self, payload: np.ndarray, layer: int, page: int, sym: np.ndarray,
-                      scales: np.ndarray, qmaxes: tuple[int, int, int],
-                      t_range: tuple[int, int], page_anchor: np.ndarray) -> None:
-        """Parse one chunk's payload into the layer's symbols and scales (token order, in
-        place). The payload is untrusted: scales must be finite; each table must fit its
-        segment (symbols within 0..2 qmax, empty iff the segment is); the rANS decoder must
-        use up every coded word and end in its initial state (kvsim.kernels.rans), and each
-        decoded segment must reproduce its table exactly (the table is the encoder's
-        histogram of the segment), which catches truncated, padded and corrupted words."""
+    def _decode_to(self, enc: Encoded, streams: int, device: torch.device,
+                   dtype: torch.dtype) -> torch.Tensor:
+        if device.type == "cpu":  # the kernel writes `dtype` directly
+            return self._decode_cpu(enc, dtype)
+        return super()._decode_to(enc, streams, device, dtype)
+
+    def _decode_cpu(self, enc: Encoded, dtype: torch.dtype) -> torch.Tensor:
+        """The cache in `dtype` (fp32, or bf16 / fp16 rounded from the fp32 reconstruction as
+        codec.cast_finite) by cachegen_cpu.reconstruct_kernel."""
+        shape, p = enc.shape, self.params
+        sym, scales, qmaxes = self._decode_symbols(enc)
+        anchor_np = _token_roles(shape.tokens, p.page_tokens, p.group_tokens)[0].numpy()
+        mode = {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 0)
+        n = int(np.prod(shape.dims))
+        out_f = np.empty(n if mode == 0 else 1, np.float32)
+        out_b = np.empty(n if mode else 1, np.uint16)
+        cachegen_cpu.reconstruct_kernel(sym, scales, anchor_np, qmaxes, mode, out_f, out_b)
+        if mode == 0:
+            out = torch.from_numpy(out_f).view(shape.dims)
+            return out if dtype == torch.float32 else cast_finite(out, dtype)
+        return torch.from_numpy(out_b.view(np.int16)).view(shape.dims).view(
+            torch.bfloat16 if mode == 1 else torch.float16)
+
+    def _decode_chunks(self, chunks: list[_ChunkIn], sym: np.ndarray, scales: np.ndarray
+                       ) -> None:
+        """One or two chunks' payloads into the cache's symbols and scales (token order, in
+        place), the coded words of two decoded together (rans.decode_pair). The payloads are
+        untrusted: scales must be finite; each table must fit its segment (symbols within
+        0..2 qmax, empty iff the segment is); the rANS decoder must use up every coded word
+        and end in its initial state (kvsim.kernels.rans), and each decoded segment must
+        reproduce its table exactly (the table is the encoder's histogram of the segment),
+        which catches truncated, padded and corrupted words. Checked in order: the first
+        chunk's error is raised first."""
+        parsed: list[_ChunkParsed] = []
+        error = None
+        for c in chunks:
+            try:
+                parsed.append(self._parse_chunk(c, sym.shape[2], sym.shape[4], scales[c.layer]))
+            except CodecError as exc:  # raised after the chunks before it are checked
+                error = exc
+                break
+        args = [(p.words, [p.counts[i] for i in p.coded],
+                 [rans.quantize(p.tables[i][1]) for i in p.coded]) for p in parsed]
+        results = (rans.decode_pair(args) if len(args) == 2
+                   else [rans.decode(*a) for a in args])
+        for c, p, (status, flat, hist) in zip(chunks[:len(parsed)], parsed, results, strict=True):
+            self._finish_chunk(c, p, status, flat, hist, sym[c.layer])
+        if error is not None:
+            raise error
+
+    def _parse_chunk(self, chunk: _ChunkIn, heads: int, dim: int, scales: np.ndarray
+                     ) -> _ChunkParsed:
+        """A chunk's scales (into the layer's `scales` [2, H, T]) and checked tables."""
+        layer, page, page_anchor = chunk.layer, chunk.page, chunk.page_anchor
+        payload, qmaxes, t_range = chunk.payload, chunk.qmaxes, chunk.t_range
         where = f"cachegen: chunk (stream 0, layer {layer}, page {page})"
         buf = np.ascontiguousarray(payload, dtype=np.uint8)
-        heads, dim = sym.shape[1], sym.shape[3]
         t0, t1 = t_range
         n = t1 - t0
         na = int(page_anchor.sum())
@@ -515,29 +592,52 @@ class CacheGenCodec(Codec):
         scales[:, :, t0:t1] = buf[: 2 * 2 * heads * n].view("<u2").reshape(2, heads, n)
         counts = [heads * rows * dim for (_, _, rows, _) in targets]
         coded = [i for i, (_, freq) in enumerate(tables) if counts[i] and freq.size > 1]
-        status, flat, hist = rans.decode(words, [counts[i] for i in coded],
-                                         [rans.quantize(tables[i][1]) for i in coded])
+        return _ChunkParsed(where, words, counts, coded, tables)
+
+    @staticmethod
+    def _finish_chunk(chunk: _ChunkIn, parsed: _ChunkParsed, status: int, flat: np.ndarray,
+                      hist: np.ndarray, sym: np.ndarray) -> None:
+        """A chunk's decoded symbols, checked, into the layer's `sym` [2, H, T, D]."""
+        where, counts, coded, tables = parsed.where, parsed.counts, parsed.coded, parsed.tables
         if status != rans.OK:
             raise CodecError(f"{where}: {rans.STATUS_TEXT[status]}")
-        off = 0
-        for i, ((tensor, kind), (lo, freq), (t, mask, rows, _)) in enumerate(zip(
-                SEGMENTS, tables, targets, strict=True)):
-            if counts[i] == 0:
-                continue
-            if i in coded:
-                symbols = flat[off : off + counts[i]] + np.uint8(lo)
-                off += counts[i]
-                # the table is the encoder's histogram of the segment: the decoded symbols
-                # must reproduce it exactly (catches corrupt words the coder's checks miss)
-                seg_hist = np.zeros(256, dtype=np.int64)
-                seg_hist[lo : lo + 256 - lo] = hist[coded.index(i), : 256 - lo]
-                got_lo, got_freq = _table_of_counts(seg_hist)
-                if got_lo != lo or not np.array_equal(got_freq, freq):
-                    raise CodecError(f"{where}: {tensor}-{kind} codes do not match their "
-                                     "frequency table (corrupt coded words)")
-            else:
-                symbols = np.full(counts[i], lo, dtype=np.uint8)
-            sym[t, :, t0:t1][:, mask] = symbols.reshape(heads, rows, dim)
+        for j, i in enumerate(coded):
+            # the table is the encoder's histogram of the segment: the decoded symbols must
+            # reproduce it exactly (catches corrupt words the coder's checks miss)
+            (tensor, kind), (lo, freq) = SEGMENTS[i], tables[i]
+            seg_hist = np.zeros(256, dtype=np.int64)
+            seg_hist[lo:] = hist[j, : 256 - lo]
+            got_lo, got_freq = _table_of_counts(seg_hist)
+            if got_lo != lo or not np.array_equal(got_freq, freq):
+                raise CodecError(f"{where}: {tensor}-{kind} codes do not match their "
+                                 "frequency table (corrupt coded words)")
+        cachegen_cpu.scatter_chunk(flat, np.asarray(counts, dtype=np.int64),
+                                   np.array([lo for lo, _ in tables], dtype=np.int64),
+                                   np.array([i in coded for i in range(4)], dtype=np.int64),
+                                   chunk.page_anchor, chunk.t_range[0], sym)
+
+
+@dataclass
+class _ChunkIn:
+    """One chunk to decode: its payload and where its tokens go."""
+
+    payload: np.ndarray
+    layer: int
+    page: int
+    qmaxes: tuple[int, int, int]
+    t_range: tuple[int, int]
+    page_anchor: np.ndarray  # bool [tokens of the page]: anchor tokens
+
+
+@dataclass
+class _ChunkParsed:
+    """A chunk's checked tables and coded words (see CacheGenCodec._decode_chunks)."""
+
+    where: str
+    words: np.ndarray  # uint32
+    counts: list[int]  # codes per segment
+    coded: list[int]  # segments with coded words (nsym > 1)
+    tables: list[tuple[int, np.ndarray]]  # (lo, u16 frequencies) per segment
 
 
 @functools.cache

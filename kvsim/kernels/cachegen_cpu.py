@@ -11,6 +11,10 @@ scales as their bit patterns [2, H, T]. Per (K/V, head) row, tokens in order:
 fp16_up(s): round to nearest even, then one fp16 step up if that fell below s (so
 |x / scale| <= qmax); a scale that is inf in fp16 is reported in `overflow` (the caller
 raises). All arithmetic in fp32, in the reference's order.
+
+Decode (whole cache, nogil): scatter_chunk puts one chunk's decoded segments back into the
+token-order symbols, reconstruct_kernel rebuilds every layer straight in the output dtype
+(bf16 / fp16 rounded from the fp32 reconstruction as codec.cast_finite).
 """
 
 from __future__ import annotations
@@ -19,16 +23,20 @@ import numba
 import numpy as np
 
 from kvsim.kernels.fp16_bits import f16_bits_to_f32_bits, f32_bits_to_f16_bits
+from kvsim.kernels.kivi_cpu import _store_row
 
 _JIT = dict(cache=True, nogil=True, error_model="numpy")
 FP16_INF_BITS = 0x7C00
 
 
 @numba.njit(parallel=True, **_JIT)
-def quantize_layer_kernel(x, is_anchor, qmax_a, qmax_k, qmax_v, sym, scales, overflow):
+def quantize_layer_kernel(x, is_anchor, qmax_a, qmax_k, qmax_v, sym, scales, overflow,
+                          xb=None):
     """x fp32 [2, H, T, D] (finite) -> sym uint8 [2, H, T, D], scales uint16 [2, H, T]
-    (fp16 bits); overflow int64 [2 H] set to 1 for a row whose scale overflows fp16."""
-    _, heads, tokens, dim = x.shape
+    (fp16 bits); overflow int64 [2 H] set to 1 for a row whose scale overflows fp16.
+    xb: the layer as bf16 bits (uint16 [2, H, T, D]) read instead of x (then any fp32
+    array: its values are those bits widened, as torch's bf16 -> fp32 cast)."""
+    heads, tokens, dim = sym.shape[1], sym.shape[2], sym.shape[3]
     for w in numba.prange(2 * heads):
         kv = w // heads
         h = w % heads
@@ -39,14 +47,21 @@ def quantize_layer_kernel(x, is_anchor, qmax_a, qmax_k, qmax_v, sym, scales, ove
         row = np.empty(dim, np.float32)
         zero = np.float32(0.0)
         for t in range(tokens):
+            if xb is not None:
+                ru = row.view(np.uint32)
+                src = xb[kv, h, t]
+                for d in range(dim):
+                    ru[d] = np.uint32(src[d]) << np.uint32(16)
+            else:
+                src32 = x[kv, h, t]
+                for d in range(dim):
+                    row[d] = src32[d]
             if is_anchor[t]:
                 q = qmax_a
-                for d in range(dim):
-                    row[d] = x[kv, h, t, d]
             else:
                 q = q_delta
                 for d in range(dim):
-                    row[d] = x[kv, h, t, d] - anchor[d]
+                    row[d] = row[d] - anchor[d]
             m = zero
             for d in range(dim):
                 a = abs(row[d])
@@ -101,3 +116,67 @@ def reconstruct_layer_kernel(sym, scales, is_anchor, qmax_a, qmax_k, qmax_v, out
                 for d in range(dim):
                     out[kv, h, t, d] = anchor[d] + np.float32(
                         np.int32(sym[kv, h, t, d]) - q_delta) * s
+
+
+@numba.njit(**_JIT)
+def scatter_chunk(flat, seg_counts, lo, coded, page_anchor, t0, sym):
+    """One chunk's 4 segments (K-anchor, K-delta, V-anchor, V-delta; each [H, tokens of its
+    kind in the page, D] in C order) -> sym uint8 [2, H, T, D] at tokens t0 .. t0 + n:
+    symbol = decoded + lo[i] for a coded segment (coded[i], its symbols back to back in
+    flat, seg_counts[i] of them), lo[i] for every code of an uncoded one. The caller has
+    checked the counts against the page (H x rows x D per segment)."""
+    _, heads, _, dim = sym.shape
+    n = page_anchor.size
+    k = 0
+    for i in range(4):
+        kv = i // 2
+        want = i % 2 == 0  # anchor segments first
+        add = np.uint8(lo[i])
+        live = coded[i] != 0
+        if seg_counts[i] == 0:
+            continue
+        for h in range(heads):
+            for j in range(n):
+                if page_anchor[j] != want:
+                    continue
+                row = sym[kv, h, t0 + j]
+                if live:
+                    for d in range(dim):
+                        row[d] = flat[k + d] + add
+                    k += dim
+                else:
+                    for d in range(dim):
+                        row[d] = add
+
+
+@numba.njit(parallel=True, **_JIT)
+def reconstruct_kernel(sym, scales, is_anchor, qmaxes, mode, out_f, out_b):
+    """Every layer at once: sym uint8 [L, 2, H, T, D], scales uint16 [L, 2, H, T] (finite fp16
+    bits), qmaxes int64 [L, 3] (anchor, K delta, V delta) -> the cache [L, 2, H, T, D], flat:
+    fp32 in out_f (mode 0), bf16 bits (1) or fp16 bits (2, clamped to +-65504) in out_b, as
+    reconstruct_layer_kernel's fp32 values cast by codec.cast_finite."""
+    layers, _, heads, tokens, dim = sym.shape
+    for w in numba.prange(layers * 2 * heads):
+        layer = w // (2 * heads)
+        kv = (w // heads) % 2
+        h = w % heads
+        qa = qmaxes[layer, 0]
+        qd = qmaxes[layer, 1 + kv]
+        tmp = np.empty(2, np.float32)
+        tmpu = tmp.view(np.uint32)
+        anchor = np.zeros(dim, np.float32)
+        row = np.empty(dim, np.float32)
+        o = w * tokens * dim
+        for t in range(tokens):
+            tmpu[0] = np.uint32(f16_bits_to_f32_bits(np.int64(scales[layer, kv, h, t])))
+            s = tmp[0]
+            src = sym[layer, kv, h, t]
+            if is_anchor[t]:
+                for d in range(dim):
+                    v = np.float32(np.int32(src[d]) - qa) * s
+                    anchor[d] = v
+                    row[d] = v
+            else:
+                for d in range(dim):
+                    row[d] = anchor[d] + np.float32(np.int32(src[d]) - qd) * s
+            _store_row(row, dim, mode, out_f, out_b, o + t * dim, tmp)

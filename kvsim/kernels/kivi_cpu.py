@@ -916,7 +916,9 @@ def _matmul_seq(xt, yt, out, m, k, r):
     """out[j, i] = sum_c xt[c, i] * yt[j, c] over c = 0 .. k-1 in order (each product and sum
     rounded to fp32: gear.matmul_seq's order), i < m, j < r: the product X Y of X [m, k]
     held as xt = X^T [k, m] and Y [k, r] held as yt = Y^T [r, k], out = (X Y)^T [r, m].
-    Vectorized across i; four output columns per pass over X."""
+    Vectorized across i; four output columns per pass over X, and four terms c added to each
+    output per load and store of it (the same sums in the same order: a register carries
+    the partial sum from term c to c + 1 instead of memory)."""
     for j0 in range(0, r, 4):
         if r - j0 >= 4:
             y0, y1, y2, y3 = out[j0], out[j0 + 1], out[j0 + 2], out[j0 + 3]
@@ -928,7 +930,24 @@ def _matmul_seq(xt, yt, out, m, k, r):
                 y1[i] = e * c1
                 y2[i] = e * c2
                 y3[i] = e * c3
-            for c in range(1, k):
+            c = 1
+            while c + 4 <= k:
+                xa, xb, xc, xd = xt[c], xt[c + 1], xt[c + 2], xt[c + 3]
+                a0, a1, a2, a3 = yt[j0, c], yt[j0, c + 1], yt[j0, c + 2], yt[j0, c + 3]
+                b0, b1 = yt[j0 + 1, c], yt[j0 + 1, c + 1]
+                b2, b3 = yt[j0 + 1, c + 2], yt[j0 + 1, c + 3]
+                d0, d1 = yt[j0 + 2, c], yt[j0 + 2, c + 1]
+                d2, d3 = yt[j0 + 2, c + 2], yt[j0 + 2, c + 3]
+                f0, f1 = yt[j0 + 3, c], yt[j0 + 3, c + 1]
+                f2, f3 = yt[j0 + 3, c + 2], yt[j0 + 3, c + 3]
+                for i in range(m):
+                    ea, eb, ec, ed = xa[i], xb[i], xc[i], xd[i]
+                    y0[i] = (((y0[i] + ea * a0) + eb * a1) + ec * a2) + ed * a3
+                    y1[i] = (((y1[i] + ea * b0) + eb * b1) + ec * b2) + ed * b3
+                    y2[i] = (((y2[i] + ea * d0) + eb * d1) + ec * d2) + ed * d3
+                    y3[i] = (((y3[i] + ea * f0) + eb * f1) + ec * f2) + ed * f3
+                c += 4
+            while c < k:
                 x = xt[c]
                 c0, c1, c2, c3 = yt[j0, c], yt[j0 + 1, c], yt[j0 + 2, c], yt[j0 + 3, c]
                 for i in range(m):
@@ -937,6 +956,7 @@ def _matmul_seq(xt, yt, out, m, k, r):
                     y1[i] = y1[i] + e * c1
                     y2[i] = y2[i] + e * c2
                     y3[i] = y3[i] + e * c3
+                c += 1
         else:
             for j in range(j0, r):
                 y = out[j]
