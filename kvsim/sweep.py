@@ -142,13 +142,10 @@ def _locked(sweep_dir: Path, wait: bool = True) -> Iterator[bool]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def load_points(sweep_dir: Path, keys: list[str] | None = None) -> list[dict]:
-    """The finished points of a sweep directory (those of `keys`, in that order, if given)."""
+def load_points(sweep_dir: Path, keys: list[str]) -> list[dict]:
+    """The finished points of a sweep directory among `keys`, in that order."""
     folder = sweep_dir / POINTS_DIR
-    if keys is None:
-        paths = sorted(folder.glob("*.json"))
-    else:
-        paths = [folder / f"{k}.json" for k in keys if (folder / f"{k}.json").is_file()]
+    paths = [folder / f"{k}.json" for k in keys if (folder / f"{k}.json").is_file()]
     points = []
     for p in paths:
         try:
@@ -261,6 +258,7 @@ def run_point(run: Callable[[Any], list[dict]], typed: Any, plain: dict,
     existing = sweep_dir / POINTS_DIR / f"{key}.json"
     if existing.is_file():  # the same resolved config, run before (another grid, other code)
         rows = load_points(sweep_dir, [key])[0]["rows"]
+        write_marker(sweep_dir, overrides, key, manifest["fingerprint"])
         how = "reused"
     else:
         from kvsim.data_files import loaded_files
@@ -273,10 +271,12 @@ def run_point(run: Callable[[Any], list[dict]], typed: Any, plain: dict,
                "wall_s": time.perf_counter() - started, "job_dir": str(job_dir),
                "command": name,
                "data_files": loaded_files()}  # what this job's process loaded (path, sha256)
+        # the marker first: a marker counts only once its point exists (read_marker), so an
+        # interrupt between the two writes never leaves a point that the table leaves out
+        write_marker(sweep_dir, overrides, key, manifest["fingerprint"])
         (sweep_dir / POINTS_DIR).mkdir(parents=True, exist_ok=True)
         _write_atomic(existing, json.dumps(json_safe(doc)) + "\n")
         how = f"{time.perf_counter() - started:.1f} s"
-    write_marker(sweep_dir, overrides, key, manifest["fingerprint"])
     table = sweep_dir / f"{TABLE_STEM}.parquet"
     if not table.is_file() or time.time() - table.stat().st_mtime > TABLE_EVERY_S:
         with _locked(sweep_dir, wait=False) as mine:
