@@ -55,10 +55,28 @@ TABLE_STEM = "sweep"
 GRID_PREFIX = "grid."
 CONFIG_PREFIX = "config."
 MANIFEST = "manifest.json"
+TABLE_IMPORTS = ("pandas", "pyarrow.parquet")  # the merged table's writer (write_table)
 
 
 class SweepFailed(CompactHydraException):
     pass
+
+
+def prepare_worker(module: str, prepare: str | None) -> int:
+    """A sweep worker's warm-up (hydra_plugins/kvsim_sweeper), done once before its first job
+    arrives: what every job does first (Hydra's plugin discovery), the command's module and
+    its `prepare()` (what its first run loads), the merged table's writer; returns the pid."""
+    import importlib
+
+    from hydra.core.plugins import Plugins
+
+    Plugins.instance()
+    mod = importlib.import_module(module)
+    if prepare is not None:
+        getattr(mod, prepare)()
+    for name in TABLE_IMPORTS:
+        importlib.import_module(name)
+    return os.getpid()
 
 
 def point_key(config: dict) -> str:
