@@ -192,15 +192,14 @@ def build_table(points: list[dict], grid: dict[str, list[str]]):
     rows = []
     for point in points:
         values = dict(o.split("=", 1) for o in point["overrides"] if "=" in o)
+        head: dict[str, Any] = {"point": point["key"],
+                                "overrides": " ".join(point["overrides"])}
+        for key in grid:
+            head[f"{GRID_PREFIX}{key}"] = _grid_value(point["config"], key,
+                                                      values.get(key, ""))
+        config = flatten(point["config"], CONFIG_PREFIX)  # the same for each of its rows
         for sim_row in point["rows"]:
-            row: dict[str, Any] = {"point": point["key"],
-                                   "overrides": " ".join(point["overrides"])}
-            for key in grid:
-                row[f"{GRID_PREFIX}{key}"] = _grid_value(point["config"], key,
-                                                         values.get(key, ""))
-            row.update(flatten(sim_row))
-            row.update(flatten(point["config"], CONFIG_PREFIX))
-            rows.append(row)
+            rows.append({**head, **flatten(sim_row), **config})
     return pd.DataFrame(rows)
 
 
