@@ -10,7 +10,10 @@ the resolved config), and launches only the points whose `points/<key>.json` is 
 the sweep directory, through whichever Hydra launcher is configured (joblib, submitit_local
 or submitit_slurm, ray). Each job, when it finishes, writes its point file and rewrites the
 merged table under a file lock, so an interrupted sweep leaves every finished point and a
-table of them; a rerun computes only what is missing.
+table of them; a rerun computes only what is missing. With the joblib launcher, its worker
+processes start, and load what a job loads (`prepare_worker`: Hydra's plugins, the command's
+`prepare()`, the table writer), while the parent writes the manifest; the launcher then
+reuses them.
 
 Which points are done is known without composing anything when nothing that shapes a resolved
 config changed: every finished job leaves `jobs/<job id>.json` (job id: sha256 of its
