@@ -427,6 +427,9 @@ def _task(name: str, mod: Any, report_path: str | None):
             print(f"report written to {report_path}", file=sys.stderr)
         return rows or []
 
+    # what a job's process loads before its first run (the command's module and its
+    # prepare(), if any): a sweep's worker processes do it while the sweep's parent prepares
+    task.prepare = (mod.__name__, "prepare" if hasattr(mod, "prepare") else None)  # type: ignore[attr-defined]
     return task
 
 

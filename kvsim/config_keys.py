@@ -133,23 +133,6 @@ def check_overrides(config_name: str, schema: type | None, overrides: list[str])
             groups.append(f"{key}={choices[0]}")
         else:
             values.append(o)
-    try:
-        base = _compose(config_name, groups)
-    except Exception as exc:  # Hydra composition errors of the group choices alone
-        raise OverrideError(f"bad configuration: {_message(exc)}") from None
-    candidates = dotted_keys(base)
-    for o in values:
-        key = o.key_or_group
-        if o.is_delete():
-            continue
-        if not _known(base, key):
-            hint = closest(key, candidates)
-            raise OverrideError(
-                f"unknown key {key!r}" + (f"; did you mean {hint}?" if hint else "") +
-                " (`--help` lists every key)")
-        if o.is_add() and not o.is_force_add():
-            raise OverrideError(f"+{key} adds a key, but {key!r} already exists: "
-                                f"override it with {key}=...")
     firsts = []
     for o in parsed:
         key = o.get_key_element()
@@ -159,7 +142,42 @@ def check_overrides(config_name: str, schema: type | None, overrides: list[str])
             firsts.append(f"{key}={next(iter(o.sweep_string_iterator()))}")
         else:
             firsts.append(o.input_line)
+    adds = any(o.is_add() or o.is_force_add() for o in values)
+    if not adds:  # the usual case: one composition, with every override, decides
+        try:
+            _check_keys(_compose(config_name, firsts), values)
+            return
+        except OverrideError:
+            raise
+        except Exception:  # which override is wrong: the group choices alone tell (below)
+            pass
+    # `+key=` composes whether or not the key exists (Hydra adds it), so keys are checked
+    # against the group choices' composition; so is a failed composition's culprit found
+    try:
+        base = _compose(config_name, groups)
+    except Exception as exc:  # Hydra composition errors of the group choices alone
+        raise OverrideError(f"bad configuration: {_message(exc)}") from None
+    _check_keys(base, values)
     try:
         _compose(config_name, firsts)
     except Exception as exc:  # type errors of values, e.g. link.bandwidth_gbps=abc
         raise OverrideError(f"bad configuration: {_message(exc)}") from None
+
+
+def _check_keys(base: Any, values: list) -> None:
+    """Raise OverrideError for the first override of `values` naming no key of `base` (or
+    adding, with `+`, a key that exists)."""
+    candidates: list[str] | None = None
+    for o in values:
+        key = o.key_or_group
+        if o.is_delete():
+            continue
+        if not _known(base, key):
+            candidates = candidates if candidates is not None else dotted_keys(base)
+            hint = closest(key, candidates)
+            raise OverrideError(
+                f"unknown key {key!r}" + (f"; did you mean {hint}?" if hint else "") +
+                " (`--help` lists every key)")
+        if o.is_add() and not o.is_force_add():
+            raise OverrideError(f"+{key} adds a key, but {key!r} already exists: "
+                                f"override it with {key}=...")

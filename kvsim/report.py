@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import math
@@ -28,15 +29,25 @@ def _git(args: list[str], cwd: Path) -> str | None:
 
 def git_state(cwd: Path | None = None) -> dict[str, Any]:
     """The commit the code is at and `git describe --always --dirty` (a "-dirty" suffix: tracked
-    files differ from that commit, so the commit alone does not reproduce the run)."""
-    cwd = cwd or CODE_DIR
+    files differ from that commit, so the commit alone does not reproduce the run). The code's
+    own checkout (cwd None) is asked once per process, at its first report: a sweep's
+    worker process writes a report per job."""
+    if cwd is None:
+        return dict(_code_git_state(CODE_DIR))
     describe = _git(["describe", "--always", "--dirty"], cwd)
     return {"git_commit": _git(["rev-parse", "HEAD"], cwd), "git_describe": describe,
             "git_dirty": describe.endswith("-dirty") if describe else None}
 
 
+@functools.cache
+def _code_git_state(code_dir: Path) -> dict[str, Any]:
+    return git_state(code_dir)
+
+
+@functools.cache
 def _installed_version(package: str) -> str | None:
-    # from the installed metadata: importing torch only for its version costs seconds
+    # from the installed metadata (importing torch only for its version costs seconds), read
+    # once per process
     try:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:

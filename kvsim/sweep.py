@@ -10,7 +10,10 @@ the resolved config), and launches only the points whose `points/<key>.json` is 
 the sweep directory, through whichever Hydra launcher is configured (joblib, submitit_local
 or submitit_slurm, ray). Each job, when it finishes, writes its point file and rewrites the
 merged table under a file lock, so an interrupted sweep leaves every finished point and a
-table of them; a rerun computes only what is missing.
+table of them; a rerun computes only what is missing. With the joblib launcher, its worker
+processes start, and load what a job loads (`prepare_worker`: Hydra's plugins, the command's
+`prepare()`, the table writer), while the parent writes the manifest; the launcher then
+reuses them.
 
 Which points are done is known without composing anything when nothing that shapes a resolved
 config changed: every finished job leaves `jobs/<job id>.json` (job id: sha256 of its
@@ -55,10 +58,28 @@ TABLE_STEM = "sweep"
 GRID_PREFIX = "grid."
 CONFIG_PREFIX = "config."
 MANIFEST = "manifest.json"
+TABLE_IMPORTS = ("pandas", "pyarrow.parquet")  # the merged table's writer (write_table)
 
 
 class SweepFailed(CompactHydraException):
     pass
+
+
+def prepare_worker(module: str, prepare: str | None) -> int:
+    """A sweep worker's warm-up (hydra_plugins/kvsim_sweeper), done once before its first job
+    arrives: what every job does first (Hydra's plugin discovery), the command's module and
+    its `prepare()` (what its first run loads), the merged table's writer; returns the pid."""
+    import importlib
+
+    from hydra.core.plugins import Plugins
+
+    Plugins.instance()
+    mod = importlib.import_module(module)
+    if prepare is not None:
+        getattr(mod, prepare)()
+    for name in TABLE_IMPORTS:
+        importlib.import_module(name)
+    return os.getpid()
 
 
 def point_key(config: dict) -> str:
@@ -142,13 +163,10 @@ def _locked(sweep_dir: Path, wait: bool = True) -> Iterator[bool]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def load_points(sweep_dir: Path, keys: list[str] | None = None) -> list[dict]:
-    """The finished points of a sweep directory (those of `keys`, in that order, if given)."""
+def load_points(sweep_dir: Path, keys: list[str]) -> list[dict]:
+    """The finished points of a sweep directory among `keys`, in that order."""
     folder = sweep_dir / POINTS_DIR
-    if keys is None:
-        paths = sorted(folder.glob("*.json"))
-    else:
-        paths = [folder / f"{k}.json" for k in keys if (folder / f"{k}.json").is_file()]
+    paths = [folder / f"{k}.json" for k in keys if (folder / f"{k}.json").is_file()]
     points = []
     for p in paths:
         try:
@@ -177,15 +195,14 @@ def build_table(points: list[dict], grid: dict[str, list[str]]):
     rows = []
     for point in points:
         values = dict(o.split("=", 1) for o in point["overrides"] if "=" in o)
+        head: dict[str, Any] = {"point": point["key"],
+                                "overrides": " ".join(point["overrides"])}
+        for key in grid:
+            head[f"{GRID_PREFIX}{key}"] = _grid_value(point["config"], key,
+                                                      values.get(key, ""))
+        config = flatten(point["config"], CONFIG_PREFIX)  # the same for each of its rows
         for sim_row in point["rows"]:
-            row: dict[str, Any] = {"point": point["key"],
-                                   "overrides": " ".join(point["overrides"])}
-            for key in grid:
-                row[f"{GRID_PREFIX}{key}"] = _grid_value(point["config"], key,
-                                                         values.get(key, ""))
-            row.update(flatten(sim_row))
-            row.update(flatten(point["config"], CONFIG_PREFIX))
-            rows.append(row)
+            rows.append({**head, **flatten(sim_row), **config})
     return pd.DataFrame(rows)
 
 
@@ -261,6 +278,7 @@ def run_point(run: Callable[[Any], list[dict]], typed: Any, plain: dict,
     existing = sweep_dir / POINTS_DIR / f"{key}.json"
     if existing.is_file():  # the same resolved config, run before (another grid, other code)
         rows = load_points(sweep_dir, [key])[0]["rows"]
+        write_marker(sweep_dir, overrides, key, manifest["fingerprint"])
         how = "reused"
     else:
         from kvsim.data_files import loaded_files
@@ -273,10 +291,12 @@ def run_point(run: Callable[[Any], list[dict]], typed: Any, plain: dict,
                "wall_s": time.perf_counter() - started, "job_dir": str(job_dir),
                "command": name,
                "data_files": loaded_files()}  # what this job's process loaded (path, sha256)
+        # the marker first: a marker counts only once its point exists (read_marker), so an
+        # interrupt between the two writes never leaves a point that the table leaves out
+        write_marker(sweep_dir, overrides, key, manifest["fingerprint"])
         (sweep_dir / POINTS_DIR).mkdir(parents=True, exist_ok=True)
         _write_atomic(existing, json.dumps(json_safe(doc)) + "\n")
         how = f"{time.perf_counter() - started:.1f} s"
-    write_marker(sweep_dir, overrides, key, manifest["fingerprint"])
     table = sweep_dir / f"{TABLE_STEM}.parquet"
     if not table.is_file() or time.time() - table.stat().st_mtime > TABLE_EVERY_S:
         with _locked(sweep_dir, wait=False) as mine:

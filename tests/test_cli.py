@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvsim.cli import _commands, main
 
 
@@ -65,6 +67,29 @@ def test_typos_fail_with_the_closest_key(capsys):
     assert "did you mean workload.context_tokens?" in capsys.readouterr().err
     assert main(["smi"]) == 2
     assert "did you mean 'sim'?" in capsys.readouterr().err
+
+
+def test_valid_overrides_are_checked_with_one_composition(monkeypatch):
+    import kvsim.config_keys as ck
+    from kvsim.commands.sim import Config
+
+    calls = []
+    compose = ck._compose
+    monkeypatch.setattr(ck, "_compose", lambda name, ov: calls.append(ov) or compose(name, ov))
+    ck.check_overrides("sim", Config, ["scenario=table1-qwen32b-16k", "model=llama-3.1-8b",
+                                       "link.bandwidth_gbps=10,25", "hydra/launcher=basic"])
+    assert calls == [["scenario=table1-qwen32b-16k", "model=llama-3.1-8b",
+                      "link.bandwidth_gbps=10"]]
+    # a wrong value: composed again with the group choices alone, to name the culprit
+    calls.clear()
+    with pytest.raises(ck.OverrideError, match="bad configuration"):
+        ck.check_overrides("sim", Config, ["model=llama-3.1-8b", "link.bandwidth_gbps=abc"])
+    assert calls[1] == ["model=llama-3.1-8b"]
+    # `+key=` composes whether or not the key exists: checked against the groups' config
+    with pytest.raises(ck.OverrideError, match="already exists"):
+        ck.check_overrides("sim", Config, ["+link.bandwidth_gbps=25"])
+    with pytest.raises(ck.OverrideError, match="did you mean link.bandwidth_gbps"):
+        ck.check_overrides("sim", Config, ["++link.bandwith_gbps=25"])
 
 
 def test_version_list_and_help_with_comments(capsys):

@@ -192,6 +192,38 @@ def test_joblib_launcher_by_default(tmp_path, capsys):
     assert timing and all(len(files[p]) == 64 for p in timing)
 
 
+def test_joblib_workers_start_warm_and_the_launcher_reuses_them(tmp_path, capsys,
+                                                                monkeypatch):
+    from joblib.externals.loky import reusable_executor as loky
+
+    from hydra_plugins.kvsim_sweeper import resuming_sweeper
+    from kvsim.sweep import prepare_worker
+
+    assert prepare_worker("kvsim.commands.sim", "prepare") == os.getpid()
+    warmed: list[int] = []
+    started = resuming_sweeper.start_workers
+
+    def spy(launcher):
+        warming = started(launcher)
+        assert warming is not None
+        monkeypatch.setattr(warming, "wait", lambda w=warming.wait: warmed.extend(w()) or warmed)
+        return warming
+
+    monkeypatch.setattr(resuming_sweeper, "start_workers", spy)
+    pools_before = loky._next_executor_id
+    args = ["sweep", *BASE, "link.bandwidth_gbps=10,40", "hydra.launcher.n_jobs=2",
+            f"hydra.sweep.dir={tmp_path / 'w'}"]
+    assert main(args) == 0
+    # the warm-up ran on the pool of worker processes that then ran the jobs
+    assert len(warmed) == 2 and set(warmed) <= set(loky._executor._processes)
+    assert loky._next_executor_id - pools_before <= 1
+    # a rerun with nothing left to do starts no worker
+    monkeypatch.setattr(resuming_sweeper, "start_workers", lambda launcher: pytest.fail(
+        "workers started for a finished sweep"))
+    assert main(args) == 0
+    assert "2 already done, 0 to run" in capsys.readouterr().err
+
+
 def test_submitit_local_launcher(tmp_path, capsys):
     sweep_dir = tmp_path / "sub"
     assert main(["sweep", *BASE, "link.bandwidth_gbps=10,40", "hydra/launcher=submitit_local",

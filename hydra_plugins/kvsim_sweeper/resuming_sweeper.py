@@ -20,6 +20,7 @@ from kvsim.sweep import (
     _locked,
     _write_atomic,
     config_fingerprint,
+    prepare_worker,
     print_summary,
     read_marker,
     write_table,
@@ -30,6 +31,46 @@ ConfigStore.instance().store(
     node={"_target_": "hydra_plugins.kvsim_sweeper.resuming_sweeper.ResumingSweeper",
           "max_batch_size": None, "params": None},
     provider="kvsim")
+
+
+class _Warming:
+    """Warm-up tasks running on the joblib launcher's worker processes; `wait()` before the
+    launcher's own Parallel call (dropping them unfinished would make joblib kill the workers)."""
+
+    def __init__(self, outputs: Any) -> None:
+        self._outputs = outputs
+
+    def wait(self) -> list[int]:
+        """The warmed workers' process ids (none if the warm-up failed)."""
+        try:
+            return list(self._outputs)
+        except Exception as exc:  # a warm-up failure is no job's failure: jobs import again
+            print(f"sweep: warming the workers failed ({exc}); the jobs start them",
+                  file=sys.stderr, flush=True)
+            return []
+
+
+def start_workers(launcher: Any) -> _Warming | None:
+    """Start the joblib launcher's worker processes now, each loading what a job loads first
+    (Hydra's plugins, the command, its simulator and codecs: seconds per process), while this
+    process writes the manifest and imports the table writer. The launcher's Parallel, made
+    with the same arguments, reuses them (loky's reusable executor). Other launchers, or a
+    task that is not kvsim's: nothing."""
+    from hydra_plugins.hydra_joblib_launcher.joblib_launcher import JoblibLauncher
+
+    what = getattr(launcher.task_function, "prepare", None)
+    if not isinstance(launcher, JoblibLauncher) or what is None:
+        return None
+    from hydra_plugins.hydra_joblib_launcher._core import process_joblib_cfg
+    from joblib import Parallel, delayed, effective_n_jobs
+
+    joblib_cfg = dict(launcher.joblib)
+    joblib_cfg["backend"] = "loky"  # as the launcher does (its threading backend breaks Hydra)
+    process_joblib_cfg(joblib_cfg)
+    workers = effective_n_jobs(joblib_cfg.get("n_jobs", -1))
+    outputs = Parallel(**joblib_cfg, return_as="generator_unordered")(
+        delayed(prepare_worker)(*what) for _ in range(workers))
+    return _Warming(outputs)
 
 
 def _next_job_number(sweep_dir: Path) -> int:
@@ -48,11 +89,6 @@ class ResumingSweeper(BasicSweeper):
 
         assert self.config is not None and self.launcher is not None
         assert self.hydra_context is not None
-        # the table writer's libraries, imported before any job: a Ctrl-C that lands inside
-        # their first import would leave them half-imported for the final table write
-        import pandas  # noqa: F401
-        import pyarrow.parquet  # noqa: F401
-
         started = time.perf_counter()
         params = self._parse_config() + list(arguments)
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
@@ -63,18 +99,24 @@ class ResumingSweeper(BasicSweeper):
             if o.is_sweep_override():
                 grid[o.get_key_element()] = list(o.sweep_string_iterator())
         sweep_dir = Path(self.config.hydra.sweep.dir)
-        sweep_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         fingerprint = config_fingerprint()
-        with _locked(sweep_dir):
-            manifest = {"arguments": list(arguments), "grid": grid, "jobs": jobs,
-                        "fingerprint": fingerprint}
-            _write_atomic(sweep_dir / MANIFEST, json.dumps(manifest, indent=1) + "\n")
         # done: a marker written under the same conf/ and code; otherwise the job runs, and
         # finds its point itself if its resolved config is unchanged
         markers = [read_marker(sweep_dir, job) for job in jobs]
         missing = [job for job, m in zip(jobs, markers, strict=True)
                    if m is None or m.get("fingerprint") != fingerprint]
+        warming = start_workers(self.launcher) if missing else None
+        # the table writer's libraries, imported before any job: a Ctrl-C that lands inside
+        # their first import would leave them half-imported for the final table write
+        import pandas  # noqa: F401
+        import pyarrow.parquet  # noqa: F401
+
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        with _locked(sweep_dir):
+            manifest = {"arguments": list(arguments), "grid": grid, "jobs": jobs,
+                        "fingerprint": fingerprint}
+            _write_atomic(sweep_dir / MANIFEST, json.dumps(manifest, indent=1) + "\n")
         launcher = str(self.config.hydra.launcher.get("_target_", "?")).rsplit(".", 1)[-1]
         print(f"sweep: {len(jobs)} points in {sweep_dir} ({len(jobs) - len(missing)} already "
               f"done, {len(missing)} to run with {launcher})", file=sys.stderr, flush=True)
@@ -82,6 +124,8 @@ class ResumingSweeper(BasicSweeper):
         table = sweep_dir / f"{TABLE_STEM}.parquet"
         try:
             if missing:
+                if warming is not None:
+                    warming.wait()
                 results = list(self.launcher.launch(
                     missing, initial_job_idx=_next_job_number(sweep_dir)))
         finally:  # interrupted too: the table holds every point that finished

@@ -101,6 +101,19 @@ def print_table(cfg: SimConfig, rows: list[dict]) -> None:
               "measures them on other KV")
 
 
+def prepare() -> None:
+    """What a process's first run() loads besides the config: the simulator (torch, with the
+    codecs' module), every codec (their numba and Triton backends come along) and the spread's
+    t quantile (scipy.special); seconds, once per process. A sweep's worker processes call it
+    while the sweep's parent prepares (hydra_plugins/kvsim_sweeper)."""
+    import scipy.special  # noqa: F401
+
+    import kvsim.sim.run  # noqa: F401
+    from kvsim.kernels import codec_names
+
+    codec_names()
+
+
 def run(cfg: SimConfig) -> list[dict]:
     # imported here: the simulator pulls in the codecs (torch); a sweep's parent process,
     # which only composes configs and launches jobs, never needs it
