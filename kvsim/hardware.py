@@ -213,6 +213,11 @@ class TimingModel:
         one = self._forward_s(1, mean_ctx, 1, hw.prefill_mfu, hw.decode_mbu)
         return self.tpot_s(mean_ctx) * roof / one
 
+    @property
+    def verify_measured(self) -> bool:
+        """A measured profile holds the verification pass's own curve."""
+        return bool(self._profile and self._profile.get("verify"))
+
     def verify_s(self, drafted_tokens: int, context_tokens: int) -> float:
         """One forward over the drafted tokens on the full cache (scores all of them and
         yields the correction / bonus token)."""

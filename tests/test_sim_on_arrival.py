@@ -89,6 +89,10 @@ def test_cache_build_and_first_step_extra_delay_the_start(tmp_path):
     draft_end = tl.start_t + tl.proposed * sc.timing.tpot_s(1024)
     ready = max(draft_end, rec.full_ready_t)
     assert tl.verify_start_t == pytest.approx(ready + build, rel=1e-9)
+    # a lone verification pass takes the profile's measured verify curve
+    assert sc.timing.verify_measured
+    assert tl.verify_s == pytest.approx(
+        sc.timing.verify_s(tl.proposed, 1024), rel=1e-9)
 
 
 def test_cache_build_must_be_a_positive_rate(tmp_path):

@@ -96,6 +96,7 @@ class DecodeBatch:
         # (s), sequences, prompt tokens (the profile's mean context)
         self._tokens, self._flops, self._kv, self._overhead = 0, 0.0, 0.0, 0.0
         self._seqs, self._ctx = 0, 0
+        self._verifying = 0  # members in their verification pass
         self._heap: list[tuple[float, int, Member]] = []  # (target clock, push #, member)
         self._pushed = 0
         self._timer: simpy.Event | None = None
@@ -195,6 +196,8 @@ class DecodeBatch:
         else:
             work = (0, 0.0, 0.0, 0.0)
         old = m.work
+        self._verifying += (phase == "verify" and work[0] > 0) - \
+            (m.phase == "verify" and old[0] > 0)
         if old[0]:
             self._tokens -= old[0]
             self._flops -= old[1]
@@ -314,9 +317,15 @@ class DecodeBatch:
     def _changed(self) -> None:
         """The batch changed now: new step time, a clock breakpoint, the next target."""
         self.changes += 1
-        self.step_s = self.timing.batch_step_s(
-            self._tokens, self._flops, self._kv, self._seqs, self._ctx) + self._overhead \
-            if self._seqs else math.inf
+        if not self._seqs:
+            self.step_s = math.inf
+        elif self._seqs == self._verifying == 1 and self.timing.verify_measured:
+            # a lone verification pass: the profile measured it (the roofline's ratio to a
+            # decode step misses a fresh cache's first pass over n + 1 tokens)
+            self.step_s = self.timing.verify_s(self._tokens, self._ctx) + self._overhead
+        else:
+            self.step_s = self.timing.batch_step_s(
+                self._tokens, self._flops, self._kv, self._seqs, self._ctx) + self._overhead
         self._mark()
         self._arm()
 
