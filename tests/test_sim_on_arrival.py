@@ -8,22 +8,12 @@ import json
 
 import numpy as np
 import pytest
+from sim_receiver_scenario import receiver_scenario
 
-from kvsim.cli import compose
-from kvsim.config.sim import SimConfig
 from kvsim.profiles import profile_path
 from kvsim.sim.policy import build_plan
-from kvsim.sim.run import Scenario, variants
 
-BASE = ["scenario=none", "model=smollm2-135m", "hardware=local-cpu", "link=emulated",
-        "workload=emulated", "workload.context_tokens=1024", "workload.output_tokens=32",
-        "speculative.draft_overhead_s=0", "speculative.acceptance=smollm2-135m-lynx-s1-greedy"]
-
-
-def _scenario(*overrides: str) -> Scenario:
-    cfg, _ = compose("sim", [*BASE, *overrides], SimConfig)
-    return Scenario(cfg, variants(cfg)[0], cfg.workload.context_tokens,
-                    cfg.link.bandwidth_gbps)
+_scenario = receiver_scenario
 
 
 @pytest.mark.parametrize("policy", ["split_stream", "monolithic", "layerwise"])

@@ -6,20 +6,9 @@ from __future__ import annotations
 import math
 
 import pytest
+from sim_receiver_scenario import receiver_scenario
 
-from kvsim.cli import compose
-from kvsim.config.sim import SimConfig
-from kvsim.sim.run import Scenario, variants
-
-BASE = ["scenario=none", "model=smollm2-135m", "hardware=local-cpu", "link=emulated",
-        "workload=emulated", "workload.context_tokens=1024", "workload.output_tokens=32",
-        "speculative.draft_overhead_s=0", "speculative.acceptance=smollm2-135m-lynx-s1-greedy"]
-
-
-def _scenario(*overrides: str) -> Scenario:
-    cfg, _ = compose("sim", [*BASE, *overrides], SimConfig)
-    return Scenario(cfg, variants(cfg)[0], cfg.workload.context_tokens,
-                    cfg.link.bandwidth_gbps)
+_scenario = receiver_scenario
 
 
 def test_monolithic_on_demand_equals_deserializing_after_the_last_byte():
