@@ -149,7 +149,7 @@ def _layer_job_work(per_chunk: np.ndarray, chunk_layer: np.ndarray, bf16: np.nda
             continue
         # last chunk with bytes of each layer: where the layer index changes, and the end
         last = has[np.append(chunk_layer[has][1:] != chunk_layer[has][:-1], True)]
-        work[s, last] = [seconds(float(layer_bf16[chunk_layer[i]]), devices) for i in last]
+        work[s, last] = seconds(layer_bf16[chunk_layer[last]], devices)  # [layers] s
     return work
 
 

@@ -56,7 +56,6 @@ class LayerDequantizer:
         self.num_streams = codec.num_streams
         self.anchor = anchor and self.num_streams > 1  # the decoder drafts on stream 0 alone
         self._pages = pages_per_layer  # [streams] of [layers]: chunks of each (stream, layer)
-        self._have = [np.zeros(shape.layers, dtype=np.int64) for _ in pages_per_layer]
         self._chunks: list[list[list[Chunk]]] = [[[] for _ in range(shape.layers)]
                                                  for _ in pages_per_layer]
         self._jobs: list[tuple[int, int]] = []  # heap of (kind, layer)
@@ -69,18 +68,16 @@ class LayerDequantizer:
         self._cv, self._failed = lock, failed
         self.error: Exception | None = None
         self.spans: list[Span] = []  # (name, t0, t1) of every job, Unix s
-        self.ready_t = {ANCHOR: float("nan"), FULL: float("nan")}  # kind complete (Unix s)
 
     # ---- I/O thread side (lock held) ------------------------------------------------------
     def chunk_arrived(self, chunk: Chunk) -> None:
         s, layer = chunk.stream, chunk.layer
         self._chunks[s][layer].append(chunk)
-        self._have[s][layer] += 1
-        if self._have[s][layer] != self._pages[s][layer]:
+        if len(self._chunks[s][layer]) != self._pages[s][layer]:
             return
         if s == 0 and self.anchor:
             heapq.heappush(self._jobs, (ANCHOR, layer))
-        if all(h[layer] == p[layer] for h, p in zip(self._have, self._pages, strict=True)):
+        if all(len(c[layer]) == p[layer] for c, p in zip(self._chunks, self._pages, strict=True)):
             heapq.heappush(self._jobs, (FULL, layer))
         self._cv.notify_all()
 
@@ -171,7 +168,6 @@ class LayerDequantizer:
                 self.spans.append((f"dequantize layer {layer} {name}", t0, t1))
                 self._done[kind] += 1
                 if self._done[kind] == self.shape.layers:
-                    self.ready_t[kind] = t1
                     self._cv.notify_all()
                     if all(self._done[k] == self.shape.layers for k in kinds):
                         return
