@@ -29,6 +29,9 @@ class _TorchDtypes(Mapping):
 
         return getattr(torch, name)
 
+    def __contains__(self, name: object) -> bool:  # Mapping's would look the value up
+        return name in self._names
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
 

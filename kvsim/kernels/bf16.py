@@ -7,13 +7,19 @@ payload of chunk (layer l, page p): kv[l, :, :, page tokens, :] as bf16, C-order
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from kvsim.kernels.codec import Codec, CodecError, register
 from kvsim.kernels.encoded import Chunk, Encoded
 from kvsim.layout import KVShape
+from kvsim.lazy_module import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
 
 
 @dataclass(frozen=True)

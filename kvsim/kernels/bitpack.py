@@ -6,7 +6,14 @@ The last dim must be a multiple of 8 // b (callers pad; see `packed_len`).
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+from kvsim.lazy_module import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
 
 PACKABLE_BITS = (1, 2, 4, 8)
 

@@ -46,12 +46,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from kvsim.kernels import cachegen_cpu, rans
 from kvsim.kernels.cachegen_size import (
     RATIO_FILE,
     CacheGenSizeModel,
@@ -62,6 +60,16 @@ from kvsim.kernels.cachegen_size import (
 from kvsim.kernels.codec import Codec, CodecError, cast_finite, finite_bits, register
 from kvsim.kernels.encoded import Chunk, Encoded
 from kvsim.layout import KVShape, check_finite
+from kvsim.lazy_module import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvsim.kernels import cachegen_cpu, rans
+else:
+    torch = lazy_module("torch")
+    cachegen_cpu = lazy_module("kvsim.kernels.cachegen_cpu")
+    rans = lazy_module("kvsim.kernels.rans")
 
 SEGMENTS = (("K", "anchor"), ("K", "delta"), ("V", "anchor"), ("V", "delta"))
 MIN_BITS, MAX_BITS = 2, 8

@@ -19,16 +19,20 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import pkgutil
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
-import torch
 
 from kvsim.kernels import wire
 from kvsim.kernels.encoded import Chunk, Encoded, SizeTable, preamble_meta
 from kvsim.layout import DTYPES, KVShape, check_finite
+from kvsim.lazy_module import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
 
 ABSENT = -1  # payload_bytes marker: this (stream, layer, page) chunk does not exist
 
@@ -358,15 +362,20 @@ def register(cls: type[Codec]) -> type[Codec]:
     return cls
 
 
+# The modules of kvsim.kernels that define codec classes. Their backends (numba *_cpu,
+# Triton *_triton, rans) are imported on first use, so knowing the codecs, their streams and
+# sizes imports neither numba nor Triton nor torch (tests/test_codec_imports.py checks both
+# this list and that).
+CODEC_MODULES = ("bf16", "uniform", "kivi", "gear", "oscar", "lynx", "cachegen")
+
+
 def _discover() -> None:
-    """Import every module of kvsim.kernels so their @register decorators run."""
+    """Import the codec modules so their @register decorators run."""
     global _DISCOVERED
     if _DISCOVERED:
         return
-    import kvsim.kernels as pkg
-
-    for mod in pkgutil.iter_modules(pkg.__path__):
-        importlib.import_module(f"kvsim.kernels.{mod.name}")
+    for name in CODEC_MODULES:
+        importlib.import_module(f"kvsim.kernels.{name}")
     _DISCOVERED = True
 
 

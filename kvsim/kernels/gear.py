@@ -47,17 +47,24 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
-import torch
 
-from kvsim.kernels import kivi_cpu
 from kvsim.kernels.codec import register
+from kvsim.kernels.fused_geometry import G_BASE, G_LA, G_LB, G_QK, G_RANK
 from kvsim.kernels.groupquant import QUANT_BITS, Field
 from kvsim.kernels.kivi import BACKENDS, Backbone, BackboneCodec, FusedInput
-from kvsim.kernels.kivi_cpu import G_BASE, G_LA, G_LB, G_QK, G_RANK
 from kvsim.layout import KVShape
+from kvsim.lazy_module import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvsim.kernels import kivi_cpu
+else:
+    torch = lazy_module("torch")
+    kivi_cpu = lazy_module("kvsim.kernels.kivi_cpu")
 
 BACKBONES = ("kivi", "kcvt")
 LOWRANK_SCOPES = ("page", "sequence")
@@ -71,16 +78,22 @@ def outliers_per_side(n: int, pct: float) -> int:
     return min(math.ceil(Fraction(str(pct)) * n / 200), (n - 1) // 2)
 
 
-def outlier_schedule(n: int, m: int, pct: float, exact: bool) -> torch.Tensor:
-    """Per-side outlier counts of m vectors of n entries: int64 [m]."""
+def outlier_side_counts(n: int, m: int, pct: float, exact: bool) -> list[int]:
+    """Per-side outlier counts of m vectors of n entries. exact: vector i keeps
+    floor((i+1)c) - floor(ic) per side, c = pct% of n / 2 (so m vectors keep pct% of their
+    entries in all), capped at (n - 1) // 2; else ceil(c) each."""
     if not exact:
-        return torch.full((m,), outliers_per_side(n, pct), dtype=torch.int64)
+        return [outliers_per_side(n, pct)] * m
     if n <= 1 or pct <= 0:
-        return torch.zeros(m, dtype=torch.int64)
+        return [0] * m
     c = Fraction(str(pct)) * n / 200
     cap = (n - 1) // 2
-    return torch.tensor([min(math.floor((i + 1) * c) - math.floor(i * c), cap)
-                         for i in range(m)], dtype=torch.int64)
+    return [min(math.floor((i + 1) * c) - math.floor(i * c), cap) for i in range(m)]
+
+
+def outlier_schedule(n: int, m: int, pct: float, exact: bool) -> torch.Tensor:
+    """`outlier_side_counts` as int64 [m]."""
+    return torch.tensor(outlier_side_counts(n, m, pct, exact), dtype=torch.int64)
 
 
 class Extremes(NamedTuple):
@@ -319,8 +332,9 @@ class GearCodec(BackboneCodec):
             ik = index_kind(self.params.page_tokens)
             iv = index_kind(d)
             if self.exact_outliers:
-                kshape = (h, 2 * int(self.schedules(shape.head_dim, q)[0].sum()))
-                vshape = (h, 2 * int(self.schedules(shape.head_dim, q)[1].sum()))
+                pct = self.params.outlier_pct  # sizes only: no tensors
+                kshape = (h, 2 * sum(outlier_side_counts(q, d, pct, True)))
+                vshape = (h, 2 * sum(outlier_side_counts(d, q, pct, True)))
             else:
                 kk, kv = self.outlier_counts(shape, q)
                 kshape, vshape = (h, d, 2 * kk), (h, q, 2 * kv)

@@ -25,11 +25,17 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from kvsim.kernels.bitpack import pack, packed_len, unpack
+from kvsim.lazy_module import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
 
 FP16_MAX = 65504.0
 QUANT_BITS = (2, 4, 8)  # 1-bit would overflow the fp16 scale for full-range groups
@@ -98,8 +104,9 @@ def unpack_codes(packed: torch.Tensor, bits: int, shape: tuple[int, ...]) -> tor
 
 
 # ---- chunk payload layout -----------------------------------------------------------------
-_ELEM = {"f16": (2, np.float16, torch.float16), "bf16": (2, np.int16, torch.bfloat16),
-         "u8": (1, np.uint8, torch.uint8), "u16": (2, np.int16, torch.int16)}
+# kind: (bytes per element, numpy view of the bytes, torch dtype's name in the torch module)
+_ELEM = {"f16": (2, np.float16, "float16"), "bf16": (2, np.int16, "bfloat16"),
+         "u8": (1, np.uint8, "uint8"), "u16": (2, np.int16, "int16")}
 
 
 @dataclass(frozen=True)
@@ -152,7 +159,7 @@ class ChunkLayout:
             elif f.kind == "u16":
                 raw = t.to(torch.int32).to(torch.int16).contiguous().numpy()
             else:
-                raw = t.to(_ELEM[f.kind][2]).contiguous().numpy()
+                raw = t.to(getattr(torch, _ELEM[f.kind][2])).contiguous().numpy()
             raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
             if raw.nbytes != f.nbytes:
                 raise AssertionError(f"field {f.name}: {raw.nbytes} bytes, layout says {f.nbytes}")

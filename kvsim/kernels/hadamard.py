@@ -9,8 +9,14 @@ hadamard_triton.py and is tested against this reference.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import torch
+from kvsim.lazy_module import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
 
 
 def is_power_of_two(n: int) -> bool:

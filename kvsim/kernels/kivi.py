@@ -42,14 +42,22 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from kvsim.kernels import kivi_cpu
 from kvsim.kernels.codec import Codec, register
 from kvsim.kernels.encoded import Chunk, Encoded
+from kvsim.kernels.fused_geometry import (
+    G_BASE,
+    G_KK,
+    G_KR,
+    G_KV,
+    G_RANK,
+    G_VR,
+    GEO_COLS,
+    GEO_FIELDS,
+)
 from kvsim.kernels.groupquant import (
     FP16_MAX,
     QUANT_BITS,
@@ -60,8 +68,16 @@ from kvsim.kernels.groupquant import (
     page_bounds,
     quantize_groups,
 )
-from kvsim.kernels.kivi_cpu import G_BASE, G_KK, G_KR, G_KV, G_RANK, G_VR, GEO_COLS, GEO_FIELDS
 from kvsim.layout import KVShape
+from kvsim.lazy_module import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvsim.kernels import kivi_cpu
+else:
+    torch = lazy_module("torch")
+    kivi_cpu = lazy_module("kvsim.kernels.kivi_cpu")
 
 BACKENDS = ("auto", "torch", "cpu")
 WINDOWS = ("shared", "kivi")
@@ -287,7 +303,7 @@ class BackboneCodec(Codec):
         return 1, 1
 
     def geometry(self, shape: KVShape) -> tuple[np.ndarray, int, list[int]]:
-        """(geo int64 [pages, kivi_cpu.GEO_COLS], bytes per layer, bytes of each page's
+        """(geo int64 [pages, GEO_COLS], bytes per layer, bytes of each page's
         chunk): the token split and field offsets kivi_cpu's fused kernels read."""
         pages = self.num_pages(shape)
         geo = np.full((pages, GEO_COLS), -1, np.int64)

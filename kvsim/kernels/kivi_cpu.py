@@ -41,6 +41,33 @@ import numpy as np
 import torch
 
 from kvsim.kernels.fp16_bits import f16_bits_to_f32_bits, f32_bits_to_f16_bits
+from kvsim.kernels.fused_geometry import (
+    G_BASE,
+    G_KC,
+    G_KK,
+    G_KN,
+    G_KOI,
+    G_KOV,
+    G_KR,
+    G_KS,
+    G_KV,
+    G_KZ,
+    G_LA,
+    G_LB,
+    G_QK,
+    G_QV,
+    G_RANK,
+    G_RK,
+    G_RV,
+    G_T0,
+    G_VC,
+    G_VN,
+    G_VOI,
+    G_VOV,
+    G_VR,
+    G_VS,
+    G_VZ,
+)
 from kvsim.kernels.groupquant import qmax_of
 from kvsim.kernels.uniform_cpu import quantize_group
 
@@ -265,19 +292,8 @@ def decode_page(src: np.ndarray, offsets: dict[str, int], kmeta: np.ndarray,
 # [q, D] buffer (bf16 input straight from its bits) where gear's outliers and oscar's
 # rotations and norms happen before it is quantized; all heads of a (layer, page, K|V) in
 # one item when the packed codes of two heads would share a byte (D * q not a multiple of the codes
-# per byte), so that no two threads ever write the same byte.
-#
-# Page geometry `geo` (int64 [pages, GEO_COLS]): the token split of page p and the byte
-# offset of each field inside its chunk (-1: the codec has no such field); a chunk (l, p)
-# starts at l * layer_bytes + geo[p, G_BASE] in the buffer of all chunks.
-(G_T0, G_QK, G_QV, G_RK, G_RV, G_KC, G_KS, G_KZ, G_VC, G_VS, G_VZ, G_KR, G_VR, G_BASE,
- G_RANK, G_LA, G_LB, G_KK, G_KV, G_KOI, G_KOV, G_VOI, G_VOV, G_KN, G_VN) = range(25)
-GEO_COLS = 25
-# where each field's offset goes in a geo row
-GEO_FIELDS = {"k_codes": G_KC, "k_scale": G_KS, "k_zero": G_KZ, "v_codes": G_VC,
-              "v_scale": G_VS, "v_zero": G_VZ, "k_resid": G_KR, "v_resid": G_VR,
-              "lr_a": G_LA, "lr_b": G_LB, "ko_idx": G_KOI, "ko_val": G_KOV, "vo_idx": G_VOI,
-              "vo_val": G_VOV, "k_norm": G_KN, "v_norm": G_VN}
+# per byte), so that no two threads ever write the same byte. Page geometry `geo`: see
+# fused_geometry.py.
 K_TILE = 32  # kcvt: tokens per key tile (its groups span the whole layer)
 
 

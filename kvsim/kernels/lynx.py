@@ -73,9 +73,9 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from kvsim.kernels.codec import (
     Codec,
@@ -88,6 +88,12 @@ from kvsim.kernels.codec import (
 from kvsim.kernels.encoded import Chunk, Encoded
 from kvsim.kernels.hadamard import check_hadamard_dim, hadamard
 from kvsim.layout import DTYPES, KVShape
+from kvsim.lazy_module import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
 
 # alpha of the companding. The paper does not state it. Measured with the 4+4 split on
 # [2, 2, 4, 1024, 128] bf16 (relative MSE = mean (x^ - x)^2 / mean x^2, anchor-only | full):

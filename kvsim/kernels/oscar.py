@@ -30,18 +30,25 @@ squares in index order, fp32, then a sqrt rounded to nearest).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from kvsim.kernels import hadamard_triton
 from kvsim.kernels.codec import register
 from kvsim.kernels.gear import seq_sum, sqrt_rn
 from kvsim.kernels.groupquant import FP16_MAX, Field
 from kvsim.kernels.hadamard import check_hadamard_dim, hadamard
 from kvsim.kernels.kivi import Backbone, BackboneCodec, FusedInput, KiviParams
 from kvsim.layout import KVShape
+from kvsim.lazy_module import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvsim.kernels import hadamard_triton
+else:
+    torch = lazy_module("torch")
+    hadamard_triton = lazy_module("kvsim.kernels.hadamard_triton")
 
 
 def rotate(x: torch.Tensor) -> torch.Tensor:

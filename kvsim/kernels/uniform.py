@@ -24,11 +24,10 @@ backend runs the torch reference for it (on the tensor's device).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from kvsim.kernels import uniform_cpu, uniform_triton
 from kvsim.kernels.bitpack import pack, unpack
 from kvsim.kernels.codec import (
     Codec,
@@ -49,6 +48,16 @@ from kvsim.kernels.groupquant import (
     quantize_groups,
 )
 from kvsim.layout import KVShape, check_finite
+from kvsim.lazy_module import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvsim.kernels import uniform_cpu, uniform_triton
+else:
+    torch = lazy_module("torch")
+    uniform_cpu = lazy_module("kvsim.kernels.uniform_cpu")
+    uniform_triton = lazy_module("kvsim.kernels.uniform_triton")
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 SCOPES = ("group", "tensor")
@@ -255,7 +264,8 @@ class UniformCodec(Codec):
         return cast_finite(self._decode(enc, streams, device), dtype)
 
     def _decode_cpu(self, enc: Encoded, device: torch.device,
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                    dtype: torch.dtype | None = None) -> torch.Tensor:
+        """dtype: of the output, fp32 when None."""
         shape = enc.shape
         layer_bytes, full_bytes = self.chunk_geometry(shape)
         parts = enc.payloads(0)  # sizes checked by Codec.decode (exact-size codec)
@@ -263,7 +273,7 @@ class UniformCodec(Codec):
                                for p in range(self.num_pages(shape))])
         out = uniform_cpu.decode_cpu(src, shape.dims, enc.page_tokens, self.group_of(shape),
                                      self.params.bits, layer_bytes, full_bytes,
-                                     dtype)
+                                     dtype or torch.float32)
         return out.to(device)
 
     def _decode(self, enc: Encoded, streams: int, device: torch.device) -> torch.Tensor:
