@@ -48,13 +48,15 @@ def test_table_has_grid_config_and_metric_columns():
 
 def test_sweep_arguments_default_to_joblib_and_a_directory_named_by_the_grid():
     args = multirun_arguments(["link.bandwidth_gbps=10,25", "codecs=[int8]"])
-    assert args[:3] == ["--multirun", "hydra/sweeper=kvsim_resume", "hydra/launcher=joblib"]
+    assert args[:3] == ["--multirun", "hydra/sweeper=kvsim_resume",
+                        "hydra/launcher=kvsim_joblib"]
     assert any(a.startswith("hydra.sweep.dir=") for a in args)
     # the same grid in another order finds the same directory (and resumes there)
     assert default_sweep_dir(["a=1", "b=2,3"]) == default_sweep_dir(["b=2,3", "a=1"])
     assert default_sweep_dir(["a=1"]) != default_sweep_dir(["a=2"])
     mine = multirun_arguments(["x=1", "hydra/launcher=basic", "hydra.sweep.dir=/tmp/s"])
-    assert "hydra/launcher=joblib" not in mine and mine.count("hydra/launcher=basic") == 1
+    assert "hydra/launcher=kvsim_joblib" not in mine
+    assert mine.count("hydra/launcher=basic") == 1
     with pytest.raises(ValueError, match="report="):
         multirun_arguments(["x=1", "report=r.json"])
 
@@ -183,13 +185,26 @@ def test_joblib_launcher_by_default(tmp_path, capsys):
     assert main(["sweep", *BASE, "link.bandwidth_gbps=10,40",
                  f"hydra.sweep.dir={sweep_dir}"]) == 0
     err = capsys.readouterr().err
-    assert "with JoblibLauncher" in err
+    assert "with SharedContextJoblibLauncher" in err  # kvsim_joblib
     assert pd.read_parquet(sweep_dir / "sweep.parquet")["point"].nunique() == 2
+    assert not list(sweep_dir.glob(".launch-context-*"))  # the shared context is removed
     # the data files the worker processes loaded reach the sidecar's provenance
     side = json.loads((sweep_dir / "sweep.json").read_text())
     files = {f["path"]: f["sha256"] for f in side["provenance"]["data_files"]}
     timing = [p for p in files if "codec_timing" in p]
     assert timing and all(len(files[p]) == 64 for p in timing)
+
+
+def test_hydras_own_joblib_launcher_gives_the_same_table(tmp_path):
+    tables = []
+    for launcher in ("joblib", "kvsim_joblib"):
+        sweep_dir = tmp_path / launcher
+        assert main(["sweep", *BASE, "link.bandwidth_gbps=10,40", f"hydra/launcher={launcher}",
+                     f"hydra.sweep.dir={sweep_dir}"]) == 0
+        t = pd.read_parquet(sweep_dir / "sweep.parquet")
+        tables.append(t.sort_values(["point", "codec"]).reset_index(drop=True)
+                      .filter(regex=r"^(point|codec|ttft_s|ttkt_s\.\d+)$"))
+    pd.testing.assert_frame_equal(*tables)
 
 
 def test_joblib_workers_start_warm_and_the_launcher_reuses_them(tmp_path, capsys,

@@ -50,16 +50,25 @@ class _Warming:
             return []
 
 
+def _is_joblib(launcher: Any) -> bool:
+    """Hydra's joblib launcher or a subclass (kvsim_joblib). By name: Hydra's plugin scan
+    executes plugin modules again, so a subclass defined in a plugin may derive from another
+    JoblibLauncher class object than the one an import finds."""
+    return any(c.__name__ == "JoblibLauncher" and c.__module__ == JOBLIB_LAUNCHER_MODULE
+               for c in type(launcher).__mro__)
+
+
+JOBLIB_LAUNCHER_MODULE = "hydra_plugins.hydra_joblib_launcher.joblib_launcher"
+
+
 def start_workers(launcher: Any) -> _Warming | None:
     """Start the joblib launcher's worker processes now, each loading what a job loads first
     (Hydra's plugins, the command, its simulator and codecs: seconds per process), while this
     process writes the manifest and imports the table writer. The launcher's Parallel, made
     with the same arguments, reuses them (loky's reusable executor). Other launchers, or a
     task that is not kvsim's: nothing."""
-    from hydra_plugins.hydra_joblib_launcher.joblib_launcher import JoblibLauncher
-
     what = getattr(launcher.task_function, "prepare", None)
-    if not isinstance(launcher, JoblibLauncher) or what is None:
+    if not _is_joblib(launcher) or what is None:
         return None
     from hydra_plugins.hydra_joblib_launcher._core import process_joblib_cfg
     from joblib import Parallel, delayed, effective_n_jobs

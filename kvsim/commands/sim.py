@@ -102,10 +102,10 @@ def print_table(cfg: SimConfig, rows: list[dict]) -> None:
 
 
 def prepare() -> None:
-    """What a process's first run() loads besides the config: the simulator (torch, with the
-    codecs' module), every codec (their numba and Triton backends come along) and the spread's
-    t quantile (scipy.special); seconds, once per process. A sweep's worker processes call it
-    while the sweep's parent prepares (hydra_plugins/kvsim_sweeper)."""
+    """What a process's first run() loads besides the config: the simulator, every codec
+    module (for sizes only: torch, numba and Triton stay unimported, kvsim/lazy_module.py) and
+    the spread's t quantile (scipy.special); about 0.5 s, once per process. A sweep's worker
+    processes call it while the sweep's parent prepares (hydra_plugins/kvsim_sweeper)."""
     import scipy.special  # noqa: F401
 
     import kvsim.sim.run  # noqa: F401
@@ -115,8 +115,8 @@ def prepare() -> None:
 
 
 def run(cfg: SimConfig) -> list[dict]:
-    # imported here: the simulator pulls in the codecs (torch); a sweep's parent process,
-    # which only composes configs and launches jobs, never needs it
+    # imported here: the simulator pulls in the codecs and simpy; a sweep's parent process,
+    # which only composes configs and launches jobs, never needs them
     from kvsim.sim.run import run_all
 
     rows, trace = run_all(cfg, progress=sys.stderr.isatty())

@@ -7,8 +7,10 @@
 
 A convenience over `kvsim sim -m`: the same overrides (comma-separated values are the grid
 axes; a scenario's `hydra.sweeper.params` add axes, a key on the command line wins), run
-with the joblib launcher on every core by default (`hydra/launcher=basic` runs them one by one
-in this process; submitit_local, submitit_slurm and ray are Hydra's other launchers). Every
+with kvsim's joblib launcher on every core by default (`kvsim_joblib`: Hydra's joblib launcher
+sending the context every job shares once per worker, hydra_plugins/kvsim_sweeper;
+`hydra/launcher=joblib` is Hydra's own, `hydra/launcher=basic` runs them one by one in this
+process; submitit_local, submitit_slurm and ray are Hydra's other launchers). Every
 finished point is kept as points/<hash of its resolved config>.json in the sweep directory,
 and the merged table (sweep.parquet, sweep.csv, sidecar sweep.json: one row per point, codec
 and transfer policy, every resolved config value as a `config.*` column and every metric) is
@@ -37,7 +39,7 @@ def default_sweep_dir(arguments: list[str]) -> str:
 
 
 def multirun_arguments(arguments: list[str]) -> list[str]:
-    """The `kvsim sim` command line of this sweep: -m, the resuming sweeper, the joblib
+    """The `kvsim sim` command line of this sweep: -m, the resuming sweeper, kvsim's joblib
     launcher and the sweep directory, unless the arguments name their own."""
     if any(a.startswith("report=") for a in arguments):
         raise ValueError("report= names one file, but a sweep runs many jobs: the merged "
@@ -51,7 +53,7 @@ def multirun_arguments(arguments: list[str]) -> list[str]:
     given = {a.split("=", 1)[0] for a in arguments}
     out = ["--multirun", "hydra/sweeper=kvsim_resume"]
     if "hydra/launcher" not in given:
-        out.append("hydra/launcher=joblib")
+        out.append("hydra/launcher=kvsim_joblib")
     if "hydra.sweep.dir" not in given:
         out.append(f"hydra.sweep.dir='{default_sweep_dir(arguments)}'")
     return out + [a for a in arguments if a not in _SWEEP_FLAGS]
