@@ -51,6 +51,16 @@ def _load_context(path: str, digest: str) -> tuple[Any, Any, Any, Any]:
                                "resume it")
         _LOADED.clear()  # one launch at a time per worker: drop an older launch's context
         context = _LOADED[digest] = pickle.loads(data)
+        # Hydra leaves its plugin registry out of the pickled state, and `execute_job`'s
+        # set_state rebuilds it (a scan of every plugin module) when the state lacks it: the
+        # worker's registry, built by its warm-up, goes into the state that every job of
+        # this worker will set
+        from hydra.core.plugins import Plugins
+        from hydra.core.singleton import Singleton
+
+        plugins = Singleton._instances.get(Plugins)
+        if plugins is not None:
+            context[3]["instances"].setdefault(Plugins, plugins)
     return context
 
 
