@@ -309,16 +309,27 @@ def run_point(run: Callable[[Any], list[dict]], typed: Any, plain: dict,
     return rows
 
 
+def newest_input_mtime(sweep_dir: Path) -> float:
+    """The latest modification time of what the merged table is made of: the manifest and
+    every point. A table older than this is stale."""
+    paths = [sweep_dir / MANIFEST, *(sweep_dir / POINTS_DIR).glob("*.json")]
+    return max((p.stat().st_mtime for p in paths if p.is_file()), default=0.0)
+
+
 def print_summary(table_path: Path, grid: dict[str, list[str]]) -> None:
-    """The merged table's headline columns, one line per (point, codec, transfer)."""
-    import pandas as pd
+    """The merged table's headline columns, one line per (point, codec, transfer). Read from
+    the table's CSV twin with the standard library: a rerun of a finished sweep, which only
+    prints this, need not import pandas."""
+    import csv
 
     from kvsim.report import format_table
 
-    if not table_path.is_file():
+    csv_path = table_path.with_suffix(".csv")
+    if not csv_path.is_file():
         return
-    table = pd.read_parquet(table_path)
-    if table.empty:
+    with open(csv_path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
         return
     cols = [("point", "point", "")]
     cols += [(f"{GRID_PREFIX}{k}", k, "") for k in grid]
@@ -326,8 +337,10 @@ def print_summary(table_path: Path, grid: dict[str, list[str]]) -> None:
                                        ("ttft_s", "TTFT s", ".3f"),
                                        ("ttft_committed_s", "TTFT-c", ".3f"),
                                        ("ttkt_s.32", "TT32T s", ".3f"),
-                                       ("ttkt_s.64", "TT64T s", ".3f")) if c in table.columns]
-    rows = table.to_dict(orient="records")
+                                       ("ttkt_s.64", "TT64T s", ".3f")) if c in rows[0]]
+    numeric = [c for c, _, f in cols if f]
     for row in rows:
-        row["point"] = str(row["point"])[:8]
+        row["point"] = row["point"][:8]
+        for c in numeric:  # an empty cell (a metric a row lacks) stays empty
+            row[c] = float(row[c]) if row[c] not in ("", None) else None
     print(format_table(rows, cols))

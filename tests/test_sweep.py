@@ -104,9 +104,19 @@ def test_sweep_table_follows_the_grid_and_a_rerun_computes_nothing(tmp_path, cap
     assert side["provenance"]["kvsim_version"]
     assert len(_job_dirs(sweep_dir)) == 4
     capsys.readouterr()
+    table_files = [sweep_dir / f"sweep.{ext}" for ext in ("parquet", "csv", "json")]
+    written = [p.stat().st_mtime_ns for p in table_files]
     assert main(args) == 0
-    assert "4 already done, 0 to run" in capsys.readouterr().err
+    out = capsys.readouterr()
+    assert "4 already done, 0 to run" in out.err
     assert len(_job_dirs(sweep_dir)) == 4  # nothing launched again
+    assert [p.stat().st_mtime_ns for p in table_files] == written  # nor the table rewritten
+    assert out.out.count("int8") == 4  # the summary, read from the CSV twin
+    # a point newer than the table (a parent killed before its final write) makes it stale
+    point = next((sweep_dir / "points").glob("*.json"))
+    os.utime(point, ns=(written[0] + 10**9, written[0] + 10**9))
+    assert main(args) == 0
+    assert (sweep_dir / "sweep.parquet").stat().st_mtime_ns > written[0]
     assert len(pd.read_parquet(sweep_dir / "sweep.parquet")) == 8
     # after a change of conf/ or code (another fingerprint) the jobs run again, and each finds
     # its point by its resolved config instead of simulating it again

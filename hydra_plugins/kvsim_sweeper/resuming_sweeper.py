@@ -20,6 +20,7 @@ from kvsim.sweep import (
     _locked,
     _write_atomic,
     config_fingerprint,
+    newest_input_mtime,
     prepare_worker,
     print_summary,
     read_marker,
@@ -115,17 +116,21 @@ class ResumingSweeper(BasicSweeper):
         missing = [job for job, m in zip(jobs, markers, strict=True)
                    if m is None or m.get("fingerprint") != fingerprint]
         warming = start_workers(self.launcher) if missing else None
-        # the table writer's libraries, imported before any job: a Ctrl-C that lands inside
-        # their first import would leave them half-imported for the final table write
-        import pandas  # noqa: F401
-        import pyarrow.parquet  # noqa: F401
+        if missing:
+            # the table writer's libraries, imported before any job: a Ctrl-C that lands
+            # inside their first import would leave them half-imported for the final write
+            import pandas  # noqa: F401
+            import pyarrow.parquet  # noqa: F401
 
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         with _locked(sweep_dir):
             manifest = {"arguments": list(arguments), "grid": grid, "jobs": jobs,
                         "fingerprint": fingerprint}
-            _write_atomic(sweep_dir / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+            text = json.dumps(manifest, indent=1) + "\n"
+            path = sweep_dir / MANIFEST
+            if not path.is_file() or path.read_text() != text:  # a rerun keeps its mtime
+                _write_atomic(path, text)
         launcher = str(self.config.hydra.launcher.get("_target_", "?")).rsplit(".", 1)[-1]
         print(f"sweep: {len(jobs)} points in {sweep_dir} ({len(jobs) - len(missing)} already "
               f"done, {len(missing)} to run with {launcher})", file=sys.stderr, flush=True)
@@ -139,7 +144,7 @@ class ResumingSweeper(BasicSweeper):
                     missing, initial_job_idx=_next_job_number(sweep_dir)))
         finally:  # interrupted too: the table holds every point that finished
             stale = missing or not table.is_file() or \
-                table.stat().st_mtime < (sweep_dir / MANIFEST).stat().st_mtime
+                table.stat().st_mtime < newest_input_mtime(sweep_dir)
             if stale:
                 with _locked(sweep_dir):
                     write_table(sweep_dir)
