@@ -3,11 +3,12 @@ processes, same `execute_job`), except for what every job shares.
 
 Hydra's own joblib launcher pickles the job context (the config loader, the sweep's config,
 the task function and Hydra's singletons) into every job: measured on `kvsim bench sweep`'s
-grid, 32 ms of the parent's CPU and 17 ms of a worker's per job, and each job then composes
-its config with a fresh, cold config loader. Here the context is pickled once per launch
-into the sweep directory, each worker loads it once and keeps it for its later jobs (as the
-basic launcher keeps one loader for all jobs), and a finished job sends back its status,
-overrides and return value without the two full configs.
+grid, 32 ms of the parent's CPU and 17 ms of a worker's per job. The unpickled singletons
+lack Hydra's plugin registry, so every job also rescans every plugin module. Here the
+context is pickled once per launch into the sweep directory, each worker loads it once and
+keeps it, with the worker's plugin registry, for its later jobs (as the basic launcher keeps
+one context for all jobs), and a finished job sends back its status, overrides and return
+value without the two full configs.
 
 `kvsim sweep` uses this launcher by default; `hydra/launcher=joblib` selects Hydra's own.
 """
