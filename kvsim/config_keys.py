@@ -143,14 +143,15 @@ def check_overrides(config_name: str, schema: type | None, overrides: list[str])
         else:
             firsts.append(o.input_line)
     adds = any(o.is_add() or o.is_force_add() for o in values)
+    failed: Exception | None = None  # the composition of every override, if it failed
     if not adds:  # the usual case: one composition, with every override, decides
         try:
             _check_keys(_compose(config_name, firsts), values)
             return
         except OverrideError:
             raise
-        except Exception:  # which override is wrong: the group choices alone tell (below)
-            pass
+        except Exception as exc:  # which override is wrong: the group choices alone tell
+            failed = exc
     # `+key=` composes whether or not the key exists (Hydra adds it), so keys are checked
     # against the group choices' composition; so is a failed composition's culprit found
     try:
@@ -158,10 +159,13 @@ def check_overrides(config_name: str, schema: type | None, overrides: list[str])
     except Exception as exc:  # Hydra composition errors of the group choices alone
         raise OverrideError(f"bad configuration: {_message(exc)}") from None
     _check_keys(base, values)
-    try:
-        _compose(config_name, firsts)
-    except Exception as exc:  # type errors of values, e.g. link.bandwidth_gbps=abc
-        raise OverrideError(f"bad configuration: {_message(exc)}") from None
+    if failed is None:
+        try:
+            _compose(config_name, firsts)
+        except Exception as exc:
+            failed = exc
+    if failed is not None:  # type errors of values, e.g. link.bandwidth_gbps=abc
+        raise OverrideError(f"bad configuration: {_message(failed)}") from None
 
 
 def _check_keys(base: Any, values: list) -> None:

@@ -17,6 +17,7 @@ signature costs nothing; the first `torch.<attr>` read at run time imports torch
 from __future__ import annotations
 
 import importlib
+import sys
 import types
 from typing import Any
 
@@ -48,6 +49,4 @@ class LazyModule:
 def lazy_module(name: str) -> Any:
     """`name` itself if it is already imported, else a `LazyModule` for it (typed Any so a
     call site reads like the module; type checkers see the real import under TYPE_CHECKING)."""
-    import sys
-
     return sys.modules.get(name) or LazyModule(name)

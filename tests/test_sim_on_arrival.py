@@ -13,12 +13,10 @@ from sim_receiver_scenario import receiver_scenario
 from kvsim.profiles import profile_path
 from kvsim.sim.policy import build_plan
 
-_scenario = receiver_scenario
-
 
 @pytest.mark.parametrize("policy", ["split_stream", "monolithic", "layerwise"])
 def test_layer_jobs_put_each_layers_work_on_its_last_message(policy: str):
-    sc = _scenario("codecs=[lynx]", "deserializer=on_arrival")
+    sc = receiver_scenario("codecs=[lynx]", "deserializer=on_arrival")
     shape = sc.model.kv_shape(1000)  # 4 pages of 256 tokens, the last one short
     table = sc.codec.size_table(shape)
     bf16_layer = 1000 * 2 * shape.kv_heads * shape.head_dim * 2
@@ -49,7 +47,7 @@ def test_monolithic_is_ready_one_layer_after_its_last_byte_on_a_slow_link():
     bf16_layer = 1024 * 2 * 3 * 64 * 2
     got = {}
     for mode in ("on_arrival", "on_demand"):
-        sc = _scenario("codecs=[int8]", f"deserializer={mode}", "link.bandwidth_gbps=0.05")
+        sc = receiver_scenario("codecs=[int8]", f"deserializer={mode}", "link.bandwidth_gbps=0.05")
         sc.run()
         rec = sc.records[0]
         got[mode] = rec.decode_start_t - rec.all_arrival_t
@@ -67,7 +65,7 @@ def test_cache_build_and_first_step_extra_delay_the_start(tmp_path):
     doc["first_step_extra"] = {"context_tokens": [256, 4096], "s": [0.01, 0.01]}
     path = tmp_path / "hw.json"
     path.write_text(json.dumps(doc))
-    sc = _scenario("codecs=[lynx]", "deserializer=on_arrival", "link.bandwidth_gbps=0.05",
+    sc = receiver_scenario("codecs=[lynx]", "deserializer=on_arrival", "link.bandwidth_gbps=0.05",
                    f"hardware.profile={path}")
     sc.run()
     rec = sc.records[0]
@@ -91,4 +89,5 @@ def test_cache_build_must_be_a_positive_rate(tmp_path):
     path = tmp_path / "hw.json"
     path.write_text(json.dumps(doc))
     with pytest.raises(ValueError, match="cache_build.gb_per_s"):
-        _scenario("codecs=[int8]", "deserializer=on_arrival", f"hardware.profile={path}").run()
+        receiver_scenario("codecs=[int8]", "deserializer=on_arrival",
+                          f"hardware.profile={path}").run()

@@ -8,18 +8,16 @@ import math
 import pytest
 from sim_receiver_scenario import receiver_scenario
 
-_scenario = receiver_scenario
-
 
 def test_monolithic_on_demand_equals_deserializing_after_the_last_byte():
     """Monolithic: dequantizing the whole cache after its last byte is what the shared
     deserializer does too (same codec timing), so both give the same first token."""
     rows = {}
     for mode in ("shared", "on_demand"):
-        sc = _scenario("codecs=[int8]", f"deserializer={mode}", "link.bandwidth_gbps=0.3")
+        sc = receiver_scenario("codecs=[int8]", f"deserializer={mode}", "link.bandwidth_gbps=0.3")
         rows[mode] = sc.run()
     assert rows["on_demand"]["ttft_s"] == pytest.approx(rows["shared"]["ttft_s"], rel=1e-9)
-    sc = _scenario("codecs=[int8]", "deserializer=on_demand", "link.bandwidth_gbps=0.3")
+    sc = receiver_scenario("codecs=[int8]", "deserializer=on_demand", "link.bandwidth_gbps=0.3")
     sc.run()
     rec = sc.records[0]
     load = sc.codec_timing.decode_s(sc.model.kv_bytes_bf16(1024))
@@ -29,7 +27,7 @@ def test_monolithic_on_demand_equals_deserializing_after_the_last_byte():
 def test_split_stream_loads_the_anchor_then_the_full_cache_after_drafting():
     """The anchor is dequantized once it is in; drafting runs until the residual is in and
     the step in progress ends; then the full cache is dequantized and verification starts."""
-    sc = _scenario("codecs=[lynx]", "deserializer=on_demand", "link.bandwidth_gbps=0.1")
+    sc = receiver_scenario("codecs=[lynx]", "deserializer=on_demand", "link.bandwidth_gbps=0.1")
     sc.run()
     rec = sc.records[0]
     bf16 = sc.model.kv_bytes_bf16(1024)
@@ -51,7 +49,7 @@ def test_split_stream_loads_the_anchor_then_the_full_cache_after_drafting():
 def test_split_stream_without_drafting_when_the_residual_beats_the_anchor_load():
     """A fast link: the residual is in before the anchor is dequantized, so (as the
     transport's decoder) nothing is drafted and the full cache is loaded after it."""
-    sc = _scenario("codecs=[lynx]", "deserializer=on_demand", "link.bandwidth_gbps=100")
+    sc = receiver_scenario("codecs=[lynx]", "deserializer=on_demand", "link.bandwidth_gbps=100")
     sc.run()
     rec = sc.records[0]
     bf16 = sc.model.kv_bytes_bf16(1024)

@@ -13,6 +13,7 @@ from typing import Any
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.config_store import ConfigStore
 
+from hydra_plugins.kvsim_sweeper.shared_context_launcher import parallel_kwargs
 from kvsim.sweep import (
     MANIFEST,
     TABLE_STEM,
@@ -51,17 +52,6 @@ class _Warming:
             return []
 
 
-def _is_joblib(launcher: Any) -> bool:
-    """Hydra's joblib launcher or a subclass (kvsim_joblib). By name: Hydra's plugin scan
-    executes plugin modules again, so a subclass defined in a plugin may derive from another
-    JoblibLauncher class object than the one an import finds."""
-    return any(c.__name__ == "JoblibLauncher" and c.__module__ == JOBLIB_LAUNCHER_MODULE
-               for c in type(launcher).__mro__)
-
-
-JOBLIB_LAUNCHER_MODULE = "hydra_plugins.hydra_joblib_launcher.joblib_launcher"
-
-
 def start_workers(launcher: Any) -> _Warming | None:
     """Start the joblib launcher's worker processes now, each loading what a job loads first
     (Hydra's plugins, the command, its simulator and codecs: seconds per process), while this
@@ -69,14 +59,12 @@ def start_workers(launcher: Any) -> _Warming | None:
     with the same arguments, reuses them (loky's reusable executor). Other launchers, or a
     task that is not kvsim's: nothing."""
     what = getattr(launcher.task_function, "prepare", None)
-    if not _is_joblib(launcher) or what is None:
+    joblib_cfg = getattr(launcher, "joblib", None)  # Hydra's joblib launcher, kvsim_joblib
+    if joblib_cfg is None or what is None:
         return None
-    from hydra_plugins.hydra_joblib_launcher._core import process_joblib_cfg
     from joblib import Parallel, delayed, effective_n_jobs
 
-    joblib_cfg = dict(launcher.joblib)
-    joblib_cfg["backend"] = "loky"  # as the launcher does (its threading backend breaks Hydra)
-    process_joblib_cfg(joblib_cfg)
+    joblib_cfg = parallel_kwargs(joblib_cfg)
     workers = effective_n_jobs(joblib_cfg.get("n_jobs", -1))
     outputs = Parallel(**joblib_cfg, return_as="generator_unordered")(
         delayed(prepare_worker)(*what) for _ in range(workers))

@@ -39,6 +39,18 @@ class SharedContextJoblibLauncherConf(JobLibLauncherConf):
 ConfigStore.instance().store(group="hydra/launcher", name="kvsim_joblib",
                              node=SharedContextJoblibLauncherConf, provider="kvsim")
 
+def parallel_kwargs(joblib_cfg: Any) -> dict[str, Any]:
+    """joblib.Parallel's arguments from a joblib launcher's `joblib` config, made as Hydra's
+    launcher makes them (backend loky: its threading backend breaks Hydra). The sweep's
+    worker warm-up uses the same, so that the launch reuses the warmed processes."""
+    from hydra_plugins.hydra_joblib_launcher._core import process_joblib_cfg
+
+    kwargs = dict(joblib_cfg)
+    kwargs["backend"] = "loky"
+    process_joblib_cfg(kwargs)
+    return kwargs
+
+
 # worker process: {context digest: (hydra_context, config, task_function, singleton_state)}
 _LOADED: dict[str, tuple[Any, Any, Any, Any]] = {}
 
@@ -87,7 +99,6 @@ class SharedContextJoblibLauncher(JoblibLauncher):
         import cloudpickle  # joblib's own dependency: pickles the task function's closure
         from hydra.core.singleton import Singleton
         from hydra.core.utils import configure_log, filter_overrides, setup_globals
-        from hydra_plugins.hydra_joblib_launcher._core import process_joblib_cfg
         from joblib import Parallel, delayed
 
         assert self.config is not None and self.task_function is not None
@@ -96,9 +107,7 @@ class SharedContextJoblibLauncher(JoblibLauncher):
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        joblib_cfg = self.joblib
-        joblib_cfg["backend"] = "loky"  # as Hydra's launcher: its threading backend breaks Hydra
-        process_joblib_cfg(joblib_cfg)
+        joblib_cfg = parallel_kwargs(self.joblib)
         log = logging.getLogger(__name__)
         log.info("Joblib.Parallel(%s) is launching %d jobs (shared context sent once per "
                  "worker)", ",".join(f"{k}={v}" for k, v in joblib_cfg.items()),
