@@ -96,15 +96,23 @@ class KVShape:
         return cls(layers, heads, tokens, head_dim, dtype_name(kv.dtype))
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN/Inf in a float tensor. aminmax propagates NaN and is ~15x faster than
+    isfinite(t).all() on CPU (0.22 vs 3.4 ms for one 2048-token SmolLM2 layer, 1 thread)."""
+    if t.numel() == 0:
+        return True
+    import torch
+
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+
+
 def check_finite(kv: torch.Tensor, what: str = "KV tensor") -> None:
     """Refuse NaN/Inf: a quantizer fed one would emit silent garbage for the whole group."""
-    if kv.numel() == 0:
+    if all_finite(kv):
         return
     import torch
 
-    lo, hi = torch.aminmax(kv)  # NaN propagates: ~20x faster than isfinite(kv).all() on CPU
-    if bool(torch.isfinite(lo)) and bool(torch.isfinite(hi)):
-        return
     if not torch.isfinite(kv).all():
         bad = (~torch.isfinite(kv)).nonzero()
         first = tuple(int(i) for i in bad[0])

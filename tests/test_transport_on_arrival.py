@@ -175,3 +175,30 @@ def test_on_arrival_builds_the_decoders_caches_layer_by_layer():
     with pytest.raises(RuntimeError, match="built_cache"):
         asm.kv(2)
     asm.close()
+
+
+def test_a_closed_request_lets_its_caches_go_without_a_garbage_collection():
+    """The worker's callback refers back to its assembly (a cycle): close() must drop the
+    chunks and the dequantized layers at once, not at the next cyclic collection (the next
+    request would page-fault fresh memory meanwhile)."""
+    import gc
+    import weakref
+
+    codec = make_codec("lynx")
+    enc = codec.encode(generate_kv(SHAPE, seed=8))
+    gc.disable()
+    try:
+        asm = _assembly(codec, "on_arrival", anchor=True, rid=992)
+        _feed(asm, _frames(enc, 992))
+        assert asm.wait_streams(2, timeout_s=30)
+        full = weakref.ref(asm.kv(2))
+        payload = weakref.ref(asm.chunks[1][0].payload)
+        assert full() is not None and payload() is not None
+        asm.close()
+        deadline = time.monotonic() + 5  # the worker thread ends after its last layer
+        while "kvsim-dequantize-992" in _workers() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert full() is None and payload() is None
+        assert asm.chunks == [[], []]
+    finally:
+        gc.enable()

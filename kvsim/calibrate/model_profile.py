@@ -176,10 +176,11 @@ def _encode_layerwise(codec: Any, kv: torch.Tensor) -> list[Any]:
 
 def _load(codec: Any, enc: Any, n: int, lm: Any) -> Any:
     """Dequantize the first n streams and build the model's cache, as the receiver does."""
+    from kvsim.layout import all_finite
     from kvsim.quality.capture import kv_to_cache
 
     kv = codec.decode(enc, streams=n, dtype=torch.float32)
-    if not torch.isfinite(kv).all():
+    if not all_finite(kv):
         raise RuntimeError(f"{codec.name}: calibration KV decodes to non-finite values")
     return kv_to_cache(kv, lm.model.config, _dtype(lm))
 

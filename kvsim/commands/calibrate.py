@@ -123,6 +123,7 @@ def run(cfg: Config) -> list[dict]:
     from kvsim.config.codecs import resolve_codec
     from kvsim.model.load import load_lm
     from kvsim.outputs import check_new, out_root
+    from kvsim.transport.memory import retain_freed_memory
 
     root = out_root(cfg.out_dir or None)
     paths = output_paths(cfg, root)
@@ -133,6 +134,7 @@ def run(cfg: Config) -> list[dict]:
     prov = _provenance(cfg)
     rows: list[dict] = []
 
+    retain_freed_memory()  # as the transport's nodes run (kvsim.transport.memory)
     lm = load_lm(cfg.model, threads=cfg.threads, seed=0)
     torch.set_num_threads(cfg.threads)
     say(f"{lm.name}: {torch.get_num_threads()} torch thread(s)")

@@ -22,13 +22,18 @@ def run(cfg: EmulateConfig) -> list[dict]:
     import torch
 
     from kvsim.transport import session
+    from kvsim.transport.memory import retain_freed_memory
     from kvsim.transport.receiver import Receiver
 
     cfg.validate()
+    kept, why = retain_freed_memory()  # before threads start: one arena, memory kept
+    if not kept:
+        print(f"kvsim serve: freed memory goes back to the system ({why}): requests "
+              "page-fault their caches afresh", file=sys.stderr)
     torch.set_num_threads(cfg.transport.threads)
     mode = session.decode_mode(cfg)
     lm = session.load_model(cfg) if mode == "real" else None
-    session.warm_up(cfg, lm)
+    session.warm_up(cfg, lm, decode_side=True)
     rx = Receiver(session.receiver_settings(cfg, cfg.transport.bind),
                   session.decoder_factory(cfg, mode, lm), session.row_builder(mode),
                   check_hello=session.hello_checker(cfg, mode))

@@ -24,7 +24,7 @@ from kvsim.config.transport import DEQUANTIZE_MODES
 from kvsim.kernels import wire
 from kvsim.kernels.codec import Codec
 from kvsim.kernels.encoded import Chunk, Encoded, SizeTable
-from kvsim.layout import KVShape
+from kvsim.layout import KVShape, all_finite
 from kvsim.transport import protocol as P
 from kvsim.transport.layer_dequantizer import LayerDequantizer
 
@@ -144,10 +144,16 @@ class Assembly:
                              name=f"kvsim-dequantize-{self.request_id}").start()
 
     def close(self) -> None:
-        """The request ended: the worker, if still waiting for chunks, stops."""
+        """The request ended: the worker, if still waiting for chunks, stops, and the chunks
+        and dequantized caches are let go now. (The worker's callback refers back to this
+        assembly, so without this they would wait for a cyclic garbage collection, and the
+        next request would page-fault fresh memory for its own.)"""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
+            self.chunks = [[] for _ in self.chunks]
+            if self.dequantizer is not None:
+                self.dequantizer.release()
 
     def refuse(self, reason: str) -> None:
         key = P.refusal_key(reason)
@@ -240,7 +246,7 @@ class Assembly:
         enc = Encoded(self.codec.name, self.codec.params_dict(), self.shape,
                       self.table.page_tokens, self.codec.stream_names(), snapshot)
         kv = self.codec.decode(enc, streams=n, dtype=torch.float32)
-        if not torch.isfinite(kv).all():
+        if not all_finite(kv):
             raise wire.WireError(f"request {self.request_id}: streams 0..{n - 1} decode to "
                                  "non-finite values")
         self.events.append((f"dequantize streams 0..{n - 1}", t0, time.time()))

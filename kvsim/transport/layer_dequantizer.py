@@ -32,7 +32,7 @@ import torch
 from kvsim.kernels import wire
 from kvsim.kernels.codec import Codec
 from kvsim.kernels.encoded import Chunk
-from kvsim.layout import KVShape
+from kvsim.layout import KVShape, all_finite
 
 ANCHOR, FULL = 0, 1  # job kinds, also their priority (lower first)
 Span = tuple[str, float, float]
@@ -125,6 +125,14 @@ class LayerDequantizer:
         self._taken.add(kind)
         return self._builders[kind].cache()
 
+    def release(self) -> None:
+        """The request ended: drop its chunks, caches and pending jobs (a job in progress
+        finishes into a builder nobody takes, freed with this object)."""
+        self._chunks = [[[] for _ in range(self.shape.layers)] for _ in self._pages]
+        self._jobs.clear()
+        self._builders.clear()
+        self._buffers.clear()
+
     # ---- worker ---------------------------------------------------------------------------
     def run(self, poll_s: float = 0.5) -> None:
         """Serve jobs until every layer of every kind is done, the request failed, or a
@@ -143,7 +151,7 @@ class LayerDequantizer:
             t0 = time.time()
             try:
                 out = self.codec.decode_layer(self.shape, layer, chunks, dtype=torch.float32)
-                if not torch.isfinite(out).all():
+                if not all_finite(out):
                     raise wire.WireError(f"request {self.request_id}: layer {layer} decodes to "
                                          "non-finite values")
                 if self.new_builder is not None:
