@@ -24,6 +24,22 @@ def test_value_reads_int_and_string_keys_and_compare_signs_the_error():
     assert low[0]["error_pct"] == pytest.approx(-25.0)
 
 
+def test_repeated_requests_give_the_mean_and_how_far_apart_they_land():
+    """A measured row aggregated over repeated requests (aggregate_rows: `per_request`)
+    carries their range over their mean; the summary averages it (the noise floor)."""
+    m = errors.Metric("tt32t", "ttkt_from_prefill_end_s", "32")
+    per = [{"ttkt_from_prefill_end_s": {"32": v}} for v in (2.7, 3.0, 3.3)]
+    measured = {"ttkt_from_prefill_end_s": {"32": 3.0}, "per_request": per}
+    row, = errors.compare({}, measured, {"ttkt_from_prefill_end_s": {"32": 3.3}}, [m])
+    assert row["error_pct"] == pytest.approx(10.0)
+    assert row["measured_spread_pct"] == pytest.approx(20.0)  # (3.3 - 2.7) / 3.0
+    assert math.isnan(errors.spread_pct([1.0])) and math.isnan(errors.spread_pct([]))
+    other = {**row, "measured_spread_pct": 10.0, "error_pct": 2.0}
+    s = errors.summary([row, other, {"error_pct": 1.0, "metric": "x"}])
+    assert s["mean_measured_spread_pct"] == pytest.approx(15.0)
+    assert math.isnan(errors.summary([{"error_pct": 1.0}])["mean_measured_spread_pct"])
+
+
 def test_summary_means_absolute_errors_and_counts_missing():
     rows = [{"metric": "a", "error_pct": -4.0, "measured_s": 1, "simulated_s": 1},
             {"metric": "b", "error_pct": 2.0, "measured_s": 1, "simulated_s": 1},

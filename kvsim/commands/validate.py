@@ -61,6 +61,10 @@ class Config:
     contexts: list[int] = field(default_factory=lambda: [1024, 2048])  # prompt tokens
     codecs: list[Any] = field(default_factory=lambda: ["bf16", "int8", "int4", "lynx"])
     output_tokens: int = 64  # decoded per request (real greedy decode)
+    # emulated requests per codec in each single-request scenario, the codecs' requests
+    # interleaved: the measured value is their mean, their range `measured_spread_pct`
+    # (this machine's decode step moves by ~10% between 5-second windows)
+    repeats: int = 2
     ks: list[int] = field(default_factory=lambda: [32, 64])  # TT<k>T compared (with TTFT)
     acceptance: str = "smollm2-135m-lynx-s1-greedy"  # the simulator's acceptance curve
     samples: int = 16  # simulator runs averaged per single-request row (acceptance draws)
@@ -78,15 +82,20 @@ class Config:
                              f"got {self.ks}")
         if self.samples < 1:
             raise ValueError(f"samples must be >= 1, got {self.samples}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
 
     def apply_grid(self) -> None:
-        """grid=quick: CI's few scenarios (under 5 minutes with calibration)."""
+        """grid=quick: CI's few scenarios (about 6 minutes with calibration)."""
         if self.grid == "quick":
             # 0.1 Gbps: lynx's residual is still on the wire when its anchor is loaded, so
             # it drafts in both engines (at 0.3 Gbps the two race, and a flip between
             # drafting and not moves TTFT by a decode step)
             self.emulations, self.rates_gbps, self.contexts = ["token_bucket"], [0.1], [1024]
             self.codecs = ["int8", "lynx"]
+            # one request's 64 steps span one ~5 s window of this machine's speed, which
+            # alone moves TT64T by up to ~10%: three per codec, interleaved
+            self.repeats = max(self.repeats, 3)
             self.multi.rates_per_s, self.multi.requests = [0.3], 6
 
 
@@ -160,18 +169,23 @@ def run(cfg: Config) -> dict:
              f"{len(cfg.codecs)} codecs ({time.time() - started:.0f} s so far)")
         workload = ["workload=emulated", f"workload.context_tokens={ctx}",
                     f"workload.output_tokens={cfg.output_tokens}"]
+        # the emulator runs each codec `repeats` times, interleaved; the simulator once
+        emulated = scenario_overrides(cfg.model.name, emulation, rate,
+                                      [c for _ in range(cfg.repeats) for c in cfg.codecs],
+                                      workload, list(cfg.ks), profiles)
         common = scenario_overrides(cfg.model.name, emulation, rate, cfg.codecs, workload,
                                     list(cfg.ks), profiles)
-        measured, simulated = run_pair(common, sim_overrides(common, profiles, emulation,
-                                                             cfg.acceptance, cfg.samples))
+        measured, simulated = run_pair(emulated, sim_overrides(common, profiles, emulation,
+                                                               cfg.acceptance, cfg.samples))
         _keep(run_dir, f"single-{emulation}-{rate:g}gbps-{ctx}", measured, simulated)
         sim_by = by_codec(simulated)
         for codec, m in by_codec(measured).items():
             s = sim_by[codec]
+            n = int(m.get("requests") or 1)  # repeats: drafts are summed over them
             scenario = {"case": "single", "emulation": emulation, "bandwidth_gbps": rate,
-                        "context_tokens": ctx, "codec": codec,
-                        "accepted_measured": f"{m.get('accepted_tokens', 0)}/"
-                                             f"{m.get('proposed_tokens', 0)}",
+                        "context_tokens": ctx, "codec": codec, "repeats": n,
+                        "accepted_measured": f"{m.get('accepted_tokens', 0) / n:.3g}/"
+                                             f"{m.get('proposed_tokens', 0) / n:.3g}",
                         "accepted_simulated": f"{s.get('accepted_tokens', 0):.3g}/"
                                               f"{s.get('proposed_tokens', 0):.3g}",
                         "prefill_measured_s": m.get("prefill_s"),
@@ -258,7 +272,11 @@ def _print(rows: list[dict], summary: dict) -> None:
         ("case", "case", ""), ("emulation", "link", ""), ("bandwidth_gbps", "Gbps", "g"),
         ("context_tokens", "ctx", "d"), ("rate_per_s", "req/s", "g"), ("codec", "codec", ""),
         ("metric", "metric", ""), ("measured_s", "measured s", ".3f"),
-        ("simulated_s", "simulated s", ".3f"), ("error_pct", "error %", "+.1f")]))
+        ("simulated_s", "simulated s", ".3f"), ("error_pct", "error %", "+.1f"),
+        ("measured_spread_pct", "runs apart %", ".1f")]))
+    spread = summary.get("mean_measured_spread_pct", float("nan"))
+    if spread == spread:  # repeated runs: the noise floor the errors sit on
+        print(f"repeated emulated runs of one scenario land {spread:.1f}% apart on average")
     print(f"mean |error| {summary['mean_abs_pct_error']:.2f}% (target "
           f"{summary['target_mean_abs_pct']}%), worst {summary['max_abs_pct_error']:.2f}% "
           f"(target {summary['target_max_abs_pct']}%) over {summary['compared']} comparisons"

@@ -43,14 +43,30 @@ def value(row: dict, m: Metric) -> float:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
 
 
+def spread_pct(values: list[float]) -> float:
+    """Range of repeated measurements over their mean (%): how far apart runs of the same
+    scenario on this machine land (nan for fewer than two)."""
+    vs = [v for v in values if math.isfinite(v)]
+    if len(vs) < 2 or sum(vs) <= 0:
+        return math.nan
+    return 100.0 * (max(vs) - min(vs)) / (sum(vs) / len(vs))
+
+
 def compare(scenario: dict, measured: dict, simulated: dict, metrics: list[Metric]) -> list[dict]:
-    """One row per metric: the scenario's keys, measured, simulated, error_pct."""
+    """One row per metric: the scenario's keys, measured, simulated, error_pct, and
+    measured_spread_pct when the measured row is a mean over repeated requests (its
+    `per_request` rows: the aggregate of `kvsim.transport.record.aggregate_rows`)."""
+    repeats = measured.get("per_request") if "per_request" in measured else None
     out = []
     for m in metrics:
         a, b = value(measured, m), value(simulated, m)
         err = 100.0 * (b - a) / a if a > 0 and math.isfinite(b) else math.nan
-        out.append({**scenario, "metric": m.name, "measured_s": a, "simulated_s": b,
-                    "error_pct": err})
+        row = {**scenario, "metric": m.name, "measured_s": a, "simulated_s": b,
+               "error_pct": err}
+        spread = spread_pct([value(r, m) for r in repeats]) if repeats else math.nan
+        if math.isfinite(spread):  # (percentiles over requests have no per-request value)
+            row["measured_spread_pct"] = spread
+        out.append(row)
     return out
 
 
@@ -63,8 +79,12 @@ def summary(rows: list[dict]) -> dict:
                 "compared": 0, "missing": len(rows)}
     worst = max((r for r in rows if math.isfinite(r["error_pct"])),
                 key=lambda r: abs(r["error_pct"]))
+    spreads = [r["measured_spread_pct"] for r in rows
+               if math.isfinite(r.get("measured_spread_pct", math.nan))]
     return {"mean_abs_pct_error": sum(errs) / len(errs), "max_abs_pct_error": max(errs),
             "compared": len(errs), "missing": len(rows) - len(errs),
+            # the noise floor: how far repeated runs of one scenario land apart, on average
+            "mean_measured_spread_pct": sum(spreads) / len(spreads) if spreads else math.nan,
             "worst": {k: worst[k] for k in worst if k not in ("measured_s", "simulated_s")}}
 
 
