@@ -113,10 +113,9 @@ def check_finite(kv: torch.Tensor, what: str = "KV tensor") -> None:
         return
     import torch
 
-    if not torch.isfinite(kv).all():
-        bad = (~torch.isfinite(kv)).nonzero()
-        first = tuple(int(i) for i in bad[0])
-        raise ValueError(
-            f"{what} contains {bad.shape[0]} non-finite value(s) (NaN/Inf), first at index "
-            f"{first} of [layers, 2, kv_heads, tokens, head_dim]; refusing to encode"
-        )
+    bad = (~torch.isfinite(kv)).nonzero()
+    first = tuple(int(i) for i in bad[0])
+    raise ValueError(
+        f"{what} contains {bad.shape[0]} non-finite value(s) (NaN/Inf), first at index "
+        f"{first} of [layers, 2, kv_heads, tokens, head_dim]; refusing to encode"
+    )

@@ -16,7 +16,7 @@ _CHILD = r"""
 import json, resource, sys, threading
 import torch
 from kvsim.transport.memory import retain_freed_memory
-applied = retain_freed_memory()[0] if sys.argv[1] == "retain" else False
+applied = retain_freed_memory("test") if sys.argv[1] == "retain" else False
 torch.set_num_threads(1)
 def request(out):
     r0 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
@@ -85,3 +85,14 @@ def test_the_decode_sides_warm_up_touches_its_largest_cache_or_says_why_not(monk
     monkeypatch.setattr(session, "PEAK_WARM_UP_MAX_BYTES", 1 << 20)
     session.warm_up(cfg, None, decode_side=True)
     assert "warm-up leaves the memory of 2048-token caches untouched" in capsys.readouterr().err
+
+
+def test_without_glibc_the_allocator_is_left_as_it_is_and_the_node_says_so(monkeypatch, capsys):
+    import ctypes.util
+
+    from kvsim.transport.memory import retain_freed_memory
+
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
+    assert retain_freed_memory("serve") is False
+    assert capsys.readouterr().err.startswith(
+        "kvsim serve: freed memory goes back to the system (no C library found)")

@@ -134,7 +134,7 @@ def run(cfg: Config) -> list[dict]:
     prov = _provenance(cfg)
     rows: list[dict] = []
 
-    retain_freed_memory()  # as the transport's nodes run (kvsim.transport.memory)
+    retain_freed_memory("calibrate")  # as the transport's nodes run (kvsim.transport.memory)
     lm = load_lm(cfg.model, threads=cfg.threads, seed=0)
     torch.set_num_threads(cfg.threads)
     say(f"{lm.name}: {torch.get_num_threads()} torch thread(s)")

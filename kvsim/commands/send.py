@@ -6,8 +6,6 @@ the decode host reports back."""
 
 from __future__ import annotations
 
-import sys
-
 from kvsim.config.transport import EmulateConfig
 
 COMMAND = ("send",)
@@ -24,10 +22,7 @@ def send_all(cfg: EmulateConfig) -> list[dict]:
     from kvsim.transport.sender import Sender
 
     cfg.validate()
-    kept, why = retain_freed_memory()  # before threads start: one arena, memory kept
-    if not kept:
-        print(f"kvsim send: freed memory goes back to the system ({why}): requests "
-              "page-fault their caches afresh", file=sys.stderr)
+    retain_freed_memory("send")  # before threads start: one arena, memory kept
     torch.set_num_threads(cfg.transport.threads)
     lm = session.load_model(cfg) if session.source_kind(cfg) == "live" else None
     session.warm_up(cfg, lm)

@@ -26,10 +26,7 @@ def run(cfg: EmulateConfig) -> list[dict]:
     from kvsim.transport.receiver import Receiver
 
     cfg.validate()
-    kept, why = retain_freed_memory()  # before threads start: one arena, memory kept
-    if not kept:
-        print(f"kvsim serve: freed memory goes back to the system ({why}): requests "
-              "page-fault their caches afresh", file=sys.stderr)
+    retain_freed_memory("serve")  # before threads start: one arena, memory kept
     torch.set_num_threads(cfg.transport.threads)
     mode = session.decode_mode(cfg)
     lm = session.load_model(cfg) if mode == "real" else None

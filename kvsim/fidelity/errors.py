@@ -56,7 +56,7 @@ def compare(scenario: dict, measured: dict, simulated: dict, metrics: list[Metri
     """One row per metric: the scenario's keys, measured, simulated, error_pct, and
     measured_spread_pct when the measured row is a mean over repeated requests (its
     `per_request` rows: the aggregate of `kvsim.transport.record.aggregate_rows`)."""
-    repeats = measured.get("per_request") if "per_request" in measured else None
+    repeats = measured.get("per_request")
     out = []
     for m in metrics:
         a, b = value(measured, m), value(simulated, m)

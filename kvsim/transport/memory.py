@@ -13,7 +13,7 @@ page-faults its memory again. Measured in `kvsim serve` (SmolLM2-135M, 2048-toke
 from the heap instead of mmap, and no trimming below 2 GiB of free memory, so the
 process's memory grows to its peak once (the warm-up reaches it:
 `kvsim.transport.session.warm_up`) and is reused after. Other C libraries (musl, macOS)
-are left as they are and the call says so.
+are left as they are and the call says so on stderr.
 
 Also needed: a request's memory must be freed when it ends (`Assembly.close`).
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import sys
 
 # glibc's mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD = -1
@@ -31,24 +32,31 @@ MMAP_THRESHOLD_MAX_BYTES = 32 << 20  # glibc's ceiling for M_MMAP_THRESHOLD on 6
 TRIM_THRESHOLD_BYTES = 2**31 - 1  # mallopt takes an int: a free heap top above 2 GiB is trimmed
 
 
-def retain_freed_memory() -> tuple[bool, str]:
+def retain_freed_memory(who: str) -> bool:
     """Set glibc's allocator to keep freed memory (see the module docstring). Call early,
-    before the process's threads start. Returns (applied, why not)."""
+    before the process's threads start. Returns whether it applied; when not, says why on
+    stderr as `kvsim <who>`."""
+    why = _mallopt_refusal()
+    if why:
+        print(f"kvsim {who}: freed memory goes back to the system ({why}): requests "
+              "page-fault their caches afresh", file=sys.stderr)
+    return not why
+
+
+def _mallopt_refusal() -> str:
+    """Apply the settings; "" when applied, else why not."""
     name = ctypes.util.find_library("c")
     if not name:
-        return False, "no C library found"
+        return "no C library found"
     try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(name).mallopt
     except (OSError, AttributeError):
-        return False, f"{name} has no mallopt (not glibc)"
+        return f"{name} has no mallopt (not glibc)"
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     settings = ((M_ARENA_MAX, 1), (M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX_BYTES),
                 (M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
     refused = [param for param, value in settings if mallopt(param, value) != 1]
-    if refused:
-        return False, f"mallopt refused parameters {refused}"
-    return True, ""
+    return f"mallopt refused parameters {refused}" if refused else ""
 
 
 __all__ = ["retain_freed_memory"]
