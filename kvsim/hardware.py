@@ -20,6 +20,9 @@ and optionally (written by `kvsim calibrate`)
   "cache_build": {"gb_per_s": x}    building the model's cache from dequantized layers (GB/s
                                     of bf16 cache; deserializer=on_arrival, where it is the
                                     only load left once the last layer is dequantized)
+  "draft_step": {"ratio": r}        a draft step over a decode step while the receiver
+                                    dequantizes the later streams beside it (>= 1; the
+                                    drafting overhead of deserializer=on_arrival)
 Piecewise-linear interpolation; batch and drafted-token curves measured at one context are
 applied as ratios to the batch-1 TPOT at other contexts; without them the roofline's ratio
 is used.
@@ -184,6 +187,15 @@ class TimingModel:
             return 0.0
         return float(self.model.kv_bytes_bf16(context_tokens)) / (build["gb_per_s"] * 1e9)
 
+    def draft_contention_s(self, context_tokens: int) -> float | None:
+        """What a draft step costs beyond a decode step when the receiver dequantizes the
+        later streams beside it (s): (draft_step.ratio - 1) x TPOT at this context, from a
+        profile that measured it (`kvsim calibrate`'s transfer); None without one."""
+        draft = self._profile.get("draft_step") if self._profile else None
+        if not draft:
+            return None
+        return (float(draft["ratio"]) - 1.0) * self.tpot_s(context_tokens)
+
     def member_work(self, new_tokens: int, context_tokens: int) -> tuple[float, float]:
         """One sequence's share of a batched forward step over `new_tokens` new tokens
         (1 decoding, n verifying n drafts) attending to its `context_tokens`: (FLOPs, bf16
@@ -279,11 +291,14 @@ def load_profile(name_or_path: str, model_name: str) -> dict:
                         ("first_step_extra", "context_tokens", "")):
         if key in doc:
             _check_curve(p, doc, key, xs, at)
-    if "cache_build" in doc:
-        rate = (doc["cache_build"] or {}).get("gb_per_s") if isinstance(doc["cache_build"], dict) \
-            else None
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or \
-                not math.isfinite(rate) or rate <= 0:
-            raise ValueError(f"hardware profile {p}: cache_build.gb_per_s must be a finite "
-                             f"number > 0, got {rate!r}")
+    # (key, field, its bound): a rate > 0; a ratio to a decode step >= 1
+    for key, field, bound in (("cache_build", "gb_per_s", "> 0"), ("draft_step", "ratio", ">= 1")):
+        if key not in doc:
+            continue
+        value = (doc[key] or {}).get(field) if isinstance(doc[key], dict) else None
+        number = not isinstance(value, bool) and isinstance(value, (int, float)) and \
+            math.isfinite(value)
+        if not number or not (value > 0 if bound == "> 0" else value >= 1):
+            raise ValueError(f"hardware profile {p}: {key}.{field} must be a finite number "
+                             f"{bound}, got {value!r}")
     return doc

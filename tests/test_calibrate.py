@@ -171,3 +171,71 @@ def test_receiver_loads_on_arrival_sum_the_layer_jobs_and_time_the_cache_build(m
     assert hw["cache_build"]["gb_per_s"] == pytest.approx(4.0)
     assert timing["receiver_dequantize"] == "on_arrival"
     assert timing["codecs"]["lynx"]["inprocess_decode_gb_per_s"] == 3.0
+
+
+def test_receiver_loads_time_the_senders_encoder_and_the_draft_steps(monkeypatch):
+    """The sender's encode work (FIN's encode_work_s) gives the encode rate; a drafted
+    request's draft window, less the plain requests' first-step extra, over its drafts and
+    its later step gives the draft step's ratio, which the hardware profile keeps."""
+    import kvsim.commands.emulate as emulate_mod
+    from kvsim.calibrate.receiver_timing import apply_receiver_timing, receiver_loads
+
+    def fake_emulate(cfg):
+        bf16 = float(cfg.model.kv_bytes_bf16(64))
+        rows = []
+        for codec, streams, proposed in (("int8", 1, 0), ("lynx", 2, 2)):
+            full = "stream 0" if streams == 1 else "streams 0-1"
+            spans = [[f"dequantize layer 0 {full}", "decode", 0.0, 0.01],
+                     [f"dequantize {full}", "decode", 1.0, 1.001]]
+            if proposed:  # 2 drafts from t=2: 0.02 s extra + 2 x 0.15 s
+                spans += [["draft_accepted", "decode", 2.0, 2.17],
+                          ["draft_rejected", "decode", 2.17, 2.32]]
+            rows.append({"status": "done", "codec": codec, "context_tokens": 64,
+                         "streams": streams, "dequantize": "on_arrival", "tpot_s": 0.05,
+                         "proposed_tokens": proposed, "trace_spans": spans,
+                         "encode_work_s": bf16 / 0.5e9,  # 0.5 GB/s
+                         "ttft_from_prefill_end_s": 1.07, "full_ready_from_prefill_end_s": 1.0})
+        return rows
+
+    monkeypatch.setattr(emulate_mod, "emulate", fake_emulate)
+    got = receiver_loads("smollm2-135m", ["int8", "lynx"], 64, 1, "stdlib-docs", repeats=1)
+    assert got["int8"]["encode_gb_per_s"] == pytest.approx(0.5)
+    assert got["lynx"]["draft_step_ratio"] == pytest.approx(3.0)  # (0.32 - 0.02) / 2 / 0.05
+    assert "draft_step_ratio" not in got["int8"]
+    hw = {"tpot": {"context_tokens": [64], "s": [0.05]},
+          "first_step_extra": {"context_tokens": [64], "s": [0.0]},
+          "tpot_batch": {"context_tokens": 64, "batch": [1], "s": [0.05]},
+          "verify": {"context_tokens": 64, "drafted_tokens": [1], "s": [0.06]}}
+    timing = {"codecs": {c: {"encode_gb_per_s": 2.0, "decode_gb_per_s": 3.0, "what": "w"}
+                         for c in ("int8", "lynx")}}
+    apply_receiver_timing(got, hw, timing, 64, "on_arrival")
+    assert hw["draft_step"]["ratio"] == pytest.approx(3.0)
+    assert timing["codecs"]["int8"]["encode_gb_per_s"] == pytest.approx(0.5)
+    assert timing["codecs"]["int8"]["inprocess_encode_gb_per_s"] == 2.0
+    # noise never makes a draft step shorter than a decode step
+    got["lynx"]["draft_step_ratio"] = 0.8
+    apply_receiver_timing(got, hw, timing, 64, "on_arrival")
+    assert hw["draft_step"]["ratio"] == 1.0
+
+
+def test_draft_step_of_a_profile_is_checked_and_costs_beyond_the_step(tmp_path, measured):
+    from kvsim.sim.codec_timing import CodecTiming
+    from kvsim.sim.speculative import draft_overhead_s
+
+    _lm, doc, _kvs, _path = measured
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps(doc))
+    timing = TimingModel(TINY, replace(HW, profile=str(path)))
+    assert timing.draft_contention_s(48) is None  # not measured: no contention term
+    path.write_text(json.dumps({**doc, "draft_step": {"ratio": 1.5}}))
+    timing = TimingModel(TINY, replace(HW, profile=str(path)))
+    assert timing.draft_contention_s(48) == pytest.approx(0.5 * timing.tpot_s(48))
+    for bad in (0.5, float("nan"), "x", True):
+        path.write_text(json.dumps({**doc, "draft_step": {"ratio": bad}}))
+        with pytest.raises(ValueError, match="draft_step.ratio"):
+            load_profile(str(path), TINY.name)
+    codec = CodecTiming(1.0, 1.0, "test")
+    # configured wins, then measured, then the anchor's share of dequantization
+    assert draft_overhead_s(0.0, codec, 1e9, 1, 2, 1, measured_s=0.3) == 0.0
+    assert draft_overhead_s(None, codec, 1e9, 1, 2, 1, measured_s=0.3) == 0.3
+    assert draft_overhead_s(None, codec, 1e9, 1, 2, 1) == pytest.approx(0.5)

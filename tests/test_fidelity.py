@@ -112,3 +112,54 @@ def test_both_engines_run_the_receiver_mode_the_codec_timing_was_measured_in(tmp
         sim = sim_overrides(common, prof, "token_bucket", "x", 1)
         assert f"deserializer={mode}" in sim
         assert not any(o.startswith("transport.") for o in sim)
+
+
+def test_a_measured_draft_step_is_left_to_both_engines_on_arrival(tmp_path):
+    import json
+
+    from kvsim.fidelity.runner import find_profiles, scenario_overrides
+
+    for d in ("hardware", "codec_timing", "link"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "link" / "p-token-bucket.json").write_text("{}")
+    (tmp_path / "codec_timing" / "p.json").write_text(
+        json.dumps({"receiver_dequantize": "on_arrival"}))
+    hw = tmp_path / "hardware" / "p.json"
+    for doc, forced in (({}, True), ({"draft_step": {"ratio": 1.5}}, False)):
+        hw.write_text(json.dumps(doc))
+        prof = find_profiles(tmp_path, "p", ["token_bucket"])
+        assert prof.draft_step is not forced
+        common = scenario_overrides("smollm2-135m", "token_bucket", 0.1, ["lynx"], [], [32],
+                                    prof)
+        assert ("speculative.draft_overhead_s=0" in common) is forced
+
+
+def test_step_probe_scales_the_step_curves_to_the_probe(tmp_path):
+    import json
+
+    from kvsim.fidelity.step_probe import StepProbe, probed_profile
+    from kvsim.hardware import load_profile
+    from kvsim.model.presets import load_model_preset
+
+    doc = {"model": "m", "prefill": {"tokens": [100, 300], "s": [1.0, 3.0]},
+           "tpot": {"context_tokens": [100, 300], "s": [0.1, 0.2]},
+           "tpot_batch": {"context_tokens": 300, "batch": [1, 2], "s": [0.2, 0.3]},
+           "verify": {"context_tokens": 300, "drafted_tokens": [1], "s": [0.4]},
+           "first_step_extra": {"context_tokens": [100, 300], "s": [0.01, 0.01]}}
+    src, out = tmp_path / "hw.json", tmp_path / "probed" / "hw.json"
+    src.write_text(json.dumps(doc))
+    scale = probed_profile(src, 200, 0.3, out)  # calibrated 0.15 s at 200: twice as slow now
+    assert scale == pytest.approx(2.0)
+    got = load_profile(str(out), "m")
+    assert got["tpot"]["s"] == pytest.approx([0.2, 0.4])
+    assert got["tpot_batch"]["s"] == pytest.approx([0.4, 0.6])
+    assert got["verify"]["s"] == pytest.approx([0.8])
+    assert got["prefill"]["s"] == [1.0, 3.0]  # not a decode step: as calibrated
+    assert got["first_step_extra"]["s"] == [0.01, 0.01]
+    assert got["step_probe"]["probe_s"] == 0.3 and got["step_probe"]["from_profile"] == str(src)
+    with pytest.raises(ValueError, match="probe"):
+        probed_profile(src, 200, float("nan"), out)
+    # the probe times the real model's steps (tiny random model here)
+    probe = StepProbe(load_model_preset("tiny-random"), steps=3)
+    first = probe.step_s(32)
+    assert 0 < first < 5 and probe.step_s(32) > 0  # the prompt's KV is reused

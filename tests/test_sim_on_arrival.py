@@ -91,3 +91,31 @@ def test_cache_build_must_be_a_positive_rate(tmp_path):
     with pytest.raises(ValueError, match="cache_build.gb_per_s"):
         receiver_scenario("codecs=[int8]", "deserializer=on_arrival",
                           f"hardware.profile={path}").run()
+
+
+def test_a_measured_draft_step_paces_the_drafts_on_arrival_only(tmp_path):
+    """A profile's draft_step (a draft step beside the residual's dequantization over a
+    decode step) sets the drafts' pace on arrival when no draft_overhead_s is configured;
+    on demand keeps its own model (the anchor's dequantization per draft)."""
+    doc = json.loads(profile_path("hardware", "local-smollm2-135m").read_text())
+    doc["draft_step"] = {"ratio": 2.0}
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps(doc))
+    got = {}
+    for mode in ("on_arrival", "on_demand"):
+        sc = receiver_scenario("codecs=[lynx]", f"deserializer={mode}",
+                               "link.bandwidth_gbps=0.05", f"hardware.profile={path}",
+                               "speculative.draft_overhead_s=null")
+        sc.run()
+        tl = sc.records[0].timeline
+        assert tl.proposed >= 1
+        got[mode] = (tl.draft_tpot_s, sc.timing.tpot_s(1024))
+    draft, step = got["on_arrival"]
+    assert draft == pytest.approx(2.0 * step, rel=1e-9)
+    draft, step = got["on_demand"]
+    assert draft != pytest.approx(2.0 * step, rel=1e-3)
+    # a configured overhead wins over the measured one
+    sc = receiver_scenario("codecs=[lynx]", "deserializer=on_arrival", "link.bandwidth_gbps=0.05",
+                           f"hardware.profile={path}")  # BASE: draft_overhead_s=0
+    sc.run()
+    assert sc.records[0].timeline.draft_tpot_s == pytest.approx(sc.timing.tpot_s(1024), rel=1e-9)

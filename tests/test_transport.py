@@ -256,6 +256,9 @@ def test_anchor_goes_first_on_the_wire():
     row = res.row
     done = row["stream_complete_from_prefill_end_s"]
     assert done["anchor"] < done["residual"]
+    # the sender's encoder time (FIN): within its encode span, not counting queue waits
+    [(t0, t1)] = [(a, b) for name, _p, a, b in row["trace_spans"] if name == "encode"]
+    assert 0 < row["encode_work_s"] <= t1 - t0 + 1e-3
 
 
 def test_poisson_arrivals_share_one_link():

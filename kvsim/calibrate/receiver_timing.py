@@ -18,11 +18,17 @@ as GB/s of bf16 cache (the codec timing's unit). On arrival, the worker's per-la
 and the full cache's rates, and the decode loop's spans (now only the cache built from the
 dequantized layers) the cache build rate (hardware `cache_build`). Each request's decode
 steps on its full cache give tpot_s: the same model step as the in-process calibration
-measures, in the receiver's process. `apply_receiver_timing` puts these into the profiles.
+measures, in the receiver's process. The sender's encoder is timed there too (its FIN's
+encode_work_s: encode + checksum over the layers, beside its link loop and the receiver on
+the same cores, 2-4x slower here than the same calls alone). A split-stream request that
+drafted gives its draft steps' length over its later decode steps (`draft_step_ratio`):
+drafts run while the receiver's worker dequantizes the residual as it lands, and share the
+cores (and the interpreter) with it. `apply_receiver_timing` puts these into the profiles.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any
 
@@ -58,8 +64,10 @@ def receiver_loads(model: str, codecs: list[Any], context_tokens: int, seed: int
                    threads: int = 1, dequantize: str = "on_arrival"
                    ) -> dict[str, dict[str, float]]:
     """codec label -> {"decode_gb_per_s": every stream, "anchor_decode_gb_per_s": stream 0
-    (split-stream codecs whose anchor was loaded alone), "tpot_s", "first_step_s", and on
-    arrival "cache_build_gb_per_s"}: medians over `repeats` requests per codec of one
+    (split-stream codecs whose anchor was loaded alone), "tpot_s", "first_step_s",
+    "encode_gb_per_s" (the sender's encoder, FIN's encode_work_s), "draft_step_ratio"
+    (requests that drafted: a draft step over a later step), and on arrival
+    "cache_build_gb_per_s"}: medians over `repeats` requests per codec of one
     calibration transfer (a load's time varies by tens of percent from one request to the
     next, so one request is not a measurement)."""
     from kvsim.cli import compose
@@ -80,6 +88,8 @@ def receiver_loads(model: str, codecs: list[Any], context_tokens: int, seed: int
     cfg, _ = compose("transport", overrides, EmulateConfig)
     rows = emulate(cfg)
     samples: dict[str, dict[str, list[float]]] = {}
+    drafted: list[tuple[str, float, int, float]] = []  # (codec, window s, drafts, step s)
+    first_extra: list[float] = []  # plain requests: first step - later step (s)
     for row in rows:
         if row.get("status") != "done":
             raise RuntimeError(f"calibration transfer of {row.get('codec')} failed: "
@@ -116,32 +126,61 @@ def receiver_loads(model: str, codecs: list[Any], context_tokens: int, seed: int
             if n > 1 and spans.get("dequantize stream 0"):
                 got.setdefault("anchor_decode_gb_per_s", []).append(
                     bf16_bytes / spans["dequantize stream 0"] / 1e9)
-        if int(row.get("proposed_tokens") or 0) == 0:  # plain: the first step's own length
-            got.setdefault("first_step_s", []).append(
-                float(row["ttft_from_prefill_end_s"]) -
-                float(row["full_ready_from_prefill_end_s"]))
+        encode_s = row.get("encode_work_s")
+        if isinstance(encode_s, (int, float)) and math.isfinite(encode_s) and encode_s > 0:
+            got.setdefault("encode_gb_per_s", []).append(bf16_bytes / encode_s / 1e9)
+        proposed = int(row.get("proposed_tokens") or 0)
+        if proposed == 0:  # plain: the first step's own length
+            first = float(row["ttft_from_prefill_end_s"]) - \
+                float(row["full_ready_from_prefill_end_s"])
+            got.setdefault("first_step_s", []).append(first)
+            first_extra.append(first - float(row["tpot_s"]))
+        else:
+            window = _draft_window_s(row)
+            if window > 0:
+                drafted.append((str(row["codec"]), window, proposed, float(row["tpot_s"])))
+    # a draft step beside the receiver's dequantization of the later streams: its length
+    # over the same request's later decode steps. The drafting window [anchor cache ready,
+    # last draft's end] holds the first step's extra on a fresh cache (the plain requests'
+    # first step - step here), which the simulator adds on its own
+    extra = max(0.0, statistics.median(first_extra or [0.0]))
+    for codec, window, proposed, tpot in drafted:
+        samples[codec].setdefault("draft_step_ratio", []).append(
+            max(window - extra, 0.0) / proposed / tpot)
     return {codec: {k: float(statistics.median(v)) for k, v in got.items()}
             for codec, got in samples.items()}
 
 
+def _draft_window_s(row: dict) -> float:
+    """Seconds from the first draft step's start to the last one's end (the decode loop's
+    draft_accepted / draft_rejected spans of one request row; 0 without them)."""
+    spans = [(float(t0), float(t1)) for name, _process, t0, t1 in row.get("trace_spans") or []
+             if name in ("draft_accepted", "draft_rejected")]
+    if not spans:
+        return 0.0
+    return max(t1 for _t0, t1 in spans) - min(t0 for t0, _t1 in spans)
+
+
 def apply_receiver_timing(measured: dict[str, dict[str, float]], hw_doc: dict, timing_doc: dict,
                           context_tokens: int, dequantize: str = "on_arrival") -> float:
-    """Put a calibration transfer's figures into the profiles (in place): the codecs' load
-    rates replace the in-process ones (kept as inprocess_*; `receiver_dequantize` names the
-    receiver mode they are for, the simulator's deserializer of the same name), on arrival
-    the cache build rate (hardware `cache_build`, median over codecs), and the decode-step
-    curves
-    (tpot, tpot_batch, verify) are scaled by the receiver's median step over the in-process
-    step at the transfer's context (kept as tpot_inprocess / receiver_step_ratio): the
-    receiver's process runs the same step at its own speed. Returns that ratio."""
+    """Put a calibration transfer's figures into the profiles (in place): the codecs' encode
+    (the sender's) and load rates (the receiver's) replace the in-process ones (kept as
+    inprocess_*; `receiver_dequantize` names the receiver mode they are for, the simulator's
+    deserializer of the same name), on arrival the cache build rate (hardware `cache_build`,
+    median over codecs), the draft step's ratio to a decode step (hardware `draft_step`, when
+    a request drafted), and the decode-step curves (tpot, tpot_batch, verify) are scaled by
+    the receiver's median step over the in-process step at the transfer's context (kept as
+    tpot_inprocess / receiver_step_ratio): the receiver's process runs the same step at its
+    own speed. Returns that ratio."""
     for label, entry in timing_doc["codecs"].items():
-        for key in ("decode_gb_per_s", "anchor_decode_gb_per_s"):
+        for key in ("encode_gb_per_s", "decode_gb_per_s", "anchor_decode_gb_per_s"):
             if key in measured.get(label, {}):
                 entry[f"inprocess_{key}"] = entry.get(key)
                 entry[key] = measured[label][key]
-        entry["what"] += ("; decode / anchor_decode: timed in the receiver of a calibration "
-                          f"transfer, dequantizing {dequantize.replace('_', ' ')} (inprocess_*: "
-                          "the same call repeated in one process)")
+        entry["what"] += ("; encode: timed in the sender of a calibration transfer; decode / "
+                          "anchor_decode: timed in its receiver, dequantizing "
+                          f"{dequantize.replace('_', ' ')} (inprocess_*: the same call "
+                          "repeated in one process)")
     timing_doc["receiver_dequantize"] = dequantize
     builds = [m["cache_build_gb_per_s"] for m in measured.values()
               if "cache_build_gb_per_s" in m]
@@ -172,4 +211,12 @@ def apply_receiver_timing(measured: dict[str, dict[str, float]], hw_doc: dict, t
             "context_tokens": hw_doc["first_step_extra"]["context_tokens"],
             "s": [extra] * len(hw_doc["first_step_extra"]["s"]),
             "measured": f"receiver of the calibration transfer at {context_tokens} tokens"}
+    drafts = [m["draft_step_ratio"] for m in measured.values() if "draft_step_ratio" in m]
+    if drafts:
+        hw_doc["draft_step"] = {
+            # a draft step is never shorter than a decode step (noise can say otherwise)
+            "ratio": max(1.0, float(statistics.median(drafts))), "context_tokens": context_tokens,
+            "measured": f"receiver of the calibration transfer at {context_tokens} tokens: a "
+                        "draft step (beside the dequantization of the later streams) over a "
+                        "later decode step, without the first step's extra"}
     return ratio

@@ -65,6 +65,10 @@ class Config:
     # interleaved: the measured value is their mean, their range `measured_spread_pct`
     # (this machine's decode step moves by ~10% between 5-second windows)
     repeats: int = 2
+    # decode steps of the probe taken before each single-request scenario (0: none): the
+    # simulator's step curves are scaled to it there (kvsim.fidelity.step_probe: this
+    # host's step drifts by tens of percent over a full validation's ~50 minutes)
+    step_probe_steps: int = 24
     ks: list[int] = field(default_factory=lambda: [32, 64])  # TT<k>T compared (with TTFT)
     acceptance: str = "smollm2-135m-lynx-s1-greedy"  # the simulator's acceptance curve
     samples: int = 16  # simulator runs averaged per single-request row (acceptance draws)
@@ -84,6 +88,9 @@ class Config:
             raise ValueError(f"samples must be >= 1, got {self.samples}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        if self.step_probe_steps < 0:
+            raise ValueError(f"step_probe_steps must be >= 0 (0: no probe), got "
+                             f"{self.step_probe_steps}")
 
     def apply_grid(self) -> None:
         """grid=quick: CI's few scenarios (about 6 minutes with calibration)."""
@@ -144,6 +151,7 @@ def run(cfg: Config) -> dict:
         scenario_overrides,
         sim_overrides,
     )
+    from kvsim.fidelity.step_probe import StepProbe, probed_profile
     from kvsim.outputs import out_root
     from kvsim.paths import DATA_DIR
     from kvsim.report import json_safe
@@ -164,9 +172,11 @@ def run(cfg: Config) -> dict:
     single = errors.single_metrics(list(cfg.ks))
     grid = [(e, r, c) for e in cfg.emulations if e in emulations for r in cfg.rates_gbps
             for c in cfg.contexts]
+    probe = StepProbe(cfg.model, cfg.step_probe_steps) if cfg.step_probe_steps else None
     for i, (emulation, rate, ctx) in enumerate(grid):
         _say(f"[{i + 1}/{len(grid)}] {emulation} {rate:g} Gbps, {ctx} tokens, "
              f"{len(cfg.codecs)} codecs ({time.time() - started:.0f} s so far)")
+        name = f"single-{emulation}-{rate:g}gbps-{ctx}"
         workload = ["workload=emulated", f"workload.context_tokens={ctx}",
                     f"workload.output_tokens={cfg.output_tokens}"]
         # the emulator runs each codec `repeats` times, interleaved; the simulator once
@@ -175,9 +185,19 @@ def run(cfg: Config) -> dict:
                                       workload, list(cfg.ks), profiles)
         common = scenario_overrides(cfg.model.name, emulation, rate, cfg.codecs, workload,
                                     list(cfg.ks), profiles)
-        measured, simulated = run_pair(emulated, sim_overrides(common, profiles, emulation,
-                                                               cfg.acceptance, cfg.samples))
-        _keep(run_dir, f"single-{emulation}-{rate:g}gbps-{ctx}", measured, simulated)
+        sim = sim_overrides(common, profiles, emulation, cfg.acceptance, cfg.samples)
+        probed: dict[str, float] = {}
+        if probe is not None:  # the step's speed now (kvsim.fidelity.step_probe)
+            probe_s = probe.step_s(ctx)
+            path = run_dir / "profiles-probed" / f"{name}.json"
+            scale = probed_profile(profiles.hardware, ctx, probe_s, path)
+            sim = [f"hardware.profile={path}" if o.startswith("hardware.profile=") else o
+                   for o in sim]
+            probed = {"step_probe_s": probe_s, "step_scale": scale}
+            _say(f"step probe at {ctx} tokens: {probe_s * 1e3:.1f} ms ({scale:.3f} x the "
+                 "calibrated step)")
+        measured, simulated = run_pair(emulated, sim)
+        _keep(run_dir, name, measured, simulated)
         sim_by = by_codec(simulated)
         for codec, m in by_codec(measured).items():
             s = sim_by[codec]
@@ -189,7 +209,7 @@ def run(cfg: Config) -> dict:
                         "accepted_simulated": f"{s.get('accepted_tokens', 0):.3g}/"
                                               f"{s.get('proposed_tokens', 0):.3g}",
                         "prefill_measured_s": m.get("prefill_s"),
-                        "prefill_simulated_s": s.get("prefill_s")}
+                        "prefill_simulated_s": s.get("prefill_s"), **probed}
             rows += errors.compare(scenario, m, s, single)
     if cfg.multi.enabled and cfg.multi.emulation in emulations:
         rows += _multi(cfg, profiles, started, run_dir)

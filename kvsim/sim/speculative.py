@@ -48,9 +48,13 @@ class DecodeTimeline:
 
 
 def draft_overhead_s(configured_s: float | None, timing: CodecTiming, kv_bf16_bytes: float,
-                     anchor_bytes: float, total_bytes: float, devices: int) -> float:
+                     anchor_bytes: float, total_bytes: float, devices: int,
+                     measured_s: float | None = None) -> float:
     """Extra time per drafted token (s): `configured_s` when set (speculative.
-    draft_overhead_s), else the dequantization of the anchor from the codec timing: a draft
+    draft_overhead_s); else `measured_s` when given: a measured profile's draft step beside
+    the receiver dequantizing the later streams as they land (deserializer=on_arrival, where
+    the anchor's cache is built before drafting; TimingModel.draft_contention_s); else the
+    dequantization of the anchor from the codec timing: a draft
     step attends over the anchor-only cache, which it dequantizes as it reads it (no bf16
     copy of a partial cache is kept), at the deserializer's cost for the anchor: its byte
     share (anchor_bytes / total_bytes, as kvsim.sim.policy splits a chunk's decode work
@@ -58,6 +62,8 @@ def draft_overhead_s(configured_s: float | None, timing: CodecTiming, kv_bf16_by
     codec's decode throughput on `devices` devices."""
     if configured_s is not None:
         return float(configured_s)
+    if measured_s is not None:
+        return float(measured_s)
     share = anchor_bytes / total_bytes if total_bytes > 0 else 0.0
     return share * timing.decode_s(kv_bf16_bytes, devices)
 

@@ -94,6 +94,8 @@ def emulated_row(asm: Assembly, hello: dict, result: Any, error: str,
         "ttkt_committed_s": {k: float(committed[k - 1] - arrival) for k in ks},
         "ttkt_committed_from_prefill_end_s": {k: float(committed[k - 1] - prefill_end)
                                               for k in ks},
+        # the sender's encoder at work (s, over the layers; FIN): calibration's encode rate
+        "encode_work_s": _num(fin, "encode_work_s"),
         "stream_complete_from_prefill_end_s": {
             name: float(s.complete_t - prefill_end)
             for name, s in zip(asm.codec.stream_names(), streams, strict=True)},

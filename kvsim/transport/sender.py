@@ -277,8 +277,13 @@ class Sender:
                     return
             release(pending)  # monolithic: the whole cache leaves after its last layer
         res.times["encode_end_t"] = time.time()
+        # the encoder's own time (encode + checksum, summed over layers; not the waits for
+        # the scheduler's queue or a modelled prefill): calibration's encode rate as the
+        # sender runs it, beside its link loop and the receiver
+        encode_work_s = sum(t1 - t0 for name, t0, t1 in res.events if name.startswith("encode"))
         with self._lock:
             req.fin.update({"encode_end_t": res.times["encode_end_t"],
+                            "encode_work_s": encode_work_s,
                        "backlog_start_t": {str(k): v for k, v in req.backlog_start_t.items()},
                        "skipped_chunks": res.skipped_chunks})
             req.released_all = True

@@ -194,7 +194,9 @@ def outgoing_requests(cfg: EmulateConfig, lm: Any | None) -> list[list[OutgoingR
                          cfg.speculative.draft_overhead_s, codec_timing,
                          cfg.model.kv_bytes_bf16(r.context_tokens),
                          float(sizes.chunk_bytes[0].sum()) + sizes.header_bytes,
-                         float(sizes.total_bytes), cfg.hardware.devices),
+                         float(sizes.total_bytes), cfg.hardware.devices,
+                         timing.draft_contention_s(r.context_tokens)
+                         if cfg.transport.dequantize == "on_arrival" else None),
                      "bandwidth_gbps": cfg.link.bandwidth_gbps,
                      "link_emulation": cfg.transport.emulation,
                      "time_scale": cfg.transport.time_scale}
