@@ -16,6 +16,8 @@ the roofline for its model:
 and optionally (written by `kvsim calibrate`)
   "tpot_batch": {"context_tokens": c, "batch": [...], "s": [...]}    decode step vs batch
   "verify": {"context_tokens": c, "drafted_tokens": [...], "s": [...]}  verification pass
+      (or "context_tokens": [c1, ...] and "s": [[...], ...]: measured at several contexts,
+      its ratio to the TPOT there interpolated between them)
   "first_step_extra": {"context_tokens": [...], "s": [...]}   first step on a fresh cache
   "cache_build": {"gb_per_s": x}    building the model's cache from dequantized layers (GB/s
                                     of bf16 cache; deserializer=on_arrival, where it is the
@@ -236,10 +238,16 @@ class TimingModel:
         if drafted_tokens <= 0:
             return 0.0
         curve = self._profile.get("verify") if self._profile is not None else None
-        if curve:  # measured at one context: its ratio to that context's TPOT, scaled
-            at = float(curve["context_tokens"])
-            ratio = float(np.interp(drafted_tokens, curve["drafted_tokens"], curve["s"])) / \
-                self.tpot_s(int(at))
+        if curve:  # measured: its ratio to the TPOT where it was measured, scaled
+            drafted = curve["drafted_tokens"]
+            at = curve["context_tokens"]
+            if isinstance(at, list):  # at several contexts: the ratio interpolated between
+                ratios = [float(np.interp(drafted_tokens, drafted, s_c)) / self.tpot_s(int(c))
+                          for c, s_c in zip(at, curve["s"], strict=True)]
+                ratio = float(np.interp(context_tokens, at, ratios))
+            else:
+                ratio = float(np.interp(drafted_tokens, drafted, curve["s"])) / \
+                    self.tpot_s(int(at))
             return self.tpot_s(context_tokens) * ratio
         if self._profile is not None:  # profile TPOT scaled by the roofline's ratio
             one = self._forward_s(1, context_tokens, 1, self.hw.prefill_mfu, self.hw.decode_mbu)
@@ -248,6 +256,34 @@ class TimingModel:
             return self.tpot_s(context_tokens) * many / one
         return self._forward_s(drafted_tokens, context_tokens, 1, self.hw.prefill_mfu,
                                self.hw.decode_mbu) + self.hw.step_overhead_s
+
+
+def scaled_curve(curve: dict, factor: float) -> dict:
+    """A profile curve with its times ("s": a list, or one list per context) x factor."""
+    s = curve["s"]
+    return {**curve, "s": [[v * factor for v in row] if isinstance(row, list) else row * factor
+                           for row in s]}
+
+
+def _check_verify(path: Path, doc: dict) -> None:
+    """verify: measured at one context (context_tokens a number, s a list over
+    drafted_tokens) or at several (context_tokens an increasing list, s one such list per
+    context)."""
+    curve = doc["verify"]
+    at = curve.get("context_tokens") if isinstance(curve, dict) else None
+    if not isinstance(at, list):
+        _check_curve(path, doc, "verify", "drafted_tokens", "context_tokens")
+        return
+    rows = curve.get("s")
+    if not at or not isinstance(rows, list) or len(rows) != len(at):
+        raise ValueError(f"hardware profile {path}: verify.s needs one list per context of "
+                         f"verify.context_tokens")
+    _check_curve(path, {"context": {"c": at, "s": [1.0] * len(at)}}, "context", "c")
+    if min(at) <= 0:
+        raise ValueError(f"hardware profile {path}: verify.context_tokens must be > 0")
+    for c, row in zip(at, rows, strict=True):
+        _check_curve(path, {f"verify at {c}": {"drafted_tokens": curve.get("drafted_tokens"),
+                                               "s": row}}, f"verify at {c}", "drafted_tokens")
 
 
 def _check_curve(path: Path, doc: dict, key: str, xs: str, scalar_x: str = "") -> None:
@@ -287,10 +323,11 @@ def load_profile(name_or_path: str, model_name: str) -> dict:
     for key, xs in (("prefill", "tokens"), ("tpot", "context_tokens")):
         _check_curve(p, doc, key, xs)
     for key, xs, at in (("tpot_batch", "batch", "context_tokens"),
-                        ("verify", "drafted_tokens", "context_tokens"),
                         ("first_step_extra", "context_tokens", "")):
         if key in doc:
             _check_curve(p, doc, key, xs, at)
+    if "verify" in doc:
+        _check_verify(p, doc)
     # (key, field, its bound): a rate > 0; a ratio to a decode step >= 1
     for key, field, bound in (("cache_build", "gb_per_s", "> 0"), ("draft_step", "ratio", ">= 1")):
         if key not in doc:

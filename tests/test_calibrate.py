@@ -37,6 +37,8 @@ def test_model_profile_has_every_curve_and_loads(measured):
     assert all(s > 0 for s in doc["tpot"]["s"])
     assert doc["tpot_batch"]["batch"] == [1, 2] and doc["tpot_batch"]["context_tokens"] == 64
     assert doc["verify"]["drafted_tokens"] == [1, 2, 4]
+    assert doc["verify"]["context_tokens"] == [32, 64]  # measured at every context
+    assert [len(row) for row in doc["verify"]["s"]] == [3, 3]
     assert all(x >= 0 for x in doc["first_step_extra"]["s"])
     assert tuple(kvs[64].shape) == (3, 2, 2, 64, 16)
     assert load_profile(str(path), TINY.name)["model"] == TINY.name
@@ -49,9 +51,19 @@ def test_timing_model_applies_the_measured_curves(measured):
     b = doc["tpot_batch"]["s"]
     assert tm.tpot_s(64) == pytest.approx(t1)
     assert tm.tpot_s(64, 2) == pytest.approx(t1 * b[1] / b[0])
-    v = doc["verify"]["s"]
-    assert tm.verify_s(2, 64) == pytest.approx(v[1])  # measured at 64: exactly the curve
-    assert tm.verify_s(2, 32) == pytest.approx(v[1] * doc["tpot"]["s"][0] / t1)
+    t0 = doc["tpot"]["s"][0]
+    v32, v64 = doc["verify"]["s"]
+    assert tm.verify_s(2, 64) == pytest.approx(v64[1])  # measured there: exactly the curve
+    assert tm.verify_s(2, 32) == pytest.approx(v32[1])
+    # between: the ratios to the step interpolated, times the step there
+    ratio = (v32[1] / t0 + v64[1] / t1) / 2
+    assert tm.verify_s(2, 48) == pytest.approx(ratio * tm.tpot_s(48))
+    # a curve measured at one context (older profiles): its ratio to the step, scaled
+    one = {**doc, "verify": {"context_tokens": 64, "drafted_tokens": [1, 2, 4], "s": v64}}
+    path_one = path.parent / "one.json"
+    path_one.write_text(json.dumps(one))
+    tm1 = TimingModel(TINY, replace(HW, profile=str(path_one)))
+    assert tm1.verify_s(2, 32) == pytest.approx(v64[1] * t0 / t1)
     assert tm.first_step_extra_s(48) == pytest.approx(sum(doc["first_step_extra"]["s"]) / 2)
     assert TimingModel(TINY, HW).first_step_extra_s(48) == 0.0  # the roofline has none
 
@@ -65,9 +77,13 @@ def test_profile_errors_name_the_curve(tmp_path, measured):
     with pytest.raises(ValueError, match="tpot.context_tokens must increase"):
         load_profile(str(p), TINY.name)
     bad = json.loads(json.dumps(doc))
-    bad["verify"]["s"][0] = float("nan")
+    bad["verify"]["s"][1][0] = float("nan")
     p.write_text(json.dumps(bad))
-    with pytest.raises(ValueError, match="verify holds a non-finite"):
+    with pytest.raises(ValueError, match="verify at 64 holds a non-finite"):
+        load_profile(str(p), TINY.name)
+    bad["verify"]["s"] = bad["verify"]["s"][:1]  # one row for two contexts
+    p.write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="one list per context"):
         load_profile(str(p), TINY.name)
     with pytest.raises(ValueError, match="no hardware profile named 'nope'"):
         load_profile("nope", TINY.name)
@@ -117,7 +133,7 @@ def test_receiver_timing_replaces_loads_and_scales_the_step_curves():
     hw = {"tpot": {"context_tokens": [100, 300], "s": [0.1, 0.2]},
           "first_step_extra": {"context_tokens": [100, 300], "s": [0.0, 0.001]},
           "tpot_batch": {"context_tokens": 300, "batch": [1, 2], "s": [0.2, 0.3]},
-          "verify": {"context_tokens": 300, "drafted_tokens": [1], "s": [0.4]}}
+          "verify": {"context_tokens": [100, 300], "drafted_tokens": [1], "s": [[0.3], [0.4]]}}
     timing = {"codecs": {"lynx": {"decode_gb_per_s": 1.0, "anchor_decode_gb_per_s": 2.0,
                                   "what": "w"}}}
     measured = {"lynx": {"decode_gb_per_s": 0.5, "anchor_decode_gb_per_s": 0.25,
@@ -126,7 +142,7 @@ def test_receiver_timing_replaces_loads_and_scales_the_step_curves():
     assert ratio == pytest.approx(0.165 / 0.15)  # the in-process step at 200, interpolated
     assert hw["tpot"]["s"] == pytest.approx([0.1 * ratio, 0.2 * ratio])
     assert hw["tpot_inprocess"]["s"] == [0.1, 0.2]
-    assert hw["verify"]["s"] == pytest.approx([0.4 * ratio])
+    assert hw["verify"]["s"] == [pytest.approx([0.3 * ratio]), pytest.approx([0.4 * ratio])]
     lynx = timing["codecs"]["lynx"]
     assert (lynx["decode_gb_per_s"], lynx["inprocess_decode_gb_per_s"]) == (0.5, 1.0)
     assert lynx["anchor_decode_gb_per_s"] == 0.25

@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from kvsim.hardware import scaled_curve
+
 DECODE_STEPS = 16  # decode steps per request of the calibration transfer
 
 
@@ -199,7 +201,7 @@ def apply_receiver_timing(measured: dict[str, dict[str, float]], hw_doc: dict, t
     hw_doc["receiver_step_ratio"] = {"context_tokens": context_tokens, "ratio": ratio,
                                      "receiver_tpot_s": steps}
     for key in ("tpot", "tpot_batch", "verify"):
-        hw_doc[key] = {**hw_doc[key], "s": [s * ratio for s in hw_doc[key]["s"]]}
+        hw_doc[key] = scaled_curve(hw_doc[key], ratio)
     # the first step on a freshly built cache, in the receiver's new decode thread, costs
     # more than in a warm process: the transfer's plain requests measure it (one context:
     # applied flat, the in-process curve kept as first_step_extra_inprocess)

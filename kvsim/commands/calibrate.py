@@ -46,7 +46,7 @@ class Config:
     steps: int = 12  # decode steps timed per context (median)
     repeats: int = 3  # prefill / codec / verification repeats (median)
     batches: list[int] = field(default_factory=lambda: [1, 2, 4])  # at the longest context
-    # drafted tokens per verification pass, at the longest context
+    # drafted tokens per verification pass, timed at every context
     drafted: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
     codecs: list[Any] = field(default_factory=lambda: ["bf16", "int8", "int4", "lynx"])
     codec_context_tokens: int = 2048  # the real KV codecs are timed on (one of contexts)

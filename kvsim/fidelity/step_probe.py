@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from kvsim.hardware import scaled_curve
+
 # the hardware profile's curves that are times of a decode-sized forward step (scaled)
 STEP_CURVES = ("tpot", "tpot_batch", "verify")
 
@@ -71,7 +73,7 @@ def probed_profile(hw_path: Path, context_tokens: int, probe_s: float, out_path:
     scale = probe_s / float(np.interp(context_tokens, tpot["context_tokens"], tpot["s"]))
     for key in STEP_CURVES:
         if key in doc:
-            doc[key] = {**doc[key], "s": [s * scale for s in doc[key]["s"]]}
+            doc[key] = scaled_curve(doc[key], scale)
     doc["step_probe"] = {"from_profile": str(hw_path), "context_tokens": context_tokens,
                          "probe_s": probe_s, "scale": scale,
                          "what": "step curves scaled to a decode-step probe taken just "
