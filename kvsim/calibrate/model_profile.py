@@ -145,7 +145,7 @@ def measure_model(lm: Any, model_name: str, cal: ModelCalibration,
     progress(f"batch {list(cal.batches)} at {top}: " +
              ", ".join(f"{s * 1e3:.1f}" for s in batch_s) + " ms per step")
     # the verification pass at every context: its ratio to a step changes with the
-    # context (one draft: ~1.8x a step at 1024 tokens here, 2.2x at 4096)
+    # context (one draft: ~1.9x a step at 1024 tokens here, 2.5x at 4096)
     verify_s = []
     for ctx in contexts:
         verify_s.append([_verify_s(lm, kvs[ctx].float(), n, cal.codec_repeats)

@@ -212,7 +212,8 @@ def _print(rows: list[dict], paths: dict[str, Path], root: Path, dequantize: str
             print(f"cache build from dequantized layers: {r['cache_build_gb_per_s']:.3f} GB/s "
                   "of bf16 cache")
     codec = [r for r in rows if r["what"] == "codec"]
-    print(f"codec GB/s of bf16 cache; dequantize: in the receiver, {dequantize.replace('_', ' ')}")
+    print(f"codec GB/s of bf16 cache; with receiver_loads, encode: in the sender of the "
+          f"calibration transfer, dequantize: in its receiver, {dequantize.replace('_', ' ')}")
     print(format_table(codec, [("item", "codec", ""),
                                ("encode_gb_per_s", "encode GB/s", ".3f"),
                                ("decode_gb_per_s", "dequantize GB/s", ".3f"),
