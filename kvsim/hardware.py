@@ -278,7 +278,9 @@ def _check_verify(path: Path, doc: dict) -> None:
     if not at or not isinstance(rows, list) or len(rows) != len(at):
         raise ValueError(f"hardware profile {path}: verify.s needs one list per context of "
                          f"verify.context_tokens")
-    _check_curve(path, {"context": {"c": at, "s": [1.0] * len(at)}}, "context", "c")
+    # the contexts alone: numbers, increasing (as a curve's x with placeholder times)
+    _check_curve(path, {"verify": {"context_tokens": at, "s": [1.0] * len(at)}}, "verify",
+                 "context_tokens")
     if min(at) <= 0:
         raise ValueError(f"hardware profile {path}: verify.context_tokens must be > 0")
     for c, row in zip(at, rows, strict=True):
