@@ -189,13 +189,13 @@ class TimingModel:
             return 0.0
         return float(self.model.kv_bytes_bf16(context_tokens)) / (build["gb_per_s"] * 1e9)
 
-    def draft_contention_s(self, context_tokens: int) -> float | None:
+    def draft_contention_s(self, context_tokens: int) -> float:
         """What a draft step costs beyond a decode step when the receiver dequantizes the
         later streams beside it (s): (draft_step.ratio - 1) x TPOT at this context, from a
-        profile that measured it (`kvsim calibrate`'s transfer); None without one."""
+        profile that measured it (`kvsim calibrate`'s transfer); 0 without one."""
         draft = self._profile.get("draft_step") if self._profile else None
         if not draft:
-            return None
+            return 0.0
         return (float(draft["ratio"]) - 1.0) * self.tpot_s(context_tokens)
 
     def member_work(self, new_tokens: int, context_tokens: int) -> tuple[float, float]:
@@ -330,14 +330,14 @@ def load_profile(name_or_path: str, model_name: str) -> dict:
             _check_curve(p, doc, key, xs, at)
     if "verify" in doc:
         _check_verify(p, doc)
-    # (key, field, its bound): a rate > 0; a ratio to a decode step >= 1
-    for key, field, bound in (("cache_build", "gb_per_s", "> 0"), ("draft_step", "ratio", ">= 1")):
+    # (key, field, bound, test): a rate > 0; a ratio to a decode step >= 1
+    for key, field, bound, ok in (("cache_build", "gb_per_s", "> 0", lambda v: v > 0),
+                                  ("draft_step", "ratio", ">= 1", lambda v: v >= 1)):
         if key not in doc:
             continue
         value = (doc[key] or {}).get(field) if isinstance(doc[key], dict) else None
-        number = not isinstance(value, bool) and isinstance(value, (int, float)) and \
-            math.isfinite(value)
-        if not number or not (value > 0 if bound == "> 0" else value >= 1):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not math.isfinite(value) or not ok(value):
             raise ValueError(f"hardware profile {p}: {key}.{field} must be a finite number "
                              f"{bound}, got {value!r}")
     return doc

@@ -242,7 +242,7 @@ def test_draft_step_of_a_profile_is_checked_and_costs_beyond_the_step(tmp_path, 
     path = tmp_path / "hw.json"
     path.write_text(json.dumps(doc))
     timing = TimingModel(TINY, replace(HW, profile=str(path)))
-    assert timing.draft_contention_s(48) is None  # not measured: no contention term
+    assert timing.draft_contention_s(48) == 0.0  # not measured: no contention term
     path.write_text(json.dumps({**doc, "draft_step": {"ratio": 1.5}}))
     timing = TimingModel(TINY, replace(HW, profile=str(path)))
     assert timing.draft_contention_s(48) == pytest.approx(0.5 * timing.tpot_s(48))

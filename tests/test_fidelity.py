@@ -109,29 +109,11 @@ def test_both_engines_run_the_receiver_mode_the_codec_timing_was_measured_in(tmp
         common = scenario_overrides("smollm2-135m", "token_bucket", 0.1, ["int8"], [], [32],
                                     prof)
         assert f"transport.dequantize={mode}" in common
+        # the draft step is the receiver mode's (kvsim.sim.speculative.receiver_draft_s)
+        assert not any(o.startswith("speculative.draft_overhead_s") for o in common)
         sim = sim_overrides(common, prof, "token_bucket", "x", 1)
         assert f"deserializer={mode}" in sim
         assert not any(o.startswith("transport.") for o in sim)
-
-
-def test_a_measured_draft_step_is_left_to_both_engines_on_arrival(tmp_path):
-    import json
-
-    from kvsim.fidelity.runner import find_profiles, scenario_overrides
-
-    for d in ("hardware", "codec_timing", "link"):
-        (tmp_path / d).mkdir()
-    (tmp_path / "link" / "p-token-bucket.json").write_text("{}")
-    (tmp_path / "codec_timing" / "p.json").write_text(
-        json.dumps({"receiver_dequantize": "on_arrival"}))
-    hw = tmp_path / "hardware" / "p.json"
-    for doc, forced in (({}, True), ({"draft_step": {"ratio": 1.5}}, False)):
-        hw.write_text(json.dumps(doc))
-        prof = find_profiles(tmp_path, "p", ["token_bucket"])
-        assert prof.draft_step is not forced
-        common = scenario_overrides("smollm2-135m", "token_bucket", 0.1, ["lynx"], [], [32],
-                                    prof)
-        assert ("speculative.draft_overhead_s=0" in common) is forced
 
 
 def test_step_probe_scales_the_step_curves_to_the_probe(tmp_path):
@@ -162,4 +144,6 @@ def test_step_probe_scales_the_step_curves_to_the_probe(tmp_path):
     # the probe times the real model's steps (tiny random model here)
     probe = StepProbe(load_model_preset("tiny-random"), steps=3)
     first = probe.step_s(32)
-    assert 0 < first < 5 and probe.step_s(32) > 0  # the prompt's KV is reused
+    held = probe._kv[32]
+    assert 0 < first < 5 and probe.step_s(32) > 0
+    assert list(probe._kv) == [32] and probe._kv[32] is held  # the prompt's KV is reused

@@ -93,29 +93,42 @@ def test_cache_build_must_be_a_positive_rate(tmp_path):
                           f"hardware.profile={path}").run()
 
 
-def test_a_measured_draft_step_paces_the_drafts_on_arrival_only(tmp_path):
-    """A profile's draft_step (a draft step beside the residual's dequantization over a
-    decode step) sets the drafts' pace on arrival when no draft_overhead_s is configured;
-    on demand keeps its own model (the anchor's dequantization per draft)."""
+def test_the_transports_receiver_modes_draft_plain_steps_plus_the_measured_contention(
+        tmp_path):
+    """on_arrival / on_demand build the anchor's cache before drafting: a draft is a decode
+    step x the profile's draft_step ratio when no draft_overhead_s is configured, and a plain
+    decode step without that measurement; the other deserializers keep their own model (the
+    anchor's dequantization per draft, as the drafts read it); a configured overhead wins."""
+    from kvsim.sim.speculative import draft_overhead_s
+
     doc = json.loads(profile_path("hardware", "local-smollm2-135m").read_text())
+    doc.pop("draft_step", None)
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps(doc))
     doc["draft_step"] = {"ratio": 2.0}
-    path = tmp_path / "hw.json"
-    path.write_text(json.dumps(doc))
-    got = {}
-    for mode in ("on_arrival", "on_demand"):
+    measured = tmp_path / "measured.json"
+    measured.write_text(json.dumps(doc))
+
+    def drafted(mode: str, profile, *extra: str):
         sc = receiver_scenario("codecs=[lynx]", f"deserializer={mode}",
-                               "link.bandwidth_gbps=0.05", f"hardware.profile={path}",
-                               "speculative.draft_overhead_s=null")
+                               "link.bandwidth_gbps=0.05", f"hardware.profile={profile}",
+                               *extra)
         sc.run()
         tl = sc.records[0].timeline
         assert tl.proposed >= 1
-        got[mode] = (tl.draft_tpot_s, sc.timing.tpot_s(1024))
-    draft, step = got["on_arrival"]
-    assert draft == pytest.approx(2.0 * step, rel=1e-9)
-    draft, step = got["on_demand"]
-    assert draft != pytest.approx(2.0 * step, rel=1e-3)
-    # a configured overhead wins over the measured one
-    sc = receiver_scenario("codecs=[lynx]", "deserializer=on_arrival", "link.bandwidth_gbps=0.05",
-                           f"hardware.profile={path}")  # BASE: draft_overhead_s=0
-    sc.run()
-    assert sc.records[0].timeline.draft_tpot_s == pytest.approx(sc.timing.tpot_s(1024), rel=1e-9)
+        return sc, tl.draft_tpot_s
+
+    unset = "speculative.draft_overhead_s=null"
+    for mode in ("on_arrival", "on_demand"):
+        sc, draft = drafted(mode, measured, unset)
+        assert draft == pytest.approx(2.0 * sc.timing.tpot_s(1024), rel=1e-9)
+        sc, draft = drafted(mode, plain, unset)
+        assert draft == pytest.approx(sc.timing.tpot_s(1024), rel=1e-9)
+    sc, draft = drafted("shared", measured, unset)
+    plan = sc.plan(1024)
+    anchor = draft_overhead_s(None, sc.codec_timing, sc.model.kv_bytes_bf16(1024),
+                              plan.stream_bytes[0], plan.total_bytes, sc.hw.devices)
+    assert anchor > 0
+    assert draft == pytest.approx(sc.timing.tpot_s(1024) + anchor, rel=1e-9)
+    sc, draft = drafted("on_arrival", measured)  # BASE: draft_overhead_s=0
+    assert draft == pytest.approx(sc.timing.tpot_s(1024), rel=1e-9)

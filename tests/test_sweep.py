@@ -134,8 +134,7 @@ def test_sweep_table_follows_the_grid_and_a_rerun_computes_nothing(tmp_path, cap
 def test_interrupted_sweep_resumes_with_only_the_missing_points(tmp_path):
     sweep_dir = tmp_path / "i"
     # six points of ~2 s each (1,500 Poisson requests per codec: one Table 1 request takes
-    # milliseconds, and six such points ended before the interrupt), one at a time, so an
-    # interrupt lands in the middle
+    # milliseconds), one at a time, so that an interrupt sent after the first lands mid-sweep
     args = [sys.executable, "-m", "kvsim", "sweep", "scenario=table1-qwen32b-16k",
             "codecs=[int8,lynx]", "samples=1", "workload=bench-10k", "workload.requests=1500",
             "workload.context_tokens=8192,16384,24576",

@@ -7,10 +7,10 @@ of the transport's two ends, the link profile of the emulation, the receiver's m
 dequantization that the codec timing was measured in (`receiver_dequantize`: the transport
 runs `transport.dequantize=` and the simulator `deserializer=` of that name; profiles
 without it were measured on demand), the draft step (below) and the acceptance curve
-measured by `kvsim quality` on the same model. A draft step costs what calibration measured
-of one beside the receiver's dequantization (hardware `draft_step`); a profile without that
-measurement drafts at the decode step (the real drafting is a plain decode step on the
-anchor's cache).
+measured by `kvsim quality` on the same model. Both engines run the transport's receiver
+mode, where a draft is a plain decode step on the anchor's cache plus what calibration
+measured of one beside the receiver's dequantization (hardware `draft_step`, 0 where not
+measured: kvsim.sim.speculative.receiver_draft_s).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ class Profiles:
     codec_timing: Path
     links: dict[str, Path]  # emulation -> link profile
     dequantize: str = "on_demand"  # the receiver mode the codec timing was measured in
-    draft_step: bool = False  # the hardware profile measured a draft step (draft_step)
 
 
 def find_profiles(root: Path, name: str, emulations: list[str]) -> Profiles:
@@ -46,7 +45,7 @@ def find_profiles(root: Path, name: str, emulations: list[str]) -> Profiles:
             f"{', '.join(str(p) for p in missing)}; run `kvsim calibrate out_dir={root} "
             f"name={name}` (with links=[{','.join(emulations)}]) or validate calibrate=true")
     mode = json.loads(ct.read_text()).get("receiver_dequantize", "on_demand")
-    return Profiles(hw, ct, links, mode, "draft_step" in json.loads(hw.read_text()))
+    return Profiles(hw, ct, links, mode)
 
 
 def _list(items: list[Any]) -> str:
@@ -61,9 +60,6 @@ def scenario_overrides(model: str, emulation: str, bandwidth_gbps: float, codecs
             f"codec_timing={profiles.codec_timing}", "link=emulated",
             f"link.bandwidth_gbps={bandwidth_gbps}", f"codecs={_list(codecs)}",
             f"metrics.ks={_list(sorted({1, *ks}))}",
-            # measured (the profile's draft_step, on arrival) or none beyond the step
-            *([] if profiles.draft_step and profiles.dequantize == "on_arrival"
-              else ["speculative.draft_overhead_s=0"]),
             f"transport.emulation={emulation}", f"transport.dequantize={profiles.dequantize}",
             *workload]
 

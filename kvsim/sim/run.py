@@ -37,7 +37,7 @@ from kvsim.sim.policy import POLICIES, TransferPlan, build_plan, natural_policy,
 from kvsim.sim.prefill_batch import ChunkedPrefill
 from kvsim.sim.request_log import request_rows, write_request_log
 from kvsim.sim.size_calibration import calibrate_sizes
-from kvsim.sim.speculative import draft_overhead_s
+from kvsim.sim.speculative import draft_overhead_s, receiver_draft_s
 from kvsim.sim.spread import spread_of
 from kvsim.sim.trace import TraceLog
 from kvsim.sim.workload import Request, requests
@@ -254,7 +254,9 @@ class Scenario:
             overhead_s = draft_overhead_s(spec.draft_overhead_s, self.codec_timing,
                                           self.model.kv_bytes_bf16(req.context_tokens),
                                           plan.stream_bytes[0], plan.total_bytes,
-                                          self.hw.devices, self._draft_contention_s(req))
+                                          self.hw.devices,
+                                          receiver_draft_s(cfg.deserializer, self.timing,
+                                                           req.context_tokens))
             member = dnode.batch.join(
                 req.seq, req.context_tokens, tokens, spec.cap_tokens, overhead_s,
                 (lambda n: self.acceptance.sample_accepted(n, self.rng)) if drafting else None)
@@ -285,13 +287,6 @@ class Scenario:
         self.finished += 1
         if self.finished == self.n_requests:
             self.all_done.succeed()
-
-    def _draft_contention_s(self, req: Request) -> float | None:
-        """deserializer=on_arrival: a measured profile's draft step beside the dequantization
-        of the later streams (TimingModel.draft_contention_s), else None."""
-        if self.cfg.deserializer != "on_arrival":
-            return None
-        return self.timing.draft_contention_s(req.context_tokens)
 
     def _build_on_arrival(self, req: Request, plan: TransferPlan, receivers: list[Receiver]):
         """deserializer=on_arrival, once the needed streams are dequantized (now): the decoder

@@ -22,10 +22,19 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvsim.sim.codec_timing import CodecTiming
+
+if TYPE_CHECKING:
+    from kvsim.hardware import TimingModel
+
+# receiver modes that build the anchor's cache before drafting on it (kvsim's transport:
+# transport.dequantize, the simulator's deserializer of the same name): a draft is a plain
+# decode step there, slowed only by what runs beside it
+ANCHOR_CACHE_MODES = ("on_arrival", "on_demand")
 
 
 @dataclass
@@ -51,10 +60,9 @@ def draft_overhead_s(configured_s: float | None, timing: CodecTiming, kv_bf16_by
                      anchor_bytes: float, total_bytes: float, devices: int,
                      measured_s: float | None = None) -> float:
     """Extra time per drafted token (s): `configured_s` when set (speculative.
-    draft_overhead_s); else `measured_s` when given: a measured profile's draft step beside
-    the receiver dequantizing the later streams as they land (deserializer=on_arrival, where
-    the anchor's cache is built before drafting; TimingModel.draft_contention_s); else the
-    dequantization of the anchor from the codec timing: a draft
+    draft_overhead_s); else `measured_s` when given (receiver_draft_s: a receiver that
+    builds the anchor's cache before drafting, whose drafts cost only what runs beside
+    them); else the dequantization of the anchor from the codec timing: a draft
     step attends over the anchor-only cache, which it dequantizes as it reads it (no bf16
     copy of a partial cache is kept), at the deserializer's cost for the anchor: its byte
     share (anchor_bytes / total_bytes, as kvsim.sim.policy splits a chunk's decode work
@@ -66,6 +74,14 @@ def draft_overhead_s(configured_s: float | None, timing: CodecTiming, kv_bf16_by
         return float(measured_s)
     share = anchor_bytes / total_bytes if total_bytes > 0 else 0.0
     return share * timing.decode_s(kv_bf16_bytes, devices)
+
+
+def receiver_draft_s(mode: str, timing: TimingModel, context_tokens: int) -> float | None:
+    """`draft_overhead_s`'s measured_s for receiver mode `mode`: in ANCHOR_CACHE_MODES the
+    profile's draft step beside the dequantization of the later streams
+    (TimingModel.draft_contention_s; 0 where not measured); None for the other
+    deserializers (their drafts dequantize the anchor as they read it)."""
+    return timing.draft_contention_s(context_tokens) if mode in ANCHOR_CACHE_MODES else None
 
 
 def plain_decode(t_ready: float, tpot_s: float, tokens: int) -> DecodeTimeline:

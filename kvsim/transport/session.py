@@ -20,7 +20,7 @@ from kvsim.models import ModelSpec
 from kvsim.report import format_table
 from kvsim.sim.codec_timing import load_codec_timing
 from kvsim.sim.run import variants
-from kvsim.sim.speculative import draft_overhead_s
+from kvsim.sim.speculative import draft_overhead_s, receiver_draft_s
 from kvsim.sim.workload import requests as workload_requests
 from kvsim.transport.assembly import Assembly
 from kvsim.transport.rate_limiter import TokenBucket, Unlimited
@@ -195,8 +195,8 @@ def outgoing_requests(cfg: EmulateConfig, lm: Any | None) -> list[list[OutgoingR
                          cfg.model.kv_bytes_bf16(r.context_tokens),
                          float(sizes.chunk_bytes[0].sum()) + sizes.header_bytes,
                          float(sizes.total_bytes), cfg.hardware.devices,
-                         timing.draft_contention_s(r.context_tokens)
-                         if cfg.transport.dequantize == "on_arrival" else None),
+                         receiver_draft_s(cfg.transport.dequantize, timing,
+                                          r.context_tokens)),
                      "bandwidth_gbps": cfg.link.bandwidth_gbps,
                      "link_emulation": cfg.transport.emulation,
                      "time_scale": cfg.transport.time_scale}
