@@ -46,6 +46,18 @@ import simpy
 from kvsim.hardware import TimingModel
 from kvsim.sim.speculative import DecodeTimeline
 
+_COUNTS: dict[int, np.ndarray] = {}  # n -> [n] float 1..n (read-only), see _counts
+
+
+def _counts(n: int) -> np.ndarray:
+    """[n] the floats 1..n, made once per n (every member of a run reads them)."""
+    hit = _COUNTS.get(n)
+    if hit is None:
+        hit = _COUNTS[n] = np.arange(1, n + 1, dtype=np.float64)
+        hit.flags.writeable = False
+    return hit
+
+
 _EPS_STEPS = 1e-9  # clock slack (steps) when deciding that members reached their target
 
 
@@ -54,13 +66,15 @@ class Member:
 
     __slots__ = ("seq", "context_tokens", "tokens", "cap", "draft_overhead_s",
                  "sample_accepted", "phase", "phase_v", "phase_i", "target_v", "full_ready",
-                 "work", "done", "timeline", "start_t", "full_t", "draft_v", "draft_i",
+                 "work", "timeline", "start_t", "full_t", "draft_v", "draft_i",
                  "draft_end_t", "draft_end_i", "proposed", "accepted", "verify_start_t",
-                 "verify_end_t", "_verify_work", "load_s")
+                 "verify_end_t", "_verify_work", "load_s", "env", "on_leave", "_done")
 
     def __init__(self, env: simpy.Environment, seq: int, context_tokens: int, tokens: int,
                  cap: int, draft_overhead_s: float,
-                 sample_accepted: Callable[[int], int] | None) -> None:
+                 sample_accepted: Callable[[int], int] | None,
+                 on_leave: Callable[[Member], None] | None = None) -> None:
+        self.env, self.on_leave = env, on_leave
         self.seq, self.context_tokens, self.tokens = seq, int(context_tokens), int(tokens)
         self.cap, self.draft_overhead_s = int(cap), float(draft_overhead_s)
         self.sample_accepted = sample_accepted
@@ -71,7 +85,7 @@ class Member:
         self.full_ready = sample_accepted is None  # plain members decode on the full cache
         # this member's share of the step now: (new tokens, FLOPs, KV bytes, overhead s)
         self.work = (0, 0.0, 0.0, 0.0)
-        self.done = env.event()  # succeeds with the DecodeTimeline when the member leaves
+        self._done: simpy.Event | None = None  # made on first use (see done)
         self.timeline: DecodeTimeline | None = None
         self.start_t = self.full_t = self.draft_end_t = math.nan
         self.verify_start_t = self.verify_end_t = math.nan
@@ -79,6 +93,17 @@ class Member:
         self.proposed = self.accepted = 0
         self._verify_work = (0, 0.0, 0.0, 0.0)
         self.load_s = 0.0  # deserializer=on_demand: full cache dequantized after drafting (s)
+
+    @property
+    def done(self) -> simpy.Event:
+        """An event that succeeds with the DecodeTimeline when the member leaves (for a
+        simpy process that waits on it; `on_leave` is the callback form, without an
+        event)."""
+        if self._done is None:
+            self._done = self.env.event()
+            if self.timeline is not None:
+                self._done.succeed(self.timeline)
+        return self._done
 
 
 class DecodeBatch:
@@ -105,19 +130,23 @@ class DecodeBatch:
         # (new tokens, context) -> TimingModel.member_work: (FLOPs, KV bytes)
         self._work: dict[tuple[int, int], tuple[float, float]] = {}
         self.changes = 0  # batch changes (rate recomputations)
+        self._left: list[Member] = []  # left during the batch's update, told after it
 
     # ---- members in and out ------------------------------------------------------------
     def join(self, seq: int, context_tokens: int, tokens: int, cap: int = 0,
              draft_overhead_s: float = 0.0,
-             sample_accepted: Callable[[int], int] | None = None) -> Member:
+             sample_accepted: Callable[[int], int] | None = None,
+             on_leave: Callable[[Member], None] | None = None) -> Member:
         """A request takes its place in the batch now. With `sample_accepted` (drawing the
         accepted prefix of n drafts) it starts speculatively on the anchor (drafting, or
-        waiting when cap is 0) and `full_ready` must follow; without it, it decodes."""
+        waiting when cap is 0) and `full_ready` must follow; without it, it decodes.
+        on_leave(member) is called when it leaves (member.timeline set), after the batch
+        has been re-timed, so the callback may change the batch (admit the next request)."""
         if tokens < 1:
             raise ValueError(f"request {seq}: a decode member needs tokens >= 1, got {tokens}")
         self._advance()
         m = Member(self.env, seq, context_tokens, tokens, cap, draft_overhead_s,
-                   sample_accepted)
+                   sample_accepted, on_leave)
         m.start_t = self.env.now
         self.members += 1
         if m.full_ready:
@@ -257,19 +286,21 @@ class DecodeBatch:
         m.phase, m.target_v = "gone", math.inf
         self.members -= 1
         m.timeline = self._timeline(m)
-        m.done.succeed(m.timeline)
+        if m._done is not None:
+            m._done.succeed(m.timeline)
+        self._left.append(m)
 
     # ---- token times -------------------------------------------------------------------
     def _times(self, from_i: int, to_i: int, v0: float, n: int) -> np.ndarray:
         """[n] times (s) at which the clock reads v0 + 1 .. v0 + n, from the breakpoints
         from_i..to_i of one phase of a member (it computes throughout, so the clock is
         strictly increasing there; outside, it may stand still)."""
+        steps = _counts(n)  # [n] 1..n
         if to_i == from_i + 1:  # one rate throughout: closed form
             t0, t1 = self.bp_t[from_i], self.bp_t[to_i]
             v_from, v_to = self.bp_v[from_i], self.bp_v[to_i]
-            return t0 + (v0 - v_from + np.arange(1, n + 1)) * ((t1 - t0) / (v_to - v_from))
-        return np.interp(v0 + np.arange(1, n + 1), self.bp_v[from_i:to_i + 1],
-                         self.bp_t[from_i:to_i + 1])
+            return t0 + (v0 - v_from + steps) * ((t1 - t0) / (v_to - v_from))
+        return np.interp(v0 + steps, self.bp_v[from_i:to_i + 1], self.bp_t[from_i:to_i + 1])
 
     def _timeline(self, m: Member) -> DecodeTimeline:
         now, k = self.env.now, m.tokens
@@ -366,3 +397,8 @@ class DecodeBatch:
             if v == m.target_v:
                 self._reached(m)
         self._changed()
+        if self._left:
+            left, self._left = self._left, []
+            for m in left:
+                if m.on_leave is not None:
+                    m.on_leave(m)

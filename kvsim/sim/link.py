@@ -32,6 +32,7 @@ import simpy
 
 from kvsim.config.checks import check_number, check_trace
 
+_any = np.logical_or.reduce  # ndarray.any without its Python-level wrapper (per flow)
 _REL_EPS = 1e-12  # relative slack when deciding that a message's last byte has left
 TRACE_ORIGINS = ("run", "first_byte")
 
@@ -43,20 +44,20 @@ class Flow:
                  "rate", "complete_t", "on_delivered", "on_done", "done", "idle_t", "tag",
                  "first_byte_t", "idle_j", "cum_l", "release_l")
 
-    def __init__(self, link: Link, priority: Any, sizes: np.ndarray, release: np.ndarray,
+    def __init__(self, link: Link, priority: Any, messages: Messages, release: np.ndarray,
                  on_delivered: Callable[[Flow, int, int, np.ndarray], None] | None,
                  on_done: Callable[[Flow], None] | None, name: str, tag: Any) -> None:
         self.link, self.priority, self.name, self.tag = link, priority, name, tag
-        self.sizes = sizes  # [n] float64 bytes
-        self.cum = np.cumsum(sizes)  # [n] bytes through message j
+        self.sizes = messages.sizes  # [n] float64 bytes
+        self.cum = messages.cum  # [n] bytes through message j
         self.release = release  # [n] s, non-decreasing
-        self.n = len(sizes)
-        self.cum_l = self.cum.tolist()  # the same as Python floats: cheap scalar access
+        self.n = messages.n
+        self.cum_l = messages.cum_l  # the same as Python floats: cheap scalar access
         self.release_l = release.tolist()
         self.head = 0  # messages fully sent
         self.served = 0.0  # bytes sent so far
         self.rate = 0.0  # bytes/s now
-        self.complete_t = np.full(self.n, np.nan)  # [n] s, last byte left the sender
+        self.complete_t = messages.unsent.copy()  # [n] s, last byte left the sender (nan)
         self.on_delivered, self.on_done = on_delivered, on_done
         self.done = False
         self.idle_j = -1  # last message sent before the flow drains at the current rate
@@ -75,6 +76,21 @@ class Flow:
 
     def arrival_t(self) -> np.ndarray:
         return self.complete_t + self.link.latency_s
+
+
+class Messages:
+    """A flow's messages as a link carries them: wire bytes (payload + the link's framing)
+    [n], their running total [n] (array, and list for scalar access). Read-only, shared by
+    every flow of the same sizes on the link (Link.messages)."""
+
+    __slots__ = ("sizes", "cum", "cum_l", "n", "unsent")
+
+    def __init__(self, sizes: np.ndarray) -> None:
+        self.sizes = sizes  # [n] bytes
+        self.cum = np.cumsum(sizes)  # [n] bytes through message j
+        self.cum_l: list[float] = self.cum.tolist()
+        self.n = len(sizes)
+        self.unsent = np.full(self.n, np.nan)  # [n] completion times before any is sent
 
 
 class Link:
@@ -117,6 +133,8 @@ class Link:
         self._finished_pending = False  # a flow sent its last message since the last reschedule
         self._holding = False  # inside holding(): submits wait for its one reallocation
         self.submitted_bytes = 0.0
+        # id(payload sizes array) -> (the array, its Messages): see messages()
+        self._messages: dict[int, tuple[np.ndarray, Messages]] = {}
         self.events = 0  # rate recomputations (for events/s accounting)
         self.first_byte_t = math.nan  # the link first carried a byte
         self.first_t = math.nan
@@ -151,21 +169,21 @@ class Link:
         j0..j1-1 finish (arrival = last byte left + latency); on_done(flow) once, when the
         last message has left (its arrival time is flow.arrival_t()[-1])."""
         now = self.env.now
-        sizes = np.asarray(sizes_bytes, dtype=np.float64) + self.message_overhead_bytes
+        messages = self.messages(sizes_bytes)
         release = np.asarray(release_t, dtype=np.float64)
-        if sizes.ndim != 1 or sizes.shape != release.shape or len(sizes) == 0:
+        if release.shape != messages.sizes.shape:
             raise ValueError(f"{self.name}: sizes and release times must be equal-length, "
-                             f"non-empty 1-D arrays, got {sizes.shape} and {release.shape}")
+                             f"non-empty 1-D arrays, got {messages.sizes.shape} and "
+                             f"{release.shape}")
         # array methods, not np.any(np.diff(...)): this runs once per flow
-        if sizes.min() <= 0:
-            raise ValueError(f"{self.name}: message sizes must be > 0 bytes")
-        if (release[1:] < release[:-1]).any():
+        if _any(release[1:] < release[:-1]):
             raise ValueError(f"{self.name}: release times must be non-decreasing")
         if release[0] < now - 1e-12 * max(1.0, abs(now)):
             raise ValueError(f"{self.name}: release time {release[0]} is before now ({now})")
-        release = np.maximum(release, now)
+        if release[0] < now:  # (non-decreasing: only a head within rounding of now)
+            release = np.maximum(release, now)
         self._advance(now)
-        flow = Flow(self, priority, sizes, release, on_delivered, on_done, name, tag)
+        flow = Flow(self, priority, messages, release, on_delivered, on_done, name, tag)
         self.flows.append(flow)
         self.submitted_bytes += flow.total_bytes
         if math.isnan(self.first_t):
@@ -173,6 +191,25 @@ class Link:
         if not self._holding:
             self._reschedule()
         return flow
+
+    def messages(self, sizes_bytes: np.ndarray) -> Messages:
+        """The link's Messages for payload sizes [n] (bytes), checked (1-D, non-empty, > 0)
+        and prepared once per array: a simulation submits the same plan's sizes array for
+        every request of a context, so it is looked up by identity (the cache holds the
+        array, so its id is not reused while the entry lives)."""
+        hit = self._messages.get(id(sizes_bytes))
+        if hit is not None and hit[0] is sizes_bytes:
+            return hit[1]
+        sizes = np.asarray(sizes_bytes, dtype=np.float64) + self.message_overhead_bytes
+        if sizes.ndim != 1 or len(sizes) == 0:
+            raise ValueError(f"{self.name}: message sizes must be a non-empty 1-D array, "
+                             f"got shape {sizes.shape}")
+        if sizes.min() <= 0:
+            raise ValueError(f"{self.name}: message sizes must be > 0 bytes")
+        messages = Messages(sizes)
+        if isinstance(sizes_bytes, np.ndarray):  # lists are built per call: not cached
+            self._messages[id(sizes_bytes)] = (sizes_bytes, messages)
+        return messages
 
     def holding(self) -> Holding:
         """`with link.holding():` submit several flows at one instant with one reallocation,
@@ -235,7 +272,9 @@ class Link:
         >= head whose successor is released after j completes, or the last message)."""
         r, t, s0 = flow.rate, self.last_t, flow.served
         j0, n = flow.head, flow.n
-        if j0 >= n - 1:
+        if j0 >= n - 1 or flow.release_l[-1] <= t:
+            # every message is released by now, so each one's successor is waiting when it
+            # completes (after now): the flow drains after its last message
             return n - 1
         # fast path (encoder slower than the link): the flow drains after its head message
         if flow.release_l[j0 + 1] > (t + (flow.cum_l[j0] - s0) / r) * (1 + _REL_EPS):
@@ -247,8 +286,8 @@ class Link:
                 return n - 1
             done = t + (flow.cum[j0:j1] - s0) / r  # completion of messages j0..j1-1
             gap = flow.release[j0 + 1 : j1 + 1] > done * (1 + _REL_EPS)
-            hit = int(np.argmax(gap)) if gap.any() else -1
-            if hit >= 0:
+            hit = int(np.argmax(gap))  # the first gap, or 0 when there is none
+            if gap[hit]:
                 return j0 + hit
             if j1 >= n - 1:
                 return n - 1

@@ -76,16 +76,16 @@ def request_row(rec: RequestRecord, ks: list[int], breakdown_k: int) -> dict:
     """One request's metrics. ks beyond the tokens this request decodes are left out (only
     trace files give requests fewer tokens than metrics.ks allows; SimConfig.validate
     refuses a k no request decodes); the breakdown splits TTKT(min(breakdown_k, tokens))."""
-    tokens = len(rec.timeline.token_t)
+    tl = rec.timeline
+    token_t, committed_t = tl.token_t, tl.committed_t  # [tokens] s
+    tokens = len(token_t)
     ks_ok = [k for k in ks if 1 <= k <= tokens]
     breakdown_k = min(breakdown_k, tokens)
     # TTKT(k) and committed TTKT(k) (s) of the reported ks and of token 1, read once
     # (the values rec.ttkt / rec.ttkt_committed return)
-    drafted = {k: float(t) for k, t in zip(ks_ok, rec.timeline.token_t[[k - 1 for k in ks_ok]],
-                                           strict=True)}
-    committed = {k: float(t) for k, t in zip(
-        ks_ok, rec.timeline.committed_t[[k - 1 for k in ks_ok]], strict=True)}
-    t1, c1 = rec.ttkt(1), rec.ttkt_committed(1)
+    drafted = {k: float(token_t[k - 1]) for k in ks_ok}
+    committed = {k: float(committed_t[k - 1]) for k in ks_ok}
+    t1, c1 = float(token_t[0]), float(committed_t[0])
     arrival_t, prefill_end_t = rec.arrival_t, rec.prefill_end_t
     return {
         "ttft_s": t1 - arrival_t,
@@ -105,9 +105,9 @@ def request_row(rec: RequestRecord, ks: list[int], breakdown_k: int) -> dict:
         "breakdown_s": rec.breakdown(breakdown_k),
         # decode admission waited for decode memory (part of the breakdown's queueing)
         "memory_wait_s": float(rec.extra.get("memory_wait_s", 0.0)),
-        "proposed_tokens": rec.timeline.proposed,
-        "accepted_tokens": rec.timeline.accepted,
-        "tpot_s": rec.timeline.tpot_s,
+        "proposed_tokens": tl.proposed,
+        "accepted_tokens": tl.accepted,
+        "tpot_s": tl.tpot_s,
         "anchor_ready_from_prefill_end_s": rec.needed_ready_t - rec.prefill_end_t,
         "full_ready_from_prefill_end_s": rec.full_ready_t - rec.prefill_end_t,
     }
@@ -136,20 +136,23 @@ def aggregate_request_rows(per: list[dict]) -> dict:
     over the requests that decode k tokens (`ttkt_requests` counts them), the breakdown's
     means, summed drafts."""
     out: dict = {}
-    for key in MEAN_KEYS:
-        if all(key in p for p in per):
-            out[key] = float(np.mean([p[key] for p in per]))
+    # one column per key (the requests' values in order), read once
+    columns = {key: [p[key] for p in per] for key in MEAN_KEYS if all(key in p for p in per)}
+    for key, column in columns.items():
+        out[key] = float(np.mean(column))
     for key in ("ttft_s", "ttft_committed_s", "prefill_wait_s", "memory_wait_s"):
-        if all(key in p for p in per):
-            out[key.removesuffix("_s") + "_pct_s"] = percentiles([p[key] for p in per])
+        if key in columns:
+            out[key.removesuffix("_s") + "_pct_s"] = percentiles(columns[key])
     ks = sorted({k for p in per for k in p["ttkt_s"]}, key=int)
     out["ttkt_requests"] = {k: sum(k in p["ttkt_s"] for p in per) for k in ks}
-    for key in TTKT_KEYS:
-        if all(key in p for p in per):
-            out[key] = {k: float(np.mean([p[key][k] for p in per if k in p[key]])) for k in ks}
+    # [key][k]: the values of the requests that decode k tokens
+    ttkt = {key: {k: [p[key][k] for p in per if k in p[key]] for k in ks}
+            for key in TTKT_KEYS if all(key in p for p in per)}
+    for key, by_k in ttkt.items():
+        out[key] = {k: float(np.mean(values)) for k, values in by_k.items()}
     for key in ("ttkt_s", "ttkt_committed_s"):
-        out[key.removesuffix("_s") + "_pct_s"] = {
-            k: percentiles([p[key][k] for p in per if k in p[key]]) for k in ks}
+        by_k = ttkt.get(key) or {k: [p[key][k] for p in per if k in p[key]] for k in ks}
+        out[key.removesuffix("_s") + "_pct_s"] = {k: percentiles(v) for k, v in by_k.items()}
     out["breakdown_s"] = {key: float(np.mean([p["breakdown_s"][key] for p in per]))
                           for key in BREAKDOWN_KEYS}
     out["proposed_tokens"] = int(sum(p["proposed_tokens"] for p in per))

@@ -18,6 +18,8 @@ residual's dequantization (nor the reverse): what drafting costs on a partial ca
 from __future__ import annotations
 
 import math
+from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -29,38 +31,79 @@ from kvsim.sim.link import Link
 from kvsim.sim.policy import FlowPlan, serial_pipeline
 from kvsim.sim.prefill_batch import ChunkedPrefill
 
+_any = np.logical_or.reduce  # ndarray.any without its Python-level wrapper (per flow)
+_NONE = np.empty(0)  # [0] s: no arrival reported yet (read-only use)
+
 
 class PrefillNode:
-    """One prefill instance: runs one prefill at a time (FIFO) and owns one serial encoder
-    whose chunks leave on `link`."""
+    """One prefill instance: runs one prefill at a time, first come first served, and owns
+    one serial encoder whose chunks leave on `link`. A FIFO server with known service times
+    needs no queue of events: a request that arrives now starts its prefill at
+    max(now, free_t) and ends it prefill_s later (kvsim.sim.run)."""
 
-    def __init__(self, env: simpy.Environment, index: int, link: Link) -> None:
+    def __init__(self, index: int, link: Link) -> None:
         self.name = f"prefill{index}"
-        self.slot = simpy.Resource(env, capacity=1)
+        self.free_t = -math.inf  # the prefill of the last request routed here ends (s)
         self.encoder_free_t = 0.0
         self.link = link
-        # chunked prefill batching (workload.prefill_chunk_tokens > 0) replaces `slot`
+        # chunked prefill batching (workload.prefill_chunk_tokens > 0) replaces free_t
         self.chunked: ChunkedPrefill | None = None
 
 
 class DecodeNode:
     """One decode instance: up to `max_batch` sequences decode concurrently, and only while
-    their bf16 KV caches fit beside the weights: `kv_memory` holds the free bytes
-    (memory - weights); a request takes its cache's bytes when it is admitted to decode
-    and gives them back when it finishes (first come, first served: a request that does not
-    fit waits, and the ones behind it wait too). Admitted requests decode together in
-    `batch`, a continuous batch (kvsim.sim.batch: every join and leave re-times the
-    step)."""
+    their bf16 KV caches fit beside the weights (`admission`: a request takes a slot, then
+    its cache's bytes, and gives both back when it finishes). Admitted requests decode
+    together in `batch`, a continuous batch (kvsim.sim.batch: every join and leave re-times
+    the step)."""
 
     def __init__(self, env: simpy.Environment, index: int, max_batch: int,
                  kv_memory_bytes: float, timing: TimingModel) -> None:
         self.name, self.index = f"decode{index}", index
-        self.slot = simpy.Resource(env, capacity=max_batch)
         self.kv_memory_bytes = float(kv_memory_bytes)
-        self.kv_memory = simpy.Container(env, capacity=self.kv_memory_bytes,
-                                         init=self.kv_memory_bytes)
+        self.admission = DecodeAdmission(max_batch, self.kv_memory_bytes)
         self.batch = DecodeBatch(env, timing)
         self.deserializer: NodeDeserializer | None = None  # deserializer=node only
+
+
+class DecodeAdmission:
+    """Admission to one decode instance, first come first served in two stages: a slot of
+    the batch (`max_batch`), then the request's KV bytes out of `kv_memory_bytes` (memory
+    beside the weights). A request holding a slot whose cache does not fit waits, and the
+    ones behind it wait too. Callbacks, not simpy events: admission changes only when a
+    request asks (`request`) or leaves (`release`), and the admitted one starts then."""
+
+    def __init__(self, max_batch: int, kv_memory_bytes: float) -> None:
+        if max_batch < 1:
+            raise ValueError(f"decode max_batch must be >= 1, got {max_batch}")
+        self.free_slots = int(max_batch)
+        self.free_bytes = float(kv_memory_bytes)
+        # waiting for a slot: (KV bytes, admitted callback)
+        self._slot_queue: deque[tuple[float, Callable[[float], None]]] = deque()
+        # holding a slot, waiting for memory: (KV bytes, slot time s, admitted callback)
+        self._memory_queue: deque[tuple[float, float, Callable[[float], None]]] = deque()
+
+    def request(self, kv_bytes: float, now: float, admitted: Callable[[float], None]) -> None:
+        """Queue a request for `kv_bytes` of cache; admitted(t_slot) is called (now or at a
+        later release) once it holds a slot and its bytes; t_slot: when it got the slot."""
+        self._slot_queue.append((kv_bytes, admitted))
+        self._grant(now)
+
+    def release(self, kv_bytes: float, now: float) -> None:
+        """A request finished now: its slot and its bytes return; admit who fits."""
+        self.free_bytes += kv_bytes
+        self.free_slots += 1
+        self._grant(now)
+
+    def _grant(self, now: float) -> None:
+        while self.free_slots and self._slot_queue:
+            kv_bytes, admitted = self._slot_queue.popleft()
+            self.free_slots -= 1
+            self._memory_queue.append((kv_bytes, now, admitted))
+        while self._memory_queue and self._memory_queue[0][0] <= self.free_bytes:
+            kv_bytes, t_slot, admitted = self._memory_queue.popleft()
+            self.free_bytes -= kv_bytes
+            admitted(t_slot)
 
 
 class Carried(Protocol):
@@ -79,7 +122,8 @@ class Receiver:
 
     def __init__(self, env: simpy.Environment, plan: FlowPlan, group: Deserializer) -> None:
         self.env, self.plan, self.group = env, plan, group
-        self.ready = env.event()
+        self.is_ready = False  # its ready time has come (see fire)
+        self._waiting: list[Callable[[], None]] = []  # called once, when it is ready
         self._arrivals: list[np.ndarray] = []
         self.arrival_t = np.empty(0)  # [m] s, set when the flow is done
         self.received_bytes = 0.0
@@ -94,7 +138,9 @@ class Receiver:
         """[j] arrival times (s) reported so far, in order."""
         if self.is_done:
             return self.arrival_t
-        return np.concatenate(self._arrivals) if self._arrivals else np.empty(0)
+        if len(self._arrivals) == 1:
+            return self._arrivals[0]
+        return np.concatenate(self._arrivals) if self._arrivals else _NONE
 
     def delivered(self, flow: Carried, j0: int, j1: int, arrival_t: np.ndarray) -> None:
         # arrivals come in order; deserialization is evaluated when the flow (and every
@@ -106,7 +152,8 @@ class Receiver:
         self.received_bytes += flow.cum_l[j1 - 1] - (flow.cum_l[j0 - 1] if j0 else 0.0)
 
     def done(self, flow: Carried) -> None:
-        self.arrival_t = np.concatenate(self._arrivals)  # [m] s, every message of the flow
+        arrivals = self._arrivals  # [m] s, every message of the flow, as reported
+        self.arrival_t = arrivals[0] if len(arrivals) == 1 else np.concatenate(arrivals)
         self.first_arrival_t, self.last_arrival_t = (float(self.arrival_t[0]),
                                                     float(self.arrival_t[-1]))
         self.backlog_start_t = backlog_start(flow.release, flow.complete_t)
@@ -114,9 +161,40 @@ class Receiver:
         self.group.flow_done()
 
     def fire(self, ready_t: float) -> None:
+        """The flow will be deserialized at ready_t (s): one event then."""
         self.ready_t = ready_t
         timer = self.env.timeout(max(0.0, ready_t - self.env.now))
-        timer.callbacks.append(lambda _ev: self.ready.succeed(ready_t))
+        timer.callbacks.append(self._ready)
+
+    def _ready(self, _event: simpy.Event) -> None:
+        self.is_ready = True
+        waiting, self._waiting = self._waiting, []
+        for callback in waiting:
+            callback()
+
+    def when_ready(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once the flow is ready: now if it is, else at its ready time."""
+        if self.is_ready:
+            callback()
+        else:
+            self._waiting.append(callback)
+
+
+def when_all_ready(receivers: list[Receiver], callback: Callable[[], None]) -> None:
+    """Call `callback` once every receiver is ready (now, if they all are)."""
+    pending = [rx for rx in receivers if not rx.is_ready]
+    if not pending:
+        callback()
+        return
+    left = [len(pending)]
+
+    def one_ready() -> None:
+        left[0] -= 1
+        if left[0] == 0:
+            callback()
+
+    for rx in pending:
+        rx._waiting.append(one_ready)
 
 
 def backlog_start(release_t: np.ndarray, complete_t: np.ndarray) -> float:
@@ -126,8 +204,10 @@ def backlog_start(release_t: np.ndarray, complete_t: np.ndarray) -> float:
     byte's lateness after that instant is the link's (own bytes, or others' ahead of it)
     and before it the encoder's: the Figure-2 breakdown splits serialize / communication
     there. release_t, complete_t: [m] s."""
-    starved = np.nonzero(release_t[1:] > complete_t[:-1])[0]
-    return float(release_t[starved[-1] + 1] if len(starved) else release_t[0])
+    starved = release_t[1:] > complete_t[:-1]  # [m-1] message j+1 found the flow empty
+    if not _any(starved):
+        return float(release_t[0])
+    return float(release_t[len(starved) - int(np.argmax(starved[::-1]))])
 
 
 def priority_server(arrival_t: list[np.ndarray], work_s: list[np.ndarray]) -> list[np.ndarray]:
@@ -190,15 +270,26 @@ def _uncontended(arrival_t: list[np.ndarray], work_s: list[np.ndarray],
     ends by the next one's arrival, so each starts on arrival and ends at arrival + work
     (the float the job-by-job loop computes too; priorities never come into play). None
     when some job would wait: then the loop decides who goes first."""
-    arrival = np.concatenate(arrival_t)  # [j] s, every class's jobs
-    if len(arrival) < 2:
-        return [a + w for a, w in zip(arrival_t, work_s, strict=True)]
-    order = np.argsort(arrival, kind="stable")
-    a = arrival[order]
-    finish = a + np.concatenate(work_s)[order]  # [j] s, in arrival order
-    if not (finish[:-1] <= a[1:]).all():
+    finish = [a + w for a, w in zip(arrival_t, work_s, strict=True)]  # [m_c] s per class
+    # classes with jobs, by first arrival: when each one's jobs all arrive before the next
+    # one's first (strict priority on the link sends a request's streams one after the
+    # other), arrival order is the classes' concatenation and needs no sort
+    busy = [c for c in range(len(arrival_t)) if len(arrival_t[c])]
+    if len(busy) == 1:
+        a, f = arrival_t[busy[0]], finish[busy[0]]
+    else:
+        busy.sort(key=lambda c: arrival_t[c][0])
+        if all(arrival_t[busy[i]][-1] <= arrival_t[busy[i + 1]][0]
+               for i in range(len(busy) - 1)):
+            a = np.concatenate([arrival_t[c] for c in busy])
+            f = np.concatenate([finish[c] for c in busy])
+        else:
+            arrival = np.concatenate(arrival_t)  # [j] s, every class's jobs
+            order = np.argsort(arrival, kind="stable")
+            a, f = arrival[order], np.concatenate(finish)[order]  # [j] s, in arrival order
+    if len(a) > 1 and _any(f[:-1] > a[1:]):
         return None
-    return [a + w for a, w in zip(arrival_t, work_s, strict=True)]
+    return finish
 
 
 class NodeDeserializer:

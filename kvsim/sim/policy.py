@@ -48,6 +48,9 @@ class TransferPlan:
     stream_bytes: list[int]  # wire bytes per stream (preamble counted in stream 0)
     total_bytes: int
 
+    def __post_init__(self) -> None:
+        self.encode_cum_s = np.cumsum(self.encode_s)  # [c] s, encode time through chunk i
+
     @property
     def speculative(self) -> bool:
         return self.policy.startswith("split_stream") and len(self.flows) > 1
@@ -165,10 +168,11 @@ def release_times(plan: TransferPlan, prefill_start_t: float, prefill_s: float, 
     if plan.pipelined_with_prefill:
         ready = prefill_start_t + (plan.chunk_layer + 1) * (prefill_s / layers)
         ready[-1] = prefill_end
+        done = serial_pipeline(np.maximum(ready, encoder_free_t), plan.encode_s)
     else:
-        ready = np.full(len(plan.encode_s), prefill_end)
-    ready = np.maximum(ready, encoder_free_t)
-    done = serial_pipeline(ready, plan.encode_s)
+        # every chunk ready at once: serial_pipeline's closed form is then the start plus
+        # the running sum of the encode times (the same floats, without the scan)
+        done = plan.encode_cum_s + max(prefill_end, encoder_free_t)
     if not plan.pipelined:
         done = np.full_like(done, done[-1])
     return done

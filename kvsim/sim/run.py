@@ -1,18 +1,24 @@
 """Run one scenario (codec x transfer policy x context x bandwidth) and return its report row.
 
-Actors (simpy processes): `arrivals` spawns one `request` process per request; a request
-queues for a prefill instance, prefills (its chunks are handed to the link as the encoder
-releases them), then waits on the decode instance until the flows its policy needs are
-deserialized, takes a decode slot and decodes (speculatively on the anchor for
-split-stream). Links are fluid servers (kvsim.sim.link); the per-token decode timeline is
-a continuous batch per decode instance (kvsim.sim.batch: a fluid clock re-timed at every
-join, leave and phase change), so a request costs events per flow and per batch change,
-not per token.
+A request's passage (`Passage`) is a chain of callbacks on the simpy clock, not a
+generator process: `arrivals` starts each request at its arrival time; it is routed, and
+its prefill starts when its prefill instance frees (a FIFO server with known service
+times: one timer, no queue of events); its chunks are handed to the link as the encoder
+releases them; once the flows its policy needs are deserialized it asks its decode
+instance for a slot and its cache's memory (kvsim.sim.nodes.DecodeAdmission) and decodes
+(speculatively on the anchor for split-stream). Links are fluid servers (kvsim.sim.link);
+the per-token decode timeline is a continuous batch per decode instance
+(kvsim.sim.batch: a fluid clock re-timed at every join, leave and phase change), so a
+request costs events per flow and per batch change, not per token. Callbacks instead of
+generator processes halve the events of a run (no process start, resource request and
+release, or condition event per wait: 25 -> 11 per request on `kvsim bench sim`'s
+cluster case) and change no result (tests/test_sim_golden.py).
 """
 
 from __future__ import annotations
 
 import copy
+import heapq
 import math
 import time
 from collections.abc import Callable
@@ -26,13 +32,21 @@ from kvsim.acceptance import load_acceptance
 from kvsim.config.codecs import CodecSpec, resolve_codec
 from kvsim.config.sim import SimConfig
 from kvsim.hardware import TimingModel
+from kvsim.sim.batch import Member
 from kvsim.sim.codec_timing import CodecTiming, load_codec_timing
 from kvsim.sim.gc_pause import gc_paused
 from kvsim.sim.ingress import IngressJoin
 from kvsim.sim.link import Link
 from kvsim.sim.link_profile import load_link_profile, profiled_link_settings
 from kvsim.sim.metrics import RequestRecord, aggregate_request_rows, request_row
-from kvsim.sim.nodes import DecodeNode, Deserializer, NodeDeserializer, PrefillNode, Receiver
+from kvsim.sim.nodes import (
+    DecodeNode,
+    Deserializer,
+    NodeDeserializer,
+    PrefillNode,
+    Receiver,
+    when_all_ready,
+)
 from kvsim.sim.policy import POLICIES, TransferPlan, build_plan, natural_policy, release_times
 from kvsim.sim.prefill_batch import ChunkedPrefill
 from kvsim.sim.request_log import request_rows, write_request_log
@@ -84,6 +98,26 @@ def variants(cfg: SimConfig) -> list[Variant]:
                 raise ValueError(f"unknown transfer {t!r}; choose auto or one of {POLICIES}")
             out.append(Variant(spec, policy, acceptance))
     return out
+
+
+class Passage:
+    """One request's way through the cluster, filled in as it goes (times in s): routed to
+    prefill instance `p` and decode instance `d`, prefilled, transferred, deserialized,
+    admitted, decoded (kvsim.sim.run.Scenario.request and the callbacks after it)."""
+
+    __slots__ = ("req", "plan", "p", "d", "t_p0", "t_pe", "receivers", "needed",
+                 "encode_end_t", "t_need", "drafting", "load_all_s", "kv_bytes", "t_slot",
+                 "t_start")
+
+    def __init__(self, req: Request, plan: TransferPlan, p: int, d: int) -> None:
+        self.req, self.plan, self.p, self.d = req, plan, p, d
+        self.t_p0 = self.t_pe = self.encode_end_t = self.t_need = math.nan
+        self.t_slot = self.t_start = math.nan
+        self.receivers: list[Receiver] = []
+        self.needed: list[Receiver] = []
+        self.drafting = False  # deserializer=on_demand: drafting decided at the anchor's load
+        self.load_all_s = 0.0  # the full cache's load (s) once drafting stops
+        self.kv_bytes = 0.0  # its bf16 cache in decode memory
 
 
 class Scenario:
@@ -160,10 +194,12 @@ class Scenario:
         self.links = [Link(env, **egress, name=f"link{i}", trace_origin=cfg.link.trace_origin,
                            class_weight=class_weight)
                       for i in range(n_links)]
-        self.prefill = [PrefillNode(env, i, self.links[0 if n_links == 1 else i])
+        self.prefill = [PrefillNode(i, self.links[0 if n_links == 1 else i])
                         for i in range(w.prefill_nodes)]
-        # [i] requests routed to prefill node i and not yet through its prefill
+        # [i] requests routed to prefill node i and not yet through its prefill, counted down
+        # lazily (at the next arrival) from a heap of (prefill end s, seq, node)
         self.prefill_queued = [0] * w.prefill_nodes
+        self._prefill_ends: list[tuple[float, int, int]] = []
         if w.prefill_chunk_tokens:  # chunked prefill batching on every prefill instance
             for pnode in self.prefill:
                 pnode.chunked = ChunkedPrefill(env, self.timing, w.prefill_chunk_tokens)
@@ -185,97 +221,196 @@ class Scenario:
         self.n_requests = len(reqs)
         started = time.perf_counter()
         with gc_paused():  # kvsim.sim.gc_pause: the collector's cost grows with the run
-            env.process(self.arrivals(reqs))
+            self.arrivals(reqs)
             env.run(until=self.all_done)
             wall_s = time.perf_counter() - started
             return self.row(wall_s)
 
-    def arrivals(self, reqs: list[Request]):
-        env = self.env
-        for req in reqs:
-            if req.arrival_t > env.now:
-                yield env.timeout(req.arrival_t - env.now)
-            env.process(self.request(req))
+    def arrivals(self, reqs: list[Request]) -> None:
+        """Start each request at its arrival time: one timer per distinct arrival time."""
+        env, n, i = self.env, len(reqs), 0
 
-    def request(self, req: Request):
-        env, cfg = self.env, self.cfg
+        def arrive(_event: simpy.Event | None = None) -> None:
+            nonlocal i
+            now = env.now
+            while i < n and reqs[i].arrival_t <= now:
+                self.request(reqs[i])
+                i += 1
+            if i < n:
+                env.timeout(reqs[i].arrival_t - now).callbacks.append(arrive)
+
+        arrive()
+
+    def request(self, req: Request) -> None:
+        """The request arrives now: route it, queue it for prefill. Its passage continues
+        in callbacks (kvsim.sim.run.Passage), each run when what it waits for is done."""
+        env = self.env
+        now = env.now
         plan = self.plan(req.context_tokens)
+        # requests whose prefill ended by now no longer count as queued on their instance
+        ends, queued, assigned = self._prefill_ends, self.prefill_queued, self.decode_assigned
+        while ends and ends[0][0] <= now:
+            queued[heapq.heappop(ends)[2]] -= 1
         # the least loaded instances (the first of equals), by builtin min over int lists
-        queued, assigned = self.prefill_queued, self.decode_assigned
         p, d = queued.index(min(queued)), assigned.index(min(assigned))
-        pnode, dnode = self.prefill[p], self.decode[d]
+        pnode = self.prefill[p]
         queued[p] += 1
         assigned[d] += 1
+        ps = Passage(req, plan, p, d)
         if pnode.chunked is not None:  # chunked prefill batching (kvsim.sim.prefill_batch)
             job = pnode.chunked.submit(req.seq, req.context_tokens)
-            yield job.last_step  # the step with its last chunk starts now
-            t_p0, prefill_s = job.first_step_t, job.last_step_s
-            receivers, encode_end_t = self._send(req, plan, pnode, dnode, env.now, prefill_s)
-            yield env.timeout(prefill_s)
-            t_pe = env.now
+            # the step with its last chunk starts when last_step succeeds
+            job.last_step.callbacks.append(
+                lambda _ev: self._prefill(ps, job.first_step_t, env.now, job.last_step_s))
+            return
+        # one prefill at a time, first come first served: it starts when the one before ends
+        prefill_s = self.timing.prefill_s(req.context_tokens)
+        t_p0 = pnode.free_t if pnode.free_t > now else now
+        pnode.free_t = t_p0 + prefill_s
+        if t_p0 > now:
+            env.timeout(t_p0 - now).callbacks.append(
+                lambda _ev: self._prefill(ps, env.now, env.now, prefill_s))
         else:
-            with pnode.slot.request() as slot:
-                yield slot
-                t_p0 = env.now
-                prefill_s = self.timing.prefill_s(req.context_tokens)
-                receivers, encode_end_t = self._send(req, plan, pnode, dnode, t_p0,
-                                                     prefill_s)
-                yield env.timeout(prefill_s)
-                t_pe = env.now
-        queued[p] -= 1
-        needed = receivers[:1] if plan.speculative else receivers
-        yield simpy.AllOf(env, [rx.ready for rx in needed])
-        t_need = env.now
-        load_all_s = 0.0  # on_demand: dequantizing the full cache once drafting stops
-        on_demand_spec = False
-        if cfg.deserializer == "on_demand":  # the decoder dequantizes what it starts on
-            t_need, on_demand_spec, load_all_s = yield from self._load_on_demand(
-                req, plan, receivers)
-        elif cfg.deserializer == "on_arrival":  # the decoder builds its cache from layers
-            load_all_s = yield from self._build_on_arrival(req, plan, receivers)
+            self._prefill(ps, now, now, prefill_s)
+
+    def _prefill(self, ps: Passage, t_p0: float, layers_start_t: float,
+                 layers_s: float) -> None:
+        """The prefill (or the step with its last chunk) starts now: the encoder releases
+        the chunks to the link as their layers complete; decoding waits for the flows the
+        policy needs."""
+        ps.t_p0 = t_p0
+        ps.t_pe = layers_start_t + layers_s
+        heapq.heappush(self._prefill_ends, (ps.t_pe, ps.req.seq, ps.p))
+        ps.receivers, ps.encode_end_t = self._send(
+            ps.req, ps.plan, self.prefill[ps.p], self.decode[ps.d], layers_start_t, layers_s)
+        ps.needed = ps.receivers[:1] if ps.plan.speculative else ps.receivers
+        when_all_ready(ps.needed, lambda: self._needed_in(ps))
+
+    def _needed_in(self, ps: Passage) -> None:
+        """The flows decoding needs are deserialized (now)."""
+        ps.t_need = self.env.now
+        if self.cfg.deserializer == "on_demand":  # the decoder dequantizes what it starts on
+            self._load_on_demand(ps)
+        elif self.cfg.deserializer == "on_arrival":  # the decoder builds its cache from layers
+            self._build_on_arrival(ps)
+        else:
+            self._admit(ps)
+
+    def _build_on_arrival(self, ps: Passage) -> None:
+        """deserializer=on_arrival, once the needed streams are dequantized (now): the decoder
+        builds its cache from them (cache_build) and its first step on it costs the fresh
+        cache's extra; a split-stream request whose residual was dequantized while its anchor
+        cache was built builds the full cache too. The full cache's build s once drafting
+        stops is ps.load_all_s (its verification pass is measured on a fresh cache: no
+        extra)."""
+        env, ctx = self.env, ps.req.context_tokens
+        build_s = self.timing.cache_build_s(ctx)
+        all_in_before = all(rx.is_ready for rx in ps.receivers)
+        ps.load_all_s = build_s
+
+        def built(_event: simpy.Event) -> None:
+            if ps.plan.speculative and not all_in_before and \
+                    all(rx.is_ready for rx in ps.receivers):
+                # the anchor's cache was built for nothing
+                env.timeout(build_s).callbacks.append(lambda _ev: self._admit(ps))
+            else:
+                self._admit(ps)
+
+        env.timeout(build_s + self.timing.first_step_extra_s(ctx)).callbacks.append(built)
+
+    def _load_on_demand(self, ps: Passage) -> None:
+        """deserializer=on_demand, once the needed streams are in (now): as the transport's
+        decoder, dequantize the anchor and draft if the rest is still missing then, else
+        wait for every stream and dequantize the full cache. Each load is the codec's
+        dequantization of the whole cache (stream 0 alone, or every stream) plus the first
+        step's extra cost on a fresh cache (measured profiles). Sets ps.t_need (decoding may
+        start), ps.drafting and ps.load_all_s (the full cache's load s once drafting
+        stops)."""
+        env, receivers = self.env, ps.receivers
+        bf16 = float(self.model.kv_bytes_bf16(ps.req.context_tokens))
+        devices = self.hw.devices
+        extra_s = self.timing.first_step_extra_s(ps.req.context_tokens)
+        load_all_s = self.codec_timing.decode_s(bf16, devices)  # verification's pass, a
+        # fresh cache's first, is measured as such: no extra there
+
+        def all_in() -> bool:
+            return all(rx.ready_t <= env.now for rx in receivers)
+
+        def full_loaded(_event: simpy.Event) -> None:
+            ps.t_need, ps.drafting, ps.load_all_s = env.now, False, 0.0
+            self._admit(ps)
+
+        def load_full() -> None:
+            env.timeout(load_all_s + extra_s).callbacks.append(full_loaded)
+
+        def anchor_loaded(_event: simpy.Event) -> None:
+            if all_in():
+                when_all_ready(receivers, load_full)
+            else:
+                ps.t_need, ps.drafting, ps.load_all_s = env.now, True, load_all_s
+                self._admit(ps)
+
+        if ps.plan.speculative and not all_in():
+            env.timeout(self.codec_timing.anchor_decode_s(bf16, devices) + extra_s) \
+                .callbacks.append(anchor_loaded)
+        else:
+            when_all_ready(receivers, load_full)
+
+    def _admit(self, ps: Passage) -> None:
+        """Queue for the decode instance: a slot, then the cache's bytes (DecodeAdmission)."""
+        req, dnode = ps.req, self.decode[ps.d]
         tokens = req.output_tokens
         # the request's cache in decode memory (bf16, its context and the tokens it decodes)
-        kv_bytes = float(self.model.kv_bytes_bf16(req.context_tokens + tokens))
-        if kv_bytes > dnode.kv_memory_bytes:
+        ps.kv_bytes = float(self.model.kv_bytes_bf16(req.context_tokens + tokens))
+        if ps.kv_bytes > dnode.kv_memory_bytes:
             raise ValueError(
                 f"request {req.seq}: its bf16 KV cache ({req.context_tokens} + {tokens} tokens, "
-                f"{kv_bytes / 1e9:.1f} GB) never fits the decode instance's "
+                f"{ps.kv_bytes / 1e9:.1f} GB) never fits the decode instance's "
                 f"{dnode.kv_memory_bytes / 1e9:.1f} GB left beside the weights; raise "
                 "hardware.devices or shorten the context / output")
-        with dnode.slot.request() as slot:
-            yield slot
-            t_slot = env.now
-            yield dnode.kv_memory.get(kv_bytes)
-            t_start = env.now
-            spec = cfg.speculative
-            # speculative only while some stream is still missing when decoding starts
-            drafting = on_demand_spec if cfg.deserializer == "on_demand" else \
-                plan.speculative and not all(rx.ready.triggered for rx in receivers)
-            overhead_s = draft_overhead_s(spec.draft_overhead_s, self.codec_timing,
-                                          self.model.kv_bytes_bf16(req.context_tokens),
-                                          plan.stream_bytes[0], plan.total_bytes,
-                                          self.hw.devices,
-                                          receiver_draft_s(cfg.deserializer, self.timing,
-                                                           req.context_tokens))
-            member = dnode.batch.join(
-                req.seq, req.context_tokens, tokens, spec.cap_tokens, overhead_s,
-                (lambda n: self.acceptance.sample_accepted(n, self.rng)) if drafting else None)
-            if drafting:
-                yield simpy.AllOf(env, [rx.ready for rx in receivers])
-                dnode.batch.full_ready(member, load_all_s)
-            timeline = yield member.done
-            yield dnode.kv_memory.put(kv_bytes)
-        assigned[d] -= 1
+        dnode.admission.request(ps.kv_bytes, self.env.now,
+                                lambda t_slot: self._decode(ps, t_slot))
+
+    def _decode(self, ps: Passage, t_slot: float) -> None:
+        """Admitted now (slot since t_slot): join the decode batch, speculatively on the
+        anchor while some stream is still missing."""
+        cfg, req, dnode, receivers = self.cfg, ps.req, self.decode[ps.d], ps.receivers
+        ps.t_start, ps.t_slot = self.env.now, t_slot
+        spec = cfg.speculative
+        plan = ps.plan
+        # speculative only while some stream is still missing when decoding starts
+        drafting = ps.drafting if cfg.deserializer == "on_demand" else \
+            plan.speculative and not all(rx.is_ready for rx in receivers)
+        overhead_s = draft_overhead_s(spec.draft_overhead_s, self.codec_timing,
+                                      self.model.kv_bytes_bf16(req.context_tokens),
+                                      plan.stream_bytes[0], plan.total_bytes, self.hw.devices,
+                                      receiver_draft_s(cfg.deserializer, self.timing,
+                                                       req.context_tokens))
+        member = dnode.batch.join(
+            req.seq, req.context_tokens, req.output_tokens, spec.cap_tokens, overhead_s,
+            (lambda n: self.acceptance.sample_accepted(n, self.rng)) if drafting else None,
+            on_leave=lambda m: self._finish(ps, m))
+        if drafting:
+            when_all_ready(receivers, lambda: dnode.batch.full_ready(member, ps.load_all_s))
+
+    def _finish(self, ps: Passage, member: Member) -> None:
+        """The request's last token is out (now): free its place, record it."""
+        cfg, req, receivers, plan = self.cfg, ps.req, ps.receivers, ps.plan
+        pnode, dnode = self.prefill[ps.p], self.decode[ps.d]
+        timeline = member.timeline
+        dnode.admission.release(ps.kv_bytes, self.env.now)
+        self.decode_assigned[ps.d] -= 1
+        needed = ps.needed
         last_needed = max(needed, key=lambda rx: rx.last_arrival_t)
         rec = RequestRecord(
-            req.seq, req.context_tokens, req.arrival_t, t_p0, t_pe, encode_end_t,
-            last_needed.last_arrival_t, last_needed.backlog_start_t, t_need,
+            req.seq, req.context_tokens, req.arrival_t, ps.t_p0, ps.t_pe, ps.encode_end_t,
+            last_needed.last_arrival_t, last_needed.backlog_start_t, ps.t_need,
             max(rx.last_arrival_t for rx in receivers),
             timeline.full_t if cfg.deserializer == "on_demand" else
             max(rx.ready_t for rx in receivers),
-            t_start, timeline, plan.stream_bytes, sum(rx.received_bytes for rx in receivers),
+            ps.t_start, timeline, plan.stream_bytes, sum(rx.received_bytes for rx in receivers),
             plan.policy == "monolithic",
-            {"memory_wait_s": t_start - t_slot, "decode_kv_bytes": kv_bytes})
+            {"memory_wait_s": ps.t_start - ps.t_slot, "decode_kv_bytes": ps.kv_bytes})
         # bytes conserved: what arrived = the codec's wire bytes + per-message framing
         framing = pnode.link.message_overhead_bytes * sum(len(f.sizes_bytes) for f in plan.flows)
         if abs(rec.received_bytes - plan.total_bytes - framing) > 1e-9 * plan.total_bytes:
@@ -287,46 +422,6 @@ class Scenario:
         self.finished += 1
         if self.finished == self.n_requests:
             self.all_done.succeed()
-
-    def _build_on_arrival(self, req: Request, plan: TransferPlan, receivers: list[Receiver]):
-        """deserializer=on_arrival, once the needed streams are dequantized (now): the decoder
-        builds its cache from them (cache_build) and its first step on it costs the fresh
-        cache's extra; a split-stream request whose residual was dequantized while its anchor
-        cache was built builds the full cache too. Returns the full cache's build s once
-        drafting stops (its verification pass is measured on a fresh cache: no extra)."""
-        env = self.env
-        build_s = self.timing.cache_build_s(req.context_tokens)
-        all_in_before = all(rx.ready.triggered for rx in receivers)
-        yield env.timeout(build_s + self.timing.first_step_extra_s(req.context_tokens))
-        if plan.speculative and not all_in_before and \
-                all(rx.ready.triggered for rx in receivers):
-            yield env.timeout(build_s)  # the anchor's cache was built for nothing
-        return build_s
-
-    def _load_on_demand(self, req: Request, plan: TransferPlan, receivers: list[Receiver]):
-        """deserializer=on_demand, once the needed streams are in (now): as the transport's
-        decoder, dequantize the anchor and draft if the rest is still missing then, else
-        wait for every stream and dequantize the full cache. Each load is the codec's
-        dequantization of the whole cache (stream 0 alone, or every stream) plus the first
-        step's extra cost on a fresh cache (measured profiles). Returns (decoding may start
-        now, drafting?, the full cache's load s once drafting stops)."""
-        env = self.env
-        bf16 = float(self.model.kv_bytes_bf16(req.context_tokens))
-        devices = self.hw.devices
-        extra_s = self.timing.first_step_extra_s(req.context_tokens)
-        load_all_s = self.codec_timing.decode_s(bf16, devices)  # verification's pass, a
-        # fresh cache's first, is measured as such: no extra there
-
-        def all_in() -> bool:
-            return all(rx.ready_t <= env.now for rx in receivers)
-
-        if plan.speculative and not all_in():
-            yield env.timeout(self.codec_timing.anchor_decode_s(bf16, devices) + extra_s)
-            if not all_in():
-                return env.now, True, load_all_s
-        yield simpy.AllOf(env, [rx.ready for rx in receivers])
-        yield env.timeout(load_all_s + extra_s)
-        return env.now, False, 0.0
 
     def _send(self, req: Request, plan: TransferPlan, pnode: PrefillNode, dnode: DecodeNode,
               layers_start_t: float, layers_s: float) -> tuple[list[Receiver], float]:
