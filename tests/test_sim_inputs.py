@@ -135,4 +135,6 @@ def test_bench_sim_runs_small_cases(capsys):
     assert [r["case"] for r in rows] == ["tiny", "tiny-multi"]
     assert rows[0]["meets_target"] is True and rows[1]["requests"] == 30
     assert all(r["events"] > 0 and r["messages"] > 0 and r["wall_s"] > 0 for r in rows)
-    assert "events/s" in capsys.readouterr().out
+    assert rows[1]["ms_per_request"] == pytest.approx(1e3 * rows[1]["wall_s"] / 30)
+    out = capsys.readouterr().out
+    assert "events/s" in out and "ms/request" in out

@@ -67,6 +67,9 @@ def run(cfg: Config) -> list[dict]:
             "transfer": row["transfer"], "requests": row["requests"],
             "context_tokens": row["context_tokens"], "granularity": sim_cfg.granularity,
             "wall_s": wall, "target_s": target,
+            # per request: comparable across event models (events/s is not: fewer, heavier
+            # events per request lower it while the run gets faster)
+            "ms_per_request": 1e3 * wall / row["requests"],
             "meets_target": (wall <= target) if target else None,
             "events": row["events"], "events_per_s": row["events"] / wall,
             "messages": row["messages"], "messages_per_s": row["messages"] / wall,
@@ -78,6 +81,7 @@ def run(cfg: Config) -> list[dict]:
     print(format_table(rows, [("case", "case", ""), ("model", "model", ""),
                               ("codec", "codec", ""), ("requests", "req", "d"),
                               ("granularity", "chunks", ""), ("wall_s", "wall s", ".3f"),
+                              ("ms_per_request", "ms/request", ".3f"),
                               ("target_s", "target s", "g"), ("events", "events", "d"),
                               ("events_per_s", "events/s", ".0f"),
                               ("messages", "messages", "d"),
