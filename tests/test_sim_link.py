@@ -176,3 +176,21 @@ def test_flows_submitted_while_holding_finish_as_if_submitted_one_by_one(weighte
         return [f.complete_t.tolist() for f in flows]
 
     assert complete_t(True) == complete_t(False)
+
+
+def test_prepared_messages_are_reused_by_identity_and_bounded():
+    """Link.messages prepares a sizes array once (framing added, running totals) and hands
+    the same object back for the same array; fresh arrays per flow do not grow it
+    without bound."""
+    env = simpy.Environment()
+    link = Link(env, 8.0, message_overhead_bytes=10.0)
+    sizes = np.array([100.0, 50.0])
+    first = link.messages(sizes)
+    assert link.messages(sizes) is first
+    assert first.cum_l == [110.0, 170.0]
+    assert link.messages(np.array([100.0, 50.0])) is not first  # equal, but another array
+    for _ in range(5000):
+        link.messages(np.array([1.0]))
+    assert len(link._messages) <= 4096
+    with pytest.raises(ValueError, match="> 0 bytes"):
+        Link(env, 8.0).messages(np.array([1.0, 0.0]))

@@ -33,6 +33,7 @@ import simpy
 from kvsim.config.checks import check_number, check_trace
 
 _any = np.logical_or.reduce  # ndarray.any without its Python-level wrapper (per flow)
+_MESSAGES_CACHED = 4096  # prepared size arrays a link keeps (Link.messages)
 _REL_EPS = 1e-12  # relative slack when deciding that a message's last byte has left
 TRACE_ORIGINS = ("run", "first_byte")
 
@@ -208,6 +209,8 @@ class Link:
             raise ValueError(f"{self.name}: message sizes must be > 0 bytes")
         messages = Messages(sizes)
         if isinstance(sizes_bytes, np.ndarray):  # lists are built per call: not cached
+            if len(self._messages) >= _MESSAGES_CACHED:  # a caller with fresh arrays per
+                self._messages.clear()  # flow gains nothing; bound what it holds
             self._messages[id(sizes_bytes)] = (sizes_bytes, messages)
         return messages
 
