@@ -140,6 +140,7 @@ def test_interrupted_sweep_resumes_with_only_the_missing_points(tmp_path):
             "workload.context_tokens=8192,16384,24576",
             "link.bandwidth_gbps=10,25", "hydra/launcher=basic",
             f"hydra.sweep.dir={sweep_dir}"]
+
     def interruptible() -> None:  # in the child: SIGINT delivered and handled by Python,
         # whatever this (pytest) process inherited or left blocked or ignored
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})

@@ -150,9 +150,8 @@ def aggregate_request_rows(per: list[dict]) -> dict:
             for key in TTKT_KEYS if all(key in p for p in per)}
     for key, by_k in ttkt.items():
         out[key] = {k: float(np.mean(values)) for k, values in by_k.items()}
-    for key in ("ttkt_s", "ttkt_committed_s"):
-        by_k = ttkt.get(key) or {k: [p[key][k] for p in per if k in p[key]] for k in ks}
-        out[key.removesuffix("_s") + "_pct_s"] = {k: percentiles(v) for k, v in by_k.items()}
+    for key in ("ttkt_s", "ttkt_committed_s"):  # every row has both (request_row)
+        out[key.removesuffix("_s") + "_pct_s"] = {k: percentiles(v) for k, v in ttkt[key].items()}
     out["breakdown_s"] = {key: float(np.mean([p["breakdown_s"][key] for p in per]))
                           for key in BREAKDOWN_KEYS}
     out["proposed_tokens"] = int(sum(p["proposed_tokens"] for p in per))

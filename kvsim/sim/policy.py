@@ -17,7 +17,7 @@ layer travel as one message (coarser, far fewer events: for big multi-request ru
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -47,9 +47,10 @@ class TransferPlan:
     stream_names: list[str]
     stream_bytes: list[int]  # wire bytes per stream (preamble counted in stream 0)
     total_bytes: int
+    encode_cum_s: np.ndarray = field(init=False)  # [c] s, encode time through chunk i
 
     def __post_init__(self) -> None:
-        self.encode_cum_s = np.cumsum(self.encode_s)  # [c] s, encode time through chunk i
+        self.encode_cum_s = np.cumsum(self.encode_s)
 
     @property
     def speculative(self) -> bool:
