@@ -67,14 +67,16 @@ def test_ingress_rate_is_validated():
         LinkConfig(decode_ingress_gbps=-1.0).validate()
 
 
-def _deser_run(tmp_path, mode: str, transfer: str = "auto", arrivals=(0.0, 0.0)):
+def _deser_run(tmp_path, mode: str, transfer: str = "auto", arrivals=(0.0, 0.0),
+               ingress_gbps: float = 0.0, decode_gb_per_s: float = 25.0):
     timing = tmp_path / "timing.json"
-    entry = {"encode_gb_per_s": 50.0, "decode_gb_per_s": 25.0, "source": "assumed",
+    entry = {"encode_gb_per_s": 50.0, "decode_gb_per_s": decode_gb_per_s, "source": "assumed",
              "assumption": "test"}
     timing.write_text(json.dumps({"version": 1, "hardware": "test", "default": entry}))
     cfg = SimConfig(model=MODEL, hardware=HW, codecs=["bf16"], codec_timing=str(timing),
                     deserializer=mode, transfer=transfer)
-    cfg.link = replace(cfg.link, bandwidth_gbps=1.0, latency_s=0.002)
+    cfg.link = replace(cfg.link, bandwidth_gbps=1.0, latency_s=0.002,
+                       decode_ingress_gbps=ingress_gbps)
     cfg.workload = replace(cfg.workload, kind="trace", arrivals_t=list(arrivals),
                            arrivals_context_tokens=[1000] * len(arrivals), output_tokens=8,
                            prefill_nodes=2, decode_nodes=1)
@@ -102,11 +104,41 @@ def test_node_deserializer_alone_is_the_per_request_pipeline(tmp_path):
     assert node.needed_ready_t == pytest.approx(shared.needed_ready_t, rel=1e-12)
 
 
-def test_node_deserializer_with_ingress_is_refused():
-    cfg = SimConfig(model=MODEL, hardware=HW, deserializer="node")
-    cfg.link = replace(cfg.link, decode_ingress_gbps=10.0)
-    with pytest.raises(ValueError, match="deserializer=node cannot be combined"):
-        cfg.validate()
+def test_node_deserializer_with_ingress_is_fifo_over_both_crossings(tmp_path):
+    # bf16 monolithic, two requests at t=0 on two 1 Gbps prefill links into one decode
+    # instance whose ingress is 1 Gbps: both flows share the ingress (0.5 Gbps each), so
+    # each arrives 2 x one_link_s after its encode ends; one deserializer serves the two
+    # whole-cache jobs (1000 tokens x 2048 B / 25 GB/s) one after the other
+    work_s = 1000 * 2048 / 25e9
+    a, b = _deser_run(tmp_path, "node", ingress_gbps=1.0)
+    one_link_s = 8 * a.received_bytes / 1e9
+    for r in (a, b):
+        assert r.needed_arrival_t == pytest.approx(r.encode_end_t + 2 * one_link_s + 0.002,
+                                                   rel=1e-12)
+    assert sorted([a.needed_ready_t, b.needed_ready_t]) == pytest.approx(
+        [a.needed_arrival_t + work_s, a.needed_arrival_t + 2 * work_s], rel=1e-12)
+
+
+def test_node_deserializer_sees_layers_before_the_flow_through_the_ingress_is_done(tmp_path):
+    # layer-wise, two requests 1 ms apart on two prefill links into one decode instance:
+    # their layers arrive interleaved and one server takes them by arrival. An ingress that
+    # is never the bottleneck (1000 Gbps) changes no arrival, so every time must equal the
+    # run without it; this holds only if the ingress join hands each layer on as both links
+    # carry it (a join that reported a flow's layers when it is done would queue the other
+    # request's earlier layers behind them)
+    # A layer is 1000 x 2048 / 4 B: 4.1 ms on a 1 Gbps link, 5.1 ms of work at 0.1 GB/s, so
+    # the server is the bottleneck and the order of its jobs decides the ready times
+    arrivals, slow = (0.0, 0.001), 0.1
+    base = _deser_run(tmp_path, "node", "layerwise", arrivals, decode_gb_per_s=slow)
+    joined = _deser_run(tmp_path, "node", "layerwise", arrivals, ingress_gbps=1000.0,
+                        decode_gb_per_s=slow)
+    # the two requests contend for the server: each is ready later than on its own one
+    alone = _deser_run(tmp_path, "shared", "layerwise", arrivals, decode_gb_per_s=slow)
+    assert all(b.needed_ready_t > a.needed_ready_t for a, b in zip(alone, base, strict=True))
+    for b, j in zip(base, joined, strict=True):
+        assert j.needed_arrival_t == pytest.approx(b.needed_arrival_t, rel=1e-12)
+        assert j.needed_ready_t == pytest.approx(b.needed_ready_t, rel=1e-12)
+        assert j.received_bytes == b.received_bytes
 
 
 def test_node_deserializer_is_fifo_by_arrival_across_requests():

@@ -261,11 +261,6 @@ class SimConfig:
         self.model.validate()
         check_choice("granularity", self.granularity, GRANULARITIES)
         check_choice("deserializer", self.deserializer, DESERIALIZERS)
-        if self.deserializer == "node" and self.link.decode_ingress_gbps:
-            # the ingress join reports a flow's arrivals only when it is done: a FIFO
-            # over the whole instance could not see every arrival so far
-            raise ValueError("deserializer=node cannot be combined with "
-                             "link.decode_ingress_gbps > 0 (not modelled)")
         if isinstance(self.samples, bool) or not isinstance(self.samples, int) or \
                 self.samples < 1:
             raise ValueError(f"samples must be an integer >= 1, got {self.samples!r}")

@@ -39,26 +39,38 @@ class CarriedFlow:
 
 
 class IngressJoin:
-    """Joins one flow's two crossings (egress, ingress) for its `Receiver`: when both are
-    done, hands the receiver every message at its later completion + the egress latency."""
+    """Joins one flow's two crossings (egress, ingress) for its `Receiver`: a message has
+    arrived once both links have carried it, at the later of its two completions + the
+    egress latency. Messages are handed on as soon as both links have reported them
+    (each link reports its messages in order, at its rate changes and flushes), so a
+    reader that flushes both links sees every message that has arrived by now + latency
+    (kvsim.sim.nodes.NodeDeserializer); the flow is done when both crossings are."""
 
     def __init__(self, rx: Receiver) -> None:
         self.rx = rx
-        self.egress: Flow | None = None
+        self.egress: Flow | None = None  # set by Scenario._send from each link's submit
         self.ingress: Flow | None = None
+        self.reported = 0  # messages 0..reported-1 handed to the receiver
+        self._done = 0  # crossings done (2: both)
 
-    def egress_done(self, flow: Flow) -> None:
-        self.egress = flow
-        self._both()
-
-    def ingress_done(self, flow: Flow) -> None:
-        self.ingress = flow
-        self._both()
-
-    def _both(self) -> None:
-        if self.egress is None or self.ingress is None:
+    def delivered(self, _flow: Flow, _j0: int, _j1: int, _arrival_t: np.ndarray) -> None:
+        """Either link reported messages: hand on those both have carried now."""
+        egress, ingress = self.egress, self.ingress
+        if egress is None or ingress is None:
             return
-        carried = CarriedFlow(self.egress, self.ingress)
-        arrival_t = carried.complete_t + self.egress.link.latency_s  # [m] s
-        self.rx.delivered(carried, 0, len(arrival_t), arrival_t)
-        self.rx.done(carried)
+        j0, j1 = self.reported, min(egress.head, ingress.head)
+        if j1 <= j0:
+            return
+        self.reported = j1
+        arrival_t = np.maximum(egress.complete_t[j0:j1], ingress.complete_t[j0:j1]) + \
+            egress.link.latency_s  # [j1 - j0] s
+        self.rx.delivered(egress, j0, j1, arrival_t)
+
+    def crossing_done(self, _flow: Flow) -> None:
+        """One link sent the flow's last message; once both have, the flow is done."""
+        self._done += 1
+        if self._done < 2 or self.egress is None or self.ingress is None:
+            return
+        if self.reported < self.egress.n:  # (both links report before they finish)
+            self.delivered(self.egress, 0, 0, np.empty(0))
+        self.rx.done(CarriedFlow(self.egress, self.ingress))

@@ -208,14 +208,15 @@ class Scenario:
                        for i in range(w.decode_nodes)]
         # [i] requests routed to decode node i and not finished
         self.decode_assigned = [0] * w.decode_nodes
-        if cfg.deserializer == "node":  # one FIFO deserializer per decode instance
-            for node in self.decode:
-                node.deserializer = NodeDeserializer(self.links)
         # optional ingress per decode node (no latency: counted once, on the egress link)
         self.ingress = [Link(env, cfg.link.decode_ingress_gbps, name=f"ingress{i}",
                              message_overhead_bytes=cfg.link.message_overhead_bytes,
                              class_weight=class_weight)
                         for i in range(w.decode_nodes)] if cfg.link.decode_ingress_gbps else []
+        if cfg.deserializer == "node":  # one FIFO deserializer per decode instance, which
+            for i, node in enumerate(self.decode):  # flushes every link its flows cross
+                node.deserializer = NodeDeserializer(
+                    self.links + ([self.ingress[i]] if self.ingress else []))
         self.finished = 0
         self.all_done = env.event()
         self.n_requests = len(reqs)
@@ -443,10 +444,12 @@ class Scenario:
                 prio = link_priority(cfg.link, req.seq, req.arrival_t, fp.stream)
                 name = f"r{req.seq}.{fp.name}"
                 join = IngressJoin(rx)
-                pnode.link.submit(fp.sizes_bytes, rel[fp.chunk], prio, None,
-                                  join.egress_done, name=name, tag=req.seq)
-                self.ingress[dnode.index].submit(fp.sizes_bytes, rel[fp.chunk], prio, None,
-                                                 join.ingress_done, name=name, tag=req.seq)
+                join.egress = pnode.link.submit(fp.sizes_bytes, rel[fp.chunk], prio,
+                                                join.delivered, join.crossing_done,
+                                                name=name, tag=req.seq)
+                join.ingress = self.ingress[dnode.index].submit(
+                    fp.sizes_bytes, rel[fp.chunk], prio, join.delivered, join.crossing_done,
+                    name=name, tag=req.seq)
                 self.messages += len(fp.sizes_bytes)
             return receivers, float(rel[-1])
         with pnode.link.holding():  # the request's flows enter the link with one reallocation
