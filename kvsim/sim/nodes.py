@@ -297,9 +297,11 @@ class NodeDeserializer:
     of every request on the instance, first come first served by arrival time.
 
     Exact without an event per message: messages are buffered as the links report them and
-    served when some flow to the instance is done. Then every link is flushed, so every
-    message that arrives by now + latency is known (one not yet reported leaves its link
-    after now); FIFO by arrival, none of them can be overtaken by a later report, so the
+    served when some flow to the instance is done. Then every link is flushed (the egress
+    links and, with link.decode_ingress_gbps, the instance's ingress: kvsim.sim.ingress
+    hands a message on once both have carried it), so every message that arrives by now +
+    latency is known (one not yet reported leaves a link after now); FIFO by arrival, none
+    of them can be overtaken by a later report, so the
     buffered batch is served in arrival order after the server's previous work
     (serial_pipeline from free_t), and a done flow's last message has its finish time."""
 
