@@ -72,6 +72,36 @@ def test_markdown_table_one_line_per_scenario_and_codec():
     assert "| tc | 0.2 | 1024 | 0.3 | lynx | 2.000 / 1.900 (ttft_p50) | -5.0 |" in text
 
 
+def test_the_decode_step_is_compared_once_per_scenario_and_codec():
+    # TT<k>T of a long decode is mostly k steps: the rows carry both engines' step, the
+    # table shows it, and the summary averages its error once per (scenario, codec)
+    scenario = {"case": "single", "emulation": "tc", "bandwidth_gbps": 1.0,
+                "context_tokens": 1024, "codec": "int8", "tpot_measured_s": 0.080,
+                "tpot_simulated_s": 0.088}
+    rows = errors.compare(scenario, {"ttft_from_prefill_end_s": 1.0,
+                                     "ttkt_from_prefill_end_s": {"32": 3.0}},
+                          {"ttft_from_prefill_end_s": 1.0, "ttkt_from_prefill_end_s": {32: 3.3}},
+                          errors.single_metrics([32])[:2])
+    other = errors.compare({**scenario, "codec": "bf16", "tpot_simulated_s": 0.076},
+                           {"ttft_from_prefill_end_s": 1.0}, {"ttft_from_prefill_end_s": 1.0},
+                           errors.single_metrics([])[:1])
+    assert errors.step_error_pct(rows[0]) == pytest.approx(10.0)
+    s = errors.summary(rows + other)
+    assert s["step_mean_abs_pct_error"] == pytest.approx(7.5)  # (10 + 5) / 2, not 3 rows
+    assert s["step_max_abs_pct_error"] == pytest.approx(10.0)
+    text = errors.markdown_table(rows + other)
+    assert "| link | Gbps | ctx | codec | measured / simulated s | step ms | ttft % |" in text
+    assert "| tc | 1 | 1024 | int8 | 3.000 / 3.300 (tt32t) | 80.0 / 88.0 | +0.0 | +10.0 |" in text
+    # without steps in the rows (a multi-request case, older reports): no column, no figure
+    assert math.isnan(errors.summary([{"error_pct": 1.0}]).get("step_mean_abs_pct_error",
+                                                                 math.nan))
+    assert "step ms" not in errors.markdown_table(
+        errors.compare({"case": "single", "emulation": "tc", "bandwidth_gbps": 1.0,
+                        "context_tokens": 1024, "codec": "int8"},
+                       {"ttft_from_prefill_end_s": 1.0}, {"ttft_from_prefill_end_s": 1.0},
+                       errors.single_metrics([])[:1]))
+
+
 def test_plot_kind_fidelity_draws_a_validate_report(tmp_path):
     import json
 

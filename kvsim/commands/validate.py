@@ -213,7 +213,10 @@ def run(cfg: Config) -> dict:
                         "accepted_simulated": f"{s.get('accepted_tokens', 0):.3g}/"
                                               f"{s.get('proposed_tokens', 0):.3g}",
                         "prefill_measured_s": m.get("prefill_s"),
-                        "prefill_simulated_s": s.get("prefill_s"), **probed}
+                        "prefill_simulated_s": s.get("prefill_s"),
+                        # the decode step after the first (s/token): errors.step_error_pct
+                        "tpot_measured_s": m.get("tpot_s"), "tpot_simulated_s": s.get("tpot_s"),
+                        **probed}
             rows += errors.compare(scenario, m, s, single)
     if cfg.multi.enabled and cfg.multi.emulation in emulations:
         rows += _multi(cfg, profiles, started, run_dir)
@@ -301,6 +304,10 @@ def _print(rows: list[dict], summary: dict) -> None:
     spread = summary.get("mean_measured_spread_pct", float("nan"))
     if spread == spread:  # repeated runs: the noise floor the errors sit on
         print(f"repeated emulated runs of one scenario land {spread:.1f}% apart on average")
+    step = summary.get("step_mean_abs_pct_error", float("nan"))
+    if step == step:  # the host's step against its calibration: what TT<k>T errors inherit
+        print(f"decode step, simulated (calibrated) vs measured in the scenario: mean |error| "
+              f"{step:.1f}%, worst {summary['step_max_abs_pct_error']:.1f}%")
     print(f"mean |error| {summary['mean_abs_pct_error']:.2f}% (target "
           f"{summary['target_mean_abs_pct']}%), worst {summary['max_abs_pct_error']:.2f}% "
           f"(target {summary['target_max_abs_pct']}%) over {summary['compared']} comparisons"

@@ -70,13 +70,40 @@ def compare(scenario: dict, measured: dict, simulated: dict, metrics: list[Metri
     return out
 
 
+def step_error_pct(row: dict) -> float:
+    """The decode step's error (%) of a single-request row: the simulator's step (its
+    calibrated profile) against the step the emulated run measured (`tpot_measured_s`,
+    `tpot_simulated_s`: mean seconds per token after the first); nan without both. TT<k>T
+    for large k is mostly k steps, so this is the part of its error the host's step speed
+    on the day explains (it drifts between calibration and scenario)."""
+    a, b = row.get("tpot_measured_s"), row.get("tpot_simulated_s")
+    if not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or \
+            not math.isfinite(a) or not math.isfinite(b) or a <= 0:
+        return math.nan
+    return 100.0 * (b - a) / a
+
+
+def _step_errors(rows: list[dict]) -> list[float]:
+    """|step error| (%) once per (scenario, codec) that has one."""
+    seen: dict[tuple, float] = {}
+    for r in rows:
+        err = step_error_pct(r)
+        if math.isfinite(err):
+            seen[(r.get("case"), r.get("emulation"), r.get("bandwidth_gbps"),
+                  r.get("context_tokens"), r.get("codec"))] = abs(err)
+    return list(seen.values())
+
+
 def summary(rows: list[dict]) -> dict:
     """mean / max absolute error (%) over the rows with a finite error, and which row is
-    the worst; rows without one are counted (`missing`), never averaged in."""
+    the worst; rows without one are counted (`missing`), never averaged in. With the
+    decode steps in the rows, also the steps' mean / max absolute error (%) over the
+    (scenario, codec) pairs: how far the host's step moved from its calibration."""
     errs = [abs(r["error_pct"]) for r in rows if math.isfinite(r["error_pct"])]
     if not errs:
         return {"mean_abs_pct_error": math.nan, "max_abs_pct_error": math.nan,
                 "compared": 0, "missing": len(rows)}
+    steps = _step_errors(rows)
     worst = max((r for r in rows if math.isfinite(r["error_pct"])),
                 key=lambda r: abs(r["error_pct"]))
     spreads = [r["measured_spread_pct"] for r in rows
@@ -85,13 +112,16 @@ def summary(rows: list[dict]) -> dict:
             "compared": len(errs), "missing": len(rows) - len(errs),
             # the noise floor: how far repeated runs of one scenario land apart, on average
             "mean_measured_spread_pct": sum(spreads) / len(spreads) if spreads else math.nan,
+            "step_mean_abs_pct_error": sum(steps) / len(steps) if steps else math.nan,
+            "step_max_abs_pct_error": max(steps) if steps else math.nan,
             "worst": {k: worst[k] for k in worst if k not in ("measured_s", "simulated_s")}}
 
 
 def markdown_table(rows: list[dict]) -> str:
     """One table per case (single, multi), one line per (scenario, codec): the measured and
-    simulated value of its headline metric (the longest TT<k>T committed; TTFT p50) and the
-    signed error (%) of every metric compared."""
+    simulated value of its headline metric (the longest TT<k>T committed; TTFT p50), the
+    decode step measured / simulated (ms, single rows that carry it) and the signed error
+    (%) of every metric compared."""
     out = []
     for case in dict.fromkeys(r["case"] for r in rows):
         cr = [r for r in rows if r["case"] == case]
@@ -102,16 +132,23 @@ def markdown_table(rows: list[dict]) -> str:
             groups.setdefault(key, []).append(r)
         metrics = list(dict.fromkeys(r["metric"] for r in cr))
         multi = case == "multi"
+        step = not multi and any("tpot_measured_s" in r for r in cr)
         lines = [f"| link | Gbps | ctx | {'req/s | ' if multi else ''}codec | measured / "
-                 "simulated s | " + " | ".join(f"{m} %" for m in metrics) + " |",
-                 "|" + "---|" * (5 + multi + len(metrics))]
+                 f"simulated s | {'step ms | ' if step else ''}"
+                 + " | ".join(f"{m} %" for m in metrics) + " |",
+                 "|" + "---|" * (5 + multi + step + len(metrics))]
         for (link, gbps, ctx, rate, codec), rs in groups.items():
             by = {r["metric"]: r for r in rs}
             head = by.get("ttft_p50", rs[0]) if multi else rs[-1]
             errs = [f"{by[m]['error_pct']:+.1f}" if m in by and
                     math.isfinite(by[m]["error_pct"]) else "" for m in metrics]
+            steps = ""
+            if step:
+                ok = math.isfinite(step_error_pct(head))
+                steps = (f"{1e3 * head['tpot_measured_s']:.1f} / "
+                         f"{1e3 * head['tpot_simulated_s']:.1f} | ") if ok else " | "
             lines.append(f"| {link} | {gbps:g} | {ctx} | {f'{rate:g} | ' if multi else ''}"
                          f"{codec} | {head['measured_s']:.3f} / {head['simulated_s']:.3f} "
-                         f"({head['metric']}) | " + " | ".join(errs) + " |")
+                         f"({head['metric']}) | {steps}" + " | ".join(errs) + " |")
         out.append("\n".join(lines))
     return "\n\n".join(out) + "\n"
