@@ -3,6 +3,7 @@ deserializer=on_demand, the receiver model validation runs with."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -92,6 +93,16 @@ def test_the_decode_step_is_compared_once_per_scenario_and_codec():
     text = errors.markdown_table(rows + other)
     assert "| link | Gbps | ctx | codec | measured / simulated s | step ms | ttft % |" in text
     assert "| tc | 1 | 1024 | int8 | 3.000 / 3.300 (tt32t) | 80.0 / 88.0 | +0.0 | +10.0 |" in text
+    # read back from fidelity.json, where a NaN is null: the same table and summary
+    from kvsim.report import json_safe
+
+    missing = {**rows[0], "metric": "tt64t", "simulated_s": math.nan, "error_pct": math.nan,
+               "measured_spread_pct": math.nan}
+    back = json.loads(json.dumps(json_safe(rows + other + [missing])))
+    assert back[-1]["error_pct"] is None
+    assert errors.summary(back)["step_mean_abs_pct_error"] == pytest.approx(7.5)
+    assert errors.summary(back)["missing"] == 1
+    assert "| 80.0 / 88.0 | +0.0 | +10.0 |" in errors.markdown_table(back)
     # without steps in the rows (a multi-request case, older reports): no column, no figure
     assert math.isnan(errors.summary([{"error_pct": 1.0}]).get("step_mean_abs_pct_error",
                                                                  math.nan))

@@ -68,19 +68,20 @@ def test_ingress_rate_is_validated():
 
 
 def _deser_run(tmp_path, mode: str, transfer: str = "auto", arrivals=(0.0, 0.0),
-               ingress_gbps: float = 0.0, decode_gb_per_s: float = 25.0):
+               ingress_gbps: float = 0.0, decode_gb_per_s: float = 25.0,
+               egress_gbps: float = 1.0, prefill_nodes: int = 2):
     timing = tmp_path / "timing.json"
     entry = {"encode_gb_per_s": 50.0, "decode_gb_per_s": decode_gb_per_s, "source": "assumed",
              "assumption": "test"}
     timing.write_text(json.dumps({"version": 1, "hardware": "test", "default": entry}))
     cfg = SimConfig(model=MODEL, hardware=HW, codecs=["bf16"], codec_timing=str(timing),
                     deserializer=mode, transfer=transfer)
-    cfg.link = replace(cfg.link, bandwidth_gbps=1.0, latency_s=0.002,
+    cfg.link = replace(cfg.link, bandwidth_gbps=egress_gbps, latency_s=0.002,
                        decode_ingress_gbps=ingress_gbps)
     cfg.workload = replace(cfg.workload, kind="trace", arrivals_t=list(arrivals),
                            arrivals_context_tokens=[1000] * len(arrivals), output_tokens=8,
-                           prefill_nodes=2, decode_nodes=1)
-    sc = Scenario(cfg, variants(cfg)[0], 1000, 1.0)
+                           prefill_nodes=prefill_nodes, decode_nodes=1)
+    sc = Scenario(cfg, variants(cfg)[0], 1000, egress_gbps)
     sc.run()
     return sorted(sc.records, key=lambda r: r.seq)
 
@@ -139,6 +140,27 @@ def test_node_deserializer_sees_layers_before_the_flow_through_the_ingress_is_do
         assert j.needed_arrival_t == pytest.approx(b.needed_arrival_t, rel=1e-12)
         assert j.needed_ready_t == pytest.approx(b.needed_ready_t, rel=1e-12)
         assert j.received_bytes == b.received_bytes
+
+
+@pytest.mark.parametrize("mode", ["node", "shared"])
+def test_an_ingress_that_is_the_bottleneck_is_the_link_it_replaces(tmp_path, mode):
+    # one prefill node, two layer-wise requests whose transfers overlap (a 512 KB layer
+    # takes 41 ms at 0.1 Gbps, the prefill releases one per 10 ms): a 0.2 Gbps egress into
+    # a 0.1 Gbps ingress carries every message when a lone 0.1 Gbps egress would (the
+    # ingress shares itself as that link would, and the egress is always ahead of it), so
+    # every arrival and ready time is the same. The ingress's reports lag the egress's:
+    # a join that handed messages on at the egress's report, or only once the flow is done
+    # (node: checked, the first request's ready time moves), would not give these times
+    common = dict(transfer="layerwise", arrivals=(0.0, 0.001), decode_gb_per_s=0.1,
+                  prefill_nodes=1)
+    alone = _deser_run(tmp_path, mode, egress_gbps=0.1, **common)
+    joined = _deser_run(tmp_path, mode, egress_gbps=0.2, ingress_gbps=0.1, **common)
+    for a, j in zip(alone, joined, strict=True):
+        assert j.needed_arrival_t == pytest.approx(a.needed_arrival_t, rel=1e-12)
+        assert j.needed_ready_t == pytest.approx(a.needed_ready_t, rel=1e-12)
+        assert j.received_bytes == a.received_bytes
+    # the two requests' transfers overlap: the second starts before the first is in
+    assert alone[1].prefill_end_t < alone[0].needed_arrival_t
 
 
 def test_node_deserializer_is_fifo_by_arrival_across_requests():

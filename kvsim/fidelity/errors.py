@@ -40,7 +40,7 @@ def value(row: dict, m: Metric) -> float:
     v: Any = row.get(m.field)
     if m.key:
         v = {str(k): x for k, x in v.items()}.get(m.key) if isinstance(v, dict) else None
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+    return _number(v)
 
 
 def spread_pct(values: list[float]) -> float:
@@ -76,11 +76,15 @@ def step_error_pct(row: dict) -> float:
     `tpot_simulated_s`: mean seconds per token after the first); nan without both. TT<k>T
     for large k is mostly k steps, so this is the part of its error the host's step speed
     on the day explains (it drifts between calibration and scenario)."""
-    a, b = row.get("tpot_measured_s"), row.get("tpot_simulated_s")
-    if not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or \
-            not math.isfinite(a) or not math.isfinite(b) or a <= 0:
+    a, b = _number(row.get("tpot_measured_s")), _number(row.get("tpot_simulated_s"))
+    if not math.isfinite(a) or not math.isfinite(b) or a <= 0:
         return math.nan
     return 100.0 * (b - a) / a
+
+
+def _number(v: Any) -> float:
+    """v as a float, nan when it is not a number (None: a NaN written to JSON as null)."""
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
 
 
 def _step_errors(rows: list[dict]) -> list[float]:
@@ -99,15 +103,15 @@ def summary(rows: list[dict]) -> dict:
     the worst; rows without one are counted (`missing`), never averaged in. With the
     decode steps in the rows, also the steps' mean / max absolute error (%) over the
     (scenario, codec) pairs: how far the host's step moved from its calibration."""
-    errs = [abs(r["error_pct"]) for r in rows if math.isfinite(r["error_pct"])]
+    finite = [r for r in rows if math.isfinite(_number(r["error_pct"]))]  # (JSON: null)
+    errs = [abs(r["error_pct"]) for r in finite]
     if not errs:
         return {"mean_abs_pct_error": math.nan, "max_abs_pct_error": math.nan,
                 "compared": 0, "missing": len(rows)}
     steps = _step_errors(rows)
-    worst = max((r for r in rows if math.isfinite(r["error_pct"])),
-                key=lambda r: abs(r["error_pct"]))
+    worst = max(finite, key=lambda r: abs(r["error_pct"]))
     spreads = [r["measured_spread_pct"] for r in rows
-               if math.isfinite(r.get("measured_spread_pct", math.nan))]
+               if math.isfinite(_number(r.get("measured_spread_pct")))]
     return {"mean_abs_pct_error": sum(errs) / len(errs), "max_abs_pct_error": max(errs),
             "compared": len(errs), "missing": len(rows) - len(errs),
             # the noise floor: how far repeated runs of one scenario land apart, on average
@@ -141,14 +145,15 @@ def markdown_table(rows: list[dict]) -> str:
             by = {r["metric"]: r for r in rs}
             head = by.get("ttft_p50", rs[0]) if multi else rs[-1]
             errs = [f"{by[m]['error_pct']:+.1f}" if m in by and
-                    math.isfinite(by[m]["error_pct"]) else "" for m in metrics]
+                    math.isfinite(_number(by[m]["error_pct"])) else "" for m in metrics]
             steps = ""
             if step:
                 ok = math.isfinite(step_error_pct(head))
                 steps = (f"{1e3 * head['tpot_measured_s']:.1f} / "
                          f"{1e3 * head['tpot_simulated_s']:.1f} | ") if ok else " | "
+            pair = f"{_number(head['measured_s']):.3f} / {_number(head['simulated_s']):.3f}"
             lines.append(f"| {link} | {gbps:g} | {ctx} | {f'{rate:g} | ' if multi else ''}"
-                         f"{codec} | {head['measured_s']:.3f} / {head['simulated_s']:.3f} "
-                         f"({head['metric']}) | {steps}" + " | ".join(errs) + " |")
+                         f"{codec} | {pair} ({head['metric']}) | {steps}" + " | ".join(errs)
+                         + " |")
         out.append("\n".join(lines))
     return "\n\n".join(out) + "\n"

@@ -51,7 +51,6 @@ class IngressJoin:
         self.egress: Flow | None = None  # set by Scenario._send from each link's submit
         self.ingress: Flow | None = None
         self.reported = 0  # messages 0..reported-1 handed to the receiver
-        self._done = 0  # crossings done (2: both)
 
     def delivered(self, _flow: Flow, _j0: int, _j1: int, _arrival_t: np.ndarray) -> None:
         """Either link reported messages: hand on those both have carried now."""
@@ -67,10 +66,16 @@ class IngressJoin:
         self.rx.delivered(egress, j0, j1, arrival_t)
 
     def crossing_done(self, _flow: Flow) -> None:
-        """One link sent the flow's last message; once both have, the flow is done."""
-        self._done += 1
-        if self._done < 2 or self.egress is None or self.ingress is None:
+        """One link sent the flow's last message; once both have, the flow is done. Both
+        links are flushed first: the request's Deserializer evaluates the flow now from
+        every message of its other streams that has arrived by now + latency, and a
+        message's report waits for the later of its two links (flushing reallocates
+        nothing; the link calling this is already advanced to now)."""
+        egress, ingress = self.egress, self.ingress
+        if egress is None or ingress is None or not (egress.done and ingress.done):
             return
-        if self.reported < self.egress.n:  # (both links report before they finish)
-            self.delivered(self.egress, 0, 0, np.empty(0))
-        self.rx.done(CarriedFlow(self.egress, self.ingress))
+        egress.link.flush()
+        ingress.link.flush()
+        if self.reported < egress.n:  # (both links report before they finish)
+            self.delivered(egress, 0, 0, np.empty(0))
+        self.rx.done(CarriedFlow(egress, ingress))
