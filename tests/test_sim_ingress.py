@@ -126,9 +126,9 @@ def test_node_deserializer_sees_layers_before_the_flow_through_the_ingress_is_do
     # is never the bottleneck (1000 Gbps) changes no arrival, so every time must equal the
     # run without it; this holds only if the ingress join hands each layer on as both links
     # carry it (a join that reported a flow's layers when it is done would queue the other
-    # request's earlier layers behind them)
-    # A layer is 1000 x 2048 / 4 B: 4.1 ms on a 1 Gbps link, 5.1 ms of work at 0.1 GB/s, so
-    # the server is the bottleneck and the order of its jobs decides the ready times
+    # request's earlier layers behind them). A layer is 1000 x 2048 / 4 B: 4.1 ms on a
+    # 1 Gbps link, 5.1 ms of work at 0.1 GB/s, so the server is the bottleneck and the
+    # order of its jobs decides the ready times
     arrivals, slow = (0.0, 0.001), 0.1
     base = _deser_run(tmp_path, "node", "layerwise", arrivals, decode_gb_per_s=slow)
     joined = _deser_run(tmp_path, "node", "layerwise", arrivals, ingress_gbps=1000.0,

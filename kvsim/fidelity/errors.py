@@ -34,6 +34,11 @@ MULTI_METRICS = [Metric("ttft_p50", "ttft_pct_s", "p50"), Metric("ttft_p99", "tt
                  Metric("ttft_c_p99", "ttft_committed_pct_s", "p99")]
 
 
+def _number(v: Any) -> float:
+    """v as a float, nan when it is not a number (None: a NaN written to JSON as null)."""
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+
+
 def value(row: dict, m: Metric) -> float:
     """The metric's value in a row (nan when absent); dict keys compared as strings (a row
     read back from JSON has string keys, one built in memory int keys)."""
@@ -80,11 +85,6 @@ def step_error_pct(row: dict) -> float:
     if not math.isfinite(a) or not math.isfinite(b) or a <= 0:
         return math.nan
     return 100.0 * (b - a) / a
-
-
-def _number(v: Any) -> float:
-    """v as a float, nan when it is not a number (None: a NaN written to JSON as null)."""
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
 
 
 def _step_errors(rows: list[dict]) -> list[float]:

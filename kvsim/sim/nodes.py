@@ -301,9 +301,9 @@ class NodeDeserializer:
     links and, with link.decode_ingress_gbps, the instance's ingress: kvsim.sim.ingress
     hands a message on once both have carried it), so every message that arrives by now +
     latency is known (one not yet reported leaves a link after now); FIFO by arrival, none
-    of them can be overtaken by a later report, so the
-    buffered batch is served in arrival order after the server's previous work
-    (serial_pipeline from free_t), and a done flow's last message has its finish time."""
+    of them can be overtaken by a later report, so the buffered batch is served in arrival
+    order after the server's previous work (serial_pipeline from free_t), and a done flow's
+    last message has its finish time."""
 
     def __init__(self, links: list[Link]) -> None:
         self.links = links  # every link that carries flows to this instance
