@@ -24,7 +24,10 @@ and optionally (written by `kvsim calibrate`)
                                     only load left once the last layer is dequantized)
   "draft_step": {"ratio": r}        a draft step over a decode step while the receiver
                                     dequantizes the later streams beside it (>= 1; the
-                                    drafting overhead of deserializer=on_arrival)
+                                    drafting overhead of deserializer=on_arrival), averaged
+                                    over the drafting; optional "busy_ratio": the same
+                                    while the on-arrival worker is busy (>= 1; used, with
+                                    the worker's load, where present)
 Piecewise-linear interpolation; batch and drafted-token curves measured at one context are
 applied as ratios to the batch-1 TPOT at other contexts; without them the roofline's ratio
 is used.
@@ -198,6 +201,16 @@ class TimingModel:
             return 0.0
         return (float(draft["ratio"]) - 1.0) * self.tpot_s(context_tokens)
 
+    def draft_busy_contention_s(self, context_tokens: int) -> float | None:
+        """What a draft step costs beyond a decode step while the receiver's on-arrival
+        worker dequantizes beside it (s): (draft_step.busy_ratio - 1) x TPOT at this context;
+        None when the profile did not measure it (kvsim.calibrate.receiver_timing:
+        draft_busy_ratio, from the worker's layer spans)."""
+        draft = self._profile.get("draft_step") if self._profile else None
+        if not draft or "busy_ratio" not in draft:
+            return None
+        return (float(draft["busy_ratio"]) - 1.0) * self.tpot_s(context_tokens)
+
     def member_work(self, new_tokens: int, context_tokens: int) -> tuple[float, float]:
         """One sequence's share of a batched forward step over `new_tokens` new tokens
         (1 decoding, n verifying n drafts) attending to its `context_tokens`: (FLOPs, bf16
@@ -332,8 +345,10 @@ def load_profile(name_or_path: str, model_name: str) -> dict:
         _check_verify(p, doc)
     # (key, field, bound, test): a rate > 0; a ratio to a decode step >= 1
     for key, field, bound, ok in (("cache_build", "gb_per_s", "> 0", lambda v: v > 0),
-                                  ("draft_step", "ratio", ">= 1", lambda v: v >= 1)):
-        if key not in doc:
+                                  ("draft_step", "ratio", ">= 1", lambda v: v >= 1),
+                                  ("draft_step", "busy_ratio", ">= 1", lambda v: v >= 1)):
+        if key not in doc or (field == "busy_ratio" and (not isinstance(doc[key], dict)
+                                                         or field not in doc[key])):
             continue
         value = (doc[key] or {}).get(field) if isinstance(doc[key], dict) else None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or \

@@ -203,9 +203,11 @@ def test_receiver_loads_time_the_senders_encoder_and_the_draft_steps(monkeypatch
             full = "stream 0" if streams == 1 else "streams 0-1"
             spans = [[f"dequantize layer 0 {full}", "decode", 0.0, 0.01],
                      [f"dequantize {full}", "decode", 1.0, 1.001]]
-            if proposed:  # 2 drafts from t=2: 0.02 s extra + 2 x 0.15 s
-                spans += [["draft_accepted", "decode", 2.0, 2.17],
-                          ["draft_rejected", "decode", 2.17, 2.32]]
+            if proposed:  # 2 drafts from t=2: 0.02 s extra + 2 x 0.15 s; the worker
+                spans += [["draft_accepted", "decode", 2.0, 2.17],  # busy 0.25 s of them
+                          ["draft_rejected", "decode", 2.17, 2.32],
+                          ["dequantize layer 1 streams 0-1", "decode", 1.95, 2.2],
+                          ["dequantize layer 2 streams 0-1", "decode", 2.25, 2.3]]
             rows.append({"status": "done", "codec": codec, "context_tokens": 64,
                          "streams": streams, "dequantize": "on_arrival", "tpot_s": 0.05,
                          "proposed_tokens": proposed, "trace_spans": spans,
@@ -217,6 +219,9 @@ def test_receiver_loads_time_the_senders_encoder_and_the_draft_steps(monkeypatch
     got = receiver_loads("smollm2-135m", ["int8", "lynx"], 64, 1, "stdlib-docs", repeats=1)
     assert got["int8"]["encode_gb_per_s"] == pytest.approx(0.5)
     assert got["lynx"]["draft_step_ratio"] == pytest.approx(3.0)  # (0.32 - 0.02) / 2 / 0.05
+    # busy 0.2 + 0.05 s, idle 0.07 - 0.02 (extra) = 0.05 s: one plain step of progress, so
+    # 0.25 s of busy time made the other 2 x 0.05 - 0.05 s of steps
+    assert got["lynx"]["draft_busy_ratio"] == pytest.approx(5.0)
     assert "draft_step_ratio" not in got["int8"]
     hw = {"tpot": {"context_tokens": [64], "s": [0.05]},
           "first_step_extra": {"context_tokens": [64], "s": [0.0]},
@@ -226,12 +231,26 @@ def test_receiver_loads_time_the_senders_encoder_and_the_draft_steps(monkeypatch
                          for c in ("int8", "lynx")}}
     apply_receiver_timing(got, hw, timing, 64, "on_arrival")
     assert hw["draft_step"]["ratio"] == pytest.approx(3.0)
+    assert hw["draft_step"]["busy_ratio"] == pytest.approx(5.0)
     assert timing["codecs"]["int8"]["encode_gb_per_s"] == pytest.approx(0.5)
     assert timing["codecs"]["int8"]["inprocess_encode_gb_per_s"] == 2.0
     # noise never makes a draft step shorter than a decode step
     got["lynx"]["draft_step_ratio"] = 0.8
     apply_receiver_timing(got, hw, timing, 64, "on_arrival")
     assert hw["draft_step"]["ratio"] == 1.0
+
+
+def test_draft_busy_ratio_splits_the_drafting_window_by_the_workers_spans():
+    """By hand: steps of 0.1 s; 3 drafts in 0.5 s, the worker busy 0.3 s of it and 0.05 s
+    of first-step extra: idle 0.15 s is 1.5 plain steps, so the busy 0.3 s made 1.5 steps
+    (ratio 2); the extra comes out of the busy time once the idle time is used up; a
+    worker that never ran, or idle time that explains every draft, measures nothing."""
+    from kvsim.calibrate.receiver_timing import draft_busy_ratio
+
+    assert draft_busy_ratio(0.5, 0.3, 0.05, 3, 0.1) == pytest.approx(2.0)
+    assert draft_busy_ratio(0.5, 0.48, 0.05, 3, 0.1) == pytest.approx(0.45 / 0.3)
+    assert draft_busy_ratio(0.5, 0.0, 0.05, 3, 0.1) is None
+    assert draft_busy_ratio(0.5, 0.2, 0.0, 3, 0.1) is None  # idle 0.3 s = 3 steps
 
 
 def test_draft_step_of_a_profile_is_checked_and_costs_beyond_the_step(tmp_path, measured):
@@ -246,6 +265,14 @@ def test_draft_step_of_a_profile_is_checked_and_costs_beyond_the_step(tmp_path, 
     path.write_text(json.dumps({**doc, "draft_step": {"ratio": 1.5}}))
     timing = TimingModel(TINY, replace(HW, profile=str(path)))
     assert timing.draft_contention_s(48) == pytest.approx(0.5 * timing.tpot_s(48))
+    assert timing.draft_busy_contention_s(48) is None  # measured without the worker's spans
+    path.write_text(json.dumps({**doc, "draft_step": {"ratio": 1.5, "busy_ratio": 2.5}}))
+    timing = TimingModel(TINY, replace(HW, profile=str(path)))
+    assert timing.draft_busy_contention_s(48) == pytest.approx(1.5 * timing.tpot_s(48))
+    for bad in (0.5, float("nan"), "x", True):
+        path.write_text(json.dumps({**doc, "draft_step": {"ratio": 1.5, "busy_ratio": bad}}))
+        with pytest.raises(ValueError, match="draft_step.busy_ratio"):
+            load_profile(str(path), TINY.name)
     for bad in (0.5, float("nan"), "x", True):
         path.write_text(json.dumps({**doc, "draft_step": {"ratio": bad}}))
         with pytest.raises(ValueError, match="draft_step.ratio"):

@@ -138,6 +138,42 @@ def test_speculative_member_drafts_verifies_in_the_batch_then_decodes():
     np.testing.assert_allclose(p, expect, rtol=1e-12)
 
 
+def test_a_receivers_overhead_ends_when_the_full_cache_is_ready():
+    # S drafts alone with overhead o until its full cache is ready, 1.5 draft steps in
+    # (overhead_until_full: the overhead is the receiver's work beside it, over then): its
+    # 2nd draft has half a step left, which runs at the plain step; then verification.
+    # Without the flag the 2nd draft finishes at the draft step (the old model).
+    tm = TimingModel(MODEL, HW)
+    s1 = step_s(1000)
+    o = 0.004
+    sd = s1 + o
+    sv = step_s(1000, new_tokens=(2,))
+
+    def run(until_full: bool):
+        env = simpy.Environment()
+        batch = DecodeBatch(env, tm)
+        out = {}
+
+        def spec():
+            m = batch.join(0, 1000, 3, cap=8, draft_overhead_s=o, sample_accepted=lambda n: 2,
+                           overhead_until_full=until_full)
+            yield env.timeout(1.5 * sd)
+            batch.full_ready(m)
+            out["s"] = yield m.done
+
+        env.process(spec())
+        env.run()
+        return out["s"]
+
+    tl = run(True)
+    draft2 = 1.5 * sd + 0.5 * s1
+    assert (tl.proposed, tl.accepted) == (2, 2)
+    np.testing.assert_allclose(tl.token_t, [sd, draft2, draft2 + sv], rtol=1e-12)
+    np.testing.assert_allclose(tl.committed_t, [draft2 + sv] * 3, rtol=1e-12)
+    old = run(False)
+    np.testing.assert_allclose(old.token_t, [sd, 2 * sd, 2 * sd + sv], rtol=1e-12)
+
+
 def test_cap_reached_waits_out_of_the_batch():
     # cap 2: S drafts 2 tokens alone, then waits (computes nothing) until its full cache
     env = simpy.Environment()

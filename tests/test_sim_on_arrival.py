@@ -132,3 +132,103 @@ def test_the_transports_receiver_modes_draft_plain_steps_plus_the_measured_conte
     assert draft == pytest.approx(sc.timing.tpot_s(1024) + anchor, rel=1e-9)
     sc, draft = drafted("on_arrival", measured)  # BASE: draft_overhead_s=0
     assert draft == pytest.approx(sc.timing.tpot_s(1024), rel=1e-9)
+
+
+def test_worker_busy_fraction_and_projected_link_completions():
+    """By hand: jobs (finish, work) = (2, 1), (5, 2), (6, 0.5) from now = 1.5: busy
+    0.5 + 2 + 0.5 s of [1.5, 6]; a lone flow's projection is the link's own arithmetic."""
+    import simpy
+
+    from kvsim.sim.link import Link
+    from kvsim.sim.worker_load import busy_fraction
+
+    assert busy_fraction(1.5, np.array([2.0, 5.0, 6.0]), np.array([1.0, 2.0, 0.5])) == \
+        pytest.approx(3.0 / 4.5, rel=1e-12)
+    assert busy_fraction(7.0, np.array([2.0, 6.0]), np.array([1.0, 1.0])) == 0.0
+    assert busy_fraction(0.0, np.empty(0), np.empty(0)) == 0.0
+    env = simpy.Environment()
+    link = Link(env, 8e-9 * 1000.0)  # 1000 bytes/s
+    # 3 messages of 100 bytes released at 0, 0 and 0.5 s, then a moment into the run
+    flow = link.submit(np.full(3, 100.0), np.array([0.0, 0.0, 0.5]))
+    env.run(until=0.05)
+    link.flush()
+    np.testing.assert_allclose(flow.projected_complete_t(), [0.1, 0.2, 0.6], rtol=1e-12)
+    env.run()
+    np.testing.assert_allclose(flow.complete_t, [0.1, 0.2, 0.6], rtol=1e-12)
+    np.testing.assert_allclose(flow.projected_complete_t(), flow.complete_t, rtol=0)
+
+
+@pytest.mark.parametrize("gbps", [0.05, 1.0])
+def test_drafts_slow_down_by_the_workers_projected_load_until_the_full_cache(tmp_path,
+                                                                            gbps: float):
+    """With draft_step.busy_ratio r in the profile, on arrival: drafts run at r x the
+    decode step while the worker is busy with the residual and at the step while it is
+    idle, averaged over its busy share s from drafting's start to its last job (projected
+    then; exact for a lone two-stream request, so it equals the share in the simulated
+    schedule): step x r / (r (1 - s) + s); the overhead ends when the full cache is
+    ready."""
+    from kvsim.sim.nodes import priority_server
+    from kvsim.sim.worker_load import busy_fraction
+
+    doc = json.loads(profile_path("hardware", "local-smollm2-135m").read_text())
+    doc["draft_step"] = {"ratio": 1.5, "busy_ratio": 3.0}
+    path = tmp_path / "busy.json"
+    path.write_text(json.dumps(doc))
+    sc = receiver_scenario("codecs=[lynx]", "deserializer=on_arrival",
+                           f"link.bandwidth_gbps={gbps}", f"hardware.profile={path}",
+                           "speculative.draft_overhead_s=null")
+    sent = []  # the request's receivers, kept for their arrival and ready times
+    send = sc._send
+
+    def keep(*args, **kwargs):
+        out = send(*args, **kwargs)
+        sent.append(out[0])
+        return out
+
+    sc._send = keep
+    sc.run()
+    tl = sc.records[0].timeline
+    assert tl.proposed >= 1
+    (receivers,) = sent
+    # the worker's schedule as the simulator ran it (every arrival known after the run)
+    works = [rx.plan.deserialize_s for rx in receivers]
+    finish = priority_server([rx.arrival_t for rx in receivers], works)
+    share = busy_fraction(tl.start_t, finish[1], works[1])
+    assert 0.0 < share < 1.0
+    tpot = sc.timing.tpot_s(1024)
+    # busy_ratio 3: steps of 3 x tpot while busy, tpot while idle, weighted by steps made
+    draft = tpot * 3.0 / (3.0 * (1.0 - share) + share)
+    full_t = max(rx.ready_t for rx in receivers)  # the worker's last job (+ nothing)
+    last_start = tl.start_t + (tl.proposed - 1) * draft  # earlier drafts: before full_t
+    assert last_start <= full_t
+    draft_end = max(t1 for kind, _t0, t1 in tl.segments if kind.startswith("draft"))
+    # the draft in progress when the full cache is ready finishes at the plain step
+    left = 1.0 - (full_t - last_start) / draft  # of a step
+    assert draft_end == pytest.approx(full_t + left * tpot, rel=1e-9)
+    if tl.proposed > 1:
+        assert tl.token_t[0] - tl.start_t == pytest.approx(draft, rel=1e-9)
+
+
+def test_busy_draft_overhead_weights_the_busy_ratio_by_steps_made():
+    """By hand: r = 3 (overhead 2 x 0.1 s), busy half the time: in 1 s, 0.5 s idle make 5
+    steps and 0.5 s busy make 5/3, so a step takes 1 / (20/3) = 0.15 s: 0.05 s overhead."""
+    from kvsim.sim.worker_load import draft_overhead_s
+
+    assert draft_overhead_s(0.2, 0.1, 0.5) == pytest.approx(0.05, rel=1e-12)
+    assert draft_overhead_s(0.2, 0.1, 1.0) == pytest.approx(0.2, rel=1e-12)
+    assert draft_overhead_s(0.2, 0.1, 0.0) == 0.0
+
+
+def test_a_configured_draft_overhead_wins_over_the_busy_ratio(tmp_path):
+    """The seeds' pin (speculative.draft_overhead_s=0) drafts at the plain step even with a
+    profile that measured draft_step.busy_ratio."""
+    doc = json.loads(profile_path("hardware", "local-smollm2-135m").read_text())
+    doc["draft_step"] = {"ratio": 1.5, "busy_ratio": 3.0}
+    path = tmp_path / "busy.json"
+    path.write_text(json.dumps(doc))
+    sc = receiver_scenario("codecs=[lynx]", "deserializer=on_arrival",
+                           "link.bandwidth_gbps=0.05", f"hardware.profile={path}")
+    sc.run()
+    tl = sc.records[0].timeline
+    assert tl.proposed > 1
+    assert tl.token_t[0] - tl.start_t == pytest.approx(sc.timing.tpot_s(1024), rel=1e-9)

@@ -23,7 +23,11 @@ encode_work_s: encode + checksum over the layers, beside its link loop and the r
 the same cores, 2-4x slower here than the same calls alone). A split-stream request that
 drafted gives its draft steps' length over its later decode steps (`draft_step_ratio`):
 drafts run while the receiver's worker dequantizes the residual as it lands, and share the
-cores (and the interpreter) with it. `apply_receiver_timing` puts these into the profiles.
+cores (and the interpreter) with it. On arrival, the worker's layer spans inside the
+drafting window split it into busy and idle time, which gives the draft step while the
+worker works (`draft_busy_ratio`, see draft_busy_ratio): the simulator weighs it by the
+worker's load at each rate (kvsim.sim.worker_load). `apply_receiver_timing` puts these
+into the profiles.
 """
 
 from __future__ import annotations
@@ -69,9 +73,10 @@ def receiver_loads(model: str, codecs: list[Any], context_tokens: int, seed: int
     (split-stream codecs whose anchor was loaded alone), "tpot_s", "first_step_s",
     "encode_gb_per_s" (the sender's encoder, FIN's encode_work_s), "draft_step_ratio"
     (requests that drafted: a draft step over a later step), and on arrival
-    "cache_build_gb_per_s"}: medians over `repeats` requests per codec of one
-    calibration transfer (a load's time varies by tens of percent from one request to the
-    next, so one request is not a measurement)."""
+    "cache_build_gb_per_s" and "draft_busy_ratio" (the same while the worker is busy)}:
+    medians over `repeats` requests per codec of one calibration transfer (a load's time
+    varies by tens of percent from one request to the next, so one request is not a
+    measurement)."""
     from kvsim.cli import compose
     from kvsim.commands.emulate import emulate
     from kvsim.config.transport import EmulateConfig
@@ -90,7 +95,8 @@ def receiver_loads(model: str, codecs: list[Any], context_tokens: int, seed: int
     cfg, _ = compose("transport", overrides, EmulateConfig)
     rows = emulate(cfg)
     samples: dict[str, dict[str, list[float]]] = {}
-    drafted: list[tuple[str, float, int, float]] = []  # (codec, window s, drafts, step s)
+    # (codec, window s, worker busy s within it, drafts, step s)
+    drafted: list[tuple[str, float, float, int, float]] = []
     first_extra: list[float] = []  # plain requests: first step - later step (s)
     for row in rows:
         if row.get("status") != "done":
@@ -138,29 +144,61 @@ def receiver_loads(model: str, codecs: list[Any], context_tokens: int, seed: int
             got.setdefault("first_step_s", []).append(first)
             first_extra.append(first - float(row["tpot_s"]))
         else:
-            window = _draft_window_s(row)
-            if window > 0:
-                drafted.append((str(row["codec"]), window, proposed, float(row["tpot_s"])))
+            t0, t1 = _draft_window(row)
+            if t1 > t0:
+                drafted.append((str(row["codec"]), t1 - t0, _worker_busy_s(row, t0, t1),
+                                proposed, float(row["tpot_s"])))
     # a draft step beside the receiver's dequantization of the later streams: its length
     # over the same request's later decode steps. The drafting window [anchor cache ready,
     # last draft's end] holds the first step's extra on a fresh cache (the plain requests'
     # first step - step here), which the simulator adds on its own
     extra = max(0.0, statistics.median(first_extra or [0.0]))
-    for codec, window, proposed, tpot in drafted:
+    for codec, window, busy, proposed, tpot in drafted:
         samples[codec].setdefault("draft_step_ratio", []).append(
             max(window - extra, 0.0) / proposed / tpot)
+        busy_ratio = draft_busy_ratio(window, busy, extra, proposed, tpot)
+        if busy_ratio is not None:
+            samples[codec].setdefault("draft_busy_ratio", []).append(busy_ratio)
     return {codec: {k: float(statistics.median(v)) for k, v in got.items()}
             for codec, got in samples.items()}
 
 
-def _draft_window_s(row: dict) -> float:
-    """Seconds from the first draft step's start to the last one's end (the decode loop's
-    draft_accepted / draft_rejected spans of one request row; 0 without them)."""
+def _draft_window(row: dict) -> tuple[float, float]:
+    """(first draft step's start, last one's end) in the row's clock (s): the decode loop's
+    draft_accepted / draft_rejected spans of one request row; (0, 0) without them."""
     spans = [(float(t0), float(t1)) for name, _process, t0, t1 in row.get("trace_spans") or []
              if name in ("draft_accepted", "draft_rejected")]
     if not spans:
-        return 0.0
-    return max(t1 for _t0, t1 in spans) - min(t0 for t0, _t1 in spans)
+        return 0.0, 0.0
+    return min(t0 for t0, _t1 in spans), max(t1 for _t0, t1 in spans)
+
+
+def _worker_busy_s(row: dict, t0: float, t1: float) -> float:
+    """Seconds of [t0, t1] during which the on-arrival worker dequantized a layer (its
+    "dequantize layer ..." spans: one worker, so they do not overlap)."""
+    busy = 0.0
+    for name, process, a, b in row.get("trace_spans") or []:
+        if process == "decode" and name.startswith("dequantize layer "):
+            busy += max(0.0, min(float(b), t1) - max(float(a), t0))
+    return busy
+
+
+def draft_busy_ratio(window_s: float, busy_s: float, extra_s: float, proposed: int,
+                     tpot_s: float) -> float | None:
+    """A draft step's length over a decode step while the receiver's worker dequantizes
+    beside it, from one request that drafted `proposed` tokens in `window_s` seconds, the
+    worker busy for `busy_s` of them: drafts advance at one step per tpot_s while the
+    worker is idle and one per ratio x tpot_s while it works, and the first step's extra on
+    a fresh cache (`extra_s`) is taken from the idle time first (then from the busy time).
+    So ratio = busy' / (proposed x tpot_s - idle'), with idle' = max(0, idle - extra) and
+    busy' = window - extra - idle'. None when the worker's share cannot be told apart: it
+    never ran beside the drafts, or the idle time alone accounts for (nearly) every draft."""
+    idle = max(0.0, window_s - busy_s - extra_s)
+    busy = window_s - extra_s - idle
+    contended_s = proposed * tpot_s - idle  # decode-step seconds of progress made while busy
+    if busy <= 0.0 or contended_s < 0.1 * tpot_s:
+        return None
+    return busy / contended_s
 
 
 def apply_receiver_timing(measured: dict[str, dict[str, float]], hw_doc: dict, timing_doc: dict,
@@ -170,7 +208,8 @@ def apply_receiver_timing(measured: dict[str, dict[str, float]], hw_doc: dict, t
     inprocess_*; `receiver_dequantize` names the receiver mode they are for, the simulator's
     deserializer of the same name), on arrival the cache build rate (hardware `cache_build`,
     median over codecs), the draft step's ratio to a decode step (hardware `draft_step`, when
-    a request drafted), and the decode-step curves (tpot, tpot_batch, verify) are scaled by
+    a request drafted; `busy_ratio` with the worker busy, where measured), and the
+    decode-step curves (tpot, tpot_batch, verify) are scaled by
     the receiver's median step over the in-process step at the transfer's context (kept as
     tpot_inprocess / receiver_step_ratio): the receiver's process runs the same step at its
     own speed. Returns that ratio."""
@@ -221,4 +260,7 @@ def apply_receiver_timing(measured: dict[str, dict[str, float]], hw_doc: dict, t
             "measured": f"receiver of the calibration transfer at {context_tokens} tokens: a "
                         "draft step (beside the dequantization of the later streams) over a "
                         "later decode step, without the first step's extra"}
+        busy = [m["draft_busy_ratio"] for m in measured.values() if "draft_busy_ratio" in m]
+        if busy:  # the same while the worker dequantizes (on arrival: its layer spans)
+            hw_doc["draft_step"]["busy_ratio"] = max(1.0, float(statistics.median(busy)))
     return ratio

@@ -24,7 +24,9 @@ instance keeps the closed-form timeline of kvsim.sim.speculative (batch-1 TPOT).
 
 Phases of a member (speculative: split-stream decoding that starts on the anchor):
   draft   on the anchor, one drafted token per step; each drafting member makes the step
-          `draft_overhead_s` longer (dequantizing its anchor); at most `cap` drafts;
+          `draft_overhead_s` longer (dequantizing its anchor, or, `overhead_until_full`,
+          the receiver's work beside it, which ends when its full cache is ready: the
+          step in progress then goes on without it); at most `cap` drafts;
   wait    `cap` drafts done and the full cache not ready: holds its slot, computes nothing;
   verify  full cache ready: the draft step in progress finishes (the clock reaches the
           next whole draft), then one step in which this member's forward covers its n
@@ -68,13 +70,18 @@ class Member:
                  "sample_accepted", "phase", "phase_v", "phase_i", "target_v", "full_ready",
                  "work", "timeline", "start_t", "full_t", "draft_v", "draft_i",
                  "draft_end_t", "draft_end_i", "proposed", "accepted", "verify_start_t",
-                 "verify_end_t", "_verify_work", "load_s", "env", "on_leave", "_done")
+                 "verify_end_t", "_verify_work", "load_s", "env", "on_leave", "_done",
+                 "overhead_until_full")
 
     def __init__(self, env: simpy.Environment, seq: int, context_tokens: int, tokens: int,
                  cap: int, draft_overhead_s: float,
                  sample_accepted: Callable[[int], int] | None,
-                 on_leave: Callable[[Member], None] | None = None) -> None:
+                 on_leave: Callable[[Member], None] | None = None,
+                 overhead_until_full: bool = False) -> None:
         self.env, self.on_leave = env, on_leave
+        # the draft overhead is the receiver's work beside the drafts, which ends when the
+        # full cache is ready: the draft step in progress then goes on without it
+        self.overhead_until_full = overhead_until_full
         self.seq, self.context_tokens, self.tokens = seq, int(context_tokens), int(tokens)
         self.cap, self.draft_overhead_s = int(cap), float(draft_overhead_s)
         self.sample_accepted = sample_accepted
@@ -136,17 +143,20 @@ class DecodeBatch:
     def join(self, seq: int, context_tokens: int, tokens: int, cap: int = 0,
              draft_overhead_s: float = 0.0,
              sample_accepted: Callable[[int], int] | None = None,
-             on_leave: Callable[[Member], None] | None = None) -> Member:
+             on_leave: Callable[[Member], None] | None = None,
+             overhead_until_full: bool = False) -> Member:
         """A request takes its place in the batch now. With `sample_accepted` (drawing the
         accepted prefix of n drafts) it starts speculatively on the anchor (drafting, or
         waiting when cap is 0) and `full_ready` must follow; without it, it decodes.
         on_leave(member) is called when it leaves (member.timeline set), after the batch
-        has been re-timed, so the callback may change the batch (admit the next request)."""
+        has been re-timed, so the callback may change the batch (admit the next request).
+        overhead_until_full: the member's draft overhead ends at `full_ready` (the receiver's
+        work beside the drafts is over), the draft step in progress finishing without it."""
         if tokens < 1:
             raise ValueError(f"request {seq}: a decode member needs tokens >= 1, got {tokens}")
         self._advance()
         m = Member(self.env, seq, context_tokens, tokens, cap, draft_overhead_s,
-                   sample_accepted, on_leave)
+                   sample_accepted, on_leave, overhead_until_full)
         m.start_t = self.env.now
         self.members += 1
         if m.full_ready:
@@ -179,8 +189,13 @@ class DecodeBatch:
                 if target != m.target_v:  # fewer than cap: the step in progress is the last
                     m.target_v = target
                     self._push(m)
-                self._arm()
-                return  # the batch itself is unchanged until the draft step finishes
+                if m.overhead_until_full and m.draft_overhead_s:
+                    m.draft_overhead_s = 0.0  # the step in progress goes on at the plain rate
+                    self._set_work(m, "draft")
+                    self._changed()
+                else:
+                    self._arm()
+                return  # otherwise the batch is unchanged until the draft step finishes
         elif m.phase == "wait":
             if m.cap == 0:
                 self._after_load(m, lambda: self._enter(m, "decode", m.tokens))

@@ -27,7 +27,7 @@ import simpy
 
 from kvsim.hardware import TimingModel
 from kvsim.sim.batch import DecodeBatch
-from kvsim.sim.link import Link
+from kvsim.sim.link import Flow, Link
 from kvsim.sim.policy import FlowPlan, serial_pipeline
 from kvsim.sim.prefill_batch import ChunkedPrefill
 
@@ -133,6 +133,9 @@ class Receiver:
         self.backlog_start_t = math.nan  # release of the message opening the last backlog
         self.is_done = False
         self.node_finish_t = -math.inf  # deserializer=node: its last message processed
+        # the link flows that carry it (the egress; with an ingress, the egress then the
+        # ingress), set by the scenario when it submits them (kvsim.sim.worker_load reads them)
+        self.carriers: list[Flow] = []
 
     def known_arrivals(self) -> np.ndarray:
         """[j] arrival times (s) reported so far, in order."""

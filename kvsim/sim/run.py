@@ -54,6 +54,8 @@ from kvsim.sim.size_calibration import calibrate_sizes
 from kvsim.sim.speculative import draft_overhead_s, receiver_draft_s
 from kvsim.sim.spread import spread_of
 from kvsim.sim.trace import TraceLog
+from kvsim.sim.worker_load import draft_overhead_s as busy_draft_overhead_s
+from kvsim.sim.worker_load import later_streams_busy_fraction
 from kvsim.sim.workload import Request, requests
 
 
@@ -387,10 +389,19 @@ class Scenario:
                                       plan.stream_bytes[0], plan.total_bytes, self.hw.devices,
                                       receiver_draft_s(cfg.deserializer, self.timing,
                                                        req.context_tokens))
+        # on arrival, with the draft step measured beside a busy worker: that overhead for
+        # the worker's projected share of busy time, until the full cache is ready
+        busy_s = self.timing.draft_busy_contention_s(req.context_tokens) \
+            if drafting and cfg.deserializer == "on_arrival" and spec.draft_overhead_s is None \
+            else None
+        if busy_s is not None:
+            overhead_s = busy_draft_overhead_s(
+                busy_s, self.timing.tpot_s(req.context_tokens),
+                later_streams_busy_fraction(receivers, self.env.now))
         member = dnode.batch.join(
             req.seq, req.context_tokens, req.output_tokens, spec.cap_tokens, overhead_s,
             (lambda n: self.acceptance.sample_accepted(n, self.rng)) if drafting else None,
-            on_leave=lambda m: self._finish(ps, m))
+            on_leave=lambda m: self._finish(ps, m), overhead_until_full=busy_s is not None)
         if drafting:
             when_all_ready(receivers, lambda: dnode.batch.full_ready(member, ps.load_all_s))
 
@@ -444,19 +455,21 @@ class Scenario:
                 prio = link_priority(cfg.link, req.seq, req.arrival_t, fp.stream)
                 name = f"r{req.seq}.{fp.name}"
                 join = IngressJoin(rx)
-                join.egress = pnode.link.submit(fp.sizes_bytes, rel[fp.chunk], prio,
-                                                join.delivered, join.crossing_done,
-                                                name=name, tag=req.seq)
-                join.ingress = self.ingress[dnode.index].submit(
+                egress = join.egress = pnode.link.submit(
                     fp.sizes_bytes, rel[fp.chunk], prio, join.delivered, join.crossing_done,
                     name=name, tag=req.seq)
+                ingress = join.ingress = self.ingress[dnode.index].submit(
+                    fp.sizes_bytes, rel[fp.chunk], prio, join.delivered, join.crossing_done,
+                    name=name, tag=req.seq)
+                rx.carriers = [egress, ingress]
                 self.messages += len(fp.sizes_bytes)
             return receivers, float(rel[-1])
         with pnode.link.holding():  # the request's flows enter the link with one reallocation
             for fp, rx in zip(plan.flows, receivers, strict=True):
                 prio = link_priority(cfg.link, req.seq, req.arrival_t, fp.stream)
-                pnode.link.submit(fp.sizes_bytes, rel[fp.chunk], prio, rx.delivered,
-                                  rx.done, name=f"r{req.seq}.{fp.name}", tag=req.seq)
+                rx.carriers = [pnode.link.submit(fp.sizes_bytes, rel[fp.chunk], prio,
+                                                 rx.delivered, rx.done,
+                                                 name=f"r{req.seq}.{fp.name}", tag=req.seq)]
                 self.messages += len(fp.sizes_bytes)
         return receivers, float(rel[-1])
 

@@ -1,0 +1,81 @@
+"""How busy a request's on-arrival worker will be while its decoder drafts.
+
+With `deserializer=on_arrival` (the transport receiver's default) one worker per request
+dequantizes each layer once its last message is in, the anchor's layers first. A decoder
+that drafts on the anchor runs beside that worker's work on the later streams, and on a
+small host its steps slow down while the worker is busy, not while it waits for the next
+layer (measured by `kvsim calibrate` as hardware `draft_step.busy_ratio`: at 1 Gbps the
+worker dequantizes the whole residual back to back, at 0.1 Gbps it mostly waits for it).
+
+When drafting starts, the share of the time until the worker's last job ends that it is
+busy is projected from what the simulator knows then: arrivals known so far, and the
+rest as each link would carry them at its current rates (`Flow.projected_complete_t`),
+served as the request's Deserializer serves them (kvsim.sim.nodes.priority_server). A
+drafting member's overhead is the mean over that share (`draft_overhead_s`), until its full
+cache is ready (kvsim.sim.batch: `overhead_until_full`). The projection is exact for a
+two-stream request alone on its links; a rate change after drafting starts is not followed,
+a stream waiting behind a higher one on its link is projected at the link's capacity, and
+the share runs to the worker's last job even when the draft cap stops drafting earlier.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvsim.sim.nodes import priority_server
+
+if TYPE_CHECKING:
+    from kvsim.sim.nodes import Receiver
+
+
+def busy_fraction(now: float, finish_t: np.ndarray, work_s: np.ndarray) -> float:
+    """Share of [now, last finish] during which jobs of one server run: finish_t, work_s
+    [m] s (a job runs over [finish - work, finish]). 0 when every job is over by now."""
+    if len(finish_t) == 0:
+        return 0.0
+    end = float(finish_t.max())
+    if end <= now:
+        return 0.0
+    busy = np.maximum(finish_t, now) - np.maximum(finish_t - work_s, now)  # [m] s after now
+    return float(busy.sum()) / (end - now)
+
+
+def draft_overhead_s(busy_overhead_s: float, tpot_s: float, busy_share: float) -> float:
+    """A draft step's mean extra (s) when the worker is busy `busy_share` of the time:
+    drafts advance one step per tpot_s while it is idle and one per r x tpot_s while it
+    works (r = 1 + busy_overhead_s / tpot_s, as kvsim.calibrate.receiver_timing measures
+    it), so the mean step is tpot_s x r / (r (1 - share) + share), weighting by steps made,
+    not by time."""
+    if busy_share <= 0.0 or busy_overhead_s <= 0.0:
+        return 0.0
+    r = 1.0 + busy_overhead_s / tpot_s
+    return busy_overhead_s * busy_share / (r * (1.0 - busy_share) + busy_share)
+
+
+def projected_arrival_t(rx: Receiver) -> np.ndarray:
+    """[m] s: the arrivals of rx's flow, reported ones as they are, the rest projected from
+    each link it crosses (a message arrives once every link carried it, + the first link's
+    latency, as kvsim.sim.ingress joins them)."""
+    if rx.is_done:
+        return rx.arrival_t
+    carriers = rx.carriers
+    if not carriers:
+        raise RuntimeError(f"flow {rx.plan.name}: no link flow carries it (set by the scenario)")
+    complete = carriers[0].projected_complete_t()
+    for flow in carriers[1:]:
+        np.maximum(complete, flow.projected_complete_t(), out=complete)
+    return complete + carriers[0].link.latency_s
+
+
+def later_streams_busy_fraction(receivers: list[Receiver], now: float) -> float:
+    """Projected share of [now, the worker's last job end] the request's worker spends on
+    its later streams' jobs (receivers[1:]), serving every stream's jobs in priority order
+    (the anchor's first) from their known and projected arrivals."""
+    if len(receivers) < 2:
+        return 0.0
+    arrivals = [projected_arrival_t(rx) for rx in receivers]
+    works = [rx.plan.deserialize_s for rx in receivers]
+    finish = priority_server(arrivals, works)  # [m_c] s per stream
+    return busy_fraction(now, np.concatenate(finish[1:]), np.concatenate(works[1:]))
