@@ -78,25 +78,6 @@ class Flow:
     def arrival_t(self) -> np.ndarray:
         return self.complete_t + self.link.latency_s
 
-    def projected_complete_t(self) -> np.ndarray:
-        """[n] s: when each message's last byte leaves, as far as the link can tell now: the
-        sent ones' times; the rest one after the other from the link's last update, each
-        once released, at the flow's current rate (the link's capacity then when the flow
-        has none now). An estimate (a later flow, a finished one or a trace step changes
-        the rate), exact for a flow alone on a constant link."""
-        out = self.complete_t.copy()
-        link = self.link
-        rate = self.rate if self.rate > 0.0 else link.step_rate[link._step]
-        t, served = link.last_t, self.served
-        release, cum = self.release_l, self.cum_l
-        for j in range(self.head, self.n):
-            if release[j] > t:
-                t = release[j]
-            t += (cum[j] - served) / rate
-            served = cum[j]
-            out[j] = t
-        return out
-
 
 class Messages:
     """A flow's messages as a link carries them: wire bytes (payload + the link's framing)

@@ -9,12 +9,12 @@ worker dequantizes the whole residual back to back, at 0.1 Gbps it mostly waits 
 
 When drafting starts, the share of the time until the worker's last job ends that it is
 busy is projected from what the simulator knows then: arrivals known so far, and the
-rest as each link would carry them at its current rates (`Flow.projected_complete_t`),
-served as the request's Deserializer serves them (kvsim.sim.nodes.priority_server). A
-drafting member's overhead is the mean over that share (`draft_overhead_s`), until its full
-cache is ready (kvsim.sim.batch: `overhead_until_full`). The projection is exact for a
-two-stream request alone on its links; a rate change after drafting starts is not followed,
-a stream waiting behind a higher one on its link is projected at the link's capacity, and
+rest as each link would carry its current flows (kvsim.sim.link_projection: a dry run of
+the link's schedule, priorities, weights and capacity trace included), served as the
+request's Deserializer serves them (kvsim.sim.nodes.priority_server). A drafting member's
+overhead is the mean over that share (`draft_overhead_s`), until its full cache is ready
+(kvsim.sim.batch: `overhead_until_full`). The projection is exact while no other flow joins
+the request's links before its last message; a flow that joins later is not foreseen, and
 the share runs to the worker's last job even when the draft cap stops drafting earlier.
 """
 
@@ -24,9 +24,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvsim.sim.link_projection import project_link
 from kvsim.sim.nodes import priority_server
 
 if TYPE_CHECKING:
+    from kvsim.sim.link import Flow, Link
     from kvsim.sim.nodes import Receiver
 
 
@@ -54,19 +56,38 @@ def draft_overhead_s(busy_overhead_s: float, tpot_s: float, busy_share: float) -
     return busy_overhead_s * busy_share / (r * (1.0 - busy_share) + busy_share)
 
 
-def projected_arrival_t(rx: Receiver) -> np.ndarray:
+def projected_arrival_t(rx: Receiver,
+                        projections: dict[Link, dict[Flow, np.ndarray]] | None = None
+                        ) -> np.ndarray:
     """[m] s: the arrivals of rx's flow, reported ones as they are, the rest projected from
     each link it crosses (a message arrives once every link carried it, + the first link's
-    latency, as kvsim.sim.ingress joins them)."""
+    latency, as kvsim.sim.ingress joins them). projections: the links' dry runs
+    (link_projection.project_link) covering rx's flows, when several receivers share them."""
     if rx.is_done:
         return rx.arrival_t
     carriers = rx.carriers
     if not carriers:
         raise RuntimeError(f"flow {rx.plan.name}: no link flow carries it (set by the scenario)")
-    complete = carriers[0].projected_complete_t()
-    for flow in carriers[1:]:
-        np.maximum(complete, flow.projected_complete_t(), out=complete)
+    if projections is None:
+        projections = project_carriers([rx])
+    complete = None
+    for flow in carriers:
+        # a crossing whose every message is sent has final times
+        times = flow.complete_t if flow.done else projections[flow.link][flow]
+        complete = times.copy() if complete is None else np.maximum(complete, times)
+    assert complete is not None
     return complete + carriers[0].link.latency_s
+
+
+def project_carriers(receivers: list[Receiver]) -> dict[Link, dict[Flow, np.ndarray]]:
+    """One dry run per link that carries an unfinished flow of `receivers`, up to their
+    last message."""
+    wanted: dict[Link, list[Flow]] = {}
+    for rx in receivers:
+        for flow in rx.carriers:
+            if not flow.done:
+                wanted.setdefault(flow.link, []).append(flow)
+    return {link: project_link(link, flows) for link, flows in wanted.items()}
 
 
 def later_streams_busy_fraction(receivers: list[Receiver], now: float) -> float:
@@ -75,7 +96,8 @@ def later_streams_busy_fraction(receivers: list[Receiver], now: float) -> float:
     (the anchor's first) from their known and projected arrivals."""
     if len(receivers) < 2:
         return 0.0
-    arrivals = [projected_arrival_t(rx) for rx in receivers]
+    projections = project_carriers([rx for rx in receivers if not rx.is_done])
+    arrivals = [projected_arrival_t(rx, projections) for rx in receivers]
     works = [rx.plan.deserialize_s for rx in receivers]
     finish = priority_server(arrivals, works)  # [m_c] s per stream
     return busy_fraction(now, np.concatenate(finish[1:]), np.concatenate(works[1:]))
