@@ -140,6 +140,7 @@ def test_worker_busy_fraction_and_projected_link_completions():
     import simpy
 
     from kvsim.sim.link import Link
+    from kvsim.sim.link_projection import project_link
     from kvsim.sim.worker_load import busy_fraction
 
     assert busy_fraction(1.5, np.array([2.0, 5.0, 6.0]), np.array([1.0, 2.0, 0.5])) == \
@@ -152,10 +153,9 @@ def test_worker_busy_fraction_and_projected_link_completions():
     flow = link.submit(np.full(3, 100.0), np.array([0.0, 0.0, 0.5]))
     env.run(until=0.05)
     link.flush()
-    np.testing.assert_allclose(flow.projected_complete_t(), [0.1, 0.2, 0.6], rtol=1e-12)
+    np.testing.assert_allclose(project_link(link)[flow], [0.1, 0.2, 0.6], rtol=1e-12)
     env.run()
     np.testing.assert_allclose(flow.complete_t, [0.1, 0.2, 0.6], rtol=1e-12)
-    np.testing.assert_allclose(flow.projected_complete_t(), flow.complete_t, rtol=0)
 
 
 @pytest.mark.parametrize("gbps", [0.05, 1.0])
@@ -232,3 +232,26 @@ def test_a_configured_draft_overhead_wins_over_the_busy_ratio(tmp_path):
     tl = sc.records[0].timeline
     assert tl.proposed > 1
     assert tl.token_t[0] - tl.start_t == pytest.approx(sc.timing.tpot_s(1024), rel=1e-9)
+
+
+def test_both_engines_slow_drafts_by_the_busy_ratio_under_one_rule(tmp_path):
+    """receiver_busy_draft_s (the simulator's _decode and the emulator's HELLO): (busy_ratio
+    - 1) x TPOT on arrival with no configured overhead and a profile that measured it;
+    None for the other receiver modes, a configured overhead or a profile without it."""
+    from kvsim.sim.speculative import receiver_busy_draft_s
+
+    def timing_from(doc: dict):
+        path = tmp_path / "hw.json"
+        path.write_text(json.dumps(doc))
+        return receiver_scenario("codecs=[lynx]", "deserializer=on_arrival",
+                                 f"hardware.profile={path}").timing
+
+    doc = json.loads(profile_path("hardware", "local-smollm2-135m").read_text())
+    doc["draft_step"] = {"ratio": 1.5, "busy_ratio": 3.0}
+    timing = timing_from(doc)
+    assert receiver_busy_draft_s("on_arrival", None, timing, 1024) == \
+        pytest.approx(2.0 * timing.tpot_s(1024), rel=1e-12)
+    assert receiver_busy_draft_s("on_demand", None, timing, 1024) is None
+    assert receiver_busy_draft_s("on_arrival", 0.0, timing, 1024) is None
+    doc["draft_step"] = {"ratio": 1.5}
+    assert receiver_busy_draft_s("on_arrival", None, timing_from(doc), 1024) is None

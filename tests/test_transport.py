@@ -7,6 +7,7 @@ model's decode is exercised in test_transport_emulate.py."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -560,3 +561,17 @@ def test_synthetic_source_is_generated_during_the_modelled_prefill():
     assert not synthetic_source(shape, 0.0).prepare(16)  # over the budget: stays lazy
     lazy = KVSource(shape, "synthetic", 0.0, False, _make_layer=lambda i: i)
     assert not lazy.prepare(1 << 30) and lazy.layer(1) == 1
+
+
+def test_the_hello_busy_draft_overhead_is_checked():
+    """A request's busy_draft_overhead_s (the sender's profile, for the timing decode) is
+    null or a number of seconds in [0, 3600]; anything else is refused at HELLO."""
+    cfg = config()
+    check = session.hello_checker(cfg, "timing")
+    shape = cfg.model.kv_shape(512)
+    base = {"output_tokens": 8, "cap_tokens": 4}
+    assert check(base, shape) == ""
+    assert check({**base, "busy_draft_overhead_s": None}, shape) == ""
+    assert check({**base, "busy_draft_overhead_s": 0.05}, shape) == ""
+    for bad in (True, "0.1", -1.0, math.nan, 1e9, [0.1]):
+        assert "busy_draft_overhead_s" in check({**base, "busy_draft_overhead_s": bad}, shape)

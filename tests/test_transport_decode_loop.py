@@ -356,6 +356,74 @@ def test_timing_loop_plain_decoding(tiny, dequantize):
                          time_scale=0.0)
 
 
+class WorkerView:
+    """A two-stream CacheView in virtual time (`clock`, advanced by `sleep`): the anchor is
+    dequantized at 0, the full cache at full_t; an on-arrival worker busy over [0, busy_end).
+    """
+
+    num_streams = 2
+    dequantize = "on_arrival"
+
+    def __init__(self, full_t: float, busy_end: float) -> None:
+        self.t, self.full_t, self.busy_end = 0.0, full_t, busy_end
+
+    def clock(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.t += s
+
+    def worker_busy(self) -> bool:
+        return self.t < self.busy_end
+
+    def streams_ready(self) -> int:
+        return 2 if self.t >= self.full_t else 1
+
+    def wait_streams(self, n: int, timeout_s: float) -> bool:
+        if n > self.streams_ready():
+            self.t = self.full_t  # virtual time jumps to the completion
+        return True
+
+    def kv(self, n: int) -> torch.Tensor:
+        raise AssertionError("dequantize=False: the loop never asks for the tensor")
+
+
+@pytest.mark.parametrize("on_arrival", [True, False])
+def test_timing_draft_steps_slow_only_while_the_worker_is_busy(on_arrival):
+    """busy_draft_overhead_s: a draft step advances at 1 / (3 x step) while the worker is
+    busy (until 0.45 s) and 1 / step after (step 0.1 clock s). By hand: draft 1 runs
+    0 -> 0.3 (busy), draft 2 half its work by 0.45 and the rest by 0.5, draft 3 0.5 -> 0.6;
+    the full cache is ready at 0.55, so drafting stops after 3. A view without an on-arrival
+    worker drafts at the constant draft step (tpot + draft_overhead_s): 0.15 s each, 4
+    drafts."""
+    timing = _timing_model()
+    tpot = timing.tpot_s(TIMING_CONTEXT, 1)
+    scale = STEP_S / tpot
+    view = WorkerView(full_t=0.55, busy_end=0.45)
+    if not on_arrival:
+        view.dequantize = "on_demand"
+    loop = TimingDecodeLoop(timing, TIMING_CONTEXT, geometric(1.0), np.random.default_rng(0),
+                            time_scale=scale, draft_overhead_s=0.5 * tpot, clock=view.clock,
+                            sleep=view.sleep, dequantize=False,
+                            busy_draft_overhead_s=2.0 * tpot, poll_s=0.001)
+    res = loop.run(view, True, 8, 64, TIMEOUT_S)
+    check_timeline(res, 8)
+    drafts = np.asarray(res.drafted_t[:res.proposed]) - res.start_t
+    if on_arrival:
+        # the busy state is read at the start of each 1-ms slice: one slice may straddle
+        # the worker's end (at most 1 ms x (1 - 1/3) late)
+        assert res.proposed == 3 and res.accepted == 3
+        np.testing.assert_allclose(drafts, [0.3, 0.5, 0.6], atol=1e-3)
+        assert res.draft_tpot_s == pytest.approx(0.2, abs=1e-3)  # measured mean
+    else:
+        assert res.proposed == 4
+        np.testing.assert_allclose(drafts, [0.15, 0.3, 0.45, 0.6], atol=1e-9)
+        assert res.draft_tpot_s == pytest.approx(0.15)
+    with pytest.raises(ValueError, match="busy_draft_overhead_s"):
+        TimingDecodeLoop(timing, TIMING_CONTEXT, geometric(1.0), np.random.default_rng(0),
+                         busy_draft_overhead_s=math.nan)
+
+
 # ---- the real model -------------------------------------------------------------------------
 
 @pytest.mark.slow

@@ -51,10 +51,10 @@ from kvsim.sim.policy import POLICIES, TransferPlan, build_plan, natural_policy,
 from kvsim.sim.prefill_batch import ChunkedPrefill
 from kvsim.sim.request_log import request_rows, write_request_log
 from kvsim.sim.size_calibration import calibrate_sizes
-from kvsim.sim.speculative import draft_overhead_s, receiver_draft_s
+from kvsim.sim.speculative import draft_overhead_s, receiver_busy_draft_s, receiver_draft_s
 from kvsim.sim.spread import spread_of
 from kvsim.sim.trace import TraceLog
-from kvsim.sim.worker_load import draft_overhead_s as busy_draft_overhead_s
+from kvsim.sim.worker_load import draft_overhead_s as busy_share_draft_overhead_s
 from kvsim.sim.worker_load import later_streams_busy_fraction
 from kvsim.sim.workload import Request, requests
 
@@ -391,11 +391,10 @@ class Scenario:
                                                        req.context_tokens))
         # on arrival, with the draft step measured beside a busy worker: that overhead for
         # the worker's projected share of busy time, until the full cache is ready
-        busy_s = self.timing.draft_busy_contention_s(req.context_tokens) \
-            if drafting and cfg.deserializer == "on_arrival" and spec.draft_overhead_s is None \
-            else None
+        busy_s = receiver_busy_draft_s(cfg.deserializer, spec.draft_overhead_s, self.timing,
+                                       req.context_tokens) if drafting else None
         if busy_s is not None:
-            overhead_s = busy_draft_overhead_s(
+            overhead_s = busy_share_draft_overhead_s(
                 busy_s, self.timing.tpot_s(req.context_tokens),
                 later_streams_busy_fraction(receivers, self.env.now))
         member = dnode.batch.join(

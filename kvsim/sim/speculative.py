@@ -84,6 +84,17 @@ def receiver_draft_s(mode: str, timing: TimingModel, context_tokens: int) -> flo
     return timing.draft_contention_s(context_tokens) if mode in ANCHOR_CACHE_MODES else None
 
 
+def receiver_busy_draft_s(mode: str, configured_s: float | None, timing: TimingModel,
+                          context_tokens: int) -> float | None:
+    """A draft step's extra (s) while the receiver's on-arrival worker dequantizes beside it
+    (TimingModel.draft_busy_contention_s), where both engines apply it: dequantization on
+    arrival, no configured speculative.draft_overhead_s, a profile that measured
+    draft_step.busy_ratio; None otherwise (the constant draft_overhead_s applies)."""
+    if mode != "on_arrival" or configured_s is not None:
+        return None
+    return timing.draft_busy_contention_s(context_tokens)
+
+
 def plain_decode(t_ready: float, tpot_s: float, tokens: int) -> DecodeTimeline:
     times = t_ready + tpot_s * np.arange(1, tokens + 1)
     return DecodeTimeline(times, t_ready, t_ready, tpot_s=tpot_s,

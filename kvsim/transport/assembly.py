@@ -213,6 +213,11 @@ class Assembly:
         with self._cv:
             return self.dequantizer.streams_ready()
 
+    def worker_busy(self) -> bool:
+        """The on-arrival worker is dequantizing a layer now (False on demand: nothing runs
+        beside the decoder until it asks for the cache)."""
+        return self.dequantizer is not None and self.dequantizer.working
+
     def wait_streams(self, n: int, timeout_s: float) -> bool:
         """Block until streams 0..n-1 are usable (see streams_ready); True also when the
         on-arrival worker refused their bytes (kv(n) then raises its error)."""

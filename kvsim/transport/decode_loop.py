@@ -345,7 +345,11 @@ class TimingDecodeLoop(_DecodeLoop):
     """Modelled step times as sleeps (a model too large for this machine).
 
     A step on the full cache sleeps tpot_s(context_tokens, batch=1) * time_scale; a draft
-    step (tpot_s + draft_overhead_s) * time_scale; the first step after a load also
+    step (tpot_s + draft_overhead_s) * time_scale, or, with busy_draft_overhead_s set and a
+    view whose on-arrival worker reports `worker_busy()`, a step that advances at
+    1 / (tpot_s + busy_draft_overhead_s) while that worker dequantizes and 1 / tpot_s while
+    it waits (its state polled every poll_s clock s: the simulator's busy-share model,
+    kvsim.sim.worker_load, on the real worker's schedule); the first step after a load also
     first_step_extra_s (a measured profile's; the simulator's on_demand loads add it too);
     verification verify_s(n, context_tokens) * time_scale; the accepted count is
     acceptance.sample_accepted(n, rng). Back-to-back steps sleep until their planned end
@@ -362,7 +366,8 @@ class TimingDecodeLoop(_DecodeLoop):
     def __init__(self, timing: TimingModel, context_tokens: int, acceptance: AcceptanceModel,
                  rng: np.random.Generator, time_scale: float = 1.0,
                  draft_overhead_s: float = 0.0, clock: Clock = time.perf_counter,
-                 dequantize: bool = True, sleep: Callable[[float], None] = time.sleep) -> None:
+                 dequantize: bool = True, sleep: Callable[[float], None] = time.sleep,
+                 busy_draft_overhead_s: float | None = None, poll_s: float = 0.005) -> None:
         if int(context_tokens) < 1:
             raise ValueError(f"context_tokens must be >= 1, got {context_tokens}")
         self.timing, self.context = timing, int(context_tokens)
@@ -375,6 +380,13 @@ class TimingDecodeLoop(_DecodeLoop):
         self.step_s = timing.tpot_s(self.context, 1) * self.time_scale  # clock s per step
         self.draft_step_s = (timing.tpot_s(self.context, 1) + self.draft_overhead_s) \
             * self.time_scale
+        # clock s per draft step while the worker is busy (None: every draft step is
+        # draft_step_s)
+        self.busy_draft_step_s = None if busy_draft_overhead_s is None else \
+            (timing.tpot_s(self.context, 1) + check_number(
+                "busy_draft_overhead_s", busy_draft_overhead_s, strict=False)) * self.time_scale
+        self.poll_s = check_number("poll_s", poll_s)
+        self._fluid_drafts = False  # this run's draft steps follow the worker
         self._planned = 0.0  # clock time the current step sequence has reached (s)
         # the first step on a freshly loaded cache costs this much more (measured profiles;
         # a verification pass is measured as such and pays none)
@@ -399,15 +411,35 @@ class TimingDecodeLoop(_DecodeLoop):
             if build_s > 0:
                 self.sleep(build_s)
         self._fresh_extra_s = self.timing.first_step_extra_s(self.context) * self.time_scale
-        return None
+        return view  # no real cache: the steps read the view (its worker's state)
 
     def _context_tokens(self, cache: Any) -> int:
         return self.context
 
     def _step(self, cache: Any, token: int, drafting: bool) -> int:
         extra, self._fresh_extra_s = self._fresh_extra_s, 0.0
-        self._sleep_for((self.draft_step_s if drafting else self.step_s) + extra)
+        # the view (see _load): its on-arrival worker, where it has one, slows the drafts
+        busy = getattr(cache, "worker_busy", None) \
+            if getattr(cache, "dequantize", "on_demand") == "on_arrival" else None
+        if drafting:  # every draft step of a run takes the same branch
+            self._fluid_drafts = self.busy_draft_step_s is not None and busy is not None
+        if drafting and self._fluid_drafts:
+            self._sleep_for(extra)
+            self._fluid_draft_step(busy)
+        else:
+            self._sleep_for((self.draft_step_s if drafting else self.step_s) + extra)
         return -1
+
+    def _fluid_draft_step(self, busy: Callable[[], bool]) -> None:
+        """One draft step as a unit of work done at 1 / busy_draft_step_s while busy() and
+        1 / step_s otherwise, the state read at the start of each slice of <= poll_s."""
+        assert self.busy_draft_step_s is not None
+        left = 1.0  # share of the step still to run
+        while left > 1e-9:
+            step_s = self.busy_draft_step_s if busy() else self.step_s
+            slice_s = min(left * step_s, self.poll_s)
+            self._sleep_for(slice_s)
+            left -= slice_s / step_s
 
     def _verify(self, cache: Any, drafts: list[int]) -> tuple[int, int]:
         self._fresh_extra_s = 0.0
@@ -419,7 +451,9 @@ class TimingDecodeLoop(_DecodeLoop):
         return self.step_s
 
     def _draft_tpot_report(self, measured_s: float) -> float:
-        return self.draft_step_s
+        # steps that followed the worker have no one modelled length: report their mean
+        # (as measured: with the first step's extra and any sleep overshoot)
+        return measured_s if self._fluid_drafts else self.draft_step_s
 
     def _verify_report(self, measured_s: float, proposed: int) -> float:
         return self.timing.verify_s(proposed, self.context) * self.time_scale

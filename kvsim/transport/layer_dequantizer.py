@@ -68,6 +68,9 @@ class LayerDequantizer:
         self._cv, self._failed = lock, failed
         self.error: Exception | None = None
         self.spans: list[Span] = []  # (name, t0, t1) of every job, Unix s
+        # a job is running now (read without the lock by a timing decode loop that slows its
+        # draft steps while the worker works; a stale read is off by one poll)
+        self.working = False
 
     # ---- I/O thread side (lock held) ------------------------------------------------------
     def chunk_arrived(self, chunk: Chunk) -> None:
@@ -149,6 +152,7 @@ class LayerDequantizer:
                 n = 1 if kind == ANCHOR else self.num_streams
                 chunks = [list(self._chunks[s][layer]) for s in range(n)]
             t0 = time.time()
+            self.working = True
             try:
                 out = self.codec.decode_layer(self.shape, layer, chunks, dtype=torch.float32)
                 if not all_finite(out):
@@ -166,11 +170,13 @@ class LayerDequantizer:
                         self._buffers[kind] = buf
                     buf[layer].copy_(out)
             except Exception as exc:  # CodecError / WireError: bytes the codec refuses
+                self.working = False
                 with self._cv:
                     self.error = exc
                     self._cv.notify_all()
                 return
             t1 = time.time()
+            self.working = False
             with self._cv:
                 name = "stream 0" if n == 1 else f"streams 0-{n - 1}"
                 self.spans.append((f"dequantize layer {layer} {name}", t0, t1))

@@ -20,7 +20,7 @@ from kvsim.models import ModelSpec
 from kvsim.report import format_table
 from kvsim.sim.codec_timing import load_codec_timing
 from kvsim.sim.run import variants
-from kvsim.sim.speculative import draft_overhead_s, receiver_draft_s
+from kvsim.sim.speculative import draft_overhead_s, receiver_busy_draft_s, receiver_draft_s
 from kvsim.sim.workload import requests as workload_requests
 from kvsim.transport.assembly import Assembly
 from kvsim.transport.rate_limiter import TokenBucket, Unlimited
@@ -197,6 +197,11 @@ def outgoing_requests(cfg: EmulateConfig, lm: Any | None) -> list[list[OutgoingR
                          float(sizes.total_bytes), cfg.hardware.devices,
                          receiver_draft_s(cfg.transport.dequantize, timing,
                                           r.context_tokens)),
+                     # ... and, where the profile measured it, a draft step's extra while
+                     # the on-arrival worker is busy (the timing decode follows the worker)
+                     "busy_draft_overhead_s": receiver_busy_draft_s(
+                         cfg.transport.dequantize, cfg.speculative.draft_overhead_s, timing,
+                         r.context_tokens),
                      "bandwidth_gbps": cfg.link.bandwidth_gbps,
                      "link_emulation": cfg.transport.emulation,
                      "time_scale": cfg.transport.time_scale}
@@ -250,7 +255,8 @@ def decoder_factory(cfg: EmulateConfig, mode: str, lm: Any | None):
         overhead = float(hello.get("draft_overhead_s") or 0.0)
         return TimingDecodeLoop(timing, asm.shape.tokens, acceptance, rng,
                                 time_scale=float(hello.get("time_scale") or 1.0),
-                                draft_overhead_s=overhead, clock=time.time), {}
+                                draft_overhead_s=overhead, clock=time.time,
+                                busy_draft_overhead_s=hello.get("busy_draft_overhead_s")), {}
     return make
 
 
@@ -282,6 +288,11 @@ def hello_checker(cfg: EmulateConfig, mode: str):
         cap = hello.get("cap_tokens", 0)
         if isinstance(cap, bool) or not isinstance(cap, int) or not 0 <= cap <= 4096:
             return f"cap_tokens must be an integer in 0..4096, got {cap!r}"
+        busy = hello.get("busy_draft_overhead_s")
+        if busy is not None and (isinstance(busy, bool) or not isinstance(busy, (int, float))
+                                 or not 0 <= busy <= 3600):
+            return f"busy_draft_overhead_s must be null or a number of s in [0, 3600], got " \
+                f"{busy!r}"
         ks = hello.get("ks") or []
         if not isinstance(ks, list) or not all(isinstance(k, int) and 1 <= k <= out_tokens
                                                for k in ks):
