@@ -196,20 +196,22 @@ class TimingModel:
         """What a draft step costs beyond a decode step when the receiver dequantizes the
         later streams beside it (s): (draft_step.ratio - 1) x TPOT at this context, from a
         profile that measured it (`kvsim calibrate`'s transfer); 0 without one."""
-        draft = self._profile.get("draft_step") if self._profile else None
-        if not draft:
-            return 0.0
-        return (float(draft["ratio"]) - 1.0) * self.tpot_s(context_tokens)
+        extra = self._draft_step_extra_s("ratio", context_tokens)
+        return 0.0 if extra is None else extra
 
     def draft_busy_contention_s(self, context_tokens: int) -> float | None:
         """What a draft step costs beyond a decode step while the receiver's on-arrival
         worker dequantizes beside it (s): (draft_step.busy_ratio - 1) x TPOT at this context;
         None when the profile did not measure it (kvsim.calibrate.receiver_timing:
         draft_busy_ratio, from the worker's layer spans)."""
+        return self._draft_step_extra_s("busy_ratio", context_tokens)
+
+    def _draft_step_extra_s(self, field: str, context_tokens: int) -> float | None:
+        """(draft_step.<field> - 1) x TPOT at this context (s); None where not measured."""
         draft = self._profile.get("draft_step") if self._profile else None
-        if not draft or "busy_ratio" not in draft:
+        if not draft or field not in draft:
             return None
-        return (float(draft["busy_ratio"]) - 1.0) * self.tpot_s(context_tokens)
+        return (float(draft[field]) - 1.0) * self.tpot_s(context_tokens)
 
     def member_work(self, new_tokens: int, context_tokens: int) -> tuple[float, float]:
         """One sequence's share of a batched forward step over `new_tokens` new tokens
@@ -343,14 +345,15 @@ def load_profile(name_or_path: str, model_name: str) -> dict:
             _check_curve(p, doc, key, xs, at)
     if "verify" in doc:
         _check_verify(p, doc)
-    # (key, field, bound, test): a rate > 0; a ratio to a decode step >= 1
-    for key, field, bound, ok in (("cache_build", "gb_per_s", "> 0", lambda v: v > 0),
-                                  ("draft_step", "ratio", ">= 1", lambda v: v >= 1),
-                                  ("draft_step", "busy_ratio", ">= 1", lambda v: v >= 1)):
-        if key not in doc or (field == "busy_ratio" and (not isinstance(doc[key], dict)
-                                                         or field not in doc[key])):
+    # (key, field, required in key, bound, test): a rate > 0; a ratio to a decode step >= 1
+    for key, field, required, bound, ok in (
+            ("cache_build", "gb_per_s", True, "> 0", lambda v: v > 0),
+            ("draft_step", "ratio", True, ">= 1", lambda v: v >= 1),
+            ("draft_step", "busy_ratio", False, ">= 1", lambda v: v >= 1)):
+        entry = doc.get(key)
+        if key not in doc or (not required and isinstance(entry, dict) and field not in entry):
             continue
-        value = (doc[key] or {}).get(field) if isinstance(doc[key], dict) else None
+        value = (entry or {}).get(field) if isinstance(entry, dict) else None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or \
                 not math.isfinite(value) or not ok(value):
             raise ValueError(f"hardware profile {p}: {key}.{field} must be a finite number "

@@ -54,8 +54,7 @@ from kvsim.sim.size_calibration import calibrate_sizes
 from kvsim.sim.speculative import draft_overhead_s, receiver_busy_draft_s, receiver_draft_s
 from kvsim.sim.spread import spread_of
 from kvsim.sim.trace import TraceLog
-from kvsim.sim.worker_load import draft_overhead_s as busy_share_draft_overhead_s
-from kvsim.sim.worker_load import later_streams_busy_fraction
+from kvsim.sim.worker_load import busy_share_overhead_s, later_streams_busy_fraction
 from kvsim.sim.workload import Request, requests
 
 
@@ -394,7 +393,7 @@ class Scenario:
         busy_s = receiver_busy_draft_s(cfg.deserializer, spec.draft_overhead_s, self.timing,
                                        req.context_tokens) if drafting else None
         if busy_s is not None:
-            overhead_s = busy_share_draft_overhead_s(
+            overhead_s = busy_share_overhead_s(
                 busy_s, self.timing.tpot_s(req.context_tokens),
                 later_streams_busy_fraction(receivers, self.env.now))
         member = dnode.batch.join(

@@ -12,7 +12,7 @@ busy is projected from what the simulator knows then: arrivals known so far, and
 rest as each link would carry its current flows (kvsim.sim.link_projection: a dry run of
 the link's schedule, priorities, weights and capacity trace included), served as the
 request's Deserializer serves them (kvsim.sim.nodes.priority_server). A drafting member's
-overhead is the mean over that share (`draft_overhead_s`), until its full cache is ready
+overhead is the mean over that share (`busy_share_overhead_s`), until its full cache is ready
 (kvsim.sim.batch: `overhead_until_full`). The projection is exact while no other flow joins
 the request's links before its last message; a flow that joins later is not foreseen, and
 the share runs to the worker's last job even when the draft cap stops drafting earlier.
@@ -44,7 +44,7 @@ def busy_fraction(now: float, finish_t: np.ndarray, work_s: np.ndarray) -> float
     return float(busy.sum()) / (end - now)
 
 
-def draft_overhead_s(busy_overhead_s: float, tpot_s: float, busy_share: float) -> float:
+def busy_share_overhead_s(busy_overhead_s: float, tpot_s: float, busy_share: float) -> float:
     """A draft step's mean extra (s) when the worker is busy `busy_share` of the time:
     drafts advance one step per tpot_s while it is idle and one per r x tpot_s while it
     works (r = 1 + busy_overhead_s / tpot_s, as kvsim.calibrate.receiver_timing measures
@@ -57,19 +57,16 @@ def draft_overhead_s(busy_overhead_s: float, tpot_s: float, busy_share: float) -
 
 
 def projected_arrival_t(rx: Receiver,
-                        projections: dict[Link, dict[Flow, np.ndarray]] | None = None
-                        ) -> np.ndarray:
+                        projections: dict[Link, dict[Flow, np.ndarray]]) -> np.ndarray:
     """[m] s: the arrivals of rx's flow, reported ones as they are, the rest projected from
     each link it crosses (a message arrives once every link carried it, + the first link's
-    latency, as kvsim.sim.ingress joins them). projections: the links' dry runs
-    (link_projection.project_link) covering rx's flows, when several receivers share them."""
+    latency, as kvsim.sim.ingress joins them). projections: the links' dry runs covering
+    rx's unfinished flows (project_carriers)."""
     if rx.is_done:
         return rx.arrival_t
     carriers = rx.carriers
     if not carriers:
         raise RuntimeError(f"flow {rx.plan.name}: no link flow carries it (set by the scenario)")
-    if projections is None:
-        projections = project_carriers([rx])
     complete = None
     for flow in carriers:
         # a crossing whose every message is sent has final times
@@ -81,7 +78,7 @@ def projected_arrival_t(rx: Receiver,
 
 def project_carriers(receivers: list[Receiver]) -> dict[Link, dict[Flow, np.ndarray]]:
     """One dry run per link that carries an unfinished flow of `receivers`, up to their
-    last message."""
+    last message (a done flow's times are final: no dry run for it)."""
     wanted: dict[Link, list[Flow]] = {}
     for rx in receivers:
         for flow in rx.carriers:
@@ -96,7 +93,7 @@ def later_streams_busy_fraction(receivers: list[Receiver], now: float) -> float:
     (the anchor's first) from their known and projected arrivals."""
     if len(receivers) < 2:
         return 0.0
-    projections = project_carriers([rx for rx in receivers if not rx.is_done])
+    projections = project_carriers(receivers)
     arrivals = [projected_arrival_t(rx, projections) for rx in receivers]
     works = [rx.plan.deserialize_s for rx in receivers]
     finish = priority_server(arrivals, works)  # [m_c] s per stream

@@ -386,7 +386,8 @@ class TimingDecodeLoop(_DecodeLoop):
             (timing.tpot_s(self.context, 1) + check_number(
                 "busy_draft_overhead_s", busy_draft_overhead_s, strict=False)) * self.time_scale
         self.poll_s = check_number("poll_s", poll_s)
-        self._fluid_drafts = False  # this run's draft steps follow the worker
+        # the view's worker_busy() where draft steps follow it (set by _load), else None
+        self._worker_busy: Callable[[], bool] | None = None
         self._planned = 0.0  # clock time the current step sequence has reached (s)
         # the first step on a freshly loaded cache costs this much more (measured profiles;
         # a verification pass is measured as such and pays none)
@@ -410,22 +411,19 @@ class TimingDecodeLoop(_DecodeLoop):
             build_s = self.timing.cache_build_s(self.context) * self.time_scale
             if build_s > 0:
                 self.sleep(build_s)
+            if self.busy_draft_step_s is not None:  # drafts slow while its worker works
+                self._worker_busy = getattr(view, "worker_busy", None)
         self._fresh_extra_s = self.timing.first_step_extra_s(self.context) * self.time_scale
-        return view  # no real cache: the steps read the view (its worker's state)
+        return None
 
     def _context_tokens(self, cache: Any) -> int:
         return self.context
 
     def _step(self, cache: Any, token: int, drafting: bool) -> int:
         extra, self._fresh_extra_s = self._fresh_extra_s, 0.0
-        # the view (see _load): its on-arrival worker, where it has one, slows the drafts
-        busy = getattr(cache, "worker_busy", None) \
-            if getattr(cache, "dequantize", "on_demand") == "on_arrival" else None
-        if drafting:  # every draft step of a run takes the same branch
-            self._fluid_drafts = self.busy_draft_step_s is not None and busy is not None
-        if drafting and self._fluid_drafts:
+        if drafting and self._worker_busy is not None:
             self._sleep_for(extra)
-            self._fluid_draft_step(busy)
+            self._fluid_draft_step(self._worker_busy)
         else:
             self._sleep_for((self.draft_step_s if drafting else self.step_s) + extra)
         return -1
@@ -433,7 +431,7 @@ class TimingDecodeLoop(_DecodeLoop):
     def _fluid_draft_step(self, busy: Callable[[], bool]) -> None:
         """One draft step as a unit of work done at 1 / busy_draft_step_s while busy() and
         1 / step_s otherwise, the state read at the start of each slice of <= poll_s."""
-        assert self.busy_draft_step_s is not None
+        assert self.busy_draft_step_s is not None  # (_load sets a probe only then)
         left = 1.0  # share of the step still to run
         while left > 1e-9:
             step_s = self.busy_draft_step_s if busy() else self.step_s
@@ -453,7 +451,7 @@ class TimingDecodeLoop(_DecodeLoop):
     def _draft_tpot_report(self, measured_s: float) -> float:
         # steps that followed the worker have no one modelled length: report their mean
         # (as measured: with the first step's extra and any sleep overshoot)
-        return measured_s if self._fluid_drafts else self.draft_step_s
+        return measured_s if self._worker_busy is not None else self.draft_step_s
 
     def _verify_report(self, measured_s: float, proposed: int) -> float:
         return self.timing.verify_s(proposed, self.context) * self.time_scale
