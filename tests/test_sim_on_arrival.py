@@ -255,3 +255,20 @@ def test_both_engines_slow_drafts_by_the_busy_ratio_under_one_rule(tmp_path):
     assert receiver_busy_draft_s("on_arrival", 0.0, timing, 1024) is None
     doc["draft_step"] = {"ratio": 1.5}
     assert receiver_busy_draft_s("on_arrival", None, timing_from(doc), 1024) is None
+
+
+def test_a_codec_whose_layers_do_not_decode_alone_falls_back_to_on_demand():
+    """As the transport's receiver (kvsim.transport.assembly), on arrival is on demand for
+    CacheGen, whose layers do not decode alone: the same timeline as deserializer=on_demand,
+    and the row says which mode ran; a layer-independent codec keeps on arrival."""
+    rows = {}
+    for mode in ("on_arrival", "on_demand"):
+        sc = receiver_scenario("codecs=[cachegen]", f"deserializer={mode}",
+                               "link.bandwidth_gbps=0.05")
+        rows[mode] = sc.run()
+        assert sc.deserializer == "on_demand"
+    assert rows["on_arrival"]["deserializer"] == "on_demand"
+    for key in ("ttft_s", "full_ready_from_prefill_end_s", "ttft_committed_s"):
+        assert rows["on_arrival"][key] == rows["on_demand"][key]
+    sc = receiver_scenario("codecs=[int8]", "deserializer=on_arrival")
+    assert sc.run()["deserializer"] == "on_arrival"

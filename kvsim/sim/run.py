@@ -130,6 +130,12 @@ class Scenario:
         self.cfg, self.variant, self.trace = cfg, variant, trace
         self.context_tokens, self.bandwidth_gbps = int(context_tokens), float(bandwidth_gbps)
         self.codec = variant.spec.build()
+        # the receiver mode this codec runs in: as the transport's receiver
+        # (kvsim.transport.assembly), on arrival falls back to on demand for a codec whose
+        # layers do not decode alone (CacheGen)
+        self.deserializer = cfg.deserializer
+        if self.deserializer == "on_arrival" and not self.codec.layer_independent:
+            self.deserializer = "on_demand"
         self.model, self.hw = cfg.model, cfg.hardware
         calibrate_sizes(self.codec, cfg.size_calibration, cfg.model.kv_shape(context_tokens))
         self.timing = TimingModel(cfg.model, cfg.hardware)
@@ -147,7 +153,7 @@ class Scenario:
         if hit is None:
             shape = self.model.kv_shape(context_tokens)
             table = self.codec.size_table(shape)
-            on_arrival = self.cfg.deserializer == "on_arrival"
+            on_arrival = self.deserializer == "on_arrival"
             plan = build_plan(table, shape, self.variant.policy, self.codec_timing,
                               self.hw.devices, self.cfg.granularity, layer_jobs=on_arrival,
                               anchor_jobs=on_arrival and self.cfg.speculative.cap_tokens > 0)
@@ -214,7 +220,7 @@ class Scenario:
                              message_overhead_bytes=cfg.link.message_overhead_bytes,
                              class_weight=class_weight)
                         for i in range(w.decode_nodes)] if cfg.link.decode_ingress_gbps else []
-        if cfg.deserializer == "node":  # one FIFO deserializer per decode instance, which
+        if self.deserializer == "node":  # one FIFO deserializer per decode instance, which
             for i, node in enumerate(self.decode):  # flushes every link its flows cross
                 node.deserializer = NodeDeserializer(
                     self.links + ([self.ingress[i]] if self.ingress else []))
@@ -291,9 +297,9 @@ class Scenario:
     def _needed_in(self, ps: Passage) -> None:
         """The flows decoding needs are deserialized (now)."""
         ps.t_need = self.env.now
-        if self.cfg.deserializer == "on_demand":  # the decoder dequantizes what it starts on
+        if self.deserializer == "on_demand":  # the decoder dequantizes what it starts on
             self._load_on_demand(ps)
-        elif self.cfg.deserializer == "on_arrival":  # the decoder builds its cache from layers
+        elif self.deserializer == "on_arrival":  # the decoder builds its cache from layers
             self._build_on_arrival(ps)
         else:
             self._admit(ps)
@@ -381,16 +387,16 @@ class Scenario:
         spec = cfg.speculative
         plan = ps.plan
         # speculative only while some stream is still missing when decoding starts
-        drafting = ps.drafting if cfg.deserializer == "on_demand" else \
+        drafting = ps.drafting if self.deserializer == "on_demand" else \
             plan.speculative and not all(rx.is_ready for rx in receivers)
         overhead_s = draft_overhead_s(spec.draft_overhead_s, self.codec_timing,
                                       self.model.kv_bytes_bf16(req.context_tokens),
                                       plan.stream_bytes[0], plan.total_bytes, self.hw.devices,
-                                      receiver_draft_s(cfg.deserializer, self.timing,
+                                      receiver_draft_s(self.deserializer, self.timing,
                                                        req.context_tokens))
         # on arrival, with the draft step measured beside a busy worker: that overhead for
         # the worker's projected share of busy time, until the full cache is ready
-        busy_s = receiver_busy_draft_s(cfg.deserializer, spec.draft_overhead_s, self.timing,
+        busy_s = receiver_busy_draft_s(self.deserializer, spec.draft_overhead_s, self.timing,
                                        req.context_tokens) if drafting else None
         if busy_s is not None:
             overhead_s = busy_share_overhead_s(
@@ -416,7 +422,7 @@ class Scenario:
             req.seq, req.context_tokens, req.arrival_t, ps.t_p0, ps.t_pe, ps.encode_end_t,
             last_needed.last_arrival_t, last_needed.backlog_start_t, ps.t_need,
             max(rx.last_arrival_t for rx in receivers),
-            timeline.full_t if cfg.deserializer == "on_demand" else
+            timeline.full_t if self.deserializer == "on_demand" else
             max(rx.ready_t for rx in receivers),
             ps.t_start, timeline, plan.stream_bytes, sum(rx.received_bytes for rx in receivers),
             plan.policy == "monolithic",
@@ -445,8 +451,8 @@ class Scenario:
         pnode.encoder_free_t = float(rel[-1])
         # on_arrival: the receiver's worker dequantizes layers as they land, whatever the policy
         deser = Deserializer(self.env, plan.flows,
-                             plan.pipelined or cfg.deserializer == "on_arrival",
-                             cfg.deserializer, dnode.deserializer)
+                             plan.pipelined or self.deserializer == "on_arrival",
+                             self.deserializer, dnode.deserializer)
         receivers = deser.receivers
         if self.ingress:  # both links carry every message (kvsim.sim.ingress)
             for fp, rx in zip(plan.flows, receivers, strict=True):
@@ -494,6 +500,7 @@ class Scenario:
             "model": self.model.name, "hardware": self.hw.name,
             "codec": self.variant.spec.label, "codec_name": self.variant.spec.name,
             "transfer": self.variant.policy, "streams": len(plan.stream_names),
+            "deserializer": self.deserializer,
             "context_tokens": self.context_tokens, "bandwidth_gbps": self.bandwidth_gbps,
             "workload": cfg.workload.kind, "requests": len(recs),
             "stream_bytes": dict(zip(plan.stream_names, plan.stream_bytes, strict=True)),
