@@ -50,6 +50,34 @@ def test_timing_entries_without_provenance_are_refused(tmp_path):
         load_codec_timing("x", p).lookup("lynx", "lynx")
 
 
+def test_layer_job_fit_is_fixed_plus_bytes_and_checked(tmp_path):
+    """The optional on-arrival layer-job fit: a job costs fixed + bytes / rate (the
+    anchor's with its own pair), tensor-parallel devices share the bytes, not the fixed
+    part; without a fit the plain rates time it; a half pair or a bad number is refused."""
+    base = {"encode_gb_per_s": 1.0, "decode_gb_per_s": 0.1, "anchor_decode_gb_per_s": 0.2,
+            "source": "assumed", "assumption": "x"}
+    fit = {"layer_job_fixed_s": 0.004, "layer_job_gb_per_s": 0.5,
+           "anchor_layer_job_fixed_s": 0.003, "anchor_layer_job_gb_per_s": 1.0}
+    t = load_codec_timing("x", _write(tmp_path, {"version": 1, "codecs": {
+        "c": {**base, **fit}}})).lookup("c", "c")
+    assert t.layer_job_s(1e6) == pytest.approx(0.004 + 0.002)
+    assert t.layer_job_s(1e6, devices=2) == pytest.approx(0.004 + 0.001)
+    assert t.layer_job_s(1e6, anchor=True) == pytest.approx(0.003 + 0.001)
+    np.testing.assert_allclose(t.layer_job_s(np.array([0.0, 2e6])), [0.004, 0.008])
+    plain = load_codec_timing("x", _write(tmp_path, {"version": 1, "codecs": {
+        "c": base}})).lookup("c", "c")
+    assert plain.layer_job_s(1e6) == pytest.approx(0.01)
+    assert plain.layer_job_s(1e6, anchor=True) == pytest.approx(0.005)
+    for bad, msg in (({"layer_job_fixed_s": 0.004}, "go together"),
+                     ({**fit, "layer_job_fixed_s": -1.0}, "finite and >= 0"),
+                     ({**fit, "anchor_layer_job_gb_per_s": 0}, "finite and > 0"),
+                     ({**fit, "layer_job_gb_per_s": float("nan")}, "finite"),
+                     ({**fit, "layer_job_fixed_s": True}, "finite"),
+                     ({**fit, "layer_job_fixed_s": "1"}, "finite")):
+        p = _write(tmp_path, {"version": 1, "codecs": {"c": {**base, **bad}}})
+        with pytest.raises(ValueError, match=msg):
+            load_codec_timing("x", p)
+
 def test_bench_report_becomes_a_measured_timing_file(tmp_path):
     report = _write(tmp_path, {"rows": [{"codec": "int8", "encode_gbps": 3.0,
                                          "decode_gbps": 6.0, "device": "cpu"}]})

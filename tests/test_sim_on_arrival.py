@@ -40,6 +40,25 @@ def test_layer_jobs_put_each_layers_work_on_its_last_message(policy: str):
     assert not plan.flows[0].deserialize_s.any()
 
 
+def test_layer_jobs_cost_the_fitted_fixed_part_plus_their_bytes():
+    """With a calibrated layer-job fit a job costs fixed + bytes / rate (the anchor's with
+    its own pair), on the same messages as without."""
+    from dataclasses import replace
+
+    sc = receiver_scenario("codecs=[lynx]", "deserializer=on_arrival")
+    shape = sc.model.kv_shape(1000)
+    table = sc.codec.size_table(shape)
+    bf16_layer = 1000 * 2 * shape.kv_heads * shape.head_dim * 2
+    t = replace(sc.codec_timing, layer_job_fixed_s=0.004, layer_job_gb_per_s=0.5,
+                anchor_layer_job_fixed_s=0.003, anchor_layer_job_gb_per_s=1.0)
+    anchor, residual = build_plan(table, shape, "split_stream", t, layer_jobs=True,
+                                  anchor_jobs=True).flows
+    pages = table.chunk_bytes.shape[2]
+    for flow, job_s in ((anchor, 0.003 + bf16_layer / 1e9), (residual, 0.004 + bf16_layer / 0.5e9)):
+        want = np.zeros(len(flow.deserialize_s))
+        want[pages - 1::pages] = job_s
+        np.testing.assert_allclose(flow.deserialize_s, want, rtol=1e-12)
+
 def test_monolithic_is_ready_one_layer_after_its_last_byte_on_a_slow_link():
     """At 0.05 Gbps a layer arrives far slower than it dequantizes, so every layer but the
     last is done before the next lands: the cache is usable one layer's dequantization

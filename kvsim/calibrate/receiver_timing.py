@@ -28,6 +28,13 @@ drafting window split it into busy and idle time, which gives the draft step whi
 worker works (`draft_busy_ratio`, see draft_busy_ratio): the simulator weighs it by the
 worker's load at each rate (kvsim.sim.worker_load). `apply_receiver_timing` puts these
 into the profiles.
+
+A worker's layer job has a fixed part as well as a part in proportion to the layer's
+bytes (lynx here: 4.7 ms per layer at 512 tokens and 5.6 ms at 1024, where bytes alone
+would say 2.8 and 5.6): one context cannot tell them apart, and extrapolating its rate
+doubled the simulated jobs from 1024 to 2048 tokens where the real ones grew far less. A
+second calibration transfer at a shorter context (`fit_layer_jobs`) splits them: the
+simulator's on-arrival layer jobs cost fixed + bytes / rate (kvsim.sim.codec_timing).
 """
 
 from __future__ import annotations
@@ -264,3 +271,32 @@ def apply_receiver_timing(measured: dict[str, dict[str, float]], hw_doc: dict, t
         if busy:  # the same while the worker dequantizes (on arrival: its layer spans)
             hw_doc["draft_step"]["busy_ratio"] = max(1.0, float(statistics.median(busy)))
     return ratio
+
+
+def fit_layer_jobs(measured: dict[str, dict[str, float]], fit: dict[str, dict[str, float]],
+                   layer_bf16_bytes: float, fit_layer_bf16_bytes: float
+                   ) -> dict[str, dict[str, float]]:
+    """codec label -> the codec timing's layer-job fields (kvsim.sim.codec_timing:
+    layer_job_fixed_s / layer_job_gb_per_s, and the anchor's with an anchor rate): a line
+    through the mean on-arrival job of two calibration transfers, `measured` with layers of
+    `layer_bf16_bytes` and `fit` with layers of `fit_layer_bf16_bytes` (receiver_loads'
+    rates: a job is its layer's bf16 bytes at that rate). A pair whose line says a bigger
+    layer is not slower, or has a negative fixed part, is noise at this host's jitter and
+    is left out (the plain rate then times that job, in proportion to its bytes)."""
+    if not 0 < fit_layer_bf16_bytes < layer_bf16_bytes:
+        raise ValueError(f"the fit's layers ({fit_layer_bf16_bytes} B) must be smaller than the "
+                         f"calibration transfer's ({layer_bf16_bytes} B) and > 0")
+    out: dict[str, dict[str, float]] = {}
+    for codec, rates in measured.items():
+        for prefix, key in (("", "decode_gb_per_s"), ("anchor_", "anchor_decode_gb_per_s")):
+            if key not in rates or key not in fit.get(codec, {}):
+                continue
+            job_s = layer_bf16_bytes / (rates[key] * 1e9)
+            fit_job_s = fit_layer_bf16_bytes / (fit[codec][key] * 1e9)
+            slope = (job_s - fit_job_s) / (layer_bf16_bytes - fit_layer_bf16_bytes)  # s / B
+            fixed = job_s - slope * layer_bf16_bytes
+            if slope > 0 and fixed >= 0:
+                out.setdefault(codec, {}).update({
+                    f"{prefix}layer_job_fixed_s": fixed,
+                    f"{prefix}layer_job_gb_per_s": 1.0 / slope / 1e9})
+    return out

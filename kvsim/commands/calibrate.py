@@ -57,6 +57,10 @@ class Config:
     receiver_loads: bool = True
     receiver_context_tokens: int = 1024  # its prompts' tokens
     receiver_repeats: int = 3  # requests per codec (medians)
+    # on arrival, a second calibration transfer at this shorter context splits each codec's
+    # layer job into a fixed part and a part in proportion to its bytes
+    # (receiver_timing.fit_layer_jobs); 0: none (jobs in proportion to their bytes)
+    receiver_fit_context_tokens: int = 512
     # the receiver mode the load rates are for (transport.dequantize; kvsim sim's
     # deserializer of the same name): on_arrival | on_demand
     dequantize: str = "on_arrival"
@@ -76,6 +80,10 @@ class Config:
         if self.receiver_repeats < 1 or self.receiver_context_tokens < 16:
             raise ValueError("receiver_repeats must be >= 1 and receiver_context_tokens >= 16")
         check_choice("dequantize", self.dequantize, DEQUANTIZE_MODES)
+        fit = self.receiver_fit_context_tokens
+        if fit != 0 and not 16 <= fit < self.receiver_context_tokens:
+            raise ValueError(f"receiver_fit_context_tokens must be 0 (no fit) or in [16, "
+                             f"receiver_context_tokens={self.receiver_context_tokens}), got {fit}")
         if self.codec_context_tokens not in self.contexts:
             raise ValueError(f"codec_context_tokens={self.codec_context_tokens} must be one of "
                              f"contexts {list(self.contexts)}")
@@ -158,6 +166,21 @@ def run(cfg: Config) -> list[dict]:
                                   dequantize=cfg.dequantize)
         ratio = apply_receiver_timing(measured, hw_doc, timing_doc,
                                       cfg.receiver_context_tokens, cfg.dequantize)
+        fit_ctx = cfg.receiver_fit_context_tokens
+        if fit_ctx and cfg.dequantize == "on_arrival":
+            from kvsim.calibrate.receiver_timing import fit_layer_jobs
+
+            say(f"calibration transfer at {fit_ctx} tokens: each codec's layer job split into "
+                "a fixed part and a part in proportion to its bytes")
+            fit = receiver_loads(cfg.model.name, list(cfg.codecs), fit_ctx, cfg.seed + 1,
+                                 cfg.text_source, repeats=cfg.receiver_repeats,
+                                 threads=cfg.threads, dequantize=cfg.dequantize)
+            layer_bytes, fit_bytes = (2.0 * shape.numel / shape.layers for shape in (
+                cfg.model.kv_shape(cfg.receiver_context_tokens), cfg.model.kv_shape(fit_ctx)))
+            for label, fields in fit_layer_jobs(measured, fit, layer_bytes, fit_bytes).items():
+                timing_doc["codecs"][label].update(fields)
+                timing_doc["codecs"][label]["layer_job_contexts"] = \
+                    [fit_ctx, cfg.receiver_context_tokens]
         say(f"receiver's decode step / in-process: {ratio:.3f} (the step curves are scaled "
             "by it)")
     _write(paths["hardware"], hw_doc)
@@ -169,7 +192,10 @@ def run(cfg: Config) -> list[dict]:
     for label, e in timing_doc["codecs"].items():
         rows.append({"what": "codec", "item": label, "encode_gb_per_s": e["encode_gb_per_s"],
                      "decode_gb_per_s": e["decode_gb_per_s"],
-                     "anchor_decode_gb_per_s": e.get("anchor_decode_gb_per_s")})
+                     "anchor_decode_gb_per_s": e.get("anchor_decode_gb_per_s"),
+                     "layer_job_fixed_ms": 1e3 * e["layer_job_fixed_s"]
+                     if "layer_job_fixed_s" in e else None,
+                     "layer_job_gb_per_s": e.get("layer_job_gb_per_s")})
     for emulation in cfg.links:
         rows.append(_link(cfg, emulation, paths[f"link:{emulation}"], prov, say))
     if "cache_build" in hw_doc:
@@ -217,7 +243,9 @@ def _print(rows: list[dict], paths: dict[str, Path], root: Path, dequantize: str
     print(format_table(codec, [("item", "codec", ""),
                                ("encode_gb_per_s", "encode GB/s", ".3f"),
                                ("decode_gb_per_s", "dequantize GB/s", ".3f"),
-                               ("anchor_decode_gb_per_s", "anchor dequantize GB/s", ".3f")]))
+                               ("anchor_decode_gb_per_s", "anchor dequantize GB/s", ".3f"),
+                               ("layer_job_fixed_ms", "layer job fixed ms", ".2f"),
+                               ("layer_job_gb_per_s", "+ GB/s", ".3f")]))
     links = [r for r in rows if r["what"] == "link"]
     if links:
         print(format_table(links, [("item", "link", ""), ("efficiency", "efficiency", ".4f"),

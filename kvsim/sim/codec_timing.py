@@ -9,8 +9,17 @@ File format (version 1):
   {"version": 1, "hardware": "<preset>",
    "codecs": {"<codec label or registered name>": {"encode_gb_per_s": x, "decode_gb_per_s": y,
                "source": "measured" | "assumed", ...provenance,
-               "anchor_decode_gb_per_s": z}},   (optional: stream 0 alone, default y)
+               "anchor_decode_gb_per_s": z,     (optional: stream 0 alone, default y)
+               "layer_job_fixed_s": f, "layer_job_gb_per_s": r,              (optional)
+               "anchor_layer_job_fixed_s": fa, "anchor_layer_job_gb_per_s": ra}}, (optional)
    "default": {... same fields, used for codecs not listed ...}}            (optional)
+The layer_job fields time the transport receiver's on-arrival worker, which dequantizes one
+layer per job: a job costs f + (the layer's bf16 bytes) / r, a fixed part (the job's Python,
+kernel calls and cache update, the same at any context) and a part in proportion to its
+bytes. `kvsim calibrate` fits them from its calibration transfers at two contexts;
+deserializer=on_arrival times its layer jobs with them (kvsim.sim.policy) and, where they
+are absent, with decode_gb_per_s / anchor_decode_gb_per_s alone (a job in proportion to its
+bytes, which overstates a long context's jobs when the fixed part is large).
 Every entry states its `source`: "measured" entries name the `command` and `device` that
 produced them (`kvsim bench codecs report=PATH` rows: codec, encode_gbps, decode_gbps,
 device; see `from_bench_report`), "assumed" entries carry an `assumption` sentence.
@@ -22,6 +31,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvsim.data_files import record_loaded
 from kvsim.paths import DATA_DIR
@@ -39,6 +49,12 @@ class CodecTiming:
     # dequantizing stream 0 alone (a split-stream codec's anchor), GB/s of bf16 output;
     # nan: as decode_gb_per_s
     anchor_decode_gb_per_s: float = math.nan
+    # one on-arrival layer job: fixed s + bf16 bytes at GB/s (nan: decode_s alone), every
+    # stream's (full) and stream 0's alone (anchor)
+    layer_job_fixed_s: float = math.nan
+    layer_job_gb_per_s: float = math.nan
+    anchor_layer_job_fixed_s: float = math.nan
+    anchor_layer_job_gb_per_s: float = math.nan
 
     def encode_s(self, bf16_bytes: float, devices: int = 1) -> float:
         return bf16_bytes / (self.encode_gb_per_s * 1e9 * devices)
@@ -51,6 +67,43 @@ class CodecTiming:
         rate = self.decode_gb_per_s if math.isnan(self.anchor_decode_gb_per_s) \
             else self.anchor_decode_gb_per_s
         return bf16_bytes / (rate * 1e9 * devices)
+
+    def layer_job_s(self, layer_bf16_bytes: Any, devices: int = 1, anchor: bool = False) -> Any:
+        """Seconds of the on-arrival worker's job on a layer of `layer_bf16_bytes` (a float
+        or an array of them): every stream's, or stream 0's alone with `anchor`. The fitted
+        fixed + proportional cost where calibrated, else the plain throughput. On `devices`
+        tensor-parallel devices each device's worker takes 1/devices of the bytes, in
+        parallel, and pays the fixed part once."""
+        fixed, rate = (self.anchor_layer_job_fixed_s, self.anchor_layer_job_gb_per_s) \
+            if anchor else (self.layer_job_fixed_s, self.layer_job_gb_per_s)
+        if math.isnan(fixed):
+            plain = self.anchor_decode_s if anchor else self.decode_s
+            return plain(layer_bf16_bytes, devices)
+        return fixed + layer_bf16_bytes / (rate * 1e9 * devices)
+
+
+LAYER_JOB_KEYS = ("layer_job_fixed_s", "layer_job_gb_per_s", "anchor_layer_job_fixed_s",
+                  "anchor_layer_job_gb_per_s")
+
+
+def _layer_job_fields(doc: dict, where: str) -> dict[str, float]:
+    """The optional layer-job fit of a codec entry: both halves of a pair or neither, the
+    fixed part finite and >= 0 s, the rate finite and > 0 GB/s."""
+    out: dict[str, float] = {}
+    for fixed_key, rate_key in (LAYER_JOB_KEYS[:2], LAYER_JOB_KEYS[2:]):
+        if (fixed_key in doc) != (rate_key in doc):
+            raise ValueError(f"{where}: {fixed_key} and {rate_key} go together")
+        if fixed_key not in doc:
+            continue
+        fixed, rate = doc[fixed_key], doc[rate_key]
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                      for v in (fixed, rate))
+        if not (numbers and math.isfinite(fixed) and fixed >= 0 and math.isfinite(rate)
+                and rate > 0):
+            raise ValueError(f"{where}: {fixed_key} must be finite and >= 0 s and {rate_key} "
+                             f"finite and > 0 GB/s, got {fixed!r} and {rate!r}")
+        out[fixed_key], out[rate_key] = float(fixed), float(rate)
+    return out
 
 
 def _entry(doc: dict, where: str) -> CodecTiming:
@@ -69,7 +122,8 @@ def _entry(doc: dict, where: str) -> CodecTiming:
             anchor <= 0 or math.isinf(anchor):
         raise ValueError(f"{where}: throughputs must be finite and > 0 GB/s")
     note = doc.get("assumption") or f"{doc.get('command')} on {doc.get('device')}"
-    return CodecTiming(enc, dec, doc["source"], note, anchor)
+    return CodecTiming(enc, dec, doc["source"], note, anchor,
+                       **_layer_job_fields(doc, where))
 
 
 class CodecTimingTable:

@@ -80,7 +80,8 @@ def build_plan(table: SizeTable, shape: KVShape, policy: str, timing: CodecTimin
     receiver's worker): a layer is dequantized when its last message arrives: the message
     completing layer l of the last stream carries the layer's full dequantization and, with
     anchor_jobs (the decoder drafts on the anchor), the one completing layer l of stream 0
-    carries the anchor's alone; every other message carries none."""
+    carries the anchor's alone; every other message carries none. A job costs the codec
+    timing's layer_job_s (a fixed part + its bytes where calibrated, else its bytes)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown transfer policy {policy!r}; choose from {POLICIES}")
     if granularity not in GRANULARITIES:
@@ -144,16 +145,17 @@ def _layer_job_work(per_chunk: np.ndarray, chunk_layer: np.ndarray, bf16: np.nda
     layers = int(chunk_layer[-1]) + 1
     layer_bf16 = np.bincount(chunk_layer, weights=bf16, minlength=layers)  # [layers]
     work = np.zeros((streams, n_chunks))
-    targets = [(streams - 1, timing.decode_s)]
+    targets = [(streams - 1, False)]
     if anchor and streams > 1:
-        targets.append((0, timing.anchor_decode_s))
-    for s, seconds in targets:
+        targets.append((0, True))
+    for s, anchor_job in targets:
         has = np.nonzero(per_chunk[s] > 0)[0]
         if len(has) == 0:
             continue
         # last chunk with bytes of each layer: where the layer index changes, and the end
         last = has[np.append(chunk_layer[has][1:] != chunk_layer[has][:-1], True)]
-        work[s, last] = seconds(layer_bf16[chunk_layer[last]], devices)  # [layers] s
+        work[s, last] = timing.layer_job_s(layer_bf16[chunk_layer[last]], devices,
+                                           anchor_job)  # [layers] s
     return work
 
 

@@ -411,7 +411,7 @@ class Scenario:
 
     def _finish(self, ps: Passage, member: Member) -> None:
         """The request's last token is out (now): free its place, record it."""
-        cfg, req, receivers, plan = self.cfg, ps.req, ps.receivers, ps.plan
+        req, receivers, plan = ps.req, ps.receivers, ps.plan
         pnode, dnode = self.prefill[ps.p], self.decode[ps.d]
         timeline = member.timeline
         dnode.admission.release(ps.kv_bytes, self.env.now)
