@@ -285,28 +285,34 @@ def test_draft_step_of_a_profile_is_checked_and_costs_beyond_the_step(tmp_path, 
 
 
 def test_layer_jobs_are_fitted_on_two_contexts():
-    """Mean jobs of 5.6 ms on 1024-token layers and 4.7 ms on 512-token layers (the halves:
-    b and b/2 bytes) make a line of 0.9 ms per b/2 bytes through 3.8 ms at zero; a pair
-    whose bigger layers are not slower, or whose line has a negative fixed part, is left
-    out; the fit needs the shorter context's layers to be smaller."""
+    """Mean jobs of 5.6 ms on 1024-token layers and 4.7 ms on 512-token layers (b and b/2
+    bytes) make a line of 0.9 ms per b/2 bytes through 3.8 ms at zero, the anchor's its own;
+    a codec with a line whose bigger layers are not slower, or with a negative fixed part,
+    gets no fit at all; the fit needs the shorter context's layers to be smaller."""
     from kvsim.calibrate.receiver_timing import fit_layer_jobs
 
     b = 786432.0  # SmolLM2's bf16 bytes per layer at 1024 tokens
     rate = lambda job_s, nbytes: nbytes / job_s / 1e9  # noqa: E731  (GB/s of a job)
     measured = {"lynx": {"decode_gb_per_s": rate(5.6e-3, b),
                          "anchor_decode_gb_per_s": rate(6.0e-3, b)},
+                "lynx-b": {"decode_gb_per_s": rate(5.6e-3, b),
+                           "anchor_decode_gb_per_s": rate(6.0e-3, b)},
                 "int8": {"decode_gb_per_s": rate(4.0e-3, b)},
                 "int4": {"decode_gb_per_s": rate(2.0e-3, b)},
                 "bf16": {"decode_gb_per_s": rate(1.0e-3, b)}}
     fit = {"lynx": {"decode_gb_per_s": rate(4.7e-3, b / 2),
-                    "anchor_decode_gb_per_s": rate(6.5e-3, b / 2)},  # not slower: left out
+                    "anchor_decode_gb_per_s": rate(4.0e-3, b / 2)},
+           "lynx-b": {"decode_gb_per_s": rate(4.7e-3, b / 2),  # its anchor is not slower
+                      "anchor_decode_gb_per_s": rate(6.5e-3, b / 2)},  # at 1024: no fit
            "int8": {"decode_gb_per_s": rate(2.0e-3, b / 2)},  # in proportion: fixed 0
-           "int4": {"decode_gb_per_s": rate(0.5e-3, b / 2)}}  # fixed < 0: left out
+           "int4": {"decode_gb_per_s": rate(0.5e-3, b / 2)}}  # fixed < 0: no fit
     got = fit_layer_jobs(measured, fit, b, b / 2)
     assert set(got) == {"lynx", "int8"}
     assert got["lynx"]["layer_job_fixed_s"] == pytest.approx(3.8e-3)
     assert got["lynx"]["layer_job_gb_per_s"] == pytest.approx(b / 2 / 0.9e-3 / 1e9)
-    assert "anchor_layer_job_fixed_s" not in got["lynx"]
+    assert got["lynx"]["anchor_layer_job_fixed_s"] == pytest.approx(2.0e-3)
+    assert got["lynx"]["anchor_layer_job_gb_per_s"] == pytest.approx(b / 2 / 2.0e-3 / 1e9)
+    assert set(got["int8"]) == {"layer_job_fixed_s", "layer_job_gb_per_s"}
     assert got["int8"]["layer_job_fixed_s"] == pytest.approx(0.0, abs=1e-15)
     assert got["int8"]["layer_job_gb_per_s"] == pytest.approx(b / 4e-3 / 1e9)
     with pytest.raises(ValueError, match="smaller"):
@@ -335,7 +341,7 @@ def test_calibrate_writes_the_layer_job_fit_of_its_two_transfers(tmp_path, monke
             "links=[]", "receiver_context_tokens=64", "receiver_fit_context_tokens=32",
             "progress=false", f"out_dir={tmp_path}"]
     assert main(args) == 0
-    assert [c[0] for c in calls] == [64, 32] and calls[0][1] != calls[1][1]
+    assert [c[0] for c in calls] == [64, 32] and calls[1][1] - calls[0][1] >= 10_000
     path = tmp_path / "codec_timing" / "local-tiny-random.json"
     entry = json.loads(path.read_text())["codecs"]["int8"]
     assert entry["layer_job_fixed_s"] == pytest.approx(2e-3)
@@ -345,5 +351,18 @@ def test_calibrate_writes_the_layer_job_fit_of_its_two_transfers(tmp_path, monke
     assert t.layer_job_s(1e6) == pytest.approx(2e-3 + 1e-3)
     capsys.readouterr()
     assert main([*args[:-1], "receiver_fit_context_tokens=64", f"out_dir={tmp_path / 'b'}"]) != 0
-    assert "receiver_fit_context_tokens must be 0 (no fit) or in [16" in capsys.readouterr().err
+    assert "receiver_fit_context_tokens must be -1 (auto), 0 (no fit) or in [16" in \
+        capsys.readouterr().err
     assert len(calls) == 2  # refused before anything was measured
+
+
+def test_the_layer_job_fit_context_defaults_to_half_the_transfers_up_to_512():
+    from kvsim.commands.calibrate import Config
+
+    for receiver, fit, want in ((1024, -1, 512), (4096, -1, 512), (256, -1, 128),
+                                (24, -1, 0), (1024, 0, 0), (1024, 300, 300)):
+        cfg = Config(model=TINY, receiver_context_tokens=receiver,
+                     receiver_fit_context_tokens=fit)
+        assert cfg.fit_context_tokens == want
+    with pytest.raises(ValueError, match="receiver_fit_context_tokens"):
+        Config(model=TINY, receiver_context_tokens=512, receiver_fit_context_tokens=512)

@@ -78,6 +78,7 @@ def test_layer_job_fit_is_fixed_plus_bytes_and_checked(tmp_path):
         with pytest.raises(ValueError, match=msg):
             load_codec_timing("x", p)
 
+
 def test_bench_report_becomes_a_measured_timing_file(tmp_path):
     report = _write(tmp_path, {"rows": [{"codec": "int8", "encode_gbps": 3.0,
                                          "decode_gbps": 6.0, "device": "cpu"}]})

@@ -59,6 +59,7 @@ def test_layer_jobs_cost_the_fitted_fixed_part_plus_their_bytes():
         want[pages - 1::pages] = job_s
         np.testing.assert_allclose(flow.deserialize_s, want, rtol=1e-12)
 
+
 def test_monolithic_is_ready_one_layer_after_its_last_byte_on_a_slow_link():
     """At 0.05 Gbps a layer arrives far slower than it dequantizes, so every layer but the
     last is done before the next lands: the cache is usable one layer's dequantization
@@ -286,8 +287,8 @@ def test_a_codec_whose_layers_do_not_decode_alone_falls_back_to_on_demand():
                                "link.bandwidth_gbps=0.05")
         rows[mode] = sc.run()
         assert sc.deserializer == "on_demand"
-    assert rows["on_arrival"]["deserializer"] == "on_demand"
+    assert rows["on_arrival"]["dequantize"] == "on_demand"
     for key in ("ttft_s", "full_ready_from_prefill_end_s", "ttft_committed_s"):
         assert rows["on_arrival"][key] == rows["on_demand"][key]
     sc = receiver_scenario("codecs=[int8]", "deserializer=on_arrival")
-    assert sc.run()["deserializer"] == "on_arrival"
+    assert sc.run()["dequantize"] == "on_arrival"

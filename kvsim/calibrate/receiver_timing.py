@@ -280,14 +280,17 @@ def fit_layer_jobs(measured: dict[str, dict[str, float]], fit: dict[str, dict[st
     layer_job_fixed_s / layer_job_gb_per_s, and the anchor's with an anchor rate): a line
     through the mean on-arrival job of two calibration transfers, `measured` with layers of
     `layer_bf16_bytes` and `fit` with layers of `fit_layer_bf16_bytes` (receiver_loads'
-    rates: a job is its layer's bf16 bytes at that rate). A pair whose line says a bigger
-    layer is not slower, or has a negative fixed part, is noise at this host's jitter and
-    is left out (the plain rate then times that job, in proportion to its bytes)."""
+    rates: a job is its layer's bf16 bytes at that rate). A line that says a bigger layer
+    is not slower, or has a negative fixed part, is noise at this host's jitter: that codec
+    gets no fit at all (the plain rates then time its jobs, in proportion to their bytes;
+    fitting one of its pairs and not the other would make its anchor job outgrow its full
+    job at long contexts)."""
     if not 0 < fit_layer_bf16_bytes < layer_bf16_bytes:
         raise ValueError(f"the fit's layers ({fit_layer_bf16_bytes} B) must be smaller than the "
                          f"calibration transfer's ({layer_bf16_bytes} B) and > 0")
     out: dict[str, dict[str, float]] = {}
     for codec, rates in measured.items():
+        fields: dict[str, float] = {}
         for prefix, key in (("", "decode_gb_per_s"), ("anchor_", "anchor_decode_gb_per_s")):
             if key not in rates or key not in fit.get(codec, {}):
                 continue
@@ -295,8 +298,11 @@ def fit_layer_jobs(measured: dict[str, dict[str, float]], fit: dict[str, dict[st
             fit_job_s = fit_layer_bf16_bytes / (fit[codec][key] * 1e9)
             slope = (job_s - fit_job_s) / (layer_bf16_bytes - fit_layer_bf16_bytes)  # s / B
             fixed = job_s - slope * layer_bf16_bytes
-            if slope > 0 and fixed >= 0:
-                out.setdefault(codec, {}).update({
-                    f"{prefix}layer_job_fixed_s": fixed,
-                    f"{prefix}layer_job_gb_per_s": 1.0 / slope / 1e9})
+            if not (slope > 0 and fixed >= 0):
+                fields = {}
+                break
+            fields[f"{prefix}layer_job_fixed_s"] = fixed
+            fields[f"{prefix}layer_job_gb_per_s"] = 1.0 / slope / 1e9
+        if fields:
+            out[codec] = fields
     return out

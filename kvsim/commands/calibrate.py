@@ -59,8 +59,9 @@ class Config:
     receiver_repeats: int = 3  # requests per codec (medians)
     # on arrival, a second calibration transfer at this shorter context splits each codec's
     # layer job into a fixed part and a part in proportion to its bytes
-    # (receiver_timing.fit_layer_jobs); 0: none (jobs in proportion to their bytes)
-    receiver_fit_context_tokens: int = 512
+    # (receiver_timing.fit_layer_jobs); -1: min(512, receiver_context_tokens // 2), none
+    # below 16 tokens; 0: none (jobs in proportion to their bytes)
+    receiver_fit_context_tokens: int = -1
     # the receiver mode the load rates are for (transport.dequantize; kvsim sim's
     # deserializer of the same name): on_arrival | on_demand
     dequantize: str = "on_arrival"
@@ -81,9 +82,18 @@ class Config:
             raise ValueError("receiver_repeats must be >= 1 and receiver_context_tokens >= 16")
         check_choice("dequantize", self.dequantize, DEQUANTIZE_MODES)
         fit = self.receiver_fit_context_tokens
-        if fit != 0 and not 16 <= fit < self.receiver_context_tokens:
-            raise ValueError(f"receiver_fit_context_tokens must be 0 (no fit) or in [16, "
-                             f"receiver_context_tokens={self.receiver_context_tokens}), got {fit}")
+        if fit not in (-1, 0) and not 16 <= fit < self.receiver_context_tokens:
+            raise ValueError(f"receiver_fit_context_tokens must be -1 (auto), 0 (no fit) or in "
+                             f"[16, receiver_context_tokens={self.receiver_context_tokens}), "
+                             f"got {fit}")
+
+    @property
+    def fit_context_tokens(self) -> int:
+        """The layer-job fit's calibration transfer context (0: none)."""
+        if self.receiver_fit_context_tokens != -1:
+            return self.receiver_fit_context_tokens
+        auto = min(512, self.receiver_context_tokens // 2)
+        return auto if auto >= 16 else 0
         if self.codec_context_tokens not in self.contexts:
             raise ValueError(f"codec_context_tokens={self.codec_context_tokens} must be one of "
                              f"contexts {list(self.contexts)}")
@@ -166,16 +176,17 @@ def run(cfg: Config) -> list[dict]:
                                   dequantize=cfg.dequantize)
         ratio = apply_receiver_timing(measured, hw_doc, timing_doc,
                                       cfg.receiver_context_tokens, cfg.dequantize)
-        fit_ctx = cfg.receiver_fit_context_tokens
+        fit_ctx = cfg.fit_context_tokens
         if fit_ctx and cfg.dequantize == "on_arrival":
             from kvsim.calibrate.receiver_timing import fit_layer_jobs
 
             say(f"calibration transfer at {fit_ctx} tokens: each codec's layer job split into "
                 "a fixed part and a part in proportion to its bytes")
-            fit = receiver_loads(cfg.model.name, list(cfg.codecs), fit_ctx, cfg.seed + 1,
+            # prompts of their own (emulate seeds request i's text at seed + i)
+            fit = receiver_loads(cfg.model.name, list(cfg.codecs), fit_ctx, cfg.seed + 10_000,
                                  cfg.text_source, repeats=cfg.receiver_repeats,
                                  threads=cfg.threads, dequantize=cfg.dequantize)
-            layer_bytes, fit_bytes = (2.0 * shape.numel / shape.layers for shape in (
+            layer_bytes, fit_bytes = (shape.bf16_bytes / shape.layers for shape in (
                 cfg.model.kv_shape(cfg.receiver_context_tokens), cfg.model.kv_shape(fit_ctx)))
             for label, fields in fit_layer_jobs(measured, fit, layer_bytes, fit_bytes).items():
                 timing_doc["codecs"][label].update(fields)

@@ -232,7 +232,7 @@ class SimConfig:
     # worker per request dequantizes each layer once its last message is in (anchor layers
     # first, every policy pipelined), then the decoder builds its cache from them, as the
     # transport receiver does by default (and, as it does, on demand for a codec whose layers
-    # do not decode alone: CacheGen; the row's `deserializer` says which mode ran)
+    # do not decode alone: CacheGen; the row's `dequantize` says which mode ran)
     deserializer: str = "shared"
     # codec timing: a file path or a calibrated profile's name (kvsim calibrate); default
     # data/codec_timing/<hardware>.json

@@ -31,7 +31,8 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+import numpy as np
 
 from kvsim.data_files import record_loaded
 from kvsim.paths import DATA_DIR
@@ -68,7 +69,8 @@ class CodecTiming:
             else self.anchor_decode_gb_per_s
         return bf16_bytes / (rate * 1e9 * devices)
 
-    def layer_job_s(self, layer_bf16_bytes: Any, devices: int = 1, anchor: bool = False) -> Any:
+    def layer_job_s(self, layer_bf16_bytes: float | np.ndarray, devices: int = 1,
+                    anchor: bool = False) -> float | np.ndarray:
         """Seconds of the on-arrival worker's job on a layer of `layer_bf16_bytes` (a float
         or an array of them): every stream's, or stream 0's alone with `anchor`. The fitted
         fixed + proportional cost where calibrated, else the plain throughput. On `devices`
@@ -76,7 +78,7 @@ class CodecTiming:
         parallel, and pays the fixed part once."""
         fixed, rate = (self.anchor_layer_job_fixed_s, self.anchor_layer_job_gb_per_s) \
             if anchor else (self.layer_job_fixed_s, self.layer_job_gb_per_s)
-        if math.isnan(fixed):
+        if math.isnan(fixed) or math.isnan(rate):
             plain = self.anchor_decode_s if anchor else self.decode_s
             return plain(layer_bf16_bytes, devices)
         return fixed + layer_bf16_bytes / (rate * 1e9 * devices)

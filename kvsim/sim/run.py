@@ -500,7 +500,8 @@ class Scenario:
             "model": self.model.name, "hardware": self.hw.name,
             "codec": self.variant.spec.label, "codec_name": self.variant.spec.name,
             "transfer": self.variant.policy, "streams": len(plan.stream_names),
-            "deserializer": self.deserializer,
+            # the receiver mode that ran (the emulator's rows: the same key)
+            "dequantize": self.deserializer,
             "context_tokens": self.context_tokens, "bandwidth_gbps": self.bandwidth_gbps,
             "workload": cfg.workload.kind, "requests": len(recs),
             "stream_bytes": dict(zip(plan.stream_names, plan.stream_bytes, strict=True)),

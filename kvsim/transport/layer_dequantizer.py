@@ -11,9 +11,10 @@ as its chunks are in, so that when the last chunk lands only its own layer is le
         head_dim] fp32 buffer of its kind
 
 This is what the simulator's `deserializer=on_arrival` models: one server per request whose
-work for a layer is that layer's dequantization (the anchor alone at the anchor's rate, every
-stream at the full rate), served anchors first. The decoder then takes the finished cache
-(or builds it from the buffer: the hardware profile's `cache_build`). Codecs whose layers
+work for a layer is that layer's dequantization (the anchor alone or every stream: the codec
+timing's layer job, a fixed part + the layer's bytes where calibrated), served anchors
+first. The decoder then takes the finished cache (or builds it from the buffer: the
+hardware profile's `cache_build`). Codecs whose layers
 do not decode alone (`layer_independent` False) are dequantized whole, on demand
 (`Assembly.dequantize` says which one ran).
 """
