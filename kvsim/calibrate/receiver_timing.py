@@ -30,11 +30,11 @@ worker's load at each rate (kvsim.sim.worker_load). `apply_receiver_timing` puts
 into the profiles.
 
 A worker's layer job has a fixed part as well as a part in proportion to the layer's
-bytes (lynx here: 4.7 ms per layer at 512 tokens and 5.6 ms at 1024, where bytes alone
-would say 2.8 and 5.6): one context cannot tell them apart, and extrapolating its rate
-doubled the simulated jobs from 1024 to 2048 tokens where the real ones grew far less. A
-second calibration transfer at a shorter context (`fit_layer_jobs`) splits them: the
-simulator's on-arrival layer jobs cost fixed + bytes / rate (kvsim.sim.codec_timing).
+bytes (lynx here, at 1 Gbps: 4.7 ms per layer at 512 tokens and 5.6 ms at 1024, where
+bytes alone would say 2.8 and 5.6): one context cannot tell them apart, and extrapolating
+its rate doubled the simulated jobs from 1024 to 2048 tokens where the real ones grew far
+less. A second calibration transfer at a shorter context (`fit_layer_jobs`) splits them:
+the simulator's on-arrival layer jobs cost fixed + bytes / rate (kvsim.sim.codec_timing).
 """
 
 from __future__ import annotations

@@ -176,6 +176,8 @@ def run(cfg: Config) -> list[dict]:
                                   dequantize=cfg.dequantize)
         ratio = apply_receiver_timing(measured, hw_doc, timing_doc,
                                       cfg.receiver_context_tokens, cfg.dequantize)
+        say(f"receiver's decode step / in-process: {ratio:.3f} (the step curves are scaled "
+            "by it)")
         fit_ctx = cfg.fit_context_tokens
         if fit_ctx and cfg.dequantize == "on_arrival":
             from kvsim.calibrate.receiver_timing import fit_layer_jobs
@@ -188,12 +190,23 @@ def run(cfg: Config) -> list[dict]:
                                  threads=cfg.threads, dequantize=cfg.dequantize)
             layer_bytes, fit_bytes = (shape.bf16_bytes / shape.layers for shape in (
                 cfg.model.kv_shape(cfg.receiver_context_tokens), cfg.model.kv_shape(fit_ctx)))
-            for label, fields in fit_layer_jobs(measured, fit, layer_bytes, fit_bytes).items():
+            fitted = fit_layer_jobs(measured, fit, layer_bytes, fit_bytes)
+            for label, fields in fitted.items():
                 timing_doc["codecs"][label].update(fields)
                 timing_doc["codecs"][label]["layer_job_contexts"] = \
                     [fit_ctx, cfg.receiver_context_tokens]
-        say(f"receiver's decode step / in-process: {ratio:.3f} (the step curves are scaled "
-            "by it)")
+            for label, rates in measured.items():  # the jobs the fit is made of, per codec
+                jobs = ", ".join(
+                    f"{kind} {fit_bytes / fit[label][key] / 1e6:.2f} / "
+                    f"{layer_bytes / rates[key] / 1e6:.2f} ms"
+                    for kind, key in (("full", "decode_gb_per_s"),
+                                      ("anchor", "anchor_decode_gb_per_s"))
+                    if key in rates and key in fit.get(label, {}))
+                say(f"{label}: mean layer job at {fit_ctx} / {cfg.receiver_context_tokens} "
+                    f"tokens: {jobs or 'not measured'}; " +
+                    ("fitted" if label in fitted else "no fit (a bigger layer was not "
+                     "slower, or the line's fixed part is negative): jobs in proportion to "
+                     "their bytes"))
     _write(paths["hardware"], hw_doc)
     _write(paths["codec_timing"], timing_doc)
     for ctx, p, t, x in zip(hw_doc["prefill"]["tokens"], hw_doc["prefill"]["s"],
