@@ -366,3 +366,39 @@ def test_the_layer_job_fit_context_defaults_to_half_the_transfers_up_to_512():
         assert cfg.fit_context_tokens == want
     with pytest.raises(ValueError, match="receiver_fit_context_tokens"):
         Config(model=TINY, receiver_context_tokens=512, receiver_fit_context_tokens=512)
+
+
+def test_on_arrival_calibration_loads_a_layer_dependent_codec_on_demand(monkeypatch):
+    """The receiver dequantizes a codec whose layers do not decode alone (CacheGen) on
+    demand even when asked for on arrival: calibration times it that way, says so in its
+    codec timing entry and fits no layer jobs for it."""
+    import kvsim.commands.emulate as emulate_mod
+    from kvsim.calibrate.receiver_timing import (
+        apply_receiver_timing,
+        fit_layer_jobs,
+        receiver_loads,
+    )
+
+    def fake_emulate(cfg):
+        bf16 = float(cfg.model.kv_bytes_bf16(64))
+        spans = [["dequantize stream 0", "decode", 0.0, bf16 / 0.5e9]]  # 0.5 GB/s
+        return [{"status": "done", "codec": "cachegen", "context_tokens": 64, "streams": 1,
+                 "dequantize": "on_demand", "tpot_s": 0.05, "proposed_tokens": 0,
+                 "ttft_from_prefill_end_s": 0.3, "full_ready_from_prefill_end_s": 0.25,
+                 "trace_spans": spans}]
+
+    monkeypatch.setattr(emulate_mod, "emulate", fake_emulate)
+    got = receiver_loads("smollm2-135m", ["cachegen"], 64, 1, "stdlib-docs", repeats=1)
+    assert got["cachegen"]["decode_gb_per_s"] == pytest.approx(0.5)
+    assert got["cachegen"]["dequantized_on_demand"] == 1.0
+    assert fit_layer_jobs(got, got, 2.0, 1.0) == {}
+    hw = {"tpot": {"context_tokens": [64], "s": [0.05]},
+          "first_step_extra": {"context_tokens": [64], "s": [0.0]},
+          "tpot_batch": {"context_tokens": 64, "batch": [1], "s": [0.05]},
+          "verify": {"context_tokens": 64, "drafted_tokens": [1], "s": [0.06]}}
+    timing = {"codecs": {"cachegen": {"decode_gb_per_s": 3.0, "what": "w"}}}
+    apply_receiver_timing(got, hw, timing, 64, "on_arrival")
+    entry = timing["codecs"]["cachegen"]
+    assert entry["decode_gb_per_s"] == pytest.approx(0.5)
+    assert entry["receiver_dequantize"] == "on_demand" and "dequantizing on demand" in entry["what"]
+    assert timing["receiver_dequantize"] == "on_arrival"

@@ -196,6 +196,10 @@ def run(cfg: Config) -> list[dict]:
                 timing_doc["codecs"][label]["layer_job_contexts"] = \
                     [fit_ctx, cfg.receiver_context_tokens]
             for label, rates in measured.items():  # the jobs the fit is made of, per codec
+                if rates.get("dequantized_on_demand"):
+                    say(f"{label}: loaded on demand (its layers do not decode alone): no "
+                        "layer jobs to fit")
+                    continue
                 jobs = ", ".join(
                     f"{kind} {fit_bytes / fit[label][key] / 1e6:.2f} / "
                     f"{layer_bytes / rates[key] / 1e6:.2f} ms"
