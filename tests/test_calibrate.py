@@ -20,6 +20,15 @@ TINY = load_model_preset("tiny-random")
 HW = HardwareSpec(name="cpu", hbm_gb_per_s=20, bf16_tflops=0.2, memory_gb=16)
 
 
+def _step_curves_at_64() -> dict:
+    """A hardware profile's step curves at one 64-token context: 50 ms steps, a 60 ms
+    verification of one draft (apply_receiver_timing scales them)."""
+    return {"tpot": {"context_tokens": [64], "s": [0.05]},
+            "first_step_extra": {"context_tokens": [64], "s": [0.0]},
+            "tpot_batch": {"context_tokens": 64, "batch": [1], "s": [0.05]},
+            "verify": {"context_tokens": 64, "drafted_tokens": [1], "s": [0.06]}}
+
+
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     lm = load_lm(TINY, threads=1, seed=0)
@@ -178,10 +187,7 @@ def test_receiver_loads_on_arrival_sum_the_layer_jobs_and_time_the_cache_build(m
     assert lynx["decode_gb_per_s"] == pytest.approx(1.0)
     assert lynx["anchor_decode_gb_per_s"] == pytest.approx(2.0)
     assert lynx["cache_build_gb_per_s"] == pytest.approx(4.0)
-    hw = {"tpot": {"context_tokens": [64], "s": [0.05]},
-          "first_step_extra": {"context_tokens": [64], "s": [0.0]},
-          "tpot_batch": {"context_tokens": 64, "batch": [1], "s": [0.05]},
-          "verify": {"context_tokens": 64, "drafted_tokens": [1], "s": [0.06]}}
+    hw = _step_curves_at_64()
     timing = {"codecs": {"lynx": {"decode_gb_per_s": 3.0, "what": "w"}}}
     apply_receiver_timing(got, hw, timing, 64, "on_arrival")
     assert hw["cache_build"]["gb_per_s"] == pytest.approx(4.0)
@@ -223,10 +229,7 @@ def test_receiver_loads_time_the_senders_encoder_and_the_draft_steps(monkeypatch
     # 0.25 s of busy time made the other 2 x 0.05 - 0.05 s of steps
     assert got["lynx"]["draft_busy_ratio"] == pytest.approx(5.0)
     assert "draft_step_ratio" not in got["int8"]
-    hw = {"tpot": {"context_tokens": [64], "s": [0.05]},
-          "first_step_extra": {"context_tokens": [64], "s": [0.0]},
-          "tpot_batch": {"context_tokens": 64, "batch": [1], "s": [0.05]},
-          "verify": {"context_tokens": 64, "drafted_tokens": [1], "s": [0.06]}}
+    hw = _step_curves_at_64()
     timing = {"codecs": {c: {"encode_gb_per_s": 2.0, "decode_gb_per_s": 3.0, "what": "w"}
                          for c in ("int8", "lynx")}}
     apply_receiver_timing(got, hw, timing, 64, "on_arrival")
@@ -366,6 +369,11 @@ def test_the_layer_job_fit_context_defaults_to_half_the_transfers_up_to_512():
         assert cfg.fit_context_tokens == want
     with pytest.raises(ValueError, match="receiver_fit_context_tokens"):
         Config(model=TINY, receiver_context_tokens=512, receiver_fit_context_tokens=512)
+    # the checks after it still run
+    with pytest.raises(ValueError, match="codec_context_tokens=999 must be one of"):
+        Config(model=TINY, codec_context_tokens=999)
+    with pytest.raises(ValueError, match="link_rates_gbps must be > 0"):
+        Config(model=TINY, link_rates_gbps=[0.0])
 
 
 def test_on_arrival_calibration_loads_a_layer_dependent_codec_on_demand(monkeypatch):
@@ -392,10 +400,7 @@ def test_on_arrival_calibration_loads_a_layer_dependent_codec_on_demand(monkeypa
     assert got["cachegen"]["decode_gb_per_s"] == pytest.approx(0.5)
     assert got["cachegen"]["dequantized_on_demand"] == 1.0
     assert fit_layer_jobs(got, got, 2.0, 1.0) == {}
-    hw = {"tpot": {"context_tokens": [64], "s": [0.05]},
-          "first_step_extra": {"context_tokens": [64], "s": [0.0]},
-          "tpot_batch": {"context_tokens": 64, "batch": [1], "s": [0.05]},
-          "verify": {"context_tokens": 64, "drafted_tokens": [1], "s": [0.06]}}
+    hw = _step_curves_at_64()
     timing = {"codecs": {"cachegen": {"decode_gb_per_s": 3.0, "what": "w"}}}
     apply_receiver_timing(got, hw, timing, 64, "on_arrival")
     entry = timing["codecs"]["cachegen"]

@@ -86,14 +86,6 @@ class Config:
             raise ValueError(f"receiver_fit_context_tokens must be -1 (auto), 0 (no fit) or in "
                              f"[16, receiver_context_tokens={self.receiver_context_tokens}), "
                              f"got {fit}")
-
-    @property
-    def fit_context_tokens(self) -> int:
-        """The layer-job fit's calibration transfer context (0: none)."""
-        if self.receiver_fit_context_tokens != -1:
-            return self.receiver_fit_context_tokens
-        auto = min(512, self.receiver_context_tokens // 2)
-        return auto if auto >= 16 else 0
         if self.codec_context_tokens not in self.contexts:
             raise ValueError(f"codec_context_tokens={self.codec_context_tokens} must be one of "
                              f"contexts {list(self.contexts)}")
@@ -106,6 +98,14 @@ class Config:
                 raise ValueError(f"links: unknown emulation {e!r}; one of {LINK_EMULATIONS}")
         if any(not r > 0 for r in self.link_rates_gbps):
             raise ValueError(f"link_rates_gbps must be > 0, got {self.link_rates_gbps}")
+
+    @property
+    def fit_context_tokens(self) -> int:
+        """The layer-job fit's calibration transfer context (0: none)."""
+        if self.receiver_fit_context_tokens != -1:
+            return self.receiver_fit_context_tokens
+        auto = min(512, self.receiver_context_tokens // 2)
+        return auto if auto >= 16 else 0
 
 
 def profile_name(cfg: Config) -> str:
