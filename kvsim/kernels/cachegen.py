@@ -65,10 +65,11 @@ from kvsim.lazy_module import lazy_module
 if TYPE_CHECKING:
     import torch
 
-    from kvsim.kernels import cachegen_cpu, rans
+    from kvsim.kernels import cachegen_cpu, rans, torch_threads
 else:
     torch = lazy_module("torch")
     cachegen_cpu = lazy_module("kvsim.kernels.cachegen_cpu")
+    torch_threads = lazy_module("kvsim.kernels.torch_threads")
     rans = lazy_module("kvsim.kernels.rans")
 
 SEGMENTS = (("K", "anchor"), ("K", "delta"), ("V", "anchor"), ("V", "delta"))
@@ -411,15 +412,16 @@ class CacheGenCodec(Codec):
         sym = np.empty(tuple(x.shape), dtype=np.uint8)
         scales = np.empty(tuple(x.shape[:3]), dtype=np.uint16)
         overflow = np.zeros(2 * x.shape[1], dtype=np.int64)
-        if x.dtype == torch.bfloat16:  # read as its bits (no fp32 copy of the layer)
-            xb = x.contiguous().view(torch.int16).numpy().view(np.uint16)
-            cachegen_cpu.quantize_layer_kernel(np.zeros((1, 1, 1, 1), np.float32),
-                                               is_anchor.numpy(), qa, qk, qv, sym, scales,
-                                               overflow, xb)
-        else:
-            cachegen_cpu.quantize_layer_kernel(x.to(torch.float32).contiguous().numpy(),
-                                               is_anchor.numpy(), qa, qk, qv, sym, scales,
-                                               overflow)
+        with torch_threads.kept():  # numba's kernel would leave torch on every core
+            if x.dtype == torch.bfloat16:  # read as its bits (no fp32 copy of the layer)
+                xb = x.contiguous().view(torch.int16).numpy().view(np.uint16)
+                cachegen_cpu.quantize_layer_kernel(np.zeros((1, 1, 1, 1), np.float32),
+                                                   is_anchor.numpy(), qa, qk, qv, sym, scales,
+                                                   overflow, xb)
+            else:
+                cachegen_cpu.quantize_layer_kernel(x.to(torch.float32).contiguous().numpy(),
+                                                   is_anchor.numpy(), qa, qk, qv, sym,
+                                                   scales, overflow)
         if overflow.any():
             raise CodecError("cachegen: |values| too large for fp16 token scales "
                              f"(max |x| {float(x.abs().max()):.3g} / qmax > 65504)")

@@ -31,8 +31,11 @@ from kvsim.lazy_module import lazy_module
 
 if TYPE_CHECKING:
     import torch
+
+    from kvsim.kernels import torch_threads
 else:
     torch = lazy_module("torch")
+    torch_threads = lazy_module("kvsim.kernels.torch_threads")
 
 ABSENT = -1  # payload_bytes marker: this (stream, layer, page) chunk does not exist
 
@@ -132,7 +135,8 @@ class Codec(ABC):
         if not self._kernel_checks_finite(kv):
             check_finite(kv)
         self.check_shape(shape)
-        streams = self._encode(kv, shape)
+        with torch_threads.kept():  # numba's kernels would leave torch on every core
+            streams = self._encode(kv, shape)
         if len(streams) != self.num_streams:
             raise AssertionError(f"{self.name} produced {len(streams)} streams")
         return Encoded(self.name, self.params_dict(), shape, self.page_tokens(shape),
@@ -153,11 +157,12 @@ class Codec(ABC):
             raise CodecError(f"{self.name}: streams must be in 1..{self.num_streams}, got {n}")
         self._check_preamble(enc)
         self._check_complete(enc, n)
-        self._check_content(enc, n)
         dtype = dtype or DTYPES[enc.shape.dtype]
-        out = self._decode_to(enc, n, torch.device(device) if device else torch.device("cpu"),
-                              dtype)
-        return cast_finite(out, dtype)
+        with torch_threads.kept():  # numba's kernels would leave torch on every core
+            self._check_content(enc, n)
+            out = self._decode_to(enc, n, torch.device(device) if device else
+                                  torch.device("cpu"), dtype)
+            return cast_finite(out, dtype)
 
     def decode_layer(self, shape: KVShape, layer: int, chunks: list[list[Chunk]],
                      dtype: torch.dtype | None = None) -> torch.Tensor:
