@@ -69,8 +69,8 @@ if TYPE_CHECKING:
 else:
     torch = lazy_module("torch")
     cachegen_cpu = lazy_module("kvsim.kernels.cachegen_cpu")
-    torch_threads = lazy_module("kvsim.kernels.torch_threads")
     rans = lazy_module("kvsim.kernels.rans")
+    torch_threads = lazy_module("kvsim.kernels.torch_threads")
 
 SEGMENTS = (("K", "anchor"), ("K", "delta"), ("V", "anchor"), ("V", "delta"))
 MIN_BITS, MAX_BITS = 2, 8

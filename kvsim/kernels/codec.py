@@ -157,12 +157,12 @@ class Codec(ABC):
             raise CodecError(f"{self.name}: streams must be in 1..{self.num_streams}, got {n}")
         self._check_preamble(enc)
         self._check_complete(enc, n)
+        self._check_content(enc, n)
         dtype = dtype or DTYPES[enc.shape.dtype]
         with torch_threads.kept():  # numba's kernels would leave torch on every core
-            self._check_content(enc, n)
             out = self._decode_to(enc, n, torch.device(device) if device else
                                   torch.device("cpu"), dtype)
-            return cast_finite(out, dtype)
+        return cast_finite(out, dtype)
 
     def decode_layer(self, shape: KVShape, layer: int, chunks: list[list[Chunk]],
                      dtype: torch.dtype | None = None) -> torch.Tensor:
