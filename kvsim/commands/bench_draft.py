@@ -25,10 +25,13 @@ CONFIG_NAME = "bench_draft"
 class Config:
     model: ModelSpec = MISSING
     contexts: list[int] = field(default_factory=lambda: [1024, 2048])  # prompt tokens
-    codec: Any = "lynx"  # the layer jobs' codec (a preset name or mapping; layer-independent)
+    # the layer jobs' codec: a preset name or mapping whose layers decode alone (not `codec`:
+    # that name is the codec config group's)
+    job_codec: Any = "lynx"
     # also "python": with Python's 5 ms switch interval it starves the decoder (steps of
     # seconds), so it is not run unless asked for
-    loads: list[str] = field(default_factory=lambda: ["layer_jobs", "compute", "memory"])
+    loads: list[str] = field(default_factory=lambda: ["layer_jobs", "layer_jobs_1thread",
+                                                      "compute", "memory"])
     steps: int = 10  # decode steps timed per measurement (median, after the first)
     rounds: int = 2  # plain step + every load, this many times (ratios within a round)
     threads: int = 1  # the decoder's torch threads (transport.threads)
@@ -39,6 +42,15 @@ class Config:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        from kvsim.fidelity.draft_contention import LOADS
+
+        bad = [x for x in self.loads if x not in LOADS]
+        if bad or not self.loads:
+            raise ValueError(f"loads must be a non-empty list of {list(LOADS)}, got "
+                             f"{list(self.loads)}")
+        if self.switch_interval_s is not None and not self.switch_interval_s > 0:
+            raise ValueError(f"switch_interval_s must be null or > 0, got "
+                             f"{self.switch_interval_s}")
         if not self.contexts or any(int(c) < 16 for c in self.contexts):
             raise ValueError(f"contexts must be a non-empty list of >= 16 tokens, got "
                              f"{self.contexts}")
@@ -54,16 +66,17 @@ def run(cfg: Config) -> list[dict]:
 
     from kvsim.calibrate.model_profile import ModelCalibration, _prompt
     from kvsim.config.codecs import resolve_codec
-    from kvsim.fidelity.draft_contention import LOADS, measure, switch_interval
+    from kvsim.fidelity.draft_contention import measure, switch_interval
     from kvsim.model.load import load_lm
     from kvsim.quality.capture import cache_to_kv, prefill
 
-    bad = [x for x in cfg.loads if x not in LOADS]
-    if bad:
-        raise ValueError(f"unknown load(s) {bad}; choose from {list(LOADS)}")
     say = (lambda msg: print(f"bench draft: {msg}", file=sys.stderr, flush=True)) \
         if cfg.progress else (lambda msg: None)
-    codec = resolve_codec(cfg.codec).build()
+    spec = resolve_codec(cfg.job_codec)
+    codec = spec.build()
+    if any(x.startswith("layer_jobs") for x in cfg.loads) and not codec.layer_independent:
+        raise ValueError(f"{spec.label}: its layers do not decode alone, so the receiver has "
+                         "no layer jobs for it (it dequantizes on demand); pick another codec")
     lm = load_lm(cfg.model, threads=cfg.threads, seed=0)
     torch.set_num_threads(cfg.threads)
     undo = switch_interval(cfg.switch_interval_s)
@@ -79,7 +92,7 @@ def run(cfg: Config) -> list[dict]:
                                cfg.steps, cfg.rounds, cfg.threads, cfg.timeout_s, say)
     finally:
         undo()
-    rows = [{**r.row(), "codec": codec.label, "model": lm.name,
+    rows = [{**r.row(), "codec": spec.label, "model": lm.name,
              "switch_interval_s": cfg.switch_interval_s} for r in results]
     summary = []
     for ctx in cfg.contexts:
@@ -96,6 +109,6 @@ def run(cfg: Config) -> list[dict]:
                                  ("ratio", "vs plain (median)", ".2f"),
                                  ("ratio_range", "rounds", ""),
                                  ("load_op_ms", "load op ms", ".2f")]))
-    print(f"{codec.label} layer jobs; decoder: {cfg.threads} torch thread(s) in a thread of its "
+    print(f"{spec.label} layer jobs; decoder: {cfg.threads} torch thread(s) in a thread of its "
           f"own; ratios to the plain step of the same round ({cfg.rounds} round(s))")
     return rows

@@ -9,7 +9,10 @@ the real model's decode step (greedy, `threads` torch threads, in a thread of it
 the receiver's decode loop) alone, then beside one background thread running, in a loop,
 
     layer_jobs  the codec's layer dequantization as the on-arrival worker runs it
-                (Codec.decode_layer of each layer in turn, fp32 out)
+                (Codec.decode_layer of each layer in turn, fp32 out; numba's parallel
+                kernels on every core, as in the receiver)
+    layer_jobs_1thread  the same with numba limited to 1 thread in that thread (the
+                decoder's core left to it)
     compute     arithmetic on a 16 KB array in numba without the lock (cores only)
     memory      a numba copy of a 64 MB array without the lock (the memory bus)
     python      a pure-Python loop (the lock held but at the interpreter's switch points)
@@ -32,7 +35,7 @@ import numba
 import numpy as np
 import torch
 
-LOADS = ("layer_jobs", "compute", "memory", "python")
+LOADS = ("layer_jobs", "layer_jobs_1thread", "compute", "memory", "python")
 COMPUTE_VALUES = 4096  # fp32: 16 KB, stays in L1
 MEMORY_VALUES = 16 << 20  # fp32: 64 MB, larger than any L3 here
 
@@ -68,7 +71,8 @@ class Contention:
     round: int
     step_s: float  # median decode step
     plain_step_s: float  # median decode step alone, same round
-    load_ops: int  # operations the load finished while the steps ran
+    load_ops: int  # operations the load finished while it ran (from before the first timed
+    # step, the cache built, to just after the last)
     load_op_s: float  # median duration of one (0 for "none")
 
     @property
@@ -83,7 +87,7 @@ class Contention:
 
 def _load_op(load: str, codec: Any, shape: Any, layer_chunks: list) -> Callable[[int], Any]:
     """load -> one operation of it (argument: the operation's index)."""
-    if load == "layer_jobs":
+    if load in ("layer_jobs", "layer_jobs_1thread"):
         return lambda i: codec.decode_layer(shape, i % shape.layers,
                                             layer_chunks[i % shape.layers],
                                             dtype=torch.float32)
@@ -102,7 +106,8 @@ def _load_op(load: str, codec: Any, shape: Any, layer_chunks: list) -> Callable[
 def _timed_steps(lm: Any, kv: torch.Tensor, token: int, steps: int, threads: int,
                  timeout_s: float) -> float:
     """Median of `steps` decode steps (after the first) on a fresh cache, in a new thread
-    with `threads` torch threads, as the receiver's decode loop runs."""
+    with `threads` torch threads, as the receiver's decode loop runs. On a timeout that
+    thread is left running (a daemon: it cannot be stopped from outside)."""
     from kvsim.calibrate.model_profile import _dtype, _steps_s
     from kvsim.quality.capture import kv_to_cache
 
@@ -136,7 +141,7 @@ def measure(lm: Any, codec: Any, kv: torch.Tensor, token: int, loads: list[str],
         raise ValueError(f"unknown load(s) {bad}; choose from {list(LOADS)}")
     if steps < 2 or rounds < 1:
         raise ValueError(f"need steps >= 2 and rounds >= 1, got {steps}, {rounds}")
-    if "layer_jobs" in loads and not codec.layer_independent:
+    if {"layer_jobs", "layer_jobs_1thread"} & set(loads) and not codec.layer_independent:
         raise ValueError(f"{codec.name}: its layers do not decode alone, so the receiver has no "
                          "layer jobs for it (it dequantizes on demand); pick another codec")
     enc = codec.encode(kv)
@@ -154,15 +159,22 @@ def measure(lm: Any, codec: Any, kv: torch.Tensor, token: int, loads: list[str],
         for name, op in ops.items():
             stop = threading.Event()
             durations: list[float] = []
+            failed: list[BaseException] = []
 
             def loop(op: Callable[[int], Any] = op, durations: list[float] = durations,
-                     stop: threading.Event = stop) -> None:
-                i = 0
-                while not stop.is_set():
-                    t0 = time.perf_counter()
-                    op(i)
-                    durations.append(time.perf_counter() - t0)
-                    i += 1
+                     stop: threading.Event = stop, failed: list[BaseException] = failed,
+                     one_thread: bool = name == "layer_jobs_1thread") -> None:
+                try:
+                    if one_thread:
+                        numba.set_num_threads(1)  # this thread's launches only
+                    i = 0
+                    while not stop.is_set():
+                        t0 = time.perf_counter()
+                        op(i)
+                        durations.append(time.perf_counter() - t0)
+                        i += 1
+                except BaseException as exc:  # noqa: BLE001 (re-raised below)
+                    failed.append(exc)
 
             worker = threading.Thread(target=loop, name=f"kvsim-draft-contention-{name}",
                                       daemon=True)
@@ -172,6 +184,10 @@ def measure(lm: Any, codec: Any, kv: torch.Tensor, token: int, loads: list[str],
             finally:
                 stop.set()
                 worker.join(timeout_s)
+            if worker.is_alive():
+                raise TimeoutError(f"the {name} load did not stop within {timeout_s} s")
+            if failed:  # the steps ran without their load: no measurement
+                raise RuntimeError(f"the {name} load failed: {failed[0]!r}") from failed[0]
             op_s = float(statistics.median(durations)) if durations else 0.0
             out.append(Contention(context, name, r, step, plain, len(durations), op_s))
             say(f"  beside {name}: step {step * 1e3:.1f} ms ({step / plain:.2f}x), "
