@@ -42,12 +42,9 @@ class Config:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        from kvsim.fidelity.draft_contention import LOADS
+        from kvsim.fidelity.draft_contention import check_loads
 
-        bad = [x for x in self.loads if x not in LOADS]
-        if bad or not self.loads:
-            raise ValueError(f"loads must be a non-empty list of {list(LOADS)}, got "
-                             f"{list(self.loads)}")
+        check_loads(list(self.loads))
         if self.switch_interval_s is not None and not self.switch_interval_s > 0:
             raise ValueError(f"switch_interval_s must be null or > 0, got "
                              f"{self.switch_interval_s}")
@@ -66,7 +63,7 @@ def run(cfg: Config) -> list[dict]:
 
     from kvsim.calibrate.model_profile import ModelCalibration, _prompt
     from kvsim.config.codecs import resolve_codec
-    from kvsim.fidelity.draft_contention import measure, switch_interval
+    from kvsim.fidelity.draft_contention import check_loads, measure, switch_interval
     from kvsim.model.load import load_lm
     from kvsim.quality.capture import cache_to_kv, prefill
 
@@ -74,11 +71,8 @@ def run(cfg: Config) -> list[dict]:
         if cfg.progress else (lambda msg: None)
     spec = resolve_codec(cfg.job_codec)
     codec = spec.build()
-    if any(x.startswith("layer_jobs") for x in cfg.loads) and not codec.layer_independent:
-        raise ValueError(f"{spec.label}: its layers do not decode alone, so the receiver has "
-                         "no layer jobs for it (it dequantizes on demand); pick another codec")
-    lm = load_lm(cfg.model, threads=cfg.threads, seed=0)
-    torch.set_num_threads(cfg.threads)
+    check_loads(list(cfg.loads), codec)  # before the model loads (measure checks again)
+    lm = load_lm(cfg.model, threads=cfg.threads, seed=0)  # sets torch's threads
     undo = switch_interval(cfg.switch_interval_s)
     results = []
     try:

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 LOADS = ("layer_jobs", "layer_jobs_1thread", "compute", "memory", "python")
+LAYER_JOB_LOADS = ("layer_jobs", "layer_jobs_1thread")  # the ones that need the codec's jobs
 COMPUTE_VALUES = 4096  # fp32: 16 KB, stays in L1
 MEMORY_VALUES = 16 << 20  # fp32: 64 MB, larger than any L3 here
 
@@ -85,9 +86,21 @@ class Contention:
                 "ratio": self.ratio, "load_ops": self.load_ops, "load_op_s": self.load_op_s}
 
 
+def check_loads(loads: list[str], codec: Any = None) -> None:
+    """Refuse unknown loads, none, and (given the codec) layer-job loads of a codec whose
+    layers do not decode alone."""
+    bad = [x for x in loads if x not in LOADS]
+    if bad or not loads:
+        raise ValueError(f"unknown load(s) {bad}: loads must be a non-empty list of "
+                         f"{list(LOADS)}, got {list(loads)}")
+    if codec is not None and set(LAYER_JOB_LOADS) & set(loads) and not codec.layer_independent:
+        raise ValueError(f"{codec.name}: its layers do not decode alone, so the receiver has no "
+                         "layer jobs for it (it dequantizes on demand); pick another codec")
+
+
 def _load_op(load: str, codec: Any, shape: Any, layer_chunks: list) -> Callable[[int], Any]:
     """load -> one operation of it (argument: the operation's index)."""
-    if load in ("layer_jobs", "layer_jobs_1thread"):
+    if load in LAYER_JOB_LOADS:
         return lambda i: codec.decode_layer(shape, i % shape.layers,
                                             layer_chunks[i % shape.layers],
                                             dtype=torch.float32)
@@ -136,14 +149,9 @@ def measure(lm: Any, codec: Any, kv: torch.Tensor, token: int, loads: list[str],
             say: Callable[[str], None] = lambda msg: None) -> list[Contention]:
     """kv: the prompt's cache [layers, 2, kv_heads, tokens, head_dim] (its first generated
     token `token`). Per round: the plain step, then each load's."""
-    bad = [x for x in loads if x not in LOADS]
-    if bad:
-        raise ValueError(f"unknown load(s) {bad}; choose from {list(LOADS)}")
+    check_loads(loads, codec)
     if steps < 2 or rounds < 1:
         raise ValueError(f"need steps >= 2 and rounds >= 1, got {steps}, {rounds}")
-    if {"layer_jobs", "layer_jobs_1thread"} & set(loads) and not codec.layer_independent:
-        raise ValueError(f"{codec.name}: its layers do not decode alone, so the receiver has no "
-                         "layer jobs for it (it dequantizes on demand); pick another codec")
     enc = codec.encode(kv)
     layer_chunks = [[[c for c in enc.streams[s] if c.layer == layer]
                      for s in range(codec.num_streams)] for layer in range(enc.shape.layers)]
