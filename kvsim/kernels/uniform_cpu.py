@@ -160,9 +160,9 @@ def _encode_kernel(xf, xb, use_bits, P, G, bits, layer_bytes, full_bytes, out, p
                 si = src.view(np.int16)
                 for d in range(D):
                     bu[d] = np.uint32(src[d]) << np.uint32(16)
-                for d in range(D):
+                for d in range(D):  # explicit int16: numba widens small ints to int64
                     v = si[d]
-                    key[d] = v ^ ((v >> np.int16(15)) & m15)
+                    key[d] = np.int16(v ^ np.int16(np.int16(v >> np.int16(15)) & m15))
             else:
                 buf[:] = xf[l, kv, h, t0 + t]
             for g in range(ng):
@@ -171,9 +171,10 @@ def _encode_kernel(xf, xb, use_bits, P, G, bits, layer_bytes, full_bytes, out, p
                     ks = key[a: a + G]
                     kl = ks[0]
                     kh = ks[0]
-                    for i in range(G):
-                        kl = min(kl, ks[i])
-                        kh = max(kh, ks[i])
+                    for i in range(G):  # compare-selects on int16 lanes
+                        v = ks[i]
+                        kl = v if v < kl else kl
+                        kh = v if v > kh else kh
                     nonfinite |= (kh >= kpos) | (kl <= kneg)
                     kb[0] = kl ^ ((kl >> np.int16(15)) & m15)  # back to bf16 bits
                     kb[1] = kh ^ ((kh >> np.int16(15)) & m15)
