@@ -473,6 +473,7 @@ def _decode_kernel(src, nstreams, P, C, split, values, stream_base, layer_bytes,
         fd = fdec.view(np.float32)
         fields = np.empty((nstreams, C * D), np.uint8)
         keys = np.empty(C * D, np.int32)
+        key8 = np.empty(C * D + (C * D) % 2, np.uint8)  # 4+4 keys (even: a uint16 view)
         vals = np.empty(C * D, np.float32)
         res = np.empty(C * D, np.float32)
         rbits = res.view(np.uint32)
@@ -498,13 +499,21 @@ def _decode_kernel(src, nstreams, P, C, split, values, stream_base, layer_bytes,
                         + code_off[last, 1] + row * row_bytes[last, 1] + (c0 * D * 4) // 8)
                 s0 = src[pos0: pos0 + (m + 1) // 2]  # slices: index from 0 (see _pack)
                 s1 = src[pos1: pos1 + (m + 1) // 2]
+                # two keys (one byte each) per uint16 word of key8, little-endian: a
+                # contiguous loop where strided int32 stores do not vectorize
+                kw = key8.view(np.uint16)
                 for i in range(m // 2):
-                    a = np.int32(s0[i])
-                    b = np.int32(s1[i])
-                    keys[2 * i] = ((a & 15) << 4) | (b & 15)
-                    keys[2 * i + 1] = ((a >> 4) << 4) | (b >> 4)
+                    a = np.uint16(s0[i])
+                    b = np.uint16(s1[i])
+                    kw[i] = np.uint16(np.uint16(np.uint16(a & np.uint16(15)) << np.uint16(4))
+                                      | np.uint16(b & np.uint16(15))
+                                      | np.uint16(np.uint16(a & np.uint16(0xF0)) << np.uint16(8))
+                                      | np.uint16(np.uint16(b >> np.uint16(4)) << np.uint16(8)))
                 if m % 2:
-                    keys[m - 1] = ((np.int32(s0[m // 2]) & 15) << 4) | (np.int32(s1[m // 2]) & 15)
+                    key8[m - 1] = np.uint8(((np.int32(s0[m // 2]) & 15) << 4)
+                                           | (np.int32(s1[m // 2]) & 15))
+                for j in range(m):  # the only scalar loop: table load (signed value / sigma)
+                    vals[j] = values[key8[j]]
             else:
                 for s in range(nstreams):
                     pos = (stream_base[s] + l * layer_bytes[s] + p * full_bytes[s]
@@ -515,12 +524,12 @@ def _decode_kernel(src, nstreams, P, C, split, values, stream_base, layer_bytes,
                 for j in range(m):
                     keys[j] = f0[j]
                 for s in range(1, nstreams):
-                    bs = np.int32(split[s])
+                    bs = np.int32(split[s]) & np.int32(31)  # masked: see _SHIFT_NOTE
                     fs = fields[s]
                     for j in range(m):
-                        keys[j] = (keys[j] << bs) | fs[j]
-            for j in range(m):  # the only scalar loop: table load (signed value / sigma)
-                vals[j] = values[keys[j]]
+                        keys[j] = np.int32(np.int32(keys[j] << bs) | np.int32(fs[j]))
+                for j in range(m):  # the only scalar loop: table load (signed value / sigma)
+                    vals[j] = values[keys[j]]
             for t in range(nc):
                 rv = vals[t * D: (t + 1) * D]
                 rr = res[t * D: (t + 1) * D]
