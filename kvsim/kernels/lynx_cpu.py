@@ -15,6 +15,13 @@ integer keys of the float bits (integer reductions vectorize, fp32 compare-selec
 which for bf16 also checks the input for Inf / NaN (Codec.encode then skips its own pass);
 no allocation per row inside the parallel loops; big outputs come from np.empty (torch's
 CPU allocator costs ~4x more per fresh 100 MB block there).
+numba computes int16 / int32 arithmetic at 64 bits: integer min / max are written as
+compare-selects on explicitly cast values (2.6x on the page min / max), and a shift by a
+runtime count is masked with `& 31` (every count here is < 32) so that LLVM may narrow it back
+to 32 bits (an unmasked one stays a 64-bit shift, which AVX2 lacks for arithmetic shifts:
+3x on the cell index); no integer division in per-channel loops (the chunk mean divides in
+fp64, exact there); fp16 rounding of the chunk scales runs in the branch-free vector loops of
+fp16_bits.
 
 All arithmetic follows lynx.encode_torch operation by operation (IEEE fp32, no fast-math, no
 FMA contraction), so codes and metadata are identical; tests/test_lynx.py checks bytes.
@@ -30,7 +37,12 @@ import numpy as np
 import torch
 
 from kvsim.kernels.codec import concat_payloads
-from kvsim.kernels.fp16_bits import f16_bits_to_f32_bits, f32_bits_to_f16_bits
+from kvsim.kernels.fp16_bits import (
+    f16_bits_to_f32_bits,
+    f16_bits_to_f32_rows,
+    f32_bits_to_f16_bits,
+    f32_to_f16_bits_rows,
+)
 from kvsim.kernels.hadamard import check_hadamard_dim
 from kvsim.kernels.lynx import (
     MU_FRAC_BITS,
@@ -124,7 +136,7 @@ def _nibble_streams(cb, codes, sh0, nstreams, f0, f1, o0, o1):
     loops do not vectorize (3x slower). f0 / f1: uint8 [m] scratch (may be the same)."""
     izero = np.int32(0)
     imin = np.int32(-2147483648)  # bits of -0.0
-    sh = sh0 & np.int32(31)  # masked shift count: see _SHIFT_NOTE
+    sh = sh0 & np.int32(31)  # masked shift count (module doc)
     for j in range(codes.shape[0]):
         b = cb[j]
         sg = np.int32(np.int32(b < izero) & np.int32(b != imin))
@@ -312,14 +324,14 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut
         mu = np.empty(D, np.float32)
         mu16 = np.empty(D, np.uint16)
         sig16 = np.empty(D, np.uint16)
+        scr16 = np.empty(D, np.float32)
         inv = np.empty(D, np.float32)
-        inv_bits = inv.view(np.uint32)
         bi = buf.view(np.int32)
         codes = np.empty(C * D, np.int32)  # magnitude code | sign << 8
         cellidx = np.empty(C * D, np.int32)
         ents = np.empty(C * D, np.int64)
         fields = np.empty((nstreams, C * D), np.uint8)
-        shift = np.int32(lut_shift) & np.int32(31)  # masked: see _SHIFT_NOTE
+        shift = np.int32(lut_shift) & np.int32(31)  # masked (module doc)
         izero = np.int32(0)
         cmax = np.int32(cells - 1)
         nib = split[0] == 4 and (nstreams == 1 or (nstreams == 2 and split[1] == 4))
@@ -361,8 +373,8 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut
                 a = cmax_x[d] - mu[d]
                 b = mu[d] - cmin[d]
                 inv[d] = a if a > b else b
-            f32_to_f16_bits(inv_bits, sig16)
-            f16_bits_to_f32(sig16, inv, inv_bits)
+            f32_to_f16_bits_rows(inv, sig16, scr16)  # branch-free: vectorizes
+            f16_bits_to_f32_rows(sig16, inv)
             mu_out[l, kv, h, ci] = mu16
             sig_out[l, kv, h, ci] = sig16
             o = (row * cpp + c0 // C) * D * 2
@@ -481,7 +493,6 @@ def _decode_kernel(src, nstreams, P, C, split, values, stream_base, layer_bytes,
         s8 = np.empty(2 * D, np.uint8)
         mu = np.empty(D, np.float32)
         sg = np.empty(D, np.float32)
-        sg_bits = sg.view(np.uint32)
         for c0 in range(0, n, C):
             nc = min(C, n - c0)
             m = nc * D
@@ -491,7 +502,7 @@ def _decode_kernel(src, nstreams, P, C, split, values, stream_base, layer_bytes,
             m16 = m8.view(np.uint16)
             for d in range(D):
                 mu[d] = np.float32(m16[d]) * mscale
-            f16_bits_to_f32(s8.view(np.uint16), sg, sg_bits)
+            f16_bits_to_f32_rows(s8.view(np.uint16), sg)
             pos0 = (stream_base[0] + l * layer_bytes[0] + p * full_bytes[0]
                     + code_off[last, 0] + row * row_bytes[last, 0] + (c0 * D * split[0]) // 8)
             if nstreams == 2 and split[0] == 4 and split[1] == 4:  # 4+4: keys from 2 bytes
@@ -524,7 +535,7 @@ def _decode_kernel(src, nstreams, P, C, split, values, stream_base, layer_bytes,
                 for j in range(m):
                     keys[j] = f0[j]
                 for s in range(1, nstreams):
-                    bs = np.int32(split[s]) & np.int32(31)  # masked: see _SHIFT_NOTE
+                    bs = np.int32(split[s]) & np.int32(31)  # masked (module doc)
                     fs = fields[s]
                     for j in range(m):
                         keys[j] = np.int32(np.int32(keys[j] << bs) | np.int32(fs[j]))
