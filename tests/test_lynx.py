@@ -558,3 +558,26 @@ def test_anchor_keeps_a_spike_value():
     anchor = c.decode(c.encode(kv), streams=1, dtype=torch.float32)
     assert anchor[0, 0, 0, 5, 3].item() == pytest.approx(10.0, rel=2e-3)
     assert anchor[0, 1, 0, 40, 6].item() == pytest.approx(-7.0, rel=2e-3)
+
+
+@pytest.mark.parametrize("lanes", [1, 4, 8, 16, 32])
+@pytest.mark.parametrize("d", [5, 16, 37, 128])
+def test_cpu_norm_sq_sums_lanes_in_torch_order(lanes, d):
+    """_norm_sq (squares first, then lane sums) equals the fp32 sequence it documents:
+    lane k adds (y_j / den)^2 for j = k mod lanes in order, the lanes in order, then the tail."""
+    from kvsim.kernels import lynx_cpu
+
+    y = (np.random.default_rng(d * 100 + lanes).standard_normal(d) * 5).astype(np.float32)
+    den = np.float32(3.7)
+    sq = [np.float32(v / den) * np.float32(v / den) for v in y]
+    vec = d - d % lanes
+    acc = [np.float32(0.0)] * lanes
+    for j in range(vec):
+        acc[j % lanes] = np.float32(acc[j % lanes] + sq[j])
+    want = acc[0]
+    for k in range(1, lanes):
+        want = np.float32(want + acc[k])
+    for j in range(vec, d):
+        want = np.float32(want + sq[j])
+    got = lynx_cpu._norm_sq(y, den, lanes, np.empty(lanes + d, np.float32))
+    assert np.float32(got).view(np.uint32) == want.view(np.uint32)

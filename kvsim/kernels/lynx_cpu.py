@@ -638,11 +638,14 @@ def _fwht_kernel(x, out, scale):
 @numba.njit(**_JIT)
 def _abs_max_bits(y):
     """fp32 bits (int32) of max |y| over a finite fp32 row: |y| as int32 orders like the
-    value, and the integer reduction vectorizes where the fp32 max does not."""
+    value, and the integer reduction vectorizes where the fp32 max does not (int32
+    compare-selects: see the module doc)."""
     yb = y.view(np.int32)
     m = np.int32(0)
+    m31 = np.int32(0x7FFFFFFF)
     for j in range(y.shape[0]):
-        m = max(m, yb[j] & np.int32(0x7FFFFFFF))
+        v = np.int32(yb[j] & m31)
+        m = v if v > m else m
     return m
 
 
@@ -651,26 +654,37 @@ def _norm_sq(y, den, lanes, acc):
     """sum of (y_j / den)^2 (mul, then add: no FMA) in `lanes` interleaved fp32 partial sums
     (element j into lane j % lanes), the lanes added in order, then the tail (d % lanes
     elements) in order: torch's CPU reduction over the last dim (see _torch_norm_lanes).
-    acc: scratch fp32 [lanes]."""
+    acc: scratch fp32 [lanes + d]: the squares go to acc[lanes:] first, in a loop that
+    vectorizes (the divisions in the lane loop did not: 3x)."""
     d = y.shape[0]
     vec = d - d % lanes
-    acc[:] = 0.0
-    if lanes == 8:  # literal width: the partial sums stay in one vector register
-        for j0 in range(0, vec, 8):
-            ys = y[j0: j0 + 8]
-            for k in range(8):
-                q = ys[k] / den
-                acc[k] = acc[k] + q * q
-    else:
-        for j in range(vec):
-            q = y[j] / den
-            acc[j % lanes] = acc[j % lanes] + q * q
-    tot = acc[0]
-    for k in range(1, lanes):
-        tot = tot + acc[k]
-    for j in range(vec, d):
+    sq = acc[lanes: lanes + d]
+    for j in range(d):
         q = y[j] / den
-        tot = tot + q * q
+        sq[j] = q * q
+    if lanes == 8:  # literal width: eight partial sums in registers
+        a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
+        for j0 in range(0, vec, 8):
+            s8 = sq[j0: j0 + 8]
+            a0 = a0 + s8[0]
+            a1 = a1 + s8[1]
+            a2 = a2 + s8[2]
+            a3 = a3 + s8[3]
+            a4 = a4 + s8[4]
+            a5 = a5 + s8[5]
+            a6 = a6 + s8[6]
+            a7 = a7 + s8[7]
+        tot = a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7
+    else:
+        for k in range(lanes):
+            acc[k] = 0.0
+        for j in range(vec):
+            acc[j % lanes] = acc[j % lanes] + sq[j]
+        tot = acc[0]
+        for k in range(1, lanes):
+            tot = tot + acc[k]
+    for j in range(vec, d):
+        tot = tot + sq[j]
     return tot
 
 
@@ -694,7 +708,7 @@ def _oscar_forward_kernel(xf, xb, use_bits, nkv, scale, lanes, out, s16, amax):
         h = w % H
         kv = (w // H) % nkv
         l = w // (H * nkv)
-        acc = np.empty(lanes, np.float32)
+        acc = np.empty(lanes + D, np.float32)  # _norm_sq scratch
         tmp = np.empty(1, np.float32)
         tmpb = tmp.view(np.uint32)
         tmpi = tmp.view(np.int32)
@@ -708,7 +722,8 @@ def _oscar_forward_kernel(xf, xb, use_bits, nkv, scale, lanes, out, s16, amax):
                     yb[j] = np.uint32(src[j]) << np.uint32(16)
             else:
                 y[:] = xf[l, kv, h, t]
-            ami = max(ami, _abs_max_bits(y))
+            am = _abs_max_bits(y)
+            ami = am if am > ami else ami
             _fwht_row(y)
             for j in range(D):
                 y[j] = y[j] * scale
@@ -793,7 +808,7 @@ def _torch_norm_lanes(d: int) -> int:
 def _norm16_kernel(y, lanes, out):
     """fp16 bits of min(peak * ||y / peak||, 65504) per row of y [n, d], computed as in
     _oscar_forward_kernel (the probe of _torch_norm_lanes)."""
-    acc = np.empty(lanes, np.float32)
+    acc = np.empty(lanes + y.shape[1], np.float32)  # _norm_sq scratch
     tmp = np.empty(1, np.float32)
     tmpb = tmp.view(np.uint32)
     tmpi = tmp.view(np.int32)
