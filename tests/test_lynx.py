@@ -383,9 +383,9 @@ def test_presets_build_and_roundtrip(preset):
 
 
 def test_cpu_fp16_bit_conversions_match_torch():
-    """The numba fp32 <-> fp16 bit conversions (sigma) round like torch .half(): every fp16
-    boundary region, subnormals, ties, overflow to inf."""
-    from kvsim.kernels.lynx_cpu import f16_bits_to_f32, f32_to_f16_bits
+    """The numba fp32 <-> fp16 bit conversions of the chunk sigmas (fp16_bits.*_rows) round
+    like torch .half(): every fp16 boundary region, subnormals, ties, overflow to inf."""
+    from kvsim.kernels.fp16_bits import f16_bits_to_f32_rows, f32_to_f16_bits_rows
 
     rng = np.random.default_rng(0)
     h = np.arange(0, 0x7C00, dtype=np.uint16)  # every finite non-negative fp16
@@ -397,11 +397,11 @@ def test_cpu_fp16_bit_conversions_match_torch():
         (rng.random(20000) * 2.0 ** rng.integers(-30, 17, 20000)).astype(np.float32),
     ]).astype(np.float32)
     got = np.empty(probes.shape, np.uint16)
-    f32_to_f16_bits(probes.view(np.uint32), got)
+    f32_to_f16_bits_rows(probes, got, np.empty(probes.shape, np.float32))
     want = torch.from_numpy(probes).half().view(torch.int16).numpy().view(np.uint16)
     np.testing.assert_array_equal(got, want)
     back = np.empty(h.shape, np.float32)
-    f16_bits_to_f32(h, back, back.view(np.uint32))
+    f16_bits_to_f32_rows(h, back)
     np.testing.assert_array_equal(back, f)
 
 

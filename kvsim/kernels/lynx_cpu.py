@@ -63,21 +63,6 @@ KEY16_NEG_INF = -32641  # key of -Inf (bits 0xFF80)
 
 
 @numba.njit(**_JIT)
-def f32_to_f16_bits(src, dst):
-    """src: fp32 bit patterns (uint32 view) of non-negative finite values -> dst: fp16 bits,
-    round to nearest even (as torch .half())."""
-    for i in range(src.shape[0]):
-        dst[i] = f32_bits_to_f16_bits(np.int64(src[i]))
-
-
-@numba.njit(**_JIT)
-def f16_bits_to_f32(src, dst, dst_bits):
-    """src: fp16 bits (non-negative, finite) -> dst (fp32 array) through its uint32 view."""
-    for i in range(src.shape[0]):
-        dst_bits[i] = np.uint32(f16_bits_to_f32_bits(np.int64(src[i])))
-
-
-@numba.njit(**_JIT)
 def _pack(fields, n, bits, out, pos):
     """fields[0:n] b-bit codes -> bytes out[pos:pos + ceil(n*b/8)], little-end first. Loops
     index a slice from 0 (out[pos + i] costs numba's negative-index wraparound per access and
@@ -359,10 +344,10 @@ def _encode_kernel(xf, xb, use_bits, P, C, split, shifts, lut_lo, lut_shift, lut
                     b = cmax_b[d]
                     cmin_b[d] = v if v < a else a
                     cmax_b[d] = v if v > b else b
-            # qsum >= 0 (x' >= 0) and < 2^31: floor division = truncation of the fp64
-            # quotient, which is exact here (q / nc is at least 1 / q below the next
-            # integer, far above fp64's rounding) and vectorizes where integer division
-            # does not (20 ns per channel)
+            # qsum >= 0 (x' >= 0) and < 2^28: floor division = truncation of the fp64
+            # quotient, which is exact here (a non-integer q / nc is at least 1 / nc below
+            # the next integer, far above fp64's rounding) and vectorizes where integer
+            # division does not (20 ns per channel)
             dn = np.float64(nc)
             for d in range(D):
                 mq = np.int32(np.float64(qsum[d]) / dn)
@@ -654,7 +639,8 @@ def _norm_sq(y, den, lanes, acc):
     """sum of (y_j / den)^2 (mul, then add: no FMA) in `lanes` interleaved fp32 partial sums
     (element j into lane j % lanes), the lanes added in order, then the tail (d % lanes
     elements) in order: torch's CPU reduction over the last dim (see _torch_norm_lanes).
-    acc: scratch fp32 [lanes + d]: the squares go to acc[lanes:] first, in a loop that
+    acc: scratch fp32 of at least lanes + d (numba does not check bounds: every caller
+    allocates exactly that): the squares go to acc[lanes:] first, in a loop that
     vectorizes (the divisions in the lane loop did not: 3x)."""
     d = y.shape[0]
     vec = d - d % lanes

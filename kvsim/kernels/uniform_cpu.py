@@ -1,11 +1,13 @@
 """Fast CPU path of the `uniform` codec: numba kernels, byte-identical to the torch reference.
 
-One work item = one (layer, K|V, kv_head, page) block of `n` token rows of head_dim values.
-Each row is widened once into a thread-local fp32 scratch row (bf16 input straight from its
-bits, no fp32 copy of the cache), then every group of `group` channels is quantized and the
-codes are bit-packed straight into the chunk payload buffer (all chunks of the stream laid
-end to end in (layer, page) order, each chunk in uniform.py's payload layout: codes, then
-fp16 scales, then fp16 zero points). Work items run in parallel (numba prange). Decode
+One work item = one (layer, K|V, kv_head, page) block of `n` token rows of head_dim values,
+in three passes: every row is widened once into a thread-local fp32 page buffer (bf16 input
+straight from its bits, no fp32 copy of the cache) and the min / max of each group of `group`
+channels taken; the scales and zero points of all the page's groups are rounded to fp16 at
+once (branch-free vector loops of fp16_bits); then every group is quantized and the codes
+bit-packed straight into the chunk payload buffer (all chunks of the stream laid end to end
+in (layer, page) order, each chunk in uniform.py's payload layout: codes, then fp16 scales,
+then fp16 zero points). Work items run in parallel (numba prange). Decode
 mirrors it and writes fp32, bf16 or fp16 directly. bf16 input takes its group min / max on
 int16 keys of the bits (16 lanes; the same pass checks for Inf / NaN, so Codec.encode skips
 its own), and every inner loop indexes a slice from 0 (see lynx_cpu.py: numba's
