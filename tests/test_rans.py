@@ -88,17 +88,17 @@ def _damage(words: np.ndarray, where: int, how: str) -> np.ndarray:
 
 
 @settings(max_examples=200)
-@given(chunks(), chunks(), st.integers(0, 2**31),
-       st.sampled_from(["none", "cut", "pad", "flip"]),
-       st.sampled_from(["none", "cut", "pad", "flip"]))
-def test_pair_decode_equals_two_single_decodes(chunk_a, chunk_b, where, how_a, how_b):
-    """decode_pair (two coders interleaved) gives each chunk decode()'s status, and its
-    symbols and histogram where that is OK, whatever the other chunk holds."""
+@given(st.lists(st.tuples(chunks(), st.sampled_from(["none", "cut", "pad", "flip"])),
+                min_size=1, max_size=rans.LANES), st.integers(0, 2**31))
+def test_lanes_decode_equals_single_decodes(items_how, where):
+    """decode_lanes (up to LANES coders interleaved, idle lanes parked) gives each chunk
+    decode()'s status, and its symbols and histogram where that is OK, whatever the other
+    chunks hold."""
     items = []
-    for (segs, tables), how in ((chunk_a, how_a), (chunk_b, how_b)):
+    for (segs, tables), how in items_how:
         words = _damage(rans.encode(segs, tables), where, how)
         items.append((words, [len(s) for s in segs], tables))
-    for (words, counts, tables), (status, flat, hist) in zip(items, rans.decode_pair(items),
+    for (words, counts, tables), (status, flat, hist) in zip(items, rans.decode_lanes(items),
                                                            strict=True):
         ref_status, ref_flat, ref_hist = rans.decode(words, counts, tables)
         assert status == ref_status
@@ -108,15 +108,33 @@ def test_pair_decode_equals_two_single_decodes(chunk_a, chunk_b, where, how_a, h
 
 
 @settings(max_examples=200)
-@given(chunks(), chunks(), st.booleans(), st.booleans())
-def test_pair_encode_equals_two_single_encodes(chunk_a, chunk_b, empty_a, empty_b):
-    """encode_pair (two coders interleaved) gives each chunk encode()'s words, also when a
-    chunk has no symbol or no segment."""
-    items = []
-    for (segs, tables), empty in ((chunk_a, empty_a), (chunk_b, empty_b)):
-        items.append(([], []) if empty else (segs, tables))
-    for (segs, tables), words in zip(items, rans.encode_pair(items), strict=True):
+@given(st.lists(st.tuples(chunks(), st.booleans()), min_size=1, max_size=rans.LANES))
+def test_lanes_encode_equals_single_encodes(items_empty):
+    """encode_lanes (up to LANES coders interleaved) gives each chunk encode()'s words, also
+    when a chunk has no symbol or no segment."""
+    items = [([], []) if empty else chunk for chunk, empty in items_empty]
+    for (segs, tables), words in zip(items, rans.encode_lanes(items), strict=True):
         assert np.array_equal(words, rans.encode(segs, tables))
+
+
+def test_lanes_refuse_more_chunks_than_lanes():
+    chunk = ([np.zeros(3, np.uint8)], [rans.quantize(np.array([3, 1]))])
+    with pytest.raises(ValueError, match="1..4 chunks"):
+        rans.encode_lanes([chunk] * (rans.LANES + 1))
+    with pytest.raises(ValueError, match="1..4 chunks"):
+        rans.decode_lanes([])
+
+
+def test_mulhi64_is_the_high_half_of_the_128_bit_product():
+    rng = np.random.default_rng(3)
+    a = rng.integers(0, 2**64 - 1, 20000, dtype=np.uint64, endpoint=True)
+    b = rng.integers(0, 2**64 - 1, 20000, dtype=np.uint64, endpoint=True)
+    edges = np.array([0, 1, 2**32 - 1, 2**32, 2**63, 2**64 - 1], dtype=np.uint64)
+    a = np.concatenate([a, np.repeat(edges, edges.size)])
+    b = np.concatenate([b, np.tile(edges, edges.size)])
+    out = np.empty_like(a)
+    rans.mulhi64_kernel(a, b, out)
+    assert [int(v) for v in out] == [(int(x) * int(y)) >> 64 for x, y in zip(a, b, strict=True)]
 
 
 def test_quantize_sums_to_scale_and_keeps_every_used_symbol():
@@ -162,5 +180,17 @@ def test_reciprocal_update_equals_division_for_every_frequency():
                       dtype=np.uint64)
         got = x + bias + (hi >> rshift) * cmpl
         assert np.array_equal(got, ((x // f) << np.uint64(16)) + x % f + np.uint64(777))
-        k = int(rng.integers(f.size))
-        assert rans._mulhi64(x[k], rcp[k]) == hi[k]
+        kernel = np.empty_like(x)
+        rans.mulhi64_kernel(x, rcp, kernel)
+        assert np.array_equal(kernel, hi)
+
+
+def test_parking_table_is_the_identity():
+    """The lanes' parking row (q[0] = 2^16) leaves every state unchanged and never emits."""
+    q = np.zeros((1, 256), np.uint32)
+    q[0, 0] = rans.PROB_SCALE
+    rcp, rshift, bias, cmpl = (int(a[0, 0]) for a in rans.reciprocals(q, np.zeros_like(q)))
+    rng = np.random.default_rng(7)
+    for x in [rans.STATE_LOW, 2**63 - 1, *(int(v) for v in rng.integers(2**31, 2**63, 1000))]:
+        assert x < rans.PROB_SCALE << 47  # never emits: x stays below x_max = 2^63
+        assert x + bias + (((x * rcp) >> 64) >> rshift) * cmpl == x

@@ -213,7 +213,7 @@ def _code_chunk(segs: list[np.ndarray]) -> tuple[list[bytes], np.ndarray]:
 
 
 def _code_chunks(chunks: list[list[np.ndarray]]) -> list[tuple[list[bytes], np.ndarray]]:
-    """_code_chunk of one or two chunks, the words of two coded together (rans.encode_pair:
+    """_code_chunk of 1..rans.LANES chunks, their words coded together (rans.encode_lanes:
     the same words)."""
     tables, todo = [], []
     for segs in chunks:
@@ -226,7 +226,7 @@ def _code_chunks(chunks: list[list[np.ndarray]]) -> list[tuple[list[bytes], np.n
                 quantized.append(q)
         tables.append(chunk_tables)
         todo.append((coded, quantized))
-    words = rans.encode_pair(todo) if len(todo) == 2 else [rans.encode(*c) for c in todo]
+    words = rans.encode_lanes(todo)
     return list(zip(tables, words, strict=True))
 
 
@@ -444,34 +444,40 @@ class CacheGenCodec(Codec):
     def _encode(self, kv: torch.Tensor, shape: KVShape) -> list[list[Chunk]]:
         p = self.params
         is_anchor = _token_roles(shape.tokens, p.page_tokens, p.group_tokens)[0].numpy()
-        chunks = []
         pages = self._page_ranges(shape)
-        for layer in range(shape.layers):
-            sym, scales = self.layer_symbols(kv[layer], layer, shape.layers)
+        # every layer's symbols first: the quantizer's parallel kernel leaves its worker
+        # threads spinning for a while after each call, which would take the cores from the
+        # coder threads if the two alternated layer by layer
+        layer_syms = [self.layer_symbols(kv[layer], layer, shape.layers)
+                      for layer in range(shape.layers)]
+        lanes = rans.LANES
 
-            def code_pages(first: int, sym=sym, scales=scales) -> list[np.ndarray]:
-                ranges = [pages[page][:2] for page in range(first, min(first + 2, len(pages)))]
-                coded = _code_chunks([_chunk_segments(sym, is_anchor, t0, t1)
-                                      for t0, t1 in ranges])
-                out = []
-                for (t0, t1), (tables, words) in zip(ranges, coded, strict=True):
-                    page_scales = np.ascontiguousarray(scales[:, :, t0:t1]).astype("<u2")
-                    out.append(np.frombuffer(b"".join([page_scales.tobytes(), *tables,
-                                                       words.astype("<u4").tobytes()]),
-                                             dtype=np.uint8))
-                return out
+        def code_pages(task: tuple[int, int]) -> list[np.ndarray]:
+            layer, first = task
+            sym, scales = layer_syms[layer]
+            ranges = [pages[page][:2] for page in range(first, min(first + lanes, len(pages)))]
+            coded = _code_chunks([_chunk_segments(sym, is_anchor, t0, t1) for t0, t1 in ranges])
+            out = []
+            for (t0, t1), (tables, words) in zip(ranges, coded, strict=True):
+                page_scales = np.ascontiguousarray(scales[:, :, t0:t1]).astype("<u2")
+                out.append(np.frombuffer(b"".join([page_scales.tobytes(), *tables,
+                                                   words.astype("<u4").tobytes()]),
+                                         dtype=np.uint8))
+            return out
 
-            # the coder kernels release the GIL: a layer's pages are coded in parallel, two
-            # per task (their coders interleaved: rans.encode_pair)
-            payloads = [c for pair in _pool().map(code_pages, range(0, len(pages), 2))
-                        for c in pair]
-            chunks += [Chunk(0, layer, page, payload) for page, payload in enumerate(payloads)]
+        # the coder kernels release the GIL: pages are coded in parallel, rans.LANES per task
+        # (their coders interleaved: rans.encode_lanes), tasks in (layer, page) order
+        tasks = [(layer, first) for layer in range(shape.layers)
+                 for first in range(0, len(pages), lanes)]
+        payloads = [c for coded in _pool().map(code_pages, tasks) for c in coded]
+        chunks = [Chunk(0, layer, page, payloads[layer * len(pages) + page])
+                  for layer in range(shape.layers) for page in range(len(pages))]
         return [chunks]
 
     # ---- decode -------------------------------------------------------------------------------
     def _decode_symbols(self, enc: Encoded) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every chunk -> (symbols uint8 [L, 2, H, T, D] in token order, fp16 scale bits
-        uint16 [L, 2, H, T], qmaxes int64 [L, 3]); chunks are decoded two at a time on the
+        uint16 [L, 2, H, T], qmaxes int64 [L, 3]); chunks are decoded rans.LANES at a time on the
         pool's threads (the coder and scatter kernels release the GIL); the first failing
         chunk (in order) raises."""
         shape, p = enc.shape, self.params
@@ -487,9 +493,10 @@ class CacheGenCodec(Codec):
         chunks = [_ChunkIn(payloads[(layer, page)], layer, page,
                            self.qmaxes(layer, shape.layers), (t0, t1), anchor_np[t0:t1])
                   for layer in range(shape.layers) for page, (t0, t1, _, _) in enumerate(pages)]
-        # two chunks per task (their coders interleaved), tasks in order
-        list(_pool().map(lambda i: self._decode_chunks(chunks[i:i + 2], sym, scales),
-                         range(0, len(chunks), 2)))
+        # rans.LANES chunks per task (their coders interleaved), tasks in order
+        lanes = rans.LANES
+        list(_pool().map(lambda i: self._decode_chunks(chunks[i:i + lanes], sym, scales),
+                         range(0, len(chunks), lanes)))
         return sym, scales, qmaxes
 
     def _decode(self, enc: Encoded, streams: int, device: torch.device) -> torch.Tensor:
@@ -530,8 +537,8 @@ class CacheGenCodec(Codec):
 
     def _decode_chunks(self, chunks: list[_ChunkIn], sym: np.ndarray, scales: np.ndarray
                        ) -> None:
-        """One or two chunks' payloads into the cache's symbols and scales (token order, in
-        place), the coded words of two decoded together (rans.decode_pair). The payloads are
+        """1..rans.LANES chunks' payloads into the cache's symbols and scales (token order, in
+        place), their coded words decoded together (rans.decode_lanes). The payloads are
         untrusted: scales must be finite; each table must fit its segment (symbols within
         0..2 qmax, empty iff the segment is); the rANS decoder must use up every coded word
         and end in its initial state (kvsim.kernels.rans), and each decoded segment must
@@ -548,8 +555,7 @@ class CacheGenCodec(Codec):
                 break
         args = [(p.words, [p.counts[i] for i in p.coded],
                  [rans.quantize(p.tables[i][1]) for i in p.coded]) for p in parsed]
-        results = (rans.decode_pair(args) if len(args) == 2
-                   else [rans.decode(*a) for a in args])
+        results = rans.decode_lanes(args) if args else []
         for c, p, (status, flat, hist) in zip(chunks[:len(parsed)], parsed, results, strict=True):
             self._finish_chunk(c, p, status, flat, hist, sym[c.layer])
         if error is not None:

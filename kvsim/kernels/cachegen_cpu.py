@@ -136,17 +136,19 @@ def scatter_chunk(flat, seg_counts, lo, coded, page_anchor, t0, sym):
         if seg_counts[i] == 0:
             continue
         for h in range(heads):
-            for j in range(n):
+            block = sym[kv, h]  # [T, D]: one view per head (a row view per token costs
+            for j in range(n):  # more than copying the row)
                 if page_anchor[j] != want:
                     continue
-                row = sym[kv, h, t0 + j]
+                t = t0 + j
                 if live:
+                    src = flat[k : k + dim]  # indices from 0: no wraparound test per byte
                     for d in range(dim):
-                        row[d] = flat[k + d] + add
+                        block[t, d] = src[d] + add
                     k += dim
                 else:
                     for d in range(dim):
-                        row[d] = add
+                        block[t, d] = add
 
 
 @numba.njit(parallel=True, **_JIT)
@@ -167,16 +169,16 @@ def reconstruct_kernel(sym, scales, is_anchor, qmaxes, mode, out_f, out_b):
         anchor = np.zeros(dim, np.float32)
         row = np.empty(dim, np.float32)
         o = w * tokens * dim
+        block = sym[layer, kv, h]  # [T, D]: one view per row block, not one per token
         for t in range(tokens):
             tmpu[0] = np.uint32(f16_bits_to_f32_bits(np.int64(scales[layer, kv, h, t])))
             s = tmp[0]
-            src = sym[layer, kv, h, t]
             if is_anchor[t]:
                 for d in range(dim):
-                    v = np.float32(np.int32(src[d]) - qa) * s
+                    v = np.float32(np.int32(block[t, d]) - qa) * s
                     anchor[d] = v
                     row[d] = v
             else:
                 for d in range(dim):
-                    row[d] = anchor[d] + np.float32(np.int32(src[d]) - qd) * s
+                    row[d] = anchor[d] + np.float32(np.int32(block[t, d]) - qd) * s
             _store_row(row, dim, mode, out_f, out_b, o + t * dim, tmp)
