@@ -298,3 +298,12 @@ def test_auto_backend_runs_the_cpu_kernels_on_cpu_tensors(monkeypatch):
     assert "e" in calls and "d" in calls
     ref = make_codec("kivi", {**params, "backend": "torch"}).encode(kv)
     assert payloads(auto) == payloads(ref)
+
+
+@pytest.mark.parametrize("q", [1, 7, 8, 13, 64, 256])
+def test_transpose_equals_numpy(q):
+    """kivi_cpu._transpose (eight rows at a time on flat views, then a tail) is e.T."""
+    e = np.random.default_rng(q).standard_normal((q, 24)).astype(np.float32)
+    et = np.empty((24, q), np.float32)
+    kivi_cpu._transpose(e, q, 24, et)
+    assert np.array_equal(et, e.T)

@@ -136,13 +136,15 @@ def scatter_chunk(flat, seg_counts, lo, coded, page_anchor, t0, sym):
         if seg_counts[i] == 0:
             continue
         for h in range(heads):
-            block = sym[kv, h]  # [T, D]: one view per head (a row view per token costs
-            for j in range(n):  # more than copying the row)
+            block = sym[kv, h]  # [T, D]
+            for j in range(n):
                 if page_anchor[j] != want:
                     continue
                 t = t0 + j
                 if live:
-                    src = flat[k : k + dim]  # indices from 0: no wraparound test per byte
+                    # a view indexed by the loop counter: flat[k + d] would be tested for
+                    # wraparound byte by byte (14x slower)
+                    src = flat[k : k + dim]
                     for d in range(dim):
                         block[t, d] = src[d] + add
                     k += dim
@@ -169,7 +171,7 @@ def reconstruct_kernel(sym, scales, is_anchor, qmaxes, mode, out_f, out_b):
         anchor = np.zeros(dim, np.float32)
         row = np.empty(dim, np.float32)
         o = w * tokens * dim
-        block = sym[layer, kv, h]  # [T, D]: one view per row block, not one per token
+        block = sym[layer, kv, h]  # [T, D]
         for t in range(tokens):
             tmpu[0] = np.uint32(f16_bits_to_f32_bits(np.int64(scales[layer, kv, h, t])))
             s = tmp[0]
