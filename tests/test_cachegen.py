@@ -346,14 +346,17 @@ def test_numba_kernels_equal_the_torch_reference(case):
                           is_anchor, rank, torch.device("cpu"))
     assert torch.equal(torch.from_numpy(out), ref)
     assert torch.equal(ref, cg._reconstruct(ref_codes, is_anchor, rank, torch.device("cpu")))
-    # the whole-cache decode kernel: the same values, written straight in each output dtype
-    # as codec.cast_finite casts them
+    # the decoder's kernel, page by page: the same values, written straight in each output
+    # dtype as codec.cast_finite casts them
+    pt, tokens = params["page_tokens"], x.shape[2]
     for mode, dtype in enumerate((torch.float32, torch.bfloat16, torch.float16)):
         n = sym.size
         out_f = np.empty(n if mode == 0 else 1, np.float32)
         out_b = np.empty(n if mode else 1, np.uint16)
-        cachegen_cpu.reconstruct_kernel(sym[None], scales[None], is_anchor.numpy(),
-                                        np.array([qmaxes], dtype=np.int64), mode, out_f, out_b)
+        for t0 in range(0, tokens, pt):
+            cachegen_cpu.reconstruct_chunk(sym[None], scales[None], is_anchor.numpy(),
+                                           np.array([qmaxes], dtype=np.int64), mode, out_f,
+                                           out_b, 0, t0, min(tokens, t0 + pt))
         got = (torch.from_numpy(out_f) if mode == 0
                else torch.from_numpy(out_b.view(np.int16)).view(dtype))
         want = cast_finite(ref, dtype).reshape(-1)
@@ -363,9 +366,9 @@ def test_numba_kernels_equal_the_torch_reference(case):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpu_decode_in_each_dtype_equals_the_cast_fp32_decode(dtype):
-    """decode(dtype=...) on CPU (reconstruct_kernel writing the dtype) = the fp32 decode cast
-    by cast_finite; chunks decoded in pairs and an odd chunk alone give the same symbols as
-    the torch path's reconstruction."""
+    """decode(dtype=...) on CPU (reconstruct_chunk writing the dtype) = the fp32 decode cast
+    by cast_finite; chunks decoded LANES at a time and the rest alone give the same symbols
+    as the torch path's reconstruction."""
     from kvsim.kernels import cachegen as cg
 
     gen = torch.Generator().manual_seed(3)

@@ -475,11 +475,14 @@ class CacheGenCodec(Codec):
         return [chunks]
 
     # ---- decode -------------------------------------------------------------------------------
-    def _decode_symbols(self, enc: Encoded) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _decode_symbols(self, enc: Encoded,
+                        after: Callable[[np.ndarray, np.ndarray, np.ndarray, _ChunkIn], None]
+                        | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every chunk -> (symbols uint8 [L, 2, H, T, D] in token order, fp16 scale bits
-        uint16 [L, 2, H, T], qmaxes int64 [L, 3]); chunks are decoded rans.LANES at a time on the
-        pool's threads (the coder and scatter kernels release the GIL); the first failing
-        chunk (in order) raises."""
+        uint16 [L, 2, H, T], qmaxes int64 [L, 3]); chunks are decoded rans.LANES at a time on
+        the pool's threads (the coder and scatter kernels release the GIL), each followed by
+        after(sym, scales, qmaxes, chunk) on the same thread; the first failing chunk (in
+        order) raises."""
         shape, p = enc.shape, self.params
         heads, dim = shape.kv_heads, shape.head_dim
         anchor_np = _token_roles(shape.tokens, p.page_tokens, p.group_tokens)[0].numpy()
@@ -495,7 +498,8 @@ class CacheGenCodec(Codec):
                   for layer in range(shape.layers) for page, (t0, t1, _, _) in enumerate(pages)]
         # rans.LANES chunks per task (their coders interleaved), tasks in order
         lanes = rans.LANES
-        list(_pool().map(lambda i: self._decode_chunks(chunks[i:i + lanes], sym, scales),
+        done = None if after is None else (lambda c: after(sym, scales, qmaxes, c))
+        list(_pool().map(lambda i: self._decode_chunks(chunks[i:i + lanes], sym, scales, done),
                          range(0, len(chunks), lanes)))
         return sym, scales, qmaxes
 
@@ -520,23 +524,29 @@ class CacheGenCodec(Codec):
 
     def _decode_cpu(self, enc: Encoded, dtype: torch.dtype) -> torch.Tensor:
         """The cache in `dtype` (fp32, or bf16 / fp16 rounded from the fp32 reconstruction as
-        codec.cast_finite) by cachegen_cpu.reconstruct_kernel."""
+        codec.cast_finite): each page reconstructed (cachegen_cpu.reconstruct_chunk) on the
+        decoder thread that has just put its symbols in place."""
         shape, p = enc.shape, self.params
-        sym, scales, qmaxes = self._decode_symbols(enc)
         anchor_np = _token_roles(shape.tokens, p.page_tokens, p.group_tokens)[0].numpy()
         mode = {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 0)
         n = int(np.prod(shape.dims))
         out_f = np.empty(n if mode == 0 else 1, np.float32)
         out_b = np.empty(n if mode else 1, np.uint16)
-        cachegen_cpu.reconstruct_kernel(sym, scales, anchor_np, qmaxes, mode, out_f, out_b)
+
+        def reconstruct(sym: np.ndarray, scales: np.ndarray, qmaxes: np.ndarray,
+                        chunk: _ChunkIn) -> None:
+            cachegen_cpu.reconstruct_chunk(sym, scales, anchor_np, qmaxes, mode, out_f, out_b,
+                                           chunk.layer, *chunk.t_range)
+
+        self._decode_symbols(enc, reconstruct)
         if mode == 0:
             out = torch.from_numpy(out_f).view(shape.dims)
             return out if dtype == torch.float32 else cast_finite(out, dtype)
         return torch.from_numpy(out_b.view(np.int16)).view(shape.dims).view(
             torch.bfloat16 if mode == 1 else torch.float16)
 
-    def _decode_chunks(self, chunks: list[_ChunkIn], sym: np.ndarray, scales: np.ndarray
-                       ) -> None:
+    def _decode_chunks(self, chunks: list[_ChunkIn], sym: np.ndarray, scales: np.ndarray,
+                       after: Callable[[_ChunkIn], None] | None = None) -> None:
         """1..rans.LANES chunks' payloads into the cache's symbols and scales (token order, in
         place), their coded words decoded together (rans.decode_lanes). The payloads are
         untrusted: scales must be finite; each table must fit its segment (symbols within
@@ -558,6 +568,8 @@ class CacheGenCodec(Codec):
         results = rans.decode_lanes(args) if args else []
         for c, p, (status, flat, hist) in zip(chunks[:len(parsed)], parsed, results, strict=True):
             self._finish_chunk(c, p, status, flat, hist, sym[c.layer])
+            if after is not None:
+                after(c)
         if error is not None:
             raise error
 

@@ -12,9 +12,9 @@ fp16_up(s): round to nearest even, then one fp16 step up if that fell below s (s
 |x / scale| <= qmax); a scale that is inf in fp16 is reported in `overflow` (the caller
 raises). All arithmetic in fp32, in the reference's order.
 
-Decode (whole cache, nogil): scatter_chunk puts one chunk's decoded segments back into the
-token-order symbols, reconstruct_kernel rebuilds every layer straight in the output dtype
-(bf16 / fp16 rounded from the fp32 reconstruction as codec.cast_finite).
+Decode (per chunk, nogil, on the decoder threads): scatter_chunk puts one chunk's decoded
+segments back into the token-order symbols, reconstruct_chunk rebuilds its page straight in
+the output dtype (bf16 / fp16 rounded from the fp32 reconstruction as codec.cast_finite).
 """
 
 from __future__ import annotations
@@ -153,34 +153,44 @@ def scatter_chunk(flat, seg_counts, lo, coded, page_anchor, t0, sym):
                         block[t, d] = add
 
 
-@numba.njit(parallel=True, **_JIT)
-def reconstruct_kernel(sym, scales, is_anchor, qmaxes, mode, out_f, out_b):
-    """Every layer at once: sym uint8 [L, 2, H, T, D], scales uint16 [L, 2, H, T] (finite fp16
-    bits), qmaxes int64 [L, 3] (anchor, K delta, V delta) -> the cache [L, 2, H, T, D], flat:
-    fp32 in out_f (mode 0), bf16 bits (1) or fp16 bits (2, clamped to +-65504) in out_b, as
-    reconstruct_layer_kernel's fp32 values cast by codec.cast_finite."""
-    layers, _, heads, tokens, dim = sym.shape
-    for w in numba.prange(layers * 2 * heads):
-        layer = w // (2 * heads)
-        kv = (w // heads) % 2
-        h = w % heads
-        qa = qmaxes[layer, 0]
-        qd = qmaxes[layer, 1 + kv]
-        tmp = np.empty(2, np.float32)
-        tmpu = tmp.view(np.uint32)
-        anchor = np.zeros(dim, np.float32)
-        row = np.empty(dim, np.float32)
-        o = w * tokens * dim
-        block = sym[layer, kv, h]  # [T, D]
-        for t in range(tokens):
-            tmpu[0] = np.uint32(f16_bits_to_f32_bits(np.int64(scales[layer, kv, h, t])))
-            s = tmp[0]
-            if is_anchor[t]:
-                for d in range(dim):
-                    v = np.float32(np.int32(block[t, d]) - qa) * s
-                    anchor[d] = v
-                    row[d] = v
-            else:
-                for d in range(dim):
-                    row[d] = anchor[d] + np.float32(np.int32(block[t, d]) - qd) * s
-            _store_row(row, dim, mode, out_f, out_b, o + t * dim, tmp)
+@numba.njit(**_JIT)
+def _reconstruct_rows(sym, scales, is_anchor, qmaxes, mode, out_f, out_b, layer, kv, h, t0,
+                      t1, tmp, anchor, row):
+    """Tokens t0..t1 of row block (layer, kv, h) into the flat output (reconstruct_chunk's
+    layout and modes); t0 starts a page (an anchor token: groups never cross pages)."""
+    _, _, heads, tokens, dim = sym.shape
+    tmpu = tmp.view(np.uint32)
+    qa = qmaxes[layer, 0]
+    qd = qmaxes[layer, 1 + kv]
+    o = ((layer * 2 + kv) * heads + h) * tokens * dim
+    block = sym[layer, kv, h]  # [T, D]
+    for t in range(t0, t1):
+        tmpu[0] = np.uint32(f16_bits_to_f32_bits(np.int64(scales[layer, kv, h, t])))
+        s = tmp[0]
+        if is_anchor[t]:
+            for d in range(dim):
+                v = np.float32(np.int32(block[t, d]) - qa) * s
+                anchor[d] = v
+                row[d] = v
+        else:
+            for d in range(dim):
+                row[d] = anchor[d] + np.float32(np.int32(block[t, d]) - qd) * s
+        _store_row(row, dim, mode, out_f, out_b, o + t * dim, tmp)
+
+
+@numba.njit(**_JIT)
+def reconstruct_chunk(sym, scales, is_anchor, qmaxes, mode, out_f, out_b, layer, t0, t1):
+    """sym uint8 [L, 2, H, T, D], scales uint16 [L, 2, H, T] (finite fp16 bits), qmaxes int64
+    [L, 3] (anchor, K delta, V delta) -> tokens t0..t1 (one page) of one layer of the cache
+    [L, 2, H, T, D], flat: fp32 in out_f (mode 0), bf16 bits (1) or fp16 bits (2, clamped to
+    +-65504) in out_b, as reconstruct_layer_kernel's fp32 values cast by codec.cast_finite.
+    Serial: run on a decoder thread right after the page's symbols are in place, while they
+    are still in its cache."""
+    heads, dim = sym.shape[2], sym.shape[4]
+    tmp = np.empty(2, np.float32)
+    anchor = np.zeros(dim, np.float32)
+    row = np.empty(dim, np.float32)
+    for kv in range(2):
+        for h in range(heads):
+            _reconstruct_rows(sym, scales, is_anchor, qmaxes, mode, out_f, out_b, layer, kv, h,
+                              t0, t1, tmp, anchor, row)
