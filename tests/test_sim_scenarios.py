@@ -3,6 +3,7 @@ the seeds' orderings / trends (Table 1, Figure 11) from the simulator's output."
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 from dataclasses import replace
@@ -558,3 +559,27 @@ def test_bad_request_traces_are_refused_with_the_row(tmp_path, body, match):
     path.write_text(body)
     with pytest.raises(ValueError, match=match):
         load_request_trace(path)
+
+
+@pytest.mark.parametrize("deserializer", ["shared", "node"])
+def test_a_run_leaves_no_cyclic_garbage(tmp_path, deserializer):
+    """A finished request is freed by reference counting: the run's flows, receivers and
+    deserializers form no reference cycle (the cyclic collector's pass over them after a
+    run took ~10% of a 10,000-request run), whatever the request count."""
+    cfg = _cfg(tmp_path, [{"name": "test-two-halves"}], granularity="layer",
+               deserializer=deserializer)
+    garbage = []
+    for requests in (20, 20, 80):  # the first run also makes one-off garbage (imports)
+        cfg.workload = replace(cfg.workload, kind="poisson", requests=requests,
+                               rate_per_s=30.0, prefill_nodes=2, decode_nodes=2)
+        scenario = Scenario(cfg, variants(cfg)[0], cfg.workload.context_tokens,
+                            cfg.link.bandwidth_gbps)
+        gc.collect()
+        gc.disable()
+        try:
+            row = scenario.run()
+            garbage.append(gc.collect())
+        finally:
+            gc.enable()
+        assert row["requests"] == requests
+    assert garbage[1] < 20 and garbage[2] < 20  # none per request

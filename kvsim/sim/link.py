@@ -311,6 +311,10 @@ class Link:
             for f in finished:
                 if f.on_done is not None:
                     f.on_done(f)
+                # a finished flow reports nothing more: dropping its callbacks breaks the
+                # flow <-> receiver reference cycle, so that a finished request is freed by
+                # reference counting rather than by the cyclic collector at the run's end
+                f.on_delivered = f.on_done = None
         # backlogged flows per class: strict priority gives the capacity to the best
         # (smallest key) class; weighted classes share it in proportion to their weights
         # (generalized processor sharing); flows of a class share its part equally

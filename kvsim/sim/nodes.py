@@ -137,6 +137,12 @@ class Receiver:
         # ingress), set by the scenario when it submits them (kvsim.sim.worker_load reads them)
         self.carriers: list[Flow] = []
 
+    def release(self) -> None:
+        """The request is finished: drop the links to its deserializer and its link flows
+        (reference cycles: freed by reference counting, not by the cyclic collector)."""
+        self.group = None  # type: ignore[assignment]
+        self.carriers = []
+
     def known_arrivals(self) -> np.ndarray:
         """[j] arrival times (s) reported so far, in order."""
         if self.is_done:

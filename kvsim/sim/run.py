@@ -146,6 +146,8 @@ class Scenario:
         self._plans: dict[int, tuple[TransferPlan, Any]] = {}
         self.records: list[RequestRecord] = []
         self.messages = 0  # link messages (chunks) simulated
+        self._arriving: list[Request] = []  # the run's requests, in arrival order (_arrive)
+        self._next_arrival = 0  # the first of them not started
 
     # ---- plans -------------------------------------------------------------------------
     def plan(self, context_tokens: int) -> TransferPlan:
@@ -236,18 +238,23 @@ class Scenario:
 
     def arrivals(self, reqs: list[Request]) -> None:
         """Start each request at its arrival time: one timer per distinct arrival time."""
-        env, n, i = self.env, len(reqs), 0
+        self._arriving, self._next_arrival = reqs, 0
+        self._arrive()
 
-        def arrive(_event: simpy.Event | None = None) -> None:
-            nonlocal i
-            now = env.now
-            while i < n and reqs[i].arrival_t <= now:
-                self.request(reqs[i])
-                i += 1
-            if i < n:
-                env.timeout(reqs[i].arrival_t - now).callbacks.append(arrive)
-
-        arrive()
+    def _arrive(self, _event: simpy.Event | None = None) -> None:
+        """Start the requests that arrive by now; time the next arrival. (A method, not a
+        closure: a closure that re-arms itself is a reference cycle, which would hold the
+        run's requests until the cyclic collector runs.)"""
+        env, reqs = self.env, self._arriving
+        now, i, n = env.now, self._next_arrival, len(reqs)
+        while i < n and reqs[i].arrival_t <= now:
+            self.request(reqs[i])
+            i += 1
+        self._next_arrival = i
+        if i < n:
+            env.timeout(reqs[i].arrival_t - now).callbacks.append(self._arrive)
+        else:
+            self._arriving = []
 
     def request(self, req: Request) -> None:
         """The request arrives now: route it, queue it for prefill. Its passage continues
@@ -435,6 +442,8 @@ class Scenario:
         self.records.append(rec)
         if self.trace is not None:
             self._trace(rec, pnode, dnode, receivers)
+        for rx in receivers:
+            rx.release()
         self.finished += 1
         if self.finished == self.n_requests:
             self.all_done.succeed()
