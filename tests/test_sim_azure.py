@@ -120,3 +120,29 @@ def test_azure_preset_runs_in_the_simulator_with_per_request_outputs(trace, tmp_
     assert log["output_tokens"].nunique() > 5
     assert any(f["path"] == f"data/workload/azure-2023-{trace}.json"
                for f in loaded_files())
+
+
+@pytest.mark.parametrize("workload", ["azure-code", "bench-10k"])
+def test_column_aggregate_equals_the_per_request_rows(workload):
+    """aggregate_records (the simulator's multi-request row, per column) gives exactly
+    aggregate_request_rows over request_row dicts (the emulator's path): every key, in
+    order, with requests of different output lengths (azure) and of one (bench)."""
+    import json
+
+    from kvsim.cli import compose
+    from kvsim.config.sim import SimConfig
+    from kvsim.sim.metrics import aggregate_records, aggregate_request_rows, request_row
+    from kvsim.sim.run import Scenario, variants
+
+    cfg, _ = compose("sim", ["scenario=none", "model=llama-3.1-8b", "hardware=h100",
+                             "link=25g", f"workload={workload}", "workload.requests=60",
+                             "codecs=[lynx]", "granularity=layer"], SimConfig)
+    scenario = Scenario(cfg, variants(cfg)[0], cfg.workload.context_tokens,
+                        cfg.link.bandwidth_gbps)
+    scenario.run()
+    recs, ks, bk = scenario.records, list(cfg.metrics.ks), cfg.metrics.breakdown_k
+    if workload.startswith("azure"):
+        assert len({len(r.timeline.token_t) for r in recs}) > 5
+    by_column = aggregate_records(recs, ks, bk)
+    by_row = aggregate_request_rows([request_row(r, ks, bk) for r in recs])
+    assert json.dumps(by_column) == json.dumps(by_row)

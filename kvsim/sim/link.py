@@ -88,7 +88,7 @@ class Messages:
 
     def __init__(self, sizes: np.ndarray) -> None:
         self.sizes = sizes  # [n] bytes
-        self.cum = np.cumsum(sizes)  # [n] bytes through message j
+        self.cum = sizes.cumsum()  # [n] bytes through message j
         self.cum_l: list[float] = self.cum.tolist()
         self.n = len(sizes)
         self.unsent = np.full(self.n, np.nan)  # [n] completion times before any is sent
@@ -257,7 +257,7 @@ class Link:
             else:
                 s1 = s0 + r * (t - t0)
                 # messages whose last byte left by t (all released: no idling between events)
-                k = min(int(np.searchsorted(cum, s1 * (1 + _REL_EPS), side="right")), flow.n)
+                k = min(int(cum.searchsorted(s1 * (1 + _REL_EPS), side="right")), flow.n)
             if k > j0:
                 done_t = t0 + (cum[j0:k] - s0) / r  # exact: constant rate since t0
                 np.minimum(done_t, t, out=done_t)
@@ -289,7 +289,7 @@ class Link:
                 return n - 1
             done = t + (flow.cum[j0:j1] - s0) / r  # completion of messages j0..j1-1
             gap = flow.release[j0 + 1 : j1 + 1] > done * (1 + _REL_EPS)
-            hit = int(np.argmax(gap))  # the first gap, or 0 when there is none
+            hit = int(gap.argmax())  # the first gap, or 0 when there is none
             if gap[hit]:
                 return j0 + hit
             if j1 >= n - 1:

@@ -157,3 +157,62 @@ def aggregate_request_rows(per: list[dict]) -> dict:
     out["proposed_tokens"] = int(sum(p["proposed_tokens"] for p in per))
     out["accepted_tokens"] = int(sum(p["accepted_tokens"] for p in per))
     return out
+
+
+def aggregate_records(recs: list[RequestRecord], ks: list[int], breakdown_k: int) -> dict:
+    """aggregate_request_rows([request_row(r, ks, breakdown_k) for r in recs]), the same
+    numbers (the same values in the same order into the same means and percentiles),
+    computed per column instead of through a dict per request: a tenth of a
+    10,000-request run went into those dicts."""
+    n = len(recs)
+    arrival = np.array([r.arrival_t for r in recs])
+    prefill_end = np.array([r.prefill_end_t for r in recs])
+    prefill_start = np.array([r.prefill_start_t for r in recs])
+    timelines = [r.timeline for r in recs]
+    tokens = np.array([len(tl.token_t) for tl in timelines])
+    if n and (tokens == tokens[0]).all():  # one output length: [n, tokens] matrices
+        drafted = np.stack([tl.token_t for tl in timelines])
+        committed = np.stack([tl.committed_t for tl in timelines])
+    else:
+        drafted = committed = None
+    t1 = np.array([float(tl.token_t[0]) for tl in timelines])
+    c1 = np.array([float(tl.committed_t[0]) for tl in timelines])
+    columns = {
+        "ttft_s": t1 - arrival,
+        "ttft_from_prefill_end_s": t1 - prefill_end,
+        "ttft_committed_s": c1 - arrival,
+        "ttft_committed_from_prefill_end_s": c1 - prefill_end,
+        "prefill_s": prefill_end - prefill_start,
+        "prefill_wait_s": prefill_start - arrival,
+        "memory_wait_s": np.array([float(r.extra.get("memory_wait_s", 0.0)) for r in recs]),
+        "tpot_s": np.array([tl.tpot_s for tl in timelines]),
+    }
+    out: dict = {key: float(np.mean(columns[key])) for key in MEAN_KEYS}
+    for key in ("ttft_s", "ttft_committed_s", "prefill_wait_s", "memory_wait_s"):
+        out[key.removesuffix("_s") + "_pct_s"] = percentiles(columns[key])
+    ks_seen = sorted({k for k in ks if 1 <= k <= int(tokens.max(initial=0))}, key=int)
+    out["ttkt_requests"] = {k: int((tokens >= k).sum()) for k in ks_seen}
+    ttkt: dict[str, dict[int, np.ndarray]] = {key: {} for key in TTKT_KEYS}
+    for k in ks_seen:
+        has = tokens >= k
+        if drafted is not None:
+            d_k, c_k = drafted[:, k - 1], committed[:, k - 1]
+        else:
+            d_k = np.array([float(tl.token_t[k - 1]) for tl, ok in zip(timelines, has,
+                                                                        strict=True) if ok])
+            c_k = np.array([float(tl.committed_t[k - 1]) for tl, ok in zip(timelines, has,
+                                                                            strict=True) if ok])
+        a_k, pe_k = arrival[has], prefill_end[has]
+        ttkt["ttkt_s"][k] = d_k - a_k
+        ttkt["ttkt_from_prefill_end_s"][k] = d_k - pe_k
+        ttkt["ttkt_committed_s"][k] = c_k - a_k
+        ttkt["ttkt_committed_from_prefill_end_s"][k] = c_k - pe_k
+    for key, by_k in ttkt.items():
+        out[key] = {k: float(np.mean(values)) for k, values in by_k.items()}
+    for key in ("ttkt_s", "ttkt_committed_s"):
+        out[key.removesuffix("_s") + "_pct_s"] = {k: percentiles(v) for k, v in ttkt[key].items()}
+    parts = [r.breakdown(min(breakdown_k, int(m))) for r, m in zip(recs, tokens, strict=True)]
+    out["breakdown_s"] = {key: float(np.mean([p[key] for p in parts])) for key in BREAKDOWN_KEYS}
+    out["proposed_tokens"] = int(sum(tl.proposed for tl in timelines))
+    out["accepted_tokens"] = int(sum(tl.accepted for tl in timelines))
+    return out

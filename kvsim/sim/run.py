@@ -38,7 +38,7 @@ from kvsim.sim.gc_pause import gc_paused
 from kvsim.sim.ingress import IngressJoin
 from kvsim.sim.link import Link
 from kvsim.sim.link_profile import load_link_profile, profiled_link_settings
-from kvsim.sim.metrics import RequestRecord, aggregate_request_rows, request_row
+from kvsim.sim.metrics import RequestRecord, aggregate_records, request_row
 from kvsim.sim.nodes import (
     DecodeNode,
     Deserializer,
@@ -534,19 +534,18 @@ class Scenario:
             "messages": self.messages,
             "events_per_s": self.env.scheduled / wall_s if wall_s > 0 else math.nan,
         }
-        per = [request_row(r, ks, cfg.metrics.breakdown_k) for r in recs]
         if len(recs) == 1:
-            row.update(per[0])
+            row.update(request_row(recs[0], ks, cfg.metrics.breakdown_k))
             return row
         # multi-request rows: means over requests (bytes too: contexts differ), percentiles
         row["context_tokens_mean"] = float(np.mean([r.context_tokens for r in recs]))
         row["stream_bytes"] = {name: float(np.mean([r.stream_bytes[i] for r in recs]))
                                for i, name in enumerate(plan.stream_names)}
         row["total_bytes"] = float(np.mean([sum(r.stream_bytes) for r in recs]))
+        numel = {ctx: self.model.kv_shape(ctx).numel for ctx in {r.context_tokens for r in recs}}
         row["bits_per_element"] = float(np.mean(
-            [8.0 * sum(r.stream_bytes) / self.model.kv_shape(r.context_tokens).numel
-             for r in recs]))
-        row.update(aggregate_request_rows(per))
+            [8.0 * sum(r.stream_bytes) / numel[r.context_tokens] for r in recs]))
+        row.update(aggregate_records(recs, ks, cfg.metrics.breakdown_k))
         row["breakdown_k"] = cfg.metrics.breakdown_k
         span = max(float(r.timeline.token_t[-1]) for r in recs) - min(r.arrival_t for r in recs)
         row["throughput_rps"] = len(recs) / span if span > 0 else math.nan
