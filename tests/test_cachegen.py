@@ -400,3 +400,19 @@ def test_scale_overflow_is_refused_by_kernel_and_reference():
         codec.quantize_layer(x, 0, 1)
     with pytest.raises(CodecError, match="too large for fp16"):
         codec.layer_symbols(x, 0, 1)
+
+
+def test_encode_in_layer_batches_gives_the_same_bytes(monkeypatch):
+    """The encoder quantizes batches of layers before coding them (bounded memory): any
+    batch size gives the same chunks."""
+    from kvsim.kernels import cachegen as cg
+
+    kv = torch.randn(5, 2, 2, 70, 16, generator=torch.Generator().manual_seed(4)) * 3.0
+    codec = make_codec("cachegen", {"page_tokens": 32, "group_tokens": 5})
+    whole = codec.encode(kv)
+    layer_bytes = 2 * 2 * 70 * 16
+    for batch in (1, 2, 3):
+        monkeypatch.setattr(cg, "_SYMBOL_BATCH_BYTES", batch * layer_bytes)
+        enc = codec.encode(kv)
+        assert [(c.stream, c.layer, c.page, bytes(c.payload)) for c in enc.streams[0]] == \
+               [(c.stream, c.layer, c.page, bytes(c.payload)) for c in whole.streams[0]]

@@ -75,6 +75,7 @@ else:
 SEGMENTS = (("K", "anchor"), ("K", "delta"), ("V", "anchor"), ("V", "delta"))
 MIN_BITS, MAX_BITS = 2, 8
 MAX_FREQ = 65535  # frequencies are stored as u16
+_SYMBOL_BATCH_BYTES = 256 << 20  # the encoder's quantized layers held at once (uint8 symbols)
 
 
 @dataclass(frozen=True)
@@ -445,33 +446,40 @@ class CacheGenCodec(Codec):
         p = self.params
         is_anchor = _token_roles(shape.tokens, p.page_tokens, p.group_tokens)[0].numpy()
         pages = self._page_ranges(shape)
-        # every layer's symbols first: the quantizer's parallel kernel leaves its worker
-        # threads spinning for a while after each call, which would take the cores from the
-        # coder threads if the two alternated layer by layer
-        layer_syms = [self.layer_symbols(kv[layer], layer, shape.layers)
-                      for layer in range(shape.layers)]
         lanes = rans.LANES
+        # a batch of layers' symbols first, then their coding: the quantizer's parallel
+        # kernel leaves its worker threads spinning for a while after each call, which
+        # would take the cores from the coder threads if the two alternated layer by layer;
+        # batches of at most _SYMBOL_BATCH_BYTES of symbols bound the memory this holds
+        layer_bytes = 2 * shape.kv_heads * shape.tokens * shape.head_dim
+        batch = max(1, min(shape.layers, _SYMBOL_BATCH_BYTES // max(1, layer_bytes)))
+        chunks = []
+        for first_layer in range(0, shape.layers, batch):
+            layers = range(first_layer, min(shape.layers, first_layer + batch))
+            layer_syms = {layer: self.layer_symbols(kv[layer], layer, shape.layers)
+                          for layer in layers}
 
-        def code_pages(task: tuple[int, int]) -> list[np.ndarray]:
-            layer, first = task
-            sym, scales = layer_syms[layer]
-            ranges = [pages[page][:2] for page in range(first, min(first + lanes, len(pages)))]
-            coded = _code_chunks([_chunk_segments(sym, is_anchor, t0, t1) for t0, t1 in ranges])
-            out = []
-            for (t0, t1), (tables, words) in zip(ranges, coded, strict=True):
-                page_scales = np.ascontiguousarray(scales[:, :, t0:t1]).astype("<u2")
-                out.append(np.frombuffer(b"".join([page_scales.tobytes(), *tables,
-                                                   words.astype("<u4").tobytes()]),
-                                         dtype=np.uint8))
-            return out
+            def code_pages(task: tuple[int, int], layer_syms=layer_syms) -> list[np.ndarray]:
+                layer, first = task
+                sym, scales = layer_syms[layer]
+                ranges = [pages[page][:2] for page in range(first, min(first + lanes,
+                                                                       len(pages)))]
+                coded = _code_chunks([_chunk_segments(sym, is_anchor, t0, t1)
+                                      for t0, t1 in ranges])
+                out = []
+                for (t0, t1), (tables, words) in zip(ranges, coded, strict=True):
+                    page_scales = np.ascontiguousarray(scales[:, :, t0:t1]).astype("<u2")
+                    out.append(np.frombuffer(b"".join([page_scales.tobytes(), *tables,
+                                                       words.astype("<u4").tobytes()]),
+                                             dtype=np.uint8))
+                return out
 
-        # the coder kernels release the GIL: pages are coded in parallel, rans.LANES per task
-        # (their coders interleaved: rans.encode_lanes), tasks in (layer, page) order
-        tasks = [(layer, first) for layer in range(shape.layers)
-                 for first in range(0, len(pages), lanes)]
-        payloads = [c for coded in _pool().map(code_pages, tasks) for c in coded]
-        chunks = [Chunk(0, layer, page, payloads[layer * len(pages) + page])
-                  for layer in range(shape.layers) for page in range(len(pages))]
+            # the coder kernels release the GIL: pages are coded in parallel, rans.LANES
+            # per task (their coders interleaved: rans.encode_lanes), in (layer, page) order
+            tasks = [(layer, first) for layer in layers for first in range(0, len(pages), lanes)]
+            payloads = [c for coded in _pool().map(code_pages, tasks) for c in coded]
+            chunks += [Chunk(0, layer, page, payloads[i * len(pages) + page])
+                       for i, layer in enumerate(layers) for page in range(len(pages))]
         return [chunks]
 
     # ---- decode -------------------------------------------------------------------------------

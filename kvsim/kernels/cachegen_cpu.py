@@ -187,6 +187,8 @@ def reconstruct_chunk(sym, scales, is_anchor, qmaxes, mode, out_f, out_b, layer,
     Serial: run on a decoder thread right after the page's symbols are in place, while they
     are still in its cache."""
     heads, dim = sym.shape[2], sym.shape[4]
+    if t1 > t0 and not is_anchor[t0]:  # each row block's anchor is set by its first token
+        raise ValueError("reconstruct_chunk: t0 must start a page (an anchor token)")
     tmp = np.empty(2, np.float32)
     anchor = np.zeros(dim, np.float32)
     row = np.empty(dim, np.float32)

@@ -275,12 +275,18 @@ def rans_encode_lanes(symbols, sym_at, counts, q, start, out, out_at, n_words):
     out[out_at[i]:] exactly as rans_encode writes them (the region is len / 2 + 4 words
     long; out has one more word at the end, the parked lanes' scratch), their number into
     n_words[i] (int64 [n]). symbols holds the longest chunk's length of zeros after
-    sym_at[n]: the parked lanes' symbols. Lanes run in rounds: each round until the first
+    sym_at[n]: the parked lanes' symbols. Every symbol must have q > 0 in its table (as
+    rans_encode: a table built from the symbols' own counts; a zero q would emit a word per
+    symbol past the chunk's region). Lanes run in rounds: each round until the first
     lane reaches its segment's first symbol, on 1-D views of the lanes' current tables."""
     n = counts.shape[0]
+    segs = counts.shape[1]
+    if n > LANES or q.shape[0] != n * segs + LANES or start.shape[0] != q.shape[0] \
+            or sym_at.size != n + 1 or out_at.size != n + 1 or n_words.size != n \
+            or out.size < out_at[n] + 1:
+        raise ValueError("rans_encode_lanes: inconsistent array shapes (see encode_lanes)")
     rcp, rshift, bias, cmpl = reciprocals(q, start)
     park_row = q.shape[0] - LANES
-    segs = counts.shape[1]
     big = np.int64(1) << np.int64(62)
     longest = 0
     for i in range(n):
@@ -492,6 +498,10 @@ def rans_decode_lanes(words, word_at, counts, q, start, out, out_at, hist, statu
     identity step (state L, no refill) into the scratch. Lanes run in rounds: each round
     until the first lane ends its segment, on 1-D views of the lanes' current tables."""
     n = counts.shape[0]
+    if n > LANES or q.shape[0] != n * counts.shape[1] + LANES or start.shape != q.shape \
+            or hist.shape[0] != q.shape[0] or word_at.size != n + 1 or out_at.size != n + 1 \
+            or status.size != n or words.size < word_at[n] + 1:
+        raise ValueError("rans_decode_lanes: inconsistent array shapes (see decode_lanes)")
     lut = np.zeros((LANES + 1, PROB_SCALE), np.uint8)  # row LANES: the parked lanes'
     out_end = out_at[n]
     big = np.int64(1) << np.int64(62)
@@ -630,7 +640,8 @@ def decode_lanes(chunks: list[tuple[np.ndarray, list[int], list[tuple[np.ndarray
 def encode_lanes(chunks: list[tuple[list[np.ndarray], list[tuple[np.ndarray, np.ndarray]]]]
                  ) -> list[np.ndarray]:
     """encode() of 1..LANES chunks [(symbols, tables)] in one interleaved kernel call
-    (rans_encode_lanes): the same words."""
+    (rans_encode_lanes): the same words. As for encode(), every symbol must have q > 0 in
+    its segment's table (the encoder's own histogram: cachegen's tables)."""
     n = len(chunks)
     if not 1 <= n <= LANES:
         raise ValueError(f"encode_lanes takes 1..{LANES} chunks, got {n}")
