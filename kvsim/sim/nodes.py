@@ -48,6 +48,22 @@ class PrefillNode:
         self.link = link
         # chunked prefill batching (workload.prefill_chunk_tokens > 0) replaces free_t
         self.chunked: ChunkedPrefill | None = None
+        # requests waiting for the instance: (start s, callback) in start order, one timer
+        # (for the head) at a time, so that a long queue does not fill the event heap
+        self.waiting: deque[tuple[float, Callable[[], None]]] = deque()
+
+    def start_at(self, env: simpy.Environment, t: float, start: Callable[[], None]) -> None:
+        """Call start() at time t (s, after the starts already waiting: FIFO)."""
+        self.waiting.append((t, start))
+        if len(self.waiting) == 1:
+            env.timeout(t - env.now).callbacks.append(lambda _ev: self._started(env))
+
+    def _started(self, env: simpy.Environment) -> None:
+        _, start = self.waiting.popleft()
+        start()
+        if self.waiting:
+            env.timeout(self.waiting[0][0] - env.now).callbacks.append(
+                lambda _ev: self._started(env))
 
 
 class DecodeNode:

@@ -283,8 +283,7 @@ class Scenario:
         t_p0 = pnode.free_t if pnode.free_t > now else now
         pnode.free_t = t_p0 + prefill_s
         if t_p0 > now:
-            env.timeout(t_p0 - now).callbacks.append(
-                lambda _ev: self._prefill(ps, env.now, env.now, prefill_s))
+            pnode.start_at(env, t_p0, lambda: self._prefill(ps, env.now, env.now, prefill_s))
         else:
             self._prefill(ps, now, now, prefill_s)
 
