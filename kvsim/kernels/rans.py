@@ -361,18 +361,12 @@ def rans_decode(words, seg_counts, q, start, out, hist):
     """Decode seg_counts[i] symbols per segment (tables q/start uint32 [segments, 256]) from
     words (uint32) into out (uint8, sum(seg_counts) long, segments back to back), counting
     each segment's symbols into hist (int64 [segments, 256], zeroed by the caller). Returns a
-    status (OK, OUT_OF_WORDS, WORDS_LEFT, BAD_FINAL_STATE, BAD_STATE)."""
-    total = 0
-    for i in range(seg_counts.size):
-        total += seg_counts[i]
-    if total == 0:
-        return OK if words.size == 0 else WORDS_LEFT
-    if words.size < 2:
-        return OUT_OF_WORDS
-    x = np.uint64(words[0]) | (np.uint64(words[1]) << np.uint64(32))
+    status (OK, OUT_OF_WORDS, WORDS_LEFT, BAD_FINAL_STATE, BAD_STATE). One coder: decode()'s
+    kernel, the reference rans_decode_lanes is tested against (tests/test_rans.py)."""
+    status, x, total = _start_state(words, seg_counts)
+    if status != OK or total == 0:
+        return status
     low = np.uint64(STATE_LOW)
-    if x < low or x >= np.uint64(1 << 63):
-        return BAD_STATE
     lut = np.empty(PROB_SCALE, dtype=np.uint8)
     mask = np.uint64(PROB_SCALE - 1)
     shift = np.uint64(PROB_BITS)
@@ -383,10 +377,7 @@ def rans_decode(words, seg_counts, q, start, out, hist):
         qs = q[seg]  # this segment's table rows (1-D views: cheaper loads in the loop)
         ss = start[seg]
         hs = hist[seg]
-        for s in range(256):
-            c = ss[s]
-            for j in range(qs[s]):
-                lut[c + j] = s
+        _fill_lut(qs, ss, lut)
         for _ in range(seg_counts[seg]):
             slot = x & mask
             s = lut[slot]
@@ -399,9 +390,7 @@ def rans_decode(words, seg_counts, q, start, out, hist):
             out[k] = s
             hs[s] += 1
             k += 1
-    if pos != words.size:
-        return WORDS_LEFT
-    return OK if x == low else BAD_FINAL_STATE
+    return _end_status(x, pos, n_words)
 
 
 @numba.njit(**_JIT)
@@ -429,6 +418,15 @@ def _start_state(words, seg_counts):
     if x < np.uint64(STATE_LOW) or x >= np.uint64(1 << 63):
         return BAD_STATE, np.uint64(0), 0
     return OK, x, total
+
+
+@numba.njit(inline="always", **_JIT)
+def _end_status(x, pos, n_words):
+    """A chunk's status after its last symbol: every word used (pos: the next one), back
+    in the state L."""
+    if pos != n_words:
+        return WORDS_LEFT
+    return OK if x == np.uint64(STATE_LOW) else BAD_FINAL_STATE
 
 
 @numba.njit(inline="always", **_JIT)
@@ -460,10 +458,7 @@ def _dec_advance(i, k, x, p, n_words, seg, it, counts, q, start, lut, out_end, s
             row = i * segs + seg
             _fill_lut(q[row], start[row], lut[i])
             return x, seg, k + counts[i, seg], row, i, k
-        if p != n_words:
-            status[i] = WORDS_LEFT
-        else:
-            status[i] = OK if x == np.uint64(STATE_LOW) else BAD_FINAL_STATE
+        status[i] = _end_status(x, p, n_words)
     # parked: its parking row (the identity), look-up row LANES (zeros), scratch output
     return (np.uint64(STATE_LOW), seg, np.int64(1) << np.int64(62), q.shape[0] - LANES + i,
             LANES, out_end + it)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -129,48 +130,54 @@ TTKT_KEYS = ("ttkt_s", "ttkt_from_prefill_end_s", "ttkt_committed_s",
              "ttkt_committed_from_prefill_end_s")
 
 
-def aggregate_request_rows(per: list[dict]) -> dict:
-    """Request rows (request_row, or the transport's measured rows) -> the metrics of a
-    multi-request row, for the simulator and the emulator alike: means of MEAN_KEYS,
-    percentiles of TTFT (drafted, committed) and of the waits, TTKT(k) means and percentiles
-    over the requests that decode k tokens (`ttkt_requests` counts them), the breakdown's
-    means, summed drafts."""
-    out: dict = {}
-    # one column per key (the requests' values in order), read once
-    columns = {key: [p[key] for p in per] for key in MEAN_KEYS if all(key in p for p in per)}
-    for key, column in columns.items():
-        out[key] = float(np.mean(column))
+def aggregate_columns(columns: dict[str, Any], ttkt: dict[str, dict[int, Any]],
+                      ttkt_requests: dict[int, int], breakdown: dict[str, Any],
+                      proposed: int, accepted: int) -> dict:
+    """The metrics of a multi-request row from its per-request columns, for the simulator
+    and the emulator alike: means of the MEAN_KEYS columns given (the requests' values in
+    order), percentiles of TTFT (drafted, committed) and of the waits, TTKT(k) means and
+    percentiles over the requests that decode k tokens (ttkt[key][k]: their values;
+    `ttkt_requests` counts them), the breakdown's means (breakdown[key]: one value per
+    request), summed drafts."""
+    out: dict = {key: float(np.mean(column)) for key, column in columns.items()}
     for key in ("ttft_s", "ttft_committed_s", "prefill_wait_s", "memory_wait_s"):
         if key in columns:
             out[key.removesuffix("_s") + "_pct_s"] = percentiles(columns[key])
-    ks = sorted({k for p in per for k in p["ttkt_s"]}, key=int)
-    out["ttkt_requests"] = {k: sum(k in p["ttkt_s"] for p in per) for k in ks}
-    # [key][k]: the values of the requests that decode k tokens
-    ttkt = {key: {k: [p[key][k] for p in per if k in p[key]] for k in ks}
-            for key in TTKT_KEYS if all(key in p for p in per)}
+    out["ttkt_requests"] = ttkt_requests
     for key, by_k in ttkt.items():
         out[key] = {k: float(np.mean(values)) for k, values in by_k.items()}
     for key in ("ttkt_s", "ttkt_committed_s"):  # every row has both (request_row)
         out[key.removesuffix("_s") + "_pct_s"] = {k: percentiles(v) for k, v in ttkt[key].items()}
-    out["breakdown_s"] = {key: float(np.mean([p["breakdown_s"][key] for p in per]))
-                          for key in BREAKDOWN_KEYS}
-    out["proposed_tokens"] = int(sum(p["proposed_tokens"] for p in per))
-    out["accepted_tokens"] = int(sum(p["accepted_tokens"] for p in per))
+    out["breakdown_s"] = {key: float(np.mean(breakdown[key])) for key in BREAKDOWN_KEYS}
+    out["proposed_tokens"] = int(proposed)
+    out["accepted_tokens"] = int(accepted)
     return out
+
+
+def aggregate_request_rows(per: list[dict]) -> dict:
+    """Request rows (request_row, or the transport's measured rows) -> the metrics of a
+    multi-request row (aggregate_columns); keys some rows lack are left out."""
+    columns = {key: [p[key] for p in per] for key in MEAN_KEYS if all(key in p for p in per)}
+    ks = sorted({k for p in per for k in p["ttkt_s"]}, key=int)
+    ttkt = {key: {k: [p[key][k] for p in per if k in p[key]] for k in ks}
+            for key in TTKT_KEYS if all(key in p for p in per)}
+    return aggregate_columns(
+        columns, ttkt, {k: sum(k in p["ttkt_s"] for p in per) for k in ks},
+        {key: [p["breakdown_s"][key] for p in per] for key in BREAKDOWN_KEYS},
+        sum(p["proposed_tokens"] for p in per), sum(p["accepted_tokens"] for p in per))
 
 
 def aggregate_records(recs: list[RequestRecord], ks: list[int], breakdown_k: int) -> dict:
     """aggregate_request_rows([request_row(r, ks, breakdown_k) for r in recs]), the same
-    numbers (the same values in the same order into the same means and percentiles),
-    computed per column instead of through a dict per request: a tenth of a
-    10,000-request run went into those dicts."""
-    n = len(recs)
+    numbers (the same values in the same order into aggregate_columns), with the columns
+    read from the records instead of through a dict per request: those dicts took a tenth
+    of a 10,000-request run."""
     arrival = np.array([r.arrival_t for r in recs])
     prefill_end = np.array([r.prefill_end_t for r in recs])
     prefill_start = np.array([r.prefill_start_t for r in recs])
     timelines = [r.timeline for r in recs]
     tokens = np.array([len(tl.token_t) for tl in timelines])
-    if n and (tokens == tokens[0]).all():  # one output length: [n, tokens] matrices
+    if recs and (tokens == tokens[0]).all():  # one output length: [n, tokens] matrices
         drafted = np.stack([tl.token_t for tl in timelines])
         committed = np.stack([tl.committed_t for tl in timelines])
     else:
@@ -187,32 +194,25 @@ def aggregate_records(recs: list[RequestRecord], ks: list[int], breakdown_k: int
         "memory_wait_s": np.array([float(r.extra.get("memory_wait_s", 0.0)) for r in recs]),
         "tpot_s": np.array([tl.tpot_s for tl in timelines]),
     }
-    out: dict = {key: float(np.mean(columns[key])) for key in MEAN_KEYS}
-    for key in ("ttft_s", "ttft_committed_s", "prefill_wait_s", "memory_wait_s"):
-        out[key.removesuffix("_s") + "_pct_s"] = percentiles(columns[key])
     ks_seen = sorted({k for k in ks if 1 <= k <= int(tokens.max(initial=0))}, key=int)
-    out["ttkt_requests"] = {k: int((tokens >= k).sum()) for k in ks_seen}
     ttkt: dict[str, dict[int, np.ndarray]] = {key: {} for key in TTKT_KEYS}
     for k in ks_seen:
         has = tokens >= k
         if drafted is not None:
             d_k, c_k = drafted[:, k - 1], committed[:, k - 1]
         else:
-            d_k = np.array([float(tl.token_t[k - 1]) for tl, ok in zip(timelines, has,
-                                                                        strict=True) if ok])
-            c_k = np.array([float(tl.committed_t[k - 1]) for tl, ok in zip(timelines, has,
-                                                                            strict=True) if ok])
+            d_k = np.array([float(tl.token_t[k - 1])
+                            for tl, ok in zip(timelines, has, strict=True) if ok])
+            c_k = np.array([float(tl.committed_t[k - 1])
+                            for tl, ok in zip(timelines, has, strict=True) if ok])
         a_k, pe_k = arrival[has], prefill_end[has]
         ttkt["ttkt_s"][k] = d_k - a_k
         ttkt["ttkt_from_prefill_end_s"][k] = d_k - pe_k
         ttkt["ttkt_committed_s"][k] = c_k - a_k
         ttkt["ttkt_committed_from_prefill_end_s"][k] = c_k - pe_k
-    for key, by_k in ttkt.items():
-        out[key] = {k: float(np.mean(values)) for k, values in by_k.items()}
-    for key in ("ttkt_s", "ttkt_committed_s"):
-        out[key.removesuffix("_s") + "_pct_s"] = {k: percentiles(v) for k, v in ttkt[key].items()}
     parts = [r.breakdown(min(breakdown_k, int(m))) for r, m in zip(recs, tokens, strict=True)]
-    out["breakdown_s"] = {key: float(np.mean([p[key] for p in parts])) for key in BREAKDOWN_KEYS}
-    out["proposed_tokens"] = int(sum(tl.proposed for tl in timelines))
-    out["accepted_tokens"] = int(sum(tl.accepted for tl in timelines))
-    return out
+    return aggregate_columns(
+        {key: columns[key] for key in MEAN_KEYS}, ttkt,
+        {k: int((tokens >= k).sum()) for k in ks_seen},
+        {key: [p[key] for p in parts] for key in BREAKDOWN_KEYS},
+        sum(tl.proposed for tl in timelines), sum(tl.accepted for tl in timelines))
