@@ -146,3 +146,32 @@ def test_column_aggregate_equals_the_per_request_rows(workload):
     by_column = aggregate_records(recs, ks, bk)
     by_row = aggregate_request_rows([request_row(r, ks, bk) for r in recs])
     assert json.dumps(by_column) == json.dumps(by_row)
+
+
+def test_breakdown_columns_equal_each_records_breakdown():
+    """breakdown_columns (every record at once) gives exactly RequestRecord.breakdown per
+    record, on a loaded split-stream run where many requests wait for their residual
+    ("wait" segments split between transfer and deserialization) and some drafts are
+    rejected."""
+    import numpy as np
+
+    from kvsim.cli import compose
+    from kvsim.config.sim import SimConfig
+    from kvsim.sim.metrics import BREAKDOWN_KEYS, breakdown_columns
+    from kvsim.sim.run import Scenario, variants
+
+    cfg, _ = compose("sim", ["scenario=multi-poisson", "link.bandwidth_gbps=10",
+                             "codecs=[lynx]"], SimConfig)
+    scenario = Scenario(cfg, variants(cfg)[0], cfg.workload.context_tokens,
+                        cfg.link.bandwidth_gbps)
+    scenario.run()
+    recs = scenario.records
+    kinds = [seg[0] for r in recs for seg in r.timeline.segments]
+    assert kinds.count("wait") > 20 and "draft_rejected" in kinds and "decode" in kinds
+    for k in (1, 7, cfg.metrics.breakdown_k):
+        end_t = np.array([r.ttkt(min(k, len(r.timeline.token_t))) for r in recs])
+        columns = breakdown_columns(recs, end_t)
+        for i, rec in enumerate(recs):
+            one = rec.breakdown(min(k, len(rec.timeline.token_t)))
+            assert [float(columns[key][i]) for key in BREAKDOWN_KEYS] == \
+                [one[key] for key in BREAKDOWN_KEYS], (k, i)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -12,6 +13,10 @@ from kvsim.sim.speculative import DecodeTimeline
 
 BREAKDOWN_KEYS = ("serialize", "exposed_communication", "deserialize", "queueing", "decode",
                   "rejected_speculative", "verification")
+# the breakdown part a decode timeline segment counts towards ("wait": see breakdown)
+_SEGMENT_PART: dict[str, str] = {
+    "draft_accepted": "decode", "draft_rejected": "rejected_speculative",
+    "verify": "verification", "decode": "decode"}
 
 
 @dataclass
@@ -58,8 +63,7 @@ class RequestRecord:
         out["exposed_communication"] = exposed - out["serialize"]
         out["deserialize"] = self.needed_ready_t - max(self.needed_arrival_t, t_pe)
         out["queueing"] = self.decode_start_t - self.needed_ready_t
-        kinds = {"draft_accepted": "decode", "draft_rejected": "rejected_speculative",
-                 "verify": "verification", "decode": "decode"}
+        kinds = _SEGMENT_PART
         for kind, t0, t1 in self.timeline.segments:
             lo, hi = t0, min(t1, end)
             if hi <= lo:
@@ -178,8 +182,10 @@ def aggregate_records(recs: list[RequestRecord], ks: list[int], breakdown_k: int
     timelines = [r.timeline for r in recs]
     tokens = np.array([len(tl.token_t) for tl in timelines])
     if recs and (tokens == tokens[0]).all():  # one output length: [n, tokens] matrices
-        drafted = np.stack([tl.token_t for tl in timelines])
-        committed = np.stack([tl.committed_t for tl in timelines])
+        # one concatenation, not np.stack (a view per row: 5 us per request at 100k)
+        shape = (len(timelines), int(tokens[0]))
+        drafted = np.concatenate([tl.token_t for tl in timelines]).reshape(shape)
+        committed = np.concatenate([tl.committed_t for tl in timelines]).reshape(shape)
     else:
         drafted = committed = None
     t1 = np.array([float(tl.token_t[0]) for tl in timelines])
@@ -210,9 +216,59 @@ def aggregate_records(recs: list[RequestRecord], ks: list[int], breakdown_k: int
         ttkt["ttkt_from_prefill_end_s"][k] = d_k - pe_k
         ttkt["ttkt_committed_s"][k] = c_k - a_k
         ttkt["ttkt_committed_from_prefill_end_s"][k] = c_k - pe_k
-    parts = [r.breakdown(min(breakdown_k, int(m))) for r, m in zip(recs, tokens, strict=True)]
+    # the breakdown splits TTKT(min(breakdown_k, tokens)) of each request
+    if drafted is not None:
+        end_t = drafted[:, min(breakdown_k, int(tokens[0])) - 1].copy()
+    else:
+        end_t = np.array([float(tl.token_t[min(breakdown_k, len(tl.token_t)) - 1])
+                          for tl in timelines])
     return aggregate_columns(
         {key: columns[key] for key in MEAN_KEYS}, ttkt,
         {k: int((tokens >= k).sum()) for k in ks_seen},
-        {key: [p[key] for p in parts] for key in BREAKDOWN_KEYS},
+        breakdown_columns(recs, end_t),
         sum(tl.proposed for tl in timelines), sum(tl.accepted for tl in timelines))
+
+
+# a decode segment's kind -> its code in breakdown_columns: 0 wait, then BREAKDOWN_KEYS index
+_SEGMENT_CODE = {"wait": -1} | {kind: BREAKDOWN_KEYS.index(part)
+                                for kind, part in _SEGMENT_PART.items()}
+
+
+def breakdown_columns(recs: list[RequestRecord], end_t: np.ndarray) -> dict[str, np.ndarray]:
+    """[RequestRecord.breakdown] over many records at once, as columns: [n] s per part,
+    splitting [prefill end, end_t[i]]. The same floats as the per-record method (the same
+    operations; each record's segments are added in their order, np.add.at being
+    sequential), without its per-record dict and loop (a quarter of a 100k-request row)."""
+    n = len(recs)
+    t_pe = np.array([r.prefill_end_t for r in recs])
+    arrival = np.array([r.needed_arrival_t for r in recs])
+    exposed = np.maximum(arrival - t_pe, 0.0)
+    serialize = np.minimum(exposed, np.maximum(
+        np.array([r.needed_backlog_t for r in recs]) - t_pe, 0.0))
+    ready = np.array([r.needed_ready_t for r in recs])
+    out = {key: np.zeros(n) for key in BREAKDOWN_KEYS}
+    out["serialize"] = serialize
+    out["exposed_communication"] = exposed - serialize
+    out["deserialize"] = ready - np.maximum(arrival, t_pe)
+    out["queueing"] = np.array([r.decode_start_t for r in recs]) - ready
+    segments = [r.timeline.segments for r in recs]
+    flat = list(chain.from_iterable(segments))  # (kind, t0, t1), record by record
+    if not flat:
+        return out
+    owner = np.repeat(np.arange(n), [len(seg) for seg in segments])  # [m] record index
+    kinds, t0, t1 = zip(*flat, strict=True)
+    code = np.array([_SEGMENT_CODE[kind] for kind in kinds])  # [m]
+    lo = np.array(t0)
+    hi = np.minimum(np.array(t1), end_t[owner])
+    live = hi > lo  # [m] the segment overlaps [.., end]
+    wait = live & (code == -1)
+    if wait.any():  # waiting for later streams: their exposed transfer, then deserialization
+        i, w_lo, w_hi = owner[wait], lo[wait], hi[wait]
+        split = np.minimum(np.maximum(np.array([r.all_arrival_t for r in recs])[i], w_lo),
+                           w_hi)
+        np.add.at(out["exposed_communication"], i, split - w_lo)
+        np.add.at(out["deserialize"], i, w_hi - split)
+    for part in set(_SEGMENT_CODE.values()) - {-1}:
+        mask = live & (code == part)
+        np.add.at(out[BREAKDOWN_KEYS[part]], owner[mask], (hi - lo)[mask])
+    return out
