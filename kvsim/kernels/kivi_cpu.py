@@ -40,7 +40,12 @@ import numba
 import numpy as np
 import torch
 
-from kvsim.kernels.fp16_bits import f16_bits_to_f32_bits, f32_bits_to_f16_bits
+from kvsim.kernels.fp16_bits import (
+    f16_bits_to_f32_bits,
+    f16_bits_to_f32_rows,
+    f32_bits_to_f16_bits,
+    f32_to_f16_bits_rows,
+)
 from kvsim.kernels.fused_geometry import (
     G_BASE,
     G_KC,
@@ -69,7 +74,7 @@ from kvsim.kernels.fused_geometry import (
     G_VZ,
 )
 from kvsim.kernels.groupquant import qmax_of
-from kvsim.kernels.uniform_cpu import quantize_group
+from kvsim.kernels.uniform_cpu import group_minmax, quantize_group
 
 _JIT = dict(cache=True, nogil=True, error_model="numpy")
 
@@ -400,6 +405,45 @@ def _put_run(out, base, i0, c, n, bits):
 
 
 @numba.njit(inline="always", **_JIT)
+def _pack_row(out, base, c, n, bits):
+    """_put_run(out, base, 0, c, n, bits) for bits 2 or 4 and n a multiple of 8 // bits:
+    whole bytes only, in a counted loop over a view (vectorizes; _put_run's byte cursor
+    does not)."""
+    if bits == 2:
+        ob = out[base: base + n // 4]
+        c4 = c[:n].reshape((n // 4, 4))
+        for i in range(n // 4):
+            ob[i] = np.uint8(c4[i, 0] | (c4[i, 1] << 2) | (c4[i, 2] << 4) | (c4[i, 3] << 6))
+    else:
+        ob = out[base: base + n // 2]
+        c2 = c[:n].reshape((n // 2, 2))
+        for i in range(n // 2):
+            ob[i] = np.uint8(c2[i, 0] | (c2[i, 1] << 4))
+
+
+@numba.njit(inline="always", **_JIT)
+def _pack_columns(out, base, stride, tile, n, D, bits, word):
+    """Channel c's codes tile[0:n, c] (a K tile, token-major) as whole bytes at out[base +
+    c * stride:], for bits 2 or 4 and n a multiple of 8 // bits: what _put_run writes per
+    channel from an aligned start, built for all channels at once (loads along the row
+    vectorize; one byte store per channel and byte) instead of gathering each channel's
+    column. word: [D] int32 scratch."""
+    per = 8 // bits
+    for jb in range(n // per):
+        r0 = tile[jb * per]
+        for c in range(D):
+            word[c] = r0[c]
+        for u in range(1, per):
+            ru = tile[jb * per + u]
+            sh = np.int32(u * bits)
+            for c in range(D):
+                word[c] |= ru[c] << sh
+        o = base + jb
+        for c in range(D):
+            out[o + c * stride] = np.uint8(word[c])
+
+
+@numba.njit(inline="always", **_JIT)
 def _get_code(src, base, i, bits):
     """Code i of the packed field at byte base."""
     if bits == 8:
@@ -480,6 +524,16 @@ def _keep_extremes(v, i, tv, ti, r, n, m, top):
 
 OUT_BLOCK = 8  # K outliers: tokens per block whose per-channel max / min gate a scan
 OUT_LANES = 8  # V outliers: channel lanes (c % 8) whose maxima / minima bound a threshold
+
+
+@numba.njit(**_JIT)
+def _put_f16_rows(out, at, x):
+    """x: fp32 [n] -> n little-endian fp16 (f32_bits_to_f16_bits of each) at bytes at ..
+    at + 2n, rounded all at once in branch-free loops (f32_to_f16_bits_rows)."""
+    n = x.shape[0]
+    h16 = np.empty(n, np.uint16)
+    f32_to_f16_bits_rows(x, h16, np.empty(n, np.float32))
+    out[at: at + 2 * n] = h16.view(np.uint8)
 
 
 @numba.njit(**_JIT)
@@ -572,19 +626,20 @@ def _page_outliers(buf, q, D, kv, k, h, out, idx_at, val_at, ib, tmp):
                     v = row[c]
                     if v <= bub[c]:
                         nbt[c] = _keep_extremes(v, j, bv, bi, c, nbt[c], m, False)
+        ov = np.empty(D * 2 * k, np.float32)  # the head's values, [D, 2k] as stored
         for c in range(D):
             fill = min(max(zero, bv[c, k]), tv[c, k])
             for s in range(2 * k):
                 t = ti[c, s] if s < k else bi[c, s - k]
-                val = tv[c, s] if s < k else bv[c, s - k]
+                ov[c * 2 * k + s] = tv[c, s] if s < k else bv[c, s - k]
                 o = (h * D + c) * 2 * k + s
                 if ib == 1:
                     out[idx_at + o] = np.uint8(t)
                 else:
                     _put16(out, idx_at + 2 * o, t)
-                _put16(out, val_at + 2 * o, f32_bits_to_f16_bits(_f32_bits(val, tmp)))
             for s in range(2 * k):
                 buf[ti[c, s] if s < k else bi[c, s - k], c] = fill
+        _put_f16_rows(out, val_at + 2 * h * D * 2 * k, ov)
     else:  # per token over channels; m <= D
         tv = np.empty((1, m), np.float32)  # lists as in _keep_extremes: 2-D, one row
         ti = np.empty((1, m), np.int64)
@@ -597,6 +652,7 @@ def _page_outliers(buf, q, D, kv, k, h, out, idx_at, val_at, ib, tmp):
         pmin = np.empty(m, np.float32)
         cand = np.empty(D, np.int64)  # channels inside the bounds, in index order
         cbot = np.empty(D, np.int64)
+        ov = np.empty(q * 2 * k, np.float32)  # the head-page's values, [q, 2k] as stored
         for j in range(q):
             row = buf[j]
             tlb = ninf  # lower bound of the row's m-th largest
@@ -648,15 +704,15 @@ def _page_outliers(buf, q, D, kv, k, h, out, idx_at, val_at, ib, tmp):
             fill = min(max(zero, bv[0, k]), tv[0, k])
             for s in range(2 * k):
                 c = ti[0, s] if s < k else bi[0, s - k]
-                val = tv[0, s] if s < k else bv[0, s - k]
+                ov[j * 2 * k + s] = tv[0, s] if s < k else bv[0, s - k]
                 o = (h * q + j) * 2 * k + s
                 if ib == 1:
                     out[idx_at + o] = np.uint8(c)
                 else:
                     _put16(out, idx_at + 2 * o, c)
-                _put16(out, val_at + 2 * o, f32_bits_to_f16_bits(_f32_bits(val, tmp)))
             for s in range(2 * k):
                 row[ti[0, s] if s < k else bi[0, s - k]] = fill
+        _put_f16_rows(out, val_at + 2 * h * q * 2 * k, ov)
 
 
 FP16_MAX_F32 = np.float32(65504.0)
@@ -778,6 +834,15 @@ def _encode_kernel(kb, kf, kbits, kst, vb, vf, vbits, vst, speak, nflag, rot, sc
         h_hi = H if whole else h0 + 1
         want_err = want_lr and q > 0
         err = np.empty((q if want_err else 1, D), np.float32)  # E of one head-page [q, D]
+        nv = max(q, 1) * (D // VG) if kv == 1 else 1  # V groups of the head-page
+        vs = np.empty(nv, np.float32)  # their scales, then zero points (fp32)
+        vz = np.empty(nv, np.float32)
+        vs16 = np.empty(nv, np.uint16)  # ... as fp16 bits
+        vz16 = np.empty(nv, np.uint16)
+        vscr = np.empty(nv, np.float32)
+        ks16 = np.empty(D, np.uint16)  # K groups' scales / zero points as fp16 bits
+        kz16 = np.empty(D, np.uint16)
+        kscr = np.empty(D, np.float32)
         for h in range(h_lo, h_hi):
             if q > 0:
                 for j in range(q):
@@ -826,21 +891,34 @@ def _encode_kernel(kb, kf, kbits, kst, vb, vf, vbits, vst, speak, nflag, rot, sc
                                 hi[c] = v if v > hi[c] else hi[c]
                         gi = a // G
                         ng = q // G
+                        # _scale_zero for every channel at once (branch-free fp16 rounding)
                         for c in range(D):
-                            hs, hz, s, z = _scale_zero(lo[c], hi[c], qmax, tmp)
-                            sv[c] = s
-                            zv[c] = z
-                            _put16(out, base + g[G_KS] + ((h * D + c) * ng + gi) * 2, hs)
-                            _put16(out, base + g[G_KZ] + ((h * D + c) * ng + gi) * 2, hz)
+                            glo = lo[c] + zero  # -0.0 -> +0.0
+                            sv[c] = ((hi[c] + zero) - glo) / qmax
+                            zv[c] = glo
+                        f32_to_f16_bits_rows(sv, ks16, kscr)
+                        f32_to_f16_bits_rows(zv, kz16, kscr)
+                        f16_bits_to_f32_rows(ks16, sv)
+                        f16_bits_to_f32_rows(kz16, zv)
+                        for c in range(D):
+                            _put16(out, base + g[G_KS] + ((h * D + c) * ng + gi) * 2, ks16[c])
+                            _put16(out, base + g[G_KZ] + ((h * D + c) * ng + gi) * 2, kz16[c])
                     for j in range(n):  # row-major codes (vectorized), packed by channel
                         row = buf[a + j]
                         cr = ctile[j]
                         for c in range(D):
                             cr[c] = _code(row[c], sv[c], zv[c], qmax)
-                    for c in range(D):
-                        for j in range(n):
-                            codes[j] = ctile[j, c]
-                        _put_run(out, base + g[G_KC], (h * D + c) * q + a, codes, n, bits)
+                    if bits != 8 and (q % (8 // bits)) + (a % (8 // bits)) + \
+                            (n % (8 // bits)) == 0:
+                        # every channel's run starts on a byte: whole bytes, all channels
+                        per = 8 // bits
+                        _pack_columns(out, base + g[G_KC] + (h * D * q + a) // per, q // per,
+                                      ctile, n, D, bits, codes)
+                    else:
+                        for c in range(D):
+                            for j in range(n):
+                                codes[j] = ctile[j, c]
+                            _put_run(out, base + g[G_KC], (h * D + c) * q + a, codes, n, bits)
                     if want_err:
                         for j in range(n):
                             row = buf[a + j]
@@ -849,20 +927,45 @@ def _encode_kernel(kb, kf, kbits, kst, vb, vf, vbits, vst, speak, nflag, rot, sc
                             for c in range(D):
                                 er[c] = row[c] - (zv[c] + np.float32(cr[c]) * sv[c])
             elif kv == 1 and q > 0:
+                # quantize_group's ops for every group of the head-page, in passes: min /
+                # max of each group, then all scales and zero points rounded to fp16 at once
+                # (branch-free vector loops; per group, the scalar rounding was a third of
+                # gear's encode), then the codes
                 nvg = D // VG
+                ngr = q * nvg
+                gs, gz = vs[:ngr], vz[:ngr]
                 for j in range(q):
                     row = buf[j]
                     for gg in range(nvg):
-                        hs, hz, _lo, _hi, s, z = quantize_group(row, gg * VG, (gg + 1) * VG,
-                                                                qmax, tmp, codes)
-                        mo = ((h * q + j) * nvg + gg) * 2
-                        _put16(out, base + g[G_VS] + mo, hs)
-                        _put16(out, base + g[G_VZ] + mo, hz)
-                        if want_err:
-                            er = err[j]
-                            for c in range(gg * VG, (gg + 1) * VG):
-                                er[c] = row[c] - (z + np.float32(codes[c]) * s)
-                    _put_run(out, base + g[G_VC], (h * q + j) * D, codes, D, bits)
+                        glo, ghi = group_minmax(row, gg * VG, (gg + 1) * VG)
+                        glo = glo + zero  # -0.0 -> +0.0
+                        gs[j * nvg + gg] = ((ghi + zero) - glo) / qmax
+                        gz[j * nvg + gg] = glo
+                f32_to_f16_bits_rows(gs, vs16[:ngr], vscr[:ngr])
+                f32_to_f16_bits_rows(gz, vz16[:ngr], vscr[:ngr])
+                f16_bits_to_f32_rows(vs16[:ngr], gs)  # the fp32 values after the round trip
+                f16_bits_to_f32_rows(vz16[:ngr], gz)
+                mo = h * ngr * 2  # the head-page's fields: [q, nvg] fp16, contiguous
+                out[base + g[G_VS] + mo: base + g[G_VS] + mo + 2 * ngr] = \
+                    vs16[:ngr].view(np.uint8)
+                out[base + g[G_VZ] + mo: base + g[G_VZ] + mo + 2 * ngr] = \
+                    vz16[:ngr].view(np.uint8)
+                for j in range(q):  # codes (and E) of a row with its groups' scale / zero
+                    row = buf[j]  # per channel: loops over the whole row vectorize
+                    for gg in range(nvg):
+                        sv[gg * VG:(gg + 1) * VG] = gs[j * nvg + gg]
+                        zv[gg * VG:(gg + 1) * VG] = gz[j * nvg + gg]
+                    for c in range(D):
+                        codes[c] = _code(row[c], sv[c], zv[c], qmax)
+                    if want_err:
+                        er = err[j]
+                        for c in range(D):
+                            er[c] = row[c] - (zv[c] + np.float32(codes[c]) * sv[c])
+                    if bits != 8 and D % (8 // bits) == 0:  # the row starts on a byte
+                        _pack_row(out, base + g[G_VC] + (h * q + j) * D // (8 // bits), codes,
+                                  D, bits)
+                    else:
+                        _put_run(out, base + g[G_VC], (h * q + j) * D, codes, D, bits)
             # bf16 window: copied bits
             ro = base + (g[G_KR] if kv == 0 else g[G_VR])
             for j in range(r):

@@ -47,7 +47,7 @@ _OUT_MODE = {torch.float32: OUT_F32, torch.bfloat16: OUT_BF16, torch.float16: OU
 
 
 @numba.njit(fastmath={"nnan", "ninf", "nsz", "reassoc"}, **_JIT)
-def _group_minmax(x, a, b):
+def group_minmax(x, a, b):
     """min, max of x[a:b] (fp32, finite). Min / max are exact whatever the order, so the
     reduction may be reordered (vectorized); the sign of a zero result is normalized by the
     caller. Loops index a slice from 0: numba's negative-index wraparound on a runtime
@@ -81,7 +81,7 @@ def quantize_group(x, a, b, qmax, tmp, q):
     groupquant.quantize_groups: scale = fp16((hi - lo) / qmax), zero = fp16(lo), code =
     clamp(floor((x - zero) / scale + 0.5)); a constant group (scale 0) gets code 0. The
     sign of a zero min / max is normalized to +0.0. tmp: scratch fp32[2] (bit round trips)."""
-    lo, hi = _group_minmax(x, a, b)
+    lo, hi = group_minmax(x, a, b)
     hs, hz, lo, hi, s, z = _scale_zero(lo, hi, qmax, tmp, tmp.view(np.uint32))
     if s > np.float32(0.0):
         _quantize_slice(x[a:b], q[a:b], s, z, qmax)
@@ -192,7 +192,7 @@ def _encode_kernel(xf, xb, use_bits, P, G, bits, layer_bytes, full_bytes, out, p
             else:
                 buf[:] = xf[l, kv, h, t0 + t]
                 for g in range(ng):
-                    lo, hi = _group_minmax(buf, g * G, (g + 1) * G)
+                    lo, hi = group_minmax(buf, g * G, (g + 1) * G)
                     glo[t * ng + g] = lo
                     ghi[t * ng + g] = hi
         gsc = np.empty(ngp, np.float32)
