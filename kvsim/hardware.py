@@ -104,7 +104,7 @@ class TimingModel:
         self._profile = load_profile(hw.profile, model.name) if hw.profile else None
         self._tpot_cache: dict[tuple[int, int], float] = {}
         self._step_rates: tuple[float, float] | None = None
-        self._weight_read: dict[int, float] = {}  # new tokens -> weight bytes a step reads
+        self._weight_read_bytes: dict[int, float] = {}  # new tokens -> weights a step reads
 
     def check_fits(self, context_tokens: int) -> None:
         """Weights + one bf16 cache of `context_tokens` must fit the instance's memory; the
@@ -233,10 +233,11 @@ class TimingModel:
         if self._step_rates is None:  # FLOP/s and bytes/s a step reaches (hw is fixed)
             self._step_rates = (hw.flops_per_s * hw.prefill_mfu, hw.hbm_bytes_per_s * hw.decode_mbu)
         flop_rate, byte_rate = self._step_rates
-        weights = self._weight_read.get(new_tokens)
-        if weights is None:  # once per batch size (the model is fixed); per batch change
-            weights = self._weight_read[new_tokens] = self.model.weight_read_bytes(new_tokens)
-        roof = max(flops / flop_rate, (weights + kv_read_bytes) / byte_rate)
+        weight_bytes = self._weight_read_bytes.get(new_tokens)
+        if weight_bytes is None:  # depends on new_tokens only (the model is fixed): once each
+            weight_bytes = self._weight_read_bytes[new_tokens] = \
+                self.model.weight_read_bytes(new_tokens)
+        roof = max(flops / flop_rate, (weight_bytes + kv_read_bytes) / byte_rate)
         if self._profile is None:
             return roof + hw.step_overhead_s
         mean_ctx = round(context_tokens_sum / sequences)

@@ -216,7 +216,7 @@ def test_page_outliers_equal_split_outliers_with_ties(q, d, kv, seed, levels):
     buf = x.copy()
     out = np.zeros(2 * 2 * 2 * k * max(q, d) * 2, np.uint8)
     val_at = out.size // 2
-    kivi_cpu._page_outliers(buf, q, d, kv, k, 0, out, 0, val_at, 2, np.empty(2, np.float32))
+    kivi_cpu._page_outliers(buf, q, d, kv, k, 0, out, 0, val_at, 2)
     m = vecs.shape[0] * 2 * k
     got_idx = out[:2 * m].view("<u2").astype(np.int64)
     got_val = out[val_at:val_at + 2 * m].view(np.float16)

@@ -173,5 +173,6 @@ def test_breakdown_columns_equal_each_records_breakdown():
         columns = breakdown_columns(recs, end_t)
         for i, rec in enumerate(recs):
             one = rec.breakdown(min(k, len(rec.timeline.token_t)))
-            assert [float(columns[key][i]) for key in BREAKDOWN_KEYS] == \
-                [one[key] for key in BREAKDOWN_KEYS], (k, i)
+            # bit patterns: == would not tell -0.0 from 0.0
+            assert np.array([columns[key][i] for key in BREAKDOWN_KEYS]).view(np.int64).tolist() \
+                == np.array([one[key] for key in BREAKDOWN_KEYS]).view(np.int64).tolist(), (k, i)

@@ -537,7 +537,7 @@ def _put_f16_rows(out, at, x):
 
 
 @numba.njit(**_JIT)
-def _page_outliers(buf, q, D, kv, k, h, out, idx_at, val_at, ib, tmp):
+def _page_outliers(buf, q, D, kv, k, h, out, idx_at, val_at, ib):
     """gear 'ceil' outliers of one head-page buf [q, D] (in place): the k top and k bottom
     entries of every K channel over the q tokens (kv 0) or of every V token over the D
     channels (kv 1), as gear.split_outliers picks them, stored as the idx / val fields at
@@ -867,7 +867,7 @@ def _encode_kernel(kb, kf, kbits, kst, vb, vf, vbits, vst, speak, nflag, rot, sc
                     _page_outliers(buf, q, D, kv, k, h, out,
                                    base + (g[G_KOI] if kv == 0 else g[G_VOI]),
                                    base + (g[G_KOV] if kv == 0 else g[G_VOV]),
-                                   ik if kv == 0 else iv, tmp)
+                                   ik if kv == 0 else iv)
             if kv == 0 and q > 0:
                 if kcvt:
                     for c in range(D):
@@ -908,10 +908,9 @@ def _encode_kernel(kb, kf, kbits, kst, vb, vf, vbits, vst, speak, nflag, rot, sc
                         cr = ctile[j]
                         for c in range(D):
                             cr[c] = _code(row[c], sv[c], zv[c], qmax)
-                    if bits != 8 and (q % (8 // bits)) + (a % (8 // bits)) + \
-                            (n % (8 // bits)) == 0:
-                        # every channel's run starts on a byte: whole bytes, all channels
-                        per = 8 // bits
+                    per = 8 // bits
+                    if bits != 8 and (q % per + a % per + n % per) == 0:
+                        # every channel's run starts and ends on a byte: whole bytes
                         _pack_columns(out, base + g[G_KC] + (h * D * q + a) // per, q // per,
                                       ctile, n, D, bits, codes)
                     else:
@@ -929,8 +928,7 @@ def _encode_kernel(kb, kf, kbits, kst, vb, vf, vbits, vst, speak, nflag, rot, sc
             elif kv == 1 and q > 0:
                 # quantize_group's ops for every group of the head-page, in passes: min /
                 # max of each group, then all scales and zero points rounded to fp16 at once
-                # (branch-free vector loops; per group, the scalar rounding was a third of
-                # gear's encode), then the codes
+                # (branch-free vector loops, not the scalar rounding per group), then the codes
                 nvg = D // VG
                 ngr = q * nvg
                 gs, gz = vs[:ngr], vz[:ngr]
@@ -1306,7 +1304,6 @@ def _outlier_kernel(sb, sf, use_bits, sst, geo, layer_bytes, L, H, D, ik, iv, ou
         if q > 0:
             t0 = g[G_T0]
             base = l * layer_bytes + g[G_BASE]
-            tmp = np.empty(2, np.float32)
             buf = filled[l, kv, h, t0:t0 + q]
             for j in range(q):
                 _load_row(sb, sf, use_bits, l * sst[0] + kv * sst[1] + h * sst[2]
@@ -1317,7 +1314,7 @@ def _outlier_kernel(sb, sf, use_bits, sst, geo, layer_bytes, L, H, D, ik, iv, ou
                 _page_outliers(buf, q, D, kv, k, h, out,
                                base + (g[G_KOI] if kv == 0 else g[G_VOI]),
                                base + (g[G_KOV] if kv == 0 else g[G_VOV]),
-                               ik if kv == 0 else iv, tmp)
+                               ik if kv == 0 else iv)
         peak[w] = pkl.max()
 
 

@@ -47,15 +47,14 @@ class Flow:
     def __init__(self, link: Link, priority: Any, messages: Messages, release: np.ndarray,
                  on_delivered: Callable[[Flow, int, int, np.ndarray], None] | None,
                  on_done: Callable[[Flow], None] | None, name: str, tag: Any,
-                 release_l: list[float] | None = None) -> None:
+                 release_l: list[float]) -> None:
         self.link, self.priority, self.name, self.tag = link, priority, name, tag
         self.sizes = messages.sizes  # [n] float64 bytes
         self.cum = messages.cum  # [n] bytes through message j
         self.release = release  # [n] s, non-decreasing
         self.n = messages.n
         self.cum_l = messages.cum_l  # the same as Python floats: cheap scalar access
-        # release as Python floats (the submitting link has made them already)
-        self.release_l = release.tolist() if release_l is None else release_l
+        self.release_l = release_l  # the same as Python floats (Link.submit made them)
         self.head = 0  # messages fully sent
         self.served = 0.0  # bytes sent so far
         self.rate = 0.0  # bytes/s now

@@ -63,7 +63,6 @@ class RequestRecord:
         out["exposed_communication"] = exposed - out["serialize"]
         out["deserialize"] = self.needed_ready_t - max(self.needed_arrival_t, t_pe)
         out["queueing"] = self.decode_start_t - self.needed_ready_t
-        kinds = _SEGMENT_PART
         for kind, t0, t1 in self.timeline.segments:
             lo, hi = t0, min(t1, end)
             if hi <= lo:
@@ -73,7 +72,7 @@ class RequestRecord:
                 out["exposed_communication"] += split - lo
                 out["deserialize"] += hi - split
             else:
-                out[kinds[kind]] += hi - lo
+                out[_SEGMENT_PART[kind]] += hi - lo
         return out
 
 
@@ -229,16 +228,19 @@ def aggregate_records(recs: list[RequestRecord], ks: list[int], breakdown_k: int
         sum(tl.proposed for tl in timelines), sum(tl.accepted for tl in timelines))
 
 
-# a decode segment's kind -> its code in breakdown_columns: 0 wait, then BREAKDOWN_KEYS index
+# a decode segment's kind -> its code in breakdown_columns: -1 wait, else its part's
+# BREAKDOWN_KEYS index
 _SEGMENT_CODE = {"wait": -1} | {kind: BREAKDOWN_KEYS.index(part)
                                 for kind, part in _SEGMENT_PART.items()}
 
 
 def breakdown_columns(recs: list[RequestRecord], end_t: np.ndarray) -> dict[str, np.ndarray]:
     """[RequestRecord.breakdown] over many records at once, as columns: [n] s per part,
-    splitting [prefill end, end_t[i]]. The same floats as the per-record method (the same
-    operations; each record's segments are added in their order, np.add.at being
-    sequential), without its per-record dict and loop (a quarter of a 100k-request row)."""
+    splitting [prefill end, end_t[i]]. For finite times (a run's records), the same floats as
+    the per-record method: the same operations, each record's segments added in their order
+    (np.add.at is sequential); np.minimum / np.maximum differ from min / max only on NaN and
+    on ties of opposite-signed zeros. Without the per-record dict and loop (a quarter of a
+    100k-request row)."""
     n = len(recs)
     t_pe = np.array([r.prefill_end_t for r in recs])
     arrival = np.array([r.needed_arrival_t for r in recs])
