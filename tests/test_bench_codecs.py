@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from kvsim.attention_error import attention_output
-from kvsim.bench.codecs import bench_codec, median_seconds, resolve_device
+from kvsim.bench.codecs import bench_codec, median_seconds, resolve_device, spread, timed_seconds
 from kvsim.cli import CONF_DIR, main
 from kvsim.commands.bench_codecs import DEFAULT_CODECS
 from kvsim.config.codecs import PRESET_DIR
@@ -48,6 +48,7 @@ def test_report_rows_are_consistent(tmp_path, capsys):
         assert math.isclose(row["encode_gbps"], 2 * numel / 1e9 / row["encode_s"])
         assert row["vnmse_prefix"][-1] == row["vnmse"]
         assert len(row["vnmse_layers"]) == 2
+        assert row["timing_spread"] == max(row["encode_spread"], row["decode_spread"]) >= 1.0
         assert math.isclose(float(np.mean(row["vnmse_layers"])), row["vnmse"])
         assert row["vnmse_anchor"] is None  # single-stream codecs
     bf16, cachegen = rows
@@ -135,6 +136,29 @@ def test_device_and_timing_helpers():
     assert len(calls) == 5
     with pytest.raises(ValueError, match="repeats"):
         median_seconds(lambda: None, 0, 0, torch.device("cpu"))
+    assert len(timed_seconds(lambda: None, 4, 0, torch.device("cpu"))) == 4
+    assert spread([0.2, 0.1, 0.15]) == 2.0 and spread([0.3]) == 1.0
+    assert spread([0.0, 1.0]) == math.inf
+
+
+def test_repeats_far_apart_are_flagged(tmp_path, monkeypatch, capsys):
+    """A codec whose repeats land far apart (the host's speed moved) is named on stderr with
+    its spread; steady ones are not."""
+    import kvsim.bench.codecs as bench
+
+    times = {"n": 0}
+
+    def fake_timed(fn, repeats, warmup, device):  # calls: copy, encode, decode per codec
+        fn()
+        times["n"] += 1
+        return [0.01, 0.03] if times["n"] == 5 else [0.01, 0.011]  # int8 encode
+
+    monkeypatch.setattr(bench, "timed_seconds", fake_timed)
+    doc = _run(tmp_path, "codecs=[bf16,int8]", "repeats=2")
+    spreads = {r["codec"]: r["timing_spread"] for r in doc["rows"]}
+    assert spreads["bf16"] == pytest.approx(1.1) and spreads["int8"] == pytest.approx(3.0)
+    err = capsys.readouterr().err
+    assert "int8 3.00x" in err and "bf16" not in err.split("timings moved")[1]
 
 
 def test_write_timing_feeds_the_simulator(tmp_path, monkeypatch, capsys):

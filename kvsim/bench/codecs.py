@@ -74,9 +74,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_seconds(fn: Callable[[], object], repeats: int, warmup: int,
-                   device: torch.device) -> float:
-    """Median wall seconds of fn() over `repeats` runs after `warmup` untimed runs."""
+def timed_seconds(fn: Callable[[], object], repeats: int, warmup: int,
+                  device: torch.device) -> list[float]:
+    """Wall seconds of each of `repeats` runs of fn() after `warmup` untimed runs."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
     for _ in range(warmup):
@@ -88,7 +88,21 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int,
         fn()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int,
+                   device: torch.device) -> float:
+    """Median wall seconds of fn() over `repeats` runs after `warmup` untimed runs."""
+    return statistics.median(timed_seconds(fn, repeats, warmup, device))
+
+
+def spread(times: list[float]) -> float:
+    """Slowest / fastest of repeated timings of the same work: 1 on a steady machine. This
+    machine (a shared VM) has stretches where a multi-threaded codec's calls take 2-2.5x as
+    long, in the page faults of their fresh output, so a bench reports how far its repeats
+    landed apart beside their median."""
+    return max(times) / min(times) if min(times) > 0 else float("inf")
 
 
 def copy_baseline_s(kv: torch.Tensor, repeats: int, warmup: int) -> float:
@@ -127,8 +141,10 @@ def bench_codec(label: str, codec: Codec, kv: torch.Tensor, queries: torch.Tenso
         vnmse_layers.append(vnmse_from_outputs(o_ref, o_hat).tolist())
         del kv_hat, o_hat
     vnmse_prefix = [float(np.mean(v)) for v in vnmse_layers]
-    encode_s = median_seconds(lambda: codec.encode(kv), repeats, warmup, device)
-    decode_s = median_seconds(lambda: codec.decode(enc, device=device), repeats, warmup, device)
+    encode_times = timed_seconds(lambda: codec.encode(kv), repeats, warmup, device)
+    decode_times = timed_seconds(lambda: codec.decode(enc, device=device), repeats, warmup,
+                                 device)
+    encode_s, decode_s = statistics.median(encode_times), statistics.median(decode_times)
     gb = shape.bf16_bytes / 1e9  # bf16-equivalent input size, GB
     copy_gbps = gb / copy_s
     return {
@@ -154,6 +170,9 @@ def bench_codec(label: str, codec: Codec, kv: torch.Tensor, queries: torch.Tenso
         "vnmse_anchor": vnmse_prefix[0] if codec.num_streams > 1 else None,
         "encode_s": encode_s,
         "decode_s": decode_s,
+        "encode_spread": spread(encode_times),  # slowest / fastest repeat
+        "decode_spread": spread(decode_times),
+        "timing_spread": max(spread(encode_times), spread(decode_times)),
         "encode_gbps": gb / encode_s,
         "decode_gbps": gb / decode_s,
         "copy_gbps": copy_gbps,

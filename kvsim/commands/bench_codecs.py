@@ -90,7 +90,9 @@ COLUMNS = [("codec", "codec", ""), ("bits_per_element", "bits/elem", ".3f"),
            ("vnmse", "vNMSE", ".3g"), ("vnmse_anchor", "vNMSE anchor", ".3g"),
            ("encode_gbps", "enc GB/s", ".3f"), ("decode_gbps", "dec GB/s", ".3f"),
            ("encode_vs_copy", "enc/copy", ".4f"), ("decode_vs_copy", "dec/copy", ".4f"),
-           ("size_estimate_error", "size est err", "+.3f")]
+           ("timing_spread", "spread", ".2f"), ("size_estimate_error", "size est err", "+.3f")]
+# a row whose repeats landed further apart than this (slowest / fastest) gets a warning
+NOISY_SPREAD = 1.5
 
 
 def run(cfg: Config) -> list[dict]:
@@ -135,6 +137,12 @@ def run(cfg: Config) -> list[dict]:
           f"torch clone {min(r['copy_gbps'] for r in rows):.2f}.."
           f"{max(r['copy_gbps'] for r in rows):.2f} GB/s (bf16-equivalent, timed per codec)")
     print(format_table(rows, COLUMNS))
+    noisy = [r for r in rows if r["timing_spread"] > NOISY_SPREAD]
+    if noisy:
+        print("timings moved between repeats (spread = slowest / fastest, encode or decode): "
+              + ", ".join(f"{r['codec']} {r['timing_spread']:.2f}x" for r in noisy)
+              + ": the machine's speed changed during the run (README \"Codec speed on this "
+              "CPU\"); rerun, or compare only rows of steady spread", file=sys.stderr)
     for r in rows:
         if not r["size_exact"]:
             print(f"{r['codec']}: size est err {r['size_estimate_error']:+.4f} with the size model "
