@@ -155,7 +155,7 @@ def scatter_chunk(flat, seg_counts, lo, coded, page_anchor, t0, sym):
 
 @numba.njit(**_JIT)
 def _reconstruct_rows(sym, scales, is_anchor, qmaxes, mode, out_f, out_b, layer, kv, h, t0,
-                      t1, tmp, anchor, row):
+                      t1, tmp, anchor, row, scr):
     """Tokens t0..t1 of row block (layer, kv, h) into the flat output (reconstruct_chunk's
     layout and modes); t0 starts a page (an anchor token: groups never cross pages)."""
     _, _, heads, tokens, dim = sym.shape
@@ -175,7 +175,7 @@ def _reconstruct_rows(sym, scales, is_anchor, qmaxes, mode, out_f, out_b, layer,
         else:
             for d in range(dim):
                 row[d] = anchor[d] + np.float32(np.int32(block[t, d]) - qd) * s
-        _store_row(row, dim, mode, out_f, out_b, o + t * dim, tmp)
+        _store_row(row, dim, mode, out_f, out_b, o + t * dim, scr)
 
 
 @numba.njit(**_JIT)
@@ -192,7 +192,8 @@ def reconstruct_chunk(sym, scales, is_anchor, qmaxes, mode, out_f, out_b, layer,
     tmp = np.empty(2, np.float32)
     anchor = np.zeros(dim, np.float32)
     row = np.empty(dim, np.float32)
+    scr = np.empty((2, dim), np.float32)  # _store_row's fp16 scratch
     for kv in range(2):
         for h in range(heads):
             _reconstruct_rows(sym, scales, is_anchor, qmaxes, mode, out_f, out_b, layer, kv, h,
-                              t0, t1, tmp, anchor, row)
+                              t0, t1, tmp, anchor, row, scr)

@@ -1144,10 +1144,11 @@ def _low_rank(e, q, D, r, iters, b0, fa, fb):
 
 
 @numba.njit(inline="always", **_JIT)
-def _store_row(buf, D, mode, out_f, out_b, o, tmp):
+def _store_row(buf, D, mode, out_f, out_b, o, scr):
     """One fp32 row -> the output at flat offset o: fp32 (mode 0), bf16 bits (1, round to
     nearest even as torch .to()), fp16 bits (2, clamped to +-65504 first as
-    codec.cast_finite)."""
+    codec.cast_finite, then rounded in branch-free vector loops). scr: fp32 [2, >= D]
+    scratch (mode 2)."""
     if mode == 0:
         for c in range(D):
             out_f[o + c] = buf[c]
@@ -1159,9 +1160,10 @@ def _store_row(buf, D, mode, out_f, out_b, o, tmp):
             out_b[o + c] = np.uint16(ub >> np.uint32(16))
     else:
         big = np.float32(65504.0)
+        clamped = scr[0, :D]
         for c in range(D):
-            v = max(-big, min(big, buf[c]))
-            out_b[o + c] = np.uint16(f32_bits_to_f16_bits(_f32_bits(v, tmp)))
+            clamped[c] = max(-big, min(big, buf[c]))
+        f32_to_f16_bits_rows(clamped, out_b[o: o + D], scr[1, :D])
 
 
 @numba.njit(parallel=True, **_JIT)
@@ -1186,6 +1188,7 @@ def _decode_kernel(src, geo, layer_bytes, L, H, D, T, G, VG, bits, kcvt, ik, iv,
         q = g[G_QK] if kv == 0 else g[G_QV]
         r = g[G_RK] if kv == 0 else g[G_RV]
         tmp = np.empty(2, np.float32)
+        scr = np.empty((2, D), np.float32)  # _store_row's fp16 scratch
         buf = np.empty((max(q, 1), D), np.float32)
         o0 = ((l * 2 + kv) * H + h) * T * D
         if q > 0:
@@ -1268,7 +1271,7 @@ def _decode_kernel(src, geo, layer_bytes, L, H, D, T, G, VG, bits, kcvt, ik, iv,
             if rot_k if kv == 0 else rot_v:
                 _fwht_rows(buf, q, D, scale)
             for j in range(q):
-                _store_row(buf[j], D, mode, out_f, out_b, o0 + (t0 + j) * D, tmp)
+                _store_row(buf[j], D, mode, out_f, out_b, o0 + (t0 + j) * D, scr)
         # bf16 window
         ro = base + (g[G_KR] if kv == 0 else g[G_VR])
         row = buf[0]
@@ -1282,7 +1285,7 @@ def _decode_kernel(src, geo, layer_bytes, L, H, D, T, G, VG, bits, kcvt, ik, iv,
             else:
                 for c in range(D):
                     ru[c] = np.uint32(_get16(src, o + 2 * c) << 16)
-                _store_row(row, D, mode, out_f, out_b, oo, tmp)
+                _store_row(row, D, mode, out_f, out_b, oo, scr)
 
 
 @numba.njit(parallel=True, **_JIT)
