@@ -8,6 +8,7 @@ from codec_checks import wire_round_trip
 
 from kvsim.kernels import make_codec
 from kvsim.kernels import uniform_triton as ut
+from kvsim.kernels.codec import CodecError
 from kvsim.kernels.groupquant import dequantize_groups, quantize_groups
 from kvsim.layout import KVShape
 
@@ -105,17 +106,36 @@ def test_bits_per_element_int8_int4():
         assert payload_bits == pytest.approx(expect)
 
 
-def test_triton_backend_same_bytes_as_torch():
+def test_triton_backend_same_bytes_as_torch(kernel_device):
     shape = KVShape(1, 2, 40, 32, "bfloat16")
     kv = kv_sample(shape, 3)
     a = make_codec("uniform", {"bits": 4, "group": 16, "backend": "torch"}).encode(kv)
     b_codec = make_codec("uniform", {"bits": 4, "group": 16, "backend": "triton"})
-    b = b_codec.encode(kv)
+    b = b_codec.encode(kv.to(kernel_device))
     assert a.to_bytes()[-200:] == b.to_bytes()[-200:]  # preambles differ only in `backend`
     assert [c.payload.tobytes() for c in a.streams[0]] == [c.payload.tobytes()
                                                           for c in b.streams[0]]
-    assert torch.equal(b_codec.decode(b), make_codec("uniform", {"bits": 4, "group": 16,
-                                                                 "backend": "torch"}).decode(a))
+    assert torch.equal(b_codec.decode(b, device=kernel_device).cpu(),
+                       make_codec("uniform", {"bits": 4, "group": 16,
+                                              "backend": "torch"}).decode(a))
+
+
+def test_triton_backend_on_a_cpu_tensor_without_interpreter_is_a_clear_error(monkeypatch,
+                                                                             kernel_device):
+    """Launched on CPU pointers without TRITON_INTERPRET, Triton fails inside its launcher; the
+    wrappers refuse first and say what to use instead."""
+    codec = make_codec("uniform", {"bits": 4, "group": 16, "backend": "triton"})
+    kv = kv_sample(KVShape(1, 1, 8, 32, "bfloat16"), 0)
+    enc = codec.encode(kv.to(kernel_device))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(CodecError, match="uniform triton backend needs a CUDA tensor.*'cpu'"):
+        codec.encode(kv)
+    with pytest.raises(CodecError, match="needs a CUDA tensor"):
+        codec.decode(enc)
+    from kvsim.kernels.hadamard_triton import hadamard
+
+    with pytest.raises(CodecError, match="Hadamard kernel needs a CUDA tensor"):
+        hadamard(torch.ones(4, 32))
 
 
 def test_bad_shapes_and_range():

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from kvsim.kernels.hadamard import check_hadamard_dim
+from kvsim.kernels.triton_support import compile_ptx, require_kernel_device
 
 ROWS_PER_PROGRAM = 16
 
@@ -29,9 +30,10 @@ def _fwht_kernel(x_ptr, out_ptr, n_rows, scale, D: tl.constexpr, LOG2D: tl.const
     mask = (rows < n_rows)[:, None]
     x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=mask, other=0.0)  # [ROWS, D]
     for i in tl.static_range(LOG2D):
-        h: tl.constexpr = 1 << i
-        # [ROWS, D] -> [ROWS, D/2h, 2, h] -> pair axis last -> butterflies -> back
-        t = tl.permute(tl.reshape(x, (ROWS, D // (2 * h), 2, h)), (0, 1, 3, 2))
+        # stage h = 2^i: [ROWS, D] -> [ROWS, D/2h, 2, h] -> pair axis last -> butterflies
+        # -> back. h is written out, not named: a constexpr name cannot be rebound in the
+        # unrolled loop (the compiler refuses it; the interpreter does not check).
+        t = tl.permute(tl.reshape(x, (ROWS, D // (2 << i), 2, 1 << i)), (0, 1, 3, 2))
         a, b = tl.split(t)
         t = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
         x = tl.reshape(t, (ROWS, D))
@@ -43,6 +45,8 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     inverse). Runs on x's device (CPU needs TRITON_INTERPRET=1)."""
     d = int(x.shape[-1])
     check_hadamard_dim(d)
+    require_kernel_device(x.device, "the Triton Hadamard kernel",
+                          "use kvsim.kernels.hadamard (torch) on a CPU tensor")
     xf = x.to(torch.float32).contiguous().reshape(-1, d)
     out = torch.empty_like(xf)
     rows = xf.shape[0]
@@ -51,3 +55,14 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
         _fwht_kernel[grid](xf, out, rows, 1.0 / math.sqrt(d), D=d, LOG2D=d.bit_length() - 1,
                            ROWS=ROWS_PER_PROGRAM)
     return out.reshape(x.shape)
+
+
+def compile_for_cuda(arch: int = 90, head_dims: tuple[int, ...] = (64, 128, 256)
+                     ) -> dict[str, str]:
+    """Build the kernel for CUDA sm_<arch> at each head_dim without a GPU; returns the PTX by
+    name. Needs TRITON_INTERPRET unset (triton_support.compile_ptx)."""
+    return {f"fwht_{d}": compile_ptx(_fwht_kernel, {"x_ptr": "*fp32", "out_ptr": "*fp32",
+                                                     "scale": "fp32"},
+                                     dict(D=d, LOG2D=d.bit_length() - 1,
+                                          ROWS=ROWS_PER_PROGRAM), arch)
+            for d in head_dims}

@@ -17,8 +17,6 @@ interpreter has no bf16 arithmetic.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -33,13 +31,10 @@ from kvsim.kernels.lynx import (
     signed_values,
     write_metadata,
 )
+from kvsim.kernels.triton_support import compile_ptx, interpreting, require_kernel_device
 
 _MU_SCALE: tl.constexpr = tl.constexpr(float(1 << MU_FRAC_BITS))  # fixed point of the mean
 MAX_STREAMS = 3  # kernels are specialized for up to 3 streams (split widths are constexpr)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -224,9 +219,7 @@ def _lynx_decode_kernel(
 
 # ---- wrappers ------------------------------------------------------------------------------
 def _check(lay: LynxLayout, tab: LynxTables, device: torch.device) -> None:
-    if device.type != "cuda" and not _interpreting():
-        raise CodecError("lynx triton backend needs a CUDA tensor (or TRITON_INTERPRET=1); "
-                         f"got a {device.type} tensor: use backend 'cpu' or 'auto'")
+    require_kernel_device(device, "lynx triton backend", "use backend 'cpu' or 'auto'")
     if lay.shape.head_dim % 8:
         raise CodecError(f"lynx triton backend needs head_dim % 8 == 0, got "
                          f"{lay.shape.head_dim}; use backend 'cpu' or 'torch'")
@@ -257,7 +250,7 @@ def _geometry(lay: LynxLayout, ns: int) -> tuple[list[int], dict]:
 
 def _launch_opts(x: torch.Tensor) -> dict:
     # No FMA contraction on GPU: x*0.5 - lo*0.5 and mu + s*v must round like the reference.
-    return {} if _interpreting() or x.device.type != "cuda" else {"enable_fp_fusion": False}
+    return {} if interpreting() or x.device.type != "cuda" else {"enable_fp_fusion": False}
 
 
 def encode_triton(x: torch.Tensor, lay: LynxLayout, tab: LynxTables,
@@ -270,7 +263,7 @@ def encode_triton(x: torch.Tensor, lay: LynxLayout, tab: LynxTables,
         raise CodecError(f"lynx triton: tensor shape {tuple(x.shape)} != layout {lay.shape.dims}")
     dev = x.device
     x = x.contiguous()
-    if _interpreting() or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if interpreting() or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         x = x.to(torch.float32)
     ns = len(tab.split)
     tt = tab.torch_tables(dev)
@@ -321,13 +314,8 @@ def compile_for_cuda(arch: int = 90, split: tuple[int, ...] = (4, 4), head_dim: 
     return their PTX: a check that the GPU path builds, and that FMA contraction is off and
     1/sigma uses IEEE division. Needs TRITON_INTERPRET unset (interpreted kernels do not
     compile): run it in a fresh process."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from kvsim.kernels.lynx import lynx_tables
 
-    if _interpreting():
-        raise RuntimeError("compile_for_cuda needs TRITON_INTERPRET unset")
     tab = lynx_tables(4.0, tuple(split))
     ns = len(split)
     b = list(split) + [1] * (MAX_STREAMS - ns)
@@ -347,13 +335,5 @@ def compile_for_cuda(arch: int = 90, split: tuple[int, ...] = (4, 4), head_dim: 
                     "sig_ptr": "*fp16", "val_ptr": "*fp32", "in0_ptr": "*u8", "in1_ptr": "*u8",
                     "in2_ptr": "*u8"}, tiles),
     }
-    ptx = {}
-    for name, (fn, ptrs, consts) in kernels.items():
-        names = fn.arg_names
-        sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in names}
-        src = ASTSource(fn=fn, signature=sig,
-                        constexprs={(names.index(k),): v for k, v in consts.items()})
-        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                                  options={"enable_fp_fusion": False, "num_warps": 4})
-        ptx[name] = compiled.asm["ptx"]
-    return ptx
+    return {name: compile_ptx(fn, ptrs, consts, arch, fp_fusion=False)
+            for name, (fn, ptrs, consts) in kernels.items()}

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from kvsim.kernels.bitpack import pack
 from kvsim.kernels.groupquant import dequantize_groups, qmax_of, quantize_groups
+from kvsim.kernels.triton_support import compile_ptx, require_kernel_device
 
 ROWS_PER_PROGRAM = 16
 
@@ -100,6 +101,9 @@ def _unpack_dequantize_kernel(packed_ptr, scale_ptr, zero_ptr, out_ptr, n_rows,
     tl.store(out_ptr + rows[:, None] * N + g * GROUP + cols[None, :], out, mask=mask)
 
 
+_INSTEAD = "use backend 'cpu', 'torch' or 'auto'"
+
+
 def _check(n: int, group: int, bits: int) -> None:
     qmax_of(bits)
     if group < 1 or n % group:
@@ -117,6 +121,7 @@ def quantize_pack(x: torch.Tensor, group: int, bits: int
         raise ValueError(f"quantize_pack expects [rows, n], got shape {tuple(x.shape)}")
     rows, n = (int(s) for s in x.shape)
     _check(n, group, bits)
+    require_kernel_device(x.device, "uniform triton backend", _INSTEAD)
     xf = x.to(torch.float32).contiguous()
     packed = torch.empty((rows, n * bits // 8), dtype=torch.uint8, device=x.device)
     scale16 = torch.empty((rows, n // group), dtype=torch.float16, device=x.device)
@@ -135,6 +140,7 @@ def unpack_dequantize(packed: torch.Tensor, scale16: torch.Tensor, zero16: torch
     rows = int(packed.shape[0])
     n = int(packed.shape[1]) * 8 // bits
     _check(n, group, bits)
+    require_kernel_device(packed.device, "uniform triton backend", _INSTEAD)
     if tuple(scale16.shape) != (rows, n // group) or tuple(zero16.shape) != (rows, n // group):
         raise ValueError(f"scale/zero must be [{rows}, {n // group}], got "
                          f"{tuple(scale16.shape)} / {tuple(zero16.shape)}")
@@ -146,6 +152,22 @@ def unpack_dequantize(packed: torch.Tensor, scale16: torch.Tensor, zero16: torch
                                         BLOCK_G=triton.next_power_of_2(group), BITS=bits,
                                         ROWS=ROWS_PER_PROGRAM)
     return out
+
+
+def compile_for_cuda(arch: int = 90, n: int = 128, group: int = 32) -> dict[str, str]:
+    """Build both kernels (2-, 4- and 8-bit) for CUDA sm_<arch> without a GPU; returns their
+    PTX by name. Needs TRITON_INTERPRET unset (triton_support.compile_ptx)."""
+    ptx = {}
+    for bits in (2, 4, 8):
+        consts = dict(N=n, GROUP=group, BLOCK_G=triton.next_power_of_2(group), BITS=bits,
+                      ROWS=ROWS_PER_PROGRAM)
+        ptx[f"quantize_pack_{bits}bit"] = compile_ptx(
+            _quantize_pack_kernel, {"x_ptr": "*fp32", "packed_ptr": "*u8",
+                                    "scale_ptr": "*fp16", "zero_ptr": "*fp16"}, consts, arch)
+        ptx[f"unpack_dequantize_{bits}bit"] = compile_ptx(
+            _unpack_dequantize_kernel, {"packed_ptr": "*u8", "scale_ptr": "*fp16",
+                                        "zero_ptr": "*fp16", "out_ptr": "*fp32"}, consts, arch)
+    return ptx
 
 
 # ---- torch reference with the same signature --------------------------------------------
