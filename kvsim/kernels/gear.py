@@ -400,21 +400,44 @@ class GearCodec(BackboneCodec):
         return err
 
     def post_quantize(self, state: Any, xq: torch.Tensor, xhat: torch.Tensor | None) -> Any:
-        """lowrank 'sequence': fit A [Tq, r], B [d, r] per (layer, K|V, head) over all
-        quantized tokens; state["lowrank"] = (A [layers, 2, heads, Tq, r], B [.., d, r])."""
+        """The low-rank fits of the quantization error, made here for the whole cache:
+        lowrank 'sequence': A [Tq, r], B [d, r] per (layer, K|V, head) over all quantized
+        tokens, state["lowrank"] = (A [layers, 2, heads, Tq, r], B [.., d, r]);
+        lowrank 'page': A [q, r], B [d, r] per (layer, K|V, head, page), state[("lowrank",
+        layer, t0)] = (A [2, heads, q, r], B [2, heads, d, r]), every page of the same q
+        fitted in one low_rank call. low_rank works row by row (elementwise ops over the
+        batch), so a batch gives each page the bits its own call would; one call per page
+        length instead of one per page keeps a GPU busy (per page, its thousands of small
+        launches took 13 s for a 64 MB cache on an H100)."""
         tq = xq.shape[3]
-        if self.params.lowrank != "sequence" or tq == 0 or xhat is None:
+        if tq == 0 or xhat is None:
             return state
         layers, _, h, _, d = xq.shape
         pt = self.params.page_tokens
-        err = torch.empty_like(xq)  # [layers, 2, h, Tq, d]
-        for layer in range(layers):
-            for t0 in range(0, tq, pt):
-                sl = (layer, slice(None), slice(None), slice(t0, t0 + pt))
-                err[sl] = self.fit_error(state, layer, t0, xq[sl], xhat[sl])
-        a, b = fit_fp16(*low_rank(err.reshape(layers * 2 * h, tq, d), self.params.rank,
-                                  self.params.iters, self.params.seed))
-        state["lowrank"] = (a.reshape(layers, 2, h, tq, -1), b.reshape(layers, 2, h, d, -1))
+        p = self.params
+        if p.lowrank == "sequence":
+            err = torch.empty_like(xq)  # [layers, 2, h, Tq, d]
+            for layer in range(layers):
+                for t0 in range(0, tq, pt):
+                    sl = (layer, slice(None), slice(None), slice(t0, t0 + pt))
+                    err[sl] = self.fit_error(state, layer, t0, xq[sl], xhat[sl])
+            a, b = fit_fp16(*low_rank(err.reshape(layers * 2 * h, tq, d), p.rank, p.iters,
+                                      p.seed))
+            state["lowrank"] = (a.reshape(layers, 2, h, tq, -1), b.reshape(layers, 2, h, d, -1))
+            return state
+        by_q: dict[int, list[tuple[int, int]]] = {}  # page length -> [(layer, t0)]
+        for t0 in range(0, tq, pt):
+            by_q.setdefault(min(pt, tq - t0), []).extend((layer, t0) for layer in range(layers))
+        for q, pages in by_q.items():
+            err = torch.stack([self.fit_error(state, layer, t0,
+                                              xq[layer, :, :, t0:t0 + q],
+                                              xhat[layer, :, :, t0:t0 + q])
+                               for layer, t0 in pages])  # [pages, 2, h, q, d]
+            a, b = fit_fp16(*low_rank(err.reshape(len(pages) * 2 * h, q, d), p.rank, p.iters,
+                                      p.seed))
+            a, b = a.reshape(len(pages), 2, h, q, -1), b.reshape(len(pages), 2, h, d, -1)
+            for i, (layer, t0) in enumerate(pages):
+                state[("lowrank", layer, t0)] = (a[i], b[i])
         return state
 
     def page_extras(self, state: Any, layer: int, t0: int, q: int, x_page: torch.Tensor,
@@ -425,13 +448,8 @@ class GearCodec(BackboneCodec):
         if self.params.lowrank == "sequence":
             a, b = state["lowrank"]
             out["lr_a"], out["lr_b"] = a[layer, :, :, t0:t0 + q], b[layer]
-            return out
-        err = self.fit_error(state, layer, t0, x_page, xhat_page)  # [2, heads, q, d]
-        h, d = err.shape[1], err.shape[3]
-        a, b = fit_fp16(*low_rank(err.reshape(2 * h, q, d), self.params.rank,
-                                  self.params.iters, self.params.seed))
-        out["lr_a"] = a.reshape(2, h, q, -1)
-        out["lr_b"] = b.reshape(2, h, d, -1)
+        else:
+            out["lr_a"], out["lr_b"] = state[("lowrank", layer, t0)]
         return out
 
     # ---- fused CPU path (kivi_cpu): outliers, backbone and error in numba, fits in torch --

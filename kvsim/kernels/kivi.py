@@ -237,7 +237,7 @@ class BackboneCodec(Codec):
 
     def post_quantize(self, state: Any, xq: torch.Tensor, xhat: torch.Tensor | None) -> Any:
         """After the whole cache is quantized (xq, xhat: [layers, 2, heads, Tq, head_dim];
-        xhat None unless uses_xhat) -> the state page_extras gets (gear: per-sequence fits)."""
+        xhat None unless uses_xhat) -> the state page_extras gets (gear: its low-rank fits)."""
         return state
 
     def page_extras(self, state: Any, layer: int, t0: int, q: int, x_page: torch.Tensor,
