@@ -242,3 +242,38 @@ def test_exact_outliers_restored_and_sized(backend):
     k = out[0, 0, :, :16].transpose(-1, -2)  # [heads, d, q] of page 0
     for h in range(2):  # outlier j of head h sits at (channel vec[j], token ko_idx[h, j])
         assert torch.equal(k[h][vec, f["ko_idx"][h].long()], f["ko_val"][h].float())
+
+
+@pytest.mark.parametrize("name, params, tokens, scale", [
+    ("gear", {"outlier_count": "exact", "page_tokens": 8, "rank": 3, "residual": 4,
+              "group": 4, "value_group": 4}, 31, 1.0),
+    ("gear", {"page_tokens": 64, "rank": 2, "residual": 0, "group": 8, "value_group": 8},
+     150, 6e4),  # large errors: fit_fp16 moves powers of two between the factors
+    ("gear-l", {"backbone": "kcvt", "bits": 4, "page_tokens": 5, "rank": 4, "residual": 1},
+     13, 1.0),  # a last page shorter than the rank
+])
+def test_batched_page_fits_equal_one_fit_per_page(name, params, tokens, scale):
+    """post_quantize fits every page of one length in one low_rank call: each page's factors
+    must have the bits of fitting that page alone (low_rank works row by row)."""
+    codec = make_codec(name, {**params, "backend": "torch"})
+    g = torch.Generator().manual_seed(5)
+    kv = (torch.randn(2, 2, 2, tokens, 16, generator=g) * scale).clamp(-65000, 65000)
+    shape, p = KVShape.of(kv), codec.params
+    bb = codec.tuned_backbone()
+    tq = bb.quantized_tokens(tokens)
+    xq, state = codec.pre_quantize(kv[:, :, :, :tq], shape)
+    _, xhat = bb.quantize(xq, codec.uses_xhat)
+    state = codec.post_quantize(state, xq, xhat)
+    pages = 0
+    for layer in range(shape.layers):
+        for t0 in range(0, tq, p.page_tokens):
+            q = min(p.page_tokens, tq - t0)
+            err = codec.fit_error(state, layer, t0, xq[layer, :, :, t0:t0 + q],
+                                  xhat[layer, :, :, t0:t0 + q])
+            a, b = fit_fp16(*low_rank(err.reshape(2 * shape.kv_heads, q, 16), p.rank, p.iters,
+                                      p.seed))
+            got_a, got_b = state[("lowrank", layer, t0)]
+            assert torch.equal(got_a.reshape(a.shape).view(torch.int32), a.view(torch.int32))
+            assert torch.equal(got_b.reshape(b.shape).view(torch.int32), b.view(torch.int32))
+            pages += 1
+    assert pages >= 4

@@ -13,11 +13,18 @@ import sys
 
 import pytest
 
+from kvsim.kernels.triton_support import ptxas_path
+
 # module -> its compile_for_cuda() (default tile parameters)
 MODULES = ["kvsim.kernels.hadamard_triton", "kvsim.kernels.uniform_triton",
            "kvsim.kernels.lynx_triton"]
 
 
+needs_ptxas = pytest.mark.skipif(ptxas_path() is None,
+                                 reason="this Triton install has no ptxas (no CUDA toolchain)")
+
+
+@needs_ptxas
 @pytest.mark.parametrize("module", MODULES)
 def test_kernels_build_for_sm90(module):
     code = (f"import json, {module} as m; p = m.compile_for_cuda(); "
@@ -25,8 +32,6 @@ def test_kernels_build_for_sm90(module):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=600)
-    if run.returncode and "ptxas" in run.stderr and "CompilationError" not in run.stderr:
-        pytest.skip(f"no CUDA toolchain in this triton install: {run.stderr[-200:]}")
     assert run.returncode == 0, run.stderr[-3000:]
     built = json.loads(run.stdout.strip().splitlines()[-1])
     assert built, f"{module}.compile_for_cuda built nothing"
@@ -34,6 +39,7 @@ def test_kernels_build_for_sm90(module):
         assert chars > 1000 and entries == 1, f"{module}: {name} gave {chars} chars of PTX"
 
 
+@needs_ptxas
 def test_compile_ptx_names_unknown_arguments():
     code = ("from kvsim.kernels.triton_support import compile_ptx; "
             "from kvsim.kernels.hadamard_triton import _fwht_kernel as k; "
@@ -42,3 +48,15 @@ def test_compile_ptx_names_unknown_arguments():
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode != 0 and "no argument(s) ['nope']" in run.stderr, run.stderr[-1000:]
+
+
+def test_compile_ptx_refuses_an_interpreted_kernel():
+    """This process defined its kernels under TRITON_INTERPRET=1 (or runs them on a GPU, where
+    the check is moot): an interpreted kernel cannot be compiled, and says how to get one."""
+    from kvsim.kernels import hadamard_triton
+    from kvsim.kernels.triton_support import compile_ptx, interpreting
+
+    if not interpreting():
+        pytest.skip("kernels here are compiled, not interpreted")
+    with pytest.raises(RuntimeError, match="fresh process"):
+        compile_ptx(hadamard_triton._fwht_kernel, {}, {})

@@ -6,7 +6,7 @@ import pytest
 import torch
 from codec_checks import wire_round_trip
 
-from kvsim.kernels import make_codec
+from kvsim.kernels import hadamard_triton, make_codec
 from kvsim.kernels import uniform_triton as ut
 from kvsim.kernels.codec import CodecError
 from kvsim.kernels.groupquant import dequantize_groups, quantize_groups
@@ -132,10 +132,8 @@ def test_triton_backend_on_a_cpu_tensor_without_interpreter_is_a_clear_error(mon
         codec.encode(kv)
     with pytest.raises(CodecError, match="needs a CUDA tensor"):
         codec.decode(enc)
-    from kvsim.kernels.hadamard_triton import hadamard
-
     with pytest.raises(CodecError, match="Hadamard kernel needs a CUDA tensor"):
-        hadamard(torch.ones(4, 32))
+        hadamard_triton.hadamard(torch.ones(4, 32))
 
 
 def test_bad_shapes_and_range():

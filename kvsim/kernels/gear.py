@@ -355,7 +355,8 @@ class GearCodec(BackboneCodec):
 
     def pre_quantize(self, xq: torch.Tensor, shape: KVShape) -> tuple[torch.Tensor, Any]:
         """Remove each page's outliers (gear); state[(layer, t0)] = outlier fields."""
-        state: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        # (layer, t0) -> outlier fields; post_quantize adds the low-rank fits
+        state: dict[Any, Any] = {}
         if not self.sparse:
             return xq, state
         filled = xq.clone()
@@ -413,8 +414,8 @@ class GearCodec(BackboneCodec):
         if tq == 0 or xhat is None:
             return state
         layers, _, h, _, d = xq.shape
-        pt = self.params.page_tokens
         p = self.params
+        pt = p.page_tokens
         if p.lowrank == "sequence":
             err = torch.empty_like(xq)  # [layers, 2, h, Tq, d]
             for layer in range(layers):
@@ -429,10 +430,10 @@ class GearCodec(BackboneCodec):
         for t0 in range(0, tq, pt):
             by_q.setdefault(min(pt, tq - t0), []).extend((layer, t0) for layer in range(layers))
         for q, pages in by_q.items():
-            err = torch.stack([self.fit_error(state, layer, t0,
-                                              xq[layer, :, :, t0:t0 + q],
-                                              xhat[layer, :, :, t0:t0 + q])
-                               for layer, t0 in pages])  # [pages, 2, h, q, d]
+            err = xq.new_empty(len(pages), 2, h, q, d)  # [pages, 2, h, q, d]
+            for i, (layer, t0) in enumerate(pages):
+                err[i] = self.fit_error(state, layer, t0, xq[layer, :, :, t0:t0 + q],
+                                        xhat[layer, :, :, t0:t0 + q])
             a, b = fit_fp16(*low_rank(err.reshape(len(pages) * 2 * h, q, d), p.rank, p.iters,
                                       p.seed))
             a, b = a.reshape(len(pages), 2, h, q, -1), b.reshape(len(pages), 2, h, d, -1)

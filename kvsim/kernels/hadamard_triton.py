@@ -17,7 +17,11 @@ import triton
 import triton.language as tl
 
 from kvsim.kernels.hadamard import check_hadamard_dim
-from kvsim.kernels.triton_support import compile_ptx, require_kernel_device
+from kvsim.kernels.triton_support import (
+    DEFAULT_CUDA_ARCH,
+    compile_ptx,
+    require_kernel_device,
+)
 
 ROWS_PER_PROGRAM = 16
 
@@ -57,7 +61,7 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     return out.reshape(x.shape)
 
 
-def compile_for_cuda(arch: int = 90, head_dims: tuple[int, ...] = (64, 128, 256)
+def compile_for_cuda(arch: int = DEFAULT_CUDA_ARCH, head_dims: tuple[int, ...] = (64, 128, 256)
                      ) -> dict[str, str]:
     """Build the kernel for CUDA sm_<arch> at each head_dim without a GPU; returns the PTX by
     name. Needs TRITON_INTERPRET unset (triton_support.compile_ptx)."""

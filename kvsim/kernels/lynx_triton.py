@@ -31,7 +31,12 @@ from kvsim.kernels.lynx import (
     signed_values,
     write_metadata,
 )
-from kvsim.kernels.triton_support import compile_ptx, interpreting, require_kernel_device
+from kvsim.kernels.triton_support import (
+    DEFAULT_CUDA_ARCH,
+    compile_ptx,
+    interpreting,
+    require_kernel_device,
+)
 
 _MU_SCALE: tl.constexpr = tl.constexpr(float(1 << MU_FRAC_BITS))  # fixed point of the mean
 MAX_STREAMS = 3  # kernels are specialized for up to 3 streams (split widths are constexpr)
@@ -308,8 +313,8 @@ def decode_triton(arr: LynxArrays, lay: LynxLayout, tab: LynxTables, streams: in
     return out
 
 
-def compile_for_cuda(arch: int = 90, split: tuple[int, ...] = (4, 4), head_dim: int = 128,
-                     kv_heads: int = 8) -> dict[str, str]:
+def compile_for_cuda(arch: int = DEFAULT_CUDA_ARCH, split: tuple[int, ...] = (4, 4),
+                     head_dim: int = 128, kv_heads: int = 8) -> dict[str, str]:
     """Compile both kernels for a CUDA target without a GPU (Triton's bundled toolchain) and
     return their PTX: a check that the GPU path builds, and that FMA contraction is off and
     1/sigma uses IEEE division. Needs TRITON_INTERPRET unset (interpreted kernels do not

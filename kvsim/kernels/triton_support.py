@@ -25,8 +25,26 @@ DEFAULT_CUDA_ARCH = 90
 
 
 def interpreting() -> bool:
-    """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when Triton kernels run in the CPU interpreter: TRITON_INTERPRET read as Triton
+    reads it (1, true, on, yes), at call time."""
+    try:
+        import triton
+
+        return bool(triton.knobs.runtime.interpret)
+    except (ImportError, AttributeError):  # a Triton without knobs (< 3.4)
+        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def ptxas_path() -> str | None:
+    """The ptxas that Triton compiles CUDA kernels with, or None where this Triton install
+    has none (compile_ptx cannot run there)."""
+    try:
+        import triton
+
+        path = triton.knobs.nvidia.ptxas.path
+    except Exception:  # no NVIDIA backend, or a Triton without knobs
+        return None
+    return path if path and os.access(path, os.X_OK) else None
 
 
 def require_kernel_device(device: torch.device, who: str, instead: str) -> None:
@@ -49,10 +67,13 @@ def compile_ptx(fn: Any, arg_types: dict[str, str], constexprs: dict[str, Any],
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
 
-    if interpreting():
-        raise RuntimeError("compile_ptx needs TRITON_INTERPRET unset (run it in a fresh "
-                           "process)")
+    # a kernel is interpreted or compiled as its module was imported: both must be "compiled"
+    if interpreting() or not isinstance(fn, JITFunction):
+        raise RuntimeError(f"compile_ptx needs a compiled kernel, got {type(fn).__name__} "
+                           f"{getattr(fn, '__name__', fn)!r}: import the kernel module with "
+                           "TRITON_INTERPRET unset, in a fresh process")
     names = list(fn.arg_names)
     unknown = (set(arg_types) | set(constexprs)) - set(names)
     if unknown:

@@ -24,7 +24,11 @@ import triton.language as tl
 
 from kvsim.kernels.bitpack import pack
 from kvsim.kernels.groupquant import dequantize_groups, qmax_of, quantize_groups
-from kvsim.kernels.triton_support import compile_ptx, require_kernel_device
+from kvsim.kernels.triton_support import (
+    DEFAULT_CUDA_ARCH,
+    compile_ptx,
+    require_kernel_device,
+)
 
 ROWS_PER_PROGRAM = 16
 
@@ -154,7 +158,8 @@ def unpack_dequantize(packed: torch.Tensor, scale16: torch.Tensor, zero16: torch
     return out
 
 
-def compile_for_cuda(arch: int = 90, n: int = 128, group: int = 32) -> dict[str, str]:
+def compile_for_cuda(arch: int = DEFAULT_CUDA_ARCH, n: int = 128, group: int = 32
+                     ) -> dict[str, str]:
     """Build both kernels (2-, 4- and 8-bit) for CUDA sm_<arch> without a GPU; returns their
     PTX by name. Needs TRITON_INTERPRET unset (triton_support.compile_ptx)."""
     ptx = {}
