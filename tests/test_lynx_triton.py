@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton_checks import needs_ptxas, run_compiled
 
 from kvsim.kernels import CodecError
 from kvsim.kernels.lynx import LynxCodec
-from kvsim.kernels.triton_support import ptxas_path
 
 # (layers, kv_heads, tokens, head_dim): tokens not a multiple of chunk / page, odd heads
 # The interpreter evaluates both sides of tl.where and masked-off lanes too (pad tokens times
@@ -107,24 +107,18 @@ def test_triton_cuda_matches_reference_and_cpu(split):
         torch.testing.assert_close(got16.float(), want16.float(), rtol=8e-3, atol=1e-6)
 
 
-@pytest.mark.skipif(ptxas_path() is None,
-                    reason="this Triton install has no ptxas (no CUDA toolchain)")
+@needs_ptxas
 def test_kernels_compile_for_cuda_without_fma():
     """Compile both kernels for sm_90 in a fresh process (no interpreter, no GPU needed): the
     GPU path builds, has no fused multiply-add (bit-exactness with the reference) and divides
     by sigma with IEEE rounding."""
     import json
-    import os
-    import subprocess
-    import sys
 
     code = ("import json; from kvsim.kernels.lynx_triton import compile_for_cuda; "
             "p = compile_for_cuda(); "
             "print(json.dumps({k: [v.count('fma.rn.f32'), v.count('div.rn.f32'), "
             "v.count('.ftz')] for k, v in p.items()}))")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=600)
+    run = run_compiled(code)
     assert run.returncode == 0, run.stderr[-2000:]
     counts = json.loads(run.stdout.strip().splitlines()[-1])
     assert counts["encode"][0] == 0 and counts["decode"][0] == 0  # no fma.rn.f32

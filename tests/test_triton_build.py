@@ -7,21 +7,13 @@ interpreter."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-
-from kvsim.kernels.triton_support import ptxas_path
+from triton_checks import needs_ptxas, run_compiled
 
 # module -> its compile_for_cuda() (default tile parameters)
 MODULES = ["kvsim.kernels.hadamard_triton", "kvsim.kernels.uniform_triton",
            "kvsim.kernels.lynx_triton"]
-
-
-needs_ptxas = pytest.mark.skipif(ptxas_path() is None,
-                                 reason="this Triton install has no ptxas (no CUDA toolchain)")
 
 
 @needs_ptxas
@@ -29,9 +21,7 @@ needs_ptxas = pytest.mark.skipif(ptxas_path() is None,
 def test_kernels_build_for_sm90(module):
     code = (f"import json, {module} as m; p = m.compile_for_cuda(); "
             "print(json.dumps({k: [len(v), v.count('.entry')] for k, v in p.items()}))")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=600)
+    run = run_compiled(code)
     assert run.returncode == 0, run.stderr[-3000:]
     built = json.loads(run.stdout.strip().splitlines()[-1])
     assert built, f"{module}.compile_for_cuda built nothing"
@@ -44,9 +34,7 @@ def test_compile_ptx_names_unknown_arguments():
     code = ("from kvsim.kernels.triton_support import compile_ptx; "
             "from kvsim.kernels.hadamard_triton import _fwht_kernel as k; "
             "compile_ptx(k, {'x_ptr': '*fp32', 'nope': 'i32'}, {})")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=300)
+    run = run_compiled(code, timeout_s=300)
     assert run.returncode != 0 and "no argument(s) ['nope']" in run.stderr, run.stderr[-1000:]
 
 
