@@ -29,8 +29,7 @@ def test_kernels_build_for_sm90(module):
         assert chars > 1000 and entries == 1, f"{module}: {name} gave {chars} chars of PTX"
 
 
-@needs_ptxas
-def test_compile_ptx_names_unknown_arguments():
+def test_compile_ptx_names_unknown_arguments():  # refused before compiling: no ptxas needed
     code = ("from kvsim.kernels.triton_support import compile_ptx; "
             "from kvsim.kernels.hadamard_triton import _fwht_kernel as k; "
             "compile_ptx(k, {'x_ptr': '*fp32', 'nope': 'i32'}, {})")
@@ -38,13 +37,17 @@ def test_compile_ptx_names_unknown_arguments():
     assert run.returncode != 0 and "no argument(s) ['nope']" in run.stderr, run.stderr[-1000:]
 
 
-def test_compile_ptx_refuses_an_interpreted_kernel():
-    """This process defined its kernels under TRITON_INTERPRET=1 (or runs them on a GPU, where
-    the check is moot): an interpreted kernel cannot be compiled, and says how to get one."""
+def test_compile_ptx_refuses_an_interpreted_kernel(monkeypatch):
+    """This process defined its kernels under TRITON_INTERPRET=1 (on a GPU they are compiled
+    and the check is moot): an interpreted kernel cannot be compiled, and says how to get one,
+    with the interpreter still on and after it is turned off (the kernel stays interpreted)."""
     from kvsim.kernels import hadamard_triton
     from kvsim.kernels.triton_support import compile_ptx, interpreting
 
     if not interpreting():
         pytest.skip("kernels here are compiled, not interpreted")
     with pytest.raises(RuntimeError, match="fresh process"):
+        compile_ptx(hadamard_triton._fwht_kernel, {}, {})
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(RuntimeError, match="needs a compiled kernel, got .*_fwht_kernel"):
         compile_ptx(hadamard_triton._fwht_kernel, {}, {})

@@ -416,29 +416,28 @@ class GearCodec(BackboneCodec):
         layers, _, h, _, d = xq.shape
         p = self.params
         pt = p.page_tokens
+        err = torch.empty_like(xq)  # [layers, 2, h, Tq, d]
+        for layer in range(layers):
+            for t0 in range(0, tq, pt):
+                sl = (layer, slice(None), slice(None), slice(t0, t0 + pt))
+                err[sl] = self.fit_error(state, layer, t0, xq[sl], xhat[sl])
         if p.lowrank == "sequence":
-            err = torch.empty_like(xq)  # [layers, 2, h, Tq, d]
-            for layer in range(layers):
-                for t0 in range(0, tq, pt):
-                    sl = (layer, slice(None), slice(None), slice(t0, t0 + pt))
-                    err[sl] = self.fit_error(state, layer, t0, xq[sl], xhat[sl])
             a, b = fit_fp16(*low_rank(err.reshape(layers * 2 * h, tq, d), p.rank, p.iters,
                                       p.seed))
             state["lowrank"] = (a.reshape(layers, 2, h, tq, -1), b.reshape(layers, 2, h, d, -1))
             return state
-        by_q: dict[int, list[tuple[int, int]]] = {}  # page length -> [(layer, t0)]
-        for t0 in range(0, tq, pt):
-            by_q.setdefault(min(pt, tq - t0), []).extend((layer, t0) for layer in range(layers))
-        for q, pages in by_q.items():
-            err = xq.new_empty(len(pages), 2, h, q, d)  # [pages, 2, h, q, d]
-            for i, (layer, t0) in enumerate(pages):
-                err[i] = self.fit_error(state, layer, t0, xq[layer, :, :, t0:t0 + q],
-                                        xhat[layer, :, :, t0:t0 + q])
-            a, b = fit_fp16(*low_rank(err.reshape(len(pages) * 2 * h, q, d), p.rank, p.iters,
-                                      p.seed))
-            a, b = a.reshape(len(pages), 2, h, q, -1), b.reshape(len(pages), 2, h, d, -1)
-            for i, (layer, t0) in enumerate(pages):
-                state[("lowrank", layer, t0)] = (a[i], b[i])
+        full = tq // pt * pt  # the full pages, then the last one if it is shorter
+        for t_lo, t_hi, q in ((0, full, pt), (full, tq, tq - full)):
+            n = (t_hi - t_lo) // q if q else 0  # pages of length q
+            if n == 0:
+                continue
+            e = err[:, :, :, t_lo:t_hi].reshape(layers * 2 * h * n, q, d)  # rows (l, kv, h, page)
+            a, b = fit_fp16(*low_rank(e, p.rank, p.iters, p.seed))
+            a, b = a.reshape(layers, 2, h, n, q, -1), b.reshape(layers, 2, h, n, d, -1)
+            for layer in range(layers):
+                for i in range(n):
+                    state[("lowrank", layer, t_lo + i * q)] = (a[layer, :, :, i],
+                                                               b[layer, :, :, i])
         return state
 
     def page_extras(self, state: Any, layer: int, t0: int, q: int, x_page: torch.Tensor,
