@@ -47,6 +47,7 @@ import simpy
 
 from kvsim.hardware import TimingModel
 from kvsim.sim.speculative import DecodeTimeline
+from kvsim.sim.timer import Timer, call_later
 
 _COUNTS: dict[int, np.ndarray] = {}  # n -> [n] float 1..n (read-only), see _counts
 
@@ -131,7 +132,7 @@ class DecodeBatch:
         self._verifying = 0  # members in their verification pass
         self._heap: list[tuple[float, int, Member]] = []  # (target clock, push #, member)
         self._pushed = 0
-        self._timer: simpy.Event | None = None
+        self._timer: Timer | None = None
         self._timer_v = math.inf  # the armed timer's clock target (steps) ...
         self._timer_t = math.inf  # ... and time (s)
         # (new tokens, context) -> TimingModel.member_work: (FLOPs, KV bytes)
@@ -211,12 +212,12 @@ class DecodeBatch:
         if m.phase != "wait":
             self._enter(m, "wait", 0)
 
-        def loaded(_event: simpy.Event) -> None:
+        def loaded(_timer: Timer) -> None:
             self._advance()
             m.full_t = self.env.now  # the full cache is usable from here
             start()
             self._changed()
-        self.env.timeout(m.load_s).callbacks.append(loaded)
+        call_later(self.env, m.load_s, loaded)
 
     # ---- phases ------------------------------------------------------------------------
     def _enter(self, m: Member, phase: str, steps: int) -> None:
@@ -394,11 +395,10 @@ class DecodeBatch:
         t = self.env.now + delay
         if target == self._timer_v and t == self._timer_t and self._timer is not None:
             return  # same target at the same rate: the armed timer stands
-        timer = self.env.timeout(delay)
-        self._timer, self._timer_v, self._timer_t = timer, target, t
-        timer.callbacks.append(self._on_timer)
+        self._timer = call_later(self.env, delay, self._on_timer)
+        self._timer_v, self._timer_t = target, t
 
-    def _on_timer(self, event: simpy.Event) -> None:
+    def _on_timer(self, event: Timer) -> None:
         if event is not self._timer:
             return  # superseded: the batch changed before this target was reached
         target = self._timer_v

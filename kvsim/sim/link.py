@@ -31,6 +31,7 @@ import numpy as np
 import simpy
 
 from kvsim.config.checks import check_number, check_trace
+from kvsim.sim.timer import Timer, call_later
 
 _MESSAGES_CACHED = 4096  # prepared size arrays a link keeps (Link.messages)
 _REL_EPS = 1e-12  # relative slack when deciding that a message's last byte has left
@@ -128,7 +129,7 @@ class Link:
         self._step = 0
         self.flows: list[Flow] = []  # unfinished flows
         self.last_t = env.now
-        self._timer: simpy.Event | None = None
+        self._timer: Timer | None = None
         self._timer_t = math.inf
         self._finished_bytes = 0.0
         self._finished_pending = False  # a flow sent its last message since the last reschedule
@@ -404,11 +405,9 @@ class Link:
             self._timer, self._timer_t = None, math.inf
             return
         delay = max(0.0, t - self.env.now)
-        timer = self.env.timeout(delay)
-        self._timer, self._timer_t = timer, t
-        timer.callbacks.append(self._on_timer)
+        self._timer, self._timer_t = call_later(self.env, delay, self._on_timer), t
 
-    def _on_timer(self, event: simpy.Event) -> None:
+    def _on_timer(self, event: Timer) -> None:
         if event is not self._timer:
             return  # superseded by a later reschedule
         self._timer, self._timer_t = None, math.inf

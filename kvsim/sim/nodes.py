@@ -30,6 +30,7 @@ from kvsim.sim.batch import DecodeBatch
 from kvsim.sim.link import Flow, Link
 from kvsim.sim.policy import FlowPlan, serial_pipeline
 from kvsim.sim.prefill_batch import ChunkedPrefill
+from kvsim.sim.timer import Timer, call_later
 
 _NONE = np.empty(0)  # [0] s: no arrival reported yet (read-only use)
 
@@ -55,14 +56,13 @@ class PrefillNode:
         """Call start() at time t (s, after the starts already waiting: FIFO)."""
         self.waiting.append((t, start))
         if len(self.waiting) == 1:
-            env.timeout(t - env.now).callbacks.append(lambda _ev: self._started(env))
+            call_later(env, t - env.now, lambda _timer: self._started(env))
 
     def _started(self, env: simpy.Environment) -> None:
         _, start = self.waiting.popleft()
         start()
         if self.waiting:
-            env.timeout(self.waiting[0][0] - env.now).callbacks.append(
-                lambda _ev: self._started(env))
+            call_later(env, self.waiting[0][0] - env.now, lambda _timer: self._started(env))
 
 
 class DecodeNode:
@@ -187,10 +187,9 @@ class Receiver:
     def fire(self, ready_t: float) -> None:
         """The flow will be deserialized at ready_t (s): one event then."""
         self.ready_t = ready_t
-        timer = self.env.timeout(max(0.0, ready_t - self.env.now))
-        timer.callbacks.append(self._ready)
+        call_later(self.env, max(0.0, ready_t - self.env.now), self._ready)
 
-    def _ready(self, _event: simpy.Event) -> None:
+    def _ready(self, _timer: Timer) -> None:
         self.is_ready = True
         waiting, self._waiting = self._waiting, []
         for callback in waiting:

@@ -12,7 +12,8 @@ the per-token decode timeline is a continuous batch per decode instance
 request costs events per flow and per batch change, not per token. Callbacks instead of
 generator processes halve the events of a run (no process start, resource request and
 release, or condition event per wait: 25 -> 11 per request on `kvsim bench sim`'s
-cluster case) and change no result (tests/test_sim_golden.py).
+cluster case) and change no result (tests/test_sim_golden.py). The timers behind those
+callbacks are kvsim.sim.timer's, not simpy Timeouts: the same order, a third of the cost.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from kvsim.sim.request_log import request_rows, write_request_log
 from kvsim.sim.size_calibration import calibrate_sizes
 from kvsim.sim.speculative import draft_overhead_s, receiver_busy_draft_s, receiver_draft_s
 from kvsim.sim.spread import spread_of
+from kvsim.sim.timer import Timer, call_later
 from kvsim.sim.trace import TraceLog
 from kvsim.sim.worker_load import busy_share_overhead_s, later_streams_busy_fraction
 from kvsim.sim.workload import Request, requests
@@ -241,7 +243,7 @@ class Scenario:
         self._arriving, self._next_arrival = reqs, 0
         self._arrive()
 
-    def _arrive(self, _event: simpy.Event | None = None) -> None:
+    def _arrive(self, _timer: Timer | None = None) -> None:
         """Start the requests that arrive by now; time the next arrival. (A method, not a
         closure: a closure that re-arms itself is a reference cycle, which would hold the
         run's requests until the cyclic collector runs.)"""
@@ -252,7 +254,7 @@ class Scenario:
             i += 1
         self._next_arrival = i
         if i < n:
-            env.timeout(reqs[i].arrival_t - now).callbacks.append(self._arrive)
+            call_later(env, reqs[i].arrival_t - now, self._arrive)
         else:
             self._arriving = []
 
@@ -322,15 +324,15 @@ class Scenario:
         all_in_before = all(rx.is_ready for rx in ps.receivers)
         ps.load_all_s = build_s
 
-        def built(_event: simpy.Event) -> None:
+        def built(_timer: Timer) -> None:
             if ps.plan.speculative and not all_in_before and \
                     all(rx.is_ready for rx in ps.receivers):
                 # the anchor's cache was built for nothing
-                env.timeout(build_s).callbacks.append(lambda _ev: self._admit(ps))
+                call_later(env, build_s, lambda _timer: self._admit(ps))
             else:
                 self._admit(ps)
 
-        env.timeout(build_s + self.timing.first_step_extra_s(ctx)).callbacks.append(built)
+        call_later(env, build_s + self.timing.first_step_extra_s(ctx), built)
 
     def _load_on_demand(self, ps: Passage) -> None:
         """deserializer=on_demand, once the needed streams are in (now): as the transport's
@@ -350,14 +352,14 @@ class Scenario:
         def all_in() -> bool:
             return all(rx.ready_t <= env.now for rx in receivers)
 
-        def full_loaded(_event: simpy.Event) -> None:
+        def full_loaded(_timer: Timer) -> None:
             ps.t_need, ps.drafting, ps.load_all_s = env.now, False, 0.0
             self._admit(ps)
 
         def load_full() -> None:
-            env.timeout(load_all_s + extra_s).callbacks.append(full_loaded)
+            call_later(env, load_all_s + extra_s, full_loaded)
 
-        def anchor_loaded(_event: simpy.Event) -> None:
+        def anchor_loaded(_timer: Timer) -> None:
             if all_in():
                 when_all_ready(receivers, load_full)
             else:
@@ -365,8 +367,8 @@ class Scenario:
                 self._admit(ps)
 
         if ps.plan.speculative and not all_in():
-            env.timeout(self.codec_timing.anchor_decode_s(bf16, devices) + extra_s) \
-                .callbacks.append(anchor_loaded)
+            call_later(env, self.codec_timing.anchor_decode_s(bf16, devices) + extra_s,
+                       anchor_loaded)
         else:
             when_all_ready(receivers, load_full)
 
