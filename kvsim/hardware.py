@@ -105,6 +105,8 @@ class TimingModel:
         self._tpot_cache: dict[tuple[int, int], float] = {}
         self._step_rates: tuple[float, float] | None = None
         self._weight_read_bytes: dict[int, float] = {}  # new tokens -> weights a step reads
+        # (new tokens, context) -> member_work, shared by every decode batch of a run
+        self._member_work: dict[tuple[int, int], tuple[float, float]] = {}
 
     def check_fits(self, context_tokens: int) -> None:
         """Weights + one bf16 cache of `context_tokens` must fit the instance's memory; the
@@ -217,9 +219,15 @@ class TimingModel:
     def member_work(self, new_tokens: int, context_tokens: int) -> tuple[float, float]:
         """One sequence's share of a batched forward step over `new_tokens` new tokens
         (1 decoding, n verifying n drafts) attending to its `context_tokens`: (FLOPs, bf16
-        KV bytes read). Summed over the batch, they give `batch_step_s`."""
-        return (self.model.forward_flops(new_tokens, context_tokens),
+        KV bytes read). Summed over the batch, they give `batch_step_s`. Memoized: a
+        decode batch asks at every join and phase change."""
+        key = (new_tokens, context_tokens)
+        work = self._member_work.get(key)
+        if work is None:
+            work = self._member_work[key] = (
+                self.model.forward_flops(new_tokens, context_tokens),
                 float(self.model.kv_bytes_bf16(context_tokens + new_tokens)))
+        return work
 
     def batch_step_s(self, new_tokens: int, flops: float, kv_read_bytes: float,
                      sequences: int, context_tokens_sum: float) -> float:

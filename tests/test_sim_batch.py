@@ -41,6 +41,10 @@ def test_step_time_is_the_roofline_over_the_members():
     assert tm.tpot_s(1000, 2) == pytest.approx(step_s(1000, 1000), rel=1e-12)
     f1, k1 = tm.member_work(1, 1000)
     f2, k2 = tm.member_work(1, 3000)
+    assert k1 == (1000 + 1) * KV_PER_TOKEN and k2 == (3000 + 1) * KV_PER_TOKEN
+    # memoized for every batch of a run: the same pair again, no new computation
+    assert tm.member_work(1, 1000) is tm.member_work(1, 1000)
+    assert tm.member_work(2, 1000)[1] == (1000 + 2) * KV_PER_TOKEN
     assert tm.batch_step_s(2, f1 + f2, k1 + k2, 2, 4000) == pytest.approx(
         step_s(1000, 3000), rel=1e-12)
     fv, kv = tm.member_work(5, 1000)  # verifying 5 drafts alone = verify_s

@@ -194,3 +194,27 @@ def test_prepared_messages_are_reused_by_identity_and_bounded():
     assert len(link._messages) <= 4096
     with pytest.raises(ValueError, match="> 0 bytes"):
         Link(env, 8.0).messages(np.array([1.0, 0.0]))
+
+
+def test_links_of_one_framing_share_prepared_messages():
+    """With shared_messages, links of the same message overhead prepare an array once
+    between them; a link with other framing keeps its own (its totals differ); the
+    times a flow gets are those of an unshared link."""
+    env = simpy.Environment()
+    shared: dict = {}
+    a = Link(env, 8.0, message_overhead_bytes=10.0, shared_messages=shared)
+    b = Link(env, 8.0, message_overhead_bytes=10.0, shared_messages=shared)
+    c = Link(env, 8.0, message_overhead_bytes=20.0, shared_messages=shared)
+    sizes = np.array([100.0, 50.0])
+    assert a.messages(sizes) is b.messages(sizes)
+    assert c.messages(sizes) is not a.messages(sizes)
+    assert c.messages(sizes).cum_l == [120.0, 190.0]
+    assert sorted(shared) == [10.0, 20.0]
+
+    def arrivals(link_kw):
+        _, (flow,), _, _ = _run(link_kw, [(sizes, [0.0, 0.5], 0)])
+        return flow.arrival_t().tolist()
+    alone = arrivals({"bandwidth_gbps": 8e-9 * 100.0, "message_overhead_bytes": 10.0})
+    with_shared = arrivals({"bandwidth_gbps": 8e-9 * 100.0, "message_overhead_bytes": 10.0,
+                            "shared_messages": shared})
+    assert with_shared == alone == pytest.approx([1.1, 1.7], rel=REL)

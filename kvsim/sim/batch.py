@@ -135,8 +135,6 @@ class DecodeBatch:
         self._timer: Timer | None = None
         self._timer_v = math.inf  # the armed timer's clock target (steps) ...
         self._timer_t = math.inf  # ... and time (s)
-        # (new tokens, context) -> TimingModel.member_work: (FLOPs, KV bytes)
-        self._work: dict[tuple[int, int], tuple[float, float]] = {}
         self.changes = 0  # batch changes (rate recomputations)
         self._left: list[Member] = []  # left during the batch's update, told after it
 
@@ -234,7 +232,7 @@ class DecodeBatch:
 
     def _set_work(self, m: Member, phase: str) -> None:
         if phase in ("decode", "draft"):
-            hit = self._member_work(1, m.context_tokens)
+            hit = self.timing.member_work(1, m.context_tokens)
             work = (1, hit[0], hit[1], m.draft_overhead_s if phase == "draft" else 0.0)
         elif phase == "verify":
             work = m._verify_work
@@ -261,20 +259,13 @@ class DecodeBatch:
             self._tokens, self._flops, self._kv, self._overhead, self._ctx = 0, 0.0, 0.0, 0.0, 0
         m.work = work
 
-    def _member_work(self, new_tokens: int, context_tokens: int) -> tuple[float, float]:
-        key = (new_tokens, context_tokens)
-        hit = self._work.get(key)
-        if hit is None:
-            hit = self._work[key] = self.timing.member_work(new_tokens, context_tokens)
-        return hit
-
     def _start_verify(self, m: Member, proposed: int) -> None:
         m.proposed = proposed
         accepted = int(m.sample_accepted(proposed)) if m.sample_accepted else 0
         if not 0 <= accepted <= proposed:
             raise ValueError(f"acceptance model returned {accepted} of {proposed} drafted tokens")
         m.accepted, m.verify_start_t = accepted, self.env.now
-        flops, kv = self._member_work(proposed, m.context_tokens)
+        flops, kv = self.timing.member_work(proposed, m.context_tokens)
         m._verify_work = (proposed, flops, kv, 0.0)
         self._enter(m, "verify", 1)
 

@@ -100,7 +100,9 @@ class Link:
                  message_overhead_bytes: float = 0.0,
                  trace: Sequence[Sequence[float]] | None = None, name: str = "link",
                  trace_origin: str = "run",
-                 class_weight: Callable[[Any], float] | None = None) -> None:
+                 class_weight: Callable[[Any], float] | None = None,
+                 shared_messages: dict[float, dict[int, tuple[np.ndarray, Messages]]] | None
+                 = None) -> None:
         check_number(f"{name}: bandwidth_gbps", bandwidth_gbps)
         if trace_origin not in TRACE_ORIGINS:
             raise ValueError(f"{name}: trace_origin must be one of {TRACE_ORIGINS}, got "
@@ -135,8 +137,13 @@ class Link:
         self._finished_pending = False  # a flow sent its last message since the last reschedule
         self._holding = False  # inside holding(): submits wait for its one reallocation
         self.submitted_bytes = 0.0
-        # id(payload sizes array) -> (the array, its Messages): see messages()
-        self._messages: dict[int, tuple[np.ndarray, Messages]] = {}
+        # id(payload sizes array) -> (the array, its Messages): see messages(); with
+        # shared_messages (message overhead -> such a dict), one dict for every link of the
+        # same framing: a run's links carry the same plans' arrays, and a Messages per
+        # array and link was a cost per request that grew with the number of links
+        self._messages: dict[int, tuple[np.ndarray, Messages]] = (
+            {} if shared_messages is None else
+            shared_messages.setdefault(self.message_overhead_bytes, {}))
         self.events = 0  # rate recomputations (for events/s accounting)
         self.first_byte_t = math.nan  # the link first carried a byte
         self.first_t = math.nan

@@ -203,8 +203,9 @@ class Scenario:
         egress = profiled_link_settings(  # link.profile: the measured emulated link
             self.bandwidth_gbps, cfg.link.latency_s, cfg.link.message_overhead_bytes,
             cfg.link.trace, load_link_profile(cfg.link.profile) if cfg.link.profile else None)
+        messages: dict = {}  # the links' prepared message sizes, shared (Link.messages)
         self.links = [Link(env, **egress, name=f"link{i}", trace_origin=cfg.link.trace_origin,
-                           class_weight=class_weight)
+                           class_weight=class_weight, shared_messages=messages)
                       for i in range(n_links)]
         self.prefill = [PrefillNode(i, self.links[0 if n_links == 1 else i])
                         for i in range(w.prefill_nodes)]
@@ -223,7 +224,7 @@ class Scenario:
         # optional ingress per decode node (no latency: counted once, on the egress link)
         self.ingress = [Link(env, cfg.link.decode_ingress_gbps, name=f"ingress{i}",
                              message_overhead_bytes=cfg.link.message_overhead_bytes,
-                             class_weight=class_weight)
+                             class_weight=class_weight, shared_messages=messages)
                         for i in range(w.decode_nodes)] if cfg.link.decode_ingress_gbps else []
         if self.deserializer == "node":  # one FIFO deserializer per decode instance, which
             for i, node in enumerate(self.decode):  # flushes every link its flows cross
