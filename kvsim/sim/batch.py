@@ -338,12 +338,11 @@ class DecodeBatch:
         seg.append(("verify", m.verify_start_t, v_end))
         if rest > 0:
             seg.append(("decode", v_end, now))
-        committed = times.copy()
-        committed[: min(a + 1, k)] = v_end  # drafts count once verification accepts them
+        # committed: drafts count once verification accepts them
         return DecodeTimeline(
             times, m.start_t, m.full_t, m.proposed, a, m.verify_start_t, v_end - m.verify_start_t,
             (m.draft_end_t - m.start_t) / m.proposed, (now - v_end) / rest if rest > 0 else 0.0,
-            seg, committed)
+            seg, min(a + 1, k), v_end)
 
     # ---- the fluid clock ---------------------------------------------------------------
     def _advance(self) -> None:

@@ -43,7 +43,7 @@ class RequestRecord:
         return float(self.timeline.token_t[k - 1])
 
     def ttkt_committed(self, k: int) -> float:
-        return float(self.timeline.committed_t[k - 1])
+        return self.timeline.committed_at(k)
 
     def breakdown(self, k: int) -> dict[str, float]:
         """Split [prefill end, TTKT(k)] along the critical path; the parts sum to it.
@@ -81,15 +81,15 @@ def request_row(rec: RequestRecord, ks: list[int], breakdown_k: int) -> dict:
     trace files give requests fewer tokens than metrics.ks allows; SimConfig.validate
     refuses a k no request decodes); the breakdown splits TTKT(min(breakdown_k, tokens))."""
     tl = rec.timeline
-    token_t, committed_t = tl.token_t, tl.committed_t  # [tokens] s
+    token_t = tl.token_t  # [tokens] s
     tokens = len(token_t)
     ks_ok = [k for k in ks if 1 <= k <= tokens]
     breakdown_k = min(breakdown_k, tokens)
     # TTKT(k) and committed TTKT(k) (s) of the reported ks and of token 1, read once
     # (the values rec.ttkt / rec.ttkt_committed return)
     drafted = {k: float(token_t[k - 1]) for k in ks_ok}
-    committed = {k: float(committed_t[k - 1]) for k in ks_ok}
-    t1, c1 = float(token_t[0]), float(committed_t[0])
+    committed = {k: tl.committed_at(k) for k in ks_ok}
+    t1, c1 = float(token_t[0]), tl.committed_at(1)
     arrival_t, prefill_end_t = rec.arrival_t, rec.prefill_end_t
     return {
         "ttft_s": t1 - arrival_t,
@@ -170,46 +170,89 @@ def aggregate_request_rows(per: list[dict]) -> dict:
         sum(p["proposed_tokens"] for p in per), sum(p["accepted_tokens"] for p in per))
 
 
-def aggregate_records(recs: list[RequestRecord], ks: list[int], breakdown_k: int) -> dict:
+# the per-request scalars record_columns reads, in its one pass (a column each)
+_SCALARS = ("arrival_t", "prefill_start_t", "prefill_end_t", "needed_arrival_t",
+            "needed_backlog_t", "needed_ready_t", "all_arrival_t", "decode_start_t",
+            "context_tokens", "memory_wait_s", "tokens", "first_token_t",
+            "commit_count", "commit_t", "last_token_t", "tpot_s", "proposed", "accepted",
+            "total_bytes")
+
+
+@dataclass
+class RecordColumns:
+    """Many records as columns, read in one pass over them: at 100,000 records (~3.5 KB
+    each, spread over the heap) every pass is mostly cache misses, and one pass per column
+    made the multi-request row 18x slower than at 10,000 (2.2 against 0.12 s here)."""
+    scalars: dict[str, np.ndarray]  # _SCALARS -> [n] (float64; counts exact below 2^53)
+    stream_bytes: np.ndarray  # [n, streams] wire bytes per stream (float64, as the scalars)
+    token_t: list[np.ndarray]  # [n] each record's drafted token times (s)
+    segments: list[list[tuple[str, float, float]]]  # [n] each timeline's segments
+
+
+def record_columns(recs: list[RequestRecord]) -> RecordColumns:
+    n, width = len(recs), len(_SCALARS)
+    streams = len(recs[0].stream_bytes) if recs else 0
+    values = np.empty((n, width))
+    stream_bytes = np.empty((n, streams))
+    token_t, segments = [], []
+    for i, r in enumerate(recs):
+        tl = r.timeline
+        drafted = tl.token_t
+        values[i] = (r.arrival_t, r.prefill_start_t, r.prefill_end_t, r.needed_arrival_t,
+                     r.needed_backlog_t, r.needed_ready_t, r.all_arrival_t, r.decode_start_t,
+                     r.context_tokens, r.extra.get("memory_wait_s", 0.0), len(drafted),
+                     drafted[0], tl.commit_count, tl.commit_t, drafted[-1], tl.tpot_s,
+                     tl.proposed, tl.accepted, sum(r.stream_bytes))
+        stream_bytes[i] = r.stream_bytes
+        token_t.append(drafted)
+        segments.append(tl.segments)
+    return RecordColumns(dict(zip(_SCALARS, values.T, strict=True)), stream_bytes, token_t,
+                         segments)
+
+
+def committed_column(col: dict[str, np.ndarray], k: int, drafted_k: np.ndarray,
+                     rows: np.ndarray | slice = slice(None)) -> np.ndarray:
+    """Committed TTKT(k) times (s) of the records `rows` from their drafted ones
+    (DecodeTimeline.committed_at, per column)."""
+    return np.where(k <= col["commit_count"][rows], col["commit_t"][rows], drafted_k)
+
+
+def aggregate_records(recs: list[RequestRecord], ks: list[int], breakdown_k: int,
+                      cols: RecordColumns | None = None) -> dict:
     """aggregate_request_rows([request_row(r, ks, breakdown_k) for r in recs]), the same
     numbers (the same values in the same order into aggregate_columns), with the columns
-    read from the records instead of through a dict per request: those dicts took a tenth
-    of a 10,000-request run."""
-    arrival = np.array([r.arrival_t for r in recs])
-    prefill_end = np.array([r.prefill_end_t for r in recs])
-    prefill_start = np.array([r.prefill_start_t for r in recs])
-    timelines = [r.timeline for r in recs]
-    tokens = np.array([len(tl.token_t) for tl in timelines])
+    read from the records (record_columns; `cols` if the caller has them) instead of
+    through a dict per request: those dicts took a tenth of a 10,000-request run."""
+    c = record_columns(recs) if cols is None else cols
+    col = c.scalars
+    arrival, prefill_end = col["arrival_t"], col["prefill_end_t"]
+    tokens = col["tokens"].astype(np.int64)
     if recs and (tokens == tokens[0]).all():  # one output length: [n, tokens] matrices
         # one concatenation, not np.stack (a view per row: 5 us per request at 100k)
-        shape = (len(timelines), int(tokens[0]))
-        drafted = np.concatenate([tl.token_t for tl in timelines]).reshape(shape)
-        committed = np.concatenate([tl.committed_t for tl in timelines]).reshape(shape)
+        drafted = np.concatenate(c.token_t).reshape(len(recs), int(tokens[0]))
     else:
-        drafted = committed = None
-    t1 = np.array([float(tl.token_t[0]) for tl in timelines])
-    c1 = np.array([float(tl.committed_t[0]) for tl in timelines])
+        drafted = None
+    t1 = col["first_token_t"]
+    c1 = committed_column(col, 1, t1)
     columns = {
         "ttft_s": t1 - arrival,
         "ttft_from_prefill_end_s": t1 - prefill_end,
         "ttft_committed_s": c1 - arrival,
         "ttft_committed_from_prefill_end_s": c1 - prefill_end,
-        "prefill_s": prefill_end - prefill_start,
-        "prefill_wait_s": prefill_start - arrival,
-        "memory_wait_s": np.array([float(r.extra.get("memory_wait_s", 0.0)) for r in recs]),
-        "tpot_s": np.array([tl.tpot_s for tl in timelines]),
+        "prefill_s": prefill_end - col["prefill_start_t"],
+        "prefill_wait_s": col["prefill_start_t"] - arrival,
+        "memory_wait_s": col["memory_wait_s"],
+        "tpot_s": col["tpot_s"],
     }
     ks_seen = sorted({k for k in ks if 1 <= k <= int(tokens.max(initial=0))}, key=int)
     ttkt: dict[str, dict[int, np.ndarray]] = {key: {} for key in TTKT_KEYS}
     for k in ks_seen:
         has = tokens >= k
         if drafted is not None:
-            d_k, c_k = drafted[:, k - 1], committed[:, k - 1]
+            d_k = drafted[:, k - 1]
         else:
-            d_k = np.array([float(tl.token_t[k - 1])
-                            for tl, ok in zip(timelines, has, strict=True) if ok])
-            c_k = np.array([float(tl.committed_t[k - 1])
-                            for tl, ok in zip(timelines, has, strict=True) if ok])
+            d_k = np.array([float(t[k - 1]) for t, ok in zip(c.token_t, has, strict=True) if ok])
+        c_k = committed_column(col, k, d_k, has)
         a_k, pe_k = arrival[has], prefill_end[has]
         ttkt["ttkt_s"][k] = d_k - a_k
         ttkt["ttkt_from_prefill_end_s"][k] = d_k - pe_k
@@ -219,13 +262,12 @@ def aggregate_records(recs: list[RequestRecord], ks: list[int], breakdown_k: int
     if drafted is not None:
         end_t = drafted[:, min(breakdown_k, int(tokens[0])) - 1].copy()
     else:
-        end_t = np.array([float(tl.token_t[min(breakdown_k, len(tl.token_t)) - 1])
-                          for tl in timelines])
+        end_t = np.array([float(t[min(breakdown_k, len(t)) - 1]) for t in c.token_t])
     return aggregate_columns(
         {key: columns[key] for key in MEAN_KEYS}, ttkt,
         {k: int((tokens >= k).sum()) for k in ks_seen},
-        breakdown_columns(recs, end_t),
-        sum(tl.proposed for tl in timelines), sum(tl.accepted for tl in timelines))
+        breakdown_columns(recs, end_t, c),
+        int(col["proposed"].sum()), int(col["accepted"].sum()))
 
 
 # a decode segment's kind -> its code in breakdown_columns: -1 wait, else its part's
@@ -234,26 +276,28 @@ _SEGMENT_CODE = {"wait": -1} | {kind: BREAKDOWN_KEYS.index(part)
                                 for kind, part in _SEGMENT_PART.items()}
 
 
-def breakdown_columns(recs: list[RequestRecord], end_t: np.ndarray) -> dict[str, np.ndarray]:
+def breakdown_columns(recs: list[RequestRecord], end_t: np.ndarray,
+                      cols: RecordColumns | None = None) -> dict[str, np.ndarray]:
     """[RequestRecord.breakdown] over many records at once, as columns: [n] s per part,
     splitting [prefill end, end_t[i]]. For finite times (a run's records), the same floats as
     the per-record method: the same operations, each record's segments added in their order
     (np.add.at is sequential); np.minimum / np.maximum differ from min / max only on NaN and
     on ties of opposite-signed zeros. Without the per-record dict and loop (a quarter of a
-    100k-request row)."""
+    100k-request row). `cols`: the records' record_columns, if the caller has them."""
+    c = record_columns(recs) if cols is None else cols
+    col = c.scalars
     n = len(recs)
-    t_pe = np.array([r.prefill_end_t for r in recs])
-    arrival = np.array([r.needed_arrival_t for r in recs])
+    t_pe = col["prefill_end_t"]
+    arrival = col["needed_arrival_t"]
     exposed = np.maximum(arrival - t_pe, 0.0)
-    serialize = np.minimum(exposed, np.maximum(
-        np.array([r.needed_backlog_t for r in recs]) - t_pe, 0.0))
-    ready = np.array([r.needed_ready_t for r in recs])
+    serialize = np.minimum(exposed, np.maximum(col["needed_backlog_t"] - t_pe, 0.0))
+    ready = col["needed_ready_t"]
     out = {key: np.zeros(n) for key in BREAKDOWN_KEYS}
     out["serialize"] = serialize
     out["exposed_communication"] = exposed - serialize
     out["deserialize"] = ready - np.maximum(arrival, t_pe)
-    out["queueing"] = np.array([r.decode_start_t for r in recs]) - ready
-    segments = [r.timeline.segments for r in recs]
+    out["queueing"] = col["decode_start_t"] - ready
+    segments = c.segments
     flat = list(chain.from_iterable(segments))  # (kind, t0, t1), record by record
     if not flat:
         return out
@@ -266,8 +310,7 @@ def breakdown_columns(recs: list[RequestRecord], end_t: np.ndarray) -> dict[str,
     wait = live & (code == -1)
     if wait.any():  # waiting for later streams: their exposed transfer, then deserialization
         i, w_lo, w_hi = owner[wait], lo[wait], hi[wait]
-        split = np.minimum(np.maximum(np.array([r.all_arrival_t for r in recs])[i], w_lo),
-                           w_hi)
+        split = np.minimum(np.maximum(col["all_arrival_t"][i], w_lo), w_hi)
         np.add.at(out["exposed_communication"], i, split - w_lo)
         np.add.at(out["deserialize"], i, w_hi - split)
     for part in set(_SEGMENT_CODE.values()) - {-1}:

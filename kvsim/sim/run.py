@@ -40,7 +40,7 @@ from kvsim.sim.gc_pause import gc_paused
 from kvsim.sim.ingress import IngressJoin
 from kvsim.sim.link import Link
 from kvsim.sim.link_profile import load_link_profile, profiled_link_settings
-from kvsim.sim.metrics import RequestRecord, aggregate_records, request_row
+from kvsim.sim.metrics import RequestRecord, aggregate_records, record_columns, request_row
 from kvsim.sim.nodes import (
     DecodeNode,
     Deserializer,
@@ -540,20 +540,23 @@ class Scenario:
         if len(recs) == 1:
             row.update(request_row(recs[0], ks, cfg.metrics.breakdown_k))
             return row
-        # multi-request rows: means over requests (bytes too: contexts differ), percentiles
-        row["context_tokens_mean"] = float(np.mean([r.context_tokens for r in recs]))
-        row["stream_bytes"] = {name: float(np.mean([r.stream_bytes[i] for r in recs]))
+        # multi-request rows: means over requests (bytes too: contexts differ), percentiles;
+        # the records read once, as columns (metrics.record_columns)
+        cols = record_columns(recs)
+        col = cols.scalars
+        context = col["context_tokens"].astype(np.int64)
+        row["context_tokens_mean"] = float(np.mean(context))
+        row["stream_bytes"] = {name: float(np.mean(cols.stream_bytes[:, i]))
                                for i, name in enumerate(plan.stream_names)}
-        row["total_bytes"] = float(np.mean([sum(r.stream_bytes) for r in recs]))
-        numel = {ctx: self.model.kv_shape(ctx).numel for ctx in {r.context_tokens for r in recs}}
-        row["bits_per_element"] = float(np.mean(
-            [8.0 * sum(r.stream_bytes) / numel[r.context_tokens] for r in recs]))
-        row.update(aggregate_records(recs, ks, cfg.metrics.breakdown_k))
+        row["total_bytes"] = float(np.mean(col["total_bytes"]))
+        numel_of = {ctx: self.model.kv_shape(ctx).numel for ctx in np.unique(context).tolist()}
+        numel = np.array([numel_of[ctx] for ctx in context.tolist()], dtype=np.float64)
+        row["bits_per_element"] = float(np.mean(8.0 * col["total_bytes"] / numel))
+        row.update(aggregate_records(recs, ks, cfg.metrics.breakdown_k, cols))
         row["breakdown_k"] = cfg.metrics.breakdown_k
-        span = max(float(r.timeline.token_t[-1]) for r in recs) - min(r.arrival_t for r in recs)
+        span = float(col["last_token_t"].max() - col["arrival_t"].min())
         row["throughput_rps"] = len(recs) / span if span > 0 else math.nan
-        row["output_tokens_per_s"] = sum(len(r.timeline.token_t) for r in recs) / span \
-            if span > 0 else math.nan
+        row["output_tokens_per_s"] = int(col["tokens"].sum()) / span if span > 0 else math.nan
         return row
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from kvsim.sim.metrics import RequestRecord, aggregate_request_rows, request_row
-from kvsim.sim.speculative import DecodeTimeline
+from kvsim.sim.speculative import DecodeTimeline, commit_head
 from kvsim.transport.assembly import Assembly
 
 _BREAKDOWN_KINDS = ("draft_accepted", "draft_rejected", "wait", "verify", "decode")
@@ -68,12 +68,14 @@ def emulated_row(asm: Assembly, hello: dict, result: Any, error: str,
             kind = "wait"
         if kind in _BREAKDOWN_KINDS:
             segments.append((kind, t0, t1))
+    drafted = np.asarray(result.drafted_t, dtype=float)
+    # committed: verified (or decoded) times, a leading run at the end of verification
+    commit_count, commit_t = commit_head(drafted, np.asarray(result.committed_t, dtype=float))
     timeline = DecodeTimeline(
-        np.asarray(result.drafted_t, dtype=float), result.start_t, result.full_t,
+        drafted, result.start_t, result.full_t,
         result.proposed, result.accepted, result.verify_start_t,
         (result.verify_end_t - result.verify_start_t) if result.proposed else 0.0,
-        getattr(result, "draft_tpot_s", 0.0), result.tpot_s, segments,
-        np.asarray(result.committed_t, dtype=float))  # committed: verified (or decoded) times
+        getattr(result, "draft_tpot_s", 0.0), result.tpot_s, segments, commit_count, commit_t)
     rec = RequestRecord(
         int(hello.get("seq", asm.request_id)), asm.shape.tokens, arrival,
         _num(hello, "prefill_start_t"), prefill_end, _num(fin, "encode_end_t", prefill_end),
