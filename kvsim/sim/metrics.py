@@ -19,7 +19,7 @@ _SEGMENT_PART: dict[str, str] = {
     "verify": "verification", "decode": "decode"}
 
 
-@dataclass
+@dataclass(slots=True)  # slots: a 100,000-request run keeps 100,000 of them
 class RequestRecord:
     seq: int
     context_tokens: int

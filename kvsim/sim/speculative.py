@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 ANCHOR_CACHE_MODES = ("on_arrival", "on_demand")
 
 
-@dataclass
+@dataclass(slots=True)  # slots: one per request record
 class DecodeTimeline:
     token_t: np.ndarray  # [K] valid time of tokens 1..K (s)
     start_t: float  # decoding (or drafting) began
