@@ -549,8 +549,8 @@ class Scenario:
         row["stream_bytes"] = {name: float(np.mean(cols.stream_bytes[:, i]))
                                for i, name in enumerate(plan.stream_names)}
         row["total_bytes"] = float(np.mean(col["total_bytes"]))
-        numel_of = {ctx: self.model.kv_shape(ctx).numel for ctx in np.unique(context).tolist()}
-        numel = np.array([numel_of[ctx] for ctx in context.tolist()], dtype=np.float64)
+        contexts, which = np.unique(context, return_inverse=True)  # [c] distinct, [n] index
+        numel = np.array([float(self.model.kv_shape(int(ctx)).numel) for ctx in contexts])[which]
         row["bits_per_element"] = float(np.mean(8.0 * col["total_bytes"] / numel))
         row.update(aggregate_records(recs, ks, cfg.metrics.breakdown_k, cols))
         row["breakdown_k"] = cfg.metrics.breakdown_k

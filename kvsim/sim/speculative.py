@@ -69,7 +69,6 @@ class DecodeTimeline:
         return self.commit_t if k <= self.commit_count else float(self.token_t[k - 1])
 
 
-
 def commit_head(drafted_t: np.ndarray, committed_t: np.ndarray) -> tuple[int, float]:
     """(commit_count, commit_t) of measured times (the transport's decode loop): committed
     times equal the drafted ones but for a leading run at one time, the end of verification.
@@ -84,6 +83,7 @@ def commit_head(drafted_t: np.ndarray, committed_t: np.ndarray) -> tuple[int, fl
         raise ValueError("committed times differ from drafted ones beyond one verification: "
                          f"{committed_t[:count].tolist()}")
     return count, float(committed_t[0])
+
 
 def draft_overhead_s(configured_s: float | None, timing: CodecTiming, kv_bf16_bytes: float,
                      anchor_bytes: float, total_bytes: float, devices: int,

@@ -86,16 +86,11 @@ def emulated_row(asm: Assembly, hello: dict, result: Any, error: str,
     ks = [int(k) for k in hello.get("ks") or [] if 1 <= int(k) <= len(result.drafted_t)]
     bk = int(hello.get("breakdown_k") or min(32, len(result.drafted_t)))
     row = {**base, **request_row(rec, ks, min(bk, len(result.drafted_t)))}
-    committed = np.asarray(result.committed_t, dtype=float)
     first_send = _num(fin, "first_send_t", prefill_end)
     wire_s = all_arrival - first_send
     row.update({
         "status": "done" if not error else "error", "error": error,
         "decode": result.mode,
-        "ttft_committed_s": float(committed[0] - arrival),
-        "ttkt_committed_s": {k: float(committed[k - 1] - arrival) for k in ks},
-        "ttkt_committed_from_prefill_end_s": {k: float(committed[k - 1] - prefill_end)
-                                              for k in ks},
         # the sender's encoder at work (s, over the layers; FIN): calibration's encode rate
         "encode_work_s": _num(fin, "encode_work_s"),
         "stream_complete_from_prefill_end_s": {
@@ -105,7 +100,7 @@ def emulated_row(asm: Assembly, hello: dict, result: Any, error: str,
         if wire_s > 0 else math.nan,
         "token_ids": list(result.token_ids),
         "drafted_from_arrival_s": [float(t - arrival) for t in result.drafted_t],
-        "committed_from_arrival_s": [float(t - arrival) for t in committed],
+        "committed_from_arrival_s": [float(t - arrival) for t in result.committed_t],
         "trace_spans": trace_spans(asm, hello, result, fin),
     })
     scale = _num(hello, "time_scale", 1.0)
