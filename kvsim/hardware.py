@@ -27,7 +27,9 @@ and optionally (written by `kvsim calibrate`)
                                     drafting overhead of deserializer=on_arrival), averaged
                                     over the drafting; optional "busy_ratio": the same
                                     while the on-arrival worker is busy (>= 1; used, with
-                                    the worker's load, where present)
+                                    the worker's load, where present); a link
+                                    profile's own draft_step (measured on that link)
+                                    replaces it in a run with that link.profile
 Piecewise-linear interpolation; batch and drafted-token curves measured at one context are
 applied as ratios to the batch-1 TPOT at other contexts; without them the roofline's ratio
 is used.
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,9 +102,15 @@ class HardwareSpec:
 class TimingModel:
     """Prefill / decode-step / verification times of one model on one hardware preset."""
 
-    def __init__(self, model: ModelSpec, hw: HardwareSpec) -> None:
+    def __init__(self, model: ModelSpec, hw: HardwareSpec,
+                 draft_step: dict | None = None) -> None:
+        """draft_step: a `draft_step` entry measured on the link in use (a link profile's,
+        checked by check_draft_step), which replaces the hardware profile's: a draft step's
+        slowdown beside the receiver's work depends on what the link costs the host too."""
         self.model, self.hw = model, hw
         self._profile = load_profile(hw.profile, model.name) if hw.profile else None
+        self._draft_step = draft_step if draft_step is not None else \
+            (self._profile.get("draft_step") if self._profile else None)
         self._tpot_cache: dict[tuple[int, int], float] = {}
         self._step_rates: tuple[float, float] | None = None
         self._weight_read_bytes: dict[int, float] = {}  # new tokens -> weights a step reads
@@ -211,7 +220,7 @@ class TimingModel:
 
     def _draft_step_extra_s(self, field: str, context_tokens: int) -> float | None:
         """(draft_step.<field> - 1) x TPOT at this context (s); None where not measured."""
-        draft = self._profile.get("draft_step") if self._profile else None
+        draft = self._draft_step
         if not draft or field not in draft:
             return None
         return (float(draft[field]) - 1.0) * self.tpot_s(context_tokens)
@@ -360,14 +369,33 @@ def load_profile(name_or_path: str, model_name: str) -> dict:
     # (key, field, required in key, bound, test): a rate > 0; a ratio to a decode step >= 1
     for key, field, required, bound, ok in (
             ("cache_build", "gb_per_s", True, "> 0", lambda v: v > 0),
-            ("draft_step", "ratio", True, ">= 1", lambda v: v >= 1),
-            ("draft_step", "busy_ratio", False, ">= 1", lambda v: v >= 1)):
-        entry = doc.get(key)
-        if key not in doc or (not required and isinstance(entry, dict) and field not in entry):
-            continue
-        value = (entry or {}).get(field) if isinstance(entry, dict) else None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                not math.isfinite(value) or not ok(value):
-            raise ValueError(f"hardware profile {p}: {key}.{field} must be a finite number "
-                             f"{bound}, got {value!r}")
+            *DRAFT_STEP_FIELDS):
+        _check_field(f"hardware profile {p}", doc, key, field, required, bound, ok)
     return doc
+
+
+# draft_step's fields: (key, field, required in key, bound, test)
+DRAFT_STEP_FIELDS = (("draft_step", "ratio", True, ">= 1", lambda v: v >= 1),
+                     ("draft_step", "busy_ratio", False, ">= 1", lambda v: v >= 1))
+
+
+def _check_field(where: str, doc: dict, key: str, field: str, required: bool, bound: str,
+                 ok: Callable[[float], bool]) -> None:
+    """doc[key][field] must be a finite number passing `ok` (where doc has `key`; an
+    optional field may be absent); the ValueError names `where`, the field and the bound."""
+    entry = doc.get(key)
+    if key not in doc or (not required and isinstance(entry, dict) and field not in entry):
+        return
+    value = (entry or {}).get(field) if isinstance(entry, dict) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value) or not ok(value):
+        raise ValueError(f"{where}: {key}.{field} must be a finite number {bound}, got "
+                         f"{value!r}")
+
+
+def check_draft_step(where: str, doc: dict) -> dict | None:
+    """doc's `draft_step` entry, checked (the hardware profile's, or a link profile's: the
+    same receiver measured on that link); None without one."""
+    for key, field, required, bound, ok in DRAFT_STEP_FIELDS:
+        _check_field(where, doc, key, field, required, bound, ok)
+    return doc.get("draft_step")

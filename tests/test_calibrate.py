@@ -359,6 +359,67 @@ def test_calibrate_writes_the_layer_job_fit_of_its_two_transfers(tmp_path, monke
     assert len(calls) == 2  # refused before anything was measured
 
 
+def test_draft_step_doc_takes_medians_over_the_codecs_that_drafted():
+    from kvsim.calibrate.receiver_timing import draft_step_doc
+
+    measured = {"int8": {"tpot_s": 0.05}, "lynx": {"draft_step_ratio": 1.5},
+                "lynx-2+6": {"draft_step_ratio": 2.5, "draft_busy_ratio": 4.0},
+                "lynx-int4": {"draft_step_ratio": 3.5, "draft_busy_ratio": 0.9}}
+    doc = draft_step_doc(measured, 512, "a transfer over tc")
+    assert doc["ratio"] == 2.5 and doc["busy_ratio"] == pytest.approx(2.45)
+    assert doc["context_tokens"] == 512 and "a transfer over tc at 512 tokens" in doc["measured"]
+    assert draft_step_doc({"int8": {"tpot_s": 0.05}}, 512, "x") is None
+    # never below a decode step; busy_ratio only where measured
+    assert draft_step_doc({"lynx": {"draft_step_ratio": 0.7}}, 512, "x") == {
+        "ratio": 1.0, "context_tokens": 512, "measured": draft_step_doc(
+            {"lynx": {"draft_step_ratio": 0.7}}, 512, "x")["measured"]}
+
+
+def test_calibrate_measures_the_draft_step_on_each_link(tmp_path, monkeypatch):
+    """The token bucket's link profile gets the draft step of the receiver's calibration
+    transfer (which ran on it); tc's gets that of a transfer of the split-stream codecs
+    over tc (faked here: ratio 2.8, busy 3.5), with prompts of their own; both load."""
+    import kvsim.calibrate.link_profile as lp
+    import kvsim.calibrate.receiver_timing as rt
+    import kvsim.transport.netns as netns
+    from kvsim.sim.link_profile import load_link_profile
+
+    calls = []
+
+    def fake_loads(model, codecs, context_tokens, seed, text_source, **kw):
+        calls.append((list(codecs), seed, kw.get("emulation", "token_bucket")))
+        if kw.get("emulation") == "tc":
+            return {"lynx": {"tpot_s": 0.01, "draft_step_ratio": 2.8, "draft_busy_ratio": 3.5}}
+        return {"int8": {"decode_gb_per_s": 1.0, "tpot_s": 0.01},
+                "lynx": {"decode_gb_per_s": 1.0, "tpot_s": 0.01, "draft_step_ratio": 1.4,
+                         "draft_busy_ratio": 2.0}}
+
+    def fake_link(emulation, rates, name):
+        return {"version": 1, "kind": "link", "name": name, "emulation": emulation,
+                "efficiency": 0.9, "latency_s": 0.001, "message_overhead_bytes": 50.0,
+                "fit_max_abs_pct_error": 1.0}
+
+    monkeypatch.setattr(rt, "receiver_loads", fake_loads)
+    monkeypatch.setattr(lp, "measure_link_profile", fake_link)
+    monkeypatch.setattr(netns, "netns_available", lambda: (True, ""))
+    args = ["calibrate", "model=tiny-random", "contexts=[32,64]", "codec_context_tokens=64",
+            "steps=2", "repeats=1", "batches=[1,2]", "drafted=[1,2]", "codecs=[int8,lynx]",
+            "links=[token_bucket,tc]", "receiver_context_tokens=64",
+            "receiver_fit_context_tokens=0", "progress=false", f"out_dir={tmp_path}"]
+    assert main(args) == 0
+    assert calls[0][2] == "token_bucket" and calls[0][0] == ["int8", "lynx"]
+    (tc_call,) = [c for c in calls if c[2] == "tc"]
+    assert tc_call[0] == ["lynx"] and tc_call[1] != calls[0][1]  # its own prompts
+    hw = json.loads((tmp_path / "hardware" / "local-tiny-random.json").read_text())
+    assert hw["draft_step"]["ratio"] == pytest.approx(1.4)
+    tb = load_link_profile(str(tmp_path / "link" / "local-tiny-random-token-bucket.json"))
+    tc = load_link_profile(str(tmp_path / "link" / "local-tiny-random-tc.json"))
+    assert tb.draft_step == hw["draft_step"] and tb.efficiency == pytest.approx(0.9)
+    assert tc.draft_step["ratio"] == pytest.approx(2.8)
+    assert tc.draft_step["busy_ratio"] == pytest.approx(3.5)
+    assert "over tc" in tc.draft_step["measured"]
+
+
 def test_the_layer_job_fit_context_defaults_to_half_the_transfers_up_to_512():
     from kvsim.commands.calibrate import Config
 

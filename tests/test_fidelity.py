@@ -150,9 +150,11 @@ def test_both_engines_run_the_receiver_mode_the_codec_timing_was_measured_in(tmp
         common = scenario_overrides("smollm2-135m", "token_bucket", 0.1, ["int8"], [], [32],
                                     prof)
         assert f"transport.dequantize={mode}" in common
+        # both engines read the link profile (the emulator's timing decode: its draft step)
+        assert f"link.profile={tmp_path / 'link' / 'p-token-bucket.json'}" in common
         # the draft step is the receiver mode's (kvsim.sim.speculative.receiver_draft_s)
         assert not any(o.startswith("speculative.draft_overhead_s") for o in common)
-        sim = sim_overrides(common, prof, "token_bucket", "x", 1)
+        sim = sim_overrides(common, prof, "x", 1)
         assert f"deserializer={mode}" in sim
         assert not any(o.startswith("transport.") for o in sim)
 

@@ -154,6 +154,53 @@ def test_the_transports_receiver_modes_draft_plain_steps_plus_the_measured_conte
     assert draft == pytest.approx(sc.timing.tpot_s(1024), rel=1e-9)
 
 
+def test_a_link_profiles_draft_step_replaces_the_hardware_profiles(tmp_path):
+    """A link profile measured with the receiver's draft step on that link (kvsim
+    calibrate on tc) sets the drafts of a run with that link.profile, in the simulator and
+    in the emulator's timing model (link_draft_step); a link profile without one leaves
+    the hardware profile's. Its fields are checked like the hardware profile's."""
+    from kvsim.calibrate import link_profile as lp
+    from kvsim.hardware import TimingModel
+    from kvsim.sim.link_profile import link_draft_step, load_link_profile
+
+    doc = json.loads(profile_path("hardware", "local-smollm2-135m").read_text())
+    doc["draft_step"] = {"ratio": 2.0}
+    hw = tmp_path / "hw.json"
+    hw.write_text(json.dumps(doc))
+    link = {"version": 1, "kind": "link", "name": "l", "emulation": "tc", "efficiency": 1.0,
+            "latency_s": 0.0, "message_overhead_bytes": 0.0}
+    plain_link, drafty_link = tmp_path / "plain-link.json", tmp_path / "tc-link.json"
+    lp.write_link_profile(link, plain_link)
+    lp.write_link_profile({**link, "draft_step": {"ratio": 3.0, "context_tokens": 1024}},
+                          drafty_link)
+
+    def draft_s(link_path) -> tuple[float, float]:
+        sc = receiver_scenario("codecs=[lynx]", "deserializer=on_arrival",
+                               "link.bandwidth_gbps=0.05", f"hardware.profile={hw}",
+                               f"link.profile={link_path}",
+                               "speculative.draft_overhead_s=null")
+        sc.run()
+        tl = sc.records[0].timeline
+        assert tl.proposed >= 1
+        return tl.draft_tpot_s, sc.timing.tpot_s(1024)
+
+    draft, step = draft_s(plain_link)
+    assert draft == pytest.approx(2.0 * step, rel=1e-9)
+    draft, step = draft_s(drafty_link)
+    assert draft == pytest.approx(3.0 * step, rel=1e-9)
+    assert link_draft_step(str(drafty_link)) == {"ratio": 3.0, "context_tokens": 1024}
+    assert link_draft_step(str(plain_link)) is None and link_draft_step("") is None
+    sc = receiver_scenario("codecs=[lynx]", f"hardware.profile={hw}")
+    timing = TimingModel(sc.model, sc.hw, link_draft_step(str(drafty_link)))
+    assert timing.draft_contention_s(1024) == pytest.approx(2.0 * timing.tpot_s(1024))
+    for bad, field in (({"ratio": 0.5}, "draft_step.ratio"),
+                       ({"ratio": 1.5, "busy_ratio": float("nan")}, "draft_step.busy_ratio"),
+                       ({"busy_ratio": 2.0}, "draft_step.ratio"), ("fast", "draft_step.ratio")):
+        lp.write_link_profile({**link, "draft_step": bad}, drafty_link)
+        with pytest.raises(ValueError, match=f"link profile .*tc-link.json: {field} must"):
+            load_link_profile(str(drafty_link))
+
+
 def test_worker_busy_fraction_and_projected_link_completions():
     """By hand: jobs (finish, work) = (2, 1), (5, 2), (6, 0.5) from now = 1.5: busy
     0.5 + 2 + 0.5 s of [1.5, 6]; a lone flow's projection is the link's own arithmetic."""

@@ -74,8 +74,8 @@ def _layer_job_s(row: dict) -> dict[str, float]:
 
 def receiver_loads(model: str, codecs: list[Any], context_tokens: int, seed: int,
                    text_source: str, bandwidth_gbps: float = 0.3, repeats: int = 3,
-                   threads: int = 1, dequantize: str = "on_arrival"
-                   ) -> dict[str, dict[str, float]]:
+                   threads: int = 1, dequantize: str = "on_arrival",
+                   emulation: str = "token_bucket") -> dict[str, dict[str, float]]:
     """codec label -> {"decode_gb_per_s": every stream, "anchor_decode_gb_per_s": stream 0
     (split-stream codecs whose anchor was loaded alone), "tpot_s", "first_step_s",
     "encode_gb_per_s" (the sender's encoder, FIN's encode_work_s), "draft_step_ratio"
@@ -85,7 +85,7 @@ def receiver_loads(model: str, codecs: list[Any], context_tokens: int, seed: int
     it on demand, and its rates are that mode's)}:
     medians over `repeats` requests per codec of one calibration transfer (a load's time
     varies by tens of percent from one request to the next, so one request is not a
-    measurement)."""
+    measurement). `emulation`: the transfer's link (transport.emulation; tc needs root)."""
     from kvsim.cli import compose
     from kvsim.commands.emulate import emulate
     from kvsim.config.transport import EmulateConfig
@@ -94,7 +94,7 @@ def receiver_loads(model: str, codecs: list[Any], context_tokens: int, seed: int
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     entries = ",".join(str(c) for _ in range(repeats) for c in codecs)
     overrides = [f"model={model}", "hardware=local-cpu", "link=emulated",
-                 f"link.bandwidth_gbps={bandwidth_gbps}", "transport.emulation=token_bucket",
+                 f"link.bandwidth_gbps={bandwidth_gbps}", f"transport.emulation={emulation}",
                  "transport.decode=real", "transport.kv_source=live",
                  f"transport.text_source={text_source}", f"transport.threads={threads}",
                  f"transport.dequantize={dequantize}",
@@ -263,18 +263,31 @@ def apply_receiver_timing(measured: dict[str, dict[str, float]], hw_doc: dict, t
             "context_tokens": hw_doc["first_step_extra"]["context_tokens"],
             "s": [extra] * len(hw_doc["first_step_extra"]["s"]),
             "measured": f"receiver of the calibration transfer at {context_tokens} tokens"}
-    drafts = [m["draft_step_ratio"] for m in measured.values() if "draft_step_ratio" in m]
-    if drafts:
-        hw_doc["draft_step"] = {
-            # a draft step is never shorter than a decode step (noise can say otherwise)
-            "ratio": max(1.0, float(statistics.median(drafts))), "context_tokens": context_tokens,
-            "measured": f"receiver of the calibration transfer at {context_tokens} tokens: a "
-                        "draft step (beside the dequantization of the later streams) over a "
-                        "later decode step, without the first step's extra"}
-        busy = [m["draft_busy_ratio"] for m in measured.values() if "draft_busy_ratio" in m]
-        if busy:  # the same while the worker dequantizes (on arrival: its layer spans)
-            hw_doc["draft_step"]["busy_ratio"] = max(1.0, float(statistics.median(busy)))
+    draft = draft_step_doc(measured, context_tokens, "the calibration transfer")
+    if draft is not None:
+        hw_doc["draft_step"] = draft
     return ratio
+
+
+def draft_step_doc(measured: dict[str, dict[str, float]], context_tokens: int, where: str
+                   ) -> dict[str, Any] | None:
+    """The profiles' `draft_step` entry from receiver_loads' figures: `ratio`, a draft step
+    (beside the dequantization of the later streams) over a later decode step, and
+    `busy_ratio`, the same while the on-arrival worker works (where measured), medians over
+    the codecs that drafted, never below 1 (noise can say a draft is faster than a step);
+    None when no request drafted. `where` names the transfer in its `measured` text."""
+    drafts = [m["draft_step_ratio"] for m in measured.values() if "draft_step_ratio" in m]
+    if not drafts:
+        return None
+    doc: dict[str, Any] = {
+        "ratio": max(1.0, float(statistics.median(drafts))), "context_tokens": context_tokens,
+        "measured": f"receiver of {where} at {context_tokens} tokens: a draft step (beside "
+                    "the dequantization of the later streams) over a later decode step, "
+                    "without the first step's extra"}
+    busy = [m["draft_busy_ratio"] for m in measured.values() if "draft_busy_ratio" in m]
+    if busy:  # the same while the worker dequantizes (on arrival: its layer spans)
+        doc["busy_ratio"] = max(1.0, float(statistics.median(busy)))
+    return doc
 
 
 def fit_layer_jobs(measured: dict[str, dict[str, float]], fit: dict[str, dict[str, float]],

@@ -8,7 +8,9 @@ Writes, under out_dir (default: the run directory):
                               cache on demand: `dequantize=`) GB/s (`codec_timing=`); on
                               arrival the hardware profile gets the cache build rate
   link/<name>-<emulation>.json  the emulated link's goodput fraction, first-byte latency and
-                              per-message cost, fitted to real transfers (`link.profile=`)
+                              per-message cost, fitted to real transfers (`link.profile=`),
+                              and the receiver's draft step measured on that link (a
+                              calibration transfer of the split-stream codecs over it)
 and prints the overrides that make `kvsim sim` use them. With out_dir=data/profiles they
 ship with the repository and load by name.
 """
@@ -225,7 +227,8 @@ def run(cfg: Config) -> list[dict]:
                      if "layer_job_fixed_s" in e else None,
                      "layer_job_gb_per_s": e.get("layer_job_gb_per_s")})
     for emulation in cfg.links:
-        rows.append(_link(cfg, emulation, paths[f"link:{emulation}"], prov, say))
+        rows.append(_link(cfg, emulation, paths[f"link:{emulation}"], prov, say,
+                          hw_doc.get("draft_step")))
     if "cache_build" in hw_doc:
         rows.append({"what": "model", "item": "cache build",
                      "cache_build_gb_per_s": hw_doc["cache_build"]["gb_per_s"]})
@@ -233,7 +236,10 @@ def run(cfg: Config) -> list[dict]:
     return rows
 
 
-def _link(cfg: Config, emulation: str, path: Path, prov: dict, say) -> dict:
+def _link(cfg: Config, emulation: str, path: Path, prov: dict, say,
+          token_bucket_draft: dict | None) -> dict:
+    """Measure one emulated link into its profile at `path`: the fit of real transfers,
+    and the receiver's draft step on that link (_link_draft_step)."""
     from kvsim.calibrate.link_profile import measure_link_profile
 
     if emulation == "tc":
@@ -246,14 +252,52 @@ def _link(cfg: Config, emulation: str, path: Path, prov: dict, say) -> dict:
     name = path.stem
     doc = measure_link_profile(emulation, list(cfg.link_rates_gbps), name=name)
     doc.update({k: v for k, v in prov.items() if k not in doc})
+    draft = _link_draft_step(cfg, emulation, say, token_bucket_draft)
+    if draft is not None:
+        doc["draft_step"] = draft
     _write(path, doc)
     say(f"link {emulation}: efficiency {doc['efficiency']:.4f}, latency "
         f"{doc['latency_s'] * 1e3:.2f} ms, {doc['message_overhead_bytes']:.0f} B/message "
-        f"(fit within {doc['fit_max_abs_pct_error']:.2f}%)")
+        f"(fit within {doc['fit_max_abs_pct_error']:.2f}%)" +
+        (f"; draft step {draft['ratio']:.3f} x a decode step" +
+         (f" ({draft['busy_ratio']:.3f} x while the worker is busy)"
+          if "busy_ratio" in draft else "") if draft else ""))
     return {"what": "link", "item": emulation, "efficiency": doc["efficiency"],
             "latency_ms": doc["latency_s"] * 1e3,
             "message_overhead_bytes": doc["message_overhead_bytes"],
-            "fit_max_abs_pct_error": doc["fit_max_abs_pct_error"], "status": "measured"}
+            "fit_max_abs_pct_error": doc["fit_max_abs_pct_error"],
+            "draft_step_ratio": draft["ratio"] if draft else None,
+            "draft_busy_ratio": draft.get("busy_ratio") if draft else None,
+            "status": "measured"}
+
+
+def _link_draft_step(cfg: Config, emulation: str, say, token_bucket_draft: dict | None
+                     ) -> dict | None:
+    """The receiver's draft step on `emulation` (the link profile's `draft_step`): on the
+    token bucket, the one the receiver's calibration transfer measured (it ran there); on
+    another link, a calibration transfer of the split-stream codecs over that link (their
+    own prompts). On a `tc`-shaped veth the kernel's packet processing shares the
+    decoder's cores while the residual is on the wire, and a draft step beside it measured
+    2-3x a decode step where the token bucket's was 1.6-2x. None without receiver timing,
+    without a split-stream codec, or when no request drafted."""
+    if not cfg.receiver_loads:
+        return None
+    if emulation == "token_bucket":
+        return token_bucket_draft
+    from kvsim.calibrate.receiver_timing import draft_step_doc, receiver_loads
+    from kvsim.config.codecs import resolve_codec
+
+    split = [c for c in cfg.codecs if resolve_codec(c).build().num_streams > 1]
+    if not split:
+        return None
+    say(f"calibration transfer over {emulation} ({cfg.receiver_repeats} x {len(split)} "
+        f"split-stream codecs, {cfg.receiver_context_tokens} tokens) for the draft step there")
+    measured = receiver_loads(cfg.model.name, split, cfg.receiver_context_tokens,
+                              cfg.seed + 20_000, cfg.text_source,
+                              repeats=cfg.receiver_repeats, threads=cfg.threads,
+                              dequantize=cfg.dequantize, emulation=emulation)
+    return draft_step_doc(measured, cfg.receiver_context_tokens,
+                          f"a calibration transfer over {emulation}")
 
 
 def _print(rows: list[dict], paths: dict[str, Path], root: Path, dequantize: str) -> None:
@@ -280,6 +324,8 @@ def _print(rows: list[dict], paths: dict[str, Path], root: Path, dequantize: str
                                    ("latency_ms", "latency ms", ".2f"),
                                    ("message_overhead_bytes", "B/message", ".0f"),
                                    ("fit_max_abs_pct_error", "fit max %", ".2f"),
+                                   ("draft_step_ratio", "draft step x", ".3f"),
+                                   ("draft_busy_ratio", "busy x", ".3f"),
                                    ("status", "status", "")]))
     link_keys = [k for k in paths if k.startswith("link:") and paths[k].is_file()]
     print(f"profiles written under {root}; use them with:\n  kvsim sim hardware=local-cpu "

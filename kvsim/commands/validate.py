@@ -189,7 +189,7 @@ def run(cfg: Config) -> dict:
                                       workload, list(cfg.ks), profiles)
         common = scenario_overrides(cfg.model.name, emulation, rate, cfg.codecs, workload,
                                     list(cfg.ks), profiles)
-        sim = sim_overrides(common, profiles, emulation, cfg.acceptance, cfg.samples)
+        sim = sim_overrides(common, profiles, cfg.acceptance, cfg.samples)
         probed: dict[str, float] = {}
         if probe is not None:  # the step's speed now (kvsim.fidelity.step_probe)
             probe_s = probe.step_s(ctx)
@@ -282,8 +282,7 @@ def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path) -> list[di
                                     workload, [], profiles)
         # one sample: the emulator replays the arrivals of seed 0 and so must the simulator
         # (percentiles of other arrival draws are not the same quantity)
-        measured, simulated = run_pair(common, sim_overrides(common, profiles, m.emulation,
-                                                             cfg.acceptance, 1))
+        measured, simulated = run_pair(common, sim_overrides(common, profiles, cfg.acceptance, 1))
         _keep(run_dir, f"multi-{m.emulation}-{rate:g}per-s", measured, simulated)
         sim_by = by_codec(simulated)
         for codec, row in by_codec(measured).items():

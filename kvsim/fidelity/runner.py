@@ -55,21 +55,22 @@ def _list(items: list[Any]) -> str:
 def scenario_overrides(model: str, emulation: str, bandwidth_gbps: float, codecs: list[Any],
                        workload: list[str], ks: list[int], profiles: Profiles) -> list[str]:
     """The keys both engines read (`kvsim emulate` / `kvsim sim` overrides). The hardware
-    profile is the emulator's timing model too (a modelled prefill, timing-model decode)."""
+    profile is the emulator's timing model too (a modelled prefill, timing-model decode),
+    and so is the link profile's draft step (the simulator's link is the profile's)."""
     return [f"model={model}", "hardware=local-cpu", f"hardware.profile={profiles.hardware}",
             f"codec_timing={profiles.codec_timing}", "link=emulated",
-            f"link.bandwidth_gbps={bandwidth_gbps}", f"codecs={_list(codecs)}",
+            f"link.bandwidth_gbps={bandwidth_gbps}", f"link.profile={profiles.links[emulation]}",
+            f"codecs={_list(codecs)}",
             f"metrics.ks={_list(sorted({1, *ks}))}",
             f"transport.emulation={emulation}", f"transport.dequantize={profiles.dequantize}",
             *workload]
 
 
-def sim_overrides(common: list[str], profiles: Profiles, emulation: str, acceptance: str,
-                  samples: int) -> list[str]:
+def sim_overrides(common: list[str], profiles: Profiles, acceptance: str, samples: int
+                  ) -> list[str]:
     out = [o for o in common if not o.startswith("transport.")]
-    return ["scenario=none", *out, f"link.profile={profiles.links[emulation]}",
-            f"deserializer={profiles.dequantize}", f"speculative.acceptance={acceptance}",
-            f"samples={samples}"]
+    return ["scenario=none", *out, f"deserializer={profiles.dequantize}",
+            f"speculative.acceptance={acceptance}", f"samples={samples}"]
 
 
 def run_pair(common: list[str], sim: list[str],

@@ -9,6 +9,13 @@ their transfer times match the real transport's:
 A bandwidth trace's rates are scaled by the efficiency too: the profile describes the
 emulation, whatever rate it is set to. The file format is kvsim.calibrate.link_profile's
 (version 1, kind "link").
+
+A profile written by `kvsim calibrate` with its receiver timing also carries the receiver's
+draft step measured on that link (`draft_step`: ratio, busy_ratio, as in the hardware
+profile): a draft step beside the receiver's work on the later streams is slower on a
+`tc`-shaped veth, whose packets the kernel processes on the decoder's cores, than on the
+token bucket. The run's timing model takes it in place of the hardware profile's
+(kvsim.hardware.TimingModel's draft_step).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvsim.data_files import record_loaded
+from kvsim.hardware import check_draft_step
 from kvsim.profiles import profile_path
 
 VERSION = 1
@@ -34,6 +42,9 @@ class LinkProfile:
     message_overhead_bytes: float  # bytes per message beyond its payload, >= 0
     name: str
     path: str  # the JSON file it came from
+    # the receiver's draft step measured on this link ({"ratio", "busy_ratio"?, ...}:
+    # kvsim.hardware's draft_step), None where the profile has none
+    draft_step: dict | None = None
 
 
 def _number(path: Path, doc: dict, key: str, minimum: float, maximum: float = math.inf,
@@ -76,7 +87,8 @@ def load_link_profile(name_or_path: str) -> LinkProfile:
         efficiency=_number(path, doc, "efficiency", 0.0, EFFICIENCY_MAX, strict=True),
         latency_s=_number(path, doc, "latency_s", 0.0),
         message_overhead_bytes=_number(path, doc, "message_overhead_bytes", 0.0),
-        name=name, path=str(path))
+        name=name, path=str(path),
+        draft_step=check_draft_step(f"link profile {path}", doc))
     record_loaded(path)
     return profile
 
@@ -93,3 +105,10 @@ def profiled_link_settings(bandwidth_gbps: float, latency_s: float,
             "latency_s": latency_s + profile.latency_s,
             "message_overhead_bytes": message_overhead_bytes + profile.message_overhead_bytes,
             "trace": [[float(t), float(gbps) * eff] for t, gbps in trace]}
+
+
+def link_draft_step(name_or_path: str) -> dict | None:
+    """The receiver's draft step measured on the link profile `name_or_path` ("": none), for
+    a timing model (kvsim.hardware.TimingModel's draft_step). `kvsim emulate`'s timing-model
+    decode takes it from link.profile, so that it drafts as `kvsim sim` does on that link."""
+    return load_link_profile(name_or_path).draft_step if name_or_path else None

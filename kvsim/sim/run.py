@@ -141,7 +141,11 @@ class Scenario:
             self.deserializer = "on_demand"
         self.model, self.hw = cfg.model, cfg.hardware
         calibrate_sizes(self.codec, cfg.size_calibration, cfg.model.kv_shape(context_tokens))
-        self.timing = TimingModel(cfg.model, cfg.hardware)
+        # link.profile: the measured emulated link (its rate, latency and per-message cost,
+        # and the receiver's draft step measured on it)
+        self.link_profile = load_link_profile(cfg.link.profile) if cfg.link.profile else None
+        self.timing = TimingModel(cfg.model, cfg.hardware, self.link_profile.draft_step
+                                  if self.link_profile else None)
         table = load_codec_timing(cfg.hardware.name, cfg.codec_timing or None)
         self.codec_timing: CodecTiming = table.lookup(variant.spec.label, variant.spec.name)
         self.acceptance = load_acceptance(variant.acceptance or cfg.speculative.acceptance)
@@ -200,9 +204,9 @@ class Scenario:
             r = cfg.link.residual_weight
             class_weight = lambda key: r ** key[0]  # noqa: E731
         n_links = 1 if cfg.link.sharing == "shared" else w.prefill_nodes
-        egress = profiled_link_settings(  # link.profile: the measured emulated link
+        egress = profiled_link_settings(
             self.bandwidth_gbps, cfg.link.latency_s, cfg.link.message_overhead_bytes,
-            cfg.link.trace, load_link_profile(cfg.link.profile) if cfg.link.profile else None)
+            cfg.link.trace, self.link_profile)
         messages: dict = {}  # the links' prepared message sizes, shared (Link.messages)
         self.links = [Link(env, **egress, name=f"link{i}", trace_origin=cfg.link.trace_origin,
                            class_weight=class_weight, shared_messages=messages)

@@ -19,6 +19,7 @@ from kvsim.layout import KVShape
 from kvsim.models import ModelSpec
 from kvsim.report import format_table
 from kvsim.sim.codec_timing import load_codec_timing
+from kvsim.sim.link_profile import link_draft_step
 from kvsim.sim.run import variants
 from kvsim.sim.speculative import draft_overhead_s, receiver_busy_draft_s, receiver_draft_s
 from kvsim.sim.workload import requests as workload_requests
@@ -168,7 +169,8 @@ def outgoing_requests(cfg: EmulateConfig, lm: Any | None) -> list[list[OutgoingR
     kind = source_kind(cfg)
     if kind == "live" and lm is None:
         raise ValueError("kv_source=live needs the model loaded")
-    timing = TimingModel(cfg.model, cfg.hardware)
+    # the draft step measured on the emulated link, where link.profile names its profile
+    timing = TimingModel(cfg.model, cfg.hardware, link_draft_step(cfg.link.profile))
     reqs = workload_requests(cfg.workload, np.random.default_rng(cfg.seed))
     if any(r.output_tokens != cfg.workload.output_tokens for r in reqs):
         raise ValueError("the transport decodes workload.output_tokens tokens for every "
