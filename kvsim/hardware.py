@@ -294,11 +294,23 @@ class TimingModel:
                                self.hw.decode_mbu) + self.hw.step_overhead_s
 
 
-def scaled_curve(curve: dict, factor: float) -> dict:
-    """A profile curve with its times ("s": a list, or one list per context) x factor."""
+def scaled_curve(curve: dict, factor: float | Callable[[float], float]) -> dict:
+    """A profile curve with its times ("s": a list, or one list per context) x factor: a
+    number, or a function of the context (tokens) the times were measured at (the curve's
+    "context_tokens": one per point of a context curve, one per row of a verification
+    curve measured at several contexts, or the one context of the whole curve)."""
     s = curve["s"]
-    return {**curve, "s": [[v * factor for v in row] if isinstance(row, list) else row * factor
-                           for row in s]}
+    if not callable(factor):
+        return {**curve, "s": [[v * factor for v in row] if isinstance(row, list)
+                               else row * factor for row in s]}
+    at = curve["context_tokens"]
+    if not isinstance(at, list):  # measured at one context: one factor for the curve
+        return scaled_curve(curve, factor(float(at)))
+    if len(at) != len(s):
+        raise ValueError(f"a curve over contexts needs one time (or row) per context, got "
+                         f"{len(at)} contexts and {len(s)} rows")
+    return {**curve, "s": [[v * factor(float(c)) for v in row] if isinstance(row, list)
+                           else row * factor(float(c)) for c, row in zip(at, s, strict=True)]}
 
 
 def _check_verify(path: Path, doc: dict) -> None:

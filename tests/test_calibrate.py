@@ -159,6 +159,35 @@ def test_receiver_timing_replaces_loads_and_scales_the_step_curves():
     assert hw["first_step_extra_inprocess"]["s"] == [0.0, 0.001]
 
 
+def test_receiver_step_ratio_is_interpolated_between_the_two_transfers_contexts():
+    """With the layer-job fit's transfer (fit, at 100 tokens) the receiver's step ratio is
+    measured at both contexts (100: 0.11 / 0.1 = 1.1; 300: 0.26 / 0.2 = 1.3) and each
+    step curve's time is scaled by the ratio at its own context (flat outside)."""
+    from kvsim.calibrate.receiver_timing import apply_receiver_timing
+    from kvsim.hardware import scaled_curve
+
+    hw = {"tpot": {"context_tokens": [50, 100, 200, 300, 400], "s": [0.1, 0.1, 0.15, 0.2, 0.3]},
+          "first_step_extra": {"context_tokens": [100, 300], "s": [0.0, 0.0]},
+          "tpot_batch": {"context_tokens": 200, "batch": [1, 2], "s": [0.15, 0.25]},
+          "verify": {"context_tokens": [100, 300], "drafted_tokens": [1, 2],
+                     "s": [[0.3, 0.4], [0.5, 0.6]]}}
+    timing = {"codecs": {"int8": {"decode_gb_per_s": 1.0, "what": "w"}}}
+    ratio = apply_receiver_timing({"int8": {"tpot_s": 0.26}}, hw, timing, 300, "on_arrival",
+                                  {"int8": {"tpot_s": 0.11}}, 100)
+    assert ratio == pytest.approx(1.3)
+    assert hw["receiver_step_ratio"]["context_tokens"] == [100, 300]
+    assert hw["receiver_step_ratio"]["ratio"] == pytest.approx([1.1, 1.3])
+    assert hw["tpot"]["s"] == pytest.approx([0.11, 0.11, 0.18, 0.26, 0.39])
+    assert hw["tpot_batch"]["s"] == pytest.approx([0.18, 0.30])  # its one context: 1.2
+    assert hw["verify"]["s"] == [pytest.approx([0.33, 0.44]), pytest.approx([0.65, 0.78])]
+    with pytest.raises(ValueError, match="fit_context_tokens must be in"):
+        apply_receiver_timing({"int8": {"tpot_s": 0.26}}, hw, timing, 300, "on_arrival",
+                              {"int8": {"tpot_s": 0.11}}, 300)
+    with pytest.raises(ValueError, match="one time .* per context"):
+        scaled_curve({"context_tokens": [1, 2], "s": [1.0]}, lambda c: c)
+    assert scaled_curve({"context_tokens": [1, 2], "s": [1.0, 1.0]}, 2.0)["s"] == [2.0, 2.0]
+
+
 def test_receiver_loads_on_arrival_sum_the_layer_jobs_and_time_the_cache_build(monkeypatch):
     """On arrival, the rates come from the worker's per-layer spans (anchor and full jobs
     summed over layers) and the decode loop's load span is the cache build."""

@@ -210,7 +210,9 @@ def draft_busy_ratio(window_s: float, busy_s: float, extra_s: float, proposed: i
 
 
 def apply_receiver_timing(measured: dict[str, dict[str, float]], hw_doc: dict, timing_doc: dict,
-                          context_tokens: int, dequantize: str = "on_arrival") -> float:
+                          context_tokens: int, dequantize: str = "on_arrival",
+                          fit: dict[str, dict[str, float]] | None = None,
+                          fit_context_tokens: int = 0) -> float:
     """Put a calibration transfer's figures into the profiles (in place): the codecs' encode
     (the sender's) and load rates (the receiver's) replace the in-process ones (kept as
     inprocess_*; `receiver_dequantize` names the receiver mode they are for, the simulator's
@@ -220,7 +222,11 @@ def apply_receiver_timing(measured: dict[str, dict[str, float]], hw_doc: dict, t
     decode-step curves (tpot, tpot_batch, verify) are scaled by
     the receiver's median step over the in-process step at the transfer's context (kept as
     tpot_inprocess / receiver_step_ratio): the receiver's process runs the same step at its
-    own speed. Returns that ratio."""
+    own speed. With the second (layer-job fit) transfer's figures (`fit`, at
+    `fit_context_tokens`), the ratio is measured at both contexts and interpolated between
+    them (flat outside): the receiver's step grew faster with context than the in-process
+    one here (about 1.00x at 1024 tokens, 1.05x at 2048). Returns the ratio at
+    `context_tokens`."""
     for label, entry in timing_doc["codecs"].items():
         for key in ("encode_gb_per_s", "decode_gb_per_s", "anchor_decode_gb_per_s"):
             if key in measured.get(label, {}):
@@ -241,17 +247,29 @@ def apply_receiver_timing(measured: dict[str, dict[str, float]], hw_doc: dict, t
             "gb_per_s": float(statistics.median(builds)),
             "measured": f"receiver of the calibration transfer at {context_tokens} tokens "
                         "(the model's cache built from dequantized layers; median over codecs)"}
-    steps = [m["tpot_s"] for m in measured.values() if m.get("tpot_s", 0) > 0]
-    if not steps:
-        raise RuntimeError("calibration transfer: no decode step time in its rows")
-    inprocess = float(np.interp(context_tokens, hw_doc["tpot"]["context_tokens"],
-                                hw_doc["tpot"]["s"]))
-    ratio = statistics.median(steps) / inprocess
+    transfers = [(context_tokens, measured)]
+    if fit is not None:
+        if not 0 < fit_context_tokens < context_tokens:
+            raise ValueError(f"fit_context_tokens must be in (0, {context_tokens}), got "
+                             f"{fit_context_tokens}")
+        transfers.insert(0, (fit_context_tokens, fit))
+    contexts, ratios, receiver_steps = [], [], []
+    for ctx, got in transfers:
+        steps = [m["tpot_s"] for m in got.values() if m.get("tpot_s", 0) > 0]
+        if not steps:
+            raise RuntimeError(f"calibration transfer at {ctx} tokens: no decode step time in "
+                               "its rows")
+        inprocess = float(np.interp(ctx, hw_doc["tpot"]["context_tokens"],
+                                    hw_doc["tpot"]["s"]))
+        contexts.append(ctx)
+        ratios.append(statistics.median(steps) / inprocess)
+        receiver_steps.append(steps)
     hw_doc["tpot_inprocess"] = dict(hw_doc["tpot"])
-    hw_doc["receiver_step_ratio"] = {"context_tokens": context_tokens, "ratio": ratio,
-                                     "receiver_tpot_s": steps}
+    hw_doc["receiver_step_ratio"] = {"context_tokens": contexts, "ratio": ratios,
+                                     "receiver_tpot_s": receiver_steps}
     for key in ("tpot", "tpot_batch", "verify"):
-        hw_doc[key] = scaled_curve(hw_doc[key], ratio)
+        hw_doc[key] = scaled_curve(hw_doc[key], lambda c: float(np.interp(c, contexts, ratios)))
+    ratio = ratios[-1]
     # the first step on a freshly built cache, in the receiver's new decode thread, costs
     # more than in a warm process: the transfer's plain requests measure it (one context:
     # applied flat, the in-process curve kept as first_step_extra_inprocess)

@@ -61,8 +61,10 @@ class Config:
     receiver_repeats: int = 3  # requests per codec (medians)
     # on arrival, a second calibration transfer at this shorter context splits each codec's
     # layer job into a fixed part and a part in proportion to its bytes
-    # (receiver_timing.fit_layer_jobs); -1: min(512, receiver_context_tokens // 2), none
-    # below 16 tokens; 0: none (jobs in proportion to their bytes)
+    # (receiver_timing.fit_layer_jobs), and measures the receiver's step there too (its
+    # ratio to the in-process step, interpolated between the two contexts); -1:
+    # min(512, receiver_context_tokens // 2), none below 16 tokens; 0: none (jobs in
+    # proportion to their bytes, the step ratio of the one transfer applied flat)
     receiver_fit_context_tokens: int = -1
     # the receiver mode the load rates are for (transport.dequantize; kvsim sim's
     # deserializer of the same name): on_arrival | on_demand
@@ -176,20 +178,26 @@ def run(cfg: Config) -> list[dict]:
                                   cfg.receiver_context_tokens, cfg.seed, cfg.text_source,
                                   repeats=cfg.receiver_repeats, threads=cfg.threads,
                                   dequantize=cfg.dequantize)
-        ratio = apply_receiver_timing(measured, hw_doc, timing_doc,
-                                      cfg.receiver_context_tokens, cfg.dequantize)
-        say(f"receiver's decode step / in-process: {ratio:.3f} (the step curves are scaled "
-            "by it)")
-        fit_ctx = cfg.fit_context_tokens
-        if fit_ctx and cfg.dequantize == "on_arrival":
-            from kvsim.calibrate.receiver_timing import fit_layer_jobs
-
+        fit_ctx = cfg.fit_context_tokens if cfg.dequantize == "on_arrival" else 0
+        fit = None
+        if fit_ctx:
             say(f"calibration transfer at {fit_ctx} tokens: each codec's layer job split into "
-                "a fixed part and a part in proportion to its bytes")
+                "a fixed part and a part in proportion to its bytes, and the receiver's step "
+                "there")
             # prompts of their own (emulate seeds request i's text at seed + i)
             fit = receiver_loads(cfg.model.name, list(cfg.codecs), fit_ctx, cfg.seed + 10_000,
                                  cfg.text_source, repeats=cfg.receiver_repeats,
                                  threads=cfg.threads, dequantize=cfg.dequantize)
+        apply_receiver_timing(measured, hw_doc, timing_doc, cfg.receiver_context_tokens,
+                              cfg.dequantize, fit, fit_ctx)
+        steps = hw_doc["receiver_step_ratio"]
+        say("receiver's decode step / in-process: " + ", ".join(
+            f"{r:.3f} at {c} tokens" for c, r in zip(steps["context_tokens"], steps["ratio"],
+                                                       strict=True)) +
+            " (the step curves are scaled by it, interpolated over context)")
+        if fit is not None:
+            from kvsim.calibrate.receiver_timing import fit_layer_jobs
+
             layer_bytes, fit_bytes = (shape.bf16_bytes / shape.layers for shape in (
                 cfg.model.kv_shape(cfg.receiver_context_tokens), cfg.model.kv_shape(fit_ctx)))
             fitted = fit_layer_jobs(measured, fit, layer_bytes, fit_bytes)

@@ -125,7 +125,12 @@ def _calibrate(cfg: Config, root: Path, name: str, emulations: list[str]) -> Non
                     drafted=[1, 2, 4, 8, 16] if quick else [1, 2, 4, 8, 16, 32, 64],
                     codecs=sorted({str(c) for c in [*cfg.codecs, *cfg.multi.codecs]}),
                     codec_context_tokens=max(cfg.contexts), links=emulations,
-                    receiver_context_tokens=min(cfg.contexts),
+                    # the receiver's calibration transfers at the validated contexts (the
+                    # longest; the shortest for the layer-job fit and the step there), so
+                    # that neither is extrapolated to the scenarios
+                    receiver_context_tokens=max(cfg.contexts),
+                    receiver_fit_context_tokens=min(cfg.contexts)
+                    if min(cfg.contexts) < max(cfg.contexts) else -1,
                     out_dir=str(root), overwrite=True)
     _say(f"calibrating into {root} (prompts, decode steps, codecs, links)")
     calibrate(cal)
