@@ -27,7 +27,10 @@ cores (and the interpreter) with it. On arrival, the worker's layer spans inside
 drafting window split it into busy and idle time, which gives the draft step while the
 worker works (`draft_busy_ratio`, see draft_busy_ratio): the simulator weighs it by the
 worker's load at each rate (kvsim.sim.worker_load). `apply_receiver_timing` puts these
-into the profiles.
+into the profiles. The draft step depends on the link as well: over a `tc`-shaped veth the
+kernel processes the residual's packets on the decoder's cores, and `kvsim calibrate`
+repeats the transfer there for the split-stream codecs (`emulation=`, draft_step_doc) and
+writes its draft step into that link's profile.
 
 A worker's layer job has a fixed part as well as a part in proportion to the layer's
 bytes (lynx here, at 1 Gbps: 4.7 ms per layer at 512 tokens and 5.6 ms at 1024, where
@@ -224,9 +227,10 @@ def apply_receiver_timing(measured: dict[str, dict[str, float]], hw_doc: dict, t
     tpot_inprocess / receiver_step_ratio): the receiver's process runs the same step at its
     own speed. With the second (layer-job fit) transfer's figures (`fit`, at
     `fit_context_tokens`), the ratio is measured at both contexts and interpolated between
-    them (flat outside): the receiver's step grew faster with context than the in-process
-    one here (about 1.00x at 1024 tokens, 1.05x at 2048). Returns the ratio at
-    `context_tokens`."""
+    them (flat outside): one ratio measured at one context carries the in-process curve's
+    own error at every other (with one ratio from 1024 tokens, a validation's scenarios
+    stepped 0-5% slower than calibrated at 1024 tokens and 3-9% at 2048). Returns the ratio
+    at `context_tokens`."""
     for label, entry in timing_doc["codecs"].items():
         for key in ("encode_gb_per_s", "decode_gb_per_s", "anchor_decode_gb_per_s"):
             if key in measured.get(label, {}):
