@@ -29,7 +29,8 @@ and optionally (written by `kvsim calibrate`)
                                     while the on-arrival worker is busy (>= 1; used, with
                                     the worker's load, where present); a link
                                     profile's own draft_step (measured on that link)
-                                    replaces it in a run with that link.profile
+                                    replaces the whole entry in a run with that
+                                    link.profile (kvsim.sim.link_profile.draft_step_for)
 Piecewise-linear interpolation; batch and drafted-token curves measured at one context are
 applied as ratios to the batch-1 TPOT at other contexts; without them the roofline's ratio
 is used.
@@ -105,8 +106,10 @@ class TimingModel:
     def __init__(self, model: ModelSpec, hw: HardwareSpec,
                  draft_step: dict | None = None) -> None:
         """draft_step: a `draft_step` entry measured on the link in use (a link profile's,
-        checked by check_draft_step), which replaces the hardware profile's: a draft step's
-        slowdown beside the receiver's work depends on what the link costs the host too."""
+        checked by check_draft_step, as kvsim.sim.link_profile.draft_step_for accepts it),
+        which replaces the hardware profile's whole entry (its busy_ratio too, present or
+        not): a draft step's slowdown beside the receiver's work depends on what the link
+        costs the host too."""
         self.model, self.hw = model, hw
         self._profile = load_profile(hw.profile, model.name) if hw.profile else None
         self._draft_step = draft_step if draft_step is not None else \

@@ -379,6 +379,9 @@ def test_calibrate_writes_the_layer_job_fit_of_its_two_transfers(tmp_path, monke
     assert entry["layer_job_fixed_s"] == pytest.approx(2e-3)
     assert entry["layer_job_gb_per_s"] == pytest.approx(1.0)
     assert entry["layer_job_contexts"] == [32, 64]
+    # the receiver's step ratio is measured in both transfers
+    hw = json.loads((tmp_path / "hardware" / "local-tiny-random.json").read_text())
+    assert hw["receiver_step_ratio"]["context_tokens"] == [32, 64]
     t = load_codec_timing("x", path).lookup("int8", "uniform")
     assert t.layer_job_s(1e6) == pytest.approx(2e-3 + 1e-3)
     capsys.readouterr()
@@ -416,7 +419,8 @@ def test_calibrate_measures_the_draft_step_on_each_link(tmp_path, monkeypatch):
     calls = []
 
     def fake_loads(model, codecs, context_tokens, seed, text_source, **kw):
-        calls.append((list(codecs), seed, kw.get("emulation", "token_bucket")))
+        calls.append((list(codecs), seed, kw.get("emulation", "token_bucket"),
+                      kw.get("first_step_extra_s")))
         if kw.get("emulation") == "tc":
             return {"lynx": {"tpot_s": 0.01, "draft_step_ratio": 2.8, "draft_busy_ratio": 3.5}}
         return {"int8": {"decode_gb_per_s": 1.0, "tpot_s": 0.01},
@@ -430,7 +434,8 @@ def test_calibrate_measures_the_draft_step_on_each_link(tmp_path, monkeypatch):
 
     monkeypatch.setattr(rt, "receiver_loads", fake_loads)
     monkeypatch.setattr(lp, "measure_link_profile", fake_link)
-    monkeypatch.setattr(netns, "netns_available", lambda: (True, ""))
+    available = [(True, "")]
+    monkeypatch.setattr(netns, "netns_available", lambda: available[0])
     args = ["calibrate", "model=tiny-random", "contexts=[32,64]", "codec_context_tokens=64",
             "steps=2", "repeats=1", "batches=[1,2]", "drafted=[1,2]", "codecs=[int8,lynx]",
             "links=[token_bucket,tc]", "receiver_context_tokens=64",
@@ -441,12 +446,72 @@ def test_calibrate_measures_the_draft_step_on_each_link(tmp_path, monkeypatch):
     assert tc_call[0] == ["lynx"] and tc_call[1] != calls[0][1]  # its own prompts
     hw = json.loads((tmp_path / "hardware" / "local-tiny-random.json").read_text())
     assert hw["draft_step"]["ratio"] == pytest.approx(1.4)
+    # its requests all draft: the first step's extra is the first transfer's
+    assert tc_call[3] == pytest.approx(hw["first_step_extra"]["s"][-1])
     tb = load_link_profile(str(tmp_path / "link" / "local-tiny-random-token-bucket.json"))
     tc = load_link_profile(str(tmp_path / "link" / "local-tiny-random-tc.json"))
-    assert tb.draft_step == hw["draft_step"] and tb.efficiency == pytest.approx(0.9)
-    assert tc.draft_step["ratio"] == pytest.approx(2.8)
+    assert tb.draft_step == {**hw["draft_step"], "model": "tiny-random"}
+    assert tb.efficiency == pytest.approx(0.9)
+    assert tc.draft_step["ratio"] == pytest.approx(2.8) and tc.emulation == "tc"
     assert tc.draft_step["busy_ratio"] == pytest.approx(3.5)
+    assert tc.draft_step["model"] == "tiny-random"
     assert "over tc" in tc.draft_step["measured"]
+    # tc unavailable: skipped, no transfer over it; without receiver timing no draft step
+    calls.clear()
+    available[0] = (False, "no root")
+    assert main([*args[:-1], f"out_dir={tmp_path / 'b'}"]) == 0
+    assert [c[2] for c in calls] == ["token_bucket"]
+    assert not (tmp_path / "b" / "link" / "local-tiny-random-tc.json").exists()
+    available[0] = (True, "")
+    assert main([*args[:-1], "receiver_loads=false", f"out_dir={tmp_path / 'c'}"]) == 0
+    for e in ("token-bucket", "tc"):
+        path = tmp_path / "c" / "link" / f"local-tiny-random-{e}.json"
+        assert load_link_profile(str(path)).draft_step is None
+
+
+def test_receiver_loads_take_the_given_first_step_extra_when_every_request_drafted(
+        monkeypatch):
+    """A transfer of split-stream requests only (all drafted) has no plain request to
+    measure the first step's extra: first_step_extra_s is taken out of the window instead
+    (window 0.30 s, 2 drafts, step 0.05 s: (0.30 - 0.02) / 2 / 0.05 = 2.8, 3.0 without);
+    the transfer runs over the link it is asked for."""
+    import kvsim.commands.emulate as emulate_mod
+    from kvsim.calibrate.receiver_timing import receiver_loads
+
+    def fake_emulate(cfg):
+        bf16 = float(cfg.model.kv_bytes_bf16(64))
+        spans = [["dequantize stream 0", "decode", 0.0, 1e-3],
+                 ["dequantize streams 0-1", "decode", 0.0, 1e-3],
+                 ["dequantize layer 0 streams 0-1", "decode", 0.0, bf16 / 1e9],
+                 ["draft_accepted", "decode", 1.0, 1.3]]
+        assert cfg.transport.emulation == "tc"  # the transfer runs over the asked link
+        return [{"status": "done", "codec": "lynx", "context_tokens": 64, "streams": 2,
+                 "dequantize": "on_arrival", "tpot_s": 0.05, "proposed_tokens": 2,
+                 "ttft_from_prefill_end_s": 0.3, "full_ready_from_prefill_end_s": 0.25,
+                 "trace_spans": spans}]
+
+    monkeypatch.setattr(emulate_mod, "emulate", fake_emulate)
+    got = receiver_loads("smollm2-135m", ["lynx"], 64, 1, "stdlib-docs", repeats=1,
+                         emulation="tc", first_step_extra_s=0.02)
+    assert got["lynx"]["draft_step_ratio"] == pytest.approx(2.8)
+    got = receiver_loads("smollm2-135m", ["lynx"], 64, 1, "stdlib-docs", repeats=1,
+                         emulation="tc")
+    assert got["lynx"]["draft_step_ratio"] == pytest.approx(3.0)
+
+
+def test_validate_calibrates_the_receiver_at_its_longest_context_and_fits_at_its_shortest(
+        tmp_path, monkeypatch):
+    import kvsim.commands.calibrate as calibrate_mod
+    from kvsim.commands.validate import Config as ValConfig
+    from kvsim.commands.validate import _calibrate
+
+    seen = []
+    monkeypatch.setattr(calibrate_mod, "run", lambda cal: seen.append(cal))
+    model = load_model_preset("smollm2-135m")
+    _calibrate(ValConfig(model=model, contexts=[2048, 1024]), tmp_path, "p", ["tc"])
+    _calibrate(ValConfig(model=model, contexts=[1024]), tmp_path, "p", ["tc"])
+    assert (seen[0].receiver_context_tokens, seen[0].fit_context_tokens) == (2048, 1024)
+    assert (seen[1].receiver_context_tokens, seen[1].fit_context_tokens) == (1024, 512)
 
 
 def test_the_layer_job_fit_context_defaults_to_half_the_transfers_up_to_512():

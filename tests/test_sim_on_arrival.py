@@ -157,11 +157,15 @@ def test_the_transports_receiver_modes_draft_plain_steps_plus_the_measured_conte
 def test_a_link_profiles_draft_step_replaces_the_hardware_profiles(tmp_path):
     """A link profile measured with the receiver's draft step on that link (kvsim
     calibrate on tc) sets the drafts of a run with that link.profile, in the simulator and
-    in the emulator's timing model (link_draft_step); a link profile without one leaves
-    the hardware profile's. Its fields are checked like the hardware profile's."""
+    in the emulator's timing model (the HELLO's draft costs); a link profile without one,
+    one measured with another model, or a run without a measured hardware profile keeps
+    the hardware profile's. Its fields are checked like the hardware profile's; the
+    emulator refuses a profile of another emulation."""
     from kvsim.calibrate import link_profile as lp
-    from kvsim.hardware import TimingModel
-    from kvsim.sim.link_profile import link_draft_step, load_link_profile
+    from kvsim.cli import compose
+    from kvsim.config.transport import EmulateConfig
+    from kvsim.sim.link_profile import draft_step_for, link_draft_step, load_link_profile
+    from kvsim.transport import session
 
     doc = json.loads(profile_path("hardware", "local-smollm2-135m").read_text())
     doc["draft_step"] = {"ratio": 2.0}
@@ -169,10 +173,13 @@ def test_a_link_profiles_draft_step_replaces_the_hardware_profiles(tmp_path):
     hw.write_text(json.dumps(doc))
     link = {"version": 1, "kind": "link", "name": "l", "emulation": "tc", "efficiency": 1.0,
             "latency_s": 0.0, "message_overhead_bytes": 0.0}
-    plain_link, drafty_link = tmp_path / "plain-link.json", tmp_path / "tc-link.json"
+    plain_link, tc_link = tmp_path / "plain-link.json", tmp_path / "tc-link.json"
+    other_model = tmp_path / "other-model-link.json"
     lp.write_link_profile(link, plain_link)
-    lp.write_link_profile({**link, "draft_step": {"ratio": 3.0, "context_tokens": 1024}},
-                          drafty_link)
+    drafty = {"ratio": 3.0, "context_tokens": 1024, "model": "smollm2-135m"}
+    lp.write_link_profile({**link, "draft_step": drafty}, tc_link)
+    lp.write_link_profile({**link, "draft_step": {**drafty, "model": "llama-3.1-8b"}},
+                          other_model)
 
     def draft_s(link_path) -> tuple[float, float]:
         sc = receiver_scenario("codecs=[lynx]", "deserializer=on_arrival",
@@ -184,21 +191,38 @@ def test_a_link_profiles_draft_step_replaces_the_hardware_profiles(tmp_path):
         assert tl.proposed >= 1
         return tl.draft_tpot_s, sc.timing.tpot_s(1024)
 
-    draft, step = draft_s(plain_link)
-    assert draft == pytest.approx(2.0 * step, rel=1e-9)
-    draft, step = draft_s(drafty_link)
-    assert draft == pytest.approx(3.0 * step, rel=1e-9)
-    assert link_draft_step(str(drafty_link)) == {"ratio": 3.0, "context_tokens": 1024}
-    assert link_draft_step(str(plain_link)) is None and link_draft_step("") is None
-    sc = receiver_scenario("codecs=[lynx]", f"hardware.profile={hw}")
-    timing = TimingModel(sc.model, sc.hw, link_draft_step(str(drafty_link)))
-    assert timing.draft_contention_s(1024) == pytest.approx(2.0 * timing.tpot_s(1024))
+    for path, ratio in ((plain_link, 2.0), (tc_link, 3.0), (other_model, 2.0)):
+        draft, step = draft_s(path)
+        assert draft == pytest.approx(ratio * step, rel=1e-9), path.name
+    tc = load_link_profile(str(tc_link))
+    assert tc.emulation == "tc" and tc.draft_step == drafty
+    assert draft_step_for(tc, "smollm2-135m", str(hw)) == drafty
+    assert draft_step_for(tc, "smollm2-135m", "") is None  # no measured hardware
+    assert draft_step_for(load_link_profile(str(plain_link)), "smollm2-135m", str(hw)) is None
+    assert link_draft_step("", "smollm2-135m", str(hw), "tc") is None
+    with pytest.raises(ValueError, match="measured on emulation 'tc', but "
+                                         "transport.emulation=token_bucket"):
+        link_draft_step(str(tc_link), "smollm2-135m", str(hw), "token_bucket")
+
+    def hello(*extra: str) -> dict:  # the emulator's first request, as it would be sent
+        cfg, _ = compose("transport", [
+            "model=smollm2-135m", "hardware=local-cpu", f"hardware.profile={hw}",
+            "link=emulated", "link.bandwidth_gbps=0.05", "transport.emulation=tc",
+            "transport.dequantize=on_arrival", "transport.kv_source=synthetic",
+            "transport.decode=timing", "workload=emulated", "workload.context_tokens=1024",
+            "codecs=[lynx]", "speculative.draft_overhead_s=null", *extra], EmulateConfig)
+        return session.outgoing_requests(cfg, None)[0][0].hello
+
+    step = receiver_scenario("codecs=[lynx]", f"hardware.profile={hw}").timing.tpot_s(1024)
+    assert hello()["draft_overhead_s"] == pytest.approx(1.0 * step, rel=1e-9)
+    assert hello(f"link.profile={tc_link}")["draft_overhead_s"] == \
+        pytest.approx(2.0 * step, rel=1e-9)
     for bad, field in (({"ratio": 0.5}, "draft_step.ratio"),
                        ({"ratio": 1.5, "busy_ratio": float("nan")}, "draft_step.busy_ratio"),
                        ({"busy_ratio": 2.0}, "draft_step.ratio"), ("fast", "draft_step.ratio")):
-        lp.write_link_profile({**link, "draft_step": bad}, drafty_link)
+        lp.write_link_profile({**link, "draft_step": bad}, tc_link)
         with pytest.raises(ValueError, match=f"link profile .*tc-link.json: {field} must"):
-            load_link_profile(str(drafty_link))
+            load_link_profile(str(tc_link))
 
 
 def test_worker_busy_fraction_and_projected_link_completions():

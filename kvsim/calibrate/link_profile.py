@@ -21,7 +21,9 @@ over the fastest repeat of each transfer (a busy machine only ever adds time).
 `payload_bytes` is what the simulator counts as a message's size: the codec size table's
 chunk bytes (chunk header + payload); the transport adds its control frame on the wire.
 
-`kvsim calibrate` runs it for each of its `links`; alone:
+`kvsim calibrate` runs it for each of its `links` and, with its receiver timing, adds the
+receiver's draft step measured on that link (optional `draft_step`: ratio, busy_ratio,
+context_tokens, model; kvsim.hardware's draft_step format); alone (no draft step):
     python -m kvsim.calibrate.link_profile --emulation tc --name local-tc \
         --out /tmp/local-tc.json
 """

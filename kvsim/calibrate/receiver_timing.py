@@ -27,10 +27,12 @@ cores (and the interpreter) with it. On arrival, the worker's layer spans inside
 drafting window split it into busy and idle time, which gives the draft step while the
 worker works (`draft_busy_ratio`, see draft_busy_ratio): the simulator weighs it by the
 worker's load at each rate (kvsim.sim.worker_load). `apply_receiver_timing` puts these
-into the profiles. The draft step depends on the link as well: over a `tc`-shaped veth the
-kernel processes the residual's packets on the decoder's cores, and `kvsim calibrate`
-repeats the transfer there for the split-stream codecs (`emulation=`, draft_step_doc) and
-writes its draft step into that link's profile.
+into the profiles. The draft step depends on the link as well: over a `tc`-shaped veth it
+measured slower than on the token bucket (likely cause, not measured: the kernel's shaping
+and packet processing on the decoder's cores), so `kvsim calibrate` repeats the transfer
+there for the split-stream codecs (`emulation=`, draft_step_doc), taking the first step's
+extra of the first transfer's plain requests (`first_step_extra_s`), and writes its draft
+step into that link's profile.
 
 A worker's layer job has a fixed part as well as a part in proportion to the layer's
 bytes (lynx here, at 1 Gbps: 4.7 ms per layer at 512 tokens and 5.6 ms at 1024, where
@@ -78,7 +80,8 @@ def _layer_job_s(row: dict) -> dict[str, float]:
 def receiver_loads(model: str, codecs: list[Any], context_tokens: int, seed: int,
                    text_source: str, bandwidth_gbps: float = 0.3, repeats: int = 3,
                    threads: int = 1, dequantize: str = "on_arrival",
-                   emulation: str = "token_bucket") -> dict[str, dict[str, float]]:
+                   emulation: str = "token_bucket", first_step_extra_s: float | None = None
+                   ) -> dict[str, dict[str, float]]:
     """codec label -> {"decode_gb_per_s": every stream, "anchor_decode_gb_per_s": stream 0
     (split-stream codecs whose anchor was loaded alone), "tpot_s", "first_step_s",
     "encode_gb_per_s" (the sender's encoder, FIN's encode_work_s), "draft_step_ratio"
@@ -88,7 +91,10 @@ def receiver_loads(model: str, codecs: list[Any], context_tokens: int, seed: int
     it on demand, and its rates are that mode's)}:
     medians over `repeats` requests per codec of one calibration transfer (a load's time
     varies by tens of percent from one request to the next, so one request is not a
-    measurement). `emulation`: the transfer's link (transport.emulation; tc needs root)."""
+    measurement). `emulation`: the transfer's link (transport.emulation; tc needs root).
+    `first_step_extra_s`: the first step's extra on a fresh cache (s) to take out of the
+    drafting windows when no request of this transfer decoded plainly (a transfer of
+    split-stream codecs only: their requests all draft); with plain requests, theirs."""
     from kvsim.cli import compose
     from kvsim.commands.emulate import emulate
     from kvsim.config.transport import EmulateConfig
@@ -163,7 +169,10 @@ def receiver_loads(model: str, codecs: list[Any], context_tokens: int, seed: int
     # over the same request's later decode steps. The drafting window [anchor cache ready,
     # last draft's end] holds the first step's extra on a fresh cache (the plain requests'
     # first step - step here), which the simulator adds on its own
-    extra = max(0.0, statistics.median(first_extra or [0.0]))
+    if first_extra:
+        extra = max(0.0, statistics.median(first_extra))
+    else:
+        extra = max(0.0, first_step_extra_s or 0.0)
     for codec, window, busy, proposed, tpot in drafted:
         samples[codec].setdefault("draft_step_ratio", []).append(
             max(window - extra, 0.0) / proposed / tpot)

@@ -127,7 +127,9 @@ def _calibrate(cfg: Config, root: Path, name: str, emulations: list[str]) -> Non
                     codec_context_tokens=max(cfg.contexts), links=emulations,
                     # the receiver's calibration transfers at the validated contexts (the
                     # longest; the shortest for the layer-job fit and the step there), so
-                    # that neither is extrapolated to the scenarios
+                    # that neither is extrapolated to the single-request scenarios (the
+                    # multi-request case's context may lie outside; on demand there is
+                    # no fit and the one step ratio applies flat)
                     receiver_context_tokens=max(cfg.contexts),
                     receiver_fit_context_tokens=min(cfg.contexts)
                     if min(cfg.contexts) < max(cfg.contexts) else -1,

@@ -47,7 +47,9 @@ class LinkConfig:
     # instance on top of its prefill link (kvsim.sim.ingress); 0 (default): no ingress limit
     decode_ingress_gbps: float = 0.0
     # a measured link profile, name or path (kvsim/profiles.py; kvsim.sim.link_profile):
-    # egress bandwidth x its efficiency, + its latency_s and message_overhead_bytes; "": none
+    # egress bandwidth x its efficiency, + its latency_s and message_overhead_bytes, and its
+    # draft_step (the receiver's, measured on that link) in place of the hardware
+    # profile's (kvsim sim, and kvsim emulate's timing-model decode); "": none
     profile: str = ""
 
     def validate(self) -> None:

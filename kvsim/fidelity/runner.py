@@ -9,8 +9,9 @@ runs `transport.dequantize=` and the simulator `deserializer=` of that name; pro
 without it were measured on demand), the draft step (below) and the acceptance curve
 measured by `kvsim quality` on the same model. Both engines run the transport's receiver
 mode, where a draft is a plain decode step on the anchor's cache plus what calibration
-measured of one beside the receiver's dequantization (hardware `draft_step`, 0 where not
-measured: kvsim.sim.speculative.receiver_draft_s).
+measured of one beside the receiver's dequantization (the link profile's `draft_step`,
+measured on that link, else the hardware profile's; 0 where not measured:
+kvsim.sim.speculative.receiver_draft_s).
 """
 
 from __future__ import annotations

@@ -12,10 +12,11 @@ emulation, whatever rate it is set to. The file format is kvsim.calibrate.link_p
 
 A profile written by `kvsim calibrate` with its receiver timing also carries the receiver's
 draft step measured on that link (`draft_step`: ratio, busy_ratio, as in the hardware
-profile): a draft step beside the receiver's work on the later streams is slower on a
-`tc`-shaped veth, whose packets the kernel processes on the decoder's cores, than on the
-token bucket. The run's timing model takes it in place of the hardware profile's
-(kvsim.hardware.TimingModel's draft_step).
+profile): a draft step beside the receiver's work on the later streams measured slower on
+a `tc`-shaped veth than on the token bucket (likely cause, not measured: the kernel's
+shaping and packet processing on the decoder's cores). The run's timing model takes it in
+place of the hardware profile's (kvsim.hardware.TimingModel's draft_step) where it describes
+the run (draft_step_for).
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ class LinkProfile:
     message_overhead_bytes: float  # bytes per message beyond its payload, >= 0
     name: str
     path: str  # the JSON file it came from
-    # the receiver's draft step measured on this link ({"ratio", "busy_ratio"?, ...}:
-    # kvsim.hardware's draft_step), None where the profile has none
+    # the receiver's draft step measured on this link ({"ratio", "busy_ratio"?, "model"?,
+    # ...}: kvsim.hardware's draft_step), None where the profile has none
     draft_step: dict | None = None
+    emulation: str = "none"  # the link emulation it was measured on (EMULATIONS)
 
 
 def _number(path: Path, doc: dict, key: str, minimum: float, maximum: float = math.inf,
@@ -88,7 +90,8 @@ def load_link_profile(name_or_path: str) -> LinkProfile:
         latency_s=_number(path, doc, "latency_s", 0.0),
         message_overhead_bytes=_number(path, doc, "message_overhead_bytes", 0.0),
         name=name, path=str(path),
-        draft_step=check_draft_step(f"link profile {path}", doc))
+        draft_step=check_draft_step(f"link profile {path}", doc),
+        emulation=doc.get("emulation", "none"))
     record_loaded(path)
     return profile
 
@@ -107,8 +110,33 @@ def profiled_link_settings(bandwidth_gbps: float, latency_s: float,
             "trace": [[float(t), float(gbps) * eff] for t, gbps in trace]}
 
 
-def link_draft_step(name_or_path: str) -> dict | None:
-    """The receiver's draft step measured on the link profile `name_or_path` ("": none), for
-    a timing model (kvsim.hardware.TimingModel's draft_step). `kvsim emulate`'s timing-model
-    decode takes it from link.profile, so that it drafts as `kvsim sim` does on that link."""
-    return load_link_profile(name_or_path).draft_step if name_or_path else None
+def draft_step_for(profile: LinkProfile | None, model_name: str, hardware_profile: str
+                   ) -> dict | None:
+    """The link profile's draft step where it describes this run, for a timing model
+    (kvsim.hardware.TimingModel's draft_step, which then replaces the hardware profile's
+    whole entry): only with a measured hardware profile (`hardware.profile`: the draft step
+    is a ratio to that machine's decode step) and for the model it was measured with (its
+    `model`, where it names one); else None, and the hardware profile's draft step applies
+    (the link's rate, latency and per-message fit apply either way)."""
+    draft = profile.draft_step if profile is not None else None
+    if not draft or not hardware_profile:
+        return None
+    if draft.get("model", model_name) != model_name:
+        return None
+    return draft
+
+
+def link_draft_step(name_or_path: str, model_name: str, hardware_profile: str,
+                    emulation: str) -> dict | None:
+    """`kvsim emulate`'s timing-model decode: the draft step of link.profile `name_or_path`
+    ("": none) as draft_step_for gives it, so that it drafts as `kvsim sim` does on that
+    link. A profile measured on another emulation than `emulation` (transport.emulation)
+    is refused: its draft step describes a link this run does not have."""
+    if not name_or_path:
+        return None
+    profile = load_link_profile(name_or_path)
+    if profile.emulation != emulation:
+        raise ValueError(f"link.profile {profile.path} was measured on emulation "
+                         f"{profile.emulation!r}, but transport.emulation={emulation}: give "
+                         f"the profile of {emulation!r} (or none)")
+    return draft_step_for(profile, model_name, hardware_profile)

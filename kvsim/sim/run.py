@@ -39,7 +39,7 @@ from kvsim.sim.codec_timing import CodecTiming, load_codec_timing
 from kvsim.sim.gc_pause import gc_paused
 from kvsim.sim.ingress import IngressJoin
 from kvsim.sim.link import Link
-from kvsim.sim.link_profile import load_link_profile, profiled_link_settings
+from kvsim.sim.link_profile import draft_step_for, load_link_profile, profiled_link_settings
 from kvsim.sim.metrics import RequestRecord, aggregate_records, record_columns, request_row
 from kvsim.sim.nodes import (
     DecodeNode,
@@ -144,8 +144,8 @@ class Scenario:
         # link.profile: the measured emulated link (its rate, latency and per-message cost,
         # and the receiver's draft step measured on it)
         self.link_profile = load_link_profile(cfg.link.profile) if cfg.link.profile else None
-        self.timing = TimingModel(cfg.model, cfg.hardware, self.link_profile.draft_step
-                                  if self.link_profile else None)
+        self.timing = TimingModel(cfg.model, cfg.hardware, draft_step_for(
+            self.link_profile, cfg.model.name, cfg.hardware.profile))
         table = load_codec_timing(cfg.hardware.name, cfg.codec_timing or None)
         self.codec_timing: CodecTiming = table.lookup(variant.spec.label, variant.spec.name)
         self.acceptance = load_acceptance(variant.acceptance or cfg.speculative.acceptance)

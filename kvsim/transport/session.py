@@ -170,7 +170,8 @@ def outgoing_requests(cfg: EmulateConfig, lm: Any | None) -> list[list[OutgoingR
     if kind == "live" and lm is None:
         raise ValueError("kv_source=live needs the model loaded")
     # the draft step measured on the emulated link, where link.profile names its profile
-    timing = TimingModel(cfg.model, cfg.hardware, link_draft_step(cfg.link.profile))
+    timing = TimingModel(cfg.model, cfg.hardware, link_draft_step(
+        cfg.link.profile, cfg.model.name, cfg.hardware.profile, cfg.transport.emulation))
     reqs = workload_requests(cfg.workload, np.random.default_rng(cfg.seed))
     if any(r.output_tokens != cfg.workload.output_tokens for r in reqs):
         raise ValueError("the transport decodes workload.output_tokens tokens for every "
@@ -246,6 +247,8 @@ def decoder_factory(cfg: EmulateConfig, mode: str, lm: Any | None):
     from kvsim.acceptance import load_acceptance
     from kvsim.transport.decode_loop import RealDecodeLoop, TimingDecodeLoop
 
+    # the decode loops' step times (draft costs come with each request's HELLO, from
+    # outgoing_requests' timing model with the link profile's draft step)
     timing = TimingModel(cfg.model, cfg.hardware)
 
     def make(hello: dict, asm: Assembly):
