@@ -224,7 +224,7 @@ def draft_busy_ratio(window_s: float, busy_s: float, extra_s: float, proposed: i
 def apply_receiver_timing(measured: dict[str, dict[str, float]], hw_doc: dict, timing_doc: dict,
                           context_tokens: int, dequantize: str = "on_arrival",
                           fit: dict[str, dict[str, float]] | None = None,
-                          fit_context_tokens: int = 0) -> float:
+                          fit_context_tokens: int = 0) -> None:
     """Put a calibration transfer's figures into the profiles (in place): the codecs' encode
     (the sender's) and load rates (the receiver's) replace the in-process ones (kept as
     inprocess_*; `receiver_dequantize` names the receiver mode they are for, the simulator's
@@ -238,8 +238,8 @@ def apply_receiver_timing(measured: dict[str, dict[str, float]], hw_doc: dict, t
     `fit_context_tokens`), the ratio is measured at both contexts and interpolated between
     them (flat outside): one ratio measured at one context carries the in-process curve's
     own error at every other (with one ratio from 1024 tokens, a validation's scenarios
-    stepped 0-5% slower than calibrated at 1024 tokens and 3-9% at 2048). Returns the ratio
-    at `context_tokens`."""
+    stepped 0-5% slower than calibrated at 1024 tokens and 3-9% at 2048); they are kept in
+    receiver_step_ratio ("context_tokens", "ratio": lists, shortest context first)."""
     for label, entry in timing_doc["codecs"].items():
         for key in ("encode_gb_per_s", "decode_gb_per_s", "anchor_decode_gb_per_s"):
             if key in measured.get(label, {}):
@@ -282,7 +282,6 @@ def apply_receiver_timing(measured: dict[str, dict[str, float]], hw_doc: dict, t
                                      "receiver_tpot_s": receiver_steps}
     for key in ("tpot", "tpot_batch", "verify"):
         hw_doc[key] = scaled_curve(hw_doc[key], lambda c: float(np.interp(c, contexts, ratios)))
-    ratio = ratios[-1]
     # the first step on a freshly built cache, in the receiver's new decode thread, costs
     # more than in a warm process: the transfer's plain requests measure it (one context:
     # applied flat, the in-process curve kept as first_step_extra_inprocess)
@@ -297,7 +296,6 @@ def apply_receiver_timing(measured: dict[str, dict[str, float]], hw_doc: dict, t
     draft = draft_step_doc(measured, context_tokens, "the calibration transfer")
     if draft is not None:
         hw_doc["draft_step"] = draft
-    return ratio
 
 
 def draft_step_doc(measured: dict[str, dict[str, float]], context_tokens: int, where: str
