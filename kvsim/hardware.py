@@ -27,7 +27,10 @@ and optionally (written by `kvsim calibrate`)
                                     drafting overhead of deserializer=on_arrival), averaged
                                     over the drafting; optional "busy_ratio": the same
                                     while the on-arrival worker is busy (>= 1; used, with
-                                    the worker's load, where present); a link
+                                    the worker's load, where present); optional
+                                    "ingest_s_per_byte": the receiver's busy time per
+                                    later-stream byte taken in (s/B, >= 0; adds to that
+                                    load: kvsim.calibrate.draft_ingest); a link
                                     profile's own draft_step (measured on that link)
                                     replaces the whole entry in a run with that
                                     link.profile (kvsim.sim.link_profile.draft_step_for)
@@ -216,10 +219,20 @@ class TimingModel:
 
     def draft_busy_contention_s(self, context_tokens: int) -> float | None:
         """What a draft step costs beyond a decode step while the receiver's on-arrival
-        worker dequantizes beside it (s): (draft_step.busy_ratio - 1) x TPOT at this context;
+        worker dequantizes beside it, or the receiver is otherwise fully busy (taking the
+        later streams in: draft_ingest_s_per_byte) (s): (draft_step.busy_ratio - 1) x TPOT
+        at this context;
         None when the profile did not measure it (kvsim.calibrate.receiver_timing:
         draft_busy_ratio, from the worker's layer spans)."""
         return self._draft_step_extra_s("busy_ratio", context_tokens)
+
+    def draft_ingest_s_per_byte(self) -> float:
+        """The receiver's busy time per later-stream byte it takes in while a request drafts
+        (s/B; draft_step.ingest_s_per_byte, fitted by kvsim.calibrate.draft_ingest): it adds
+        to the on-arrival worker's load in the busy share of the draft step (0 where not
+        measured: the worker's jobs alone)."""
+        draft = self._draft_step
+        return float(draft.get("ingest_s_per_byte", 0.0)) if draft else 0.0
 
     def _draft_step_extra_s(self, field: str, context_tokens: int) -> float | None:
         """(draft_step.<field> - 1) x TPOT at this context (s); None where not measured."""
@@ -391,7 +404,8 @@ def load_profile(name_or_path: str, model_name: str) -> dict:
 
 # draft_step's fields: (key, field, required in key, bound, test)
 DRAFT_STEP_FIELDS = (("draft_step", "ratio", True, ">= 1", lambda v: v >= 1),
-                     ("draft_step", "busy_ratio", False, ">= 1", lambda v: v >= 1))
+                     ("draft_step", "busy_ratio", False, ">= 1", lambda v: v >= 1),
+                     ("draft_step", "ingest_s_per_byte", False, ">= 0", lambda v: v >= 0))
 
 
 def _check_field(where: str, doc: dict, key: str, field: str, required: bool, bound: str,

@@ -410,7 +410,9 @@ def test_draft_step_doc_takes_medians_over_the_codecs_that_drafted():
 def test_calibrate_measures_the_draft_step_on_each_link(tmp_path, monkeypatch):
     """The token bucket's link profile gets the draft step of the receiver's calibration
     transfer (which ran on it); tc's gets that of a transfer of the split-stream codecs
-    over tc (faked here: ratio 2.8, busy 3.5), with prompts of their own; both load."""
+    over tc (faked here: ratio 2.8, busy 3.5), with prompts of their own; both load. Each
+    link also gets a transfer at draft_fit_rate_gbps (prompts of their own again) for the
+    draft-slowdown fit, which these fakes leave without drafted rows: no fit."""
     import kvsim.calibrate.link_profile as lp
     import kvsim.calibrate.receiver_timing as rt
     import kvsim.transport.netns as netns
@@ -420,7 +422,7 @@ def test_calibrate_measures_the_draft_step_on_each_link(tmp_path, monkeypatch):
 
     def fake_loads(model, codecs, context_tokens, seed, text_source, **kw):
         calls.append((list(codecs), seed, kw.get("emulation", "token_bucket"),
-                      kw.get("first_step_extra_s")))
+                      kw.get("first_step_extra_s"), kw.get("bandwidth_gbps", 0.3)))
         if kw.get("emulation") == "tc":
             return {"lynx": {"tpot_s": 0.01, "draft_step_ratio": 2.8, "draft_busy_ratio": 3.5}}
         return {"int8": {"decode_gb_per_s": 1.0, "tpot_s": 0.01},
@@ -442,8 +444,11 @@ def test_calibrate_measures_the_draft_step_on_each_link(tmp_path, monkeypatch):
             "receiver_fit_context_tokens=0", "progress=false", f"out_dir={tmp_path}"]
     assert main(args) == 0
     assert calls[0][2] == "token_bucket" and calls[0][0] == ["int8", "lynx"]
-    (tc_call,) = [c for c in calls if c[2] == "tc"]
+    (tc_call,) = [c for c in calls if c[2] == "tc" and c[4] == 0.3]
     assert tc_call[0] == ["lynx"] and tc_call[1] != calls[0][1]  # its own prompts
+    fit_calls = [c for c in calls if c[4] == 0.8]
+    assert [c[2] for c in fit_calls] == ["token_bucket", "tc"]
+    assert all(c[0] == ["lynx"] and c[1] not in (calls[0][1], tc_call[1]) for c in fit_calls)
     hw = json.loads((tmp_path / "hardware" / "local-tiny-random.json").read_text())
     assert hw["draft_step"]["ratio"] == pytest.approx(1.4)
     # its requests all draft: the first step's extra is the first transfer's
@@ -460,7 +465,7 @@ def test_calibrate_measures_the_draft_step_on_each_link(tmp_path, monkeypatch):
     calls.clear()
     available[0] = (False, "no root")
     assert main([*args[:-1], f"out_dir={tmp_path / 'b'}"]) == 0
-    assert [c[2] for c in calls] == ["token_bucket"]
+    assert [c[2] for c in calls] == ["token_bucket", "token_bucket"]
     assert not (tmp_path / "b" / "link" / "local-tiny-random-tc.json").exists()
     available[0] = (True, "")
     assert main([*args[:-1], "receiver_loads=false", f"out_dir={tmp_path / 'c'}"]) == 0

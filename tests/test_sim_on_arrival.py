@@ -176,7 +176,8 @@ def test_a_link_profiles_draft_step_replaces_the_hardware_profiles(tmp_path):
     plain_link, tc_link = tmp_path / "plain-link.json", tmp_path / "tc-link.json"
     other_model = tmp_path / "other-model-link.json"
     lp.write_link_profile(link, plain_link)
-    drafty = {"ratio": 3.0, "context_tokens": 1024, "model": "smollm2-135m"}
+    drafty = {"ratio": 3.0, "context_tokens": 1024, "model": "smollm2-135m",
+              "ingest_s_per_byte": 3e-8}
     lp.write_link_profile({**link, "draft_step": drafty}, tc_link)
     lp.write_link_profile({**link, "draft_step": {**drafty, "model": "llama-3.1-8b"}},
                           other_model)
@@ -217,8 +218,13 @@ def test_a_link_profiles_draft_step_replaces_the_hardware_profiles(tmp_path):
     assert hello()["draft_overhead_s"] == pytest.approx(1.0 * step, rel=1e-9)
     assert hello(f"link.profile={tc_link}")["draft_overhead_s"] == \
         pytest.approx(2.0 * step, rel=1e-9)
+    # the link's cost per later-stream byte goes to the receiver's timing decode too
+    assert hello()["ingest_s_per_byte"] == 0.0
+    assert hello(f"link.profile={tc_link}")["ingest_s_per_byte"] == pytest.approx(3e-8)
     for bad, field in (({"ratio": 0.5}, "draft_step.ratio"),
                        ({"ratio": 1.5, "busy_ratio": float("nan")}, "draft_step.busy_ratio"),
+                       ({"ratio": 1.5, "ingest_s_per_byte": -1e-9},
+                        "draft_step.ingest_s_per_byte"),
                        ({"busy_ratio": 2.0}, "draft_step.ratio"), ("fast", "draft_step.ratio")):
         lp.write_link_profile({**link, "draft_step": bad}, tc_link)
         with pytest.raises(ValueError, match=f"link profile .*tc-link.json: {field} must"):
@@ -249,20 +255,23 @@ def test_worker_busy_fraction_and_projected_link_completions():
     np.testing.assert_allclose(flow.complete_t, [0.1, 0.2, 0.6], rtol=1e-12)
 
 
-@pytest.mark.parametrize("gbps", [0.05, 1.0])
-def test_drafts_slow_down_by_the_workers_projected_load_until_the_full_cache(tmp_path,
-                                                                            gbps: float):
+@pytest.mark.parametrize("gbps,ingest", [(0.05, 0.0), (1.0, 0.0), (0.05, 40e-9)])
+def test_drafts_slow_down_by_the_workers_projected_load_until_the_full_cache(
+        tmp_path, gbps: float, ingest: float):
     """With draft_step.busy_ratio r in the profile, on arrival: drafts run at r x the
-    decode step while the worker is busy with the residual and at the step while it is
+    decode step while the receiver is busy with the residual and at the step while it is
     idle, averaged over its busy share s from drafting's start to its last job (projected
     then; exact for a lone two-stream request, so it equals the share in the simulated
     schedule): step x r / (r (1 - s) + s); the overhead ends when the full cache is
-    ready."""
+    ready. The busy share is the worker's jobs', plus, with draft_step.ingest_s_per_byte,
+    that cost for each residual message over [arrival - cost, arrival] (at most 1)."""
     from kvsim.sim.nodes import priority_server
     from kvsim.sim.worker_load import busy_fraction
 
     doc = json.loads(profile_path("hardware", "local-smollm2-135m").read_text())
     doc["draft_step"] = {"ratio": 1.5, "busy_ratio": 3.0}
+    if ingest:
+        doc["draft_step"]["ingest_s_per_byte"] = ingest
     path = tmp_path / "busy.json"
     path.write_text(json.dumps(doc))
     sc = receiver_scenario("codecs=[lynx]", "deserializer=on_arrival",
@@ -285,6 +294,13 @@ def test_drafts_slow_down_by_the_workers_projected_load_until_the_full_cache(tmp
     works = [rx.plan.deserialize_s for rx in receivers]
     finish = priority_server([rx.arrival_t for rx in receivers], works)
     share = busy_fraction(tl.start_t, finish[1], works[1])
+    if ingest:  # by hand: each residual message's cost before its arrival, in the window
+        end, arrived = float(finish[1].max()), receivers[1].arrival_t
+        cost = ingest * receivers[1].plan.sizes_bytes
+        spent = sum(max(0.0, min(a, end) - max(a - c, tl.start_t))
+                    for a, c in zip(arrived, cost, strict=True))
+        assert spent > 0.1 * (end - tl.start_t)  # 40 ns/B at 6.25 MB/s: a quarter
+        share = min(1.0, share + spent / (end - tl.start_t))
     assert 0.0 < share < 1.0
     tpot = sc.timing.tpot_s(1024)
     # busy_ratio 3: steps of 3 x tpot while busy, tpot while idle, weighted by steps made

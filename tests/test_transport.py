@@ -565,7 +565,8 @@ def test_synthetic_source_is_generated_during_the_modelled_prefill():
 
 def test_the_hello_busy_draft_overhead_is_checked():
     """A request's busy_draft_overhead_s (the sender's profile, for the timing decode) is
-    null or a number of seconds in [0, 3600]; anything else is refused at HELLO."""
+    null or a number of seconds in [0, 3600], its ingest_s_per_byte a number in [0, 1e-3];
+    anything else is refused at HELLO."""
     cfg = config()
     check = session.hello_checker(cfg, "timing")
     shape = cfg.model.kv_shape(512)
@@ -575,3 +576,7 @@ def test_the_hello_busy_draft_overhead_is_checked():
     assert check({**base, "busy_draft_overhead_s": 0.05}, shape) == ""
     for bad in (True, "0.1", -1.0, math.nan, 1e9, [0.1]):
         assert "busy_draft_overhead_s" in check({**base, "busy_draft_overhead_s": bad}, shape)
+    # ... and its ingest_s_per_byte a number of s per byte in [0, 1e-3] (absent: 0)
+    assert check({**base, "ingest_s_per_byte": 2e-8}, shape) == ""
+    for bad in (True, None, "1e-8", -1e-9, math.nan, 1.0):
+        assert "ingest_s_per_byte" in check({**base, "ingest_s_per_byte": bad}, shape)

@@ -424,6 +424,49 @@ def test_timing_draft_steps_slow_only_while_the_worker_is_busy(on_arrival):
                          busy_draft_overhead_s=math.nan)
 
 
+class IngestView(WorkerView):
+    """WorkerView whose later streams' bytes come in at `rate` B/s until `arrive_end`."""
+
+    def __init__(self, full_t: float, busy_end: float, rate: float, arrive_end: float) -> None:
+        super().__init__(full_t, busy_end)
+        self.rate, self.arrive_end = rate, arrive_end
+
+    def later_bytes(self) -> float:
+        return self.rate * min(self.t, self.arrive_end)
+
+
+def test_timing_draft_steps_slow_while_the_later_bytes_come_in():
+    """ingest_s_per_byte 5e-7 s/B at 1 MB/s: the receiver is busy half the time while the
+    bytes arrive (until 0.4 s), busy ratio 3 (step 0.1 clock s): a step advances at
+    0.5 / 0.1 + 0.5 / 0.3 = 6.67 per s, so drafts end at 0.15 and 0.30; draft 3 makes 2/3
+    of a step by 0.4 and the rest at the plain step, by 0.4333; drafts 4 and 5 at the step,
+    the last ending after the full cache (0.55). The share is the previous 1-ms slice's
+    (<= 1 ms late).
+    Without the cost (or with a view that reports no bytes) the same drafts run at the step."""
+    timing = _timing_model()
+    tpot = timing.tpot_s(TIMING_CONTEXT, 1)
+    scale = STEP_S / tpot
+
+    def drafts(ingest: float) -> np.ndarray:
+        view = IngestView(full_t=0.55, busy_end=0.0, rate=1e6, arrive_end=0.4)
+        loop = TimingDecodeLoop(timing, TIMING_CONTEXT, geometric(1.0),
+                                np.random.default_rng(0), time_scale=scale, clock=view.clock,
+                                sleep=view.sleep, dequantize=False,
+                                busy_draft_overhead_s=2.0 * tpot, poll_s=0.001,
+                                ingest_s_per_byte=ingest)
+        res = loop.run(view, True, 8, 64, TIMEOUT_S)
+        check_timeline(res, 8)
+        return np.asarray(res.drafted_t[:res.proposed]) - res.start_t
+
+    third = 0.4 + 0.1 / 3
+    np.testing.assert_allclose(drafts(5e-7), [0.15, 0.30, third, third + 0.1, third + 0.2],
+                               atol=2e-3)
+    np.testing.assert_allclose(drafts(0.0), [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], atol=1e-9)
+    with pytest.raises(ValueError, match="ingest_s_per_byte"):
+        TimingDecodeLoop(timing, TIMING_CONTEXT, geometric(1.0), np.random.default_rng(0),
+                         busy_draft_overhead_s=0.0, ingest_s_per_byte=-1.0)
+
+
 # ---- the real model -------------------------------------------------------------------------
 
 @pytest.mark.slow

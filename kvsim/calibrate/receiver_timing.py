@@ -26,7 +26,9 @@ drafts run while the receiver's worker dequantizes the residual as it lands, and
 cores (and the interpreter) with it. On arrival, the worker's layer spans inside the
 drafting window split it into busy and idle time, which gives the draft step while the
 worker works (`draft_busy_ratio`, see draft_busy_ratio): the simulator weighs it by the
-worker's load at each rate (kvsim.sim.worker_load). `apply_receiver_timing` puts these
+worker's load at each rate (kvsim.sim.worker_load; each link profile's own busy ratio, with
+the receiver's cost per later-stream byte, is fitted on transfers at two rates instead:
+kvsim.calibrate.draft_ingest). `apply_receiver_timing` puts these
 into the profiles. The draft step depends on the link as well: over a `tc`-shaped veth it
 measured slower than on the token bucket (likely cause, not measured: the kernel's shaping
 and packet processing on the decoder's cores), so `kvsim calibrate` repeats the transfer
@@ -53,6 +55,9 @@ import numpy as np
 from kvsim.hardware import scaled_curve
 
 DECODE_STEPS = 16  # decode steps per request of the calibration transfer
+# the calibration transfer's link rate: slow enough that a split-stream codec's residual is
+# still on the wire when its anchor is loaded (1e9 bit/s)
+CALIBRATION_RATE_GBPS = 0.3
 
 
 def _spans(row: dict) -> dict[str, float]:
@@ -78,10 +83,11 @@ def _layer_job_s(row: dict) -> dict[str, float]:
 
 
 def receiver_loads(model: str, codecs: list[Any], context_tokens: int, seed: int,
-                   text_source: str, bandwidth_gbps: float = 0.3, repeats: int = 3,
+                   text_source: str, bandwidth_gbps: float = CALIBRATION_RATE_GBPS,
+                   repeats: int = 3,
                    threads: int = 1, dequantize: str = "on_arrival",
-                   emulation: str = "token_bucket", first_step_extra_s: float | None = None
-                   ) -> dict[str, dict[str, float]]:
+                   emulation: str = "token_bucket", first_step_extra_s: float | None = None,
+                   keep_rows: list[dict] | None = None) -> dict[str, dict[str, float]]:
     """codec label -> {"decode_gb_per_s": every stream, "anchor_decode_gb_per_s": stream 0
     (split-stream codecs whose anchor was loaded alone), "tpot_s", "first_step_s",
     "encode_gb_per_s" (the sender's encoder, FIN's encode_work_s), "draft_step_ratio"
@@ -94,7 +100,9 @@ def receiver_loads(model: str, codecs: list[Any], context_tokens: int, seed: int
     measurement). `emulation`: the transfer's link (transport.emulation; tc needs root).
     `first_step_extra_s`: the first step's extra on a fresh cache (s) to take out of the
     drafting windows when no request of this transfer decoded plainly (a transfer of
-    split-stream codecs only: their requests all draft); with plain requests, theirs."""
+    split-stream codecs only: their requests all draft); with plain requests, theirs.
+    keep_rows: the transfer's request rows are appended to it (kvsim.calibrate.draft_ingest
+    replays their drafts)."""
     from kvsim.cli import compose
     from kvsim.commands.emulate import emulate
     from kvsim.config.transport import EmulateConfig
@@ -112,6 +120,8 @@ def receiver_loads(model: str, codecs: list[Any], context_tokens: int, seed: int
                  f"codecs=[{entries}]"]
     cfg, _ = compose("transport", overrides, EmulateConfig)
     rows = emulate(cfg)
+    if keep_rows is not None:
+        keep_rows.extend(rows)
     samples: dict[str, dict[str, list[float]]] = {}
     # (codec, window s, worker busy s within it, drafts, step s)
     drafted: list[tuple[str, float, float, int, float]] = []

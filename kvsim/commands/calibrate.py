@@ -18,6 +18,7 @@ ship with the repository and load by name.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import sys
@@ -60,6 +61,10 @@ class Config:
     receiver_loads: bool = True
     receiver_context_tokens: int = 1024  # its prompts' tokens
     receiver_repeats: int = 3  # requests per codec (medians)
+    # the draft step's slowdown on each link is fitted (kvsim.calibrate.draft_ingest) on
+    # transfers of the split-stream codecs at two rates: 0.3 Gbps (the calibration
+    # transfer's) and this one, fast enough that the worker's jobs dominate
+    draft_fit_rate_gbps: float = 0.8
     # on arrival, a second calibration transfer at this shorter context splits each codec's
     # layer job into a fixed part and a part in proportion to its bytes
     # (receiver_timing.fit_layer_jobs), and measures the receiver's step there too (its
@@ -103,6 +108,13 @@ class Config:
                 raise ValueError(f"links: unknown emulation {e!r}; one of {LINK_EMULATIONS}")
         if any(not r > 0 for r in self.link_rates_gbps):
             raise ValueError(f"link_rates_gbps must be > 0, got {self.link_rates_gbps}")
+        from kvsim.calibrate.receiver_timing import CALIBRATION_RATE_GBPS
+
+        if not 0 < self.draft_fit_rate_gbps < math.inf or \
+                self.draft_fit_rate_gbps == CALIBRATION_RATE_GBPS:
+            raise ValueError(f"draft_fit_rate_gbps must be a rate > 0 other than the "
+                             f"calibration transfer's {CALIBRATION_RATE_GBPS} Gbps, got "
+                             f"{self.draft_fit_rate_gbps}")
 
     @property
     def fit_context_tokens(self) -> int:
@@ -170,6 +182,7 @@ def run(cfg: Config) -> list[dict]:
     timing_doc.update(hardware=profile_name(cfg), **{k: v for k, v in prov.items()
                                                       if k != "command"})
     del lm, kvs
+    main_rows: list[dict] = []  # the calibration transfer's rows (the token bucket's draft fit)
     if cfg.receiver_loads:  # load rates and decode step timed in a real transfer's receiver
         from kvsim.calibrate.receiver_timing import apply_receiver_timing, receiver_loads
 
@@ -178,7 +191,7 @@ def run(cfg: Config) -> list[dict]:
         measured = receiver_loads(cfg.model.name, list(cfg.codecs),
                                   cfg.receiver_context_tokens, cfg.seed, cfg.text_source,
                                   repeats=cfg.receiver_repeats, threads=cfg.threads,
-                                  dequantize=cfg.dequantize)
+                                  dequantize=cfg.dequantize, keep_rows=main_rows)
         fit_ctx = cfg.fit_context_tokens if cfg.dequantize == "on_arrival" else 0
         fit = None
         if fit_ctx:
@@ -236,7 +249,8 @@ def run(cfg: Config) -> list[dict]:
                      if "layer_job_fixed_s" in e else None,
                      "layer_job_gb_per_s": e.get("layer_job_gb_per_s")})
     for emulation in cfg.links:
-        rows.append(_link(cfg, emulation, paths[f"link:{emulation}"], prov, say, hw_doc))
+        rows.append(_link(cfg, emulation, paths[f"link:{emulation}"], prov, say, hw_doc,
+                          main_rows))
     if "cache_build" in hw_doc:
         rows.append({"what": "model", "item": "cache build",
                      "cache_build_gb_per_s": hw_doc["cache_build"]["gb_per_s"]})
@@ -244,7 +258,8 @@ def run(cfg: Config) -> list[dict]:
     return rows
 
 
-def _link(cfg: Config, emulation: str, path: Path, prov: dict, say, hw_doc: dict) -> dict:
+def _link(cfg: Config, emulation: str, path: Path, prov: dict, say, hw_doc: dict,
+          main_rows: list[dict]) -> dict:
     """Measure one emulated link into its profile at `path`: the fit of real transfers,
     and the receiver's draft step on that link (_link_draft_step)."""
     from kvsim.calibrate.link_profile import measure_link_profile
@@ -260,7 +275,7 @@ def _link(cfg: Config, emulation: str, path: Path, prov: dict, say, hw_doc: dict
     doc = measure_link_profile(emulation, list(cfg.link_rates_gbps), name=name)
     doc.update({k: v for k, v in prov.items() if k not in doc})
     _write(path, doc)  # the link's fit is kept even if its draft-step transfer fails
-    draft = _link_draft_step(cfg, emulation, say, hw_doc)
+    draft = _link_draft_step(cfg, emulation, say, hw_doc, main_rows)
     if draft is not None:
         doc["draft_step"] = draft
         _write(path, doc)
@@ -268,53 +283,93 @@ def _link(cfg: Config, emulation: str, path: Path, prov: dict, say, hw_doc: dict
         f"{doc['latency_s'] * 1e3:.2f} ms, {doc['message_overhead_bytes']:.0f} B/message "
         f"(fit within {doc['fit_max_abs_pct_error']:.2f}%)" +
         (f"; draft step {draft['ratio']:.3f} x a decode step" +
-         (f" ({draft['busy_ratio']:.3f} x while the worker is busy)"
-          if "busy_ratio" in draft else "") if draft else ""))
+         (f" ({draft['busy_ratio']:.3f} x while the receiver is busy)"
+          if "busy_ratio" in draft else "") +
+         (f", {draft['ingest_s_per_byte'] * 1e9:.1f} ns of receiver time per later-stream "
+          "byte" if "ingest_s_per_byte" in draft else "") if draft else ""))
     return {"what": "link", "item": emulation, "efficiency": doc["efficiency"],
             "latency_ms": doc["latency_s"] * 1e3,
             "message_overhead_bytes": doc["message_overhead_bytes"],
             "fit_max_abs_pct_error": doc["fit_max_abs_pct_error"],
             "draft_step_ratio": draft["ratio"] if draft else None,
             "draft_busy_ratio": draft.get("busy_ratio") if draft else None,
+            "draft_ingest_ns_per_byte": 1e9 * draft["ingest_s_per_byte"]
+            if draft and "ingest_s_per_byte" in draft else None,
             "status": "measured"}
 
 
-def _link_draft_step(cfg: Config, emulation: str, say, hw_doc: dict) -> dict | None:
+def _link_draft_step(cfg: Config, emulation: str, say, hw_doc: dict, main_rows: list[dict]
+                     ) -> dict | None:
     """The receiver's draft step on `emulation` (the link profile's `draft_step`, for this
-    model: `model` names it): on the token bucket, the one the receiver's calibration
-    transfer measured (it ran there, into hw_doc); on another link, a calibration transfer
-    of the split-stream codecs over that link (their own prompts). In the 2026-11-24
-    validations the first draft step after the anchor took 2.1-3x a decode step on `tc`
-    against 1.6-2.0x on the token bucket (likely cause, not measured: the kernel's shaping
-    and packet processing on the decoder's cores). None without receiver timing, without a
+    model: `model` names it). Its `ratio` (a draft step over a decode step, averaged over the
+    drafting) is the token bucket's calibration transfer's (it ran there, into hw_doc) or, on
+    another link, that of a transfer of the split-stream codecs over it (their own prompts,
+    0.3 Gbps). Its `busy_ratio` and `ingest_s_per_byte` are fitted
+    (kvsim.calibrate.draft_ingest) on the drafts of that transfer and of one more at
+    `draft_fit_rate_gbps`: the slowdown grows with the later streams' arrival rate (on `tc`
+    1.3x a decode step at 0.1 Gbps, 3.2-4.5x at 0.3 in the 2026-11-24 measurements), which
+    one rate cannot tell from the worker's jobs. None without receiver timing, without a
     split-stream codec, or when no request drafted."""
     if not cfg.receiver_loads:
         return None
-    if emulation == "token_bucket":
-        draft = hw_doc.get("draft_step")
-        return None if draft is None else {**draft, "model": cfg.model.name}
     import numpy as np
 
-    from kvsim.calibrate.receiver_timing import draft_step_doc, receiver_loads
+    from kvsim.calibrate import draft_ingest
+    from kvsim.calibrate.receiver_timing import (
+        CALIBRATION_RATE_GBPS,
+        draft_step_doc,
+        receiver_loads,
+    )
     from kvsim.config.codecs import resolve_codec
 
     split = [c for c in cfg.codecs if resolve_codec(c).build().num_streams > 1]
     if not split:
         return None
-    say(f"calibration transfer over {emulation} ({cfg.receiver_repeats} x {len(split)} "
-        f"split-stream codecs, {cfg.receiver_context_tokens} tokens) for the draft step there")
-    # its requests all draft: the first step's extra is the first transfer's (hw_doc)
+    # these requests all draft: the first step's extra is the first transfer's (hw_doc)
     extra = hw_doc.get("first_step_extra")
     extra_s = float(np.interp(cfg.receiver_context_tokens, extra["context_tokens"],
                               extra["s"])) if extra else None
-    measured = receiver_loads(cfg.model.name, split, cfg.receiver_context_tokens,
-                              cfg.seed + 20_000, cfg.text_source,
-                              repeats=cfg.receiver_repeats, threads=cfg.threads,
-                              dequantize=cfg.dequantize, emulation=emulation,
-                              first_step_extra_s=extra_s)
-    draft = draft_step_doc(measured, cfg.receiver_context_tokens,
-                           f"a calibration transfer over {emulation}")
-    return None if draft is None else {**draft, "model": cfg.model.name}
+    rows: list[dict] = []
+    if emulation == "token_bucket":
+        draft = hw_doc.get("draft_step")
+        labels = {str(c) for c in split}
+        rows += [r for r in main_rows if str(r.get("codec")) in labels]
+    else:
+        say(f"calibration transfer over {emulation} ({cfg.receiver_repeats} x {len(split)} "
+            f"split-stream codecs, {cfg.receiver_context_tokens} tokens) for the draft step "
+            "there")
+        measured = receiver_loads(cfg.model.name, split, cfg.receiver_context_tokens,
+                                  cfg.seed + 20_000, cfg.text_source,
+                                  repeats=cfg.receiver_repeats, threads=cfg.threads,
+                                  dequantize=cfg.dequantize, emulation=emulation,
+                                  first_step_extra_s=extra_s, keep_rows=rows)
+        draft = draft_step_doc(measured, cfg.receiver_context_tokens,
+                               f"a calibration transfer over {emulation}")
+    if draft is None:
+        return None
+    draft = {**draft, "model": cfg.model.name}
+    if cfg.dequantize != "on_arrival":  # no worker beside the drafts: nothing to fit
+        return draft
+    say(f"calibration transfer over {emulation} at {cfg.draft_fit_rate_gbps:g} Gbps "
+        f"({cfg.receiver_repeats} x {len(split)} split-stream codecs) for the draft step's "
+        "slowdown with the arrival rate")
+    receiver_loads(cfg.model.name, split, cfg.receiver_context_tokens, cfg.seed + 30_000,
+                   cfg.text_source, bandwidth_gbps=cfg.draft_fit_rate_gbps,
+                   repeats=cfg.receiver_repeats, threads=cfg.threads,
+                   dequantize=cfg.dequantize, emulation=emulation,
+                   first_step_extra_s=extra_s, keep_rows=rows)
+    windows = draft_ingest.windows_from_rows(rows)
+    if not windows:
+        return draft
+    fit = draft_ingest.fit(windows, extra_s or 0.0)
+    return {**draft, "busy_ratio": fit.busy_ratio, "ingest_s_per_byte": fit.ingest_s_per_byte,
+            "fit": {"requests": fit.requests, "rms_s": fit.rms_s,
+                    "rates_gbps": [CALIBRATION_RATE_GBPS, cfg.draft_fit_rate_gbps],
+                    "measured": "busy_ratio and ingest_s_per_byte replay these requests' "
+                                "drafts on their worker spans and arrivals "
+                                "(kvsim.calibrate.draft_ingest); `busy_ratio` before the "
+                                "fit: the median of per-request ratios",
+                    "median_busy_ratio": draft.get("busy_ratio")}}
 
 
 def _print(rows: list[dict], paths: dict[str, Path], root: Path, dequantize: str) -> None:
@@ -343,6 +398,7 @@ def _print(rows: list[dict], paths: dict[str, Path], root: Path, dequantize: str
                                    ("fit_max_abs_pct_error", "fit max %", ".2f"),
                                    ("draft_step_ratio", "draft step x", ".3f"),
                                    ("draft_busy_ratio", "busy x", ".3f"),
+                                   ("draft_ingest_ns_per_byte", "ns/B in", ".1f"),
                                    ("status", "status", "")]))
     link_keys = [k for k in paths if k.startswith("link:") and paths[k].is_file()]
     print(f"profiles written under {root}; use them with:\n  kvsim sim hardware=local-cpu "

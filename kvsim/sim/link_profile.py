@@ -11,10 +11,10 @@ emulation, whatever rate it is set to. The file format is kvsim.calibrate.link_p
 (version 1, kind "link").
 
 A profile written by `kvsim calibrate` with its receiver timing also carries the receiver's
-draft step measured on that link (`draft_step`: ratio, busy_ratio, as in the hardware
-profile): a draft step beside the receiver's work on the later streams measured slower on
-a `tc`-shaped veth than on the token bucket (likely cause, not measured: the kernel's
-shaping and packet processing on the decoder's cores). The run's timing model takes it in
+draft step measured on that link (`draft_step`: ratio, busy_ratio, ingest_s_per_byte, as in
+the hardware profile): a draft step beside the receiver's work on the later streams is slower
+on a `tc`-shaped veth than on the token bucket: taking the bytes in costs the host more
+there (measured: kvsim.calibrate.draft_ingest). The run's timing model takes it in
 place of the hardware profile's (kvsim.hardware.TimingModel's draft_step) where it describes
 the run (draft_step_for).
 """

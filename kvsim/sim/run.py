@@ -415,7 +415,8 @@ class Scenario:
         if busy_s is not None:
             overhead_s = busy_share_overhead_s(
                 busy_s, self.timing.tpot_s(req.context_tokens),
-                later_streams_busy_fraction(receivers, self.env.now))
+                later_streams_busy_fraction(receivers, self.env.now,
+                                            self.timing.draft_ingest_s_per_byte()))
         member = dnode.batch.join(
             req.seq, req.context_tokens, req.output_tokens, spec.cap_tokens, overhead_s,
             (lambda n: self.acceptance.sample_accepted(n, self.rng)) if drafting else None,

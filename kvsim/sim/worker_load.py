@@ -16,6 +16,10 @@ overhead is the mean over that share (`busy_share_overhead_s`), until its full c
 (kvsim.sim.batch: `overhead_until_full`). The projection is exact while no other flow joins
 the request's links before its last message; a flow that joins later is not foreseen, and
 the share runs to the worker's last job even when the draft cap stops drafting earlier.
+Taking the later streams' bytes in costs the receiver too (its sockets and copies, and over a
+`tc`-shaped link the kernel's shaping): with the link's measured cost per byte
+(draft_step.ingest_s_per_byte, kvsim.calibrate.draft_ingest) that busy time adds to the
+worker's, so the slowdown grows with the later streams' arrival rate.
 """
 
 from __future__ import annotations
@@ -87,14 +91,29 @@ def project_carriers(receivers: list[Receiver]) -> dict[Link, dict[Flow, np.ndar
     return {link: project_link(link, flows) for link, flows in wanted.items()}
 
 
-def later_streams_busy_fraction(receivers: list[Receiver], now: float) -> float:
-    """Projected share of [now, the worker's last job end] the request's worker spends on
-    its later streams' jobs (receivers[1:]), serving every stream's jobs in priority order
-    (the anchor's first) from their known and projected arrivals."""
+def later_streams_busy_fraction(receivers: list[Receiver], now: float,
+                                ingest_s_per_byte: float = 0.0) -> float:
+    """Projected share of [now, the worker's last job end] the request's receiver is busy
+    beside its drafts: its worker's jobs on the later streams (receivers[1:]), serving
+    every stream's jobs in priority order (the anchor's first) from their known and
+    projected arrivals, plus ingest_s_per_byte (s/B) of busy time per later-stream byte,
+    spent as each message comes in (over [arrival - its cost, arrival]); at most 1
+    (kvsim.calibrate.draft_ingest measures the per-byte cost on each link)."""
     if len(receivers) < 2:
         return 0.0
     projections = project_carriers(receivers)
     arrivals = [projected_arrival_t(rx, projections) for rx in receivers]
     works = [rx.plan.deserialize_s for rx in receivers]
     finish = priority_server(arrivals, works)  # [m_c] s per stream
-    return busy_fraction(now, np.concatenate(finish[1:]), np.concatenate(works[1:]))
+    jobs_end, jobs_s = np.concatenate(finish[1:]), np.concatenate(works[1:])
+    share = busy_fraction(now, jobs_end, jobs_s)
+    if ingest_s_per_byte <= 0.0:
+        return share
+    end = float(jobs_end.max())  # the worker's last job ends after the last arrival
+    if end <= now:
+        return 0.0
+    arrived = np.concatenate(arrivals[1:])  # [m] s
+    ingest = ingest_s_per_byte * np.concatenate([rx.plan.sizes_bytes for rx in receivers[1:]])
+    busy = np.maximum(np.minimum(arrived, end), now) - \
+        np.maximum(np.minimum(arrived - ingest, end), now)  # [m] s of ingest in [now, end]
+    return min(1.0, share + float(busy.sum()) / (end - now))

@@ -218,6 +218,12 @@ class Assembly:
         beside the decoder until it asks for the cache)."""
         return self.dequantizer is not None and self.dequantizer.working
 
+    def later_bytes(self) -> float:
+        """Wire bytes of the later streams (1..) received so far (a timing decode loop's
+        ingest cost follows them)."""
+        with self._cv:
+            return float(sum(st.bytes for st in self.streams[1:]))
+
     def wait_streams(self, n: int, timeout_s: float) -> bool:
         """Block until streams 0..n-1 are usable (see streams_ready); True also when the
         on-arrival worker refused their bytes (kv(n) then raises its error)."""

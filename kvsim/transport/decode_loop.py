@@ -349,7 +349,11 @@ class TimingDecodeLoop(_DecodeLoop):
     view whose on-arrival worker reports `worker_busy()`, a step that advances at
     1 / (tpot_s + busy_draft_overhead_s) while that worker dequantizes and 1 / tpot_s while
     it waits (its state polled every poll_s clock s: the simulator's busy-share model,
-    kvsim.sim.worker_load, on the real worker's schedule); the first step after a load also
+    kvsim.sim.worker_load, on the real worker's schedule), and with ingest_s_per_byte > 0
+    the receiver also busy ingest_s_per_byte x the later streams' bytes that came in over
+    the last slice per second of it (the view's `later_bytes()`; busy share capped at 1,
+    the step advancing at (1 - share) / tpot_s + share / (tpot_s + busy_draft_overhead_s));
+    the first step after a load also
     first_step_extra_s (a measured profile's; the simulator's on_demand loads add it too);
     verification verify_s(n, context_tokens) * time_scale; the accepted count is
     acceptance.sample_accepted(n, rng). Back-to-back steps sleep until their planned end
@@ -367,7 +371,8 @@ class TimingDecodeLoop(_DecodeLoop):
                  rng: np.random.Generator, time_scale: float = 1.0,
                  draft_overhead_s: float = 0.0, clock: Clock = time.perf_counter,
                  dequantize: bool = True, sleep: Callable[[float], None] = time.sleep,
-                 busy_draft_overhead_s: float | None = None, poll_s: float = 0.005) -> None:
+                 busy_draft_overhead_s: float | None = None, poll_s: float = 0.005,
+                 ingest_s_per_byte: float = 0.0) -> None:
         if int(context_tokens) < 1:
             raise ValueError(f"context_tokens must be >= 1, got {context_tokens}")
         self.timing, self.context = timing, int(context_tokens)
@@ -386,8 +391,13 @@ class TimingDecodeLoop(_DecodeLoop):
             (timing.tpot_s(self.context, 1) + check_number(
                 "busy_draft_overhead_s", busy_draft_overhead_s, strict=False)) * self.time_scale
         self.poll_s = check_number("poll_s", poll_s)
+        # receiver s per later-stream byte taken in (host s, not scaled: the link is real)
+        self.ingest_s_per_byte = check_number("ingest_s_per_byte", ingest_s_per_byte,
+                                              strict=False)
         # the view's worker_busy() where draft steps follow it (set by _load), else None
         self._worker_busy: Callable[[], bool] | None = None
+        # the view's later_bytes() where the ingest cost applies (set by _load), else None
+        self._later_bytes: Callable[[], float] | None = None
         self._planned = 0.0  # clock time the current step sequence has reached (s)
         # the first step on a freshly loaded cache costs this much more (measured profiles;
         # a verification pass is measured as such and pays none)
@@ -413,6 +423,8 @@ class TimingDecodeLoop(_DecodeLoop):
                 self.sleep(build_s)
             if self.busy_draft_step_s is not None:  # drafts slow while its worker works
                 self._worker_busy = getattr(view, "worker_busy", None)
+                if self.ingest_s_per_byte > 0:  # ... and while the later streams come in
+                    self._later_bytes = getattr(view, "later_bytes", None)
         self._fresh_extra_s = self.timing.first_step_extra_s(self.context) * self.time_scale
         return None
 
@@ -429,15 +441,27 @@ class TimingDecodeLoop(_DecodeLoop):
         return -1
 
     def _fluid_draft_step(self, busy: Callable[[], bool]) -> None:
-        """One draft step as a unit of work done at 1 / busy_draft_step_s while busy() and
-        1 / step_s otherwise, the state read at the start of each slice of <= poll_s."""
+        """One draft step as a unit of work done at 1 / step_s while the receiver is idle
+        and 1 / busy_draft_step_s while it is busy, mixed by its busy share in each slice
+        of <= poll_s: 1 while busy() (the worker's job), else, with the ingest cost, the
+        receiver time the later bytes of the previous slice took per second (at most 1)."""
         assert self.busy_draft_step_s is not None  # (_load sets a probe only then)
+        later = self._later_bytes
+        seen_b, seen_t = (later(), self.clock()) if later is not None else (0.0, 0.0)
+        share = 0.0  # ingest share of the previous slice
         left = 1.0  # share of the step still to run
         while left > 1e-9:
-            step_s = self.busy_draft_step_s if busy() else self.step_s
-            slice_s = min(left * step_s, self.poll_s)
+            u = 1.0 if busy() else share
+            rate = (1.0 - u) / self.step_s + u / self.busy_draft_step_s  # steps per clock s
+            slice_s = min(left / rate, self.poll_s)
             self._sleep_for(slice_s)
-            left -= slice_s / step_s
+            left -= slice_s * rate
+            if later is not None:
+                now_b, now_t = later(), self.clock()
+                if now_t > seen_t:  # receiver s per clock s (bytes cost real host time)
+                    share = min(1.0, self.ingest_s_per_byte * (now_b - seen_b) /
+                                (now_t - seen_t))
+                seen_b, seen_t = now_b, now_t
 
     def _verify(self, cache: Any, drafts: list[int]) -> tuple[int, int]:
         self._fresh_extra_s = 0.0

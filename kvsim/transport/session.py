@@ -205,6 +205,9 @@ def outgoing_requests(cfg: EmulateConfig, lm: Any | None) -> list[list[OutgoingR
                      "busy_draft_overhead_s": receiver_busy_draft_s(
                          cfg.transport.dequantize, cfg.speculative.draft_overhead_s, timing,
                          r.context_tokens),
+                     # ... which the later streams' bytes add to (s of receiver time per
+                     # byte taken in: the link profile's, kvsim.calibrate.draft_ingest)
+                     "ingest_s_per_byte": timing.draft_ingest_s_per_byte(),
                      "bandwidth_gbps": cfg.link.bandwidth_gbps,
                      "link_emulation": cfg.transport.emulation,
                      "time_scale": cfg.transport.time_scale}
@@ -261,7 +264,9 @@ def decoder_factory(cfg: EmulateConfig, mode: str, lm: Any | None):
         return TimingDecodeLoop(timing, asm.shape.tokens, acceptance, rng,
                                 time_scale=float(hello.get("time_scale") or 1.0),
                                 draft_overhead_s=overhead, clock=time.time,
-                                busy_draft_overhead_s=hello.get("busy_draft_overhead_s")), {}
+                                busy_draft_overhead_s=hello.get("busy_draft_overhead_s"),
+                                ingest_s_per_byte=float(hello.get("ingest_s_per_byte") or 0.0)
+                                ), {}
     return make
 
 
@@ -298,6 +303,10 @@ def hello_checker(cfg: EmulateConfig, mode: str):
                                  or not 0 <= busy <= 3600):
             return f"busy_draft_overhead_s must be null or a number of s in [0, 3600], got " \
                 f"{busy!r}"
+        ingest = hello.get("ingest_s_per_byte", 0.0)
+        if isinstance(ingest, bool) or not isinstance(ingest, (int, float)) or \
+                not 0 <= ingest <= 1e-3:
+            return f"ingest_s_per_byte must be a number of s in [0, 0.001], got {ingest!r}"
         ks = hello.get("ks") or []
         if not isinstance(ks, list) or not all(isinstance(k, int) and 1 <= k <= out_tokens
                                                for k in ks):

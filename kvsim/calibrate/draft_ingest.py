@@ -1,0 +1,138 @@
+"""What slows the receiver's drafts: its worker's layer jobs and the later streams' bytes.
+
+While a split-stream request drafts on its anchor, the receiver's process also takes in the
+later streams (sockets, frame checks, copies; on a `tc`-shaped veth the kernel's shaping
+and packet processing as well) and its on-arrival worker dequantizes their layers, on the
+same cores as the draft step. Measured on this machine (2026-11-24, lynx, 1024 tokens), the
+first draft's slowdown while the residual arrives grows with the arrival rate: 1.3x a decode
+step at 0.1 Gbps, 1.8-2.5x at 0.2, 3.2-4.5x at 0.3 and 4.3-6.3x at 0.5-1 Gbps over `tc`,
+where the worker's jobs alone (busy a small share of the time at 0.3 Gbps) predicted 1.4-1.7x.
+
+The model both engines apply (kvsim.sim.worker_load, kvsim.transport.decode_loop's timing
+decode): at each moment the receiver is busy a share u = min(1, worker busy + ingest), where
+the worker is busy (1) while it runs a layer job and ingest = ingest_s_per_byte x the later
+streams' arrival rate (bytes/s); a draft step advances at (1 - u (1 - 1/busy_ratio)) / tpot
+steps per second. `fit` finds (busy_ratio, ingest_s_per_byte) for one link from calibration
+transfers' requests that drafted, by replaying each one's draft window on its own measured
+worker spans and arrivals and matching the end of its last draft (least squares over a
+grid). Transfers at two rates tell the two apart: near the cores' limit the worker's share
+dominates, at a moderate rate the bytes' share does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+GRID_DT_S = 0.001  # replay time step (s)
+BUSY_RATIOS = np.round(np.arange(1.0, 12.0001, 0.05), 4)  # candidate busy_ratio values
+INGEST_NS_PER_BYTE = np.arange(0.0, 120.001, 1.0)  # candidate ingest costs (ns per byte)
+
+
+@dataclass(frozen=True)
+class DraftWindow:
+    """One request's drafting, as the receiver measured it (s, one clock)."""
+
+    start_s: float  # first draft step began (anchor cache ready)
+    end_s: float  # last draft step ended
+    drafts: int  # draft steps made
+    tpot_s: float  # its decode step on the full cache (a plain step)
+    worker_spans: tuple[tuple[float, float], ...]  # on-arrival worker's layer jobs
+    later_arrival: tuple[float, float]  # the later streams' bytes arrived over [a, b]
+    later_bytes: float  # their wire bytes
+
+
+def windows_from_rows(rows: list[dict]) -> list[DraftWindow]:
+    """The DraftWindows of a `kvsim emulate` run's request rows that drafted on arrival
+    (trace spans with the draft steps and the worker's "dequantize layer" jobs, per-stream
+    completion times and bytes). The later streams follow the anchor on one link, so they
+    arrive from the anchor's completion to the last stream's."""
+    out = []
+    for row in rows:
+        proposed = int(row.get("proposed_tokens") or 0)
+        spans = row.get("trace_spans") or []
+        complete = row.get("stream_complete_from_prefill_end_s") or {}
+        sizes = row.get("stream_bytes") or {}
+        if row.get("status") != "done" or proposed == 0 or len(complete) < 2:
+            continue
+        prefill_end = [float(b) for name, _p, _a, b in spans if name == "prefill"]
+        drafts = [(float(a), float(b)) for name, _p, a, b in spans
+                  if name in ("draft_accepted", "draft_rejected")]
+        if not prefill_end or not drafts:
+            continue
+        names = list(complete)
+        t_pe = prefill_end[0]
+        out.append(DraftWindow(
+            start_s=min(a for a, _b in drafts), end_s=max(b for _a, b in drafts),
+            drafts=proposed, tpot_s=float(row["tpot_s"]),
+            worker_spans=tuple((float(a), float(b)) for name, process, a, b in spans
+                               if process == "decode" and name.startswith("dequantize layer ")),
+            later_arrival=(t_pe + float(complete[names[0]]), t_pe + float(complete[names[-1]])),
+            later_bytes=float(sum(float(sizes[n]) for n in names[1:]))))
+    return out
+
+
+def _grid(w: DraftWindow, extra_s: float, horizon_s: float) -> tuple[np.ndarray, np.ndarray]:
+    """(worker busy [g] in {0, 1}, later bytes' arrival rate [g] B/s) on the replay grid
+    from w.start_s + extra_s (the first step's extra on a fresh cache runs first)."""
+    t = w.start_s + extra_s + GRID_DT_S * (np.arange(int(horizon_s / GRID_DT_S)) + 0.5)
+    busy = np.zeros(len(t))
+    for a, b in w.worker_spans:
+        busy[(t >= a) & (t < b)] = 1.0
+    a, b = w.later_arrival
+    rate = np.where((t >= a) & (t < b), w.later_bytes / (b - a), 0.0) if b > a else \
+        np.zeros(len(t))
+    return busy, rate
+
+
+def replay_end_s(w: DraftWindow, busy_ratio: float, ingest_s_per_byte: float,
+                 extra_s: float) -> float:
+    """When the model says w's last draft step ends (s): w.drafts steps from
+    w.start_s + extra_s, each advancing at (1 - u (1 - 1/busy_ratio)) / tpot_s."""
+    busy, rate = _grid(w, extra_s, _horizon(w, extra_s))
+    return float(_end_times(w, busy, rate, np.array([busy_ratio]), ingest_s_per_byte,
+                            extra_s)[0])
+
+
+def _horizon(w: DraftWindow, extra_s: float) -> float:
+    # long enough for the slowest candidate: every step at the largest ratio
+    return w.drafts * w.tpot_s * float(BUSY_RATIOS[-1]) + extra_s + 0.1
+
+
+def _end_times(w: DraftWindow, busy: np.ndarray, rate: np.ndarray, ratios: np.ndarray,
+               ingest_s_per_byte: float, extra_s: float) -> np.ndarray:
+    """[len(ratios)] replayed end of w's last draft (s), one per busy ratio."""
+    u = np.minimum(1.0, busy + ingest_s_per_byte * rate)  # [g]
+    slow = 1.0 - 1.0 / ratios  # [r]
+    progress = np.cumsum(1.0 - np.outer(slow, u), axis=1) * (GRID_DT_S / w.tpot_s)  # [r, g]
+    idx = np.array([np.searchsorted(p, w.drafts - 1e-9) for p in progress])
+    return w.start_s + extra_s + GRID_DT_S * (idx + 1.0)
+
+
+@dataclass(frozen=True)
+class DraftFit:
+    busy_ratio: float  # a draft step over a decode step while the receiver is fully busy
+    ingest_s_per_byte: float  # receiver busy time per later-stream byte taken in (s/B)
+    rms_s: float  # root mean square of (replayed - measured) last-draft end (s)
+    requests: int
+
+
+def fit(windows: list[DraftWindow], extra_s: float) -> DraftFit:
+    """(busy_ratio, ingest_s_per_byte) minimising the squared error of the replayed last
+    draft ends over `windows` (BUSY_RATIOS x INGEST_NS_PER_BYTE grid; ties: the smaller
+    ingest cost, then ratio). extra_s: the first step's extra on a fresh cache (s)."""
+    if not windows:
+        raise ValueError("no request drafted: nothing to fit the draft step on")
+    grids = [_grid(w, extra_s, _horizon(w, extra_s)) for w in windows]
+    best: tuple[float, float, float] | None = None
+    for ns in INGEST_NS_PER_BYTE:
+        err = np.zeros(len(BUSY_RATIOS))
+        for w, (busy, rate) in zip(windows, grids, strict=True):
+            err += (_end_times(w, busy, rate, BUSY_RATIOS, ns * 1e-9, extra_s) - w.end_s) ** 2
+        i = int(np.argmin(err))
+        if best is None or err[i] < best[0] - 1e-12:
+            best = (float(err[i]), float(BUSY_RATIOS[i]), float(ns) * 1e-9)
+    assert best is not None
+    sq, ratio, ingest = best
+    return DraftFit(ratio, ingest, float(np.sqrt(sq / len(windows))), len(windows))

@@ -1,0 +1,81 @@
+"""The draft step's slowdown fit (kvsim.calibrate.draft_ingest): replays by hand, the fit
+recovering known parameters, and the windows read from emulated request rows."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvsim.calibrate.draft_ingest import (
+    GRID_DT_S,
+    DraftWindow,
+    fit,
+    replay_end_s,
+    windows_from_rows,
+)
+
+
+def window(drafts: int, end_s: float = 0.0, tpot_s: float = 0.06,
+           spans: tuple[tuple[float, float], ...] = (), arrival: tuple[float, float] = (0.0, 1.0),
+           later_bytes: float = 1e7) -> DraftWindow:
+    return DraftWindow(start_s=0.0, end_s=end_s, drafts=drafts, tpot_s=tpot_s,
+                       worker_spans=spans, later_arrival=arrival, later_bytes=later_bytes)
+
+
+def test_replay_by_hand():
+    """Bytes at 10 MB/s over [0, 1] s, 50 ns/B: the receiver is busy half the time; busy
+    ratio 3: a step advances at (1 - 0.5 x 2/3) / 0.06 per s, so 2 drafts after a 0.01 s
+    first-step extra end at 0.01 + 2 x 0.06 x 1.5 = 0.19 s. A worker job over the whole
+    window makes it fully busy (one step takes 3 x 0.06), and busy + ingest is capped at 1;
+    once the bytes are in, steps run at the plain rate."""
+    w = window(2)
+    assert replay_end_s(w, 3.0, 50e-9, 0.01) == pytest.approx(0.19, abs=2 * GRID_DT_S)
+    assert replay_end_s(w, 3.0, 0.0, 0.01) == pytest.approx(0.13, abs=2 * GRID_DT_S)
+    busy = window(1, spans=((0.0, 1.0),))
+    assert replay_end_s(busy, 3.0, 0.0, 0.0) == pytest.approx(0.18, abs=2 * GRID_DT_S)
+    assert replay_end_s(busy, 3.0, 50e-9, 0.0) == pytest.approx(0.18, abs=2 * GRID_DT_S)
+    # bytes over [0, 0.09] only: a step takes 0.09 s while they arrive, then 0.06
+    short = window(2, arrival=(0.0, 0.09), later_bytes=9e5)
+    assert replay_end_s(short, 3.0, 50e-9, 0.0) == pytest.approx(0.09 + 0.06,
+                                                                 abs=2 * GRID_DT_S)
+
+
+def test_the_fit_recovers_the_ratio_and_the_cost_per_byte_from_two_rates():
+    """Windows made by the model itself (busy ratio 2.5, 20 ns/B) at a slow rate (bytes
+    over 1 s, short worker jobs) and a fast one (jobs back to back): the fit finds both."""
+    true_ratio, true_ingest = 2.5, 20e-9
+    shapes = [window(d, arrival=(0.0, 1.0), later_bytes=1.2e7,
+                     spans=tuple((0.1 * k, 0.1 * k + 0.004) for k in range(10)))
+              for d in (3, 5, 7)]
+    shapes += [window(d, arrival=(0.0, 0.1), later_bytes=1.2e7, spans=((0.0, 0.16),))
+               for d in (1, 2, 3)]
+    windows = [DraftWindow(**{**w.__dict__, "end_s": replay_end_s(w, true_ratio, true_ingest,
+                                                                  0.005)})
+               for w in shapes]
+    got = fit(windows, 0.005)
+    assert got.busy_ratio == pytest.approx(true_ratio, abs=0.051)
+    assert got.ingest_s_per_byte == pytest.approx(true_ingest, abs=1.01e-9)
+    assert got.rms_s < 2 * GRID_DT_S and got.requests == 6
+    with pytest.raises(ValueError, match="no request drafted"):
+        fit([], 0.0)
+
+
+def test_windows_are_read_from_emulated_rows():
+    """A drafted on-arrival row: drafting from the first draft span's start to the last's
+    end, the worker's layer jobs, and the later streams arriving from the anchor's
+    completion to the last stream's (prefill end + their completion times); plain rows,
+    unfinished ones and one-stream ones give none."""
+    row = {"status": "done", "proposed_tokens": 2, "tpot_s": 0.05,
+           "stream_complete_from_prefill_end_s": {"anchor": 0.2, "residual": 0.5},
+           "stream_bytes": {"anchor": 1000, "residual": 3000},
+           "trace_spans": [["prefill", "prefill", 1.0, 2.0],
+                           ["draft_accepted", "decode", 2.25, 2.3],
+                           ["draft_rejected", "decode", 2.3, 2.4],
+                           ["dequantize layer 0 streams 0-1", "decode", 2.3, 2.31],
+                           ["dequantize layer 0 stream 0", "decode", 2.1, 2.11],
+                           ["dequantize stream 0", "decode", 2.2, 2.25]]}
+    (w,) = windows_from_rows([row, {**row, "proposed_tokens": 0},
+                              {**row, "status": "failed"},
+                              {**row, "stream_complete_from_prefill_end_s": {"full": 0.2}}])
+    assert (w.start_s, w.end_s, w.drafts, w.tpot_s) == (2.25, 2.4, 2, 0.05)
+    assert w.worker_spans == ((2.3, 2.31), (2.1, 2.11))
+    assert w.later_arrival == pytest.approx((2.2, 2.5)) and w.later_bytes == 3000
