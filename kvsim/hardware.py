@@ -29,8 +29,9 @@ and optionally (written by `kvsim calibrate`)
                                     while the on-arrival worker is busy (>= 1; used, with
                                     the worker's load, where present); optional
                                     "ingest_s_per_byte": the receiver's busy time per
-                                    later-stream byte taken in (s/B, >= 0; adds to that
-                                    load: kvsim.calibrate.draft_ingest); a link
+                                    later-stream byte taken in (s/B, in [0, 1e-3]; adds
+                                    to that load, with busy_ratio only:
+                                    kvsim.calibrate.draft_ingest); a link
                                     profile's own draft_step (measured on that link)
                                     replaces the whole entry in a run with that
                                     link.profile (kvsim.sim.link_profile.draft_step_for)
@@ -405,7 +406,9 @@ def load_profile(name_or_path: str, model_name: str) -> dict:
 # draft_step's fields: (key, field, required in key, bound, test)
 DRAFT_STEP_FIELDS = (("draft_step", "ratio", True, ">= 1", lambda v: v >= 1),
                      ("draft_step", "busy_ratio", False, ">= 1", lambda v: v >= 1),
-                     ("draft_step", "ingest_s_per_byte", False, ">= 0", lambda v: v >= 0))
+                     # (the HELLO's bound too: kvsim.transport.session.hello_checker)
+                     ("draft_step", "ingest_s_per_byte", False, "in [0, 0.001]",
+                      lambda v: 0 <= v <= 1e-3))
 
 
 def _check_field(where: str, doc: dict, key: str, field: str, required: bool, bound: str,

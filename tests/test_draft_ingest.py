@@ -3,6 +3,8 @@ recovering known parameters, and the windows read from emulated request rows."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from kvsim.calibrate.draft_ingest import (
@@ -40,21 +42,26 @@ def test_replay_by_hand():
 
 
 def test_the_fit_recovers_the_ratio_and_the_cost_per_byte_from_two_rates():
-    """Windows made by the model itself (busy ratio 2.5, 20 ns/B) at a slow rate (bytes
-    over 1 s, short worker jobs) and a fast one (jobs back to back): the fit finds both."""
-    true_ratio, true_ingest = 2.5, 20e-9
-    shapes = [window(d, arrival=(0.0, 1.0), later_bytes=1.2e7,
-                     spans=tuple((0.1 * k, 0.1 * k + 0.004) for k in range(10)))
-              for d in (3, 5, 7)]
-    shapes += [window(d, arrival=(0.0, 0.1), later_bytes=1.2e7, spans=((0.0, 0.16),))
-               for d in (1, 2, 3)]
-    windows = [DraftWindow(**{**w.__dict__, "end_s": replay_end_s(w, true_ratio, true_ingest,
-                                                                  0.005)})
-               for w in shapes]
-    got = fit(windows, 0.005)
-    assert got.busy_ratio == pytest.approx(true_ratio, abs=0.051)
-    assert got.ingest_s_per_byte == pytest.approx(true_ingest, abs=1.01e-9)
-    assert got.rms_s < 2 * GRID_DT_S and got.requests == 6
+    """Windows made by the model itself (busy ratio 2.53, 20.4 ns/B: off the grid) at a
+    slow rate (bytes over 1 s, short worker jobs) and a fast one (jobs back to back): the
+    fit finds both to the grid's step; not saturated (20.4 ns x 12 MB/s = 0.24). With a
+    cost that saturates even the slow rate, any larger cost replays the same: flagged."""
+    def made(ratio: float, ingest: float) -> list[DraftWindow]:
+        shapes = [window(d, arrival=(0.0, 1.0), later_bytes=1.2e7,
+                         spans=tuple((0.1 * k, 0.1 * k + 0.004) for k in range(10)))
+                  for d in (3, 5, 7)]
+        shapes += [window(d, arrival=(0.0, 0.1), later_bytes=1.2e7, spans=((0.0, 0.16),))
+                   for d in (1, 2, 3)]
+        return [DraftWindow(**{**w.__dict__, "end_s": replay_end_s(w, ratio, ingest, 0.005)})
+                for w in shapes]
+
+    got = fit(made(2.53, 20.4e-9), 0.005)
+    assert got.busy_ratio == pytest.approx(2.53, abs=0.1)
+    assert got.ingest_s_per_byte == pytest.approx(20.4e-9, abs=1.5e-9)
+    assert got.rms_s < 3 * GRID_DT_S and got.requests == 6 and not got.saturated
+    sat = fit(made(2.5, 100e-9), 0.005)  # 100 ns x 12 MB/s = 1.2: busy while they arrive
+    assert sat.saturated and 1 / 12e6 <= sat.ingest_s_per_byte <= 100e-9
+    assert sat.busy_ratio == pytest.approx(2.5, abs=0.1)
     with pytest.raises(ValueError, match="no request drafted"):
         fit([], 0.0)
 
@@ -74,8 +81,13 @@ def test_windows_are_read_from_emulated_rows():
                            ["dequantize layer 0 stream 0", "decode", 2.1, 2.11],
                            ["dequantize stream 0", "decode", 2.2, 2.25]]}
     (w,) = windows_from_rows([row, {**row, "proposed_tokens": 0},
-                              {**row, "status": "failed"},
+                              {**row, "status": "failed"}, {**row, "tpot_s": math.nan},
                               {**row, "stream_complete_from_prefill_end_s": {"full": 0.2}}])
     assert (w.start_s, w.end_s, w.drafts, w.tpot_s) == (2.25, 2.4, 2, 0.05)
     assert w.worker_spans == ((2.3, 2.31), (2.1, 2.11))
     assert w.later_arrival == pytest.approx((2.2, 2.5)) and w.later_bytes == 3000
+    # three streams, the middle one completing last: the later bytes end with it
+    (w3,) = windows_from_rows([{**row, "stream_complete_from_prefill_end_s":
+                                {"anchor": 0.2, "mid": 0.7, "last": 0.5},
+                                "stream_bytes": {"anchor": 1000, "mid": 500, "last": 3000}}])
+    assert w3.later_arrival == pytest.approx((2.2, 2.7)) and w3.later_bytes == 3500

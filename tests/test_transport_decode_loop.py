@@ -434,21 +434,27 @@ class IngestView(WorkerView):
     def later_bytes(self) -> float:
         return self.rate * min(self.t, self.arrive_end)
 
+    def arrived_streams(self) -> int:
+        return 2 if self.t >= self.arrive_end else 1
 
-def test_timing_draft_steps_slow_while_the_later_bytes_come_in():
-    """ingest_s_per_byte 5e-7 s/B at 1 MB/s: the receiver is busy half the time while the
-    bytes arrive (until 0.4 s), busy ratio 3 (step 0.1 clock s): a step advances at
-    0.5 / 0.1 + 0.5 / 0.3 = 6.67 per s, so drafts end at 0.15 and 0.30; draft 3 makes 2/3
-    of a step by 0.4 and the rest at the plain step, by 0.4333; drafts 4 and 5 at the step,
-    the last ending after the full cache (0.55). The share is the previous 1-ms slice's
-    (<= 1 ms late).
-    Without the cost (or with a view that reports no bytes) the same drafts run at the step."""
+
+@pytest.mark.parametrize("busy_end", [0.0, 0.1])
+def test_timing_draft_steps_slow_while_the_later_bytes_come_in(busy_end: float):
+    """ingest_s_per_byte 5e-7 s/B at 1 MB/s: while the bytes arrive (until 0.4 s) and the
+    worker waits, the receiver is busy half the time; busy ratio 3 (step 0.1 clock s), so
+    a step advances at 0.5 / 0.1 + 0.5 / 0.3 = 6.67 per s. By hand, worker idle: drafts end
+    at 0.15 and 0.30; draft 3 makes 2/3 of a step by 0.4 and the rest at the plain step, by
+    0.4333; drafts 4 and 5 at the step, the last after the full cache (0.55). Worker busy
+    until 0.1 (fully busy: 1/3 of a step by then): draft 1 ends at 0.2, draft 2 at 0.35,
+    draft 3 makes 1/3 by 0.4 and ends at 0.4667, draft 4 at 0.5667. The mean rate is taken
+    from the anchor's load (the first slice, with nothing elapsed, has share 0: <= 1 ms
+    late). Without the cost the same drafts run at the step while the worker waits."""
     timing = _timing_model()
     tpot = timing.tpot_s(TIMING_CONTEXT, 1)
     scale = STEP_S / tpot
 
     def drafts(ingest: float) -> np.ndarray:
-        view = IngestView(full_t=0.55, busy_end=0.0, rate=1e6, arrive_end=0.4)
+        view = IngestView(full_t=0.55, busy_end=busy_end, rate=1e6, arrive_end=0.4)
         loop = TimingDecodeLoop(timing, TIMING_CONTEXT, geometric(1.0),
                                 np.random.default_rng(0), time_scale=scale, clock=view.clock,
                                 sleep=view.sleep, dequantize=False,
@@ -458,10 +464,15 @@ def test_timing_draft_steps_slow_while_the_later_bytes_come_in():
         check_timeline(res, 8)
         return np.asarray(res.drafted_t[:res.proposed]) - res.start_t
 
-    third = 0.4 + 0.1 / 3
-    np.testing.assert_allclose(drafts(5e-7), [0.15, 0.30, third, third + 0.1, third + 0.2],
-                               atol=2e-3)
-    np.testing.assert_allclose(drafts(0.0), [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], atol=1e-9)
+    if busy_end == 0.0:
+        third = 0.4 + 0.1 / 3
+        np.testing.assert_allclose(drafts(5e-7), [0.15, 0.30, third, third + 0.1,
+                                                  third + 0.2], atol=1.5e-3)
+        np.testing.assert_allclose(drafts(0.0), [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], atol=1e-9)
+    else:
+        third = 0.4 + 0.2 / 3
+        np.testing.assert_allclose(drafts(5e-7), [0.2, 0.35, third, third + 0.1],
+                                   atol=1.5e-3)
     with pytest.raises(ValueError, match="ingest_s_per_byte"):
         TimingDecodeLoop(timing, TIMING_CONTEXT, geometric(1.0), np.random.default_rng(0),
                          busy_draft_overhead_s=0.0, ingest_s_per_byte=-1.0)

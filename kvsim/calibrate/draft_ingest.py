@@ -8,19 +8,25 @@ first draft's slowdown while the residual arrives grows with the arrival rate: 1
 step at 0.1 Gbps, 1.8-2.5x at 0.2, 3.2-4.5x at 0.3 and 4.3-6.3x at 0.5-1 Gbps over `tc`,
 where the worker's jobs alone (busy a small share of the time at 0.3 Gbps) predicted 1.4-1.7x.
 
-The model both engines apply (kvsim.sim.worker_load, kvsim.transport.decode_loop's timing
-decode): at each moment the receiver is busy a share u = min(1, worker busy + ingest), where
-the worker is busy (1) while it runs a layer job and ingest = ingest_s_per_byte x the later
-streams' arrival rate (bytes/s); a draft step advances at (1 - u (1 - 1/busy_ratio)) / tpot
-steps per second. `fit` finds (busy_ratio, ingest_s_per_byte) for one link from calibration
-transfers' requests that drafted, by replaying each one's draft window on its own measured
-worker spans and arrivals and matching the end of its last draft (least squares over a
-grid). Transfers at two rates tell the two apart: near the cores' limit the worker's share
-dominates, at a moderate rate the bytes' share does.
+The model both engines apply (kvsim.sim.worker_load on the projected worker jobs and
+arrivals, kvsim.transport.decode_loop's timing decode on the real worker and bytes): at each
+moment the receiver is busy a share u = min(1, worker busy + ingest), where the worker is
+busy (1) while it runs a layer job and ingest = ingest_s_per_byte x the later streams' mean
+arrival rate (bytes/s) while they arrive; a draft step advances at
+(1 - u (1 - 1/busy_ratio)) / tpot steps per second. `fit` finds (busy_ratio,
+ingest_s_per_byte) for one link from calibration transfers' requests that drafted, by
+replaying each one's draft window on its own measured worker spans and arrivals and
+matching the end of its last draft (least squares over a
+grid). Transfers at two rates are needed: near the cores' limit the worker's share
+dominates, at a moderate rate the bytes' share does. Where even the slower rate saturates
+the receiver (ingest_s_per_byte x its rate >= 1), a larger cost would replay the same, and
+the grid's tie-break keeps the smallest: the fit's `saturated` flag says so, and the cost is
+then a lower bound (rates below the slower one are extrapolated).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,7 +60,9 @@ def windows_from_rows(rows: list[dict]) -> list[DraftWindow]:
         spans = row.get("trace_spans") or []
         complete = row.get("stream_complete_from_prefill_end_s") or {}
         sizes = row.get("stream_bytes") or {}
-        if row.get("status") != "done" or proposed == 0 or len(complete) < 2:
+        tpot_s = float(row.get("tpot_s") or math.nan)
+        if row.get("status") != "done" or proposed == 0 or len(complete) < 2 or \
+                not (math.isfinite(tpot_s) and tpot_s > 0):  # no plain step to compare with
             continue
         prefill_end = [float(b) for name, _p, _a, b in spans if name == "prefill"]
         drafts = [(float(a), float(b)) for name, _p, a, b in spans
@@ -65,10 +73,11 @@ def windows_from_rows(rows: list[dict]) -> list[DraftWindow]:
         t_pe = prefill_end[0]
         out.append(DraftWindow(
             start_s=min(a for a, _b in drafts), end_s=max(b for _a, b in drafts),
-            drafts=proposed, tpot_s=float(row["tpot_s"]),
+            drafts=proposed, tpot_s=tpot_s,
             worker_spans=tuple((float(a), float(b)) for name, process, a, b in spans
                                if process == "decode" and name.startswith("dequantize layer ")),
-            later_arrival=(t_pe + float(complete[names[0]]), t_pe + float(complete[names[-1]])),
+            later_arrival=(t_pe + float(complete[names[0]]),
+                           t_pe + max(float(complete[n]) for n in names[1:])),
             later_bytes=float(sum(float(sizes[n]) for n in names[1:]))))
     return out
 
@@ -116,6 +125,7 @@ class DraftFit:
     ingest_s_per_byte: float  # receiver busy time per later-stream byte taken in (s/B)
     rms_s: float  # root mean square of (replayed - measured) last-draft end (s)
     requests: int
+    saturated: bool  # the cost x every window's arrival rate >= 1: a lower bound
 
 
 def fit(windows: list[DraftWindow], extra_s: float) -> DraftFit:
@@ -135,4 +145,7 @@ def fit(windows: list[DraftWindow], extra_s: float) -> DraftFit:
             best = (float(err[i]), float(BUSY_RATIOS[i]), float(ns) * 1e-9)
     assert best is not None
     sq, ratio, ingest = best
-    return DraftFit(ratio, ingest, float(np.sqrt(sq / len(windows))), len(windows))
+    rates = [w.later_bytes / (w.later_arrival[1] - w.later_arrival[0]) for w in windows
+             if w.later_arrival[1] > w.later_arrival[0]]
+    saturated = ingest > 0 and bool(rates) and ingest * min(rates) >= 1.0
+    return DraftFit(ratio, ingest, float(np.sqrt(sq / len(windows))), len(windows), saturated)

@@ -286,7 +286,9 @@ def _link(cfg: Config, emulation: str, path: Path, prov: dict, say, hw_doc: dict
          (f" ({draft['busy_ratio']:.3f} x while the receiver is busy)"
           if "busy_ratio" in draft else "") +
          (f", {draft['ingest_s_per_byte'] * 1e9:.1f} ns of receiver time per later-stream "
-          "byte" if "ingest_s_per_byte" in draft else "") if draft else ""))
+          "byte" + (" (a lower bound: both rates saturate the receiver)"
+                    if draft.get("fit", {}).get("saturated") else "")
+          if "ingest_s_per_byte" in draft else "") if draft else ""))
     return {"what": "link", "item": emulation, "efficiency": doc["efficiency"],
             "latency_ms": doc["latency_s"] * 1e3,
             "message_overhead_bytes": doc["message_overhead_bytes"],
@@ -363,7 +365,7 @@ def _link_draft_step(cfg: Config, emulation: str, say, hw_doc: dict, main_rows: 
         return draft
     fit = draft_ingest.fit(windows, extra_s or 0.0)
     return {**draft, "busy_ratio": fit.busy_ratio, "ingest_s_per_byte": fit.ingest_s_per_byte,
-            "fit": {"requests": fit.requests, "rms_s": fit.rms_s,
+            "fit": {"requests": fit.requests, "rms_s": fit.rms_s, "saturated": fit.saturated,
                     "rates_gbps": [CALIBRATION_RATE_GBPS, cfg.draft_fit_rate_gbps],
                     "measured": "busy_ratio and ingest_s_per_byte replay these requests' "
                                 "drafts on their worker spans and arrivals "

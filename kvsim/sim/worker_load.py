@@ -18,8 +18,9 @@ the request's links before its last message; a flow that joins later is not fore
 the share runs to the worker's last job even when the draft cap stops drafting earlier.
 Taking the later streams' bytes in costs the receiver too (its sockets and copies, and over a
 `tc`-shaped link the kernel's shaping): with the link's measured cost per byte
-(draft_step.ingest_s_per_byte, kvsim.calibrate.draft_ingest) that busy time adds to the
-worker's, so the slowdown grows with the later streams' arrival rate.
+(draft_step.ingest_s_per_byte, kvsim.calibrate.draft_ingest) the receiver is also busy
+that cost x their arrival rate (at most 1) while they arrive and the worker waits, so the
+slowdown grows with the arrival rate.
 """
 
 from __future__ import annotations
@@ -94,11 +95,12 @@ def project_carriers(receivers: list[Receiver]) -> dict[Link, dict[Flow, np.ndar
 def later_streams_busy_fraction(receivers: list[Receiver], now: float,
                                 ingest_s_per_byte: float = 0.0) -> float:
     """Projected share of [now, the worker's last job end] the request's receiver is busy
-    beside its drafts: its worker's jobs on the later streams (receivers[1:]), serving
-    every stream's jobs in priority order (the anchor's first) from their known and
-    projected arrivals, plus ingest_s_per_byte (s/B) of busy time per later-stream byte,
-    spent as each message comes in (over [arrival - its cost, arrival]); at most 1
-    (kvsim.calibrate.draft_ingest measures the per-byte cost on each link)."""
+    beside its drafts, as kvsim.calibrate.draft_ingest replays it: fully busy while its
+    worker runs a job on the later streams (receivers[1:]; every stream's jobs served in
+    priority order, the anchor's first, from their known and projected arrivals), and
+    otherwise, while the later streams arrive (from the anchor's last message to theirs),
+    busy min(1, ingest_s_per_byte x their mean arrival rate) (s/B: the link's measured cost
+    of taking bytes in)."""
     if len(receivers) < 2:
         return 0.0
     projections = project_carriers(receivers)
@@ -107,13 +109,15 @@ def later_streams_busy_fraction(receivers: list[Receiver], now: float,
     finish = priority_server(arrivals, works)  # [m_c] s per stream
     jobs_end, jobs_s = np.concatenate(finish[1:]), np.concatenate(works[1:])
     share = busy_fraction(now, jobs_end, jobs_s)
-    if ingest_s_per_byte <= 0.0:
-        return share
     end = float(jobs_end.max())  # the worker's last job ends after the last arrival
-    if end <= now:
-        return 0.0
-    arrived = np.concatenate(arrivals[1:])  # [m] s
-    ingest = ingest_s_per_byte * np.concatenate([rx.plan.sizes_bytes for rx in receivers[1:]])
-    busy = np.maximum(np.minimum(arrived, end), now) - \
-        np.maximum(np.minimum(arrived - ingest, end), now)  # [m] s of ingest in [now, end]
-    return min(1.0, share + float(busy.sum()) / (end - now))
+    a0 = float(arrivals[0].max()) if len(arrivals[0]) else now
+    a1 = max(float(a.max()) for a in arrivals[1:])
+    lo, hi = max(now, a0), min(end, a1)
+    if ingest_s_per_byte <= 0.0 or hi <= lo:
+        return share
+    later_bytes = sum(float(rx.plan.sizes_bytes.sum()) for rx in receivers[1:])
+    u = min(1.0, ingest_s_per_byte * later_bytes / (a1 - a0))
+    # the worker's job time inside [lo, hi] is busy already
+    jobs_in = float(np.maximum(np.minimum(jobs_end, hi) - np.maximum(jobs_end - jobs_s, lo),
+                               0.0).sum())
+    return min(1.0, share + u * max(0.0, hi - lo - jobs_in) / (end - now))

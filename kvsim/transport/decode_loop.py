@@ -349,10 +349,12 @@ class TimingDecodeLoop(_DecodeLoop):
     view whose on-arrival worker reports `worker_busy()`, a step that advances at
     1 / (tpot_s + busy_draft_overhead_s) while that worker dequantizes and 1 / tpot_s while
     it waits (its state polled every poll_s clock s: the simulator's busy-share model,
-    kvsim.sim.worker_load, on the real worker's schedule), and with ingest_s_per_byte > 0
-    the receiver also busy ingest_s_per_byte x the later streams' bytes that came in over
-    the last slice per second of it (the view's `later_bytes()`; busy share capped at 1,
-    the step advancing at (1 - share) / tpot_s + share / (tpot_s + busy_draft_overhead_s));
+    kvsim.sim.worker_load, on the real worker's schedule), and with ingest_s_per_byte > 0,
+    while the worker waits and the later streams are still arriving, the receiver busy
+    min(1, ingest_s_per_byte x their mean arrival rate since drafting began) (the view's
+    `later_bytes()` and `arrived_streams()`; a host-time cost, not scaled by time_scale:
+    the link is real), the step advancing at (1 - share) / tpot_s + share /
+    (tpot_s + busy_draft_overhead_s);
     the first step after a load also
     first_step_extra_s (a measured profile's; the simulator's on_demand loads add it too);
     verification verify_s(n, context_tokens) * time_scale; the accepted count is
@@ -396,8 +398,10 @@ class TimingDecodeLoop(_DecodeLoop):
                                               strict=False)
         # the view's worker_busy() where draft steps follow it (set by _load), else None
         self._worker_busy: Callable[[], bool] | None = None
-        # the view's later_bytes() where the ingest cost applies (set by _load), else None
-        self._later_bytes: Callable[[], float] | None = None
+        # the view where the ingest cost applies (set by _load), else None, and the later
+        # bytes and clock when drafting began (the mean arrival rate's origin)
+        self._ingest_view: Any = None  # an Assembly: later_bytes(), arrived_streams()
+        self._ingest_from: tuple[float, float] | None = None
         self._planned = 0.0  # clock time the current step sequence has reached (s)
         # the first step on a freshly loaded cache costs this much more (measured profiles;
         # a verification pass is measured as such and pays none)
@@ -423,8 +427,10 @@ class TimingDecodeLoop(_DecodeLoop):
                 self.sleep(build_s)
             if self.busy_draft_step_s is not None:  # drafts slow while its worker works
                 self._worker_busy = getattr(view, "worker_busy", None)
-                if self.ingest_s_per_byte > 0:  # ... and while the later streams come in
-                    self._later_bytes = getattr(view, "later_bytes", None)
+                if self.ingest_s_per_byte > 0 and hasattr(view, "later_bytes"):
+                    # ... and while the later bytes come in (mean rate from here)
+                    self._ingest_view = view
+                    self._ingest_from = (float(view.later_bytes()), self.clock())
         self._fresh_extra_s = self.timing.first_step_extra_s(self.context) * self.time_scale
         return None
 
@@ -443,25 +449,30 @@ class TimingDecodeLoop(_DecodeLoop):
     def _fluid_draft_step(self, busy: Callable[[], bool]) -> None:
         """One draft step as a unit of work done at 1 / step_s while the receiver is idle
         and 1 / busy_draft_step_s while it is busy, mixed by its busy share in each slice
-        of <= poll_s: 1 while busy() (the worker's job), else, with the ingest cost, the
-        receiver time the later bytes of the previous slice took per second (at most 1)."""
+        of <= poll_s: 1 while busy() (the worker's job), else the ingest share."""
         assert self.busy_draft_step_s is not None  # (_load sets a probe only then)
-        later = self._later_bytes
-        seen_b, seen_t = (later(), self.clock()) if later is not None else (0.0, 0.0)
-        share = 0.0  # ingest share of the previous slice
         left = 1.0  # share of the step still to run
         while left > 1e-9:
-            u = 1.0 if busy() else share
+            u = 1.0 if busy() else self._ingest_share()
             rate = (1.0 - u) / self.step_s + u / self.busy_draft_step_s  # steps per clock s
             slice_s = min(left / rate, self.poll_s)
             self._sleep_for(slice_s)
             left -= slice_s * rate
-            if later is not None:
-                now_b, now_t = later(), self.clock()
-                if now_t > seen_t:  # receiver s per clock s (bytes cost real host time)
-                    share = min(1.0, self.ingest_s_per_byte * (now_b - seen_b) /
-                                (now_t - seen_t))
-                seen_b, seen_t = now_b, now_t
+
+    def _ingest_share(self) -> float:
+        """min(1, ingest_s_per_byte x the later streams' mean arrival rate since drafting
+        began) while some later stream is still arriving; 0 after, or without the cost."""
+        view = self._ingest_view
+        if view is None:
+            return 0.0
+        if view.arrived_streams() >= view.num_streams:
+            self._ingest_view = None  # every byte is in: no more to take
+            return 0.0
+        got_b, now = float(view.later_bytes()), self.clock()
+        b0, t0 = self._ingest_from or (got_b, now)
+        if now <= t0:
+            return 0.0
+        return min(1.0, self.ingest_s_per_byte * (got_b - b0) / (now - t0))
 
     def _verify(self, cache: Any, drafts: list[int]) -> tuple[int, int]:
         self._fresh_extra_s = 0.0
