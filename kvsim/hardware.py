@@ -403,12 +403,15 @@ def load_profile(name_or_path: str, model_name: str) -> dict:
     return doc
 
 
+# the largest receiver time per later-stream byte a profile or a HELLO may give (s/B)
+INGEST_S_PER_BYTE_MAX = 1e-3
+
 # draft_step's fields: (key, field, required in key, bound, test)
 DRAFT_STEP_FIELDS = (("draft_step", "ratio", True, ">= 1", lambda v: v >= 1),
                      ("draft_step", "busy_ratio", False, ">= 1", lambda v: v >= 1),
-                     # (the HELLO's bound too: kvsim.transport.session.hello_checker)
-                     ("draft_step", "ingest_s_per_byte", False, "in [0, 0.001]",
-                      lambda v: 0 <= v <= 1e-3))
+                     ("draft_step", "ingest_s_per_byte", False,
+                      f"in [0, {INGEST_S_PER_BYTE_MAX:g}]",
+                      lambda v: 0 <= v <= INGEST_S_PER_BYTE_MAX))
 
 
 def _check_field(where: str, doc: dict, key: str, field: str, required: bool, bound: str,

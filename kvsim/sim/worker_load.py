@@ -109,11 +109,13 @@ def later_streams_busy_fraction(receivers: list[Receiver], now: float,
     finish = priority_server(arrivals, works)  # [m_c] s per stream
     jobs_end, jobs_s = np.concatenate(finish[1:]), np.concatenate(works[1:])
     share = busy_fraction(now, jobs_end, jobs_s)
+    if ingest_s_per_byte <= 0.0:
+        return share
     end = float(jobs_end.max())  # the worker's last job ends after the last arrival
     a0 = float(arrivals[0].max()) if len(arrivals[0]) else now
     a1 = max(float(a.max()) for a in arrivals[1:])
     lo, hi = max(now, a0), min(end, a1)
-    if ingest_s_per_byte <= 0.0 or hi <= lo:
+    if hi <= lo:
         return share
     later_bytes = sum(float(rx.plan.sizes_bytes.sum()) for rx in receivers[1:])
     u = min(1.0, ingest_s_per_byte * later_bytes / (a1 - a0))

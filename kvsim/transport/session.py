@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from kvsim.config.transport import EmulateConfig
-from kvsim.hardware import TimingModel
+from kvsim.hardware import INGEST_S_PER_BYTE_MAX, TimingModel
 from kvsim.layout import KVShape
 from kvsim.models import ModelSpec
 from kvsim.report import format_table
@@ -305,8 +305,9 @@ def hello_checker(cfg: EmulateConfig, mode: str):
                 f"{busy!r}"
         ingest = hello.get("ingest_s_per_byte", 0.0)
         if isinstance(ingest, bool) or not isinstance(ingest, (int, float)) or \
-                not 0 <= ingest <= 1e-3:
-            return f"ingest_s_per_byte must be a number of s in [0, 0.001], got {ingest!r}"
+                not 0 <= ingest <= INGEST_S_PER_BYTE_MAX:  # as a profile's (kvsim.hardware)
+            return f"ingest_s_per_byte must be a number of s in [0, " \
+                f"{INGEST_S_PER_BYTE_MAX:g}], got {ingest!r}"
         ks = hello.get("ks") or []
         if not isinstance(ks, list) or not all(isinstance(k, int) and 1 <= k <= out_tokens
                                                for k in ks):
