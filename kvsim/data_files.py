@@ -75,6 +75,17 @@ def record_loaded(path: str | Path) -> None:
         _loaded[p] = (stat.st_mtime_ns, stat.st_size, entry)
 
 
+def recorded_sha256(path: str | Path) -> str:
+    """record_loaded(path), and the sha256 it recorded (hashed once per unchanged file)."""
+    p = Path(path).resolve()
+    record_loaded(p)
+    with _lock:
+        known = _loaded.get(p)
+    if known is None:
+        raise FileNotFoundError(f"{p}: not a readable file")
+    return known[2].sha256
+
+
 def loaded_files() -> list[dict]:
     """Every file recorded so far in this process, sorted by path."""
     with _lock:

@@ -567,3 +567,103 @@ def test_on_arrival_calibration_loads_a_layer_dependent_codec_on_demand(monkeypa
     assert entry["decode_gb_per_s"] == pytest.approx(0.5)
     assert entry["receiver_dequantize"] == "on_demand" and "dequantizing on demand" in entry["what"]
     assert timing["receiver_dequantize"] == "on_arrival"
+
+
+def test_calibrate_fits_each_links_draft_slowdown_on_its_drafted_rows(tmp_path, monkeypatch):
+    """The fit path of _link_draft_step on drafted rows made by the fit's own model (the
+    token bucket: busy 2.5x, 20 ns/B; tc: 3.0x, 30 ns/B), at the calibration rate (0.3 Gbps:
+    the later bytes over 1 s, short worker jobs) and at draft_fit_rate_gbps (0.8: over
+    0.375 s, the worker busy for 0.2 s). Each link profile gets its own values back, in s
+    per byte; the token bucket's fit takes only the split-stream codecs' rows of the main
+    transfer (an int8 row shaped like a draft would pull the fit off); `fit` names the rates
+    and keeps the per-request median it replaces. draft_fit_rate_gbps equal to the
+    calibration rate is refused (it would fit one rate)."""
+    import kvsim.calibrate.link_profile as lp
+    import kvsim.calibrate.model_profile as mp
+    import kvsim.calibrate.receiver_timing as rt
+    import kvsim.transport.netns as netns
+    from kvsim.calibrate.draft_ingest import DraftWindow, replay_end_s
+    from kvsim.commands.calibrate import Config as CalConfig
+    from kvsim.sim.link_profile import load_link_profile
+
+    truth = {"token_bucket": (2.5, 20e-9), "tc": (3.0, 30e-9)}
+    later_bytes = 1.2e7
+
+    def rows(emulation: str, rate_gbps: float, extra_s: float, codec: str = "lynx"
+             ) -> list[dict]:
+        ratio, ingest = truth[emulation]
+        arrival_s = 1.0 if rate_gbps == 0.3 else 0.375
+        jobs = tuple((0.1 * k, 0.1 * k + 0.004) for k in range(10)) if rate_gbps == 0.3 \
+            else ((0.0, 0.2),)
+        out = []
+        for drafts in (2, 4, 6):
+            shape = DraftWindow(start_s=2.0, end_s=0.0, drafts=drafts, tpot_s=0.05,
+                                worker_spans=tuple((2.0 + a, 2.0 + b) for a, b in jobs),
+                                later_arrival=(2.0, 2.0 + arrival_s), later_bytes=later_bytes)
+            end = replay_end_s(shape, ratio, ingest, extra_s)
+            out.append({
+                "codec": codec, "status": "done", "proposed_tokens": drafts, "tpot_s": 0.05,
+                "stream_complete_from_prefill_end_s": {"anchor": 0.5, "residual":
+                                                       0.5 + arrival_s},
+                "stream_bytes": {"anchor": 4e6, "residual": later_bytes},
+                "trace_spans": [["prefill", "prefill", 0.5, 1.5],
+                                ["draft_accepted", "decode", 2.0, end],
+                                *[[f"dequantize layer {i} stream 1", "decode", a, b]
+                                  for i, (a, b) in enumerate(shape.worker_spans)]]})
+        return out
+
+    extra_s = 0.002  # the first step's extra on a fresh cache, made exact (measured below)
+    real_measure = mp.measure_model
+
+    def measure_model(*a, **kw):
+        hw, kvs = real_measure(*a, **kw)
+        hw["first_step_extra"]["s"] = [extra_s] * len(hw["first_step_extra"]["s"])
+        return hw, kvs
+
+    extras = []
+
+    def fake_loads(model, codecs, context_tokens, seed, text_source, **kw):
+        emulation, rate = kw.get("emulation", "token_bucket"), kw.get("bandwidth_gbps", 0.3)
+        keep = kw.get("keep_rows")
+        extras.append(kw.get("first_step_extra_s"))
+        if keep is not None:
+            keep += rows(emulation, rate, extra_s)
+            if "int8" in codecs:  # the token bucket's main transfer: int8 + lynx
+                # an int8 row that drafted 4x slower: dropped by the codec filter
+                keep += [{**r, "codec": "int8", "trace_spans": [
+                    s if s[0] != "draft_accepted" else [s[0], s[1], s[2], 2 + 4 * (s[3] - 2)]
+                    for s in r["trace_spans"]]} for r in rows("token_bucket", 0.3, extra_s)]
+        if emulation == "tc":
+            return {"lynx": {"tpot_s": 0.05, "draft_step_ratio": 2.8, "draft_busy_ratio": 3.5}}
+        return {"int8": {"decode_gb_per_s": 1.0, "tpot_s": 0.05},
+                "lynx": {"decode_gb_per_s": 1.0, "tpot_s": 0.05, "draft_step_ratio": 1.4,
+                         "draft_busy_ratio": 2.0}}
+
+    def fake_link(emulation, rates, name):
+        return {"version": 1, "kind": "link", "name": name, "emulation": emulation,
+                "efficiency": 0.9, "latency_s": 0.001, "message_overhead_bytes": 50.0,
+                "fit_max_abs_pct_error": 1.0}
+
+    monkeypatch.setattr(rt, "receiver_loads", fake_loads)
+    monkeypatch.setattr(mp, "measure_model", measure_model)
+    monkeypatch.setattr(lp, "measure_link_profile", fake_link)
+    monkeypatch.setattr(netns, "netns_available", lambda: (True, ""))
+    assert main(["calibrate", "model=tiny-random", "contexts=[32,64]",
+                 "codec_context_tokens=64", "steps=2", "repeats=1", "batches=[1,2]",
+                 "drafted=[1,2]", "codecs=[int8,lynx]", "links=[token_bucket,tc]",
+                 "receiver_context_tokens=64", "receiver_fit_context_tokens=0",
+                 "progress=false", f"out_dir={tmp_path}"]) == 0
+    # every drafting transfer was given the first step's extra (the main one measures it)
+    assert extras[0] is None and extras[1:] == [pytest.approx(extra_s)] * 3
+    for emulation, stem, median in (("token_bucket", "token-bucket", 2.0), ("tc", "tc", 3.5)):
+        draft = load_link_profile(
+            str(tmp_path / "link" / f"local-tiny-random-{stem}.json")).draft_step
+        ratio, ingest = truth[emulation]
+        assert draft["busy_ratio"] == pytest.approx(ratio, abs=0.1), emulation
+        assert draft["ingest_s_per_byte"] == pytest.approx(ingest, abs=1.5e-9), emulation
+        fit = draft["fit"]
+        assert fit["requests"] == 6 and fit["rms_s"] < 0.003 and not fit["saturated"]
+        assert fit["rates_gbps"] == [0.3, 0.8]
+        assert fit["median_busy_ratio"] == pytest.approx(median)
+    with pytest.raises(ValueError, match="draft_fit_rate_gbps"):
+        CalConfig(draft_fit_rate_gbps=0.3)

@@ -97,7 +97,7 @@ class Config:
                              f"{self.step_probe_steps}")
 
     def apply_grid(self) -> None:
-        """grid=quick: CI's few scenarios (about 7 minutes with calibration)."""
+        """grid=quick: CI's few scenarios (about 4 minutes with calibration)."""
         if self.grid == "quick":
             # 0.1 Gbps: lynx's residual is still on the wire when its anchor is loaded, so
             # it drafts in both engines (at 0.3 Gbps the two race, and a flip between

@@ -1,0 +1,154 @@
+"""The GGUF's float32 conversion (kvsim.model.converted): exact, reused, rewritten when stale
+or damaged, and optional (an unwritable cache only costs time)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from kvsim.model import converted
+
+
+@pytest.fixture(scope="module")
+def gguf_copy(tmp_path_factory):
+    """A copy of the fetched SmolLM2 GGUF in a directory of its own (the conversions these
+    tests write and break stay out of the shared model cache)."""
+    from kvsim.model import load_model_preset
+    from kvsim.model.fetch import cached_gguf_path
+
+    src = cached_gguf_path(load_model_preset("smollm2-135m"))
+    if not src.is_file():
+        pytest.fail("SmolLM2-135M weights missing: run `kvsim model fetch` first")
+    path = tmp_path_factory.mktemp("gguf") / src.name
+    shutil.copyfile(src, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ref(gguf_copy):
+    """The model and tokenizer straight from the GGUF (no conversion involved)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf_copy.parent), gguf_file=gguf_copy.name,
+                                        local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_copy.parent),
+                                                 gguf_file=gguf_copy.name,
+                                                 dtype=torch.float32, local_files_only=True,
+                                                 attn_implementation="sdpa")
+    return model.eval(), tok
+
+
+TEXT = "def f(x):\n    return x ** 2  # naïve 你好 <|im_start|>user\nHello!<|im_end|>"
+
+
+def _same(ref_model, ref_tok, lm) -> None:
+    ref, got = ref_model.state_dict(), lm.model.state_dict()
+    assert set(ref) == set(got)
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    ids = ref_tok(TEXT).input_ids
+    assert lm.tokenizer(TEXT).input_ids == ids
+    assert (lm.tokenizer.bos_token, lm.tokenizer.eos_token, lm.tokenizer.pad_token) == \
+        (ref_tok.bos_token, ref_tok.eos_token, ref_tok.pad_token)
+    assert lm.tokenizer.chat_template == ref_tok.chat_template
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        assert torch.equal(ref_model(x).logits, lm.model(x).logits)
+    # tied embeddings stay tied
+    assert lm.model.lm_head.weight.data_ptr() == lm.model.model.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.slow
+def test_the_conversion_is_exact_reused_and_rewritten_when_damaged(gguf_copy, ref, capsys):
+    from kvsim.data_files import sha256_file
+    from kvsim.model import load_lm
+
+    ref_model, ref_tok = ref
+    sha = sha256_file(gguf_copy)
+    target = converted.converted_dir(gguf_copy, sha)
+    assert not target.exists()
+    first = load_lm(str(gguf_copy), threads=1)  # from the GGUF, then converted
+    assert first.meta["converted"] == str(target) and converted.usable(target, sha)
+    marker = json.loads((target / converted.MARKER).read_text())
+    assert marker["gguf_sha256"] == sha and marker["gguf_file"] == gguf_copy.name
+    assert marker["weights_sha256"] == sha256_file(target / converted.WEIGHTS)
+    assert "quantization_config" not in json.loads((target / "config.json").read_text())
+    _same(ref_model, ref_tok, first)
+    # only the conversion and the GGUF are there: no temporary directory left behind
+    assert sorted(p.name for p in gguf_copy.parent.iterdir()) == \
+        sorted([gguf_copy.name, target.name])
+
+    again = load_lm(str(gguf_copy), threads=1)  # from the conversion
+    _same(ref_model, ref_tok, again)
+    assert again.load_s < first.load_s
+    # bfloat16 from the conversion casts its float32 tensors as a GGUF load does
+    bf16 = load_lm(str(gguf_copy), dtype="bfloat16", threads=1)
+    ref_bf16 = {k: v.to(torch.bfloat16) for k, v in ref_model.state_dict().items()}
+    assert all(torch.equal(ref_bf16[k], v) for k, v in bf16.model.state_dict().items())
+
+    # damaged weights behind a valid marker: a note, the GGUF again, a fresh conversion
+    (target / converted.WEIGHTS).write_bytes(b"not a safetensors file")
+    capsys.readouterr()
+    healed = load_lm(str(gguf_copy), threads=1)
+    assert "did not load" in capsys.readouterr().err
+    _same(ref_model, ref_tok, healed)
+    _same(ref_model, ref_tok, load_lm(str(gguf_copy), threads=1))  # the new conversion
+    assert "did not load" not in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_writes_unwritable_stale_and_concurrent(gguf_copy, ref, monkeypatch, capsys):
+    """The conversion cannot be written: a note on stderr, None, and nothing left behind;
+    a concurrent writer's finished conversion is taken as it is; a stale one (another
+    transformers version) is replaced."""
+    import tempfile
+
+    from kvsim.data_files import sha256_file
+
+    model, tok = ref
+    sha = sha256_file(gguf_copy)
+    before = sorted(p.name for p in gguf_copy.parent.iterdir())
+
+    def refuse(*a, **kw):
+        raise PermissionError("read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+    assert converted.write(model, tok, gguf_copy, "f" * 64) is None
+    assert "could not write the converted model" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert sorted(p.name for p in gguf_copy.parent.iterdir()) == before
+    # a writer that finds a complete conversion (another process's) keeps it
+    target = converted.write(model, tok, gguf_copy, sha)
+    assert target is not None and converted.usable(target, sha)
+    stamp = (target / converted.MARKER).stat().st_mtime_ns
+    assert converted.write(model, tok, gguf_copy, sha) == target
+    assert (target / converted.MARKER).stat().st_mtime_ns == stamp
+    doc = json.loads((target / converted.MARKER).read_text())
+    (target / converted.MARKER).write_text(json.dumps({**doc, "transformers_version": "0.0"}))
+    assert not converted.usable(target, sha)
+    assert converted.write(model, tok, gguf_copy, sha) == target
+    assert converted.usable(target, sha)
+    assert {p.name for p in gguf_copy.parent.iterdir()} == {*before, target.name}
+    with pytest.raises(ValueError, match="float32"):
+        converted.write(model.to(torch.bfloat16), tok, gguf_copy, sha)
+
+
+def test_usable_needs_the_marker_the_sha_and_this_transformers(tmp_path):
+    import transformers
+
+    assert not converted.usable(tmp_path, "a" * 64)  # nothing there
+    (tmp_path / converted.WEIGHTS).write_bytes(b"x")
+    (tmp_path / "config.json").write_text("{}")
+    doc = {"format": converted.FORMAT, "gguf_sha256": "a" * 64,
+           "transformers_version": transformers.__version__}
+    (tmp_path / converted.MARKER).write_text(json.dumps(doc))
+    assert converted.usable(tmp_path, "a" * 64)
+    assert not converted.usable(tmp_path, "b" * 64)
+    (tmp_path / converted.MARKER).write_text("{not json")
+    assert not converted.usable(tmp_path, "a" * 64)
+    (tmp_path / converted.MARKER).write_text(json.dumps({**doc, "format": 0}))
+    assert not converted.usable(tmp_path, "a" * 64)
+    assert converted.converted_dir(tmp_path / "m.Q4.gguf", "0123456789abcdef" * 4).name == \
+        "m.Q4.hf-0123456789abcdef"
