@@ -3,8 +3,11 @@ or damaged, and optional (an unwritable cache only costs time)."""
 
 from __future__ import annotations
 
+import copy
 import json
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,14 +86,25 @@ def test_the_conversion_is_exact_reused_and_rewritten_when_damaged(gguf_copy, re
     again = load_lm(str(gguf_copy), threads=1)  # from the conversion
     _same(ref_model, ref_tok, again)
     assert again.load_s < first.load_s
-    # bfloat16 from the conversion casts its float32 tensors as a GGUF load does
+    assert again.meta["converted"] == str(target)
+    # bfloat16: from the GGUF (some architectures dequantize straight into it), not converted
     bf16 = load_lm(str(gguf_copy), dtype="bfloat16", threads=1)
+    assert "converted" not in bf16.meta
     ref_bf16 = {k: v.to(torch.bfloat16) for k, v in ref_model.state_dict().items()}
     assert all(torch.equal(ref_bf16[k], v) for k, v in bf16.model.state_dict().items())
 
-    # damaged weights behind a valid marker: a note, the GGUF again, a fresh conversion
-    (target / converted.WEIGHTS).write_bytes(b"not a safetensors file")
-    capsys.readouterr()
+    # a weights file of another size (truncated): not used (load_lm loads the GGUF and
+    # writes again, which replaces it: as here)
+    weights = target / converted.WEIGHTS
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert not converted.usable(target, sha)
+    assert converted.write(ref_model, ref_tok, gguf_copy, sha) == target
+    assert converted.usable(target, sha)
+    # damaged weights of the right size behind a valid marker (a garbled header): a note,
+    # the GGUF again, a fresh conversion
+    with open(weights, "r+b") as f:
+        f.write(b"\xff" * 16)
+    assert converted.usable(target, sha)
     healed = load_lm(str(gguf_copy), threads=1)
     assert "did not load" in capsys.readouterr().err
     _same(ref_model, ref_tok, healed)
@@ -101,8 +115,9 @@ def test_the_conversion_is_exact_reused_and_rewritten_when_damaged(gguf_copy, re
 @pytest.mark.slow
 def test_writes_unwritable_stale_and_concurrent(gguf_copy, ref, monkeypatch, capsys):
     """The conversion cannot be written: a note on stderr, None, and nothing left behind;
-    a concurrent writer's finished conversion is taken as it is; a stale one (another
-    transformers version) is replaced."""
+    a concurrent writer's finished conversion is taken as it is, found before or at the
+    rename; a stale one (another transformers version) is replaced; killed writers'
+    leftovers are removed."""
     import tempfile
 
     from kvsim.data_files import sha256_file
@@ -131,17 +146,50 @@ def test_writes_unwritable_stale_and_concurrent(gguf_copy, ref, monkeypatch, cap
     assert converted.write(model, tok, gguf_copy, sha) == target
     assert converted.usable(target, sha)
     assert {p.name for p in gguf_copy.parent.iterdir()} == {*before, target.name}
-    with pytest.raises(ValueError, match="float32"):
-        converted.write(model.to(torch.bfloat16), tok, gguf_copy, sha)
+    # weights that are not all float32: not converted, a note
+    capsys.readouterr()
+    assert converted.write(copy.deepcopy(model).to(torch.bfloat16), tok, gguf_copy, sha) is None
+    assert "not all float32" in capsys.readouterr().err
+
+    # another writer renames its conversion into place between this one's check and its
+    # rename: this one's rename fails, it keeps the other's and drops its own
+    other = gguf_copy.parent.parent / "other-writer"
+    target.rename(other)
+    other_stamp = (other / converted.MARKER).stat().st_mtime_ns
+    real_rename = Path.rename
+    raced = []
+
+    def racing_rename(self, dest):
+        if Path(dest) == target and not raced:
+            raced.append(self)
+            real_rename(other, target)
+        return real_rename(self, dest)
+
+    monkeypatch.setattr(Path, "rename", racing_rename)
+    assert converted.write(model, tok, gguf_copy, sha) == target
+    monkeypatch.undo()
+    assert raced and converted.usable(target, sha)
+    assert (target / converted.MARKER).stat().st_mtime_ns == other_stamp  # the other's
+    assert {p.name for p in gguf_copy.parent.iterdir()} == {*before, target.name}
+
+    # leftovers of writers that were killed (no cleanup) go; a live writer's stay
+    dead = gguf_copy.parent / f".{target.name}.tmp-4194303-abc"
+    live = gguf_copy.parent / f".{target.name}.tmp-{os.getpid()}-xyz"
+    aside = gguf_copy.parent / f".{target.name}.trash-4194302"
+    for d in (dead, live, aside):
+        d.mkdir()
+    converted.write(model, tok, gguf_copy, sha)
+    assert live.exists() and not dead.exists() and not aside.exists()
+    live.rmdir()
 
 
-def test_usable_needs_the_marker_the_sha_and_this_transformers(tmp_path):
+def test_usable_needs_the_marker_the_sha_the_size_and_this_transformers(tmp_path):
     import transformers
 
     assert not converted.usable(tmp_path, "a" * 64)  # nothing there
     (tmp_path / converted.WEIGHTS).write_bytes(b"x")
     (tmp_path / "config.json").write_text("{}")
-    doc = {"format": converted.FORMAT, "gguf_sha256": "a" * 64,
+    doc = {"format": converted.FORMAT, "gguf_sha256": "a" * 64, "weights_bytes": 1,
            "transformers_version": transformers.__version__}
     (tmp_path / converted.MARKER).write_text(json.dumps(doc))
     assert converted.usable(tmp_path, "a" * 64)
@@ -150,5 +198,7 @@ def test_usable_needs_the_marker_the_sha_and_this_transformers(tmp_path):
     assert not converted.usable(tmp_path, "a" * 64)
     (tmp_path / converted.MARKER).write_text(json.dumps({**doc, "format": 0}))
     assert not converted.usable(tmp_path, "a" * 64)
+    (tmp_path / converted.MARKER).write_text(json.dumps({**doc, "weights_bytes": 2}))
+    assert not converted.usable(tmp_path, "a" * 64)  # the weights file has another size
     assert converted.converted_dir(tmp_path / "m.Q4.gguf", "0123456789abcdef" * 4).name == \
         "m.Q4.hf-0123456789abcdef"
