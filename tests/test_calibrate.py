@@ -407,6 +407,23 @@ def test_draft_step_doc_takes_medians_over_the_codecs_that_drafted():
     assert floored["ratio"] == 1.0 and set(floored) == {"ratio", "context_tokens", "measured"}
 
 
+def _fake_medians(emulation: str, tpot_s: float) -> dict:
+    """What a faked receiver_loads returns: per-codec medians (tc: the split-stream codec's
+    transfer over it, draft 2.8x / busy 3.5x; the token bucket: int8 + lynx, 1.4x / 2.0x)."""
+    if emulation == "tc":
+        return {"lynx": {"tpot_s": tpot_s, "draft_step_ratio": 2.8, "draft_busy_ratio": 3.5}}
+    return {"int8": {"decode_gb_per_s": 1.0, "tpot_s": tpot_s},
+            "lynx": {"decode_gb_per_s": 1.0, "tpot_s": tpot_s, "draft_step_ratio": 1.4,
+                     "draft_busy_ratio": 2.0}}
+
+
+def _fake_link(emulation, rates, name):
+    """A faked measure_link_profile: a fixed link fit."""
+    return {"version": 1, "kind": "link", "name": name, "emulation": emulation,
+            "efficiency": 0.9, "latency_s": 0.001, "message_overhead_bytes": 50.0,
+            "fit_max_abs_pct_error": 1.0}
+
+
 def test_calibrate_measures_the_draft_step_on_each_link(tmp_path, monkeypatch):
     """The token bucket's link profile gets the draft step of the receiver's calibration
     transfer (which ran on it); tc's gets that of a transfer of the split-stream codecs
@@ -423,19 +440,10 @@ def test_calibrate_measures_the_draft_step_on_each_link(tmp_path, monkeypatch):
     def fake_loads(model, codecs, context_tokens, seed, text_source, **kw):
         calls.append((list(codecs), seed, kw.get("emulation", "token_bucket"),
                       kw.get("first_step_extra_s"), kw.get("bandwidth_gbps", 0.3)))
-        if kw.get("emulation") == "tc":
-            return {"lynx": {"tpot_s": 0.01, "draft_step_ratio": 2.8, "draft_busy_ratio": 3.5}}
-        return {"int8": {"decode_gb_per_s": 1.0, "tpot_s": 0.01},
-                "lynx": {"decode_gb_per_s": 1.0, "tpot_s": 0.01, "draft_step_ratio": 1.4,
-                         "draft_busy_ratio": 2.0}}
-
-    def fake_link(emulation, rates, name):
-        return {"version": 1, "kind": "link", "name": name, "emulation": emulation,
-                "efficiency": 0.9, "latency_s": 0.001, "message_overhead_bytes": 50.0,
-                "fit_max_abs_pct_error": 1.0}
+        return _fake_medians(kw.get("emulation", "token_bucket"), 0.01)
 
     monkeypatch.setattr(rt, "receiver_loads", fake_loads)
-    monkeypatch.setattr(lp, "measure_link_profile", fake_link)
+    monkeypatch.setattr(lp, "measure_link_profile", _fake_link)
     available = [(True, "")]
     monkeypatch.setattr(netns, "netns_available", lambda: available[0])
     args = ["calibrate", "model=tiny-random", "contexts=[32,64]", "codec_context_tokens=64",
@@ -633,20 +641,11 @@ def test_calibrate_fits_each_links_draft_slowdown_on_its_drafted_rows(tmp_path, 
                 keep += [{**r, "codec": "int8", "trace_spans": [
                     s if s[0] != "draft_accepted" else [s[0], s[1], s[2], 2 + 4 * (s[3] - 2)]
                     for s in r["trace_spans"]]} for r in rows("token_bucket", 0.3, extra_s)]
-        if emulation == "tc":
-            return {"lynx": {"tpot_s": 0.05, "draft_step_ratio": 2.8, "draft_busy_ratio": 3.5}}
-        return {"int8": {"decode_gb_per_s": 1.0, "tpot_s": 0.05},
-                "lynx": {"decode_gb_per_s": 1.0, "tpot_s": 0.05, "draft_step_ratio": 1.4,
-                         "draft_busy_ratio": 2.0}}
-
-    def fake_link(emulation, rates, name):
-        return {"version": 1, "kind": "link", "name": name, "emulation": emulation,
-                "efficiency": 0.9, "latency_s": 0.001, "message_overhead_bytes": 50.0,
-                "fit_max_abs_pct_error": 1.0}
+        return _fake_medians(emulation, 0.05)
 
     monkeypatch.setattr(rt, "receiver_loads", fake_loads)
     monkeypatch.setattr(mp, "measure_model", measure_model)
-    monkeypatch.setattr(lp, "measure_link_profile", fake_link)
+    monkeypatch.setattr(lp, "measure_link_profile", _fake_link)
     monkeypatch.setattr(netns, "netns_available", lambda: (True, ""))
     assert main(["calibrate", "model=tiny-random", "contexts=[32,64]",
                  "codec_context_tokens=64", "steps=2", "repeats=1", "batches=[1,2]",
