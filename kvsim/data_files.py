@@ -52,19 +52,20 @@ def sha256_file(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def record_loaded(path: str | Path) -> None:
-    """Note that this run read `path` (a file; directories and missing paths are ignored)."""
+def record_loaded(path: str | Path) -> str | None:
+    """Note that this run read `path`; its sha256 (hashed once per unchanged file), or None
+    for a directory or a missing path (ignored)."""
     p = Path(path).resolve()
     try:
         stat = p.stat()
     except OSError:
-        return
+        return None
     if not p.is_file():
-        return
+        return None
     with _lock:
         known = _loaded.get(p)
         if known is not None and known[:2] == (stat.st_mtime_ns, stat.st_size):
-            return
+            return known[2].sha256
     nested = getattr(_in_hook, "active", False)
     _in_hook.active = True
     try:
@@ -73,17 +74,7 @@ def record_loaded(path: str | Path) -> None:
         _in_hook.active = nested
     with _lock:
         _loaded[p] = (stat.st_mtime_ns, stat.st_size, entry)
-
-
-def recorded_sha256(path: str | Path) -> str:
-    """record_loaded(path), and the sha256 it recorded (hashed once per unchanged file)."""
-    p = Path(path).resolve()
-    record_loaded(p)
-    with _lock:
-        known = _loaded.get(p)
-    if known is None:
-        raise FileNotFoundError(f"{p}: not a readable file")
-    return known[2].sha256
+    return entry.sha256
 
 
 def loaded_files() -> list[dict]:

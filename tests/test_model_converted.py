@@ -83,9 +83,18 @@ def test_the_conversion_is_exact_reused_and_rewritten_when_damaged(gguf_copy, re
     assert sorted(p.name for p in gguf_copy.parent.iterdir()) == \
         sorted([gguf_copy.name, target.name])
 
-    again = load_lm(str(gguf_copy), threads=1)  # from the conversion
+    # from the conversion: transformers' GGUF reader is not used at all
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    def no_gguf(*a, **kw):
+        raise AssertionError("the GGUF was read again")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf_utils, "load_gguf_checkpoint", no_gguf)
+        again = load_lm(str(gguf_copy), threads=1)
+        with pytest.raises(AssertionError, match="read again"):  # the patch does bite
+            load_lm(str(gguf_copy), dtype="bfloat16", threads=1)
     _same(ref_model, ref_tok, again)
-    assert again.load_s < first.load_s
     assert again.meta["converted"] == str(target)
     # bfloat16: from the GGUF (some architectures dequantize straight into it), not converted
     bf16 = load_lm(str(gguf_copy), dtype="bfloat16", threads=1)

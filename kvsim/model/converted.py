@@ -107,12 +107,14 @@ def _clear_leftovers(target: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def load(directory: Path, dtype: Any) -> tuple[Any, Any]:
-    """(model in eval mode, tokenizer) from a conversion; its marker goes to provenance."""
+def load(directory: Path) -> tuple[Any, Any]:
+    """(float32 model in eval mode, tokenizer) from a conversion; its marker goes to
+    provenance."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype,
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32,
                                                  attn_implementation="sdpa",
                                                  local_files_only=True)
     record_loaded(directory / MARKER)

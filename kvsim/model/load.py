@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvsim.data_files import recorded_sha256
+from kvsim.data_files import record_loaded
 from kvsim.model import converted
 from kvsim.model.fetch import cached_gguf_path
 from kvsim.model.presets import load_model_preset, model_preset_names
@@ -112,20 +112,20 @@ def load_lm(spec: str | ModelSpec, cache: str | Path | None = None, dtype: str =
     started = time.perf_counter()
     model = tokenizer = conversion = None
     gguf = loc.directory / loc.gguf_file if loc.gguf_file else None
-    gguf_sha256 = ""
-    if gguf is not None:  # one file (~100 MB for SmolLM2): hashed for provenance; checkpoint
-        # directories (many GB of shards) are named in meta["weights"] only
-        gguf_sha256 = recorded_sha256(gguf)
-    if gguf is not None and dtype == "float32":  # the conversion is float32 (see converted)
-        conversion = converted.converted_dir(gguf, gguf_sha256)
-        if converted.usable(conversion, gguf_sha256):
-            try:
-                model, tokenizer = converted.load(conversion, getattr(torch, dtype))
-            except Exception as exc:  # noqa: BLE001 - a damaged conversion: the GGUF again
-                print(f"kvsim: the converted model {conversion} did not load ({exc}); "
-                      "loading the GGUF and converting again", file=sys.stderr)
-                converted.discard(conversion)
-                model = tokenizer = conversion = None
+    # one file (~100 MB for SmolLM2): hashed for provenance; checkpoint directories (many GB
+    # of shards) are named in meta["weights"] only
+    gguf_sha256 = record_loaded(gguf) if gguf is not None else None
+    convertible = gguf_sha256 is not None and dtype == "float32"  # (see kvsim.model.converted)
+    if convertible and converted.usable(target := converted.converted_dir(gguf, gguf_sha256),
+                                        gguf_sha256):
+        conversion = target
+        try:
+            model, tokenizer = converted.load(conversion)
+        except Exception as exc:  # noqa: BLE001 - a damaged conversion: the GGUF again
+            print(f"kvsim: the converted model {conversion} did not load ({exc}); "
+                  "loading the GGUF and converting again", file=sys.stderr)
+            converted.discard(conversion)
+            model = tokenizer = conversion = None
     if model is None:
         kwargs: dict[str, Any] = {"local_files_only": True}
         if loc.gguf_file:
@@ -135,8 +135,8 @@ def load_lm(spec: str | ModelSpec, cache: str | Path | None = None, dtype: str =
                                                      dtype=getattr(torch, dtype),
                                                      attn_implementation="sdpa", **kwargs)
         model.eval()
-        conversion = converted.write(model, tokenizer, gguf, gguf_sha256) \
-            if gguf is not None and dtype == "float32" else None
+        if convertible:
+            conversion = converted.write(model, tokenizer, gguf, gguf_sha256)
     load_s = time.perf_counter() - started
     cfg = model.config
     meta = {"model": loc.name, "weights": str(loc.directory / (loc.gguf_file or "")),
