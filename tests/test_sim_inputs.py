@@ -159,11 +159,31 @@ def test_bench_sim_runs_small_cases(capsys):
                               "workload=poisson", "workload.requests=30",
                               "workload.prefill_nodes=2", "workload.decode_nodes=2",
                               "codecs=[int8]", "granularity=layer"]},
-        targets_s={"tiny": 100.0}, repeats=1, baseline_events=1000)
+        targets_s={"tiny": 100.0}, repeats=2, baseline_events=1000,
+        scaling={"tiny-multi": bench_sim.Scaling(base="tiny", max_ratio=1e6)})
     rows = bench_sim.run(cfg)
     assert [r["case"] for r in rows] == ["tiny", "tiny-multi"]
     assert rows[0]["meets_target"] is True and rows[1]["requests"] == 30
+    # the scaling ratio divides the two cases' best times of this run
+    assert rows[1]["scaling_ratio"] == pytest.approx(rows[1]["wall_s"] / rows[0]["wall_s"])
+    assert rows[1]["scaling_base"] == "tiny" and rows[1]["meets_scaling"] is True
+    assert rows[0]["scaling_ratio"] is None and rows[0]["meets_scaling"] is None
     assert all(r["events"] > 0 and r["messages"] > 0 and r["wall_s"] > 0 for r in rows)
     assert rows[1]["ms_per_request"] == pytest.approx(1e3 * rows[1]["wall_s"] / 30)
     out = capsys.readouterr().out
     assert "events/s" in out and "ms/request" in out
+    assert "scaling: tiny-multi took" in out and "30x its requests" in out and "met)" in out
+
+
+@pytest.mark.parametrize("scaling, message", [
+    ({"tiny": {"base": "nothing", "max_ratio": 12.0}}, "no case 'nothing'"),
+    ({"other": {"base": "tiny", "max_ratio": 12.0}}, "no case 'other'"),
+    ({"tiny": {"base": "tiny", "max_ratio": 0.0}}, "max_ratio must be > 0"),
+])
+def test_bench_sim_refuses_a_scaling_goal_it_cannot_measure(scaling, message):
+    from kvsim.commands import bench_sim
+
+    cfg = bench_sim.Config(cases={"tiny": ["scenario=none"]}, repeats=1,
+                           scaling={k: bench_sim.Scaling(**v) for k, v in scaling.items()})
+    with pytest.raises(ValueError, match=message):
+        bench_sim.run(cfg)

@@ -1,7 +1,10 @@
 """Simulator speed: (1) one 128K-token request on a 64-layer model with page-level chunks,
-(2) 10,000 requests over 16 prefill + 16 decode instances. Reports wall seconds, simpy
-events and events/s, and the ratio to a bare simpy timeout loop timed in the same run
-(the simulator's cost per event relative to simpy's own)."""
+(2) 10,000 requests over 16 prefill + 16 decode instances, (3) 100,000 requests over 64 + 64
+at overload, and how its time scales against (2)'s. Reports wall seconds, simpy events and
+events/s, and the ratio to a bare simpy timeout loop timed in the same run (the
+simulator's cost per event relative to simpy's own). The repeats of the cases alternate
+(case 1, 2, 3, 1, 2, 3, ...), so that the host's drift over the run weighs on every case
+alike and a scaling ratio compares times taken in the same minutes."""
 
 from __future__ import annotations
 
@@ -17,8 +20,15 @@ from kvsim.report import format_table
 from kvsim.sim.run import Scenario, variants
 
 COMMAND = ("bench", "sim")
-HELP = "simulator speed: 128K-token single request and 10,000-request cluster run"
+HELP = ("simulator speed: 128K- and 1M-token single requests, 10,000- and 100,000-request "
+        "cluster runs, and how the cluster time scales")
 CONFIG_NAME = "bench_sim"
+
+
+@dataclass
+class Scaling:
+    base: str = ""  # the case whose time the ratio divides by (timed in the same run)
+    max_ratio: float = 0.0  # the goal: at most this many times base's time
 
 
 @dataclass
@@ -28,6 +38,9 @@ class Config:
     targets_s: dict[str, float] = field(default_factory=dict)  # the issue's wall-time goals
     repeats: int = 3  # best of
     baseline_events: int = 200000  # bare simpy timeouts timed for the ratio
+    # case -> its time over another case's, both best of `repeats` in this run (the issue's
+    # "linear" goal: 10x the requests in at most 12x the time)
+    scaling: dict[str, Scaling] = field(default_factory=dict)
 
 
 def simpy_baseline_events_per_s(n: int) -> float:
@@ -44,13 +57,21 @@ def simpy_baseline_events_per_s(n: int) -> float:
 
 
 def run(cfg: Config) -> list[dict]:
+    for name, scaling in cfg.scaling.items():
+        for case in (name, scaling.base):
+            if case not in cfg.cases:
+                raise ValueError(f"scaling.{name}: no case {case!r} (cases: "
+                                 f"{', '.join(cfg.cases) or 'none'})")
+        if not scaling.max_ratio > 0:
+            raise ValueError(f"scaling.{name}.max_ratio must be > 0, got {scaling.max_ratio}")
     base = simpy_baseline_events_per_s(cfg.baseline_events)
-    rows = []
+    composed = {}
     for name, overrides in cfg.cases.items():
         sim_cfg, _ = compose("sim", list(overrides), SimConfig)
-        variant = variants(sim_cfg)[0]  # the first codec x transfer of the case
-        best = None
-        for _ in range(max(1, cfg.repeats)):
+        composed[name] = (sim_cfg, variants(sim_cfg)[0])  # the case's first codec x transfer
+    best: dict[str, tuple[float, dict]] = {}
+    for _ in range(max(1, cfg.repeats)):
+        for name, (sim_cfg, variant) in composed.items():
             # free what the previous case left (a 100k-request run leaves ~1 GB of cycles)
             # so that its collection is not timed as part of this case
             gc.collect()
@@ -58,10 +79,15 @@ def run(cfg: Config) -> list[dict]:
             row = Scenario(sim_cfg, variant, sim_cfg.workload.context_tokens,
                            sim_cfg.link.bandwidth_gbps).run()
             wall = time.perf_counter() - t0  # includes size tables and plans
-            if best is None or wall < best[0]:
-                best = (wall, row)
-        wall, row = best
+            if name not in best or wall < best[name][0]:
+                best[name] = (wall, row)
+    rows = []
+    for name, overrides in cfg.cases.items():
+        sim_cfg = composed[name][0]
+        wall, row = best[name]
         target = cfg.targets_s.get(name)
+        scaling = cfg.scaling.get(name)
+        ratio = wall / best[scaling.base][0] if scaling else None
         rows.append({
             "case": name, "model": row["model"], "codec": row["codec"],
             "transfer": row["transfer"], "requests": row["requests"],
@@ -71,6 +97,10 @@ def run(cfg: Config) -> list[dict]:
             # events per request lower it while the run gets faster)
             "ms_per_request": 1e3 * wall / row["requests"],
             "meets_target": (wall <= target) if target else None,
+            "scaling_base": scaling.base if scaling else None,
+            "scaling_ratio": ratio,
+            "scaling_max_ratio": scaling.max_ratio if scaling else None,
+            "meets_scaling": (ratio <= scaling.max_ratio) if scaling else None,
             "events": row["events"], "events_per_s": row["events"] / wall,
             "messages": row["messages"], "messages_per_s": row["messages"] / wall,
             "simpy_baseline_events_per_s": base,
@@ -88,4 +118,10 @@ def run(cfg: Config) -> list[dict]:
                               ("messages_per_s", "messages/s", ".0f"),
                               ("ratio_to_simpy", "vs bare simpy", ".2f")]))
     print(f"bare simpy timeout loop: {base:.0f} events/s")
+    for r in rows:
+        if r["scaling_base"] is not None:
+            print(f"scaling: {r['case']} took {r['scaling_ratio']:.2f}x {r['scaling_base']}'s "
+                  f"time for {r['requests'] / best[r['scaling_base']][1]['requests']:g}x "
+                  f"its requests (goal: at most {r['scaling_max_ratio']:g}x: "
+                  f"{'met' if r['meets_scaling'] else 'missed'})")
     return rows
