@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from kvsim.sim.gc_pause import gc_paused
+from kvsim.sim.gc_pause import MOVE_AT_OBJECTS, gc_paused
 
 
 class _Node:
@@ -24,7 +24,8 @@ def test_survivors_move_to_the_oldest_generation_and_cycles_are_still_collected(
     try:
         with gc_paused():
             assert not gc.isenabled()
-            kept = [[i] for i in range(1000)]  # survivors (containers: tracked)
+            # survivors (containers: tracked), as many as a large run leaves
+            kept = [[i] for i in range(2 * MOVE_AT_OBJECTS)]
             a, b = _Node(), _Node()
             a.other, b.other = b, a  # a reference cycle left behind by the "run"
             gone = weakref.ref(a)
@@ -36,6 +37,25 @@ def test_survivors_move_to_the_oldest_generation_and_cycles_are_still_collected(
         assert gone() is not None  # the cycle waits for a full collection ...
         gc.collect()
         assert gone() is None  # ... and is freed by it: nothing leaks
+    finally:
+        if not was_enabled:
+            gc.disable()
+
+
+def test_after_a_small_run_objects_stay_young_and_cycles_go_with_a_young_collection() -> None:
+    was_enabled = gc.isenabled()
+    gc.enable()
+    try:
+        gc.collect()
+        with gc_paused():
+            kept = [[i] for i in range(100)]
+            a, b = _Node(), _Node()
+            a.other, b.other = b, a
+            gone = weakref.ref(a)
+            del a, b
+        assert _in_generation(kept[0], 0) and not _in_generation(kept[0], 2)
+        gc.collect(0)  # the next young collection (no full one) frees the cycle
+        assert gone() is None
     finally:
         if not was_enabled:
             gc.disable()
