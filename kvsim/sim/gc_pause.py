@@ -4,43 +4,54 @@ A run allocates millions of small objects (simpy events, flows, records, timelin
 keeps the records until its end. With the collector on, every full collection rescans all
 of them, so the time it takes per request grows with the size of the run. Pausing it only
 postpones the freeing of reference cycles (their memory is bounded by the run's own
-allocations) to the first full collection after the run; it changes no result.
+allocations) to a collection after the run; it changes no result (kvsim has no finalizers
+or weak references whose timing a result could see).
 
-At the end, what the run left is moved into the oldest generation without a pass over it
-(`gc.freeze()` then `gc.unfreeze()`, which puts the frozen objects back into the oldest
-generation). Otherwise the first allocation after the collector is back triggers a
-young-generation collection over every object the run left, and a second one follows when
-they are promoted: on `kvsim bench sim`'s 100,000-request case that first pass alone took
-0.46 s (733,000 objects, cache-cold) against 0.016 s for 10,000 requests, a cost that grew
-faster than the run. Those objects are long-lived by construction (the run's records), so
-the young-generation passes would only have promoted them. The price: the run's own
-reference cycles (about 300 objects, ~60 KB, whatever the run's size: its environment and
-closures) wait for the next full collection instead of the next young one. So the move is
-made only after a run that left many objects (`MOVE_AT_OBJECTS` net tracked allocations,
-`gc.get_count()[0]`, a pass of a few ms and more), not after the small runs of a sweep; and
-never when the caller has frozen objects of its own (`gc.get_freeze_count()`), whose freeze
-it would undo.
+At the end of a large run, what it left is moved into the oldest generation without a pass
+over it (`gc.freeze()` then `gc.unfreeze()`, which puts the frozen objects back into the
+oldest generation). Otherwise the first young collection after the collector is back
+passes over every object the run left, and a second pass follows when they are promoted:
+on `kvsim bench sim`'s 100,000-request case that first pass alone took 0.46 s (733,000
+objects, cache-cold) against 0.016 s for 10,000 requests, a cost that grew faster than the
+run. Those objects are long-lived by construction (the run's records), so the young passes
+would only have promoted them.
+
+The price, and where the move is not made:
+- the run's own reference cycles (its environment and closures: ~300 objects after a
+  process's first run, ~6 objects / 20 KiB after each later one, whatever the run's size)
+  wait for the next full collection instead of the next young one. So the move is made only
+  after a run that left many objects (`MOVE_AT_OBJECTS` net tracked allocations,
+  `gc.get_count()[0]`: a young pass of a few ms and more), not after a sweep's small runs;
+- objects a caller froze (`gc.freeze()`) are back in the oldest generation after a large
+  run: the interpreter's own frozen objects cannot be told from a caller's (CPython 3.12
+  parks immortal objects there at every full collection, and parks them again at the next
+  one). Nothing in kvsim freezes objects;
+- on a free-threaded build (no generations; freeze and unfreeze each walk the whole heap)
+  there is nothing to gain, and the collector is only paused.
 """
 
 from __future__ import annotations
 
 import gc
+import sysconfig
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 MOVE_AT_OBJECTS = 10_000  # young objects left from which the survivors move (see above)
+_GENERATIONAL = not sysconfig.get_config_var("Py_GIL_DISABLED")
 
 
 @contextmanager
 def gc_paused() -> Iterator[None]:
-    """The collector is off inside the block and back to its former state after it; the
-    objects alive at its end are in the oldest generation (see the module docstring)."""
+    """The collector is off inside the block and back to its former state after it; after
+    a large block, the objects alive at its end are in the oldest generation (see the
+    module docstring)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        if gc.get_count()[0] >= MOVE_AT_OBJECTS and gc.get_freeze_count() == 0:
+        if _GENERATIONAL and gc.get_count()[0] >= MOVE_AT_OBJECTS:
             gc.freeze()  # every tracked object into the permanent generation (no pass) ...
             gc.unfreeze()  # ... and from there into the oldest generation
         if was_enabled:
