@@ -13,6 +13,10 @@ Writes fidelity.json (mean_abs_pct_error, max_abs_pct_error, targets, per-scenar
 fidelity.md (one line per scenario and codec, the signed error of every metric),
 fidelity.png (simulated vs measured) and scenarios/<scenario>.json (both engines' full rows)
 in the run directory; the rows are the report's too.
+
+`measured_from=<report.json or run dir>` simulates a saved run's scenarios again against
+the measurements it saved, with no emulation (seconds): how a change to the simulator moves
+its error against real transfers (_resimulate).
 """
 
 from __future__ import annotations
@@ -81,6 +85,10 @@ class Config:
     target_max_abs_pct: float = 10.0  # % worst absolute error
     fail_on_target: bool = False  # true: exit non-zero when the mean is above its target
     figure: bool = True  # fidelity.png in the run directory
+    # a validate run's report.json (or the directory holding it): simulate its scenarios
+    # again and compare with the measurements it saved, without emulating anything (see
+    # _resimulate: the scenarios are the saved run's, the simulator's settings this one's)
+    measured_from: str = ""
 
     def __post_init__(self) -> None:
         if self.grid not in GRIDS:
@@ -162,11 +170,12 @@ def run(cfg: Config) -> dict:
         scenario_overrides,
         sim_overrides,
     )
-    from kvsim.fidelity.step_probe import StepProbe, probed_profile
+    from kvsim.fidelity.step_probe import StepProbe
     from kvsim.outputs import out_root
     from kvsim.paths import DATA_DIR
-    from kvsim.report import json_safe
 
+    if cfg.measured_from:
+        return _resimulate(cfg)
     cfg.apply_grid()
     run_dir = out_root(None)
     emulations, notes = _emulations(cfg)
@@ -199,16 +208,9 @@ def run(cfg: Config) -> dict:
         sim = sim_overrides(common, profiles, cfg.acceptance, cfg.samples)
         probed: dict[str, float] = {}
         if probe is not None:  # the step's speed now (kvsim.fidelity.step_probe)
-            probe_s = probe.step_s(ctx)
-            path = run_dir / "profiles-probed" / f"{name}.json"
-            scale = probed_profile(profiles.hardware, ctx, probe_s, path)
-            sim = [f"hardware.profile={path}" if o.startswith("hardware.profile=") else o
-                   for o in sim]
-            probed = {"step_probe_s": probe_s, "step_scale": scale}
-            _say(f"step probe at {ctx} tokens: {probe_s * 1e3:.1f} ms ({scale:.3f} x the "
-                 "calibrated step)")
+            sim, probed = _probed(sim, profiles, ctx, probe.step_s(ctx), run_dir, name)
         measured, simulated = run_pair(emulated, sim)
-        _keep(run_dir, name, measured, simulated)
+        _keep(run_dir, name, {"measured": measured, "simulated": simulated})
         sim_by = by_codec(simulated)
         for codec, m in by_codec(measured).items():
             s = sim_by[codec]
@@ -217,16 +219,144 @@ def run(cfg: Config) -> dict:
                         "context_tokens": ctx, "codec": codec, "repeats": n,
                         "accepted_measured": f"{m.get('accepted_tokens', 0) / n:.3g}/"
                                              f"{m.get('proposed_tokens', 0) / n:.3g}",
-                        "accepted_simulated": f"{s.get('accepted_tokens', 0):.3g}/"
-                                              f"{s.get('proposed_tokens', 0):.3g}",
                         "prefill_measured_s": m.get("prefill_s"),
-                        "prefill_simulated_s": s.get("prefill_s"),
                         # the decode step after the first (s/token): errors.step_error_pct
-                        "tpot_measured_s": m.get("tpot_s"), "tpot_simulated_s": s.get("tpot_s"),
-                        **probed}
+                        "tpot_measured_s": m.get("tpot_s"), **_simulated_keys(s), **probed}
             rows += errors.compare(scenario, m, s, single)
     if cfg.multi.enabled and cfg.multi.emulation in emulations:
         rows += _multi(cfg, profiles, started, run_dir)
+    return _conclude(cfg, rows, run_dir, profiles, {"notes": notes}, started)
+
+
+def _resimulate(cfg: Config) -> dict:
+    """measured_from=: the scenarios of a saved run simulated again, with this simulator,
+    against the measurements that run saved (its report's rows): a change to the simulator
+    checked against real transfers in seconds (the shipped full run's 304 comparisons: 4 s
+    here), without emulating anything.
+
+    From the saved run: the model, the scenarios it compared (emulations, rates, contexts,
+    codecs, output tokens, the multi-request case) and their step probes. From this
+    command: acceptance, samples, ks (among those the saved run compared), profile_dir /
+    profile_name, the targets, figure. Profiles: profile_dir= when given; else the
+    profiles/ beside the report (a calibrate=true run's directory, or a shipped copy under
+    data/fidelity/); else the saved run's profile_dir (data/profiles by default)."""
+    from kvsim.fidelity import errors
+    from kvsim.fidelity.runner import find_profiles, scenario_overrides, sim_overrides, simulate
+    from kvsim.outputs import out_root
+    from kvsim.paths import DATA_DIR
+
+    report_path, report, saved = _saved_run(cfg.measured_from)
+    unsaved = sorted(set(cfg.ks) - set(saved.ks))
+    if unsaved:
+        raise ValueError(f"ks={list(cfg.ks)}: {report_path} compared TT<k>T for ks="
+                         f"{list(saved.ks)} only (no measurement of k={unsaved})")
+    groups: dict[tuple, list[dict]] = {}  # (case, emulation, Gbps, ctx, req/s) -> rows
+    for r in report["rows"]:
+        key = (r["case"], r.get("emulation"), r.get("bandwidth_gbps"),
+               r.get("context_tokens"), r.get("rate_per_s"))
+        groups.setdefault(key, []).append(r)
+    name = cfg.profile_name or saved.profile_name or f"local-{saved.model.name}"
+    beside = report_path.parent / "profiles"
+    if cfg.profile_dir:
+        root = Path(cfg.profile_dir)
+    elif beside.is_dir():
+        root = beside
+    elif saved.calibrate:
+        raise FileNotFoundError(
+            f"{report_path}: that run calibrated into its run directory's profiles/, which "
+            f"is not beside the report; give profile_dir= (the directory holding hardware/, "
+            f"codec_timing/ and link/)")
+    else:
+        root = Path(saved.profile_dir) if saved.profile_dir else DATA_DIR / "profiles"
+    profiles = find_profiles(root, name, sorted({str(k[1]) for k in groups}))
+    run_dir = out_root(None)
+    started = time.time()
+    _say(f"simulating the {len(groups)} scenarios of {report_path} against its measurements "
+         f"(profiles {root}/{name}; measured at "
+         f"{report.get('provenance', {}).get('git_describe', 'an unknown commit')})")
+    rows: list[dict] = []
+    single = errors.single_metrics(list(cfg.ks))
+    for (case, emulation, rate, ctx, per_s), saved_rows in groups.items():
+        if case == "single":
+            scenario = f"single-{emulation}-{rate:g}gbps-{ctx}"
+            workload = ["workload=emulated", f"workload.context_tokens={ctx}",
+                        f"workload.output_tokens={saved.output_tokens}"]
+            common = scenario_overrides(saved.model.name, emulation, rate, saved.codecs,
+                                        workload, list(cfg.ks), profiles)
+            sim = sim_overrides(common, profiles, cfg.acceptance, cfg.samples)
+            probe_s = errors.value(saved_rows[0], errors.Metric("probe", "step_probe_s"))
+            if probe_s > 0:  # the saved run's probe, applied as it was
+                sim, _ = _probed(sim, profiles, ctx, probe_s, run_dir, scenario)
+            metrics = single
+        else:
+            m = saved.multi
+            scenario = f"multi-{emulation}-{per_s:g}per-s"
+            common = scenario_overrides(saved.model.name, emulation, rate, m.codecs,
+                                        _multi_workload(m, per_s), [], profiles)
+            sim = sim_overrides(common, profiles, cfg.acceptance, 1)  # seed 0's arrivals
+            metrics = errors.MULTI_METRICS
+        _say(f"{scenario} ({time.time() - started:.0f} s so far)")
+        simulated = {str(r["codec"]): r for r in simulate(sim)}
+        _keep(run_dir, scenario, {"measured_from": str(report_path),
+                                  "simulated": list(simulated.values())})
+        by_codec: dict[str, list[dict]] = {}
+        for r in saved_rows:
+            by_codec.setdefault(str(r["codec"]), []).append(r)
+        for codec, codec_rows in by_codec.items():
+            s = simulated.get(codec)
+            if s is None:
+                raise ValueError(f"{report_path}: its {scenario} rows name codec {codec!r}, "
+                                 f"which its config's codecs do not ({', '.join(simulated)})")
+            rows += errors.recompare(codec_rows, s, metrics,
+                                     _simulated_keys(s) if case == "single" else {})
+    return _conclude(cfg, rows, run_dir, profiles, {
+        "notes": [], "measured_from": str(report_path),
+        "measured_provenance": report.get("provenance")}, started)
+
+
+def _saved_run(where: str) -> tuple[Path, dict, Config]:
+    """(report path, report, its validate config) of measured_from=: a report.json that
+    `kvsim validate` wrote, or the run directory holding it."""
+    from omegaconf import OmegaConf
+
+    path = Path(where)
+    if path.is_dir():
+        path = path / "report.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"measured_from={where}: no such report (a `kvsim validate` "
+                                f"run directory, or its report.json)")
+    try:
+        report = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"measured_from={where}: {path} is not JSON ({e})") from e
+    if not isinstance(report, dict) or report.get("command") != "validate" \
+            or not isinstance(report.get("rows"), list) or "config" not in report:
+        raise ValueError(f"measured_from={where}: {path} is not a `kvsim validate` report "
+                         f"(command {report.get('command') if isinstance(report, dict) else None})")
+    bad = [i for i, r in enumerate(report["rows"]) if not isinstance(r, dict)
+           or not {"case", "codec", "metric", "measured_s"} <= r.keys()
+           or r["case"] not in ("single", "multi")]
+    if bad:
+        raise ValueError(f"measured_from={where}: rows {bad[:5]} of {path} are not comparison "
+                         f"rows (case single|multi, codec, metric, measured_s)")
+    try:
+        saved = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config),
+                                                    report["config"]))
+    except Exception as e:  # OmegaConf's errors: an unknown key, a wrong type
+        raise ValueError(f"measured_from={where}: the config in {path} is not one of this "
+                         f"kvsim validate's ({e})") from e
+    assert isinstance(saved, Config)
+    saved.apply_grid()
+    return path, report, saved
+
+
+def _conclude(cfg: Config, rows: list[dict], run_dir: Path, profiles: Any, extra: dict,
+              started: float) -> dict:
+    """Summary against the targets, printed and written (fidelity.json, fidelity.md,
+    fidelity.png); raises TargetMissed under fail_on_target."""
+    from kvsim.fidelity import errors
+    from kvsim.report import json_safe
+
     summary = errors.summary(rows)
     met_mean = bool(summary["compared"]) and \
         summary["mean_abs_pct_error"] <= cfg.target_mean_abs_pct
@@ -238,7 +368,7 @@ def run(cfg: Config) -> dict:
                    profiles={"hardware": str(profiles.hardware),
                              "codec_timing": str(profiles.codec_timing),
                              **{f"link.{k}": str(v) for k, v in profiles.links.items()}},
-                   notes=notes, wall_s=time.time() - started)
+                   **extra, wall_s=time.time() - started)
     _print(rows, summary)
     doc = {"summary": summary, "rows": rows}
     (run_dir / "fidelity.json").write_text(json.dumps(json_safe(doc), indent=1) + "\n")
@@ -260,13 +390,47 @@ def run(cfg: Config) -> dict:
             "fidelity": summary}
 
 
-def _keep(run_dir: Path, name: str, measured: list[dict], simulated: list[dict]) -> None:
-    """Both engines' full rows of a scenario, for tracing any error to its phases."""
+def _keep(run_dir: Path, name: str, doc: dict) -> None:
+    """A scenario's full rows (both engines', or the simulator's against saved
+    measurements), for tracing any error to its phases."""
     from kvsim.report import json_safe
 
     path = run_dir / "scenarios" / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(json_safe({"measured": measured, "simulated": simulated})) + "\n")
+    path.write_text(json.dumps(json_safe(doc)) + "\n")
+
+
+def _simulated_keys(s: dict) -> dict:
+    """A scenario's keys that the simulator gives: its accepted / proposed drafts (per
+    request), its prefill and its decode step after the first (s)."""
+    return {"accepted_simulated": f"{s.get('accepted_tokens', 0):.3g}/"
+                                  f"{s.get('proposed_tokens', 0):.3g}",
+            "prefill_simulated_s": s.get("prefill_s"), "tpot_simulated_s": s.get("tpot_s")}
+
+
+def _probed(sim: list[str], profiles: Any, ctx: int, probe_s: float, run_dir: Path,
+            name: str) -> tuple[list[str], dict[str, float]]:
+    """The simulator's overrides with the hardware profile scaled to a decode-step probe of
+    probe_s seconds at ctx tokens (written under run_dir/profiles-probed), and the
+    scenario's probe keys."""
+    from kvsim.fidelity.step_probe import probed_profile
+
+    path = run_dir / "profiles-probed" / f"{name}.json"
+    scale = probed_profile(profiles.hardware, ctx, probe_s, path)
+    _say(f"step probe at {ctx} tokens: {probe_s * 1e3:.1f} ms ({scale:.3f} x the "
+         "calibrated step)")
+    return ([f"hardware.profile={path}" if o.startswith("hardware.profile=") else o
+             for o in sim], {"step_probe_s": probe_s, "step_scale": scale})
+
+
+def _multi_workload(m: MultiConfig, rate_per_s: float) -> list[str]:
+    """The multi-request case's workload keys at one arrival rate (both engines)."""
+    return ["workload=poisson", f"workload.requests={m.requests}",
+            f"workload.rate_per_s={rate_per_s}", f"workload.context_tokens={m.context_tokens}",
+            "workload.context_dist=fixed", f"workload.output_tokens={m.output_tokens}",
+            "workload.prefill_nodes=1", f"workload.decode_nodes={m.requests}",
+            "workload.decode_max_batch=1", "transport.decode=timing",
+            "transport.kv_source=synthetic"]
 
 
 def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path) -> list[dict]:
@@ -279,18 +443,13 @@ def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path) -> list[di
         _say(f"multi-request: {m.requests} Poisson arrivals at {rate:g}/s over "
              f"{m.bandwidth_gbps:g} Gbps ({m.emulation}), timing-model decode "
              f"({time.time() - started:.0f} s so far)")
-        workload = ["workload=poisson", f"workload.requests={m.requests}",
-                    f"workload.rate_per_s={rate}", f"workload.context_tokens={m.context_tokens}",
-                    "workload.context_dist=fixed", f"workload.output_tokens={m.output_tokens}",
-                    "workload.prefill_nodes=1", f"workload.decode_nodes={m.requests}",
-                    "workload.decode_max_batch=1", "transport.decode=timing",
-                    "transport.kv_source=synthetic"]
         common = scenario_overrides(cfg.model.name, m.emulation, m.bandwidth_gbps, m.codecs,
-                                    workload, [], profiles)
+                                    _multi_workload(m, rate), [], profiles)
         # one sample: the emulator replays the arrivals of seed 0 and so must the simulator
         # (percentiles of other arrival draws are not the same quantity)
         measured, simulated = run_pair(common, sim_overrides(common, profiles, cfg.acceptance, 1))
-        _keep(run_dir, f"multi-{m.emulation}-{rate:g}per-s", measured, simulated)
+        _keep(run_dir, f"multi-{m.emulation}-{rate:g}per-s",
+              {"measured": measured, "simulated": simulated})
         sim_by = by_codec(simulated)
         for codec, row in by_codec(measured).items():
             scenario = {"case": "multi", "emulation": m.emulation,

@@ -57,6 +57,41 @@ def spread_pct(values: list[float]) -> float:
     return 100.0 * (max(vs) - min(vs)) / (sum(vs) / len(vs))
 
 
+def error_pct(measured_s: float, simulated_s: float) -> float:
+    """100 * (simulated - measured) / measured; nan when either is not a usable number."""
+    a, b = _number(measured_s), _number(simulated_s)
+    return 100.0 * (b - a) / a if a > 0 and math.isfinite(b) else math.nan
+
+
+def recompare(saved: list[dict], simulated: dict, metrics: list[Metric],
+              scenario_update: dict) -> list[dict]:
+    """`compare` against measurements saved by an earlier run: `saved` holds that run's rows
+    of one (scenario, codec), one per metric (its report's `rows`); each metric's measured
+    value and spread are carried over as they are, the simulated value and the error are
+    this run's. scenario_update: the scenario keys the simulator gives (its accepted drafts,
+    prefill and step). A metric the saved run did not compare is refused."""
+    by_metric = {r["metric"]: r for r in saved}
+    out = []
+    for m in metrics:
+        old = by_metric.get(m.name)
+        if old is None:
+            raise ValueError(f"the saved run compared no {m.name} for {_where(saved)} "
+                             f"(it compared {', '.join(by_metric) or 'nothing'})")
+        b = value(simulated, m)
+        row = {k: v for k, v in old.items() if k not in ("simulated_s", "error_pct")}
+        row.update(scenario_update)
+        row.update(metric=m.name, measured_s=_number(old["measured_s"]), simulated_s=b,
+                   error_pct=error_pct(old["measured_s"], b))
+        out.append(row)
+    return out
+
+
+def _where(rows: list[dict]) -> str:
+    r = rows[0] if rows else {}
+    return " ".join(f"{k}={r[k]}" for k in ("case", "emulation", "bandwidth_gbps",
+                                            "context_tokens", "rate_per_s", "codec") if k in r)
+
+
 def compare(scenario: dict, measured: dict, simulated: dict, metrics: list[Metric]) -> list[dict]:
     """One row per metric: the scenario's keys, measured, simulated, error_pct, and
     measured_spread_pct when the measured row is a mean over repeated requests (its
@@ -65,9 +100,8 @@ def compare(scenario: dict, measured: dict, simulated: dict, metrics: list[Metri
     out = []
     for m in metrics:
         a, b = value(measured, m), value(simulated, m)
-        err = 100.0 * (b - a) / a if a > 0 and math.isfinite(b) else math.nan
         row = {**scenario, "metric": m.name, "measured_s": a, "simulated_s": b,
-               "error_pct": err}
+               "error_pct": error_pct(a, b)}
         spread = spread_pct([value(r, m) for r in repeats]) if repeats else math.nan
         if math.isfinite(spread):  # (percentiles over requests have no per-request value)
             row["measured_spread_pct"] = spread

@@ -80,9 +80,7 @@ def run_pair(common: list[str], sim: list[str],
     """(emulated rows, simulated rows) of one scenario, one row per codec each."""
     from kvsim.cli import compose
     from kvsim.commands.emulate import emulate
-    from kvsim.config.sim import SimConfig
     from kvsim.config.transport import EmulateConfig
-    from kvsim.sim.run import run_all
     from kvsim.transport.record import aggregate_rows
 
     ecfg, _ = compose("transport", common, EmulateConfig)
@@ -91,9 +89,18 @@ def run_pair(common: list[str], sim: list[str],
     if failed:
         raise RuntimeError(f"emulated run failed ({' '.join(common)}): "
                            f"{failed[0].get('status')}: {failed[0].get('error')}")
+    return measured, simulate(sim)
+
+
+def simulate(sim: list[str]) -> list[dict]:
+    """The simulated rows of one scenario (`kvsim sim` with these overrides), one per codec."""
+    from kvsim.cli import compose
+    from kvsim.config.sim import SimConfig
+    from kvsim.sim.run import run_all
+
     scfg, _ = compose("sim", sim, SimConfig)
     simulated, _trace = run_all(scfg)
-    return measured, simulated
+    return simulated
 
 
 def by_codec(rows: list[dict]) -> dict[str, dict]:

@@ -1,0 +1,127 @@
+"""`kvsim validate measured_from=<report>`: a saved validation's scenarios simulated again
+against the measurements it saved, without emulating anything."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kvsim.cli import main
+from kvsim.paths import DATA_DIR
+
+SHIPPED = DATA_DIR / "fidelity" / "2026-11-25"
+_KEY = ("case", "emulation", "bandwidth_gbps", "context_tokens", "rate_per_s", "codec",
+        "metric")
+
+
+def _key(row: dict) -> tuple:
+    return tuple(row.get(k) for k in _KEY)
+
+
+@pytest.fixture
+def no_emulation(monkeypatch):
+    """Any emulated transfer fails the test: measured_from must only simulate."""
+    import kvsim.commands.emulate as emulate_cmd
+
+    def refuse(*_a, **_k):
+        raise AssertionError("measured_from ran the emulator")
+
+    monkeypatch.setattr(emulate_cmd, "emulate", refuse)
+
+
+def test_the_shipped_run_simulated_again_meets_the_targets(tmp_path, no_emulation):
+    run_dir = tmp_path / "run"
+    rc = main(["validate", f"measured_from={SHIPPED / 'report.json'}", "fail_on_target=true",
+               f"hydra.run.dir={run_dir}"])
+    assert rc == 0
+    saved = json.loads((SHIPPED / "report.json").read_text())
+    doc = json.loads((run_dir / "fidelity.json").read_text())
+    s = doc["summary"]
+    # every saved comparison again, its measurement carried over as saved
+    assert sorted(map(_key, doc["rows"])) == sorted(map(_key, saved["rows"]))
+    old = {_key(r): r for r in saved["rows"]}
+    for r in doc["rows"]:
+        assert r["measured_s"] == old[_key(r)]["measured_s"]
+        assert r["error_pct"] == pytest.approx(
+            100 * (r["simulated_s"] - r["measured_s"]) / r["measured_s"], rel=1e-12)
+    # the targets, met by this simulator against the real transfers of 2026-11-25
+    assert s["compared"] == 304 and s["missing"] == 0
+    assert s["mean_abs_pct_error"] <= 5.0 and s["max_abs_pct_error"] <= 10.0
+    assert s["measured_from"] == str(SHIPPED / "report.json")
+    assert s["measured_provenance"]["git_commit"] == saved["provenance"]["git_commit"]
+    # the profiles beside the report were used (a calibrate=true run's copy)
+    assert s["profiles"]["hardware"].startswith(str(SHIPPED / "profiles"))
+    assert len(list((run_dir / "scenarios").glob("*.json"))) == 14  # 12 single + 2 multi
+
+
+def _one_scenario_copy(tmp_path: Path, scale_first: float = 1.0) -> Path:
+    """The shipped report cut to one single-request scenario (token bucket, 0.1 Gbps, 1024
+    tokens), alone in a directory (no profiles beside it); the first row's measurement
+    scaled by scale_first."""
+    doc = json.loads((SHIPPED / "report.json").read_text())
+    doc["rows"] = [r for r in doc["rows"] if r["case"] == "single" and
+                   r["emulation"] == "token_bucket" and r["bandwidth_gbps"] == 0.1 and
+                   r["context_tokens"] == 1024]
+    doc["rows"][0]["measured_s"] *= scale_first
+    path = tmp_path / "saved" / "report.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_errors_are_recomputed_against_the_saved_measurements(tmp_path, no_emulation):
+    plain, edited = _one_scenario_copy(tmp_path / "a"), _one_scenario_copy(tmp_path / "b", 2.0)
+    rows = {}
+    for name, path in (("plain", plain), ("edited", edited)):
+        run_dir = tmp_path / name
+        assert main(["validate", f"measured_from={path.parent}",  # the directory works too
+                     f"profile_dir={SHIPPED / 'profiles'}", f"hydra.run.dir={run_dir}"]) == 0
+        rows[name] = json.loads((run_dir / "fidelity.json").read_text())["rows"]
+    assert len(rows["plain"]) == len(rows["edited"]) == 4 * 6  # 4 codecs x 6 metrics
+    first, *rest = zip(rows["plain"], rows["edited"], strict=True)
+    a, b = first
+    assert b["measured_s"] == 2 * a["measured_s"] and b["simulated_s"] == a["simulated_s"]
+    assert b["error_pct"] == pytest.approx(
+        100 * (a["simulated_s"] - 2 * a["measured_s"]) / (2 * a["measured_s"]))
+    assert all(x == y for x, y in rest)  # the rest: the same simulation, the same errors
+    # the simulator's own keys are this run's
+    assert all(math.isfinite(r["tpot_simulated_s"]) for r in rows["plain"])
+
+
+def test_a_run_that_calibrated_needs_its_profiles(tmp_path, capsys, no_emulation):
+    path = _one_scenario_copy(tmp_path)
+    assert main(["validate", f"measured_from={path}", f"hydra.run.dir={tmp_path / 'run'}"]) != 0
+    assert "give profile_dir=" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, overrides, message", [
+    (None, [], "no such report"),
+    ("{not json", [], "is not JSON"),
+    (json.dumps({"command": "sim", "rows": [], "config": {}}), [],
+     "is not a `kvsim validate` report"),
+    ("saved", ["ks=[16]"], "no measurement of k=[16]"),
+])
+def test_measured_from_refuses_what_it_cannot_use(tmp_path, capsys, no_emulation, content,
+                                                  overrides, message):
+    path = tmp_path / "report.json"
+    if content == "saved":
+        shutil.copy(SHIPPED / "report.json", path)
+    elif content is not None:
+        path.write_text(content)
+    rc = main(["validate", f"measured_from={path}", *overrides,
+               f"hydra.run.dir={tmp_path / 'run'}"])
+    assert rc != 0
+    assert message in capsys.readouterr().err
+
+
+def test_rows_that_are_not_comparisons_are_refused(tmp_path, capsys, no_emulation):
+    doc = json.loads((SHIPPED / "report.json").read_text())
+    doc["rows"][3] = {"case": "single", "codec": "int8"}  # no metric, no measurement
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(doc))
+    assert main(["validate", f"measured_from={path}", f"hydra.run.dir={tmp_path / 'run'}"]) != 0
+    assert "rows [3]" in capsys.readouterr().err
