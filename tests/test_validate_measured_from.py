@@ -103,7 +103,9 @@ def test_a_run_that_calibrated_needs_its_profiles(tmp_path, capsys, no_emulation
     ("{not json", [], "is not JSON"),
     (json.dumps({"command": "sim", "rows": [], "config": {}}), [],
      "is not a `kvsim validate` report"),
+    (json.dumps({"command": "validate", "rows": [], "config": {}}), [], "no comparison rows"),
     ("saved", ["ks=[16]"], "no measurement of k=[16]"),
+    ("saved", ["calibrate=true"], "calibrate=true and measured_from= together"),
 ])
 def test_measured_from_refuses_what_it_cannot_use(tmp_path, capsys, no_emulation, content,
                                                   overrides, message):
@@ -118,10 +120,75 @@ def test_measured_from_refuses_what_it_cannot_use(tmp_path, capsys, no_emulation
     assert message in capsys.readouterr().err
 
 
-def test_rows_that_are_not_comparisons_are_refused(tmp_path, capsys, no_emulation):
+@pytest.mark.parametrize("edit, message", [
+    (lambda rows: rows.__setitem__(3, {"case": "single", "codec": "int8"}), "rows [3]"),
+    (lambda rows: rows[5].pop("bandwidth_gbps"), "rows [5]"),
+    (lambda rows: rows[-1].pop("rate_per_s"), "rows [303]"),
+    (lambda rows: rows[7].update(metric=["ttft"]), "rows [7]"),
+    (lambda rows: rows.append(dict(rows[0], measured_s=99.0)), "rows 0 and 304"),
+])
+def test_rows_that_are_not_comparisons_are_refused(tmp_path, capsys, no_emulation, edit,
+                                                   message):
     doc = json.loads((SHIPPED / "report.json").read_text())
-    doc["rows"][3] = {"case": "single", "codec": "int8"}  # no metric, no measurement
+    edit(doc["rows"])
     path = tmp_path / "report.json"
     path.write_text(json.dumps(doc))
     assert main(["validate", f"measured_from={path}", f"hydra.run.dir={tmp_path / 'run'}"]) != 0
-    assert "rows [3]" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
+
+
+def test_the_simulator_gets_the_measured_runs_overrides(tmp_path, monkeypatch, no_emulation):
+    """A quick validation whose "emulator" is the simulator itself (and whose decode-step
+    probe is faked), then measured_from= on its run directory: every scenario is simulated
+    with the same overrides (but the run directory), to the same values, the probe applied
+    again; this holds whatever the simulator computes."""
+    from kvsim.fidelity import runner, step_probe
+
+    calls: dict[str, list[list[str]]] = {"measured": [], "again": []}
+
+    def pair(common, sim):
+        calls["measured"].append(sim)
+        rows = runner.simulate(sim)
+        return rows, rows
+
+    class Probe:
+        def __init__(self, model, steps):
+            pass
+
+        def step_s(self, context_tokens):
+            return 0.05  # s: a decode step unlike the calibrated one
+
+    monkeypatch.setattr(runner, "run_pair", pair)
+    monkeypatch.setattr(step_probe, "StepProbe", Probe)
+    first, again = tmp_path / "first", tmp_path / "again"
+    assert main(["validate", "grid=quick", "step_probe_steps=24", "samples=2",
+                 f"hydra.run.dir={first}"]) == 0
+    simulate = runner.simulate
+
+    def spy(sim):
+        calls["again"].append(sim)
+        return simulate(sim)
+
+    monkeypatch.setattr(runner, "simulate", spy)
+    assert main(["validate", f"measured_from={first}", "samples=2",
+                 f"hydra.run.dir={again}"]) == 0
+
+    def plain(sims: list[list[str]], run_dir: Path) -> list[list[str]]:
+        return [[o.replace(str(run_dir), "<run>") for o in sim] for sim in sims]
+
+    assert len(calls["measured"]) == 2  # the quick grid: one single scenario, one multi rate
+    assert plain(calls["again"], again) == plain(calls["measured"], first)
+    assert any(o.startswith(f"hardware.profile={again}/profiles-probed/")
+               for o in calls["again"][0])  # the saved probe, applied again
+    rows = [json.loads((d / "fidelity.json").read_text())["rows"] for d in (first, again)]
+    assert [(_key(r), r["simulated_s"], r.get("step_scale")) for r in rows[0]] == \
+        [(_key(r), r["simulated_s"], r.get("step_scale")) for r in rows[1]]
+
+
+def test_a_re_simulation_is_not_taken_for_a_measured_run(tmp_path, capsys, no_emulation):
+    doc = json.loads((SHIPPED / "report.json").read_text())
+    doc["config"]["measured_from"] = "somewhere/report.json"
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(doc))
+    assert main(["validate", f"measured_from={path}", f"hydra.run.dir={tmp_path / 'run'}"]) != 0
+    assert "is itself a re-simulation" in capsys.readouterr().err

@@ -16,7 +16,8 @@ in the run directory; the rows are the report's too.
 
 `measured_from=<report.json or run dir>` simulates a saved run's scenarios again against
 the measurements it saved, with no emulation (seconds): how a change to the simulator moves
-its error against real transfers (_resimulate).
+its error against real transfers (_resimulate). Its scenarios/<scenario>.json hold the
+simulator's rows only (the measured ones are the saved run's).
 """
 
 from __future__ import annotations
@@ -245,6 +246,9 @@ def _resimulate(cfg: Config) -> dict:
     from kvsim.outputs import out_root
     from kvsim.paths import DATA_DIR
 
+    if cfg.calibrate:
+        raise ValueError("calibrate=true and measured_from= together: a re-simulation uses "
+                         "the measured run's profiles (or profile_dir=), it measures nothing")
     report_path, report, saved = _saved_run(cfg.measured_from)
     unsaved = sorted(set(cfg.ks) - set(saved.ks))
     if unsaved:
@@ -271,9 +275,16 @@ def _resimulate(cfg: Config) -> dict:
     profiles = find_profiles(root, name, sorted({str(k[1]) for k in groups}))
     run_dir = out_root(None)
     started = time.time()
+    provenance = report.get("provenance") if isinstance(report.get("provenance"), dict) else {}
+    notes = [f"{key}={mine} (the measured run's simulator had {theirs})"
+             for key, mine, theirs in (("acceptance", cfg.acceptance, saved.acceptance),
+                                       ("samples", cfg.samples, saved.samples))
+             if mine != theirs]
+    for note in notes:
+        _say(note)
     _say(f"simulating the {len(groups)} scenarios of {report_path} against its measurements "
          f"(profiles {root}/{name}; measured at "
-         f"{report.get('provenance', {}).get('git_describe', 'an unknown commit')})")
+         f"{provenance.get('git_describe', 'an unknown commit')})")
     rows: list[dict] = []
     single = errors.single_metrics(list(cfg.ks))
     for (case, emulation, rate, ctx, per_s), saved_rows in groups.items():
@@ -285,8 +296,10 @@ def _resimulate(cfg: Config) -> dict:
                                         workload, list(cfg.ks), profiles)
             sim = sim_overrides(common, profiles, cfg.acceptance, cfg.samples)
             probe_s = errors.value(saved_rows[0], errors.Metric("probe", "step_probe_s"))
-            if probe_s > 0:  # the saved run's probe, applied as it was
-                sim, _ = _probed(sim, profiles, ctx, probe_s, run_dir, scenario)
+            probed: dict[str, float] = {}
+            if probe_s > 0:  # the saved run's probe, applied to these profiles
+                sim, probed = _probed(sim, profiles, ctx, probe_s, run_dir, scenario,
+                                      "the saved step probe")
             metrics = single
         else:
             m = saved.multi
@@ -308,10 +321,11 @@ def _resimulate(cfg: Config) -> dict:
                 raise ValueError(f"{report_path}: its {scenario} rows name codec {codec!r}, "
                                  f"which its config's codecs do not ({', '.join(simulated)})")
             rows += errors.recompare(codec_rows, s, metrics,
-                                     _simulated_keys(s) if case == "single" else {})
+                                     {**_simulated_keys(s), **probed} if case == "single"
+                                     else {})
     return _conclude(cfg, rows, run_dir, profiles, {
-        "notes": [], "measured_from": str(report_path),
-        "measured_provenance": report.get("provenance")}, started)
+        "notes": notes, "measured_from": str(report_path),
+        "measured_provenance": provenance}, started)
 
 
 def _saved_run(where: str) -> tuple[Path, dict, Config]:
@@ -333,12 +347,27 @@ def _saved_run(where: str) -> tuple[Path, dict, Config]:
             or not isinstance(report.get("rows"), list) or "config" not in report:
         raise ValueError(f"measured_from={where}: {path} is not a `kvsim validate` report "
                          f"(command {report.get('command') if isinstance(report, dict) else None})")
-    bad = [i for i, r in enumerate(report["rows"]) if not isinstance(r, dict)
-           or not {"case", "codec", "metric", "measured_s"} <= r.keys()
-           or r["case"] not in ("single", "multi")]
+    rows = report["rows"]
+    if not rows:
+        raise ValueError(f"measured_from={where}: {path} has no comparison rows")
+    bad = [i for i, r in enumerate(rows) if not _comparison_row(r)]
     if bad:
         raise ValueError(f"measured_from={where}: rows {bad[:5]} of {path} are not comparison "
-                         f"rows (case single|multi, codec, metric, measured_s)")
+                         f"rows (case single|multi, emulation, codec and metric names, "
+                         f"bandwidth_gbps, context_tokens, a multi row's rate_per_s, "
+                         f"measured_s)")
+    seen: dict[tuple, int] = {}
+    for i, r in enumerate(rows):
+        key = tuple(r.get(k) for k in ("case", "emulation", "bandwidth_gbps", "context_tokens",
+                                       "rate_per_s", "codec", "metric"))
+        if key in seen:
+            raise ValueError(f"measured_from={where}: rows {seen[key]} and {i} of {path} are "
+                             f"the same comparison ({', '.join(map(str, key))})")
+        seen[key] = i
+    if (report.get("config") or {}).get("measured_from"):
+        raise ValueError(f"measured_from={where}: {path} is itself a re-simulation (of "
+                         f"{report['config']['measured_from']}); its config is not that of "
+                         f"the measured run: point measured_from= at the measured run")
     try:
         saved = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config),
                                                     report["config"]))
@@ -348,6 +377,18 @@ def _saved_run(where: str) -> tuple[Path, dict, Config]:
     assert isinstance(saved, Config)
     saved.apply_grid()
     return path, report, saved
+
+
+def _comparison_row(r: Any) -> bool:
+    """A report row `_resimulate` can use: its scenario's keys typed as validate wrote them."""
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    return (isinstance(r, dict) and r.get("case") in ("single", "multi")
+            and isinstance(r.get("emulation"), str) and isinstance(r.get("codec"), str)
+            and isinstance(r.get("metric"), str) and number(r.get("bandwidth_gbps"))
+            and isinstance(r.get("context_tokens"), int) and "measured_s" in r
+            and (r["case"] == "single" or number(r.get("rate_per_s"))))
 
 
 def _conclude(cfg: Config, rows: list[dict], run_dir: Path, profiles: Any, extra: dict,
@@ -409,7 +450,7 @@ def _simulated_keys(s: dict) -> dict:
 
 
 def _probed(sim: list[str], profiles: Any, ctx: int, probe_s: float, run_dir: Path,
-            name: str) -> tuple[list[str], dict[str, float]]:
+            name: str, what: str = "step probe") -> tuple[list[str], dict[str, float]]:
     """The simulator's overrides with the hardware profile scaled to a decode-step probe of
     probe_s seconds at ctx tokens (written under run_dir/profiles-probed), and the
     scenario's probe keys."""
@@ -417,7 +458,7 @@ def _probed(sim: list[str], profiles: Any, ctx: int, probe_s: float, run_dir: Pa
 
     path = run_dir / "profiles-probed" / f"{name}.json"
     scale = probed_profile(profiles.hardware, ctx, probe_s, path)
-    _say(f"step probe at {ctx} tokens: {probe_s * 1e3:.1f} ms ({scale:.3f} x the "
+    _say(f"{what} at {ctx} tokens: {probe_s * 1e3:.1f} ms ({scale:.3f} x the "
          "calibrated step)")
     return ([f"hardware.profile={path}" if o.startswith("hardware.profile=") else o
              for o in sim], {"step_probe_s": probe_s, "step_scale": scale})
