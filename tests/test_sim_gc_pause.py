@@ -23,47 +23,48 @@ def _in_generation(obj: object, generation: int) -> bool:
     return any(o is obj for o in gc.get_objects(generation=generation))
 
 
-def test_survivors_move_to_the_oldest_generation_and_cycles_are_still_collected() -> None:
+@pytest.fixture
+def collector_on():
+    """The collector on for the test, and back to its former state after it."""
     was_enabled = gc.isenabled()
     gc.enable()
-    try:
-        with gc_paused():
-            assert not gc.isenabled()
-            # survivors (containers: tracked), as many as a large run leaves
-            kept = [[i] for i in range(2 * MOVE_AT_OBJECTS)]
-            a, b = _Node(), _Node()
-            a.other, b.other = b, a  # a reference cycle left behind by the "run"
-            gone = weakref.ref(a)
-            del a, b
-        assert gc.isenabled()
-        assert gc.get_freeze_count() == 0
-        # no young-generation pass was needed to promote them: already the oldest
-        assert _in_generation(kept[0], 2) and not _in_generation(kept[0], 0)
-        assert gone() is not None  # the cycle waits for a full collection ...
-        gc.collect()
-        assert gone() is None  # ... and is freed by it: nothing leaks
-    finally:
-        if not was_enabled:
-            gc.disable()
+    yield
+    if not was_enabled:
+        gc.disable()
 
 
-def test_after_a_small_run_objects_stay_young_and_cycles_go_with_a_young_collection() -> None:
-    was_enabled = gc.isenabled()
-    gc.enable()
-    try:
-        gc.collect()
-        with gc_paused():
-            kept = [[i] for i in range(100)]
-            a, b = _Node(), _Node()
-            a.other, b.other = b, a
-            gone = weakref.ref(a)
-            del a, b
-        assert _in_generation(kept[0], 0) and not _in_generation(kept[0], 2)
-        gc.collect(0)  # the next young collection (no full one) frees the cycle
-        assert gone() is None
-    finally:
-        if not was_enabled:
-            gc.disable()
+def _run_leaving(survivors: int) -> tuple[list, weakref.ref]:
+    """A "run" under gc_paused that leaves `survivors` tracked containers and one reference
+    cycle; (the survivors, a weak reference into the cycle)."""
+    with gc_paused():
+        assert not gc.isenabled()
+        kept = [[i] for i in range(survivors)]
+        a, b = _Node(), _Node()
+        a.other, b.other = b, a
+        gone = weakref.ref(a)
+        del a, b
+    return kept, gone
+
+
+def test_survivors_move_to_the_oldest_generation_and_cycles_are_still_collected(
+        collector_on) -> None:
+    kept, gone = _run_leaving(2 * MOVE_AT_OBJECTS)  # as many as a large run leaves
+    assert gc.isenabled()
+    assert gc.get_freeze_count() == 0
+    # no young-generation pass was needed to promote them: already the oldest
+    assert _in_generation(kept[0], 2) and not _in_generation(kept[0], 0)
+    assert gone() is not None  # the cycle waits for a full collection ...
+    gc.collect()
+    assert gone() is None  # ... and is freed by it: nothing leaks
+
+
+def test_after_a_small_run_objects_stay_young_and_cycles_go_with_a_young_collection(
+        collector_on) -> None:
+    gc.collect()
+    kept, gone = _run_leaving(100)
+    assert _in_generation(kept[0], 0) and not _in_generation(kept[0], 2)
+    gc.collect(0)  # the next young collection (no full one) frees the cycle
+    assert gone() is None
 
 
 def test_a_large_run_moves_what_a_caller_froze_back_to_the_oldest_generation() -> None:
@@ -75,8 +76,7 @@ def test_a_large_run_moves_what_a_caller_froze_back_to_the_oldest_generation() -
     gc.freeze()
     try:
         assert gc.get_freeze_count() > 0
-        with gc_paused():
-            young = [[i] for i in range(2 * MOVE_AT_OBJECTS)]
+        young, _ = _run_leaving(2 * MOVE_AT_OBJECTS)
         assert not gc.isenabled()  # restored to the caller's state
         assert gc.get_freeze_count() == 0
         assert _in_generation(frozen[0], 2) and _in_generation(young[0], 2)
