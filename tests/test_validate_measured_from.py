@@ -126,6 +126,8 @@ def test_measured_from_refuses_what_it_cannot_use(tmp_path, capsys, no_emulation
     (lambda rows: rows[-1].pop("rate_per_s"), "rows [303]"),
     (lambda rows: rows[7].update(metric=["ttft"]), "rows [7]"),
     (lambda rows: rows.append(dict(rows[0], measured_s=99.0)), "rows 0 and 304"),
+    (lambda rows: [r.update(context_tokens=2048) for r in rows if r["case"] == "multi"],
+     "its config's multi case is token_bucket at 0.2 Gbps with 1024"),
 ])
 def test_rows_that_are_not_comparisons_are_refused(tmp_path, capsys, no_emulation, edit,
                                                    message):
@@ -133,7 +135,8 @@ def test_rows_that_are_not_comparisons_are_refused(tmp_path, capsys, no_emulatio
     edit(doc["rows"])
     path = tmp_path / "report.json"
     path.write_text(json.dumps(doc))
-    assert main(["validate", f"measured_from={path}", f"hydra.run.dir={tmp_path / 'run'}"]) != 0
+    assert main(["validate", f"measured_from={path}", f"profile_dir={SHIPPED / 'profiles'}",
+                 f"hydra.run.dir={tmp_path / 'run'}"]) != 0
     assert message in capsys.readouterr().err
 
 

@@ -304,6 +304,11 @@ def _resimulate(cfg: Config) -> dict:
         else:
             m = saved.multi
             scenario = f"multi-{emulation}-{per_s:g}per-s"
+            if (emulation, rate, ctx) != (m.emulation, m.bandwidth_gbps, m.context_tokens):
+                raise ValueError(
+                    f"{report_path}: its {scenario} rows were measured over {emulation} at "
+                    f"{rate:g} Gbps with {ctx}-token prompts, its config's multi case is "
+                    f"{m.emulation} at {m.bandwidth_gbps:g} Gbps with {m.context_tokens}")
             common = scenario_overrides(saved.model.name, emulation, rate, m.codecs,
                                         _multi_workload(m, per_s), [], profiles)
             sim = sim_overrides(common, profiles, cfg.acceptance, 1)  # seed 0's arrivals
