@@ -195,3 +195,29 @@ def test_a_re_simulation_is_not_taken_for_a_measured_run(tmp_path, capsys, no_em
     path.write_text(json.dumps(doc))
     assert main(["validate", f"measured_from={path}", f"hydra.run.dir={tmp_path / 'run'}"]) != 0
     assert "is itself a re-simulation" in capsys.readouterr().err
+
+
+def test_ks_are_bounded_by_the_saved_runs_output_tokens(tmp_path, no_emulation):
+    """A saved run that decoded 128 tokens and compared TT128T: ks=[128] is its to give,
+    whatever this command's own output_tokens (64 by default)."""
+    doc = json.loads((SHIPPED / "report.json").read_text())
+    doc["config"].update(output_tokens=128, ks=[32, 64, 128])
+    doc["rows"] = [r for r in doc["rows"] if r["case"] == "multi"] + [
+        dict(r, metric=r["metric"].replace("tt64t", "tt128t"))
+        for r in doc["rows"] if r["case"] == "single" and r["emulation"] == "token_bucket"
+        and r["bandwidth_gbps"] == 0.1 and r["context_tokens"] == 1024
+        and r["metric"] in ("ttft", "ttft_c", "tt64t", "tt64t_c")]
+    path = tmp_path / "saved" / "report.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(doc))
+    run_dir = tmp_path / "run"
+    assert main(["validate", f"measured_from={path}", "ks=[128]",
+                 f"profile_dir={SHIPPED / 'profiles'}", f"hydra.run.dir={run_dir}"]) == 0
+    rows = json.loads((run_dir / "fidelity.json").read_text())["rows"]
+    single = [r for r in rows if r["case"] == "single"]
+    assert {r["metric"] for r in single} == {"ttft", "tt128t", "ttft_c", "tt128t_c"}
+    # the simulator decoded 128 tokens: TT128T lies past TT64T's measured time
+    t64 = {r["codec"]: r["measured_s"] for r in single if r["metric"] == "tt128t"}
+    assert all(r["simulated_s"] > 1.5 * t64[r["codec"]] for r in single
+               if r["metric"] == "tt128t")
+

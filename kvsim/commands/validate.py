@@ -94,7 +94,9 @@ class Config:
     def __post_init__(self) -> None:
         if self.grid not in GRIDS:
             raise ValueError(f"grid must be one of {GRIDS}, got {self.grid!r}")
-        if any(k > self.output_tokens or k < 2 for k in self.ks):
+        # (measured_from: the saved run's output tokens bound ks; _resimulate checks them
+        # against the ks that run measured)
+        if not self.measured_from and any(k > self.output_tokens or k < 2 for k in self.ks):
             raise ValueError(f"ks must be in 2..output_tokens ({self.output_tokens}), "
                              f"got {self.ks}")
         if self.samples < 1:
