@@ -21,7 +21,8 @@ safetensors file's sha256 and size, and the transformers version that converted 
 conversion made by another transformers version, for another GGUF, or whose weights file has
 another size, is not used (and is rewritten); one that fails to load is removed (load_lm).
 Writing it is optional: any failure leaves a note on stderr and the GGUF-loaded model.
-Provenance records `converted.json` beside the GGUF itself.
+load_lm reads a conversion as any checkpoint directory; provenance records `converted.json`
+beside the GGUF itself.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvsim.data_files import record_loaded, sha256_file
+from kvsim.data_files import sha256_file
 
 FORMAT = 1
 MARKER = "converted.json"
@@ -105,20 +106,6 @@ def _clear_leftovers(target: Path) -> None:
         pid = rest.split("-")[0]
         if kind in ("tmp", "trash") and pid.isdigit() and not _pid_alive(int(pid)):
             shutil.rmtree(p, ignore_errors=True)
-
-
-def load(directory: Path) -> tuple[Any, Any]:
-    """(float32 model in eval mode, tokenizer) from a conversion; its marker goes to
-    provenance."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32,
-                                                 attn_implementation="sdpa",
-                                                 local_files_only=True)
-    record_loaded(directory / MARKER)
-    return model.eval(), tokenizer
 
 
 def write(model: Any, tokenizer: Any, gguf: Path, gguf_sha256: str) -> Path | None:

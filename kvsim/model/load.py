@@ -110,6 +110,14 @@ def load_lm(spec: str | ModelSpec, cache: str | Path | None = None, dtype: str =
     loc = locate_weights(spec, cache)
     hf_logging.set_verbosity_error()  # GGUF dequantization logs per tensor otherwise
     started = time.perf_counter()
+    def from_pretrained(directory: Path, **kwargs: Any) -> tuple[Any, Any]:
+        """(model in eval mode, tokenizer) from a directory, offline."""
+        tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True, **kwargs)
+        lm = AutoModelForCausalLM.from_pretrained(
+            str(directory), dtype=getattr(torch, dtype), attn_implementation="sdpa",
+            local_files_only=True, **kwargs)
+        return lm.eval(), tok
+
     model = tokenizer = conversion = None
     gguf = loc.directory / loc.gguf_file if loc.gguf_file else None
     # one file (~100 MB for SmolLM2): hashed for provenance; checkpoint directories (many GB
@@ -120,21 +128,16 @@ def load_lm(spec: str | ModelSpec, cache: str | Path | None = None, dtype: str =
                                         gguf_sha256):
         conversion = target
         try:
-            model, tokenizer = converted.load(conversion)
+            model, tokenizer = from_pretrained(conversion)
+            record_loaded(conversion / converted.MARKER)  # provenance: which conversion
         except Exception as exc:  # noqa: BLE001 - a damaged conversion: the GGUF again
             print(f"kvsim: the converted model {conversion} did not load ({exc}); "
                   "loading the GGUF and converting again", file=sys.stderr)
             converted.discard(conversion)
             model = tokenizer = conversion = None
     if model is None:
-        kwargs: dict[str, Any] = {"local_files_only": True}
-        if loc.gguf_file:
-            kwargs["gguf_file"] = loc.gguf_file
-        tokenizer = AutoTokenizer.from_pretrained(str(loc.directory), **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(str(loc.directory),
-                                                     dtype=getattr(torch, dtype),
-                                                     attn_implementation="sdpa", **kwargs)
-        model.eval()
+        model, tokenizer = from_pretrained(
+            loc.directory, **({"gguf_file": loc.gguf_file} if loc.gguf_file else {}))
         if convertible:
             conversion = converted.write(model, tokenizer, gguf, gguf_sha256)
     load_s = time.perf_counter() - started
