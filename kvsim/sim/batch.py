@@ -133,7 +133,6 @@ class DecodeBatch:
         self._bp0 = 0
         self._trim_at = _TRIM_BREAKPOINTS
         self._live: set[Member] = set()  # the members in the batch (joined, not left)
-        self.members = 0
         # sums over the computing members: new tokens, FLOPs, KV bytes read, draft overhead
         # (s), sequences, prompt tokens (the profile's mean context)
         self._tokens, self._flops, self._kv, self._overhead = 0, 0.0, 0.0, 0.0
@@ -146,6 +145,11 @@ class DecodeBatch:
         self._timer_t = math.inf  # ... and time (s)
         self.changes = 0  # batch changes (rate recomputations)
         self._left: list[Member] = []  # left during the batch's update, told after it
+
+    @property
+    def members(self) -> int:
+        """Requests in the batch now."""
+        return len(self._live)
 
     # ---- members in and out ------------------------------------------------------------
     def join(self, seq: int, context_tokens: int, tokens: int, cap: int = 0,
@@ -166,7 +170,6 @@ class DecodeBatch:
         m = Member(self.env, seq, context_tokens, tokens, cap, draft_overhead_s,
                    sample_accepted, on_leave, overhead_until_full)
         m.start_t = self.env.now
-        self.members += 1
         self._live.add(m)
         if m.full_ready:
             m.full_t = m.start_t
@@ -301,7 +304,6 @@ class DecodeBatch:
     def _leave(self, m: Member) -> None:
         self._set_work(m, "gone")
         m.phase, m.target_v = "gone", math.inf
-        self.members -= 1
         self._live.discard(m)
         m.timeline = self._timeline(m)
         if m._done is not None:
