@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from kvsim.cli import main
+from kvsim.fidelity.errors import SCENARIO_KEYS
 from kvsim.paths import DATA_DIR
 
 SHIPPED = DATA_DIR / "fidelity" / "2026-11-25"
-_KEY = ("case", "emulation", "bandwidth_gbps", "context_tokens", "rate_per_s", "codec",
-        "metric")
+_KEY = (*SCENARIO_KEYS, "codec", "metric")
 
 
 def _key(row: dict) -> tuple:

@@ -199,9 +199,7 @@ def run(cfg: Config) -> dict:
     for i, (emulation, rate, ctx) in enumerate(grid):
         _say(f"[{i + 1}/{len(grid)}] {emulation} {rate:g} Gbps, {ctx} tokens, "
              f"{len(cfg.codecs)} codecs ({time.time() - started:.0f} s so far)")
-        name = f"single-{emulation}-{rate:g}gbps-{ctx}"
-        workload = ["workload=emulated", f"workload.context_tokens={ctx}",
-                    f"workload.output_tokens={cfg.output_tokens}"]
+        name, workload = _single_scenario(emulation, rate, ctx, cfg.output_tokens)
         # the emulator runs each codec `repeats` times, interleaved; the simulator once
         emulated = scenario_overrides(cfg.model.name, emulation, rate,
                                       [c for _ in range(cfg.repeats) for c in cfg.codecs],
@@ -256,11 +254,9 @@ def _resimulate(cfg: Config) -> dict:
     if unsaved:
         raise ValueError(f"ks={list(cfg.ks)}: {report_path} compared TT<k>T for ks="
                          f"{list(saved.ks)} only (no measurement of k={unsaved})")
-    groups: dict[tuple, list[dict]] = {}  # (case, emulation, Gbps, ctx, req/s) -> rows
+    groups: dict[tuple, list[dict]] = {}  # errors.SCENARIO_KEYS -> rows
     for r in report["rows"]:
-        key = (r["case"], r.get("emulation"), r.get("bandwidth_gbps"),
-               r.get("context_tokens"), r.get("rate_per_s"))
-        groups.setdefault(key, []).append(r)
+        groups.setdefault(tuple(r.get(k) for k in errors.SCENARIO_KEYS), []).append(r)
     name = cfg.profile_name or saved.profile_name or f"local-{saved.model.name}"
     beside = report_path.parent / "profiles"
     if cfg.profile_dir:
@@ -291,21 +287,19 @@ def _resimulate(cfg: Config) -> dict:
     single = errors.single_metrics(list(cfg.ks))
     for (case, emulation, rate, ctx, per_s), saved_rows in groups.items():
         if case == "single":
-            scenario = f"single-{emulation}-{rate:g}gbps-{ctx}"
-            workload = ["workload=emulated", f"workload.context_tokens={ctx}",
-                        f"workload.output_tokens={saved.output_tokens}"]
+            scenario, workload = _single_scenario(emulation, rate, ctx, saved.output_tokens)
             common = scenario_overrides(saved.model.name, emulation, rate, saved.codecs,
                                         workload, list(cfg.ks), profiles)
             sim = sim_overrides(common, profiles, cfg.acceptance, cfg.samples)
-            probe_s = errors.value(saved_rows[0], errors.Metric("probe", "step_probe_s"))
+            probe_s = saved_rows[0].get("step_probe_s")  # s, or absent (no probe)
             probed: dict[str, float] = {}
-            if probe_s > 0:  # the saved run's probe, applied to these profiles
+            if isinstance(probe_s, (int, float)) and probe_s > 0:  # applied to these profiles
                 sim, probed = _probed(sim, profiles, ctx, probe_s, run_dir, scenario,
                                       "the saved step probe")
             metrics = single
         else:
             m = saved.multi
-            scenario = f"multi-{emulation}-{per_s:g}per-s"
+            scenario = _multi_name(emulation, per_s)
             if (emulation, rate, ctx) != (m.emulation, m.bandwidth_gbps, m.context_tokens):
                 raise ValueError(
                     f"{report_path}: its {scenario} rows were measured over {emulation} at "
@@ -340,6 +334,8 @@ def _saved_run(where: str) -> tuple[Path, dict, Config]:
     `kvsim validate` wrote, or the run directory holding it."""
     from omegaconf import OmegaConf
 
+    from kvsim.fidelity.errors import SCENARIO_KEYS
+
     path = Path(where)
     if path.is_dir():
         path = path / "report.json"
@@ -365,8 +361,7 @@ def _saved_run(where: str) -> tuple[Path, dict, Config]:
                          f"measured_s)")
     seen: dict[tuple, int] = {}
     for i, r in enumerate(rows):
-        key = tuple(r.get(k) for k in ("case", "emulation", "bandwidth_gbps", "context_tokens",
-                                       "rate_per_s", "codec", "metric"))
+        key = tuple(r.get(k) for k in (*SCENARIO_KEYS, "codec", "metric"))
         if key in seen:
             raise ValueError(f"measured_from={where}: rows {seen[key]} and {i} of {path} are "
                              f"the same comparison ({', '.join(map(str, key))})")
@@ -471,6 +466,20 @@ def _probed(sim: list[str], profiles: Any, ctx: int, probe_s: float, run_dir: Pa
              for o in sim], {"step_probe_s": probe_s, "step_scale": scale})
 
 
+def _single_scenario(emulation: str, bandwidth_gbps: float, context_tokens: int,
+                     output_tokens: int) -> tuple[str, list[str]]:
+    """A single-request scenario's name (its files under scenarios/ and profiles-probed/)
+    and its workload keys (both engines)."""
+    return (f"single-{emulation}-{bandwidth_gbps:g}gbps-{context_tokens}",
+            ["workload=emulated", f"workload.context_tokens={context_tokens}",
+             f"workload.output_tokens={output_tokens}"])
+
+
+def _multi_name(emulation: str, rate_per_s: float) -> str:
+    """The multi-request case's name at one arrival rate (its file under scenarios/)."""
+    return f"multi-{emulation}-{rate_per_s:g}per-s"
+
+
 def _multi_workload(m: MultiConfig, rate_per_s: float) -> list[str]:
     """The multi-request case's workload keys at one arrival rate (both engines)."""
     return ["workload=poisson", f"workload.requests={m.requests}",
@@ -496,7 +505,7 @@ def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path) -> list[di
         # one sample: the emulator replays the arrivals of seed 0 and so must the simulator
         # (percentiles of other arrival draws are not the same quantity)
         measured, simulated = run_pair(common, sim_overrides(common, profiles, cfg.acceptance, 1))
-        _keep(run_dir, f"multi-{m.emulation}-{rate:g}per-s",
+        _keep(run_dir, _multi_name(m.emulation, rate),
               {"measured": measured, "simulated": simulated})
         sim_by = by_codec(simulated)
         for codec, row in by_codec(measured).items():

@@ -29,6 +29,9 @@ def single_metrics(ks: list[int]) -> list[Metric]:
     return out
 
 
+# the keys of a comparison row that name its scenario (with codec and metric: the row)
+SCENARIO_KEYS = ("case", "emulation", "bandwidth_gbps", "context_tokens", "rate_per_s")
+
 MULTI_METRICS = [Metric("ttft_p50", "ttft_pct_s", "p50"), Metric("ttft_p99", "ttft_pct_s", "p99"),
                  Metric("ttft_c_p50", "ttft_committed_pct_s", "p50"),
                  Metric("ttft_c_p99", "ttft_committed_pct_s", "p99")]
@@ -88,8 +91,7 @@ def recompare(saved: list[dict], simulated: dict, metrics: list[Metric],
 
 def _where(rows: list[dict]) -> str:
     r = rows[0] if rows else {}
-    return " ".join(f"{k}={r[k]}" for k in ("case", "emulation", "bandwidth_gbps",
-                                            "context_tokens", "rate_per_s", "codec") if k in r)
+    return " ".join(f"{k}={r[k]}" for k in (*SCENARIO_KEYS, "codec") if k in r)
 
 
 def compare(scenario: dict, measured: dict, simulated: dict, metrics: list[Metric]) -> list[dict]:
@@ -127,8 +129,7 @@ def _step_errors(rows: list[dict]) -> list[float]:
     for r in rows:
         err = step_error_pct(r)
         if math.isfinite(err):
-            seen[(r.get("case"), r.get("emulation"), r.get("bandwidth_gbps"),
-                  r.get("context_tokens"), r.get("codec"))] = abs(err)
+            seen[tuple(r.get(k) for k in (*SCENARIO_KEYS, "codec"))] = abs(err)
     return list(seen.values())
 
 
