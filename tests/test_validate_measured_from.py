@@ -90,6 +90,16 @@ def test_errors_are_recomputed_against_the_saved_measurements(tmp_path, no_emula
     assert all(x == y for x, y in rest)  # the rest: the same simulation, the same errors
     # the simulator's own keys are this run's
     assert all(math.isfinite(r["tpot_simulated_s"]) for r in rows["plain"])
+    # and so are its values: other profiles (the 2026-11-23 calibration) simulate other
+    # times against the same measurements
+    other = tmp_path / "other"
+    assert main(["validate", f"measured_from={plain}", f"profile_dir={DATA_DIR / 'profiles'}",
+                 f"hydra.run.dir={other}"]) == 0
+    moved = json.loads((other / "fidelity.json").read_text())["rows"]
+    for a, c in zip(rows["plain"], moved, strict=True):
+        assert c["measured_s"] == a["measured_s"] and c["simulated_s"] != a["simulated_s"]
+        assert c["error_pct"] == pytest.approx(
+            100 * (c["simulated_s"] - c["measured_s"]) / c["measured_s"])
 
 
 def test_a_run_that_calibrated_needs_its_profiles(tmp_path, capsys, no_emulation):
