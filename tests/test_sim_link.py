@@ -112,6 +112,35 @@ def test_released_messages_idle_gaps_and_priority_takeover():
     assert res.complete_t[-1] == pytest.approx(1.1 + 0.1, rel=REL)
 
 
+def test_head_release_follows_the_head_message():
+    """The link reads a flow's next release from one scalar (Flow.head_release_t), kept
+    equal to release[head] as messages leave, on both of _advance's paths (one message at
+    its drain instant, several between two events), and inf once the last has left."""
+    seen = []
+
+    def check(flow, j0, j1, _arrival_t):
+        # reported messages j0..j1-1 have left: the head is j1 now
+        assert flow.head == j1
+        expect = float(flow.release[j1]) if j1 < flow.n else float("inf")
+        seen.append((flow.name, j1, flow.head_release_t == expect))
+
+    env = simpy.Environment()
+    link = Link(env, bandwidth_gbps=8.0)  # 1e9 B/s
+    # encoder-bound flow: 1e6 B (1 ms) released every 10 ms -> drains after every message
+    slow = link.submit(np.full(4, 1e6), np.arange(4) * 0.01, 0, check, name="slow")
+    # backlogged flow: 20 messages (1 ms each) released every 0.5 ms behind it, sent in
+    # the slow flow's gaps: several complete per event, the slow flow's releases cut in
+    bulk = link.submit(np.full(20, 1e6), np.arange(20) * 0.0005, 1, check, name="bulk")
+    assert slow.head_release_t == 0.0 and slow.last_release_t == 0.03
+    env.run()
+    assert {name for name, _, _ in seen} == {"slow", "bulk"}
+    assert all(ok for _, _, ok in seen), seen
+    bulk_heads = [j for name, j, _ in seen if name == "bulk"]
+    assert bulk_heads[-1] == 20 and any(1 < j < 20 for j in bulk_heads)  # mid-flow reports
+    assert slow.head_release_t == bulk.head_release_t == float("inf")
+    assert not slow.backlogged(env.now) and not bulk.backlogged(env.now)
+
+
 def test_bytes_conserved_time_monotone_randomised():
     rng = np.random.default_rng(3)
     flows = []

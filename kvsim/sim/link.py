@@ -43,19 +43,24 @@ class Flow:
 
     __slots__ = ("link", "priority", "name", "sizes", "cum", "release", "n", "head", "served",
                  "rate", "complete_t", "on_delivered", "on_done", "done", "idle_t", "tag",
-                 "first_byte_t", "idle_j", "cum_l", "release_l")
+                 "first_byte_t", "idle_j", "cum_l", "head_release_t", "last_release_t")
 
     def __init__(self, link: Link, priority: Any, messages: Messages, release: np.ndarray,
                  on_delivered: Callable[[Flow, int, int, np.ndarray], None] | None,
-                 on_done: Callable[[Flow], None] | None, name: str, tag: Any,
-                 release_l: list[float]) -> None:
+                 on_done: Callable[[Flow], None] | None, name: str, tag: Any) -> None:
         self.link, self.priority, self.name, self.tag = link, priority, name, tag
         self.sizes = messages.sizes  # [n] float64 bytes
         self.cum = messages.cum  # [n] bytes through message j
         self.release = release  # [n] s, non-decreasing
         self.n = messages.n
         self.cum_l = messages.cum_l  # the same as Python floats: cheap scalar access
-        self.release_l = release_l  # the same as Python floats (Link.submit made them)
+        # release (s) of message `head` (inf once every message is sent) and of the last: the
+        # scalars the link reads at every reallocation. Not the times as a list of Python
+        # floats: a float object per message for every flow in flight was a third of an
+        # in-flight request's memory, and a run's cost per event grows with what it keeps
+        # in flight (kvsim bench sim's 100,000-request case)
+        self.head_release_t = release.item(0)
+        self.last_release_t = release.item(-1)
         self.head = 0  # messages fully sent
         self.served = 0.0  # bytes sent so far
         self.rate = 0.0  # bytes/s now
@@ -72,7 +77,7 @@ class Flow:
 
     def backlogged(self, t: float) -> bool:
         """Released bytes not yet sent at time t."""
-        if self.head >= self.n or self.release_l[self.head] > t:
+        if self.head >= self.n or self.head_release_t > t:
             return False
         return True
 
@@ -195,10 +200,8 @@ class Link:
                                  f"({now})")
             # (non-decreasing: only a head within rounding of now)
             release = np.maximum(release, now)
-            release_l = release.tolist()
         self._advance(now)
-        flow = Flow(self, priority, messages, release, on_delivered, on_done, name, tag,
-                    release_l)
+        flow = Flow(self, priority, messages, release, on_delivered, on_done, name, tag)
         self.flows.append(flow)
         self.submitted_bytes += flow.total_bytes
         if math.isnan(self.first_t):
@@ -265,6 +268,9 @@ class Link:
                     flow.head, flow.served = k, s1
                     if k == flow.n:
                         self._finished_pending = True
+                        flow.head_release_t = math.inf
+                    else:
+                        flow.head_release_t = flow.release.item(k)
                     if flow.on_delivered is not None:
                         flow.on_delivered(flow, j0, k, np.array((d + self.latency_s,)))
                     continue
@@ -282,6 +288,9 @@ class Link:
                 flow.head = k
                 if k == flow.n:
                     self._finished_pending = True
+                    flow.head_release_t = math.inf
+                else:
+                    flow.head_release_t = flow.release.item(k)
                 if flow.on_delivered is not None:
                     done_t += self.latency_s  # now the arrival times (the receiver keeps them)
                     flow.on_delivered(flow, j0, k, done_t)
@@ -293,12 +302,12 @@ class Link:
         >= head whose successor is released after j completes, or the last message)."""
         r, t, s0 = flow.rate, self.last_t, flow.served
         j0, n = flow.head, flow.n
-        if j0 >= n - 1 or flow.release_l[-1] <= t:
+        if j0 >= n - 1 or flow.last_release_t <= t:
             # every message is released by now, so each one's successor is waiting when it
             # completes (after now): the flow drains after its last message
             return n - 1
         # fast path (encoder slower than the link): the flow drains after its head message
-        if flow.release_l[j0 + 1] > (t + (flow.cum_l[j0] - s0) / r) * (1 + _REL_EPS):
+        if flow.release.item(j0 + 1) > (t + (flow.cum_l[j0] - s0) / r) * (1 + _REL_EPS):
             return j0
         width = 64
         while True:
@@ -340,7 +349,7 @@ class Link:
         counts: dict[Any, int] = {}
         weighted = self.class_weight is not None
         for f in self.flows:
-            if f.head < f.n and f.release_l[f.head] <= now:
+            if f.head_release_t <= now:  # (inf once every message is sent)
                 p = f.priority
                 if weighted:
                     counts[p] = counts.get(p, 0) + 1
@@ -367,7 +376,7 @@ class Link:
                 share = shares.get(f.priority, 0.0)
             else:
                 share = best_share if count and f.priority == best else 0.0
-            if share > 0.0 and f.release_l[f.head] <= now:
+            if share > 0.0 and f.head_release_t <= now:
                 if f.rate != share or f.idle_j < f.head:
                     # rate changed: find where the flow drains at the new rate (an unchanged
                     # rate keeps the drain point computed earlier: releases are fixed)
@@ -382,7 +391,7 @@ class Link:
             else:
                 f.rate = 0.0
                 f.idle_t = math.inf
-                rel = f.release_l[f.head]
+                rel = f.head_release_t
                 if rel > now and rel < next_t:
                     next_t = rel
         if self.flows and self._step + 1 < len(self.step_t):

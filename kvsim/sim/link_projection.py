@@ -47,9 +47,10 @@ def project_link(link: Link, wanted: Collection[Flow] | None = None) -> dict[Flo
         while k + 1 < len(step_t) and step_t[k + 1] <= t:
             k += 1
         slack = _REL_EPS * max(1.0, abs(t))
-        backlogged = [i for i in active if flows[i].release_l[heads[i]] <= t + slack]
-        next_release = min((flows[i].release_l[heads[i]] for i in active
-                            if flows[i].release_l[heads[i]] > t + slack), default=math.inf)
+        head_release = {i: flows[i].release.item(heads[i]) for i in active}  # s
+        backlogged = [i for i in active if head_release[i] <= t + slack]
+        next_release = min((r for r in head_release.values() if r > t + slack),
+                           default=math.inf)
         if not backlogged:
             t = next_release
             continue
