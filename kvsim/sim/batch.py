@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from array import array
 from collections.abc import Callable
 
 import numpy as np
@@ -126,8 +127,13 @@ class DecodeBatch:
         self.steps = 0.0  # the fluid clock (steps run since the start)
         self.last_t = env.now
         self.step_s = math.inf  # length of one step of the current batch (s)
-        self.bp_t: list[float] = [env.now]  # clock breakpoints: time (s) ...
-        self.bp_v: list[float] = [0.0]  # ... and clock (steps), piecewise linear between
+        # clock breakpoints: time (s) ... and clock (steps), piecewise linear between. Raw
+        # doubles, not lists of Python floats: a member that leaves reads its phase's
+        # breakpoints, written up to seconds before; as floats scattered over the heap those
+        # reads were cache misses that grew with the requests in flight, as contiguous
+        # doubles they are a few lines, handed to np.interp without a conversion
+        self.bp_t = array("d", (env.now,))
+        self.bp_v = array("d", (0.0,))
         # members hold absolute breakpoint indices; bp_t[0] is breakpoint _bp0 (those before
         # it were dropped, see _trim)
         self._bp0 = 0
@@ -321,7 +327,10 @@ class DecodeBatch:
             t0, t1 = self.bp_t[from_i], self.bp_t[to_i]
             v_from, v_to = self.bp_v[from_i], self.bp_v[to_i]
             return t0 + (v0 - v_from + steps) * ((t1 - t0) / (v_to - v_from))
-        return np.interp(v0 + steps, self.bp_v[from_i:to_i + 1], self.bp_t[from_i:to_i + 1])
+        # views of the breakpoints (no copy, no format parsing; dropped before any append)
+        count, offset = to_i + 1 - from_i, 8 * from_i
+        return np.interp(v0 + steps, np.frombuffer(self.bp_v, np.float64, count, offset),
+                         np.frombuffer(self.bp_t, np.float64, count, offset))
 
     def _timeline(self, m: Member) -> DecodeTimeline:
         now, k = self.env.now, m.tokens
