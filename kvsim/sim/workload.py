@@ -10,7 +10,7 @@ import numpy as np
 from kvsim.config.sim import WorkloadConfig
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a run creates every request up front
 class Request:
     seq: int
     arrival_t: float  # s
