@@ -70,6 +70,23 @@ def test_when_all_ready_waits_for_the_last_receiver():
     assert fired == [3.0, -1.0]
 
 
+def test_when_all_ready_with_one_receiver_left_waits_for_it():
+    """One receiver not ready (a split-stream request waits for its anchor alone): the
+    callback waits for that one, once, in the order callbacks were registered on it."""
+    env = simpy.Environment()
+    rx = _receivers(env, 3)
+    rx[0].fire(1.0)
+    rx[2].fire(0.5)
+    env.run(until=1.5)
+    fired: list[tuple[str, float]] = []
+    rx[1].when_ready(lambda: fired.append(("first", env.now)))
+    when_all_ready(rx, lambda: fired.append(("all", env.now)))
+    when_all_ready(rx[1:2], lambda: fired.append(("alone", env.now)))
+    rx[1].fire(4.0)
+    env.run()
+    assert fired == [("first", 4.0), ("all", 4.0), ("alone", 4.0)]
+
+
 def test_leave_callback_runs_after_the_batch_is_retimed_and_may_join():
     """on_leave may admit the next request into the same batch from inside the batch's
     update: it joins at the leave instant and decodes alone at batch-1 speed."""

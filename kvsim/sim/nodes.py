@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import simpy
@@ -48,21 +48,27 @@ class PrefillNode:
         self.link = link
         # chunked prefill batching (workload.prefill_chunk_tokens > 0) replaces free_t
         self.chunked: ChunkedPrefill | None = None
-        # requests waiting for the instance: (start s, callback) in start order, one timer
+        # requests waiting for the instance: (start s, request) in start order, one timer
         # (for the head) at a time, so that a long queue does not fill the event heap
-        self.waiting: deque[tuple[float, Callable[[], None]]] = deque()
+        self.waiting: deque[tuple[float, Any]] = deque()
+        # called with a waiting request when its start comes (set by the scenario): one
+        # callback for the instance, not a closure per queued request (at overload the
+        # queue holds tens of thousands, each freed long after it was made)
+        self.on_start: Callable[[Any], None] | None = None
 
-    def start_at(self, env: simpy.Environment, t: float, start: Callable[[], None]) -> None:
-        """Call start() at time t (s, after the starts already waiting: FIFO)."""
-        self.waiting.append((t, start))
+    def start_at(self, t: float, request: Any) -> None:
+        """Call on_start(request) at time t (s, after the starts already waiting: FIFO)."""
+        self.waiting.append((t, request))
         if len(self.waiting) == 1:
-            call_later(env, t - env.now, lambda _timer: self._started(env))
+            env = self.link.env
+            call_later(env, t - env.now, self._started)
 
-    def _started(self, env: simpy.Environment) -> None:
-        _, start = self.waiting.popleft()
-        start()
+    def _started(self, _timer: Timer) -> None:
+        _, request = self.waiting.popleft()
+        self.on_start(request)  # type: ignore[misc]
         if self.waiting:
-            call_later(env, self.waiting[0][0] - env.now, lambda _timer: self._started(env))
+            env = self.link.env
+            call_later(env, self.waiting[0][0] - env.now, self._started)
 
 
 class DecodeNode:
@@ -214,6 +220,9 @@ def when_all_ready(receivers: list[Receiver], callback: Callable[[], None]) -> N
     pending = [rx for rx in receivers if not rx.is_ready]
     if not pending:
         callback()
+        return
+    if len(pending) == 1:  # (a split-stream request waits for its anchor alone)
+        pending[0]._waiting.append(callback)
         return
     left = [len(pending)]
 

@@ -109,11 +109,12 @@ class Passage:
     prefill instance `p` and decode instance `d`, prefilled, transferred, deserialized,
     admitted, decoded (kvsim.sim.run.Scenario.request and the callbacks after it)."""
 
-    __slots__ = ("req", "plan", "p", "d", "t_p0", "t_pe", "receivers", "needed",
+    __slots__ = ("sim", "req", "plan", "p", "d", "t_p0", "t_pe", "receivers", "needed",
                  "encode_end_t", "t_need", "drafting", "load_all_s", "kv_bytes", "t_slot",
-                 "t_start")
+                 "t_start", "prefill_s", "member")
 
-    def __init__(self, req: Request, plan: TransferPlan, p: int, d: int) -> None:
+    def __init__(self, sim: Scenario, req: Request, plan: TransferPlan, p: int, d: int) -> None:
+        self.sim = sim
         self.req, self.plan, self.p, self.d = req, plan, p, d
         self.t_p0 = self.t_pe = self.encode_end_t = self.t_need = math.nan
         self.t_slot = self.t_start = math.nan
@@ -122,6 +123,24 @@ class Passage:
         self.drafting = False  # deserializer=on_demand: drafting decided at the anchor's load
         self.load_all_s = 0.0  # the full cache's load (s) once drafting stops
         self.kv_bytes = 0.0  # its bf16 cache in decode memory
+        self.prefill_s = math.nan  # its prefill's length (one prefill at a time)
+        self.member: Member | None = None  # in its decode batch, while drafting
+
+    # The callbacks of its steps: bound methods, not a closure (and its cells) per step and
+    # request, which lived from the step's start to its end and were freed cold
+    def needed_in(self) -> None:
+        self.sim._needed_in(self)
+
+    def admitted(self, t_slot: float) -> None:
+        self.sim._decode(self, t_slot)
+
+    def full_in(self) -> None:
+        """Every stream is ready (now): the drafting member has its full cache."""
+        member, self.member = self.member, None  # (no ps <-> member cycle left behind)
+        self.sim.decode[self.d].batch.full_ready(member, self.load_all_s)  # type: ignore[arg-type]
+
+    def left(self, member: Member) -> None:
+        self.sim._finish(self, member)
 
 
 class Scenario:
@@ -213,6 +232,8 @@ class Scenario:
                       for i in range(n_links)]
         self.prefill = [PrefillNode(i, self.links[0 if n_links == 1 else i])
                         for i in range(w.prefill_nodes)]
+        for pnode in self.prefill:  # a request that waited for its instance starts now
+            pnode.on_start = self._prefill_waited
         # [i] requests routed to prefill node i and not yet through its prefill, counted down
         # lazily (at the next arrival) from a heap of (prefill end s, seq, node)
         self.prefill_queued = [0] * w.prefill_nodes
@@ -279,7 +300,7 @@ class Scenario:
         pnode = self.prefill[p]
         queued[p] += 1
         assigned[d] += 1
-        ps = Passage(req, plan, p, d)
+        ps = Passage(self, req, plan, p, d)
         if pnode.chunked is not None:  # chunked prefill batching (kvsim.sim.prefill_batch)
             job = pnode.chunked.submit(req.seq, req.context_tokens)
             # the step with its last chunk starts when last_step succeeds
@@ -291,9 +312,15 @@ class Scenario:
         t_p0 = pnode.free_t if pnode.free_t > now else now
         pnode.free_t = t_p0 + prefill_s
         if t_p0 > now:
-            pnode.start_at(env, t_p0, lambda: self._prefill(ps, env.now, env.now, prefill_s))
+            ps.prefill_s = prefill_s
+            pnode.start_at(t_p0, ps)
         else:
             self._prefill(ps, now, now, prefill_s)
+
+    def _prefill_waited(self, ps: Passage) -> None:
+        """A request that waited for its prefill instance starts its prefill now."""
+        now = self.env.now
+        self._prefill(ps, now, now, ps.prefill_s)
 
     def _prefill(self, ps: Passage, t_p0: float, layers_start_t: float,
                  layers_s: float) -> None:
@@ -306,7 +333,7 @@ class Scenario:
         ps.receivers, ps.encode_end_t = self._send(
             ps.req, ps.plan, self.prefill[ps.p], self.decode[ps.d], layers_start_t, layers_s)
         ps.needed = ps.receivers[:1] if ps.plan.speculative else ps.receivers
-        when_all_ready(ps.needed, lambda: self._needed_in(ps))
+        when_all_ready(ps.needed, ps.needed_in)
 
     def _needed_in(self, ps: Passage) -> None:
         """The flows decoding needs are deserialized (now)."""
@@ -390,8 +417,7 @@ class Scenario:
                 f"{ps.kv_bytes / 1e9:.1f} GB) never fits the decode instance's "
                 f"{dnode.kv_memory_bytes / 1e9:.1f} GB left beside the weights; raise "
                 "hardware.devices or shorten the context / output")
-        dnode.admission.request(ps.kv_bytes, self.env.now,
-                                lambda t_slot: self._decode(ps, t_slot))
+        dnode.admission.request(ps.kv_bytes, self.env.now, ps.admitted)
 
     def _decode(self, ps: Passage, t_slot: float) -> None:
         """Admitted now (slot since t_slot): join the decode batch, speculatively on the
@@ -419,16 +445,22 @@ class Scenario:
                                             self.timing.draft_ingest_s_per_byte()))
         member = dnode.batch.join(
             req.seq, req.context_tokens, req.output_tokens, spec.cap_tokens, overhead_s,
-            (lambda n: self.acceptance.sample_accepted(n, self.rng)) if drafting else None,
-            on_leave=lambda m: self._finish(ps, m), overhead_until_full=busy_s is not None)
+            self._sample_accepted if drafting else None,
+            on_leave=ps.left, overhead_until_full=busy_s is not None)
         if drafting:
-            when_all_ready(receivers, lambda: dnode.batch.full_ready(member, ps.load_all_s))
+            ps.member = member
+            when_all_ready(receivers, ps.full_in)
+
+    def _sample_accepted(self, proposed: int) -> int:
+        """Drafts accepted of `proposed` (the acceptance model, on this sample's rng)."""
+        return self.acceptance.sample_accepted(proposed, self.rng)
 
     def _finish(self, ps: Passage, member: Member) -> None:
         """The request's last token is out (now): free its place, record it."""
         req, receivers, plan = ps.req, ps.receivers, ps.plan
         pnode, dnode = self.prefill[ps.p], self.decode[ps.d]
         timeline = member.timeline
+        ps.member = None  # (left while drafting: no ps <-> member cycle)
         dnode.admission.release(ps.kv_bytes, self.env.now)
         self.decode_assigned[ps.d] -= 1
         needed = ps.needed
