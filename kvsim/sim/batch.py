@@ -327,7 +327,8 @@ class DecodeBatch:
             t0, t1 = self.bp_t[from_i], self.bp_t[to_i]
             v_from, v_to = self.bp_v[from_i], self.bp_v[to_i]
             return t0 + (v0 - v_from + steps) * ((t1 - t0) / (v_to - v_from))
-        # views of the breakpoints (no copy, no format parsing; dropped before any append)
+        # views of the breakpoints (no copy, no format parsing), which die with this call:
+        # an array cannot grow while a view of it lives
         count, offset = to_i + 1 - from_i, 8 * from_i
         return np.interp(v0 + steps, np.frombuffer(self.bp_v, np.float64, count, offset),
                          np.frombuffer(self.bp_t, np.float64, count, offset))

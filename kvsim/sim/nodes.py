@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import simpy
@@ -48,24 +48,20 @@ class PrefillNode:
         self.link = link
         # chunked prefill batching (workload.prefill_chunk_tokens > 0) replaces free_t
         self.chunked: ChunkedPrefill | None = None
-        # requests waiting for the instance: (start s, request) in start order, one timer
+        # requests waiting for the instance: (start s, start()) in start order, one timer
         # (for the head) at a time, so that a long queue does not fill the event heap
-        self.waiting: deque[tuple[float, Any]] = deque()
-        # called with a waiting request when its start comes (set by the scenario): one
-        # callback for the instance, not a closure per queued request (at overload the
-        # queue holds tens of thousands, each freed long after it was made)
-        self.on_start: Callable[[Any], None] | None = None
+        self.waiting: deque[tuple[float, Callable[[], None]]] = deque()
 
-    def start_at(self, t: float, request: Any) -> None:
-        """Call on_start(request) at time t (s, after the starts already waiting: FIFO)."""
-        self.waiting.append((t, request))
+    def start_at(self, t: float, start: Callable[[], None]) -> None:
+        """Call start() at time t (s, after the starts already waiting: FIFO)."""
+        self.waiting.append((t, start))
         if len(self.waiting) == 1:
             env = self.link.env
             call_later(env, t - env.now, self._started)
 
     def _started(self, _timer: Timer) -> None:
-        _, request = self.waiting.popleft()
-        self.on_start(request)  # type: ignore[misc]
+        _, start = self.waiting.popleft()
+        start()
         if self.waiting:
             env = self.link.env
             call_later(env, self.waiting[0][0] - env.now, self._started)
@@ -141,8 +137,9 @@ class Receiver:
     once the flow's last message has left the link, hands it to the request's
     `Deserializer`, which fires `ready` when the last message is deserialized."""
 
-    # slots: two per request in flight, read at every delivery (152 bytes each against 344
-    # with an instance dict; a run's cost per event grows with what it keeps in flight)
+    # slots: one per stream of each request in flight, read at every delivery (152 bytes
+    # each against 344 with an instance dict; a run's cost per event grows with what it
+    # keeps in flight)
     __slots__ = ("env", "plan", "group", "is_ready", "_waiting", "_arrivals", "arrival_t",
                  "received_bytes", "last_arrival_t", "ready_t", "first_arrival_t",
                  "backlog_start_t", "is_done", "node_finish_t", "carriers")

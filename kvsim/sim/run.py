@@ -127,7 +127,12 @@ class Passage:
         self.member: Member | None = None  # in its decode batch, while drafting
 
     # The callbacks of its steps: bound methods, not a closure (and its cells) per step and
-    # request, which lived from the step's start to its end and were freed cold
+    # request, which lived from the step's start to its end and were freed cold. (Nothing
+    # that outlives the request may hold one: the Passage holds the Scenario.)
+    def prefill_waited(self) -> None:
+        """It waited for its prefill instance: its prefill starts now."""
+        self.sim._prefill_waited(self)
+
     def needed_in(self) -> None:
         self.sim._needed_in(self)
 
@@ -232,8 +237,6 @@ class Scenario:
                       for i in range(n_links)]
         self.prefill = [PrefillNode(i, self.links[0 if n_links == 1 else i])
                         for i in range(w.prefill_nodes)]
-        for pnode in self.prefill:  # a request that waited for its instance starts now
-            pnode.on_start = self._prefill_waited
         # [i] requests routed to prefill node i and not yet through its prefill, counted down
         # lazily (at the next arrival) from a heap of (prefill end s, seq, node)
         self.prefill_queued = [0] * w.prefill_nodes
@@ -313,7 +316,7 @@ class Scenario:
         pnode.free_t = t_p0 + prefill_s
         if t_p0 > now:
             ps.prefill_s = prefill_s
-            pnode.start_at(t_p0, ps)
+            pnode.start_at(t_p0, ps.prefill_waited)
         else:
             self._prefill(ps, now, now, prefill_s)
 
@@ -460,7 +463,6 @@ class Scenario:
         req, receivers, plan = ps.req, ps.receivers, ps.plan
         pnode, dnode = self.prefill[ps.p], self.decode[ps.d]
         timeline = member.timeline
-        ps.member = None  # (left while drafting: no ps <-> member cycle)
         dnode.admission.release(ps.kv_bytes, self.env.now)
         self.decode_assigned[ps.d] -= 1
         needed = ps.needed
