@@ -561,8 +561,9 @@ def test_bad_request_traces_are_refused_with_the_row(tmp_path, body, match):
         load_request_trace(path)
 
 
-@pytest.mark.parametrize("deserializer", ["shared", "node"])
-def test_a_run_leaves_no_cyclic_garbage(tmp_path, deserializer):
+@pytest.mark.parametrize(("deserializer", "chunk_tokens"),
+                         [("shared", 0), ("node", 0), ("shared", 2048)])
+def test_a_run_leaves_no_cyclic_garbage(tmp_path, deserializer, chunk_tokens):
     """A finished request is freed by reference counting: the run's flows, receivers and
     deserializers form no reference cycle (the cyclic collector's pass over them after a
     run took ~10% of a 10,000-request run), whatever the request count."""
@@ -571,7 +572,8 @@ def test_a_run_leaves_no_cyclic_garbage(tmp_path, deserializer):
     garbage = []
     for requests in (20, 20, 80):  # the first run also makes one-off garbage (imports)
         cfg.workload = replace(cfg.workload, kind="poisson", requests=requests,
-                               rate_per_s=30.0, prefill_nodes=2, decode_nodes=2)
+                               rate_per_s=30.0, prefill_nodes=2, decode_nodes=2,
+                               prefill_chunk_tokens=chunk_tokens)
         scenario = Scenario(cfg, variants(cfg)[0], cfg.workload.context_tokens,
                             cfg.link.bandwidth_gbps)
         gc.collect()

@@ -32,7 +32,7 @@ class PrefillJob:
 
     seq: int
     tokens: int
-    last_step: simpy.Event  # succeeds at the start of the step with its last tokens
+    last_step: simpy.Event  # succeeds (no value) at the start of the step with its last tokens
     done_tokens: int = 0
     first_step_t: float = -1.0  # start of the first step carrying its tokens
     last_step_s: float = 0.0  # duration of the step carrying its last tokens
@@ -81,6 +81,8 @@ class ChunkedPrefill:
                 if job.done_tokens == job.tokens:  # its last chunk: tell the request now
                     job.last_step_s = step_s
                     self.queue.remove(job)
-                    job.last_step.succeed(job)
+                    # no value: an event holding its job, held by the job, was a reference
+                    # cycle per request (freed only by the cyclic collector)
+                    job.last_step.succeed()
             self.steps += 1
             yield env.timeout(step_s)
