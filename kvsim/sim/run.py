@@ -131,7 +131,8 @@ class Passage:
     # that outlives the request may hold one: the Passage holds the Scenario.)
     def prefill_waited(self) -> None:
         """It waited for its prefill instance: its prefill starts now."""
-        self.sim._prefill_waited(self)
+        now = self.sim.env.now
+        self.sim._prefill(self, now, now, self.prefill_s)
 
     def needed_in(self) -> None:
         self.sim._needed_in(self)
@@ -319,11 +320,6 @@ class Scenario:
             pnode.start_at(t_p0, ps.prefill_waited)
         else:
             self._prefill(ps, now, now, prefill_s)
-
-    def _prefill_waited(self, ps: Passage) -> None:
-        """A request that waited for its prefill instance starts its prefill now."""
-        now = self.env.now
-        self._prefill(ps, now, now, ps.prefill_s)
 
     def _prefill(self, ps: Passage, t_p0: float, layers_start_t: float,
                  layers_s: float) -> None:
