@@ -1,3 +1,3 @@
-from kvsim.cli import main
+from kvsim.cli.main import main
 
 raise SystemExit(main())

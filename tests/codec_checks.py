@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvsim.kernels import Codec, Encoded
-from kvsim.layout import KVShape
+from kvsim.core.layout import KVShape
+from kvsim.kernels.codec import Codec
+from kvsim.kernels.encoded import Encoded
 
 
 def wire_round_trip(codec: Codec, kv: torch.Tensor) -> tuple[Encoded, torch.Tensor]:

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvsim.core.layout import KVShape
 from kvsim.kernels.codec import Codec, register
-from kvsim.layout import KVShape
 
 
 @dataclass(frozen=True)

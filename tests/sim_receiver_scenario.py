@@ -3,9 +3,10 @@ the scenario the receiver-model tests (deserializer=on_demand / on_arrival) buil
 
 from __future__ import annotations
 
-from kvsim.cli import compose
-from kvsim.config.sim import SimConfig
-from kvsim.sim.run import Scenario, variants
+from kvsim.core.compose import compose
+from kvsim.scenario.config import SimConfig
+from kvsim.scenario.variants import variants
+from kvsim.sim.run import Scenario
 
 BASE = ["scenario=none", "model=smollm2-135m", "hardware=local-cpu", "link=emulated",
         "workload=emulated", "workload.context_tokens=1024", "workload.output_tokens=32",

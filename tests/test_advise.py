@@ -7,11 +7,12 @@ import json
 
 import pytest
 
+from kvsim.advise.config import AdviseConfig, objective_key
 from kvsim.advise.floor import CodecQuality, QualityFloor, admissible, parse_floor
 from kvsim.advise.pareto import dominates, pareto_front
 from kvsim.advise.rank import advise, candidate_policies, load_qualities, simulate
-from kvsim.cli import compose, main
-from kvsim.config.advise import AdviseConfig, objective_key
+from kvsim.cli.main import main
+from kvsim.core.compose import compose
 
 # a tiny model on a 0.05 Gbps link: transfer (seconds) dwarfs prefill and decode (ms), so
 # the time to any token orders the codecs as their wire bytes do

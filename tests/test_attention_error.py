@@ -5,13 +5,13 @@ import math
 import pytest
 import torch
 
-from kvsim.attention_error import (
+from kvsim.core.layout import K, V
+from kvsim.kv.attention_error import (
     attention_output,
     attention_vnmse,
     relative_mse,
     vnmse_from_outputs,
 )
-from kvsim.layout import K, V
 
 
 def _setup(layers=2, kv_heads=2, tokens=40, head_dim=16, q_heads=6, q_tokens=5, seed=0):

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from kvsim.bench import azure_shape
-from kvsim.sim.azure_workload import load_azure_shape_file
+from kvsim.scenario.azure_workload import load_azure_shape_file
 
 
 def _write_trace(path, seconds, context, generated):

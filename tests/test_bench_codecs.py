@@ -8,15 +8,15 @@ import pytest
 import torch
 import yaml
 
-from kvsim.attention_error import attention_output
 from kvsim.bench.codecs import bench_codec, median_seconds, resolve_device, spread, timed_seconds
-from kvsim.cli import CONF_DIR, main
+from kvsim.cli.main import CONF_DIR, main
 from kvsim.commands.bench_codecs import DEFAULT_CODECS
-from kvsim.config.codecs import PRESET_DIR
+from kvsim.core.layout import KVShape
 from kvsim.kernels.bf16 import BF16Codec
 from kvsim.kernels.encoded import Chunk, Encoded
-from kvsim.layout import KVShape
-from kvsim.synthetic import generate_kv, generate_queries
+from kvsim.kernels.presets import PRESET_DIR
+from kvsim.kv.attention_error import attention_output
+from kvsim.kv.synthetic import generate_kv, generate_queries
 
 TINY = ["kv_source=synthetic", "shape.layers=2", "shape.kv_heads=1", "shape.tokens=40",
         "shape.head_dim=16",
@@ -165,8 +165,8 @@ def test_write_timing_feeds_the_simulator(tmp_path, monkeypatch, capsys):
     """write_timing goes to the run directory (named here with hydra.run.dir), keeps the
     shipped file's other entries, never touches data/, and an existing file needs
     overwrite=true."""
-    from kvsim.data_files import sha256_file
-    from kvsim.sim.codec_timing import TIMING_DIR, load_codec_timing
+    from kvsim.core.data_files import sha256_file
+    from kvsim.scenario.codec_timing import TIMING_DIR, load_codec_timing
 
     shipped = TIMING_DIR / "h100.json"
     shipped_sha = sha256_file(shipped)

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import kvsim.fidelity.draft_contention as dc
-from kvsim.cli import main
-from kvsim.config.codecs import resolve_codec
+from kvsim.cli.main import main
+from kvsim.kernels.presets import resolve_codec
+from kvsim.kv.capture import cache_to_kv, prefill
 from kvsim.model.load import load_lm
 from kvsim.model.presets import load_model_preset
-from kvsim.quality.capture import cache_to_kv, prefill
 
 TINY = load_model_preset("tiny-random")
 

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvsim.bench import transport as bt
-from kvsim.cli import main
+from kvsim.cli.main import main
 from kvsim.commands.bench_transport import Config
 
 TINY = ["parts=[loopback,token_bucket]", "loopback.mb=8", "loopback.repeats=1",
@@ -26,7 +26,7 @@ TINY = ["parts=[loopback,token_bucket]", "loopback.mb=8", "loopback.repeats=1",
 def test_bench_runs_on_tiny_sizes(tmp_path):
     report = tmp_path / "report.json"
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-m", "kvsim.cli", "bench", "transport", *TINY,
+    done = subprocess.run([sys.executable, "-m", "kvsim", "bench", "transport", *TINY,
                            f"report={report}"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

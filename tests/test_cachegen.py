@@ -6,18 +6,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsim.config.codecs import resolve_codec
-from kvsim.kernels import CodecError, Encoded, codec_for, make_codec
-from kvsim.kernels.cachegen import (
+from kvsim.core.layout import KVShape
+from kvsim.kernels.cachegen.codec import (
     CacheGenCodec,
     dequantize_rows,
     measure_ratios,
     quantize_rows,
 )
-from kvsim.kernels.cachegen_size import CacheGenSizeModel, SizeModelError
-from kvsim.kernels.codec import cast_finite
-from kvsim.layout import KVShape
-from kvsim.synthetic import generate_kv
+from kvsim.kernels.cachegen.size import CacheGenSizeModel, SizeModelError
+from kvsim.kernels.codec import CodecError, cast_finite, codec_for, make_codec
+from kvsim.kernels.encoded import Encoded
+from kvsim.kernels.presets import resolve_codec
+from kvsim.kv.synthetic import generate_kv
 
 # The size estimate (payload_bytes) must be within this relative error of the real coded
 # size on synthetic KV drawn like the KV the ratio file was measured on.
@@ -100,7 +100,7 @@ def test_size_estimate_within_tolerance_of_real_size(tmp_path):
     """The file estimate is as good as the KV its rate file was measured on is representative:
     measure on one synthetic draw, check on another (the committed file is measured on the
     real SmolLM2 capture, whose statistics synthetic defaults do not claim to match)."""
-    import kvsim.kernels.cachegen as cachegen
+    import kvsim.kernels.cachegen.codec as cachegen
 
     path = cachegen.write_ratio_file(_kv(layers=4, heads=2, tokens=512, dim=128, seed=5),
                                      {"kind": "synthetic", "seed": 5}, tmp_path / "ratio.json")
@@ -224,7 +224,7 @@ def test_preset_resolves():
 
 def test_remeasure_cli_on_a_capture(tmp_path):
     from kvsim.bench.cachegen_ratio import main
-    from kvsim.capture import Capture
+    from kvsim.kv.capture_file import Capture
 
     kv = _kv(layers=1, heads=1, tokens=48, dim=32)
     path = Capture(kv, None, {"model": "test"}).save(tmp_path / "cap.pt")
@@ -322,8 +322,8 @@ def _layers(draw):
 def test_numba_kernels_equal_the_torch_reference(case):
     """layer_symbols' numba kernel = the torch quantizer (codes and scale bits), and the
     reconstruction kernel = the torch reconstruction, bit for bit."""
-    from kvsim.kernels import cachegen as cg
-    from kvsim.kernels import cachegen_cpu
+    from kvsim.kernels.cachegen import codec as cg
+    from kvsim.kernels.cachegen import cpu as cachegen_cpu
 
     x, params = case
     codec = make_codec("cachegen", params)
@@ -369,7 +369,7 @@ def test_cpu_decode_in_each_dtype_equals_the_cast_fp32_decode(dtype):
     """decode(dtype=...) on CPU (reconstruct_chunk writing the dtype) = the fp32 decode cast
     by cast_finite; chunks decoded LANES at a time and the rest alone give the same symbols
     as the torch path's reconstruction."""
-    from kvsim.kernels import cachegen as cg
+    from kvsim.kernels.cachegen import codec as cg
 
     gen = torch.Generator().manual_seed(3)
     kv = torch.randn(3, 2, 2, 70, 16, generator=gen) * 300.0  # 3 layers x 3 pages: odd count
@@ -405,7 +405,7 @@ def test_scale_overflow_is_refused_by_kernel_and_reference():
 def test_encode_in_layer_batches_gives_the_same_bytes(monkeypatch):
     """The encoder quantizes batches of layers before coding them (bounded memory): any
     batch size gives the same chunks."""
-    from kvsim.kernels import cachegen as cg
+    from kvsim.kernels.cachegen import codec as cg
 
     kv = torch.randn(5, 2, 2, 70, 16, generator=torch.Generator().manual_seed(4)) * 3.0
     codec = make_codec("cachegen", {"page_tokens": 32, "group_tokens": 5})

@@ -9,12 +9,12 @@ from dataclasses import replace
 import pytest
 
 from kvsim.calibrate.model_profile import ModelCalibration, measure_codecs, measure_model
-from kvsim.cli import main
-from kvsim.config.codecs import resolve_codec
-from kvsim.hardware import HardwareSpec, TimingModel, load_profile
+from kvsim.cli.main import main
+from kvsim.kernels.presets import resolve_codec
+from kvsim.model.hardware import HardwareSpec, TimingModel, load_profile
 from kvsim.model.load import load_lm
 from kvsim.model.presets import load_model_preset
-from kvsim.sim.codec_timing import load_codec_timing
+from kvsim.scenario.codec_timing import load_codec_timing
 
 TINY = load_model_preset("tiny-random")
 HW = HardwareSpec(name="cpu", hbm_gb_per_s=20, bf16_tflops=0.2, memory_gb=16)
@@ -166,7 +166,7 @@ def test_receiver_step_ratio_is_interpolated_between_the_two_transfers_contexts(
     measured at both contexts (100: 0.11 / 0.1 = 1.1; 300: 0.26 / 0.2 = 1.3) and each
     step curve's time is scaled by the ratio at its own context (flat outside)."""
     from kvsim.calibrate.receiver_timing import apply_receiver_timing
-    from kvsim.hardware import scaled_curve
+    from kvsim.model.hardware import scaled_curve
 
     hw = {"tpot": {"context_tokens": [50, 100, 200, 300, 400], "s": [0.1, 0.1, 0.15, 0.2, 0.3]},
           "first_step_extra": {"context_tokens": [100, 300], "s": [0.0, 0.0]},
@@ -192,7 +192,7 @@ def test_receiver_step_ratio_is_interpolated_between_the_two_transfers_contexts(
 def test_receiver_loads_on_arrival_sum_the_layer_jobs_and_time_the_cache_build(monkeypatch):
     """On arrival, the rates come from the worker's per-layer spans (anchor and full jobs
     summed over layers) and the decode loop's load span is the cache build."""
-    import kvsim.commands.emulate as emulate_mod
+    import kvsim.transport.emulate as emulate_mod
     from kvsim.calibrate.receiver_timing import apply_receiver_timing, receiver_loads
 
     seen = {}
@@ -229,7 +229,7 @@ def test_receiver_loads_time_the_senders_encoder_and_the_draft_steps(monkeypatch
     """The sender's encode work (FIN's encode_work_s) gives the encode rate; a drafted
     request's draft window, less the plain requests' first-step extra, over its drafts and
     its later step gives the draft step's ratio, which the hardware profile keeps."""
-    import kvsim.commands.emulate as emulate_mod
+    import kvsim.transport.emulate as emulate_mod
     from kvsim.calibrate.receiver_timing import apply_receiver_timing, receiver_loads
 
     def fake_emulate(cfg):
@@ -287,8 +287,8 @@ def test_draft_busy_ratio_splits_the_drafting_window_by_the_workers_spans():
 
 
 def test_draft_step_of_a_profile_is_checked_and_costs_beyond_the_step(tmp_path, measured):
-    from kvsim.sim.codec_timing import CodecTiming
-    from kvsim.sim.speculative import draft_overhead_s
+    from kvsim.scenario.codec_timing import CodecTiming
+    from kvsim.scenario.speculative import draft_overhead_s
 
     _lm, doc, _kvs, _path = measured
     path = tmp_path / "hw.json"
@@ -433,7 +433,7 @@ def test_calibrate_measures_the_draft_step_on_each_link(tmp_path, monkeypatch):
     import kvsim.calibrate.link_profile as lp
     import kvsim.calibrate.receiver_timing as rt
     import kvsim.transport.netns as netns
-    from kvsim.sim.link_profile import load_link_profile
+    from kvsim.scenario.link_profile import load_link_profile
 
     calls = []
 
@@ -488,7 +488,7 @@ def test_receiver_loads_take_the_given_first_step_extra_when_every_request_draft
     measure the first step's extra: first_step_extra_s is taken out of the window instead
     (window 0.30 s, 2 drafts, step 0.05 s: (0.30 - 0.02) / 2 / 0.05 = 2.8, 3.0 without);
     the transfer runs over the link it is asked for."""
-    import kvsim.commands.emulate as emulate_mod
+    import kvsim.transport.emulate as emulate_mod
     from kvsim.calibrate.receiver_timing import receiver_loads
 
     def fake_emulate(cfg):
@@ -514,12 +514,12 @@ def test_receiver_loads_take_the_given_first_step_extra_when_every_request_draft
 
 def test_validate_calibrates_the_receiver_at_its_longest_context_and_fits_at_its_shortest(
         tmp_path, monkeypatch):
-    import kvsim.commands.calibrate as calibrate_mod
-    from kvsim.commands.validate import Config as ValConfig
-    from kvsim.commands.validate import _calibrate
+    import kvsim.calibrate.pipeline as calibrate_mod
+    from kvsim.fidelity.validation import Config as ValConfig
+    from kvsim.fidelity.validation import _calibrate
 
     seen = []
-    monkeypatch.setattr(calibrate_mod, "run", lambda cal: seen.append(cal))
+    monkeypatch.setattr(calibrate_mod, "calibrate", lambda cal: seen.append(cal))
     model = load_model_preset("smollm2-135m")
     _calibrate(ValConfig(model=model, contexts=[2048, 1024]), tmp_path, "p", ["tc"])
     _calibrate(ValConfig(model=model, contexts=[1024]), tmp_path, "p", ["tc"])
@@ -528,7 +528,7 @@ def test_validate_calibrates_the_receiver_at_its_longest_context_and_fits_at_its
 
 
 def test_the_layer_job_fit_context_defaults_to_half_the_transfers_up_to_512():
-    from kvsim.commands.calibrate import Config
+    from kvsim.calibrate.pipeline import Config
 
     for receiver, fit, want in ((1024, -1, 512), (4096, -1, 512), (256, -1, 128),
                                 (24, -1, 0), (1024, 0, 0), (1024, 300, 300)):
@@ -548,7 +548,7 @@ def test_on_arrival_calibration_loads_a_layer_dependent_codec_on_demand(monkeypa
     """The receiver dequantizes a codec whose layers do not decode alone (CacheGen) on
     demand even when asked for on arrival: calibration times it that way, says so in its
     codec timing entry and fits no layer jobs for it."""
-    import kvsim.commands.emulate as emulate_mod
+    import kvsim.transport.emulate as emulate_mod
     from kvsim.calibrate.receiver_timing import (
         apply_receiver_timing,
         fit_layer_jobs,
@@ -591,8 +591,8 @@ def test_calibrate_fits_each_links_draft_slowdown_on_its_drafted_rows(tmp_path, 
     import kvsim.calibrate.receiver_timing as rt
     import kvsim.transport.netns as netns
     from kvsim.calibrate.draft_ingest import DraftWindow, replay_end_s
-    from kvsim.commands.calibrate import Config as CalConfig
-    from kvsim.sim.link_profile import load_link_profile
+    from kvsim.calibrate.pipeline import Config as CalConfig
+    from kvsim.scenario.link_profile import load_link_profile
 
     truth = {"token_bucket": (2.5, 20e-9), "tc": (3.0, 30e-9)}
     later_bytes = 1.2e7

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvsim.cli import _commands, main
+from kvsim.cli.main import _commands, main
 
 
 def test_help_lists_every_command_without_importing_them(capsys):
@@ -70,7 +70,7 @@ def test_typos_fail_with_the_closest_key(capsys):
 
 
 def test_valid_overrides_are_checked_with_one_composition(monkeypatch):
-    import kvsim.config_keys as ck
+    import kvsim.cli.keys as ck
     from kvsim.commands.sim import Config
 
     calls = []
@@ -167,8 +167,8 @@ def test_a_resolved_child_writes_its_report(tmp_path):
     import dataclasses
     import json
 
-    from kvsim.cli import compose
-    from kvsim.config.sim import SimConfig
+    from kvsim.core.compose import compose
+    from kvsim.scenario.config import SimConfig
 
     cfg, _ = compose("sim", ["scenario=none", "model=tiny-random", "hardware=local-cpu",
                              "codecs=[int8]", "workload=emulated",

@@ -1,4 +1,4 @@
-"""Contract every registered codec keeps (parametrized over kvsim.kernels.codec_names()).
+"""Contract every registered codec keeps (parametrized over kvsim.kernels.codec.codec_names()).
 
 Shapes are small (a few thousand elements) so the whole matrix stays fast on CPU.
 """
@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvsim.config.codecs import resolve_codec
-from kvsim.kernels import CodecError, Encoded, codec_names, make_codec
+from kvsim.core.layout import KVShape
+from kvsim.kernels.codec import CodecError, codec_names, make_codec
+from kvsim.kernels.encoded import Encoded
+from kvsim.kernels.presets import resolve_codec
 from kvsim.kernels.wire import CHUNK_HEADER_BYTES, WireError
-from kvsim.layout import KVShape
 
 # the codecs kvsim ships (test modules register size-only "test-*" codecs of their own)
 NAMES = [n for n in codec_names() if not n.startswith("test-")]

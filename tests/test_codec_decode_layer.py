@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvsim.core.layout import KVShape
 from kvsim.kernels.codec import CodecError, codec_class, codec_names, make_codec
-from kvsim.layout import KVShape
-from kvsim.synthetic import generate_kv
+from kvsim.kv.synthetic import generate_kv
 
 SHAPE = KVShape(layers=3, kv_heads=2, tokens=300, head_dim=64)
 

@@ -28,7 +28,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvsim.kernels import CodecError, Encoded, codec_for, make_codec
+from kvsim.kernels.codec import CodecError, codec_for, make_codec
+from kvsim.kernels.encoded import Encoded
 from kvsim.kernels.wire import WireError
 
 # (codec name, params, (layers, kv_heads, tokens, head_dim)): small, several pages each,

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from kvsim.core.lazy_module import LazyModule, lazy_module
 from kvsim.kernels.codec import CODEC_MODULES
-from kvsim.lazy_module import LazyModule, lazy_module
 
 KERNELS = Path(__file__).resolve().parents[1] / "kvsim" / "kernels"
 
@@ -28,7 +28,8 @@ def _registers_a_codec(path: Path) -> bool:
 
 
 def test_codec_modules_lists_every_module_that_registers_a_codec():
-    registering = {p.stem for p in KERNELS.glob("*.py") if _registers_a_codec(p)}
+    registering = {".".join(p.relative_to(KERNELS).with_suffix("").parts)
+                   for p in KERNELS.rglob("*.py") if _registers_a_codec(p)}
     assert registering == set(CODEC_MODULES)
 
 
@@ -36,8 +37,8 @@ def test_sizes_of_every_preset_import_neither_torch_nor_numba_nor_triton():
     script = textwrap.dedent("""
         import sys
         import kvsim.sim.run  # what `kvsim sim` imports
-        from kvsim.config.codecs import preset_names, resolve_codec
-        from kvsim.layout import KVShape
+        from kvsim.kernels.presets import preset_names, resolve_codec
+        from kvsim.core.layout import KVShape
 
         shape = KVShape(layers=4, kv_heads=2, tokens=1000, head_dim=64)
         for preset in preset_names():

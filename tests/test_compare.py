@@ -8,7 +8,7 @@ import json
 import pandas as pd
 import pytest
 
-from kvsim.cli import main
+from kvsim.cli.main import main
 from kvsim.compare.diff import MetricDiff, compare_runs, diff_configs
 from kvsim.compare.runs import Run, RunRow, load_run
 

@@ -94,7 +94,7 @@ def test_the_decode_step_is_compared_once_per_scenario_and_codec():
     assert "| link | Gbps | ctx | codec | measured / simulated s | step ms | ttft % |" in text
     assert "| tc | 1 | 1024 | int8 | 3.000 / 3.300 (tt32t) | 80.0 / 88.0 | +0.0 | +10.0 |" in text
     # read back from fidelity.json, where a NaN is null: the same table and summary
-    from kvsim.report import json_safe
+    from kvsim.core.report import json_safe
 
     missing = {**rows[0], "metric": "tt64t", "simulated_s": math.nan, "error_pct": math.nan,
                "measured_spread_pct": math.nan}
@@ -116,7 +116,7 @@ def test_the_decode_step_is_compared_once_per_scenario_and_codec():
 def test_plot_kind_fidelity_draws_a_validate_report(tmp_path):
     import json
 
-    from kvsim.cli import main
+    from kvsim.cli.main import main
 
     rows = errors.compare({"case": "single", "emulation": "token_bucket",
                            "bandwidth_gbps": 0.1, "context_tokens": 1024, "codec": "int8"},
@@ -152,7 +152,7 @@ def test_both_engines_run_the_receiver_mode_the_codec_timing_was_measured_in(tmp
         assert f"transport.dequantize={mode}" in common
         # both engines read the link profile (the emulator's timing decode: its draft step)
         assert f"link.profile={tmp_path / 'link' / 'p-token-bucket.json'}" in common
-        # the draft step is the receiver mode's (kvsim.sim.speculative.receiver_draft_s)
+        # the draft step is the receiver mode's (kvsim.scenario.speculative.receiver_draft_s)
         assert not any(o.startswith("speculative.draft_overhead_s") for o in common)
         sim = sim_overrides(common, prof, "x", 1)
         assert f"deserializer={mode}" in sim
@@ -163,7 +163,7 @@ def test_step_probe_scales_the_step_curves_to_the_probe(tmp_path):
     import json
 
     from kvsim.fidelity.step_probe import StepProbe, probed_profile
-    from kvsim.hardware import load_profile
+    from kvsim.model.hardware import load_profile
     from kvsim.model.presets import load_model_preset
 
     doc = {"model": "m", "prefill": {"tokens": [100, 300], "s": [1.0, 3.0]},

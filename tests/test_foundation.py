@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from kvsim.acceptance import AcceptanceModel, geometric, load_acceptance, seeds_fig10
-from kvsim.capture import Capture, load_capture
-from kvsim.config.codecs import resolve_codec
-from kvsim.kernels import CodecError, codec_names, make_codec
+from kvsim.core.layout import KVShape, check_finite
 from kvsim.kernels.bitpack import pack, packed_len, unpack
+from kvsim.kernels.codec import CodecError, codec_names, make_codec
 from kvsim.kernels.hadamard import hadamard
-from kvsim.layout import KVShape, check_finite
+from kvsim.kernels.presets import resolve_codec
+from kvsim.kv.capture_file import Capture, load_capture
+from kvsim.scenario.acceptance import AcceptanceModel, geometric, load_acceptance, seeds_fig10
 
 
 def test_kvshape_validates_layout():

@@ -8,9 +8,10 @@ from codec_checks import wire_round_trip
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsim.kernels import CodecError, Encoded, make_codec
-from kvsim.kernels.kivi import Backbone
-from kvsim.layout import KVShape
+from kvsim.core.layout import KVShape
+from kvsim.kernels.codec import CodecError, make_codec
+from kvsim.kernels.encoded import Encoded
+from kvsim.kernels.kivi.codec import Backbone
 
 
 def outlier_kv(shape: KVShape, seed: int = 0) -> torch.Tensor:

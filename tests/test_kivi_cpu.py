@@ -11,12 +11,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvsim.kernels import Encoded, kivi_cpu, make_codec
+from kvsim.kernels import bitpack_cpu
 from kvsim.kernels.bitpack import pack, unpack
-from kvsim.kernels.gear import low_rank, low_rank_start, split_outliers, sqrt_rn
+from kvsim.kernels.codec import make_codec
+from kvsim.kernels.encoded import Encoded
 from kvsim.kernels.groupquant import dequantize_groups, quantize_groups
 from kvsim.kernels.hadamard import hadamard
-from kvsim.kernels.kivi import use_cpu_kernels
+from kvsim.kernels.kivi import cpu as kivi_cpu
+from kvsim.kernels.kivi.codec import use_cpu_kernels
+from kvsim.kernels.kivi.gear import low_rank, low_rank_start, split_outliers, sqrt_rn
 
 # values that stress the quantizer: signed zeros, fp16 subnormal ranges, near the fp16 max
 # (65280 is exact in bf16 as well), a constant
@@ -257,9 +260,10 @@ def test_pack_unpack_equal_bitpack(n, bits, seed):
                              .astype(np.uint8))
     padded = torch.cat((codes, codes.new_zeros((-n) % per)))
     ref = pack(padded, bits).numpy()
-    got = kivi_cpu.pack_flat(codes, bits)
+    got = bitpack_cpu.pack_flat(codes, bits)
     np.testing.assert_array_equal(got, ref)
-    assert torch.equal(kivi_cpu.unpack_flat(got, bits, n), unpack(torch.from_numpy(ref), bits, n))
+    assert torch.equal(bitpack_cpu.unpack_flat(got, bits, n),
+                       unpack(torch.from_numpy(ref), bits, n))
 
 
 def test_bad_input_is_refused():

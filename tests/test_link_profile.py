@@ -15,12 +15,13 @@ import pytest
 import simpy
 
 from kvsim.calibrate import link_profile as lp
-from kvsim.config.sim import LinkConfig, SimConfig
-from kvsim.hardware import HardwareSpec
-from kvsim.models import ModelSpec
+from kvsim.model.hardware import HardwareSpec
+from kvsim.model.spec import ModelSpec
+from kvsim.scenario.config import LinkConfig, SimConfig
+from kvsim.scenario.link_profile import LinkProfile, load_link_profile, profiled_link_settings
+from kvsim.scenario.variants import variants
 from kvsim.sim.link import Link
-from kvsim.sim.link_profile import LinkProfile, load_link_profile, profiled_link_settings
-from kvsim.sim.run import Scenario, variants
+from kvsim.sim.run import Scenario
 
 MODEL = ModelSpec(name="tiny", layers=4, attention_heads=4, kv_heads=2, head_dim=64,
                   hidden_size=256, params_total=1e8, params_active=1e8)
@@ -141,7 +142,7 @@ def test_loader_refuses_missing_files_and_names(tmp_path):
 
 
 def test_shipped_link_profiles_load():
-    from kvsim.profiles import PROFILE_DIR
+    from kvsim.core.profiles import PROFILE_DIR
 
     shipped = sorted((PROFILE_DIR / "link").glob("*.json"))
     assert shipped  # `kvsim calibrate out_dir=data/profiles` ships them

@@ -11,20 +11,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from kvsim.config.codecs import load_preset
-from kvsim.kernels import CodecError, make_codec
+from kvsim.core.layout import KVShape
+from kvsim.kernels.codec import CodecError, make_codec
 from kvsim.kernels.encoded import Encoded
-from kvsim.kernels.lynx import (
-    LynxCodec,
+from kvsim.kernels.lynx.codec import LynxCodec
+from kvsim.kernels.lynx.format import lynx_tables, make_layout
+from kvsim.kernels.lynx.reference import (
     join_fields,
-    lynx_tables,
-    make_layout,
     pack_rows,
     reference_codes,
     split_fields,
     unpack_rows,
 )
-from kvsim.layout import KVShape
+from kvsim.kernels.presets import load_preset
 
 SPLITS = [(4, 4), (2, 6), (2, 2, 4), (4,), (8,), (3, 5), (2, 2, 2, 2), (2,), (3, 2)]
 PRESETS = ["lynx", "lynx-int4", "lynx-int8", "lynx-2+6", "lynx-2+2+4", "lynx-oscar"]
@@ -410,7 +409,7 @@ def test_cpu_fwht_bit_identical_to_reference(d):
     """The numba Hadamard used by the cpu backend's oscar path == kvsim.kernels.hadamard,
     bit for bit, so oscar bytes do not depend on the backend."""
     from kvsim.kernels.hadamard import hadamard
-    from kvsim.kernels.lynx_cpu import fwht_cpu
+    from kvsim.kernels.lynx.cpu import fwht_cpu
 
     g = torch.Generator().manual_seed(d)
     x = torch.randn(300, d, generator=g) * torch.logspace(-30, 30, 300).unsqueeze(1)
@@ -499,7 +498,7 @@ def test_cpu_oscar_fused_equals_reference(data, targets, dtype, head_dim):
 def test_cpu_oscar_norm_order_probe_and_fallback(monkeypatch):
     """The norm's lane count is found on this machine; without one the cpu backend falls back
     to the torch preconditioning, with the same bytes."""
-    from kvsim.kernels import lynx_cpu
+    from kvsim.kernels.lynx import cpu as lynx_cpu
 
     assert lynx_cpu._torch_norm_lanes(128) > 0
     kv = torch.randn(1, 2, 2, 40, 16).to(torch.bfloat16)
@@ -541,7 +540,7 @@ def test_decode_takes_adjacent_chunks_without_a_copy():
 
 # ---- anchor reconstruction of each chunk's largest element ---------------------------------
 def test_narrow_top_bucket_reconstructs_at_one():
-    from kvsim.kernels.lynx import lynx_tables
+    from kvsim.kernels.lynx.format import lynx_tables
 
     assert lynx_tables(4.0, (4, 4)).recon[0][-1] == 1.0  # 3 magnitude bits known
     assert lynx_tables(4.0, (2, 2, 4)).recon[1][-1] == 1.0  # 3 known after two streams
@@ -565,7 +564,7 @@ def test_anchor_keeps_a_spike_value():
 def test_cpu_norm_sq_sums_lanes_in_torch_order(lanes, d):
     """_norm_sq (squares first, then lane sums) equals the fp32 sequence it documents:
     lane k adds (y_j / den)^2 for j = k mod lanes in order, the lanes in order, then the tail."""
-    from kvsim.kernels import lynx_cpu
+    from kvsim.kernels.lynx import cpu as lynx_cpu
 
     y = (np.random.default_rng(d * 100 + lanes).standard_normal(d) * 5).astype(np.float32)
     den = np.float32(3.7)

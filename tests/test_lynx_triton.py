@@ -8,8 +8,8 @@ import pytest
 import torch
 from triton_checks import needs_ptxas, run_compiled
 
-from kvsim.kernels import CodecError
-from kvsim.kernels.lynx import LynxCodec
+from kvsim.kernels.codec import CodecError
+from kvsim.kernels.lynx.codec import LynxCodec
 
 # (layers, kv_heads, tokens, head_dim): tokens not a multiple of chunk / page, odd heads
 # The interpreter evaluates both sides of tl.where and masked-off lanes too (pad tokens times
@@ -114,7 +114,7 @@ def test_kernels_compile_for_cuda_without_fma():
     by sigma with IEEE rounding."""
     import json
 
-    code = ("import json; from kvsim.kernels.lynx_triton import compile_for_cuda; "
+    code = ("import json; from kvsim.kernels.lynx.triton import compile_for_cuda; "
             "p = compile_for_cuda(); "
             "print(json.dumps({k: [v.count('fma.rn.f32'), v.count('div.rn.f32'), "
             "v.count('.ftz')] for k, v in p.items()}))")

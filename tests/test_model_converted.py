@@ -19,8 +19,8 @@ from kvsim.model import converted
 def gguf_copy(tmp_path_factory):
     """A copy of the fetched SmolLM2 GGUF in a directory of its own (the conversions these
     tests write and break stay out of the shared model cache)."""
-    from kvsim.model import load_model_preset
     from kvsim.model.fetch import cached_gguf_path
+    from kvsim.model.presets import load_model_preset
 
     src = cached_gguf_path(load_model_preset("smollm2-135m"))
     if not src.is_file():
@@ -65,8 +65,8 @@ def _same(ref_model, ref_tok, lm) -> None:
 
 @pytest.mark.slow
 def test_the_conversion_is_exact_reused_and_rewritten_when_damaged(gguf_copy, ref, capsys):
-    from kvsim.data_files import sha256_file
-    from kvsim.model import load_lm
+    from kvsim.core.data_files import sha256_file
+    from kvsim.model.load import load_lm
 
     ref_model, ref_tok = ref
     sha = sha256_file(gguf_copy)
@@ -129,7 +129,7 @@ def test_writes_unwritable_stale_and_concurrent(gguf_copy, ref, monkeypatch, cap
     leftovers are removed."""
     import tempfile
 
-    from kvsim.data_files import sha256_file
+    from kvsim.core.data_files import sha256_file
 
     model, tok = ref
     sha = sha256_file(gguf_copy)

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from kvsim.model import fetch as fetch_mod
-from kvsim.model import load_model_preset, locate_weights, model_preset_names
-from kvsim.models import ModelSpec
+from kvsim.model.load import locate_weights
+from kvsim.model.presets import load_model_preset, model_preset_names
+from kvsim.model.spec import ModelSpec
 
 
 def test_every_preset_loads_with_consistent_shape():
@@ -136,7 +137,7 @@ def test_cli_refuses_shape_only_preset():
 def test_one_model_group_for_every_command(capsys):
     """A preset that used to exist only for the real model is simulable; `custom` is not; the
     old names are refused with the new ones."""
-    from kvsim.cli import main
+    from kvsim.cli.main import main
 
     assert main(["sim", "scenario=none", "model=mistral-7b", "hardware=h100",
                  "workload.context_tokens=1024", "workload.output_tokens=8", "codecs=[bf16]",

@@ -384,7 +384,7 @@ def test_cleanup_removes_a_leaked_namespace_only(need_netns):
 
 @pytest.mark.net
 def test_net_cleanup_command(need_netns, capsys):
-    from kvsim.cli import main
+    from kvsim.cli.main import main
 
     prefix = unique_prefix()
     leaked = make_tag(prefix) + "r"

@@ -6,8 +6,8 @@ import pytest
 import torch
 from codec_checks import wire_round_trip
 
-from kvsim.kernels import make_codec
-from kvsim.layout import KVShape
+from kvsim.core.layout import KVShape
+from kvsim.kernels.codec import make_codec
 
 
 def sink_kv(layers: int, heads: int, tokens: int, head_dim: int, seed: int = 0,

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from kvsim.acceptance import ACCEPTANCE_DIR
 from kvsim.commands.plot import run as plot
+from kvsim.core.outputs import OutputExistsError, check_new
+from kvsim.core.paths import DATA_DIR, ROOT
 from kvsim.model.presets import load_model_preset
-from kvsim.outputs import OutputExistsError, check_new
-from kvsim.paths import DATA_DIR, ROOT
 from kvsim.plots.options import PlotOptions
 from kvsim.quality import run as quality_run
 from kvsim.quality.run import QualityConfig, SpeculativeConfig, run_quality
+from kvsim.scenario.acceptance import ACCEPTANCE_DIR
 
 SURVIVAL = dict(kind="survival", input=str(ACCEPTANCE_DIR / "smollm2-135m-lynx-s1-greedy.json"),
                 formats=["png"])

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from kvsim.acceptance import ACCEPTANCE_DIR
-from kvsim.cli import main
+from kvsim.cli.main import main
 from kvsim.commands.plot import run
 from kvsim.plots.options import PlotOptions
+from kvsim.scenario.acceptance import ACCEPTANCE_DIR
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SIM = ["scenario=none", "model=llama-3.1-8b", "codecs=[int8,lynx]", "samples=2",
@@ -186,7 +186,7 @@ def test_fig11_defaults_to_prefill_end_and_a_log_bandwidth_axis(inputs, tmp_path
 
 def test_breakdown_names_parts_too_thin_to_see(inputs, tmp_path):
     from kvsim.plots.breakdown import SLIVER_FRACTION
-    from kvsim.sim.metrics import BREAKDOWN_KEYS
+    from kvsim.scenario.metrics import BREAKDOWN_KEYS
 
     rows = run(PlotOptions(kind="breakdown", input=str(inputs["sim"]),
                            out=str(tmp_path / "b.png"), formats=["png"]))
@@ -199,7 +199,7 @@ def test_breakdown_names_parts_too_thin_to_see(inputs, tmp_path):
 
 
 def test_codecs_figure_names_codecs_on_the_same_point(tmp_path):
-    from kvsim.paths import DATA_DIR
+    from kvsim.core.paths import DATA_DIR
 
     rows = run(PlotOptions(kind="codecs", input=str(DATA_DIR / "vnmse" /
                                                     "smollm2-135m-ctx1024-lynx.json"),

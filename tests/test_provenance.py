@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from kvsim import data_files
-from kvsim.cli import main
-from kvsim.paths import DATA_DIR, ROOT
-from kvsim.report import git_state, provenance
+from kvsim.cli.main import main
+from kvsim.core import data_files
+from kvsim.core.paths import DATA_DIR, ROOT
+from kvsim.core.report import git_state, provenance
 
 
 def _sha256(path: Path) -> str:
@@ -78,7 +78,7 @@ def test_git_state_marks_a_dirty_tree(tmp_path):
 
 
 def test_provenance_without_git_says_unknown(tmp_path, monkeypatch):
-    monkeypatch.setattr("kvsim.report.CODE_DIR", tmp_path)  # not a git checkout
+    monkeypatch.setattr("kvsim.core.report.CODE_DIR", tmp_path)  # not a git checkout
     doc = provenance()
     assert doc["git_commit"] is None and doc["git_describe"] is None
     assert doc["git_dirty"] is None

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsim.layout import KVShape
+from kvsim.core.layout import KVShape
+from kvsim.kv.synthetic import SyntheticKVParams, _rope, generate_kv
 from kvsim.quality.calibrate import (
     calibrate,
     count_sinks,
@@ -13,7 +14,6 @@ from kvsim.quality.calibrate import (
     save_calibration,
     unrope,
 )
-from kvsim.synthetic import SyntheticKVParams, _rope, generate_kv
 
 
 def test_unrope_inverts_rope():

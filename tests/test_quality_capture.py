@@ -5,9 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsim.capture import load_capture
-from kvsim.model.tiny import tiny_llama
-from kvsim.quality.capture import (
+from kvsim.kv.capture import (
     cache_to_kv,
     forward_with_kv,
     kv_statistics,
@@ -15,6 +13,8 @@ from kvsim.quality.capture import (
     run_context,
     summarize_statistics,
 )
+from kvsim.kv.capture_file import load_capture
+from kvsim.model.tiny import tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
-from kvsim.acceptance import load_acceptance
 from kvsim.model.presets import load_model_preset
 from kvsim.quality.run import QualityConfig, SpeculativeConfig, run_quality
 from kvsim.quality.vnmse import load_vnmse_table
+from kvsim.scenario.acceptance import load_acceptance
 
 
 def _tiny_cfg(tmp_path, **kw) -> QualityConfig:
@@ -77,19 +77,19 @@ def test_cli_with_report(tmp_path):
 def test_smollm2_real_model(tmp_path):
     """SmolLM2-135M on real text: codec error is ordered by precision and greedy speculative
     decoding on a quantized draft cache is lossless."""
-    from kvsim.config.codecs import resolve_codec
-    from kvsim.model import load_lm
+    from kvsim.kernels.presets import resolve_codec
+    from kvsim.kv.capture import run_context
+    from kvsim.kv.draft_verify import decode, speculative_round
+    from kvsim.kv.text import assemble
     from kvsim.model.fetch import cached_gguf_path
-    from kvsim.quality.capture import run_context
-    from kvsim.quality.speculative import decode, speculative_round
+    from kvsim.model.load import load_lm
     from kvsim.quality.vnmse import cache_error
-    from kvsim.text import assemble
 
     preset = load_model_preset("smollm2-135m")
     if not cached_gguf_path(preset).is_file():
         pytest.fail("SmolLM2-135M weights missing: run `kvsim model fetch` first")
     lm = load_lm(preset, threads=2)
-    from kvsim.data_files import loaded_files, repo_relative, sha256_file
+    from kvsim.core.data_files import loaded_files, repo_relative, sha256_file
 
     gguf = cached_gguf_path(preset).resolve()  # the weights are in the run's provenance
     assert {"path": repo_relative(gguf), "sha256": sha256_file(gguf),

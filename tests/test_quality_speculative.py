@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsim.model.tiny import tiny_llama
-from kvsim.quality.capture import cache_to_kv, prefill
-from kvsim.quality.speculative import (
+from kvsim.kv.capture import cache_to_kv, prefill
+from kvsim.kv.draft_verify import (
     accept_greedy,
     accept_sampled,
     decode,
     speculative_round,
     survival_curve,
 )
+from kvsim.model.tiny import tiny_llama
 
 
 @pytest.fixture(scope="module")

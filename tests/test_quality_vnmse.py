@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from kvsim.kv.capture import run_context
 from kvsim.model.tiny import tiny_llama
-from kvsim.quality.capture import run_context
 from kvsim.quality.vnmse import (
     VNMSETable,
     cache_error,

@@ -1,5 +1,5 @@
-"""kvsim.kernels.rans: the numba coder gives the reference's words, round-trips, and refuses
-every truncated, padded or flipped word."""
+"""kvsim.kernels.cachegen.rans: the numba coder gives the reference's words, round-trips, and
+refuses every truncated, padded or flipped word."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsim.kernels import rans
+from kvsim.kernels.cachegen import rans
 
 
 @st.composite

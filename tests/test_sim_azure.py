@@ -1,4 +1,4 @@
-"""`workload.kind=azure`: the generator (kvsim.sim.azure_workload) against the shipped shape
+"""`workload.kind=azure`: the generator (kvsim.scenario.azure_workload) against the shipped shape
 files (marginal quantiles, rank correlation, arrival CV), seeds, clipping, bad config."""
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ import pandas as pd
 import pytest
 from scipy.stats import spearmanr
 
-from kvsim.config.sim import WorkloadConfig
-from kvsim.sim.azure_workload import (
+from kvsim.scenario.azure_workload import (
     AZURE_TRACES,
     arrival_gaps_s,
     azure_draws,
     load_azure_shape,
     load_azure_shape_file,
 )
-from kvsim.sim.workload import requests
+from kvsim.scenario.config import WorkloadConfig
+from kvsim.scenario.workload import requests
 
 
 @pytest.mark.parametrize("trace", AZURE_TRACES)
@@ -104,9 +104,9 @@ def test_bad_shape_file_is_refused(tmp_path):
 def test_azure_preset_runs_in_the_simulator_with_per_request_outputs(trace, tmp_path):
     """The azure-<trace> preset composes and drives a small run: every request arrives, decodes
     its own drawn output length, and the report records the shape file it loaded."""
-    from kvsim.cli import compose
-    from kvsim.config.sim import SimConfig
-    from kvsim.data_files import loaded_files
+    from kvsim.core.compose import compose
+    from kvsim.core.data_files import loaded_files
+    from kvsim.scenario.config import SimConfig
     from kvsim.sim.run import run_all
 
     cfg, _ = compose("sim", ["scenario=multi-poisson", f"workload=azure-{trace}",
@@ -129,10 +129,11 @@ def test_column_aggregate_equals_the_per_request_rows(workload):
     order, with requests of different output lengths (azure) and of one (bench)."""
     import json
 
-    from kvsim.cli import compose
-    from kvsim.config.sim import SimConfig
-    from kvsim.sim.metrics import aggregate_records, aggregate_request_rows, request_row
-    from kvsim.sim.run import Scenario, variants
+    from kvsim.core.compose import compose
+    from kvsim.scenario.config import SimConfig
+    from kvsim.scenario.metrics import aggregate_records, aggregate_request_rows, request_row
+    from kvsim.scenario.variants import variants
+    from kvsim.sim.run import Scenario
 
     cfg, _ = compose("sim", ["scenario=none", "model=llama-3.1-8b", "hardware=h100",
                              "link=25g", f"workload={workload}", "workload.requests=60",
@@ -155,10 +156,11 @@ def test_breakdown_columns_equal_each_records_breakdown():
     rejected."""
     import numpy as np
 
-    from kvsim.cli import compose
-    from kvsim.config.sim import SimConfig
-    from kvsim.sim.metrics import BREAKDOWN_KEYS, breakdown_columns
-    from kvsim.sim.run import Scenario, variants
+    from kvsim.core.compose import compose
+    from kvsim.scenario.config import SimConfig
+    from kvsim.scenario.metrics import BREAKDOWN_KEYS, breakdown_columns
+    from kvsim.scenario.variants import variants
+    from kvsim.sim.run import Scenario
 
     cfg, _ = compose("sim", ["scenario=multi-poisson", "link.bandwidth_gbps=10",
                              "codecs=[lynx]"], SimConfig)

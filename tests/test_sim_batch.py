@@ -11,11 +11,12 @@ import pytest
 import simpy
 from sim_codecs import size_only_split_codec
 
-from kvsim.config.sim import SimConfig
-from kvsim.hardware import HardwareSpec, TimingModel
-from kvsim.models import ModelSpec
+from kvsim.model.hardware import HardwareSpec, TimingModel
+from kvsim.model.spec import ModelSpec
+from kvsim.scenario.config import SimConfig
+from kvsim.scenario.variants import variants
 from kvsim.sim.batch import DecodeBatch
-from kvsim.sim.run import Scenario, variants
+from kvsim.sim.run import Scenario
 
 # tiny dense model: 1e8 params (2e8 bf16 weight bytes), KV 2 (K,V) x 2 heads x 64 x 4 layers
 # x 2 bytes = 2048 bytes per token; memory bound at these contexts (checked below)

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from kvsim.cli import compose
-from kvsim.config.sim import SimConfig
-from kvsim.sim.metrics import request_row
-from kvsim.sim.run import Scenario, variants
+from kvsim.core.compose import compose
+from kvsim.scenario.config import SimConfig
+from kvsim.scenario.metrics import request_row
+from kvsim.scenario.variants import variants
+from kvsim.sim.run import Scenario
 
 GOLDEN_PATH = Path(__file__).parent / "data" / "sim_golden.json"
 REL_TOL = 1e-9

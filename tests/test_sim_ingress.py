@@ -10,11 +10,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kvsim.config.sim import LinkConfig, SimConfig
-from kvsim.hardware import HardwareSpec
-from kvsim.models import ModelSpec
+from kvsim.model.hardware import HardwareSpec
+from kvsim.model.spec import ModelSpec
+from kvsim.scenario.config import LinkConfig, SimConfig
+from kvsim.scenario.variants import variants
 from kvsim.sim.nodes import NodeDeserializer
-from kvsim.sim.run import Scenario, variants
+from kvsim.sim.run import Scenario
 
 MODEL = ModelSpec(name="tiny", layers=4, attention_heads=4, kv_heads=2, head_dim=64,
                   hidden_size=256, params_total=1e8, params_active=1e8)

@@ -8,11 +8,11 @@ import json
 import numpy as np
 import pytest
 
-from kvsim.config.codecs import resolve_codec
-from kvsim.hardware import HardwareSpec, TimingModel
-from kvsim.models import ModelSpec
-from kvsim.sim.codec_timing import TIMING_DIR, from_bench_report, load_codec_timing
-from kvsim.sim.policy import build_plan, serial_pipeline
+from kvsim.kernels.presets import resolve_codec
+from kvsim.model.hardware import HardwareSpec, TimingModel
+from kvsim.model.spec import ModelSpec
+from kvsim.scenario.codec_timing import TIMING_DIR, from_bench_report, load_codec_timing
+from kvsim.scenario.policy import build_plan, serial_pipeline
 
 MODEL = ModelSpec(name="m", layers=2, attention_heads=4, kv_heads=2, head_dim=64,
                   hidden_size=256, params_total=1e9, params_active=1e9)

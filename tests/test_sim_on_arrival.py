@@ -1,5 +1,5 @@
 """deserializer=on_arrival: the transport receiver's default, a worker per request that
-dequantizes each layer once its last message is in (kvsim.sim.policy._layer_job_work), then
+dequantizes each layer once its last message is in (kvsim.scenario.policy._layer_job_work), then
 the decoder builds its cache (hardware profile `cache_build`)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from sim_receiver_scenario import receiver_scenario
 
-from kvsim.profiles import profile_path
-from kvsim.sim.policy import build_plan
+from kvsim.core.profiles import profile_path
+from kvsim.scenario.policy import build_plan
 
 
 @pytest.mark.parametrize("policy", ["split_stream", "monolithic", "layerwise"])
@@ -119,7 +119,7 @@ def test_the_transports_receiver_modes_draft_plain_steps_plus_the_measured_conte
     step x the profile's draft_step ratio when no draft_overhead_s is configured, and a plain
     decode step without that measurement; the other deserializers keep their own model (the
     anchor's dequantization per draft, as the drafts read it); a configured overhead wins."""
-    from kvsim.sim.speculative import draft_overhead_s
+    from kvsim.scenario.speculative import draft_overhead_s
 
     doc = json.loads(profile_path("hardware", "local-smollm2-135m").read_text())
     doc.pop("draft_step", None)
@@ -162,10 +162,10 @@ def test_a_link_profiles_draft_step_replaces_the_hardware_profiles(tmp_path):
     the hardware profile's. Its fields are checked like the hardware profile's; the
     emulator refuses a profile of another emulation."""
     from kvsim.calibrate import link_profile as lp
-    from kvsim.cli import compose
-    from kvsim.config.transport import EmulateConfig
-    from kvsim.sim.link_profile import draft_step_for, link_draft_step, load_link_profile
+    from kvsim.core.compose import compose
+    from kvsim.scenario.link_profile import draft_step_for, link_draft_step, load_link_profile
     from kvsim.transport import session
+    from kvsim.transport.config import EmulateConfig
 
     doc = json.loads(profile_path("hardware", "local-smollm2-135m").read_text())
     doc["draft_step"] = {"ratio": 2.0}
@@ -353,7 +353,7 @@ def test_both_engines_slow_drafts_by_the_busy_ratio_under_one_rule(tmp_path):
     """receiver_busy_draft_s (the simulator's _decode and the emulator's HELLO): (busy_ratio
     - 1) x TPOT on arrival with no configured overhead and a profile that measured it;
     None for the other receiver modes, a configured overhead or a profile without it."""
-    from kvsim.sim.speculative import receiver_busy_draft_s
+    from kvsim.scenario.speculative import receiver_busy_draft_s
 
     def timing_from(doc: dict):
         path = tmp_path / "hw.json"

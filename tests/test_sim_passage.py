@@ -9,10 +9,10 @@ import pytest
 import simpy
 from test_sim_batch import MODEL, step_s
 
-from kvsim.hardware import HardwareSpec, TimingModel
+from kvsim.model.hardware import HardwareSpec, TimingModel
+from kvsim.scenario.policy import FlowPlan
 from kvsim.sim.batch import DecodeBatch
 from kvsim.sim.nodes import DecodeAdmission, Deserializer, when_all_ready
-from kvsim.sim.policy import FlowPlan
 
 HW = HardwareSpec(name="test", hbm_gb_per_s=100.0, bf16_tflops=10.0, memory_gb=100.0,
                   step_overhead_s=0.001)
@@ -110,9 +110,10 @@ def test_leave_callback_runs_after_the_batch_is_retimed_and_may_join():
 
 
 def _trace_scenario(arrivals_t: list[float], contexts: list[int], prefill_nodes: int):
-    from kvsim.cli import compose
-    from kvsim.config.sim import SimConfig
-    from kvsim.sim.run import Scenario, variants
+    from kvsim.core.compose import compose
+    from kvsim.scenario.config import SimConfig
+    from kvsim.scenario.variants import variants
+    from kvsim.sim.run import Scenario
 
     cfg, _ = compose("sim", ["scenario=none", "link=25g", "workload=poisson",
                              "workload.kind=trace", f"workload.arrivals_t={arrivals_t}",

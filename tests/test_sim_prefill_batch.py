@@ -7,10 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from kvsim.config.sim import SimConfig, WorkloadConfig
-from kvsim.hardware import HardwareSpec, TimingModel
-from kvsim.models import ModelSpec
-from kvsim.sim.run import Scenario, variants
+from kvsim.model.hardware import HardwareSpec, TimingModel
+from kvsim.model.spec import ModelSpec
+from kvsim.scenario.config import SimConfig, WorkloadConfig
+from kvsim.scenario.variants import variants
+from kvsim.sim.run import Scenario
 
 MODEL = ModelSpec(name="tiny", layers=4, attention_heads=4, kv_heads=2, head_dim=64,
                   hidden_size=256, params_total=1e8, params_active=1e8)

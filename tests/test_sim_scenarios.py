@@ -12,12 +12,15 @@ import numpy as np
 import pytest
 from sim_codecs import size_only_split_codec
 
-from kvsim.cli import CONF_DIR, compose
-from kvsim.config.sim import SimConfig
-from kvsim.hardware import HardwareSpec, TimingModel
+from kvsim.core.compose import compose
+from kvsim.core.paths import CONF_DIR
+from kvsim.kernels.codec import make_codec
 from kvsim.kernels.wire import CHUNK_HEADER_BYTES
-from kvsim.models import ModelSpec
-from kvsim.sim.run import Scenario, run_all, variants
+from kvsim.model.hardware import HardwareSpec, TimingModel
+from kvsim.model.spec import ModelSpec
+from kvsim.scenario.config import SimConfig
+from kvsim.scenario.variants import variants
+from kvsim.sim.run import Scenario, run_all
 
 LYNX = {"name": "lynx", "label": "lynx"}  # inline entry: independent of conf/codec presets
 
@@ -52,8 +55,7 @@ def test_monolithic_ttft_is_prefill_encode_transfer_decode_tpot(tmp_path):
     (row,), _ = run_all(cfg)
     shape = cfg.model.kv_shape(1000)
     bf16 = shape.bf16_bytes  # 4 layers * 2 * 2 heads * 1000 * 64 * 2 B = 2,048,000
-    table = cfg.codecs and __import__("kvsim.kernels", fromlist=["make_codec"]).make_codec(
-        "bf16", {"page_tokens": 256}).size_table(shape)
+    table = make_codec("bf16", {"page_tokens": 256}).size_table(shape)
     wire = table.total_bytes
     tm = TimingModel(cfg.model, cfg.hardware)
     expected = (tm.prefill_s(1000) + bf16 / 50e9 + 0.002 + 8 * wire / 1e9 + bf16 / 25e9
@@ -227,8 +229,8 @@ def _rows(scenario: str, codecs: list, overrides: tuple[str, ...] = ()) -> list[
 def _grid_rows(scenario: str, codecs: list) -> list[dict]:
     """Every point of the grid the scenario declares (hydra.sweeper.params), as `kvsim sim -m
     scenario=...` runs them: one composed config per point."""
-    from kvsim.config_help import declared_grid
-    from kvsim.paths import CONF_DIR
+    from kvsim.cli.help import declared_grid
+    from kvsim.core.paths import CONF_DIR
 
     grid = declared_grid(CONF_DIR / "scenario" / f"{scenario}.yaml")
     assert len(grid) == 1, grid
@@ -390,9 +392,9 @@ def test_size_calibration_names_its_source_and_changes_estimated_bytes(tmp_path)
     """Exact codecs ignore size_calibration; cachegen's bytes come from the shipped file
     (labelled 'error unknown') or from a sample encode of synthetic KV of the model's shape
     (labelled with its held-out error), and the row says which."""
-    from kvsim.kernels import make_codec
-    from kvsim.kernels.cachegen_size import CacheGenSizeModel
-    from kvsim.synthetic import generate_kv
+    from kvsim.kernels.cachegen.size import CacheGenSizeModel
+    from kvsim.kernels.codec import make_codec
+    from kvsim.kv.synthetic import generate_kv
 
     rows = {}
     for calibration in ("file", "synthetic"):
@@ -553,7 +555,7 @@ def test_request_trace_csv_drives_arrivals_contexts_and_outputs(tmp_path):
     ("TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,5,3\n", "TIMESTAMP"),
 ])
 def test_bad_request_traces_are_refused_with_the_row(tmp_path, body, match):
-    from kvsim.sim.request_trace import load_request_trace
+    from kvsim.scenario.request_trace import load_request_trace
 
     path = tmp_path / "bad.csv"
     path.write_text(body)

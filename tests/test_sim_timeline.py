@@ -6,12 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from kvsim.sim.speculative import (
-    DecodeTimeline,
-    commit_head,
-    plain_decode,
-    speculative_decode,
-)
+from kvsim.scenario.speculative import DecodeTimeline, commit_head, plain_decode, speculative_decode
 
 
 def _spec(accepted: int, tokens: int = 8) -> DecodeTimeline:
@@ -61,10 +56,11 @@ def test_commit_head_refuses_what_a_timeline_cannot_hold():
 
 
 def test_record_columns_read_every_record():
-    from kvsim.cli import compose
-    from kvsim.config.sim import SimConfig
-    from kvsim.sim.metrics import record_columns
-    from kvsim.sim.run import Scenario, variants
+    from kvsim.core.compose import compose
+    from kvsim.scenario.config import SimConfig
+    from kvsim.scenario.metrics import record_columns
+    from kvsim.scenario.variants import variants
+    from kvsim.sim.run import Scenario
 
     cfg, _ = compose("sim", ["scenario=none", "model=llama-3.1-8b", "hardware=h100",
                              "link=25g", "workload=azure-code", "workload.requests=40",

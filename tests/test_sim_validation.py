@@ -10,10 +10,10 @@ from dataclasses import replace
 import pytest
 import simpy
 
-from kvsim.cli import main
-from kvsim.config.sim import MetricsConfig, SimConfig, SpeculativeConfig
-from kvsim.hardware import HardwareSpec
-from kvsim.models import ModelSpec
+from kvsim.cli.main import main
+from kvsim.model.hardware import HardwareSpec
+from kvsim.model.spec import ModelSpec
+from kvsim.scenario.config import MetricsConfig, SimConfig, SpeculativeConfig
 from kvsim.sim.link import Link
 
 SMALL = ["scenario=none", "model=smollm2-135m", "hardware=h100", "workload.context_tokens=512",
@@ -115,7 +115,7 @@ def test_link_refuses_non_finite_numbers_and_accepts_equal_trace_times():
 
 
 def test_base_defaults_without_a_scenario_fit_and_run(capsys):
-    from kvsim.cli import compose
+    from kvsim.core.compose import compose
 
     cfg, _ = compose("sim", ["scenario=none"], SimConfig)
     assert (cfg.model.name, cfg.hardware.name, cfg.hardware.devices) == ("llama-3.1-8b",

@@ -52,8 +52,8 @@ def test_spread_of_rows_covers_scalars_and_token_indices():
 
 
 def test_sim_rows_carry_the_spread_of_their_samples():
-    from kvsim.cli import compose
-    from kvsim.config.sim import SimConfig
+    from kvsim.core.compose import compose
+    from kvsim.scenario.config import SimConfig
     from kvsim.sim.run import run_all
 
     cfg, _ = compose("sim", ["codecs=[int8,lynx]", "samples=8"], SimConfig)

@@ -14,9 +14,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from kvsim.cli import main
+from kvsim.cli.main import main
+from kvsim.cli.sweep import build_table, point_key
 from kvsim.commands.sweep import default_sweep_dir, multirun_arguments
-from kvsim.sweep import build_table, point_key
 
 BASE = ["scenario=none", "model=llama-3.1-8b", "codecs=[int8,lynx]", "samples=1",
         "workload.output_tokens=64"]
@@ -230,7 +230,7 @@ def test_joblib_workers_start_warm_and_the_launcher_reuses_them(tmp_path, capsys
     from joblib.externals.loky import reusable_executor as loky
 
     from hydra_plugins.kvsim_sweeper import resuming_sweeper
-    from kvsim.sweep import prepare_worker
+    from kvsim.cli.sweep import prepare_worker
 
     assert prepare_worker("kvsim.commands.sim", "prepare") == os.getpid()
     warmed: list[int] = []

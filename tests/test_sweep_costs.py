@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import kvsim.report as report
+import kvsim.core.report as report
 
 
 def test_provenance_asks_git_once_per_process(monkeypatch):

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from kvsim.layout import K, KVShape, V
-from kvsim.synthetic import SyntheticKVParams, _ar1, generate_kv, generate_queries
+from kvsim.core.layout import K, KVShape, V
+from kvsim.kv.synthetic import SyntheticKVParams, _ar1, generate_kv, generate_queries
 
 SHAPE = KVShape(layers=3, kv_heads=2, tokens=96, head_dim=32, dtype="float32")
 

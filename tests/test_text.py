@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvsim.kv.text import SOURCES, assemble, documents
 from kvsim.model.tiny import ByteTokenizer
-from kvsim.text import SOURCES, assemble, documents
 
 
 @pytest.mark.parametrize("source", SOURCES)

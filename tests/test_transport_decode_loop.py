@@ -15,15 +15,15 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from kvsim.acceptance import geometric
-from kvsim.config.codecs import resolve_codec
-from kvsim.hardware import HardwareSpec, TimingModel
+from kvsim.core.paths import CONF_DIR
+from kvsim.kernels.presets import resolve_codec
+from kvsim.kv.capture import cache_to_kv, prefill
+from kvsim.kv.draft_verify import decode
+from kvsim.model.hardware import HardwareSpec, TimingModel
+from kvsim.model.spec import ModelSpec
 from kvsim.model.tiny import tiny_llama
-from kvsim.models import ModelSpec
-from kvsim.paths import CONF_DIR
-from kvsim.quality.capture import cache_to_kv, prefill
-from kvsim.quality.speculative import decode
-from kvsim.sim.speculative import speculative_decode
+from kvsim.scenario.acceptance import geometric
+from kvsim.scenario.speculative import speculative_decode
 from kvsim.transport.decode_loop import (
     CacheView,
     DecodeResult,
@@ -484,10 +484,10 @@ def test_timing_draft_steps_slow_while_the_later_bytes_come_in(busy_end: float):
 def test_smollm2_speculative_decoding_is_lossless():
     """SmolLM2-135M on 512 tokens of real text, the default Lynx codec (CPU kernels): drafting
     on the anchor while the residual arrives commits exactly plain greedy decoding."""
-    from kvsim.model import load_lm
+    from kvsim.kv.text import assemble
     from kvsim.model.fetch import cached_gguf_path
+    from kvsim.model.load import load_lm
     from kvsim.model.presets import load_model_preset
-    from kvsim.text import assemble
 
     preset = load_model_preset("smollm2-135m")
     if not cached_gguf_path(preset).is_file():

@@ -52,8 +52,8 @@ def test_later_requests_reuse_the_first_ones_pages():
 
 _WARM_UP_CHILD = r"""
 import json, resource
-from kvsim.cli import compose
-from kvsim.config.transport import EmulateConfig
+from kvsim.core.compose import compose
+from kvsim.transport.config import EmulateConfig
 from kvsim.transport import session
 cfg, _ = compose("transport", ["transport.kv_source=synthetic", "transport.decode=timing",
                                "workload.context_tokens=2048"], EmulateConfig)
@@ -76,9 +76,9 @@ def test_the_decode_sides_warm_up_touches_its_largest_cache_or_says_why_not(monk
     assert got["faults"] > got["bytes"] // 4096 // 2  # the fp32 cache's pages, touched
     assert "untouched" not in out.stderr
 
-    from kvsim.cli import compose
-    from kvsim.config.transport import EmulateConfig
+    from kvsim.core.compose import compose
     from kvsim.transport import session
+    from kvsim.transport.config import EmulateConfig
 
     cfg, _ = compose("transport", ["transport.kv_source=synthetic", "transport.decode=timing",
                                    "workload.context_tokens=2048"], EmulateConfig)

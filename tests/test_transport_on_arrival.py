@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from kvsim.core.layout import KVShape
 from kvsim.kernels.codec import CodecError, make_codec
 from kvsim.kernels.wire import WireError
-from kvsim.layout import KVShape
-from kvsim.synthetic import generate_kv
+from kvsim.kv.synthetic import generate_kv
 from kvsim.transport import protocol as P
 from kvsim.transport.assembly import Assembly
 
@@ -138,7 +138,7 @@ def _same_cache(a, b) -> None:
 
 
 def test_cache_from_layers_in_any_order_equals_kv_to_cache():
-    from kvsim.quality.capture import CacheFromLayers, kv_to_cache
+    from kvsim.kv.capture import CacheFromLayers, kv_to_cache
 
     cfg = _llama_config(SHAPE.layers, SHAPE.kv_heads, SHAPE.head_dim)
     kv = generate_kv(SHAPE, seed=9).float()
@@ -156,7 +156,7 @@ def test_cache_from_layers_in_any_order_equals_kv_to_cache():
 def test_on_arrival_builds_the_decoders_caches_layer_by_layer():
     """With the decode loop's cache builder, the worker grows the model's caches (anchor and
     full) as layers arrive; each is taken once, and no fp32 copy is kept."""
-    from kvsim.quality.capture import CacheFromLayers, kv_to_cache
+    from kvsim.kv.capture import CacheFromLayers, kv_to_cache
 
     cfg = _llama_config(SHAPE.layers, SHAPE.kv_heads, SHAPE.head_dim)
     codec = make_codec("lynx")

@@ -12,8 +12,8 @@ import pytest
 from triton_checks import needs_ptxas, run_compiled
 
 # module -> its compile_for_cuda() (default tile parameters)
-MODULES = ["kvsim.kernels.hadamard_triton", "kvsim.kernels.uniform_triton",
-           "kvsim.kernels.lynx_triton"]
+MODULES = ["kvsim.kernels.hadamard_triton", "kvsim.kernels.uniform.triton",
+           "kvsim.kernels.lynx.triton"]
 
 
 @needs_ptxas

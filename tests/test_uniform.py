@@ -6,11 +6,11 @@ import pytest
 import torch
 from codec_checks import wire_round_trip
 
-from kvsim.kernels import hadamard_triton, make_codec
-from kvsim.kernels import uniform_triton as ut
-from kvsim.kernels.codec import CodecError
+from kvsim.core.layout import KVShape
+from kvsim.kernels import hadamard_triton
+from kvsim.kernels.codec import CodecError, make_codec
 from kvsim.kernels.groupquant import dequantize_groups, quantize_groups
-from kvsim.layout import KVShape
+from kvsim.kernels.uniform import triton as ut
 
 
 def rows_with_edge_cases(rows: int, n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:

@@ -8,8 +8,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvsim.kernels import Encoded, make_codec, uniform_cpu
-from kvsim.kernels.uniform import use_cpu
+from kvsim.kernels.codec import make_codec
+from kvsim.kernels.encoded import Encoded
+from kvsim.kernels.uniform import cpu as uniform_cpu
+from kvsim.kernels.uniform.codec import use_cpu
 
 # values that stress the quantizer: signed zeros, fp16 subnormal ranges, near the fp16 max
 # (65280 is exact in bf16 as well), a constant

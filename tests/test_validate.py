@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvsim.cli import main
+from kvsim.cli.main import main
 from kvsim.model.presets import load_model_preset
 from kvsim.transport.session import weights_available
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from kvsim.cli import main
+from kvsim.cli.main import main
+from kvsim.core.paths import DATA_DIR
 from kvsim.fidelity.errors import SCENARIO_KEYS
-from kvsim.paths import DATA_DIR
 
 SHIPPED = DATA_DIR / "fidelity" / "2026-11-25"
 _KEY = (*SCENARIO_KEYS, "codec", "metric")
@@ -25,7 +25,7 @@ def _key(row: dict) -> tuple:
 @pytest.fixture
 def no_emulation(monkeypatch):
     """Any emulated transfer fails the test: measured_from must only simulate."""
-    import kvsim.commands.emulate as emulate_cmd
+    import kvsim.transport.emulate as emulate_cmd
 
     def refuse(*_a, **_k):
         raise AssertionError("measured_from ran the emulator")

@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsim.kernels import Encoded, codec_for, make_codec
-from kvsim.kernels.codec import CodecError
+from kvsim.kernels.codec import CodecError, codec_for, make_codec
+from kvsim.kernels.encoded import Encoded
 from kvsim.kernels.wire import CHUNK_HEADER_BYTES, WireError, pack_chunk_header, pack_preamble
 
 

@@ -14,7 +14,7 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.config_store import ConfigStore
 
 from hydra_plugins.kvsim_sweeper.shared_context_launcher import parallel_kwargs
-from kvsim.sweep import (
+from kvsim.cli.sweep import (
     MANIFEST,
     TABLE_STEM,
     SweepFailed,

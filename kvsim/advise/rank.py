@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from kvsim.advise.config import AdviseConfig, objective_key
 from kvsim.advise.floor import (
     LOSSLESS,
     SERVING_CODEC,
@@ -17,9 +18,8 @@ from kvsim.advise.floor import (
     parse_floor,
 )
 from kvsim.advise.pareto import pareto_front
-from kvsim.config.advise import AdviseConfig, objective_key
-from kvsim.config.codecs import preset_names, resolve_codec
-from kvsim.sim.policy import POLICIES
+from kvsim.kernels.presets import preset_names, resolve_codec
+from kvsim.scenario.policy import POLICIES
 
 
 @dataclass
@@ -77,7 +77,7 @@ def candidate_policies(cfg: AdviseConfig) -> list[tuple[str | dict, list[str]]]:
     sim` mappings, which may pin a transfer or an acceptance) with every listed policy, the
     split-stream ones only for codecs with several streams. With cfg.acceptance_files, a
     several-stream codec with a measured acceptance file drafts with it."""
-    from kvsim.acceptance import ACCEPTANCE_DIR
+    from kvsim.scenario.acceptance import ACCEPTANCE_DIR
 
     entries = list(cfg.codecs) if cfg.codecs else preset_names()
     transfers = cfg.transfer if isinstance(cfg.transfer, (list, tuple)) else [cfg.transfer]

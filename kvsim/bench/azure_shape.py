@@ -28,9 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kvsim.data_files import sha256_file
-from kvsim.outputs import OutputExistsError, check_new
-from kvsim.sim.request_trace import load_request_trace
+from kvsim.core.data_files import sha256_file
+from kvsim.core.outputs import OutputExistsError, check_new
+from kvsim.scenario.request_trace import load_request_trace
 
 TRACES = ("code", "conv")
 SOURCE_REPO = "Azure/AzurePublicDataset"

@@ -13,14 +13,14 @@ import argparse
 
 import torch
 
-from kvsim.kernels import make_codec
-from kvsim.layout import KVShape
-from kvsim.synthetic import generate_kv
+from kvsim.core.layout import KVShape
+from kvsim.kernels.codec import make_codec
+from kvsim.kv.synthetic import generate_kv
 
 
 def kv_kinds(shape: KVShape, seed: int = 7) -> dict[str, torch.Tensor]:
     """KV of four kinds, fp32 [layers, 2, kv_heads, tokens, head_dim]: Gaussian, heavy-tailed
-    (Student-t with 2 degrees of freedom: infinite variance), constant, kvsim.synthetic."""
+    (Student-t with 2 degrees of freedom: infinite variance), constant, kvsim.kv.synthetic."""
     dims = shape.dims
     gen = torch.Generator().manual_seed(seed)
     gaussian = torch.randn(dims, generator=gen)

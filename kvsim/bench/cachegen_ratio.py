@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvsim.capture import load_capture, resolve_capture_path
-from kvsim.kernels.cachegen import RATIO_FILE, write_ratio_file
-from kvsim.layout import KVShape
-from kvsim.outputs import OutputExistsError, check_new
-from kvsim.synthetic import SyntheticKVParams, generate_kv
+from kvsim.core.layout import KVShape
+from kvsim.core.outputs import OutputExistsError, check_new
+from kvsim.kernels.cachegen.codec import RATIO_FILE, write_ratio_file
+from kvsim.kv.capture_file import load_capture, resolve_capture_path
+from kvsim.kv.synthetic import SyntheticKVParams, generate_kv
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--shape needs layers,kv_heads,tokens,head_dim")
         params = SyntheticKVParams()
         kv = generate_kv(KVShape(*dims, dtype="bfloat16"), params, seed=args.seed)
-        source = {"kind": "synthetic", "note": "SYNTHETIC KV (kvsim.synthetic.generate_kv), "
+        source = {"kind": "synthetic", "note": "SYNTHETIC KV (kvsim.kv.synthetic.generate_kv), "
                   "not a real model capture; re-measure on a capture for real estimates",
                   "seed": args.seed, "synthetic_params": params.to_dict()}
     path = write_ratio_file(kv, source, args.out)

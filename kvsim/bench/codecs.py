@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvsim.attention_error import attention_output, relative_mse, vnmse_from_outputs
-from kvsim.kernels import Codec
-from kvsim.layout import KVShape
+from kvsim.core.layout import KVShape
+from kvsim.kernels.codec import Codec
+from kvsim.kv.attention_error import attention_output, relative_mse, vnmse_from_outputs
 
 
 @dataclass
@@ -42,7 +42,7 @@ def resolve_device(device: str) -> torch.device:
 
 def synthetic_source(shape: KVShape, q_heads: int, q_tokens: int, seed: int,
                      params_path: str | None = None) -> KVSource:
-    from kvsim.synthetic import SyntheticKVParams, generate_kv, generate_queries
+    from kvsim.kv.synthetic import SyntheticKVParams, generate_kv, generate_queries
 
     params = SyntheticKVParams.load(params_path) if params_path else SyntheticKVParams()
     kv = generate_kv(shape, params, seed)
@@ -50,13 +50,13 @@ def synthetic_source(shape: KVShape, q_heads: int, q_tokens: int, seed: int,
     return KVSource(kv, queries, {"kind": "synthetic", "seed": seed,
                                   "params_file": params_path,
                                   "synthetic_params": params.to_dict(),
-                                  "queries": "generated (kvsim.synthetic.generate_queries)"})
+                                  "queries": "generated (kvsim.kv.synthetic.generate_queries)"})
 
 
 def capture_source(name: str, q_heads: int, q_tokens: int, seed: int) -> KVSource:
     """A saved capture; its real queries when it has them, else generated ones (recorded)."""
-    from kvsim.capture import load_capture, resolve_capture_path
-    from kvsim.synthetic import generate_queries
+    from kvsim.kv.capture_file import load_capture, resolve_capture_path
+    from kvsim.kv.synthetic import generate_queries
 
     cap = load_capture(name)
     desc = {"kind": "capture", "path": str(resolve_capture_path(name)), "meta": cap.meta}

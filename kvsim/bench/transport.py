@@ -12,7 +12,7 @@ theirs alone:
 On loopback they are plain children; for `tc` each runs inside its side's network namespace
 (`NetnsLink.argv_in`). One session (one set of processes) runs many cases in sequence.
 
-A case moves real codec chunks: `distinct_layers` layers of synthetic KV (kvsim.synthetic)
+A case moves real codec chunks: `distinct_layers` layers of synthetic KV (kvsim.kv.synthetic)
 are generated and encoded before anything is timed; a cache of `layers` layers repeats them
 (layer l sends the chunks of layer l % distinct_layers), so a multi-GB transfer costs neither
 memory nor encoding time. encode='pre' hands the sender those encodings (the figure is the
@@ -86,9 +86,9 @@ class CaseSpec:
 # ---- sizes (from the codec's size table: nothing is encoded) -----------------------------
 def layer_wire_bytes(codec: str, kv_heads: int, head_dim: int, tokens: int) -> list[int]:
     """Per stream, the wire bytes one layer puts on the link (payloads + 36-byte frames)."""
-    from kvsim.config.codecs import resolve_codec
+    from kvsim.core.layout import KVShape
     from kvsim.kernels import wire
-    from kvsim.layout import KVShape
+    from kvsim.kernels.presets import resolve_codec
 
     table = resolve_codec(codec).build().size_table(KVShape(1, kv_heads, tokens, head_dim))
     out = []
@@ -568,9 +568,9 @@ def _payloads(c: CaseSpec) -> tuple[Any, list, list]:
     """(codec, [1-layer KV], [their encodings]) for the case's codec and shape (cached)."""
     key = (c.codec, c.kv_heads, c.head_dim, c.tokens, c.distinct_layers, c.seed)
     if key not in _PAYLOADS:
-        from kvsim.config.codecs import resolve_codec
-        from kvsim.layout import KVShape
-        from kvsim.synthetic import generate_layer
+        from kvsim.core.layout import KVShape
+        from kvsim.kernels.presets import resolve_codec
+        from kvsim.kv.synthetic import generate_layer
 
         codec = resolve_codec(c.codec).build()
         base = KVShape(c.distinct_layers, c.kv_heads, c.tokens, c.head_dim)
@@ -629,7 +629,7 @@ def _tx_raw(sock: Any, c: CaseSpec, timeout_s: float) -> dict:
 
 
 def _tx_transport(c: CaseSpec, endpoint: str, timeout_s: float, max_queued: int) -> dict:
-    from kvsim.layout import KVShape
+    from kvsim.core.layout import KVShape
     from kvsim.transport.rate_limiter import TokenBucket, Unlimited
     from kvsim.transport.sender import OutgoingRequest, Sender
     from kvsim.transport.source import KVSource

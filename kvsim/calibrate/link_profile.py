@@ -23,7 +23,7 @@ chunk bytes (chunk header + payload); the transport adds its control frame on th
 
 `kvsim calibrate` runs it for each of its `links` and, with its receiver timing, adds the
 receiver's draft step measured on that link (optional `draft_step`: ratio, busy_ratio,
-context_tokens, model; kvsim.hardware's draft_step format); alone (no draft step):
+context_tokens, model; kvsim.model.hardware's draft_step format); alone (no draft step):
     python -m kvsim.calibrate.link_profile --emulation tc --name local-tc \
         --out /tmp/local-tc.json
 """
@@ -323,7 +323,7 @@ def measure_link_profile(emulation: str,
                          transfers: Sequence[Transfer] = DEFAULT_TRANSFERS,
                          command: str = "") -> dict:
     """Measure the emulated link at each rate and fit it: the profile document (version 1;
-    see the module doc and kvsim.sim.link_profile). About 3 x 2.3 s of transfers per rate
+    see the module doc and kvsim.scenario.link_profile). About 3 x 2.3 s of transfers per rate
     with the defaults, plus process start-up (once; tc: once per rate)."""
     measurements = measure(emulation, rates_gbps, transfers, repeats)
     return profile_doc(name, emulation, rates_gbps, measurements, command)

@@ -6,7 +6,7 @@ checksum, as the sender; dequantize n streams and build the model's cache, as th
 
 Every figure is a median of repeated wall-clock timings (time.perf_counter) in this process,
 with torch limited to `threads` threads (the transport's processes use
-`transport.threads`). The real text the prompts are made of comes from `kvsim.text`, with
+`transport.threads`). The real text the prompts are made of comes from `kvsim.kv.text`, with
 a seed of its own: calibration never reads a validation run's results.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from kvsim.layout import KVShape
+from kvsim.core.layout import KVShape
 
 PROFILE_VERSION = 1
 
@@ -49,7 +49,7 @@ def _median_s(fn: Callable[[], Any], repeats: int) -> float:
 
 
 def _prompt(lm: Any, tokens: int, cal: ModelCalibration) -> list[int]:
-    from kvsim.text import assemble
+    from kvsim.kv.text import assemble
 
     return list(assemble(lm.tokenizer, tokens, cal.text_source, cal.seed + tokens).ids)
 
@@ -95,7 +95,7 @@ def _batch_step_s(lm: Any, kv: torch.Tensor, batch: int, steps: int) -> float:
 def _verify_s(lm: Any, kv: torch.Tensor, drafted: int, repeats: int) -> float:
     """One pass over [first token, d_1..d_n] on a freshly built full cache (as the receiver
     verifies), median s."""
-    from kvsim.quality.capture import kv_to_cache
+    from kvsim.kv.capture import kv_to_cache
 
     dtype = _dtype(lm)
     ids = torch.ones((1, drafted + 1), dtype=torch.long)
@@ -113,7 +113,7 @@ def measure_model(lm: Any, model_name: str, cal: ModelCalibration,
                   ) -> tuple[dict, dict[int, torch.Tensor]]:
     """The hardware profile document of the real model here, and the real bf16 KV
     [layers, 2, kv_heads, tokens, head_dim] of each calibration context (for the codecs)."""
-    from kvsim.quality.capture import cache_to_kv, kv_to_cache, prefill
+    from kvsim.kv.capture import cache_to_kv, kv_to_cache, prefill
 
     contexts = sorted({int(c) for c in cal.contexts})
     if not contexts or contexts[0] < 16:
@@ -181,8 +181,8 @@ def _encode_layerwise(codec: Any, kv: torch.Tensor) -> list[Any]:
 
 def _load(codec: Any, enc: Any, n: int, lm: Any) -> Any:
     """Dequantize the first n streams and build the model's cache, as the receiver does."""
-    from kvsim.layout import all_finite
-    from kvsim.quality.capture import kv_to_cache
+    from kvsim.core.layout import all_finite
+    from kvsim.kv.capture import kv_to_cache
 
     kv = codec.decode(enc, streams=n, dtype=torch.float32)
     if not all_finite(kv):
@@ -192,11 +192,11 @@ def _load(codec: Any, enc: Any, n: int, lm: Any) -> Any:
 
 def measure_codecs(lm: Any, specs: list[Any], kv: torch.Tensor, repeats: int,
                    command: str, progress: Callable[[str], None] = lambda msg: None) -> dict:
-    """A codec timing document (kvsim.sim.codec_timing's format) of each codec spec on the
+    """A codec timing document (kvsim.scenario.codec_timing's format) of each codec spec on the
     real KV `kv` [layers, 2, kv_heads, tokens, head_dim] bf16: encode GB/s of bf16 input as
     the sender encodes (layer by layer + checksum), decode GB/s as the receiver loads all
     streams, and for split-stream codecs anchor_decode GB/s (stream 0 alone)."""
-    from kvsim.sim.codec_timing import FORMAT_VERSION
+    from kvsim.scenario.codec_timing import FORMAT_VERSION
 
     shape = KVShape.of(kv)
     bf16_bytes = float(kv.numel() * 2)

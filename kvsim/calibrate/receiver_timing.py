@@ -41,7 +41,7 @@ bytes (lynx here, at 1 Gbps: 4.7 ms per layer at 512 tokens and 5.6 ms at 1024, 
 bytes alone would say 2.8 and 5.6): one context cannot tell them apart, and extrapolating
 its rate doubled the simulated jobs from 1024 to 2048 tokens where the real ones grew far
 less. A second calibration transfer at a shorter context (`fit_layer_jobs`) splits them:
-the simulator's on-arrival layer jobs cost fixed + bytes / rate (kvsim.sim.codec_timing).
+the simulator's on-arrival layer jobs cost fixed + bytes / rate (kvsim.scenario.codec_timing).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from kvsim.hardware import scaled_curve
+from kvsim.model.hardware import scaled_curve
 
 DECODE_STEPS = 16  # decode steps per request of the calibration transfer
 # the calibration transfer's link rate: slow enough that a split-stream codec's residual is
@@ -103,9 +103,9 @@ def receiver_loads(model: str, codecs: list[Any], context_tokens: int, seed: int
     split-stream codecs only: their requests all draft); with plain requests, theirs.
     keep_rows: the transfer's request rows are appended to it (kvsim.calibrate.draft_ingest
     replays their drafts)."""
-    from kvsim.cli import compose
-    from kvsim.commands.emulate import emulate
-    from kvsim.config.transport import EmulateConfig
+    from kvsim.core.compose import compose
+    from kvsim.transport.config import EmulateConfig
+    from kvsim.transport.emulate import emulate
 
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -332,7 +332,7 @@ def draft_step_doc(measured: dict[str, dict[str, float]], context_tokens: int, w
 def fit_layer_jobs(measured: dict[str, dict[str, float]], fit: dict[str, dict[str, float]],
                    layer_bf16_bytes: float, fit_layer_bf16_bytes: float
                    ) -> dict[str, dict[str, float]]:
-    """codec label -> the codec timing's layer-job fields (kvsim.sim.codec_timing:
+    """codec label -> the codec timing's layer-job fields (kvsim.scenario.codec_timing:
     layer_job_fixed_s / layer_job_gb_per_s, and the anchor's with an anchor rate): a line
     through the mean on-arrival job of two calibration transfers, `measured` with layers of
     `layer_bf16_bytes` and `fit` with layers of `fit_layer_bf16_bytes` (receiver_loads'

@@ -1,1 +1,1 @@
-"""One module per `kvsim` subcommand (discovered by kvsim.cli)."""
+"""One module per `kvsim` subcommand (discovered by kvsim.cli.main)."""

@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 import sys
 
+from kvsim.advise.config import AdviseConfig, objective_key
 from kvsim.advise.rank import Advice, Candidate, advise, load_qualities, simulate
-from kvsim.config.advise import AdviseConfig, objective_key
-from kvsim.report import format_table
+from kvsim.core.report import format_table
 
 COMMAND = ("advise",)
 HELP = "rank codecs x transfer policies for one setting under a quality floor; recommend one"

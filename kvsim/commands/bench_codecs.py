@@ -1,7 +1,7 @@
 """Every codec on the same KV cache: serialized bits per element, per-stream bytes, KV relative
 MSE, attention-output vNMSE (full, anchor-only and per stream prefix), encode / decode GB/s
 (bf16-equivalent input bytes / median seconds) and their ratio to a torch clone of the same
-tensor timed in the same run. KV: synthetic (kvsim.synthetic) or a capture (kv_source=NAME)."""
+tensor timed in the same run. KV: synthetic (kvsim.kv.synthetic) or a capture (kv_source=NAME)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kvsim.attention_error import attention_output
 from kvsim.bench.codecs import (
     bench_codec,
     capture_source,
@@ -20,13 +19,14 @@ from kvsim.bench.codecs import (
     resolve_device,
     synthetic_source,
 )
-from kvsim.capture import CAPTURE_DIR
-from kvsim.config.codecs import resolve_codec
-from kvsim.layout import KVShape
-from kvsim.outputs import check_new, out_root
-from kvsim.paths import DATA_DIR
-from kvsim.report import format_table
-from kvsim.sim.codec_timing import TIMING_DIR, timing_doc_from_rows
+from kvsim.core.layout import KVShape
+from kvsim.core.outputs import check_new, out_root
+from kvsim.core.paths import DATA_DIR
+from kvsim.core.report import format_table
+from kvsim.kernels.presets import resolve_codec
+from kvsim.kv.attention_error import attention_output
+from kvsim.kv.capture_file import CAPTURE_DIR
+from kvsim.scenario.codec_timing import TIMING_DIR, timing_doc_from_rows
 
 COMMAND = ("bench", "codecs")
 # kv_source=auto: this capture (written by `kvsim quality`) if present, else synthetic KV

@@ -13,8 +13,8 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from kvsim.models import ModelSpec
-from kvsim.report import format_table
+from kvsim.core.report import format_table
+from kvsim.model.spec import ModelSpec
 
 COMMAND = ("bench", "draft")
 HELP = "decode step beside the dequantization worker, compute, memory and Python loads"
@@ -62,10 +62,10 @@ def run(cfg: Config) -> list[dict]:
     import torch
 
     from kvsim.calibrate.model_profile import ModelCalibration, _prompt
-    from kvsim.config.codecs import resolve_codec
     from kvsim.fidelity.draft_contention import check_loads, measure, switch_interval
+    from kvsim.kernels.presets import resolve_codec
+    from kvsim.kv.capture import cache_to_kv, prefill
     from kvsim.model.load import load_lm
-    from kvsim.quality.capture import cache_to_kv, prefill
 
     say = (lambda msg: print(f"bench draft: {msg}", file=sys.stderr, flush=True)) \
         if cfg.progress else (lambda msg: None)

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 
 import simpy
 
-from kvsim.cli import compose
-from kvsim.config.sim import SimConfig
-from kvsim.report import format_table
-from kvsim.sim.run import Scenario, variants
+from kvsim.core.compose import compose
+from kvsim.core.report import format_table
+from kvsim.scenario.config import SimConfig
+from kvsim.scenario.variants import variants
+from kvsim.sim.run import Scenario
 
 COMMAND = ("bench", "sim")
 HELP = ("simulator speed: 128K- and 1M-token single requests, 10,000- and 100,000-request "

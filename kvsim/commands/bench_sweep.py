@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvsim.report import format_table
+from kvsim.core.report import format_table
 
 COMMAND = ("bench", "sweep")
 HELP = ("sweep speed: basic vs Hydra's joblib vs kvsim's default launcher vs a resume of a "

@@ -52,7 +52,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from kvsim.report import format_table
+from kvsim.core.report import format_table
 
 COMMAND = ("bench", "transport")
 HELP = "real transport goodput vs raw ZeroMQ, token bucket and tc rates; anchor time; CPU/GB"
@@ -127,8 +127,8 @@ class Config:
     targets: TargetsConfig = field(default_factory=TargetsConfig)
 
     def validate(self) -> None:
-        from kvsim.config.codecs import resolve_codec
-        from kvsim.sim.policy import POLICIES
+        from kvsim.kernels.presets import resolve_codec
+        from kvsim.scenario.policy import POLICIES
 
         bad = [p for p in self.parts if p not in PARTS]
         if bad or not self.parts:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from kvsim.compare.diff import compare_runs
 from kvsim.compare.runs import load_run
-from kvsim.report import format_table
+from kvsim.core.report import format_table
 
 COMMAND = ("compare",)
 HELP = "two kvsim sim reports or sweep tables side by side: metric differences vs 95% intervals"

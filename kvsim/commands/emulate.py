@@ -7,18 +7,9 @@ fields as `kvsim sim` rows plus committed-token times and measured goodput."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
-import socket
-import subprocess
 import sys
-import tempfile
-import time
-from pathlib import Path
 
-from kvsim.config.transport import EmulateConfig
-from kvsim.transport.children import stop
+from kvsim.transport.config import EmulateConfig
 
 COMMAND = ("emulate",)
 HELP = "real KV transfer between two processes here (loopback token bucket or tc namespaces)"
@@ -26,126 +17,9 @@ CONFIG_NAME = "transport"
 Config = EmulateConfig
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _child(cmd: str, cfg: EmulateConfig, tmp: Path, report: Path) -> list[str]:
-    path = tmp / f"{cmd}.json"
-    path.write_text(json.dumps(dataclasses.asdict(cfg)))
-    return [sys.executable, "-m", "kvsim.cli", cmd, f"--resolved={path}", f"report={report}"]
-
-
-def _wait_listening(proc: subprocess.Popen, endpoint_file: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not endpoint_file.is_file() or not endpoint_file.read_text().strip():
-        if proc.poll() is not None:
-            raise RuntimeError(f"kvsim serve exited with {proc.returncode} before listening")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"kvsim serve did not listen within {timeout_s} s (it loads the "
-                               "model and compiles the codecs first; raise "
-                               "transport.start_timeout_s on a busy machine)")
-        time.sleep(0.05)
-
-
-def _rows(report: Path) -> list[dict]:
-    if not report.is_file():
-        raise RuntimeError(f"the decode host wrote no report ({report})")
-    return json.loads(report.read_text())["rows"]
-
-
-def emulate(cfg: EmulateConfig) -> list[dict]:
-    from kvsim.sim.run import variants
-    from kvsim.sim.workload import requests as workload_requests
-
-    cfg.validate()
-    t = cfg.transport
-    import numpy as np
-
-    n_requests = len(variants(cfg)) * len(workload_requests(cfg.workload,
-                                                            np.random.default_rng(cfg.seed)))
-    with tempfile.TemporaryDirectory(prefix="kvsim-emulate-") as tmp_name:
-        tmp = Path(tmp_name)
-        endpoint_file, rx_report = tmp / "endpoint", tmp / "serve-report.json"
-        port = t.port or _free_port()
-        if t.emulation == "tc":
-            return _emulate_tc(cfg, tmp, port, n_requests, endpoint_file, rx_report)
-        rx_cfg = dataclasses.replace(cfg, transport=dataclasses.replace(
-            t, bind=f"tcp://127.0.0.1:{port}", max_requests=n_requests,
-            endpoint_file=str(endpoint_file)))
-        tx_cfg = dataclasses.replace(cfg, transport=dataclasses.replace(
-            t, connect=f"tcp://127.0.0.1:{port}"))
-        serve = subprocess.Popen(_child("serve", rx_cfg, tmp, rx_report),
-                                 stdout=subprocess.DEVNULL, env=_env())
-        try:
-            _wait_listening(serve, endpoint_file, t.start_timeout_s)
-            from kvsim.commands.send import send_all
-
-            sent = send_all(tx_cfg)
-            serve.wait(timeout=t.timeout_s + 60)
-        finally:
-            stop(serve)
-        rows = _rows(rx_report) if rx_report.is_file() else []
-        return _merge(rows, sent)
-
-
-def _emulate_tc(cfg: EmulateConfig, tmp: Path, port: int, n_requests: int,
-                endpoint_file: Path, rx_report: Path) -> list[dict]:
-    from kvsim.transport.netns import NetemSpec, netns_available, shaped_link
-
-    ok, why = netns_available()
-    if not ok:
-        raise ValueError(f"transport.emulation=tc needs network namespaces: {why}")
-    t = cfg.transport
-    k = t.time_scale  # a k-times slower link, k-times longer delays (rows divide by k)
-    spec = NetemSpec(cfg.link.bandwidth_gbps / k, t.delay_ms * k, t.jitter_ms * k, t.loss_pct)
-    with shaped_link(spec) as link:
-        rx_cfg = dataclasses.replace(cfg, transport=dataclasses.replace(
-            t, bind=f"tcp://{link.receiver_addr}:{port}", max_requests=n_requests,
-            endpoint_file=str(endpoint_file)))
-        tx_cfg = dataclasses.replace(cfg, transport=dataclasses.replace(
-            t, connect=f"tcp://{link.receiver_addr}:{port}"))
-        tx_report = tmp / "send-report.json"
-        serve = send = None
-        try:
-            serve = subprocess.Popen(link.argv_in("receiver", _child("serve", rx_cfg, tmp,
-                                                                     rx_report)),
-                                     stdout=subprocess.DEVNULL, env=_env())
-            _wait_listening(serve, endpoint_file, t.start_timeout_s)
-            send = subprocess.Popen(link.argv_in("sender", _child("send", tx_cfg, tmp,
-                                                                  tx_report)),
-                                    stdout=subprocess.DEVNULL, env=_env())
-            send.wait(timeout=n_requests * (t.timeout_s + 300))
-            serve.wait(timeout=t.timeout_s + 60)
-        finally:
-            stop(send)
-            stop(serve)
-        sent = _rows(tx_report) if tx_report.is_file() else []
-        rows = _rows(rx_report) if rx_report.is_file() else []
-        if not rows and not sent:  # never an empty result without saying why
-            raise RuntimeError(f"transport.emulation=tc: neither end reported (kvsim send "
-                               f"exited with {send.returncode}, kvsim serve with "
-                               f"{serve.returncode}); their errors are above")
-        return _merge(rows, sent)
-
-
-def _merge(rx_rows: list[dict], tx_rows: list[dict]) -> list[dict]:
-    """The decode host's rows, plus the sender's view of any request it never reported."""
-    have = {r.get("request_id") for r in rx_rows}
-    return rx_rows + [r for r in tx_rows if r.get("request_id") not in have]
-
-
-def _env() -> dict:
-    env = dict(os.environ)
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TRANSFORMERS_OFFLINE", "1")
-    return env
-
-
 def run(cfg: EmulateConfig) -> list[dict]:
     from kvsim.transport import session
+    from kvsim.transport.emulate import emulate
     from kvsim.transport.record import aggregate_rows
 
     per_request = emulate(cfg)

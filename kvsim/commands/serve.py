@@ -10,7 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
-from kvsim.config.transport import EmulateConfig
+from kvsim.transport.config import EmulateConfig
 
 COMMAND = ("serve",)
 HELP = "decode host of a real KV transfer: receive over ZeroMQ, decode, report rows"

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import sys
 
-from kvsim.config.sim import SimConfig
-from kvsim.report import format_table
+from kvsim.core.report import format_table
+from kvsim.scenario.config import SimConfig
 
 COMMAND = ("sim",)
 HELP = "discrete-event simulation of KV transfer + decoding: TTFT/TTKT per codec and policy"
@@ -109,7 +109,7 @@ def prepare() -> None:
     import scipy.special  # noqa: F401
 
     import kvsim.sim.run  # noqa: F401
-    from kvsim.kernels import codec_names
+    from kvsim.kernels.codec import codec_names
 
     codec_names()
 

@@ -122,7 +122,7 @@ def _timed_steps(lm: Any, kv: torch.Tensor, token: int, steps: int, threads: int
     with `threads` torch threads, as the receiver's decode loop runs. On a timeout that
     thread is left running (a daemon: it cannot be stopped from outside)."""
     from kvsim.calibrate.model_profile import _dtype, _steps_s
-    from kvsim.quality.capture import kv_to_cache
+    from kvsim.kv.capture import kv_to_cache
 
     out: dict[str, Any] = {}
 

@@ -11,7 +11,7 @@ measured by `kvsim quality` on the same model. Both engines run the transport's 
 mode, where a draft is a plain decode step on the anchor's cache plus what calibration
 measured of one beside the receiver's dequantization (the link profile's `draft_step`,
 measured on that link, else the hardware profile's; 0 where not measured:
-kvsim.sim.speculative.receiver_draft_s).
+kvsim.scenario.speculative.receiver_draft_s).
 """
 
 from __future__ import annotations
@@ -78,9 +78,9 @@ def run_pair(common: list[str], sim: list[str],
              log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)
              ) -> tuple[list[dict], list[dict]]:
     """(emulated rows, simulated rows) of one scenario, one row per codec each."""
-    from kvsim.cli import compose
-    from kvsim.commands.emulate import emulate
-    from kvsim.config.transport import EmulateConfig
+    from kvsim.core.compose import compose
+    from kvsim.transport.config import EmulateConfig
+    from kvsim.transport.emulate import emulate
     from kvsim.transport.record import aggregate_rows
 
     ecfg, _ = compose("transport", common, EmulateConfig)
@@ -94,8 +94,8 @@ def run_pair(common: list[str], sim: list[str],
 
 def simulate(sim: list[str]) -> list[dict]:
     """The simulated rows of one scenario (`kvsim sim` with these overrides), one per codec."""
-    from kvsim.cli import compose
-    from kvsim.config.sim import SimConfig
+    from kvsim.core.compose import compose
+    from kvsim.scenario.config import SimConfig
     from kvsim.sim.run import run_all
 
     scfg, _ = compose("sim", sim, SimConfig)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kvsim.hardware import scaled_curve
+from kvsim.model.hardware import scaled_curve
 
 # the hardware profile's curves that are times of a decode-sized forward step (scaled)
 STEP_CURVES = ("tpot", "tpot_batch", "verify")
@@ -41,7 +41,7 @@ class StepProbe:
         import torch
 
         from kvsim.calibrate.model_profile import ModelCalibration, _prompt, _steps_s
-        from kvsim.quality.capture import cache_to_kv, kv_to_cache, prefill
+        from kvsim.kv.capture import cache_to_kv, kv_to_cache, prefill
 
         if self._lm is None:
             from kvsim.model.load import load_lm

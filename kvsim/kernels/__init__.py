@@ -1,25 +1,3 @@
-"""Codecs (torch references + Triton kernels) that turn KV caches into wire bytes."""
-
-from kvsim.kernels.codec import (
-    Codec,
-    CodecError,
-    codec_class,
-    codec_for,
-    codec_names,
-    make_codec,
-    register,
-)
-from kvsim.kernels.encoded import Chunk, Encoded, SizeTable
-
-__all__ = [
-    "Chunk",
-    "Codec",
-    "CodecError",
-    "Encoded",
-    "SizeTable",
-    "codec_class",
-    "codec_for",
-    "codec_names",
-    "make_codec",
-    "register",
-]
+"""Codecs (torch references, numba CPU kernels, Triton kernels) that turn KV caches into wire
+bytes: the interface and registry (codec.py), encoded streams (encoded.py), the wire format
+(wire.py), presets (presets.py), and one module or subpackage per codec family."""

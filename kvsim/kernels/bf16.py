@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvsim.core.layout import KVShape
+from kvsim.core.lazy_module import lazy_module
 from kvsim.kernels.codec import Codec, CodecError, register
 from kvsim.kernels.encoded import Chunk, Encoded
-from kvsim.layout import KVShape
-from kvsim.lazy_module import lazy_module
 
 if TYPE_CHECKING:
     import torch

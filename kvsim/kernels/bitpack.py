@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvsim.lazy_module import lazy_module
+from kvsim.core.lazy_module import lazy_module
 
 if TYPE_CHECKING:
     import torch
@@ -20,13 +20,13 @@ PACKABLE_BITS = (1, 2, 4, 8)
 
 def packed_len(n: int, bits: int) -> int:
     """Bytes needed for n codes of `bits` bits (padded up to a whole byte)."""
-    _check_bits(bits)
+    check_bits(bits)
     return -(-n * bits // 8)
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """codes: [..., n] ints in [0, 2**bits), n % (8 // bits) == 0 -> [..., n*bits/8] uint8."""
-    _check_bits(bits)
+    check_bits(bits)
     if bits == 8:
         return codes.to(torch.uint8)
     per = 8 // bits
@@ -39,7 +39,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, bits: int, n: int | None = None) -> torch.Tensor:
     """packed: [..., m] uint8 -> [..., m * 8/bits] uint8 codes (truncated to n if given)."""
-    _check_bits(bits)
+    check_bits(bits)
     if bits == 8:
         out = packed.to(torch.uint8)
     else:
@@ -50,6 +50,6 @@ def unpack(packed: torch.Tensor, bits: int, n: int | None = None) -> torch.Tenso
     return out if n is None else out[..., :n]
 
 
-def _check_bits(bits: int) -> None:
+def check_bits(bits: int) -> None:
     if bits not in PACKABLE_BITS:
         raise ValueError(f"bit width {bits} not packable; use one of {PACKABLE_BITS}")

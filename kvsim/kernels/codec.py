@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from kvsim.core.layout import DTYPES, KVShape, check_finite
+from kvsim.core.lazy_module import lazy_module
 from kvsim.kernels import wire
 from kvsim.kernels.encoded import Chunk, Encoded, SizeTable, preamble_meta
-from kvsim.layout import DTYPES, KVShape, check_finite
-from kvsim.lazy_module import lazy_module
 
 if TYPE_CHECKING:
     import torch
@@ -371,7 +371,8 @@ def register(cls: type[Codec]) -> type[Codec]:
 # Triton *_triton, rans) are imported on first use, so knowing the codecs, their streams and
 # sizes imports neither numba nor Triton nor torch (tests/test_codec_imports.py checks both
 # this list and that).
-CODEC_MODULES = ("bf16", "uniform", "kivi", "gear", "oscar", "lynx", "cachegen")
+CODEC_MODULES = ("bf16", "uniform.codec", "kivi.codec", "kivi.gear", "kivi.oscar", "lynx.codec",
+                 "cachegen.codec")
 
 
 def _discover() -> None:

@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from kvsim.core.layout import KVShape
 from kvsim.kernels import wire
-from kvsim.layout import KVShape
 
 
 @dataclass

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvsim.core.lazy_module import lazy_module
 from kvsim.kernels.bitpack import pack, packed_len, unpack
-from kvsim.lazy_module import lazy_module
 
 if TYPE_CHECKING:
     import torch
@@ -145,7 +145,7 @@ class ChunkLayout:
     def serialize(self, values: dict[str, torch.Tensor], cpu_kernels: bool = False
                   ) -> np.ndarray:
         """cpu_kernels: pack codes with kivi_cpu's numba kernel (same bytes as pack_codes)."""
-        from kvsim.kernels.kivi_cpu import pack_flat  # imports groupquant: import here
+        from kvsim.kernels.bitpack_cpu import pack_flat  # imports groupquant: import here
 
         parts = []
         for f in self.fields:
@@ -202,8 +202,8 @@ class ChunkLayout:
         """payload -> {name: tensor} (codes unpacked to uint8, u16 widened to int64).
         cpu_kernels: unpack codes with kivi_cpu's numba kernel (same codes as unpack_codes).
         skip: fields left out of the result (a caller that reads them from the bytes)."""
+        from kvsim.kernels.bitpack_cpu import unpack_flat
         from kvsim.kernels.codec import CodecError
-        from kvsim.kernels.kivi_cpu import unpack_flat
 
         if payload.nbytes != self.nbytes:
             raise CodecError(f"chunk payload is {payload.nbytes} bytes, expected {self.nbytes}")

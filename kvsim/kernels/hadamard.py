@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from kvsim.lazy_module import lazy_module
+from kvsim.core.lazy_module import lazy_module
 
 if TYPE_CHECKING:
     import torch

@@ -36,7 +36,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvsim.data_files import sha256_file
+from kvsim.core.data_files import sha256_file
 
 FORMAT = 1
 MARKER = "converted.json"

@@ -17,8 +17,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvsim.models import ModelSpec
-from kvsim.paths import ROOT
+from kvsim.core.paths import ROOT
+from kvsim.model.spec import ModelSpec
 
 REPO_ROOT = ROOT
 DEFAULT_CACHE_DIR = REPO_ROOT / ".cache" / "models"

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvsim.data_files import record_loaded
+from kvsim.core.data_files import record_loaded
 from kvsim.model import converted
 from kvsim.model.fetch import cached_gguf_path
 from kvsim.model.presets import load_model_preset, model_preset_names
-from kvsim.models import ModelSpec
+from kvsim.model.spec import ModelSpec
 
 _DTYPES = {"float32", "bfloat16", "float16"}
 

@@ -1,4 +1,4 @@
-"""Model presets by name: conf/model/<name>.yaml read into a ModelSpec (kvsim.models), the one
+"""Model presets by name: conf/model/<name>.yaml read into a ModelSpec (kvsim.model.spec), the one
 preset type of the simulator, `kvsim quality`, the transport and `kvsim model fetch`.
 
 Commands get their preset through Hydra's `model=` group; this loader serves code that names a
@@ -11,8 +11,8 @@ from dataclasses import fields
 
 from omegaconf import OmegaConf
 
-from kvsim.models import ModelSpec
-from kvsim.paths import CONF_DIR
+from kvsim.core.paths import CONF_DIR
+from kvsim.model.spec import ModelSpec
 
 PRESET_DIR = CONF_DIR / "model"
 

@@ -16,7 +16,7 @@ from kvsim.plots.inputs import (
 )
 from kvsim.plots.options import PlotOptions
 from kvsim.plots.style import new_figure, tokens_label
-from kvsim.sim.metrics import BREAKDOWN_KEYS
+from kvsim.scenario.metrics import BREAKDOWN_KEYS
 
 SLIVER_FRACTION = 0.015  # of the x axis: narrower parts are written out, not only drawn
 _COLORS = {"serialize": "#8c564b", "exposed_communication": "#d62728",

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvsim.acceptance import ACCEPTANCE_DIR, AcceptanceModel, load_acceptance
-from kvsim.data_files import record_loaded
+from kvsim.core.data_files import record_loaded
+from kvsim.scenario.acceptance import ACCEPTANCE_DIR, AcceptanceModel, load_acceptance
 
 
 def _existing(path: str | Path, what: str) -> Path:

@@ -68,7 +68,7 @@ def _metadata(fmt: str, provenance_json: str) -> dict[str, str]:
 def save(fig: Figure, out: str | Path, formats: list[str], dpi: int) -> list[Path]:
     """Write the figure in each format (see figure_paths), each file carrying the provenance
     (git state, the data files the figure was made from with their sha256) in its metadata."""
-    from kvsim.report import json_safe, provenance
+    from kvsim.core.report import json_safe, provenance
 
     paths = figure_paths(out, formats)
     provenance_json = json.dumps(json_safe(provenance()), sort_keys=True)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 from matplotlib.figure import Figure
 
-from kvsim.acceptance import AcceptanceModel, load_acceptance
 from kvsim.plots.inputs import load_survivals
 from kvsim.plots.options import PlotOptions
 from kvsim.plots.style import codec_color, new_figure
+from kvsim.scenario.acceptance import AcceptanceModel, load_acceptance
 
 _STYLES = ["-", "--", "-.", ":"]
 

@@ -1,4 +1,4 @@
-"""Fit the synthetic KV generator (kvsim.synthetic.SyntheticKVParams) to a real capture, so
+"""Fit the synthetic KV generator (kvsim.kv.synthetic.SyntheticKVParams) to a real capture, so
 codec bytes and error can be estimated for shapes whose weights are not here (Llama-8B,
 Qwen-32B) with the statistics of a real model.
 
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from kvsim.layout import K, KVShape, V
-from kvsim.paths import DATA_DIR
-from kvsim.synthetic import SyntheticKVParams
+from kvsim.core.layout import K, KVShape, V
+from kvsim.core.paths import DATA_DIR
+from kvsim.kv.synthetic import SyntheticKVParams
 
 SYNTHETIC_DIR = DATA_DIR / "synthetic"
 _OUTLIER_STD_RATIO = 3.0  # channel std / median channel std above which a channel is an outlier

@@ -1,5 +1,5 @@
 """The files one `kvsim quality` run writes, named before any work so that existing ones are
-refused up front (kvsim.outputs): the first context's capture, its synthetic-KV calibration,
+refused up front (kvsim.core.outputs): the first context's capture, its synthetic-KV calibration,
 the vNMSE table and one acceptance model per measured (codec, stream prefix, decoding).
 
 Layout under the output root (the run directory by default; out_dir=data updates the
@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvsim.outputs import check_new, out_root
-from kvsim.paths import DATA_DIR
+from kvsim.core.outputs import check_new, out_root
+from kvsim.core.paths import DATA_DIR
 
 
 def acceptance_name(model: str, codec_label: str, streams_used: int, decoding: str,

@@ -24,16 +24,16 @@ import torch
 from omegaconf import MISSING
 from tqdm import tqdm
 
-from kvsim.acceptance import AcceptanceModel
-from kvsim.config.codecs import CodecSpec, preset_names, resolve_codec
-from kvsim.layout import DTYPES
-from kvsim.models import ModelSpec
+from kvsim.core.layout import DTYPES
+from kvsim.kernels.presets import CodecSpec, preset_names, resolve_codec
+from kvsim.kv.capture import run_context
+from kvsim.kv.draft_verify import DECODINGS, speculative_round, survival_curve
+from kvsim.kv.text import SOURCES, assemble
+from kvsim.model.spec import ModelSpec
 from kvsim.quality.calibrate import calibrate, save_calibration
-from kvsim.quality.capture import run_context
 from kvsim.quality.outputs import acceptance_name, plan_outputs
-from kvsim.quality.speculative import DECODINGS, speculative_round, survival_curve
 from kvsim.quality.vnmse import VNMSETable, cache_error, perplexity
-from kvsim.text import SOURCES, assemble
+from kvsim.scenario.acceptance import AcceptanceModel
 
 PREFIX_MODES = ("partial", "all", "none")
 
@@ -82,7 +82,7 @@ def _codec_specs(entries: list[Any]) -> list[CodecSpec]:
 
 
 def _load(cfg: QualityConfig) -> tuple[Any, Any, str, dict]:
-    from kvsim.model import load_lm
+    from kvsim.model.load import load_lm
 
     lm = load_lm(cfg.model, cfg.cache_dir, cfg.dtype, cfg.threads, cfg.seed)
     return lm.model, lm.tokenizer, lm.name, {**lm.meta, "load_s": lm.load_s}

@@ -2,7 +2,7 @@
 through every layer's attention), next-token top-1 agreement and perplexity on held-out text.
 
 The reference is the model's own (full-precision) cache; the codec encodes that tensor and
-each stream prefix is decoded and fed back. vNMSE uses kvsim.attention_error (queries attend
+each stream prefix is decoded and fed back. vNMSE uses kvsim.kv.attention_error (queries attend
 to the context cache only); top-1/perplexity run the whole model on the held-out tokens with
 the dequantized cache as past_key_values.
 
@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvsim.attention_error import attention_vnmse, relative_mse
-from kvsim.data_files import record_loaded
-from kvsim.paths import DATA_DIR
-from kvsim.report import json_safe
+from kvsim.core.data_files import record_loaded
+from kvsim.core.paths import DATA_DIR
+from kvsim.core.report import json_safe
+from kvsim.kv.attention_error import attention_vnmse, relative_mse
 
 VNMSE_DIR = DATA_DIR / "vnmse"
 VNMSE_VERSION = 1
@@ -61,7 +61,7 @@ def cache_error(model: Any, kv: torch.Tensor, kv_hat: torch.Tensor, queries: tor
                 heldout: torch.Tensor, logits_ref: torch.Tensor) -> CacheError:
     """kv, kv_hat: [layers, 2, kv_heads, tokens, head_dim]; queries [layers, q_heads, n,
     head_dim] of the held-out tokens; heldout [n] ids; logits_ref [n, vocab] on kv."""
-    from kvsim.quality.capture import forward_with_kv
+    from kvsim.kv.capture import forward_with_kv
 
     kv_hat = kv_hat.to(kv.dtype)
     layers = attention_vnmse(queries, kv, kv_hat)

@@ -20,7 +20,7 @@ none per token.
 Context of a member: its prompt (`context_tokens`). The tokens it generates (output_tokens,
 128 by default, against prompts of thousands) are left out so that the step time is
 constant between batch changes: the clock stays exact, and a request alone on its
-instance keeps the closed-form timeline of kvsim.sim.speculative (batch-1 TPOT).
+instance keeps the closed-form timeline of kvsim.scenario.speculative (batch-1 TPOT).
 
 Phases of a member (speculative: split-stream decoding that starts on the anchor):
   draft   on the anchor, one drafted token per step; each drafting member makes the step
@@ -33,7 +33,7 @@ Phases of a member (speculative: split-stream decoding that starts on the anchor
           drafts on the full cache (batched with the others' decode steps); its accepted
           prefix is drawn then, and the step yields the correction / bonus token;
   decode  one token per step until the request's tokens are out.
-Drafted and committed token times follow kvsim.sim.speculative's definitions.
+Drafted and committed token times follow kvsim.scenario.speculative's definitions.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ from collections.abc import Callable
 import numpy as np
 import simpy
 
-from kvsim.hardware import TimingModel
-from kvsim.sim.speculative import DecodeTimeline
+from kvsim.model.hardware import TimingModel
+from kvsim.scenario.speculative import DecodeTimeline
 from kvsim.sim.timer import Timer, call_later
 
 _COUNTS: dict[int, np.ndarray] = {}  # n -> [n] float 1..n (read-only), see _counts

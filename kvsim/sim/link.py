@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import simpy
 
-from kvsim.config.checks import check_number, check_trace
+from kvsim.core.checks import check_number, check_trace
 from kvsim.sim.timer import Timer, call_later
 
 _MESSAGES_CACHED = 4096  # prepared size arrays a link keeps (Link.messages)

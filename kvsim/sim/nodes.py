@@ -25,10 +25,10 @@ from typing import Protocol
 import numpy as np
 import simpy
 
-from kvsim.hardware import TimingModel
+from kvsim.model.hardware import TimingModel
+from kvsim.scenario.policy import FlowPlan, serial_pipeline
 from kvsim.sim.batch import DecodeBatch
 from kvsim.sim.link import Flow, Link
-from kvsim.sim.policy import FlowPlan, serial_pipeline
 from kvsim.sim.prefill_batch import ChunkedPrefill
 from kvsim.sim.timer import Timer, call_later
 

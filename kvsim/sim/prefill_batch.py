@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import simpy
 
-from kvsim.hardware import TimingModel
+from kvsim.model.hardware import TimingModel
 
 
 @dataclass

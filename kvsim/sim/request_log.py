@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvsim.sim.metrics import RequestRecord
+from kvsim.scenario.metrics import RequestRecord
 
 PHASES = ("arrival_t", "prefill_start_t", "prefill_end_t", "encode_end_t",
           "needed_arrival_t", "needed_ready_t", "all_arrival_t", "full_ready_t",

@@ -24,23 +24,27 @@ import heapq
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import simpy
 
-from kvsim.acceptance import load_acceptance
-from kvsim.config.codecs import CodecSpec, resolve_codec
-from kvsim.config.sim import SimConfig
-from kvsim.hardware import TimingModel
+from kvsim.model.hardware import TimingModel
+from kvsim.scenario.acceptance import load_acceptance
+from kvsim.scenario.codec_timing import CodecTiming, load_codec_timing
+from kvsim.scenario.config import SimConfig
+from kvsim.scenario.link_profile import draft_step_for, load_link_profile, profiled_link_settings
+from kvsim.scenario.metrics import RequestRecord, aggregate_records, record_columns, request_row
+from kvsim.scenario.policy import TransferPlan, build_plan, release_times
+from kvsim.scenario.size_calibration import calibrate_sizes
+from kvsim.scenario.speculative import draft_overhead_s, receiver_busy_draft_s, receiver_draft_s
+from kvsim.scenario.trace import TraceLog
+from kvsim.scenario.variants import Variant, variants
+from kvsim.scenario.workload import Request, requests
 from kvsim.sim.batch import Member
-from kvsim.sim.codec_timing import CodecTiming, load_codec_timing
 from kvsim.sim.gc_pause import gc_paused
 from kvsim.sim.ingress import IngressJoin
 from kvsim.sim.link import Link
-from kvsim.sim.link_profile import draft_step_for, load_link_profile, profiled_link_settings
-from kvsim.sim.metrics import RequestRecord, aggregate_records, record_columns, request_row
 from kvsim.sim.nodes import (
     DecodeNode,
     Deserializer,
@@ -49,16 +53,11 @@ from kvsim.sim.nodes import (
     Receiver,
     when_all_ready,
 )
-from kvsim.sim.policy import POLICIES, TransferPlan, build_plan, natural_policy, release_times
 from kvsim.sim.prefill_batch import ChunkedPrefill
 from kvsim.sim.request_log import request_rows, write_request_log
-from kvsim.sim.size_calibration import calibrate_sizes
-from kvsim.sim.speculative import draft_overhead_s, receiver_busy_draft_s, receiver_draft_s
 from kvsim.sim.spread import spread_of
 from kvsim.sim.timer import Timer, call_later
-from kvsim.sim.trace import TraceLog
 from kvsim.sim.worker_load import busy_share_overhead_s, later_streams_busy_fraction
-from kvsim.sim.workload import Request, requests
 
 
 class CountingEnvironment(simpy.Environment):
@@ -71,37 +70,6 @@ class CountingEnvironment(simpy.Environment):
     @property
     def scheduled(self) -> int:
         return next(copy.copy(self._eid))
-
-
-@dataclass
-class Variant:
-    """One codec entry with the transfer policy it runs under."""
-
-    spec: CodecSpec
-    policy: str
-    acceptance: str | None = None  # per-codec acceptance model (else speculative.acceptance)
-
-
-def variants(cfg: SimConfig) -> list[Variant]:
-    """codecs x transfer: `auto` picks each codec's natural policy; an entry may pin its own
-    with a `transfer` key, and its own acceptance model with an `acceptance` key (drafts on
-    a 2-bit anchor are accepted less often than on a 4-bit one)."""
-    transfers = cfg.transfer if isinstance(cfg.transfer, (list, tuple)) else [cfg.transfer]
-    out = []
-    for entry in cfg.codecs:
-        pinned = acceptance = None
-        if isinstance(entry, dict):
-            entry = dict(entry)
-            pinned = entry.pop("transfer", None)
-            acceptance = entry.pop("acceptance", None)
-        spec = resolve_codec(entry)
-        streams = spec.build().num_streams
-        for t in ([pinned] if pinned else transfers):
-            policy = natural_policy(streams) if t == "auto" else str(t)
-            if policy not in POLICIES:
-                raise ValueError(f"unknown transfer {t!r}; choose auto or one of {POLICIES}")
-            out.append(Variant(spec, policy, acceptance))
-    return out
 
 
 class Passage:

@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvsim.config.transport import DEQUANTIZE_MODES
+from kvsim.core.layout import KVShape, all_finite
 from kvsim.kernels import wire
 from kvsim.kernels.codec import Codec
 from kvsim.kernels.encoded import Chunk, Encoded, SizeTable
-from kvsim.layout import KVShape, all_finite
 from kvsim.transport import protocol as P
+from kvsim.transport.config import DEQUANTIZE_MODES
 from kvsim.transport.layer_dequantizer import LayerDequantizer
 
 

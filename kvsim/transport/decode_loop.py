@@ -2,7 +2,7 @@
 
 The receiver exposes the request's cache as a `CacheView` (streams arrive in order; stream i
 is useful once streams 0..i are complete). A decode loop turns it into tokens and a
-timeline that the simulator's closed form (`kvsim.sim.speculative`) can be set against:
+timeline that the simulator's closed form (`kvsim.scenario.speculative`) can be set against:
 
   non-speculative  wait for every stream, dequantize, greedy-decode `output_tokens` tokens
                    starting from `first_token` (the prefill node's token): token j is valid
@@ -40,11 +40,11 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from kvsim.acceptance import AcceptanceModel
-from kvsim.config.checks import check_number
-from kvsim.hardware import TimingModel
-from kvsim.quality.capture import CacheFromLayers, kv_to_cache
-from kvsim.quality.speculative import accept_greedy
+from kvsim.core.checks import check_number
+from kvsim.kv.capture import CacheFromLayers, kv_to_cache
+from kvsim.kv.draft_verify import accept_greedy
+from kvsim.model.hardware import TimingModel
+from kvsim.scenario.acceptance import AcceptanceModel
 
 Clock = Callable[[], float]
 Span = tuple[str, float, float]  # (name or kind, t0 s, t1 s) on the loop's clock
@@ -82,7 +82,7 @@ class DecodeResult:
     verify_start_t: float  # nan when no verification
     verify_end_t: float  # nan when no verification
     tpot_s: float  # mean decode step on the full cache: measured (real), modelled (timing)
-    segments: list[Span] = field(default_factory=list)  # kinds as kvsim.sim.speculative
+    segments: list[Span] = field(default_factory=list)  # kinds as kvsim.scenario.speculative
     events: list[Span] = field(default_factory=list)  # extra trace spans
     draft_tpot_s: float = math.nan  # mean draft step: measured (real), modelled (timing)
     verify_s: float = math.nan  # verification pass: measured (real), modelled (timing)

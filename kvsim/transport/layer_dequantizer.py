@@ -30,17 +30,17 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from kvsim.core.layout import KVShape, all_finite
 from kvsim.kernels import wire
 from kvsim.kernels.codec import Codec
 from kvsim.kernels.encoded import Chunk
-from kvsim.layout import KVShape, all_finite
 
 ANCHOR, FULL = 0, 1  # job kinds, also their priority (lower first)
 Span = tuple[str, float, float]
 
 
 class CacheBuilder(Protocol):
-    """A decoder's cache filled layer by layer (kvsim.quality.capture.CacheFromLayers)."""
+    """A decoder's cache filled layer by layer (kvsim.kv.capture.CacheFromLayers)."""
 
     def add(self, layer: int, kv_layer: torch.Tensor) -> None: ...
 

@@ -28,10 +28,10 @@ from typing import Any
 
 import zmq
 
+from kvsim.core.layout import KVShape
 from kvsim.kernels import wire
 from kvsim.kernels.codec import CodecError, make_codec
-from kvsim.layout import KVShape
-from kvsim.sim.policy import POLICIES
+from kvsim.scenario.policy import POLICIES
 from kvsim.transport import protocol as P
 from kvsim.transport.assembly import Assembly
 

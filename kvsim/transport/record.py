@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from kvsim.sim.metrics import RequestRecord, aggregate_request_rows, request_row
-from kvsim.sim.speculative import DecodeTimeline, commit_head
+from kvsim.scenario.metrics import RequestRecord, aggregate_request_rows, request_row
+from kvsim.scenario.speculative import DecodeTimeline, commit_head
 from kvsim.transport.assembly import Assembly
 
 _BREAKDOWN_KINDS = ("draft_accepted", "draft_rejected", "wait", "verify", "decode")

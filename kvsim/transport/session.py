@@ -13,17 +13,17 @@ from typing import Any
 
 import numpy as np
 
-from kvsim.config.transport import EmulateConfig
-from kvsim.hardware import INGEST_S_PER_BYTE_MAX, TimingModel
-from kvsim.layout import KVShape
-from kvsim.models import ModelSpec
-from kvsim.report import format_table
-from kvsim.sim.codec_timing import load_codec_timing
-from kvsim.sim.link_profile import link_draft_step
-from kvsim.sim.run import variants
-from kvsim.sim.speculative import draft_overhead_s, receiver_busy_draft_s, receiver_draft_s
-from kvsim.sim.workload import requests as workload_requests
+from kvsim.core.layout import KVShape
+from kvsim.core.report import format_table
+from kvsim.model.hardware import INGEST_S_PER_BYTE_MAX, TimingModel
+from kvsim.model.spec import ModelSpec
+from kvsim.scenario.codec_timing import load_codec_timing
+from kvsim.scenario.link_profile import link_draft_step
+from kvsim.scenario.speculative import draft_overhead_s, receiver_busy_draft_s, receiver_draft_s
+from kvsim.scenario.variants import variants
+from kvsim.scenario.workload import requests as workload_requests
 from kvsim.transport.assembly import Assembly
+from kvsim.transport.config import EmulateConfig
 from kvsim.transport.rate_limiter import TokenBucket, Unlimited
 from kvsim.transport.receiver import ReceiverSettings
 from kvsim.transport.record import emulated_row
@@ -87,7 +87,7 @@ def warm_up(cfg: EmulateConfig, lm: Any | None, decode_side: bool = False) -> No
     largest request's cache (kvsim.transport.memory). Called before listening / sending."""
     import torch
 
-    from kvsim.synthetic import generate_kv
+    from kvsim.kv.synthetic import generate_kv
 
     shape = cfg.model.kv_shape(min(cfg.workload.context_tokens, 512))
     kv = generate_kv(replace(shape, layers=1))
@@ -97,7 +97,7 @@ def warm_up(cfg: EmulateConfig, lm: Any | None, decode_side: bool = False) -> No
         if codec.num_streams > 1:
             codec.decode(codec.encode(kv), streams=1, dtype=torch.float32)
     if lm is not None:
-        from kvsim.quality.capture import prefill
+        from kvsim.kv.capture import prefill
 
         prefill(lm.model, list(range(1, 65)))
     if decode_side:
@@ -130,7 +130,7 @@ def _reach_peak_memory(cfg: EmulateConfig, lm: Any | None) -> None:
     layers = [torch.zeros(layer_shape) for _ in range(shape.layers)]  # zeroing touches pages
     held = []
     if lm is not None:
-        from kvsim.quality.capture import CacheFromLayers
+        from kvsim.kv.capture import CacheFromLayers
 
         param = next(lm.model.parameters())
         for _ in range(caches):
@@ -222,7 +222,7 @@ def _source_maker(cfg: EmulateConfig, kind: str, lm: Any, timing: TimingModel,
                   context_tokens: int, seq: int):
     seed = cfg.seed + seq
     if kind == "live":
-        from kvsim.text import assemble
+        from kvsim.kv.text import assemble
 
         # the prompt is tokenized before the request arrives (the simulator's arrival is a
         # tokenized request); only the prefill itself runs (timed) at arrival
@@ -247,7 +247,7 @@ def receiver_settings(cfg: EmulateConfig, bind: str) -> ReceiverSettings:
 
 
 def decoder_factory(cfg: EmulateConfig, mode: str, lm: Any | None):
-    from kvsim.acceptance import load_acceptance
+    from kvsim.scenario.acceptance import load_acceptance
     from kvsim.transport.decode_loop import RealDecodeLoop, TimingDecodeLoop
 
     # the decode loops' step times (draft costs come with each request's HELLO, from
@@ -305,7 +305,7 @@ def hello_checker(cfg: EmulateConfig, mode: str):
                 f"{busy!r}"
         ingest = hello.get("ingest_s_per_byte", 0.0)
         if isinstance(ingest, bool) or not isinstance(ingest, (int, float)) or \
-                not 0 <= ingest <= INGEST_S_PER_BYTE_MAX:  # as a profile's (kvsim.hardware)
+                not 0 <= ingest <= INGEST_S_PER_BYTE_MAX:  # as a profile's (kvsim.model.hardware)
             return f"ingest_s_per_byte must be a number of s in [0, " \
                 f"{INGEST_S_PER_BYTE_MAX:g}], got {ingest!r}"
         ks = hello.get("ks") or []
@@ -364,7 +364,7 @@ def print_rows(rows: list[dict], file=sys.stdout) -> None:
 def trace_of(rows: list[dict]) -> Any:
     """A Chrome trace (the simulator's format) of the rows' spans, times from the first
     request's arrival."""
-    from kvsim.sim.trace import TraceLog
+    from kvsim.scenario.trace import TraceLog
 
     trace = TraceLog()
     done = [r for r in rows if r.get("trace_spans")]

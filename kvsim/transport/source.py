@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kvsim.layout import KVShape
+from kvsim.core.layout import KVShape
 
 
 @dataclass
@@ -55,7 +55,7 @@ class KVSource:
 
 def live_source(lm: Any, context_ids: list[int], describe: dict | None = None) -> KVSource:
     """Prefill the real model on `context_ids` here (timed) and keep its post-RoPE KV."""
-    from kvsim.quality.capture import cache_to_kv, prefill
+    from kvsim.kv.capture import cache_to_kv, prefill
 
     started = time.perf_counter()
     cache, logits = prefill(lm.model, context_ids)
@@ -66,7 +66,7 @@ def live_source(lm: Any, context_ids: list[int], describe: dict | None = None) -
 
 
 def capture_source(name_or_path: str, prefill_s: float) -> KVSource:
-    from kvsim.capture import load_capture
+    from kvsim.kv.capture_file import load_capture
 
     cap = load_capture(name_or_path)
     first = cap.meta.get("first_token")
@@ -79,7 +79,7 @@ def capture_source(name_or_path: str, prefill_s: float) -> KVSource:
 def synthetic_source(shape: KVShape, prefill_s: float, seed: int = 0) -> KVSource:
     """Synthetic KV (calibrated on the real SmolLM2 capture) generated layer by layer on
     demand, so a 128K-token cache of a large preset never sits in memory whole."""
-    from kvsim.synthetic import generate_layer
+    from kvsim.kv.synthetic import generate_layer
 
     def make(index: int) -> torch.Tensor:
         return generate_layer(shape, index, seed=seed)[None]

@@ -1,0 +1,407 @@
+"""`kvsim calibrate`: measure this machine and its emulated links for the simulator.
+
+Writes, under out_dir (default: the run directory):
+  hardware/<name>.json        the real model's prefill / decode step / batch / verification /
+                              first-step times here (`hardware.profile=`)
+  codec_timing/<name>.json    each codec's encode (as the sender) and dequantize (as the
+                              receiver: per layer on arrival, the default, or the whole
+                              cache on demand: `dequantize=`) GB/s (`codec_timing=`); on
+                              arrival the hardware profile gets the cache build rate
+  link/<name>-<emulation>.json  the emulated link's goodput fraction, first-byte latency and
+                              per-message cost, fitted to real transfers (`link.profile=`),
+                              and the receiver's draft step measured on that link (a
+                              calibration transfer of the split-stream codecs over it)
+and prints the overrides that make `kvsim sim` use them. With out_dir=data/profiles they
+ship with the repository and load by name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING
+
+from kvsim.core.checks import check_choice
+from kvsim.core.report import format_table
+from kvsim.model.spec import ModelSpec
+from kvsim.transport.config import DEQUANTIZE_MODES
+
+LINK_EMULATIONS = ("token_bucket", "tc", "none")
+
+
+@dataclass
+class Config:
+    model: ModelSpec = MISSING
+    name: str = ""  # profile name; "": local-<model>
+    # prompt tokens: prefill, decode step and first-step extra at each
+    contexts: list[int] = field(default_factory=lambda: [256, 1024, 2048, 4096])
+    steps: int = 12  # decode steps timed per context (median)
+    repeats: int = 3  # prefill / codec / verification repeats (median)
+    batches: list[int] = field(default_factory=lambda: [1, 2, 4])  # at the longest context
+    # drafted tokens per verification pass, timed at every context
+    drafted: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    codecs: list[Any] = field(default_factory=lambda: ["bf16", "int8", "int4", "lynx"])
+    codec_context_tokens: int = 2048  # the real KV codecs are timed on (one of contexts)
+    threads: int = 1  # torch threads, as transport.threads (each process of a transfer)
+    text_source: str = "stdlib-docs"  # the real text of the calibration prompts
+    seed: int = 1009  # the calibration prompts' text seed (validation prompts use others)
+    # time the receiver's loads and decode step on a calibration transfer (and the draft
+    # step on each link, into the link profiles)
+    receiver_loads: bool = True
+    receiver_context_tokens: int = 1024  # its prompts' tokens
+    receiver_repeats: int = 3  # requests per codec (medians)
+    # the draft step's slowdown on each link is fitted (kvsim.calibrate.draft_ingest) on
+    # transfers of the split-stream codecs at two rates: 0.3 Gbps (the calibration
+    # transfer's) and this one, fast enough that the worker's jobs dominate
+    draft_fit_rate_gbps: float = 0.8
+    # on arrival, a second calibration transfer at this shorter context splits each codec's
+    # layer job into a fixed part and a part in proportion to its bytes
+    # (receiver_timing.fit_layer_jobs), and measures the receiver's step there too (its
+    # ratio to the in-process step, interpolated between the two contexts); -1:
+    # min(512, receiver_context_tokens // 2), none below 16 tokens; 0: none (jobs in
+    # proportion to their bytes, the step ratio of the one transfer applied flat)
+    receiver_fit_context_tokens: int = -1
+    # the receiver mode the load rates are for (transport.dequantize; kvsim sim's
+    # deserializer of the same name): on_arrival | on_demand
+    dequantize: str = "on_arrival"
+    # link emulations to profile (tc needs root: skipped with a note)
+    links: list[str] = field(default_factory=lambda: ["token_bucket", "tc"])
+    link_rates_gbps: list[float] = field(default_factory=lambda: [0.1, 0.5, 1.0])  # 1e9 bit/s
+    out_dir: str = ""  # "": the run directory; data/profiles: the shipped profiles
+    overwrite: bool = False  # replace existing profile files (else refused before measuring)
+    progress: bool = True  # progress lines on stderr
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "repeats", "threads"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if not self.contexts or min(self.contexts) < 16:
+            raise ValueError(f"contexts must be prompt lengths >= 16 tokens, got {self.contexts}")
+        if self.receiver_repeats < 1 or self.receiver_context_tokens < 16:
+            raise ValueError("receiver_repeats must be >= 1 and receiver_context_tokens >= 16")
+        check_choice("dequantize", self.dequantize, DEQUANTIZE_MODES)
+        fit = self.receiver_fit_context_tokens
+        if fit not in (-1, 0) and not 16 <= fit < self.receiver_context_tokens:
+            raise ValueError(f"receiver_fit_context_tokens must be -1 (auto), 0 (no fit) or in "
+                             f"[16, receiver_context_tokens={self.receiver_context_tokens}), "
+                             f"got {fit}")
+        if self.codec_context_tokens not in self.contexts:
+            raise ValueError(f"codec_context_tokens={self.codec_context_tokens} must be one of "
+                             f"contexts {list(self.contexts)}")
+        if not self.batches or min(self.batches) < 1 or 1 not in self.batches:
+            raise ValueError(f"batches must include 1 and be >= 1, got {self.batches}")
+        if not self.drafted or min(self.drafted) < 1:
+            raise ValueError(f"drafted must be >= 1, got {self.drafted}")
+        for e in self.links:
+            if e not in LINK_EMULATIONS:
+                raise ValueError(f"links: unknown emulation {e!r}; one of {LINK_EMULATIONS}")
+        if any(not r > 0 for r in self.link_rates_gbps):
+            raise ValueError(f"link_rates_gbps must be > 0, got {self.link_rates_gbps}")
+        from kvsim.calibrate.receiver_timing import CALIBRATION_RATE_GBPS
+
+        if not 0 < self.draft_fit_rate_gbps < math.inf or \
+                self.draft_fit_rate_gbps == CALIBRATION_RATE_GBPS:
+            raise ValueError(f"draft_fit_rate_gbps must be a rate > 0 other than the "
+                             f"calibration transfer's {CALIBRATION_RATE_GBPS} Gbps, got "
+                             f"{self.draft_fit_rate_gbps}")
+
+    @property
+    def fit_context_tokens(self) -> int:
+        """The layer-job fit's calibration transfer context (0: none)."""
+        if self.receiver_fit_context_tokens != -1:
+            return self.receiver_fit_context_tokens
+        auto = min(512, self.receiver_context_tokens // 2)
+        return auto if auto >= 16 else 0
+
+
+def profile_name(cfg: Config) -> str:
+    return cfg.name or f"local-{cfg.model.name}"
+
+
+def output_paths(cfg: Config, root: Path) -> dict[str, Path]:
+    name = profile_name(cfg)
+    out = {"hardware": root / "hardware" / f"{name}.json",
+           "codec_timing": root / "codec_timing" / f"{name}.json"}
+    for e in cfg.links:
+        out[f"link:{e}"] = root / "link" / f"{name}-{e.replace('_', '-')}.json"
+    return out
+
+
+def _provenance(cfg: Config) -> dict:
+    from kvsim.core.report import git_state
+
+    return {"source": "measured", "host": socket.gethostname(), "cpus": os.cpu_count(),
+            "measured_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "command": "kvsim calibrate " + " ".join(sys.argv[2:]), "git": git_state()}
+
+
+def _write(path: Path, doc: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def calibrate(cfg: Config) -> list[dict]:
+    import torch
+
+    from kvsim.calibrate.model_profile import ModelCalibration, measure_codecs, measure_model
+    from kvsim.core.outputs import check_new, out_root
+    from kvsim.kernels.presets import resolve_codec
+    from kvsim.model.load import load_lm
+    from kvsim.transport.memory import retain_freed_memory
+
+    root = out_root(cfg.out_dir or None)
+    paths = output_paths(cfg, root)
+    check_new(paths.values(), cfg.overwrite)  # before anything is measured
+    say = (lambda msg: print(f"calibrate: {msg}", file=sys.stderr, flush=True)) \
+        if cfg.progress else (lambda msg: None)
+    specs = [resolve_codec(c) for c in cfg.codecs]
+    prov = _provenance(cfg)
+    rows: list[dict] = []
+
+    retain_freed_memory("calibrate")  # as the transport's nodes run (kvsim.transport.memory)
+    lm = load_lm(cfg.model, threads=cfg.threads, seed=0)
+    torch.set_num_threads(cfg.threads)
+    say(f"{lm.name}: {torch.get_num_threads()} torch thread(s)")
+    cal = ModelCalibration(list(cfg.contexts), cfg.steps, cfg.repeats, tuple(cfg.batches),
+                           tuple(cfg.drafted), cfg.repeats, cfg.text_source, cfg.seed)
+    hw_doc, kvs = measure_model(lm, cfg.model.name, cal, say)
+    hw_doc.update(name=profile_name(cfg), **prov)
+    timing_doc = measure_codecs(lm, specs, kvs[cfg.codec_context_tokens], cfg.repeats,
+                                prov["command"], say)
+    timing_doc.update(hardware=profile_name(cfg), **{k: v for k, v in prov.items()
+                                                      if k != "command"})
+    del lm, kvs
+    main_rows: list[dict] = []  # the calibration transfer's rows (the token bucket's draft fit)
+    if cfg.receiver_loads:  # load rates and decode step timed in a real transfer's receiver
+        from kvsim.calibrate.receiver_timing import apply_receiver_timing, receiver_loads
+
+        say(f"calibration transfer ({cfg.receiver_repeats} x {len(specs)} codecs, "
+            f"{cfg.receiver_context_tokens} tokens) for the receiver's load and step times")
+        measured = receiver_loads(cfg.model.name, list(cfg.codecs),
+                                  cfg.receiver_context_tokens, cfg.seed, cfg.text_source,
+                                  repeats=cfg.receiver_repeats, threads=cfg.threads,
+                                  dequantize=cfg.dequantize, keep_rows=main_rows)
+        fit_ctx = cfg.fit_context_tokens if cfg.dequantize == "on_arrival" else 0
+        fit = None
+        if fit_ctx:
+            say(f"calibration transfer at {fit_ctx} tokens: each codec's layer job split into "
+                "a fixed part and a part in proportion to its bytes, and the receiver's step "
+                "there")
+            # prompts of their own (emulate seeds request i's text at seed + i)
+            fit = receiver_loads(cfg.model.name, list(cfg.codecs), fit_ctx, cfg.seed + 10_000,
+                                 cfg.text_source, repeats=cfg.receiver_repeats,
+                                 threads=cfg.threads, dequantize=cfg.dequantize)
+        apply_receiver_timing(measured, hw_doc, timing_doc, cfg.receiver_context_tokens,
+                              cfg.dequantize, fit, fit_ctx)
+        steps = hw_doc["receiver_step_ratio"]
+        say("receiver's decode step / in-process: " + ", ".join(
+            f"{r:.3f} at {c} tokens" for c, r in zip(steps["context_tokens"], steps["ratio"],
+                                                       strict=True)) +
+            " (the step curves are scaled by it, interpolated over context)")
+        if fit is not None:
+            from kvsim.calibrate.receiver_timing import fit_layer_jobs
+
+            layer_bytes, fit_bytes = (shape.bf16_bytes / shape.layers for shape in (
+                cfg.model.kv_shape(cfg.receiver_context_tokens), cfg.model.kv_shape(fit_ctx)))
+            fitted = fit_layer_jobs(measured, fit, layer_bytes, fit_bytes)
+            for label, fields in fitted.items():
+                timing_doc["codecs"][label].update(fields)
+                timing_doc["codecs"][label]["layer_job_contexts"] = \
+                    [fit_ctx, cfg.receiver_context_tokens]
+            for label, rates in measured.items():  # the jobs the fit is made of, per codec
+                if rates.get("dequantized_on_demand"):
+                    say(f"{label}: loaded on demand (its layers do not decode alone): no "
+                        "layer jobs to fit")
+                    continue
+                jobs = ", ".join(
+                    f"{kind} {fit_bytes / fit[label][key] / 1e6:.2f} / "
+                    f"{layer_bytes / rates[key] / 1e6:.2f} ms"
+                    for kind, key in (("full", "decode_gb_per_s"),
+                                      ("anchor", "anchor_decode_gb_per_s"))
+                    if key in rates and key in fit.get(label, {}))
+                say(f"{label}: mean layer job at {fit_ctx} / {cfg.receiver_context_tokens} "
+                    f"tokens: {jobs or 'not measured'}; " +
+                    ("fitted" if label in fitted else "no fit (a bigger layer was not "
+                     "slower, or the line's fixed part is negative): jobs in proportion to "
+                     "their bytes"))
+    _write(paths["hardware"], hw_doc)
+    _write(paths["codec_timing"], timing_doc)
+    for ctx, p, t, x in zip(hw_doc["prefill"]["tokens"], hw_doc["prefill"]["s"],
+                            hw_doc["tpot"]["s"], hw_doc["first_step_extra"]["s"], strict=True):
+        rows.append({"what": "model", "item": f"context {ctx}", "prefill_s": p,
+                     "decode_step_ms": t * 1e3, "first_step_extra_ms": x * 1e3})
+    for label, e in timing_doc["codecs"].items():
+        rows.append({"what": "codec", "item": label, "encode_gb_per_s": e["encode_gb_per_s"],
+                     "decode_gb_per_s": e["decode_gb_per_s"],
+                     "anchor_decode_gb_per_s": e.get("anchor_decode_gb_per_s"),
+                     "layer_job_fixed_ms": 1e3 * e["layer_job_fixed_s"]
+                     if "layer_job_fixed_s" in e else None,
+                     "layer_job_gb_per_s": e.get("layer_job_gb_per_s")})
+    for emulation in cfg.links:
+        rows.append(_link(cfg, emulation, paths[f"link:{emulation}"], prov, say, hw_doc,
+                          main_rows))
+    if "cache_build" in hw_doc:
+        rows.append({"what": "model", "item": "cache build",
+                     "cache_build_gb_per_s": hw_doc["cache_build"]["gb_per_s"]})
+    _print(rows, paths, root, cfg.dequantize)
+    return rows
+
+
+def _link(cfg: Config, emulation: str, path: Path, prov: dict, say, hw_doc: dict,
+          main_rows: list[dict]) -> dict:
+    """Measure one emulated link into its profile at `path`: the fit of real transfers,
+    and the receiver's draft step on that link (_link_draft_step)."""
+    from kvsim.calibrate.link_profile import measure_link_profile
+
+    if emulation == "tc":
+        from kvsim.transport.netns import netns_available
+
+        ok, why = netns_available()
+        if not ok:
+            say(f"link tc skipped: {why}")
+            return {"what": "link", "item": emulation, "status": f"skipped: {why}"}
+    name = path.stem
+    doc = measure_link_profile(emulation, list(cfg.link_rates_gbps), name=name)
+    doc.update({k: v for k, v in prov.items() if k not in doc})
+    _write(path, doc)  # the link's fit is kept even if its draft-step transfer fails
+    draft = _link_draft_step(cfg, emulation, say, hw_doc, main_rows)
+    if draft is not None:
+        doc["draft_step"] = draft
+        _write(path, doc)
+    say(f"link {emulation}: efficiency {doc['efficiency']:.4f}, latency "
+        f"{doc['latency_s'] * 1e3:.2f} ms, {doc['message_overhead_bytes']:.0f} B/message "
+        f"(fit within {doc['fit_max_abs_pct_error']:.2f}%)" +
+        (f"; draft step {draft['ratio']:.3f} x a decode step" +
+         (f" ({draft['busy_ratio']:.3f} x while the receiver is busy)"
+          if "busy_ratio" in draft else "") +
+         (f", {draft['ingest_s_per_byte'] * 1e9:.1f} ns of receiver time per later-stream "
+          "byte" + (" (a lower bound: both rates saturate the receiver)"
+                    if draft.get("fit", {}).get("saturated") else "")
+          if "ingest_s_per_byte" in draft else "") if draft else ""))
+    return {"what": "link", "item": emulation, "efficiency": doc["efficiency"],
+            "latency_ms": doc["latency_s"] * 1e3,
+            "message_overhead_bytes": doc["message_overhead_bytes"],
+            "fit_max_abs_pct_error": doc["fit_max_abs_pct_error"],
+            "draft_step_ratio": draft["ratio"] if draft else None,
+            "draft_busy_ratio": draft.get("busy_ratio") if draft else None,
+            "draft_ingest_ns_per_byte": 1e9 * draft["ingest_s_per_byte"]
+            if draft and "ingest_s_per_byte" in draft else None,
+            "status": "measured"}
+
+
+def _link_draft_step(cfg: Config, emulation: str, say, hw_doc: dict, main_rows: list[dict]
+                     ) -> dict | None:
+    """The receiver's draft step on `emulation` (the link profile's `draft_step`, for this
+    model: `model` names it). Its `ratio` (a draft step over a decode step, averaged over the
+    drafting) is the token bucket's calibration transfer's (it ran there, into hw_doc) or, on
+    another link, that of a transfer of the split-stream codecs over it (their own prompts,
+    0.3 Gbps). Its `busy_ratio` and `ingest_s_per_byte` are fitted
+    (kvsim.calibrate.draft_ingest) on the drafts of that transfer and of one more at
+    `draft_fit_rate_gbps`: the slowdown grows with the later streams' arrival rate (on `tc`
+    1.3x a decode step at 0.1 Gbps, 3.2-4.5x at 0.3 in the 2026-11-24 measurements), which
+    one rate cannot tell from the worker's jobs. None without receiver timing, without a
+    split-stream codec, or when no request drafted."""
+    if not cfg.receiver_loads:
+        return None
+    import numpy as np
+
+    from kvsim.calibrate import draft_ingest
+    from kvsim.calibrate.receiver_timing import (
+        CALIBRATION_RATE_GBPS,
+        draft_step_doc,
+        receiver_loads,
+    )
+    from kvsim.kernels.presets import resolve_codec
+
+    split = [c for c in cfg.codecs if resolve_codec(c).build().num_streams > 1]
+    if not split:
+        return None
+    # these requests all draft: the first step's extra is the first transfer's (hw_doc)
+    extra = hw_doc.get("first_step_extra")
+    extra_s = float(np.interp(cfg.receiver_context_tokens, extra["context_tokens"],
+                              extra["s"])) if extra else None
+    rows: list[dict] = []
+    if emulation == "token_bucket":
+        draft = hw_doc.get("draft_step")
+        labels = {str(c) for c in split}
+        rows += [r for r in main_rows if str(r.get("codec")) in labels]
+    else:
+        say(f"calibration transfer over {emulation} ({cfg.receiver_repeats} x {len(split)} "
+            f"split-stream codecs, {cfg.receiver_context_tokens} tokens) for the draft step "
+            "there")
+        measured = receiver_loads(cfg.model.name, split, cfg.receiver_context_tokens,
+                                  cfg.seed + 20_000, cfg.text_source,
+                                  repeats=cfg.receiver_repeats, threads=cfg.threads,
+                                  dequantize=cfg.dequantize, emulation=emulation,
+                                  first_step_extra_s=extra_s, keep_rows=rows)
+        draft = draft_step_doc(measured, cfg.receiver_context_tokens,
+                               f"a calibration transfer over {emulation}")
+    if draft is None:
+        return None
+    draft = {**draft, "model": cfg.model.name}
+    if cfg.dequantize != "on_arrival":  # no worker beside the drafts: nothing to fit
+        return draft
+    say(f"calibration transfer over {emulation} at {cfg.draft_fit_rate_gbps:g} Gbps "
+        f"({cfg.receiver_repeats} x {len(split)} split-stream codecs) for the draft step's "
+        "slowdown with the arrival rate")
+    receiver_loads(cfg.model.name, split, cfg.receiver_context_tokens, cfg.seed + 30_000,
+                   cfg.text_source, bandwidth_gbps=cfg.draft_fit_rate_gbps,
+                   repeats=cfg.receiver_repeats, threads=cfg.threads,
+                   dequantize=cfg.dequantize, emulation=emulation,
+                   first_step_extra_s=extra_s, keep_rows=rows)
+    windows = draft_ingest.windows_from_rows(rows)
+    if not windows:
+        return draft
+    fit = draft_ingest.fit(windows, extra_s or 0.0)
+    return {**draft, "busy_ratio": fit.busy_ratio, "ingest_s_per_byte": fit.ingest_s_per_byte,
+            "fit": {"requests": fit.requests, "rms_s": fit.rms_s, "saturated": fit.saturated,
+                    "rates_gbps": [CALIBRATION_RATE_GBPS, cfg.draft_fit_rate_gbps],
+                    "measured": "busy_ratio and ingest_s_per_byte replay these requests' "
+                                "drafts on their worker spans and arrivals "
+                                "(kvsim.calibrate.draft_ingest); `busy_ratio` before the "
+                                "fit: the median of per-request ratios",
+                    "median_busy_ratio": draft.get("busy_ratio")}}
+
+
+def _print(rows: list[dict], paths: dict[str, Path], root: Path, dequantize: str) -> None:
+    model = [r for r in rows if r["what"] == "model" and "prefill_s" in r]
+    print(format_table(model, [("item", "model", ""), ("prefill_s", "prefill s", ".3f"),
+                               ("decode_step_ms", "decode step ms", ".1f"),
+                               ("first_step_extra_ms", "first step +ms", ".1f")]))
+    for r in rows:
+        if "cache_build_gb_per_s" in r:
+            print(f"cache build from dequantized layers: {r['cache_build_gb_per_s']:.3f} GB/s "
+                  "of bf16 cache")
+    codec = [r for r in rows if r["what"] == "codec"]
+    print(f"codec GB/s of bf16 cache; with receiver_loads, encode: in the sender of the "
+          f"calibration transfer, dequantize: in its receiver, {dequantize.replace('_', ' ')}")
+    print(format_table(codec, [("item", "codec", ""),
+                               ("encode_gb_per_s", "encode GB/s", ".3f"),
+                               ("decode_gb_per_s", "dequantize GB/s", ".3f"),
+                               ("anchor_decode_gb_per_s", "anchor dequantize GB/s", ".3f"),
+                               ("layer_job_fixed_ms", "layer job fixed ms", ".2f"),
+                               ("layer_job_gb_per_s", "+ GB/s", ".3f")]))
+    links = [r for r in rows if r["what"] == "link"]
+    if links:
+        print(format_table(links, [("item", "link", ""), ("efficiency", "efficiency", ".4f"),
+                                   ("latency_ms", "latency ms", ".2f"),
+                                   ("message_overhead_bytes", "B/message", ".0f"),
+                                   ("fit_max_abs_pct_error", "fit max %", ".2f"),
+                                   ("draft_step_ratio", "draft step x", ".3f"),
+                                   ("draft_busy_ratio", "busy x", ".3f"),
+                                   ("draft_ingest_ns_per_byte", "ns/B in", ".1f"),
+                                   ("status", "status", "")]))
+    link_keys = [k for k in paths if k.startswith("link:") and paths[k].is_file()]
+    print(f"profiles written under {root}; use them with:\n  kvsim sim hardware=local-cpu "
+          f"hardware.profile={paths['hardware']} codec_timing={paths['codec_timing']} "
+          f"deserializer={dequantize}" +
+          "".join(f"\n    link.profile={paths[k]}  # transport.emulation={k[5:]}"
+                  for k in link_keys))

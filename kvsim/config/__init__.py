@@ -1,1 +1,0 @@
-"""Typed configuration objects (dataclass schemas) and loaders for conf/ presets."""

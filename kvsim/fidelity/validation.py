@@ -1,0 +1,535 @@
+"""`kvsim validate`: how far the simulator is from the real transport, measured.
+
+Every scenario (emulation x link rate x context, all codecs at once) runs emulated (`kvsim
+emulate`: real frames over the emulated link, live SmolLM2 prefill, real greedy decode) and
+simulated (`kvsim sim` with the profiles `kvsim calibrate` measured; see
+kvsim.fidelity.runner for what the simulator is given; before each single-request scenario
+a decode-step probe sets the level of its step curves, kvsim.fidelity.step_probe).
+Metrics: TTFT and TT{k}T from prefill end, drafted and committed (kvsim.fidelity.errors).
+The multi-request case (Poisson arrivals, timing-model decode, one shared link) compares
+TTFT p50 / p99 from arrival.
+
+Writes fidelity.json (mean_abs_pct_error, max_abs_pct_error, targets, per-scenario rows),
+fidelity.md (one line per scenario and codec, the signed error of every metric),
+fidelity.png (simulated vs measured) and scenarios/<scenario>.json (both engines' full rows)
+in the run directory; the rows are the report's too.
+
+`measured_from=<report.json or run dir>` simulates a saved run's scenarios again against
+the measurements it saved, with no emulation (seconds): how a change to the simulator moves
+its error against real transfers (_resimulate). Its scenarios/<scenario>.json hold the
+simulator's rows only (the measured ones are the saved run's).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING
+
+from kvsim.core.report import format_table
+from kvsim.model.spec import ModelSpec
+
+GRIDS = ("full", "quick")
+
+
+class TargetMissed(ValueError):
+    """fail_on_target=true and the mean or the worst error is above its target."""
+
+
+@dataclass
+class MultiConfig:
+    enabled: bool = True  # run the multi-request case
+    emulation: str = "token_bucket"  # its link emulation (token_bucket | tc | none)
+    bandwidth_gbps: float = 0.2  # 1e9 bit/s, one link shared by every request
+    rates_per_s: list[float] = field(default_factory=lambda: [0.15, 0.3])  # Poisson arrivals
+    requests: int = 8  # per rate and codec
+    context_tokens: int = 1024  # every request's prompt
+    output_tokens: int = 16  # decoded per request (timing-model decode)
+    codecs: list[Any] = field(default_factory=lambda: ["int8", "lynx"])
+
+
+@dataclass
+class Config:
+    model: ModelSpec = MISSING
+    grid: str = "full"  # full | quick (CI: 1 emulation, 1 rate, 1 context, 2 codecs)
+    calibrate: bool = False  # true: kvsim calibrate into <run dir>/profiles first
+    profile_dir: str = ""  # where calibrated profiles are; "": data/profiles
+    profile_name: str = ""  # "": local-<model>
+    emulations: list[str] = field(default_factory=lambda: ["token_bucket", "tc"])
+    rates_gbps: list[float] = field(default_factory=lambda: [0.1, 0.3, 1.0])  # link, 1e9 bit/s
+    contexts: list[int] = field(default_factory=lambda: [1024, 2048])  # prompt tokens
+    codecs: list[Any] = field(default_factory=lambda: ["bf16", "int8", "int4", "lynx"])
+    output_tokens: int = 64  # decoded per request (real greedy decode)
+    # emulated requests per codec in each single-request scenario, the codecs' requests
+    # interleaved: the measured value is their mean, their range `measured_spread_pct`
+    # (this machine's decode step moves by ~10% between 5-second windows)
+    repeats: int = 2
+    # decode steps of the probe taken before each single-request scenario (0: none): the
+    # simulator's step curves are scaled to it there (kvsim.fidelity.step_probe: this
+    # host's step drifts by tens of percent over a full validation's ~50 minutes). Off by
+    # default: a 24-step probe (~2 s) moved as far from its scenario's steps as the
+    # calibrated step did (token-bucket grid: mean 4.90% with it, ~4.56% without)
+    step_probe_steps: int = 0
+    ks: list[int] = field(default_factory=lambda: [32, 64])  # TT<k>T compared (with TTFT)
+    acceptance: str = "smollm2-135m-lynx-s1-greedy"  # the simulator's acceptance curve
+    samples: int = 16  # simulator runs averaged per single-request row (acceptance draws)
+    multi: MultiConfig = field(default_factory=MultiConfig)
+    target_mean_abs_pct: float = 5.0  # % mean absolute error over every comparison
+    target_max_abs_pct: float = 10.0  # % worst absolute error
+    fail_on_target: bool = False  # true: exit non-zero when the mean is above its target
+    figure: bool = True  # fidelity.png in the run directory
+    # a validate run's report.json (or the directory holding it): simulate its scenarios
+    # again and compare with the measurements it saved, without emulating anything (see
+    # _resimulate: the scenarios are the saved run's, the simulator's settings this one's)
+    measured_from: str = ""
+
+    def __post_init__(self) -> None:
+        if self.grid not in GRIDS:
+            raise ValueError(f"grid must be one of {GRIDS}, got {self.grid!r}")
+        # (measured_from: the saved run's output tokens bound ks; _resimulate checks them
+        # against the ks that run measured)
+        if not self.measured_from and any(k > self.output_tokens or k < 2 for k in self.ks):
+            raise ValueError(f"ks must be in 2..output_tokens ({self.output_tokens}), "
+                             f"got {self.ks}")
+        if self.samples < 1:
+            raise ValueError(f"samples must be >= 1, got {self.samples}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        if self.step_probe_steps < 0:
+            raise ValueError(f"step_probe_steps must be >= 0 (0: no probe), got "
+                             f"{self.step_probe_steps}")
+
+    def apply_grid(self) -> None:
+        """grid=quick: CI's few scenarios (about 4 minutes with calibration)."""
+        if self.grid == "quick":
+            # 0.1 Gbps: lynx's residual is still on the wire when its anchor is loaded, so
+            # it drafts in both engines (at 0.3 Gbps the two race, and a flip between
+            # drafting and not moves TTFT by a decode step)
+            self.emulations, self.rates_gbps, self.contexts = ["token_bucket"], [0.1], [1024]
+            self.codecs = ["int8", "lynx"]
+            # one request's 64 steps span one ~5 s window of this machine's speed, which
+            # alone moves TT64T by up to ~10%: three per codec, interleaved
+            self.repeats = max(self.repeats, 3)
+            self.multi.rates_per_s, self.multi.requests = [0.3], 6
+
+
+def _say(msg: str) -> None:
+    print(f"validate: {msg}", file=sys.stderr, flush=True)
+
+
+def _calibrate(cfg: Config, root: Path, name: str, emulations: list[str]) -> None:
+    from kvsim.calibrate.pipeline import Config as CalConfig
+    from kvsim.calibrate.pipeline import calibrate
+
+    quick = cfg.grid == "quick"
+    contexts = sorted({256, *cfg.contexts, cfg.multi.context_tokens} if quick else
+                      {256, 1024, 2048, 4096, *cfg.contexts, cfg.multi.context_tokens})
+    cal = CalConfig(model=cfg.model, name=name, contexts=contexts,
+                    drafted=[1, 2, 4, 8, 16] if quick else [1, 2, 4, 8, 16, 32, 64],
+                    codecs=sorted({str(c) for c in [*cfg.codecs, *cfg.multi.codecs]}),
+                    codec_context_tokens=max(cfg.contexts), links=emulations,
+                    # the receiver's calibration transfers at the validated contexts (the
+                    # longest; the shortest for the layer-job fit and the step there), so
+                    # that neither is extrapolated to the single-request scenarios (the
+                    # multi-request case's context may lie outside; on demand there is
+                    # no fit and the one step ratio applies flat)
+                    receiver_context_tokens=max(cfg.contexts),
+                    receiver_fit_context_tokens=min(cfg.contexts)
+                    if min(cfg.contexts) < max(cfg.contexts) else -1,
+                    out_dir=str(root), overwrite=True)
+    _say(f"calibrating into {root} (prompts, decode steps, codecs, links)")
+    calibrate(cal)
+
+
+def _emulations(cfg: Config) -> tuple[list[str], list[str]]:
+    """(emulations to run, notes on the ones skipped)."""
+    from kvsim.transport.netns import netns_available
+
+    want = list(dict.fromkeys([*cfg.emulations] +
+                              ([cfg.multi.emulation] if cfg.multi.enabled else [])))
+    notes = []
+    if "tc" in want:
+        ok, why = netns_available()
+        if not ok:
+            want.remove("tc")
+            notes.append(f"tc skipped: {why}")
+    return want, notes
+
+
+def validate(cfg: Config) -> dict:
+    from kvsim.core.outputs import out_root
+    from kvsim.core.paths import DATA_DIR
+    from kvsim.fidelity import errors
+    from kvsim.fidelity.runner import (
+        by_codec,
+        find_profiles,
+        run_pair,
+        scenario_overrides,
+        sim_overrides,
+    )
+    from kvsim.fidelity.step_probe import StepProbe
+
+    if cfg.measured_from:
+        return _resimulate(cfg)
+    cfg.apply_grid()
+    run_dir = out_root(None)
+    emulations, notes = _emulations(cfg)
+    for note in notes:
+        _say(note)
+    name = cfg.profile_name or f"local-{cfg.model.name}"
+    root = Path(cfg.profile_dir) if cfg.profile_dir else DATA_DIR / "profiles"
+    if cfg.calibrate:
+        root = run_dir / "profiles"
+        _calibrate(cfg, root, name, emulations)
+    profiles = find_profiles(root, name, emulations)
+    started = time.time()
+    rows: list[dict] = []
+    single = errors.single_metrics(list(cfg.ks))
+    grid = [(e, r, c) for e in cfg.emulations if e in emulations for r in cfg.rates_gbps
+            for c in cfg.contexts]
+    probe = StepProbe(cfg.model, cfg.step_probe_steps) if cfg.step_probe_steps else None
+    for i, (emulation, rate, ctx) in enumerate(grid):
+        _say(f"[{i + 1}/{len(grid)}] {emulation} {rate:g} Gbps, {ctx} tokens, "
+             f"{len(cfg.codecs)} codecs ({time.time() - started:.0f} s so far)")
+        name, workload = _single_scenario(emulation, rate, ctx, cfg.output_tokens)
+        # the emulator runs each codec `repeats` times, interleaved; the simulator once
+        emulated = scenario_overrides(cfg.model.name, emulation, rate,
+                                      [c for _ in range(cfg.repeats) for c in cfg.codecs],
+                                      workload, list(cfg.ks), profiles)
+        common = scenario_overrides(cfg.model.name, emulation, rate, cfg.codecs, workload,
+                                    list(cfg.ks), profiles)
+        sim = sim_overrides(common, profiles, cfg.acceptance, cfg.samples)
+        probed: dict[str, float] = {}
+        if probe is not None:  # the step's speed now (kvsim.fidelity.step_probe)
+            sim, probed = _probed(sim, profiles, ctx, probe.step_s(ctx), run_dir, name)
+        measured, simulated = run_pair(emulated, sim)
+        _keep(run_dir, name, {"measured": measured, "simulated": simulated})
+        sim_by = by_codec(simulated)
+        for codec, m in by_codec(measured).items():
+            s = sim_by[codec]
+            n = int(m.get("requests") or 1)  # repeats: drafts are summed over them
+            scenario = {"case": "single", "emulation": emulation, "bandwidth_gbps": rate,
+                        "context_tokens": ctx, "codec": codec, "repeats": n,
+                        "accepted_measured": f"{m.get('accepted_tokens', 0) / n:.3g}/"
+                                             f"{m.get('proposed_tokens', 0) / n:.3g}",
+                        "prefill_measured_s": m.get("prefill_s"),
+                        # the decode step after the first (s/token): errors.step_error_pct
+                        "tpot_measured_s": m.get("tpot_s"), **_simulated_keys(s), **probed}
+            rows += errors.compare(scenario, m, s, single)
+    if cfg.multi.enabled and cfg.multi.emulation in emulations:
+        rows += _multi(cfg, profiles, started, run_dir)
+    return _conclude(cfg, rows, run_dir, profiles, {"notes": notes}, started)
+
+
+def _resimulate(cfg: Config) -> dict:
+    """measured_from=: the scenarios of a saved run simulated again, with this simulator,
+    against the measurements that run saved (its report's rows): a change to the simulator
+    checked against real transfers in seconds (the shipped full run's 304 comparisons: 4 s
+    here), without emulating anything.
+
+    From the saved run: the model, the scenarios it compared (emulations, rates, contexts,
+    codecs, output tokens, the multi-request case) and their step probes. From this
+    command: acceptance, samples, ks (among those the saved run compared), profile_dir /
+    profile_name, the targets, figure. Profiles: profile_dir= when given; else the
+    profiles/ beside the report (a calibrate=true run's directory, or a shipped copy under
+    data/fidelity/); else the saved run's profile_dir (data/profiles by default)."""
+    from kvsim.core.outputs import out_root
+    from kvsim.core.paths import DATA_DIR
+    from kvsim.fidelity import errors
+    from kvsim.fidelity.runner import find_profiles, scenario_overrides, sim_overrides, simulate
+
+    if cfg.calibrate:
+        raise ValueError("calibrate=true and measured_from= together: a re-simulation uses "
+                         "the measured run's profiles (or profile_dir=), it measures nothing")
+    report_path, report, saved = _saved_run(cfg.measured_from)
+    unsaved = sorted(set(cfg.ks) - set(saved.ks))
+    if unsaved:
+        raise ValueError(f"ks={list(cfg.ks)}: {report_path} compared TT<k>T for ks="
+                         f"{list(saved.ks)} only (no measurement of k={unsaved})")
+    groups: dict[tuple, list[dict]] = {}  # errors.SCENARIO_KEYS -> rows
+    for r in report["rows"]:
+        groups.setdefault(tuple(r.get(k) for k in errors.SCENARIO_KEYS), []).append(r)
+    name = cfg.profile_name or saved.profile_name or f"local-{saved.model.name}"
+    beside = report_path.parent / "profiles"
+    if cfg.profile_dir:
+        root = Path(cfg.profile_dir)
+    elif beside.is_dir():
+        root = beside
+    elif saved.calibrate:
+        raise FileNotFoundError(
+            f"{report_path}: that run calibrated into its run directory's profiles/, which "
+            f"is not beside the report; give profile_dir= (the directory holding hardware/, "
+            f"codec_timing/ and link/)")
+    else:
+        root = Path(saved.profile_dir) if saved.profile_dir else DATA_DIR / "profiles"
+    profiles = find_profiles(root, name, sorted({str(k[1]) for k in groups}))
+    run_dir = out_root(None)
+    started = time.time()
+    provenance = report.get("provenance") if isinstance(report.get("provenance"), dict) else {}
+    notes = [f"{key}={mine} (the measured run's simulator had {theirs})"
+             for key, mine, theirs in (("acceptance", cfg.acceptance, saved.acceptance),
+                                       ("samples", cfg.samples, saved.samples))
+             if mine != theirs]
+    for note in notes:
+        _say(note)
+    _say(f"simulating the {len(groups)} scenarios of {report_path} against its measurements "
+         f"(profiles {root}/{name}; measured at "
+         f"{provenance.get('git_describe', 'an unknown commit')})")
+    rows: list[dict] = []
+    single = errors.single_metrics(list(cfg.ks))
+    for (case, emulation, rate, ctx, per_s), saved_rows in groups.items():
+        if case == "single":
+            scenario, workload = _single_scenario(emulation, rate, ctx, saved.output_tokens)
+            common = scenario_overrides(saved.model.name, emulation, rate, saved.codecs,
+                                        workload, list(cfg.ks), profiles)
+            sim = sim_overrides(common, profiles, cfg.acceptance, cfg.samples)
+            probe_s = saved_rows[0].get("step_probe_s")  # s, or absent (no probe)
+            probed: dict[str, float] = {}
+            if isinstance(probe_s, (int, float)) and probe_s > 0:  # applied to these profiles
+                sim, probed = _probed(sim, profiles, ctx, probe_s, run_dir, scenario,
+                                      "the saved step probe")
+            metrics = single
+        else:
+            m = saved.multi
+            scenario = _multi_name(emulation, per_s)
+            if (emulation, rate, ctx) != (m.emulation, m.bandwidth_gbps, m.context_tokens):
+                raise ValueError(
+                    f"{report_path}: its {scenario} rows were measured over {emulation} at "
+                    f"{rate:g} Gbps with {ctx}-token prompts, its config's multi case is "
+                    f"{m.emulation} at {m.bandwidth_gbps:g} Gbps with {m.context_tokens}")
+            common = scenario_overrides(saved.model.name, emulation, rate, m.codecs,
+                                        _multi_workload(m, per_s), [], profiles)
+            sim = sim_overrides(common, profiles, cfg.acceptance, 1)  # seed 0's arrivals
+            metrics = errors.MULTI_METRICS
+        _say(f"{scenario} ({time.time() - started:.0f} s so far)")
+        simulated = {str(r["codec"]): r for r in simulate(sim)}
+        _keep(run_dir, scenario, {"measured_from": str(report_path),
+                                  "simulated": list(simulated.values())})
+        by_codec: dict[str, list[dict]] = {}
+        for r in saved_rows:
+            by_codec.setdefault(str(r["codec"]), []).append(r)
+        for codec, codec_rows in by_codec.items():
+            s = simulated.get(codec)
+            if s is None:
+                raise ValueError(f"{report_path}: its {scenario} rows name codec {codec!r}, "
+                                 f"which its config's codecs do not ({', '.join(simulated)})")
+            rows += errors.recompare(codec_rows, s, metrics,
+                                     {**_simulated_keys(s), **probed} if case == "single"
+                                     else {})
+    return _conclude(cfg, rows, run_dir, profiles, {
+        "notes": notes, "measured_from": str(report_path),
+        "measured_provenance": provenance}, started)
+
+
+def _saved_run(where: str) -> tuple[Path, dict, Config]:
+    """(report path, report, its validate config) of measured_from=: a report.json that
+    `kvsim validate` wrote, or the run directory holding it."""
+    from omegaconf import OmegaConf
+
+    from kvsim.fidelity.errors import SCENARIO_KEYS
+
+    path = Path(where)
+    if path.is_dir():
+        path = path / "report.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"measured_from={where}: no such report (a `kvsim validate` "
+                                f"run directory, or its report.json)")
+    try:
+        report = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"measured_from={where}: {path} is not JSON ({e})") from e
+    if not isinstance(report, dict) or report.get("command") != "validate" \
+            or not isinstance(report.get("rows"), list) or "config" not in report:
+        raise ValueError(f"measured_from={where}: {path} is not a `kvsim validate` report "
+                         f"(command {report.get('command') if isinstance(report, dict) else None})")
+    rows = report["rows"]
+    if not rows:
+        raise ValueError(f"measured_from={where}: {path} has no comparison rows")
+    bad = [i for i, r in enumerate(rows) if not _comparison_row(r)]
+    if bad:
+        raise ValueError(f"measured_from={where}: rows {bad[:5]} of {path} are not comparison "
+                         f"rows (case single|multi, emulation, codec and metric names, "
+                         f"bandwidth_gbps, context_tokens, a multi row's rate_per_s, "
+                         f"measured_s)")
+    seen: dict[tuple, int] = {}
+    for i, r in enumerate(rows):
+        key = tuple(r.get(k) for k in (*SCENARIO_KEYS, "codec", "metric"))
+        if key in seen:
+            raise ValueError(f"measured_from={where}: rows {seen[key]} and {i} of {path} are "
+                             f"the same comparison ({', '.join(map(str, key))})")
+        seen[key] = i
+    if (report.get("config") or {}).get("measured_from"):
+        raise ValueError(f"measured_from={where}: {path} is itself a re-simulation (of "
+                         f"{report['config']['measured_from']}); its config is not that of "
+                         f"the measured run: point measured_from= at the measured run")
+    try:
+        saved = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config),
+                                                    report["config"]))
+    except Exception as e:  # OmegaConf's errors: an unknown key, a wrong type
+        raise ValueError(f"measured_from={where}: the config in {path} is not one of this "
+                         f"kvsim validate's ({e})") from e
+    assert isinstance(saved, Config)
+    saved.apply_grid()
+    return path, report, saved
+
+
+def _comparison_row(r: Any) -> bool:
+    """A report row `_resimulate` can use: its scenario's keys typed as validate wrote them."""
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    return (isinstance(r, dict) and r.get("case") in ("single", "multi")
+            and isinstance(r.get("emulation"), str) and isinstance(r.get("codec"), str)
+            and isinstance(r.get("metric"), str) and number(r.get("bandwidth_gbps"))
+            and isinstance(r.get("context_tokens"), int) and "measured_s" in r
+            and (r["case"] == "single" or number(r.get("rate_per_s"))))
+
+
+def _conclude(cfg: Config, rows: list[dict], run_dir: Path, profiles: Any, extra: dict,
+              started: float) -> dict:
+    """Summary against the targets, printed and written (fidelity.json, fidelity.md,
+    fidelity.png); raises TargetMissed under fail_on_target."""
+    from kvsim.core.report import json_safe
+    from kvsim.fidelity import errors
+
+    summary = errors.summary(rows)
+    met_mean = bool(summary["compared"]) and \
+        summary["mean_abs_pct_error"] <= cfg.target_mean_abs_pct
+    met_max = bool(summary["compared"]) and \
+        summary["max_abs_pct_error"] <= cfg.target_max_abs_pct
+    summary.update(target_mean_abs_pct=cfg.target_mean_abs_pct,
+                   target_max_abs_pct=cfg.target_max_abs_pct,
+                   met_mean=met_mean, met_max=met_max, met=met_mean and met_max,
+                   profiles={"hardware": str(profiles.hardware),
+                             "codec_timing": str(profiles.codec_timing),
+                             **{f"link.{k}": str(v) for k, v in profiles.links.items()}},
+                   **extra, wall_s=time.time() - started)
+    _print(rows, summary)
+    doc = {"summary": summary, "rows": rows}
+    (run_dir / "fidelity.json").write_text(json.dumps(json_safe(doc), indent=1) + "\n")
+    (run_dir / "fidelity.md").write_text(errors.markdown_table(rows))
+    if cfg.figure and rows:
+        from kvsim.plots.fidelity import draw
+        from kvsim.plots.style import save
+
+        paths = save(draw(rows, summary), run_dir / "fidelity.png", ["png"], 150)
+        _say(f"figure: {paths[0]} (kvsim plot kind=fidelity input=<report.json> redraws it)")
+    if cfg.fail_on_target and not met_mean:  # CI's gate: the mean (the worst is reported)
+        raise TargetMissed(f"fidelity target missed: mean |error| "
+                           f"{summary['mean_abs_pct_error']:.2f}% > "
+                           f"{cfg.target_mean_abs_pct}% (worst "
+                           f"{summary['max_abs_pct_error']:.2f}%, target "
+                           f"{cfg.target_max_abs_pct}%); see fidelity.json in the run directory")
+    return {"rows": rows, **{k: summary[k] for k in ("mean_abs_pct_error",
+                                                      "max_abs_pct_error")},
+            "fidelity": summary}
+
+
+def _keep(run_dir: Path, name: str, doc: dict) -> None:
+    """A scenario's full rows (both engines', or the simulator's against saved
+    measurements), for tracing any error to its phases."""
+    from kvsim.core.report import json_safe
+
+    path = run_dir / "scenarios" / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(json_safe(doc)) + "\n")
+
+
+def _simulated_keys(s: dict) -> dict:
+    """A scenario's keys that the simulator gives: its accepted / proposed drafts (per
+    request), its prefill and its decode step after the first (s)."""
+    return {"accepted_simulated": f"{s.get('accepted_tokens', 0):.3g}/"
+                                  f"{s.get('proposed_tokens', 0):.3g}",
+            "prefill_simulated_s": s.get("prefill_s"), "tpot_simulated_s": s.get("tpot_s")}
+
+
+def _probed(sim: list[str], profiles: Any, ctx: int, probe_s: float, run_dir: Path,
+            name: str, what: str = "step probe") -> tuple[list[str], dict[str, float]]:
+    """The simulator's overrides with the hardware profile scaled to a decode-step probe of
+    probe_s seconds at ctx tokens (written under run_dir/profiles-probed), and the
+    scenario's probe keys."""
+    from kvsim.fidelity.step_probe import probed_profile
+
+    path = run_dir / "profiles-probed" / f"{name}.json"
+    scale = probed_profile(profiles.hardware, ctx, probe_s, path)
+    _say(f"{what} at {ctx} tokens: {probe_s * 1e3:.1f} ms ({scale:.3f} x the "
+         "calibrated step)")
+    return ([f"hardware.profile={path}" if o.startswith("hardware.profile=") else o
+             for o in sim], {"step_probe_s": probe_s, "step_scale": scale})
+
+
+def _single_scenario(emulation: str, bandwidth_gbps: float, context_tokens: int,
+                     output_tokens: int) -> tuple[str, list[str]]:
+    """A single-request scenario's name (its files under scenarios/ and profiles-probed/)
+    and its workload keys (both engines)."""
+    return (f"single-{emulation}-{bandwidth_gbps:g}gbps-{context_tokens}",
+            ["workload=emulated", f"workload.context_tokens={context_tokens}",
+             f"workload.output_tokens={output_tokens}"])
+
+
+def _multi_name(emulation: str, rate_per_s: float) -> str:
+    """The multi-request case's name at one arrival rate (its file under scenarios/)."""
+    return f"multi-{emulation}-{rate_per_s:g}per-s"
+
+
+def _multi_workload(m: MultiConfig, rate_per_s: float) -> list[str]:
+    """The multi-request case's workload keys at one arrival rate (both engines)."""
+    return ["workload=poisson", f"workload.requests={m.requests}",
+            f"workload.rate_per_s={rate_per_s}", f"workload.context_tokens={m.context_tokens}",
+            "workload.context_dist=fixed", f"workload.output_tokens={m.output_tokens}",
+            "workload.prefill_nodes=1", f"workload.decode_nodes={m.requests}",
+            "workload.decode_max_batch=1", "transport.decode=timing",
+            "transport.kv_source=synthetic"]
+
+
+def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path) -> list[dict]:
+    from kvsim.fidelity import errors
+    from kvsim.fidelity.runner import by_codec, run_pair, scenario_overrides, sim_overrides
+
+    m = cfg.multi
+    rows = []
+    for rate in m.rates_per_s:
+        _say(f"multi-request: {m.requests} Poisson arrivals at {rate:g}/s over "
+             f"{m.bandwidth_gbps:g} Gbps ({m.emulation}), timing-model decode "
+             f"({time.time() - started:.0f} s so far)")
+        common = scenario_overrides(cfg.model.name, m.emulation, m.bandwidth_gbps, m.codecs,
+                                    _multi_workload(m, rate), [], profiles)
+        # one sample: the emulator replays the arrivals of seed 0 and so must the simulator
+        # (percentiles of other arrival draws are not the same quantity)
+        measured, simulated = run_pair(common, sim_overrides(common, profiles, cfg.acceptance, 1))
+        _keep(run_dir, _multi_name(m.emulation, rate),
+              {"measured": measured, "simulated": simulated})
+        sim_by = by_codec(simulated)
+        for codec, row in by_codec(measured).items():
+            scenario = {"case": "multi", "emulation": m.emulation,
+                        "bandwidth_gbps": m.bandwidth_gbps, "context_tokens": m.context_tokens,
+                        "codec": codec, "rate_per_s": rate, "requests": m.requests}
+            rows += errors.compare(scenario, row, sim_by[codec], errors.MULTI_METRICS)
+    return rows
+
+
+def _print(rows: list[dict], summary: dict) -> None:
+    print(format_table(rows, [
+        ("case", "case", ""), ("emulation", "link", ""), ("bandwidth_gbps", "Gbps", "g"),
+        ("context_tokens", "ctx", "d"), ("rate_per_s", "req/s", "g"), ("codec", "codec", ""),
+        ("metric", "metric", ""), ("measured_s", "measured s", ".3f"),
+        ("simulated_s", "simulated s", ".3f"), ("error_pct", "error %", "+.1f"),
+        ("measured_spread_pct", "runs apart %", ".1f")]))
+    spread = summary.get("mean_measured_spread_pct", float("nan"))
+    if spread == spread:  # repeated runs: the noise floor the errors sit on
+        print(f"repeated emulated runs of one scenario land {spread:.1f}% apart on average")
+    step = summary.get("step_mean_abs_pct_error", float("nan"))
+    if step == step:  # the host's step against its calibration: what TT<k>T errors inherit
+        print(f"decode step, simulated (calibrated) vs measured in the scenario: mean |error| "
+              f"{step:.1f}%, worst {summary['step_max_abs_pct_error']:.1f}%")
+    print(f"mean |error| {summary['mean_abs_pct_error']:.2f}% (target "
+          f"{summary['target_mean_abs_pct']}%), worst {summary['max_abs_pct_error']:.2f}% "
+          f"(target {summary['target_max_abs_pct']}%) over {summary['compared']} comparisons"
+          + ("" if summary["met"] else ": " + " and ".join(
+              w for w, ok in (("mean", summary["met_mean"]), ("worst", summary["met_max"]))
+              if not ok) + " above target"))

@@ -1,0 +1,533 @@
+"""`gear` and `gear-l`: a KIVI/KCVT backbone plus error reduction (GEAR).
+
+Per page of quantized tokens (q tokens, heads h, head_dim d), for K and V separately:
+
+1. gear only, outliers: the top and the bottom k entries of every K channel (over the
+   page's q tokens) and of every V token (over head_dim) are kept exactly in fp16 with
+   their index. `outlier_count` 'ceil' (default): k = min(ceil(s / 200 * n), (n - 1) // 2)
+   for every vector of length n, so s = 2 % keeps 2.34 % of keys over 256-token pages and
+   3.13 % of values at head_dim 64. 'exact': s % of the entries, as the paper defines
+   Filter_s: the m vectors of one (head, page) get k_i = floor((i + 1) c) - floor(i c) per
+   side, c = s / 200 * n (each capped at (n - 1) // 2), i.e. floor(m c) per side in all.
+   Before quantization each outlier slot is filled with clamp(0, min, max) of the
+   vector's remaining entries, so outliers no longer widen the groups' ranges; decode
+   writes the stored values back over those slots.
+2. low rank: the quantization residual E = X_filled - dequant(quant(X_filled)) (zero on
+   the outlier slots) of each head is approximated by A B^T, A [q, r], B [d, r],
+   r = min(rank, q, d), by subspace (power) iteration: B0 ~ N(0, 1) from a generator seeded
+   with `seed`, then `iters` times B = orth(B); A = orth(E B); B = E^T A (GEAR Algorithm 2
+   with an orthonormalization each round for stability; orth = modified Gram-Schmidt, and
+   every dot product of the fit summed in index order, elementwise fp32 ops, so that the
+   torch reference and the numba kernel of the CPU path give the same bits; decode sums
+   A B^T's rank-one terms in rank order for the same reason). A and B are stored in fp16;
+   among equal values, outliers are picked lower index first (a stable sort). A column
+   of B that would overflow fp16 (inputs near +-65504) trades a power of two with its
+   column of A first (`fit_fp16`; the product is unchanged).
+   `lowrank` 'page' (default): factors are fitted over one page's q tokens (E of one
+   head and page is [q, d]), so every page has its own A and B. 'sequence' (as in the
+   paper): one fit per layer, K|V and head over all Tq quantized tokens (E is [Tq, d],
+   outlier slots of every page zeroed), r = min(rank, Tq, d); chunk p carries A's rows of
+   its q tokens and the whole B (the same in every chunk of the layer, so that each chunk
+   decodes alone: the same bytes per chunk as 'page').
+
+Extra fields of chunk (layer, page), after the backbone's (kivi.py):
+    lr_a  fp16 [2, heads, q, r]        lr_b  fp16 [2, heads, head_dim, r (0 if q == 0)]
+    gear only:
+    ko_idx u8/u16 [heads, head_dim, 2 kK]   token index in page (u16 if page_tokens > 256)
+    ko_val fp16   [heads, head_dim, 2 kK]
+    vo_idx u8/u16 [heads, q, 2 kV]          channel index (u16 if head_dim > 256)
+    vo_val fp16   [heads, q, 2 kV]
+    ('exact': [heads, 2 sum_i k_i], vector by vector: its k_i top entries, then its k_i
+    bottom ones; with equal k_i these are the bytes of the 'ceil' layout)
+The bf16 recent-token window of the backbone is stored as is (no low rank, no outliers).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from kvsim.core.layout import KVShape
+from kvsim.core.lazy_module import lazy_module
+from kvsim.kernels.codec import register
+from kvsim.kernels.groupquant import QUANT_BITS, Field
+from kvsim.kernels.kivi.codec import BACKENDS, Backbone, BackboneCodec, FusedInput
+from kvsim.kernels.kivi.geometry import G_BASE, G_LA, G_LB, G_QK, G_RANK
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvsim.kernels.kivi import cpu as kivi_cpu
+else:
+    torch = lazy_module("torch")
+    kivi_cpu = lazy_module("kvsim.kernels.kivi.cpu")
+
+BACKBONES = ("kivi", "kcvt")
+LOWRANK_SCOPES = ("page", "sequence")
+OUTLIER_COUNTS = ("ceil", "exact")
+
+
+def outliers_per_side(n: int, pct: float) -> int:
+    """k entries kept at each end of a vector of n entries (exact rational ceil)."""
+    if n <= 1 or pct <= 0:
+        return 0
+    return min(math.ceil(Fraction(str(pct)) * n / 200), (n - 1) // 2)
+
+
+def outlier_side_counts(n: int, m: int, pct: float, exact: bool) -> list[int]:
+    """Per-side outlier counts of m vectors of n entries. exact: vector i keeps
+    floor((i+1)c) - floor(ic) per side, c = pct% of n / 2 (so m vectors keep pct% of their
+    entries in all), capped at (n - 1) // 2; else ceil(c) each."""
+    if not exact:
+        return [outliers_per_side(n, pct)] * m
+    if n <= 1 or pct <= 0:
+        return [0] * m
+    c = Fraction(str(pct)) * n / 200
+    cap = (n - 1) // 2
+    return [min(math.floor((i + 1) * c) - math.floor(i * c), cap) for i in range(m)]
+
+
+def outlier_schedule(n: int, m: int, pct: float, exact: bool) -> torch.Tensor:
+    """`outlier_side_counts` as int64 [m]."""
+    return torch.tensor(outlier_side_counts(n, m, pct, exact), dtype=torch.int64)
+
+
+class Extremes(NamedTuple):
+    values: torch.Tensor
+    indices: torch.Tensor
+
+
+def extremes(x: torch.Tensor, m: int) -> tuple[Extremes, Extremes]:
+    """The m largest entries of each vector of x [..., n] (largest first) and the m smallest
+    (smallest first), values and indices [..., m]. Equal values come in index order (a
+    stable sort): a defined choice among ties, which torch.topk does not promise, and the
+    one kivi_cpu's outlier kernel makes."""
+    top = torch.sort(x, dim=-1, descending=True, stable=True)
+    bot = torch.sort(x, dim=-1, stable=True)
+    return (Extremes(top.values[..., :m], top.indices[..., :m]),
+            Extremes(bot.values[..., :m], bot.indices[..., :m]))
+
+
+def ragged_vectors(counts: torch.Tensor) -> torch.Tensor:
+    """counts [m] -> the vector of each stored outlier [2 S] (k_i top, then k_i bottom)."""
+    return torch.repeat_interleave(torch.arange(counts.numel()), 2 * counts)
+
+
+def scatter_ragged(x: torch.Tensor, idx: torch.Tensor, vec: torch.Tensor,
+                   values: torch.Tensor | float) -> torch.Tensor:
+    """x [..., m, n] with x[..., vec[j], idx[..., j]] = values[..., j] (a new tensor)."""
+    m, n = x.shape[-2:]
+    out = x.reshape(*x.shape[:-2], m * n).clone()
+    pos = vec.to(idx.device) * n + idx.long()
+    if isinstance(values, float):
+        out.scatter_(-1, pos, values)
+    else:
+        out.scatter_(-1, pos, values.to(out.dtype))
+    return out.reshape(x.shape)
+
+
+def split_outliers_ragged(x: torch.Tensor, counts: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [..., m, n], counts [m] -> (filled x, idx [..., 2 S] int64, values [..., 2 S]):
+    split_outliers with k_i per vector i (stored vector by vector: k_i top, k_i bottom)."""
+    kmax = int(counts.max()) if counts.numel() else 0
+    if kmax == 0:
+        empty = x.new_zeros((*x.shape[:-2], 0))
+        return x, empty.long(), empty
+    top, bot = extremes(x, kmax + 1)
+    keep = torch.arange(kmax) < counts.unsqueeze(-1)  # [m, kmax]
+    mask = torch.cat((keep, keep), dim=-1).to(x.device)  # [m, 2 kmax]
+    cand = torch.cat((top.indices[..., :kmax], bot.indices[..., :kmax]), dim=-1)
+    idx = cand[..., mask]  # [..., 2 S], vector-major
+    vec = ragged_vectors(counts)
+    at = counts.to(x.device).view(-1, 1).expand(*x.shape[:-1], 1)
+    fill = torch.clamp(torch.zeros_like(x[..., :1]), bot.values.gather(-1, at),
+                       top.values.gather(-1, at)).squeeze(-1)  # [..., m]
+    vals = x.reshape(*x.shape[:-2], -1).gather(-1, vec.to(x.device) * x.shape[-1] + idx)
+    filled = scatter_ragged(x, idx, vec, fill[..., vec.to(x.device)])
+    return filled, idx, vals
+
+
+def index_kind(extent: int) -> str:
+    return "u8" if extent <= 256 else "u16"
+
+
+def split_outliers(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x: [..., n] -> (filled x, idx [..., 2k] int64, values [..., 2k]): the k largest and k
+    smallest entries of each vector, replaced by clamp(0, remaining min, remaining max)."""
+    if k == 0:
+        empty = x.new_zeros((*x.shape[:-1], 0))
+        return x, empty.long(), empty
+    top, bot = extremes(x, k + 1)
+    idx = torch.cat((top.indices[..., :k], bot.indices[..., :k]), dim=-1)
+    vals = torch.gather(x, -1, idx)
+    fill = torch.clamp(torch.zeros_like(top.values[..., k]), bot.values[..., k],
+                       top.values[..., k])
+    filled = x.scatter(-1, idx, fill.unsqueeze(-1).expand_as(vals))
+    return filled, idx, vals
+
+
+FP16_ROUNDS_TO_INF = 65520.0  # fp32 values >= this become inf in fp16
+BALANCED_B_MAX = 32768.0  # where fit_fp16 brings an overflowing column of B
+
+
+def fit_fp16(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """a [batch, q, r] (orthonormal columns, |a| <= 1), b [batch, d, r]: where a column of
+    b would overflow fp16, move a power of two 2^k from b to a (a 2^k, b 2^-k: exact, same
+    product) so that |b| <= 32768 and |a| <= 2^k; columns that fit are left as they are, so
+    the bytes of every cache whose factors fit fp16 are unchanged. |b| <= sqrt(q) max|E|,
+    i.e. <= 2^8 * 2^17 for pages up to 65536 tokens: 2^k <= 2^10, a stays inside fp16."""
+    peak = b.abs().amax(dim=1, keepdim=True)  # [batch, 1, r]
+    over = peak >= FP16_ROUNDS_TO_INF
+    if not bool(over.any()):
+        return a, b
+    k = torch.ceil(torch.log2(peak / BALANCED_B_MAX))
+    c = torch.where(over, torch.exp2(k), torch.ones_like(peak))
+    return a * c, b / c
+
+
+def seq_sum(p: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum over `dim`, one term at a time in index order (every partial sum rounded to fp32):
+    a defined order that kivi_cpu's numba kernels repeat bit for bit (torch.sum's and a
+    BLAS matmul's orders are their own)."""
+    acc = p.select(dim, 0)
+    for i in range(1, p.shape[dim]):
+        acc = acc + p.select(dim, i)
+    return acc
+
+
+def matmul_seq(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x [..., m, k] @ y [..., k, n] with every dot product summed in k order (seq_sum)."""
+    acc = x[..., :, 0:1] * y[..., 0:1, :]
+    for c in range(1, x.shape[-1]):
+        acc = acc + x[..., :, c:c + 1] * y[..., c:c + 1, :]
+    return acc
+
+
+def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """fp32 sqrt rounded to nearest, as IEEE (and numba's sqrtf) define it: torch.sqrt on CPU
+    may be an ulp off (a vectorized approximation). Of torch.sqrt's result and its two fp32
+    neighbours, the one whose square is nearest x (squares and differences exact in fp64)."""
+    s = torch.sqrt(x)
+    c = torch.stack((torch.nextafter(s, torch.full_like(s, -math.inf)), s,
+                     torch.nextafter(s, torch.full_like(s, math.inf))))
+    miss = (c.double() * c.double() - x.double()).abs()
+    return c.gather(0, miss.argmin(dim=0, keepdim=True)).squeeze(0)
+
+
+def orthonormalize(m: torch.Tensor) -> torch.Tensor:
+    """m [..., n, r] -> Q [..., n, r] with orthonormal columns spanning m's: modified
+    Gram-Schmidt, column by column, dot products by seq_sum (a zero column stays zero)."""
+    cols: list[torch.Tensor] = []
+    for j in range(m.shape[-1]):
+        v = m[..., j]
+        for qi in cols:
+            v = v - seq_sum(qi * v, -1).unsqueeze(-1) * qi
+        nrm = sqrt_rn(seq_sum(v * v, -1)).unsqueeze(-1)
+        live = nrm > 0
+        cols.append(torch.where(live, v / torch.where(live, nrm, torch.ones_like(nrm)),
+                                torch.zeros_like(v)))
+    return torch.stack(cols, dim=-1)
+
+
+def low_rank_start(d: int, r: int, seed: int) -> torch.Tensor:
+    """B0 [d, r] ~ N(0, 1) from a generator seeded with `seed`."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn(d, r, generator=gen, dtype=torch.float32)
+
+
+def low_rank(e: torch.Tensor, rank: int, iters: int, seed: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """e: [batch, q, d] fp32 -> A [batch, q, r], B [batch, d, r] with e ~ A B^T: subspace
+    iteration, `iters` times B = orth(B); A = orth(E B); B = E^T A, with orthonormalize and
+    matmul_seq: elementwise fp32 ops in one defined order, so that the numba kernel
+    (kivi_cpu._low_rank) gives the same bits."""
+    n, q, d = e.shape
+    r = min(rank, q, d)
+    b = low_rank_start(d, r, seed).to(e.device).expand(n, d, r)
+    a = e.new_zeros(n, q, r)
+    et = e.transpose(-1, -2)
+    for _ in range(iters):
+        b = orthonormalize(b)
+        a = orthonormalize(matmul_seq(e, b))
+        b = matmul_seq(et, a)
+    return a, b
+
+
+@dataclass(frozen=True)
+class GearParams:
+    backbone: str = "kivi"  # kivi | kcvt
+    bits: int = 2
+    group: int = 32  # kivi key group (tokens); ignored by kcvt
+    value_group: int = 32  # kivi value group (channels); kcvt uses the whole head_dim
+    residual: int = 128  # bf16 recent tokens (kivi: a multiple of group)
+    rank: int = 4
+    iters: int = 3  # power iterations
+    outlier_pct: float = 2.0  # s: % of each vector kept as outliers (s/2 at each end)
+    seed: int = 0
+    page_tokens: int = 256
+    backend: str = "auto"  # auto | torch | cpu: the backbone quantizer's kernels (same bytes)
+    lowrank: str = "page"  # low-rank fit per 'page' (A, B per page) | 'sequence' (the paper)
+    outlier_count: str = "ceil"  # per vector: 'ceil' of s% of n | 'exact' s% per head-page
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}")
+        if self.lowrank not in LOWRANK_SCOPES:
+            raise ValueError(f"lowrank must be one of {LOWRANK_SCOPES}")
+        if self.outlier_count not in OUTLIER_COUNTS:
+            raise ValueError(f"outlier_count must be one of {OUTLIER_COUNTS}")
+        if self.backbone not in BACKBONES:
+            raise ValueError(f"backbone must be one of {BACKBONES}")
+        if self.bits not in QUANT_BITS:
+            raise ValueError(f"bits must be one of {QUANT_BITS}")
+        if self.rank < 1 or self.iters < 1:
+            raise ValueError("rank and iters must be >= 1")
+        if not 0 <= self.outlier_pct < 100:
+            raise ValueError("outlier_pct must be in [0, 100)")
+        if self.page_tokens < 1 or self.residual < 0 or self.group < 1:
+            raise ValueError("page_tokens, group must be >= 1 and residual >= 0")
+        if self.backbone == "kivi" and (self.residual % self.group
+                                        or self.page_tokens % self.group):
+            raise ValueError(f"kivi backbone: residual ({self.residual}) and page_tokens "
+                             f"({self.page_tokens}) must be multiples of group ({self.group})")
+
+
+@register
+class GearCodec(BackboneCodec):
+    name = "gear"
+    Params = GearParams
+    sparse = True
+
+    def backbone(self) -> Backbone:
+        p = self.params
+        if p.backbone == "kcvt":
+            return Backbone(p.bits, 0, 0, p.residual)
+        return Backbone(p.bits, p.group, p.value_group, p.residual)
+
+    def outlier_counts(self, shape: KVShape, q: int) -> tuple[int, int]:
+        """(kK, kV) per side: per K channel over q tokens, per V token over head_dim."""
+        if not self.sparse:
+            return 0, 0
+        pct = self.params.outlier_pct
+        return outliers_per_side(q, pct), outliers_per_side(shape.head_dim, pct)
+
+    def rank_of(self, shape: KVShape, q: int) -> int:
+        """r of a page with q quantized tokens (0 when q == 0)."""
+        if q == 0:
+            return 0
+        if self.params.lowrank == "sequence":
+            q = self.backbone().quantized_tokens(shape.tokens)
+        return min(self.params.rank, q, shape.head_dim)
+
+    def extra_fields(self, shape: KVShape, q: int) -> list[Field]:
+        h, d = shape.kv_heads, shape.head_dim
+        r = self.rank_of(shape, q)
+        fields = [Field("lr_a", "f16", (2, h, q, r)), Field("lr_b", "f16", (2, h, d, r))]
+        if self.sparse:
+            ik = index_kind(self.params.page_tokens)
+            iv = index_kind(d)
+            if self.exact_outliers:
+                pct = self.params.outlier_pct  # sizes only: no tensors
+                kshape = (h, 2 * sum(outlier_side_counts(q, d, pct, True)))
+                vshape = (h, 2 * sum(outlier_side_counts(d, q, pct, True)))
+            else:
+                kk, kv = self.outlier_counts(shape, q)
+                kshape, vshape = (h, d, 2 * kk), (h, q, 2 * kv)
+            # index limits: token within the page's q quantized tokens, channel < head_dim
+            fields += [Field("ko_idx", ik, kshape, limit=q), Field("ko_val", "f16", kshape),
+                       Field("vo_idx", iv, vshape, limit=d), Field("vo_val", "f16", vshape)]
+        return fields
+
+    @property
+    def exact_outliers(self) -> bool:
+        return self.sparse and self.params.outlier_count == "exact"
+
+    def schedules(self, d: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """'exact': per-side counts of the d K channels (over q tokens) and of the q V tokens
+        (over d channels) of one head-page."""
+        pct = self.params.outlier_pct
+        return outlier_schedule(q, d, pct, True), outlier_schedule(d, q, pct, True)
+
+    def pre_quantize(self, xq: torch.Tensor, shape: KVShape) -> tuple[torch.Tensor, Any]:
+        """Remove each page's outliers (gear); state[(layer, t0)] = outlier fields."""
+        # (layer, t0) -> outlier fields; post_quantize adds the low-rank fits
+        state: dict[Any, Any] = {}
+        if not self.sparse:
+            return xq, state
+        filled = xq.clone()
+        pt, tq = self.params.page_tokens, xq.shape[3]
+        for t0 in range(0, tq, pt):
+            q = min(pt, tq - t0)
+            # keys per channel: [layers, heads, d, q]; values per token: [layers, heads, q, d]
+            if self.exact_outliers:
+                ck, cv = self.schedules(shape.head_dim, q)
+                kf, ki, kvals = split_outliers_ragged(xq[:, 0, :, t0:t0 + q].transpose(-1, -2),
+                                                      ck)
+                vf, vi, vvals = split_outliers_ragged(xq[:, 1, :, t0:t0 + q], cv)
+            else:
+                kk, kv = self.outlier_counts(shape, q)
+                kf, ki, kvals = split_outliers(xq[:, 0, :, t0:t0 + q].transpose(-1, -2), kk)
+                vf, vi, vvals = split_outliers(xq[:, 1, :, t0:t0 + q], kv)
+            filled[:, 0, :, t0:t0 + q] = kf.transpose(-1, -2)
+            filled[:, 1, :, t0:t0 + q] = vf
+            for layer in range(xq.shape[0]):
+                state[(layer, t0)] = {"ko_idx": ki[layer], "ko_val": kvals[layer],
+                                      "vo_idx": vi[layer], "vo_val": vvals[layer]}
+        return filled, state
+
+    def fit_error(self, state: Any, layer: int, t0: int, x_page: torch.Tensor,
+                  xhat_page: torch.Tensor) -> torch.Tensor:
+        """The quantization error of one page [2, heads, q, d], zero on the outlier slots
+        (they are overwritten at decode: left out of the low-rank fit)."""
+        err = x_page - xhat_page
+        if self.exact_outliers:
+            out, (q, d) = state[(layer, t0)], err.shape[2:]
+            ck, cv = self.schedules(d, q)
+            err = err.clone()
+            err[0] = scatter_ragged(err[0].transpose(-1, -2), out["ko_idx"], ragged_vectors(ck),
+                                    0.0).transpose(-1, -2)
+            err[1] = scatter_ragged(err[1], out["vo_idx"], ragged_vectors(cv), 0.0)
+        elif self.sparse:
+            out = state[(layer, t0)]
+            err = err.clone()
+            ek = err[0].transpose(-1, -2)  # [heads, d, q] view
+            ek.scatter_(-1, out["ko_idx"], 0.0)
+            err[1].scatter_(-1, out["vo_idx"], 0.0)
+        return err
+
+    def post_quantize(self, state: Any, xq: torch.Tensor, xhat: torch.Tensor | None) -> Any:
+        """The low-rank fits of the quantization error, made here for the whole cache:
+        lowrank 'sequence': A [Tq, r], B [d, r] per (layer, K|V, head) over all quantized
+        tokens, state["lowrank"] = (A [layers, 2, heads, Tq, r], B [.., d, r]);
+        lowrank 'page': A [q, r], B [d, r] per (layer, K|V, head, page), state[("lowrank",
+        layer, t0)] = (A [2, heads, q, r], B [2, heads, d, r]), every page of the same q
+        fitted in one low_rank call. low_rank works row by row (elementwise ops over the
+        batch), so a batch gives each page the bits its own call would; one call per page
+        length instead of one per page keeps a GPU busy (per page, its thousands of small
+        launches took 13 s for a 64 MB cache on an H100)."""
+        tq = xq.shape[3]
+        if tq == 0 or xhat is None:
+            return state
+        layers, _, h, _, d = xq.shape
+        p = self.params
+        pt = p.page_tokens
+        err = torch.empty_like(xq)  # [layers, 2, h, Tq, d]
+        for layer in range(layers):
+            for t0 in range(0, tq, pt):
+                sl = (layer, slice(None), slice(None), slice(t0, t0 + pt))
+                err[sl] = self.fit_error(state, layer, t0, xq[sl], xhat[sl])
+        if p.lowrank == "sequence":
+            a, b = fit_fp16(*low_rank(err.reshape(layers * 2 * h, tq, d), p.rank, p.iters,
+                                      p.seed))
+            state["lowrank"] = (a.reshape(layers, 2, h, tq, -1), b.reshape(layers, 2, h, d, -1))
+            return state
+        full = tq // pt * pt  # the full pages, then the last one if it is shorter
+        for t_lo, t_hi, q in ((0, full, pt), (full, tq, tq - full)):
+            n = (t_hi - t_lo) // q if q else 0  # pages of length q
+            if n == 0:
+                continue
+            e = err[:, :, :, t_lo:t_hi].reshape(layers * 2 * h * n, q, d)  # rows (l, kv, h, page)
+            a, b = fit_fp16(*low_rank(e, p.rank, p.iters, p.seed))
+            a, b = a.reshape(layers, 2, h, n, q, -1), b.reshape(layers, 2, h, n, d, -1)
+            for layer in range(layers):
+                for i in range(n):
+                    state[("lowrank", layer, t_lo + i * q)] = (a[layer, :, :, i],
+                                                               b[layer, :, :, i])
+        return state
+
+    def page_extras(self, state: Any, layer: int, t0: int, q: int, x_page: torch.Tensor,
+                    xhat_page: torch.Tensor) -> dict[str, torch.Tensor]:
+        if q == 0:
+            return {}
+        out: dict[str, torch.Tensor] = dict(state[(layer, t0)]) if self.sparse else {}
+        if self.params.lowrank == "sequence":
+            a, b = state["lowrank"]
+            out["lr_a"], out["lr_b"] = a[layer, :, :, t0:t0 + q], b[layer]
+        else:
+            out["lr_a"], out["lr_b"] = state[("lowrank", layer, t0)]
+        return out
+
+    # ---- fused CPU path (kivi_cpu): outliers, backbone and error in numba, fits in torch --
+    def fused_ok(self, shape: KVShape) -> bool:
+        """The fused kernels cover 'ceil' outliers and per-page fits (else the generic path)."""
+        return self.params.lowrank == "page" and not self.exact_outliers
+
+    def index_bytes(self, shape: KVShape) -> tuple[int, int]:
+        return (1 if index_kind(self.params.page_tokens) == "u8" else 2,
+                1 if index_kind(shape.head_dim) == "u8" else 2)
+
+    def fused_prepare(self, x: torch.Tensor, shape: KVShape, geo: np.ndarray, layer_bytes: int,
+                      out: np.ndarray) -> FusedInput:
+        """Outliers picked by the encode kernel (kcvt backbone: beforehand, ko_* / vo_*
+        fields written), and the buffers of the per-page low-rank fits the encode kernel
+        makes (kivi_cpu._low_rank)."""
+        inp = FusedInput()
+        if self.sparse and self.params.backbone == "kcvt":
+            # kcvt's key groups span all pages: fill the outlier slots of the whole cache
+            # first (the kernel then quantizes the filled copy)
+            tq = int(geo[:, G_QK].sum())
+            filled, inp.peak = kivi_cpu.split_outliers_fused(
+                kivi_cpu.Source.of(x), geo, layer_bytes, shape.dims, tq,
+                self.index_bytes(shape), out)
+            inp.src_k = inp.src_v = kivi_cpu.Source.of(filled)
+        else:
+            inp.select_outliers = self.sparse
+        p, d = self.params, shape.head_dim
+        start = [low_rank_start(d, int(r), p.seed).numpy() for r in geo[:, G_RANK]]
+        inp.lowrank = kivi_cpu.LowRankOut.empty(geo, shape.layers, shape.kv_heads, d, p.iters,
+                                                start)
+        return inp
+
+    def fused_finish(self, inp: FusedInput, shape: KVShape, geo: np.ndarray, layer_bytes: int,
+                     out: np.ndarray) -> None:
+        """lr_a / lr_b of every page: the kernel's fits through fit_fp16, as fp16."""
+        h, d, lr = shape.kv_heads, shape.head_dim, inp.lowrank
+        assert lr is not None
+        for layer in range(shape.layers):
+            for page in range(geo.shape[0]):
+                q, r = int(geo[page, G_QK]), int(geo[page, G_RANK])
+                if q == 0:
+                    continue
+                ao, bo = int(lr.aoff[layer, page]), int(lr.boff[layer, page])
+                a, b = fit_fp16(torch.from_numpy(lr.a[ao:ao + 2 * h * q * r]).view(2 * h, q, r),
+                                torch.from_numpy(lr.b[bo:bo + 2 * h * d * r]).view(2 * h, d, r))
+                base = layer * layer_bytes + int(geo[page, G_BASE])
+                for col, t in ((G_LA, a), (G_LB, b)):
+                    raw = t.to(torch.float16).contiguous().view(torch.int16).numpy()
+                    o = base + int(geo[page, col])
+                    out[o:o + raw.nbytes] = raw.reshape(-1).view(np.uint8)
+
+    def post_dequantize(self, f: dict[str, torch.Tensor], xhat_page: torch.Tensor
+                        ) -> torch.Tensor:
+        a = f["lr_a"].to(torch.float32)  # [2, heads, q, r]
+        b = f["lr_b"].to(torch.float32).transpose(-1, -2)  # [2, heads, r, d]
+        # A B^T as a sum of rank-one terms in rank order (elementwise products and sums, each
+        # rounded to fp32): one defined order of operations, so that the fused CPU decode
+        # (kivi_cpu._decode_kernel) gives the same bits; a matmul's order is the BLAS's own
+        lr = a[..., 0:1] * b[..., 0:1, :]
+        for j in range(1, a.shape[-1]):
+            lr = lr + a[..., j:j + 1] * b[..., j:j + 1, :]
+        x = xhat_page + lr
+        if self.exact_outliers:
+            ck, cv = self.schedules(x.shape[3], x.shape[2])
+            x[0] = scatter_ragged(x[0].transpose(-1, -2), f["ko_idx"], ragged_vectors(ck),
+                                  f["ko_val"]).transpose(-1, -2)
+            x[1] = scatter_ragged(x[1], f["vo_idx"], ragged_vectors(cv), f["vo_val"])
+        elif self.sparse:
+            k = x[0].transpose(-1, -2)  # [heads, d, q] view into x
+            k.scatter_(-1, f["ko_idx"].long(), f["ko_val"].to(torch.float32))
+            x[1].scatter_(-1, f["vo_idx"].long(), f["vo_val"].to(torch.float32))
+        return x
+
+
+@register
+class GearLCodec(GearCodec):
+    """GEAR-L: backbone + low rank, no outlier matrix."""
+
+    name = "gear-l"
+    sparse = False

@@ -1,0 +1,277 @@
+"""Typed configuration of `kvsim sim` / `kvsim bench sim` (Hydra ConfigStore schemas).
+
+Groups: conf/model/*.yaml -> ModelSpec, conf/hardware/*.yaml -> HardwareSpec,
+conf/link/*.yaml -> LinkConfig, conf/workload/*.yaml -> WorkloadConfig,
+conf/scenario/*.yaml (`# @package _global_` experiment files, also reachable as scenarios/).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING
+
+from kvsim.core.checks import check_choice, check_number, check_trace
+from kvsim.model.hardware import HardwareSpec
+from kvsim.model.spec import ModelSpec
+
+SHARINGS = ("per_prefill", "shared")
+SCHEDULINGS = ("anchors_first", "fifo", "weighted", "aging")
+TRACE_ORIGINS = ("run", "first_byte")  # = kvsim.sim.link.TRACE_ORIGINS
+WORKLOAD_KINDS = ("single", "poisson", "trace", "azure")
+AZURE_TRACES = ("code", "conv")  # = kvsim.scenario.azure_workload.AZURE_TRACES
+AZURE_ARRIVALS = ("trace", "gamma", "poisson")  # = kvsim.scenario.azure_workload
+CONTEXT_DISTS = ("fixed", "uniform", "lognormal")
+GRANULARITIES = ("page", "layer")
+DESERIALIZERS = ("shared", "per_stream", "node", "on_demand", "on_arrival")
+
+
+@dataclass
+class LinkConfig:
+    name: str = "link"
+    bandwidth_gbps: float = 10.0  # 1e9 bit/s
+    latency_s: float = 0.0  # propagation, added to every message
+    message_overhead_bytes: float = 0.0  # framing bytes per message on top of its payload
+    trace: list[list[float]] = field(default_factory=list)  # [[t_s, gbps], ...] steps
+    # trace times count from: run (the simulation's start) | first_byte (the link's first byte)
+    trace_origin: str = "run"
+    sharing: str = "per_prefill"  # per_prefill: one egress link per prefill node | shared
+    scheduling: str = "anchors_first"  # anchors_first: class = stream | fifo: by request |
+    # weighted: stream s gets link share in proportion to residual_weight^s (no starvation)
+    residual_weight: float = 0.25  # weighted: 0.25 = anchors 80%, residual 20% when both wait
+    # aging: a request's residual goes ahead of the anchors of requests that arrived more
+    # than this many seconds after it (0: fifo by request; large: anchors_first)
+    residual_age_s: float = 1.0
+    # Gbps (1e9 bit/s) of each decode instance's ingress link, shared by every flow to that
+    # instance on top of its prefill link (kvsim.sim.ingress); 0 (default): no ingress limit
+    decode_ingress_gbps: float = 0.0
+    # a measured link profile, name or path (kvsim/profiles.py; kvsim.scenario.link_profile):
+    # egress bandwidth x its efficiency, + its latency_s and message_overhead_bytes, and its
+    # draft_step (the receiver's, measured on that link) in place of the hardware
+    # profile's (kvsim sim, and kvsim emulate's timing-model decode); "": none
+    profile: str = ""
+
+    def validate(self) -> None:
+        check_choice("link.sharing", self.sharing, SHARINGS)
+        check_choice("link.scheduling", self.scheduling, SCHEDULINGS)
+        check_number("link.bandwidth_gbps", self.bandwidth_gbps)
+        check_number("link.residual_weight", self.residual_weight)
+        check_number("link.residual_age_s", self.residual_age_s, strict=False)
+        if self.residual_weight > 1.0:
+            raise ValueError(f"link.residual_weight must be in (0, 1], got "
+                             f"{self.residual_weight!r}")
+        check_number("link.latency_s", self.latency_s, strict=False)
+        check_number("link.decode_ingress_gbps", self.decode_ingress_gbps, strict=False)
+        check_number("link.message_overhead_bytes", self.message_overhead_bytes, strict=False)
+        check_trace("link.trace", self.trace)
+        check_choice("link.trace_origin", self.trace_origin, TRACE_ORIGINS)
+        if not isinstance(self.profile, str):
+            raise ValueError(f"link.profile must be a profile name or path, got "
+                             f"{self.profile!r}")
+        if self.profile:  # a missing profile fails here, before any run
+            from kvsim.core.profiles import profile_path
+
+            try:
+                profile_path("link", self.profile)
+            except ValueError as exc:
+                raise ValueError(f"link.profile: {exc}") from None
+
+
+@dataclass
+class WorkloadConfig:
+    name: str = "single"
+    kind: str = "single"  # single | poisson | trace | azure
+    context_tokens: int = 16384  # fixed context, or the mean of a distribution
+    output_tokens: int = 128  # tokens decoded per request
+    requests: int = 1
+    rate_per_s: float = 1.0  # Poisson arrival rate
+    context_dist: str = "fixed"  # fixed | uniform | lognormal
+    context_min_tokens: int = 1024
+    context_max_tokens: int = 131072
+    context_sigma: float = 0.5  # lognormal shape
+    context_round_tokens: int = 256  # sampled contexts are rounded up to this multiple
+    arrivals_t: list[float] = field(default_factory=list)  # trace: arrival times (s)
+    arrivals_context_tokens: list[int] = field(default_factory=list)  # trace: contexts
+    # trace from a CSV file instead (TIMESTAMP, ContextTokens, GeneratedTokens: the Azure LLM
+    # inference trace columns; each request decodes its own GeneratedTokens)
+    trace_path: str = ""
+    trace_max_requests: int = 0  # first N rows of trace_path (0: all)
+    trace_time_scale: float = 1.0  # arrival gaps x this (0.5: replay twice as fast)
+    # kind=azure (kvsim.scenario.azure_workload): `requests` requests whose ContextTokens and
+    # GeneratedTokens are drawn from the measured shape of an Azure LLM inference trace 2023,
+    # data/workload/azure-2023-<azure_trace>.json: code | conv. Contexts are clipped to
+    # context_min/max_tokens and rounded up to context_round_tokens (as for lognormal); each
+    # request decodes its own drawn GeneratedTokens (output_tokens is not used)
+    azure_trace: str = "code"
+    # arrivals at rate_per_s (requests/s), a renewal process: trace (default): gaps drawn from
+    # the trace's measured inter-arrival distribution scaled to mean 1/rate_per_s (bursty) |
+    # gamma: gamma gaps with the trace's inter-arrival CV | poisson: exponential gaps
+    azure_arrivals: str = "trace"
+    prefill_nodes: int = 1
+    decode_nodes: int = 1
+    decode_max_batch: int = 64  # concurrent sequences per decode instance
+    # tokens per chunked prefill step, prompts batched first come first served
+    # (kvsim.sim.prefill_batch); 0 (default): one whole prompt at a time
+    prefill_chunk_tokens: int = 0
+
+    def validate(self) -> None:
+        check_choice("workload.kind", self.kind, WORKLOAD_KINDS)
+        check_choice("workload.context_dist", self.context_dist, CONTEXT_DISTS)
+        for key in ("context_tokens", "output_tokens", "requests", "prefill_nodes",
+                    "decode_nodes", "decode_max_batch", "context_round_tokens"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"workload.{key} must be >= 1, got {getattr(self, key)}")
+        if isinstance(self.prefill_chunk_tokens, bool) or \
+                not isinstance(self.prefill_chunk_tokens, int) or self.prefill_chunk_tokens < 0:
+            raise ValueError(f"workload.prefill_chunk_tokens must be an integer >= 0 (0: off), "
+                             f"got {self.prefill_chunk_tokens!r}")
+        check_number("workload.rate_per_s", self.rate_per_s)
+        check_number("workload.context_sigma", self.context_sigma)
+        for key in ("context_min_tokens", "context_max_tokens"):
+            check_number(f"workload.{key}", getattr(self, key), minimum=1, strict=False)
+        if self.context_min_tokens > self.context_max_tokens:
+            raise ValueError(f"workload.context_min_tokens ({self.context_min_tokens}) > "
+                             f"context_max_tokens ({self.context_max_tokens})")
+        prev_t = 0.0
+        for i, t in enumerate(self.arrivals_t):
+            t = check_number(f"workload.arrivals_t[{i}]", t, strict=False)
+            if t < prev_t:
+                raise ValueError(f"workload.arrivals_t must be non-decreasing: [{i}] = {t} "
+                                 f"after {prev_t}")
+            prev_t = t
+        for i, c in enumerate(self.arrivals_context_tokens):
+            check_number(f"workload.arrivals_context_tokens[{i}]", c, minimum=1, strict=False)
+        check_number("workload.trace_time_scale", self.trace_time_scale)
+        if self.trace_path and self.kind != "trace":
+            raise ValueError(f"workload.trace_path is set but workload.kind={self.kind!r}; "
+                             "set workload.kind=trace")
+        check_choice("workload.azure_trace", self.azure_trace, AZURE_TRACES)
+        check_choice("workload.azure_arrivals", self.azure_arrivals, AZURE_ARRIVALS)
+        if self.kind == "trace" and not self.trace_path and (
+                not self.arrivals_t or len(self.arrivals_t) != len(self.arrivals_context_tokens)):
+            raise ValueError("workload.kind=trace needs trace_path, or arrivals_t and "
+                             "arrivals_context_tokens of equal, non-zero length")
+
+    def max_output_tokens(self) -> int:
+        """The most tokens any request decodes (a trace file's GeneratedTokens vary)."""
+        if self.kind == "trace" and self.trace_path:
+            from kvsim.scenario.request_trace import cached_request_trace
+
+            return int(cached_request_trace(self.trace_path, self.trace_max_requests,
+                                            self.trace_time_scale).output_tokens.max())
+        if self.kind == "azure":
+            from kvsim.scenario.azure_workload import load_azure_shape
+
+            return load_azure_shape(self.azure_trace).max_generated_tokens()
+        return self.output_tokens
+
+
+@dataclass
+class SpeculativeConfig:
+    cap_tokens: int = 64  # drafted tokens at most (the seeds' cap)
+    acceptance: str = "seeds-fig10"  # geometric:<a> | seeds-fig10 | data/acceptance/<name>
+    # extra seconds per drafted token (s, >= 0), or null (the default): from the codec
+    # timing, a draft step dequantizes the request's anchor (its bf16-equivalent cache at
+    # the codec's decode GB/s; kvsim.scenario.speculative.draft_overhead_s)
+    draft_overhead_s: float | None = None
+
+    def validate(self) -> None:
+        if isinstance(self.cap_tokens, bool) or int(self.cap_tokens) != self.cap_tokens or \
+                self.cap_tokens < 0:
+            raise ValueError(f"speculative.cap_tokens must be an integer >= 0, "
+                             f"got {self.cap_tokens!r}")
+        if self.draft_overhead_s is not None:
+            check_number("speculative.draft_overhead_s", self.draft_overhead_s, strict=False)
+        if not str(self.acceptance).strip():
+            raise ValueError("speculative.acceptance must name an acceptance model")
+
+
+STANDARD_KS = (1, 8, 16, 32, 64, 128)  # TTKT points reported by default (the seeds' k's)
+
+
+@dataclass
+class MetricsConfig:
+    # TTKT points; empty: the standard ones the workload decodes (k <= output_tokens).
+    # Listed k's must all be decoded (1 <= k <= output_tokens): none is dropped silently.
+    ks: list[int] = field(default_factory=list)
+    breakdown_k: int = 0  # TTKT whose critical path the breakdown splits; 0: min(32, tokens)
+
+    def resolve(self, output_tokens: int) -> None:
+        """Fill the automatic values (empty ks, breakdown_k 0), then check every k is a token
+        the workload decodes: 1 <= k <= output_tokens."""
+        if not self.ks:
+            self.ks = [k for k in STANDARD_KS if k <= output_tokens] or [output_tokens]
+        if self.breakdown_k == 0:
+            self.breakdown_k = min(32, output_tokens)
+        for key, values in (("metrics.ks", list(self.ks)), ("metrics.breakdown_k",
+                                                            [self.breakdown_k])):
+            for k in values:
+                if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= output_tokens:
+                    raise ValueError(f"{key}: {k!r} is not a token index in 1..{output_tokens} "
+                                     f"(workload.output_tokens); drop it or raise "
+                                     "workload.output_tokens")
+
+
+@dataclass
+class SimConfig:
+    model: ModelSpec = MISSING
+    hardware: HardwareSpec = MISSING
+    link: LinkConfig = field(default_factory=LinkConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    # codec entries: preset names or {preset|name, params, label}; optional `transfer` key
+    codecs: list[Any] = field(default_factory=lambda: ["bf16"])
+    transfer: Any = "auto"  # auto (codec's natural policy) | policy | list of policies
+    granularity: str = "page"  # page: one message per (layer, page) | layer
+    # shared: one deserializer per decode instance and request, streams in priority order
+    # (anchor first) | per_stream: every stream its own deserializer (runs in parallel) |
+    # node: one deserializer per decode instance shared by all its requests (FIFO by arrival) |
+    # on_demand: nothing is dequantized on arrival; the decoder dequantizes the streams it
+    # needs when they are all in (anchor, then the full cache once drafting stops), as
+    # kvsim's transport receiver does with transport.dequantize=on_demand | on_arrival: one
+    # worker per request dequantizes each layer once its last message is in (anchor layers
+    # first, every policy pipelined), then the decoder builds its cache from them, as the
+    # transport receiver does by default (and, as it does, on demand for a codec whose layers
+    # do not decode alone: CacheGen; the row's `dequantize` says which mode ran)
+    deserializer: str = "shared"
+    # codec timing: a file path or a calibrated profile's name (kvsim calibrate); default
+    # data/codec_timing/<hardware>.json
+    codec_timing: str = ""
+    # what estimated-size codecs (cachegen) measure their coded bytes on: file (the shipped
+    # data/cachegen_ratio.json, SmolLM2 capture; error on other KV unknown) | synthetic (a
+    # sample encode of synthetic KV of the model's shape) | a capture name or path
+    size_calibration: str = "file"
+    seed: int = 0
+    samples: int = 1  # independent runs (seeds seed..seed+samples-1) averaged per row
+    trace_path: str = ""  # write a Chrome-trace JSON event log of the runs here
+    # write one row per request (every scenario and sample: phases, TTFT / TTKT drafted and
+    # committed, bytes, drafts) here, as .parquet or .csv
+    requests_path: str = ""
+    title: str = ""  # what this scenario reproduces (printed above the table)
+
+    def validate(self) -> None:
+        """Fill automatic values (metrics.ks empty, breakdown_k 0), then check every
+        section's ranges (finite numbers, known choices); a ValueError names the key."""
+        self.link.validate()
+        self.workload.validate()
+        self.speculative.validate()
+        # ks up to the longest request; with a trace file's varying outputs, TTKT(k) is over
+        # the requests that decode k tokens (rows count them: ttkt_requests)
+        self.metrics.resolve(self.workload.max_output_tokens())
+        self.hardware.validate()
+        self.model.validate()
+        check_choice("granularity", self.granularity, GRANULARITIES)
+        check_choice("deserializer", self.deserializer, DESERIALIZERS)
+        if isinstance(self.samples, bool) or not isinstance(self.samples, int) or \
+                self.samples < 1:
+            raise ValueError(f"samples must be an integer >= 1, got {self.samples!r}")
+        if not self.codecs:
+            raise ValueError("codecs must list at least one codec")
+        from kvsim.scenario.size_calibration import check_size_calibration
+
+        if self.requests_path and not str(self.requests_path).endswith((".parquet", ".csv")):
+            raise ValueError(f"requests_path must end in .parquet or .csv, got "
+                             f"{self.requests_path!r}")
+        check_size_calibration(self.size_calibration)

@@ -1,0 +1,95 @@
+"""Typed configuration of the real transport (`kvsim serve` / `kvsim send` / `kvsim emulate`):
+a scenario exactly as `kvsim sim` reads it, plus a `transport` section."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvsim.core.checks import check_choice, check_number
+from kvsim.scenario.config import SimConfig
+
+EMULATIONS = ("token_bucket", "tc", "none")
+KV_SOURCES = ("auto", "live", "capture", "synthetic")
+DECODES = ("auto", "real", "timing")
+DEQUANTIZE_MODES = ("on_arrival", "on_demand")  # the receiver's (kvsim.transport.assembly)
+
+
+@dataclass
+class TransportConfig:
+    # token_bucket: application-level rate limit (link.bandwidth_gbps) over loopback |
+    # tc: two network namespaces joined by a veth pair shaped by tc (needs root) |
+    # none: unshaped (as fast as the machine moves bytes)
+    emulation: str = "token_bucket"
+    bind: str = "tcp://127.0.0.1:5557"  # kvsim serve: where the decode node listens
+    connect: str = "tcp://127.0.0.1:5557"  # kvsim send: the decode node's address
+    port: int = 0  # kvsim emulate: TCP port (0: a free one)
+    burst_bytes: int = 0  # token bucket lead: a chunk may leave this many bytes' time early
+    delay_ms: float = 0.0  # tc netem one-way delay
+    jitter_ms: float = 0.0  # tc netem delay jitter
+    loss_pct: float = 0.0  # tc netem loss (TCP retransmits what is lost)
+    timeout_s: float = 30.0  # a peer silent this long is declared lost
+    heartbeat_s: float = 0.5  # idle peers say they are alive this often
+    window_bytes: int = 16777216  # credit: unprocessed bytes a sender may have in flight
+    # the sender keeps at most link rate x in_flight_ms in flight (>= 1 MiB, <= window_bytes):
+    # bytes in socket buffers or a tc queue are past the scheduler, so priority holds only
+    # for what is not yet sent (0: window_bytes, e.g. an unshaped link)
+    in_flight_ms: float = 10.0
+    max_queued_bytes: int = 268435456  # encoded chunks waiting for the link (backpressure)
+    max_request_bytes: int = 8589934592  # kvsim serve refuses larger (bf16) caches
+    max_active_requests: int = 64  # kvsim serve refuses a request beyond this many at once
+    # auto: live if the model preset's weights are here (model.path, fetched, random_init),
+    # else synthetic
+    kv_source: str = "auto"
+    capture: str = ""  # kv_source=capture: a capture name or path
+    decode: str = "auto"  # auto: real if the model's weights are here, else timing
+    text_source: str = "stdlib-docs"  # the real text a live prefill reads (kvsim.kv.text)
+    threads: int = 1  # torch threads per process (sender and receiver share the cores)
+    max_requests: int = 0  # kvsim serve: exit after this many requests (0: until Ctrl-C)
+    idle_exit_s: float = 0.0  # kvsim serve: exit after this long with nothing to do (0: never)
+    endpoint_file: str = ""  # kvsim serve: write the bound endpoint here (for scripts)
+    # k > 1: the link runs k times slower and every modelled time (prefill of synthetic or
+    # captured KV, timing-model decode steps) k times longer; rows divide durations by k.
+    # For links faster than this machine can carry. Timing-model decode only; real work
+    # (encode, dequantize, framing) is not slowed, so it shrinks k-fold in the row.
+    time_scale: float = 1.0
+    start_timeout_s: float = 300.0  # kvsim emulate: the decode host loads + warms up by then
+    # kvsim serve: on_arrival: a worker per request dequantizes each layer once its chunks
+    # are in (kvsim sim's deserializer=on_arrival) | on_demand: the decoder dequantizes the
+    # whole cache when it starts on it (deserializer=on_demand)
+    dequantize: str = "on_arrival"
+
+    def validate(self) -> None:
+        for key, allowed in (("emulation", EMULATIONS), ("kv_source", KV_SOURCES),
+                             ("decode", DECODES), ("dequantize", DEQUANTIZE_MODES)):
+            check_choice(f"transport.{key}", getattr(self, key), allowed)
+        for key in ("timeout_s", "heartbeat_s", "start_timeout_s"):
+            check_number(f"transport.{key}", getattr(self, key))
+        for key in ("delay_ms", "jitter_ms", "idle_exit_s", "in_flight_ms"):
+            check_number(f"transport.{key}", getattr(self, key), strict=False)
+        if check_number("transport.loss_pct", self.loss_pct, strict=False) > 100:
+            raise ValueError(f"transport.loss_pct must be <= 100, got {self.loss_pct}")
+        if self.burst_bytes < 0:
+            raise ValueError(f"transport.burst_bytes must be >= 0, got {self.burst_bytes}")
+        for key in ("window_bytes", "max_queued_bytes", "max_request_bytes", "max_active_requests",
+                    "threads"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"transport.{key} must be >= 1, got {getattr(self, key)}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"transport.port must be in 0..65535, got {self.port}")
+        if check_number("transport.time_scale", self.time_scale) < 1:
+            raise ValueError(f"transport.time_scale must be >= 1, got {self.time_scale}")
+        if self.time_scale != 1 and (self.decode == "real" or self.kv_source == "live"):
+            raise ValueError("transport.time_scale != 1 needs transport.decode=timing and a "
+                             "modelled prefill (kv_source synthetic or capture): real model "
+                             "times cannot be slowed down")
+        if self.kv_source == "capture" and not self.capture:
+            raise ValueError("transport.kv_source=capture needs transport.capture=NAME|PATH")
+
+
+@dataclass
+class EmulateConfig(SimConfig):
+    transport: TransportConfig = field(default_factory=TransportConfig)
+
+    def validate(self) -> None:
+        super().validate()
+        self.transport.validate()

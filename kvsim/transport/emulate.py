@@ -1,0 +1,164 @@
+"""Both ends of a real transfer on this machine (what `kvsim emulate` runs): a `kvsim serve`
+process (decode host) and the sender (prefill host, `send_all`, also `kvsim send`), over
+loopback with a token-bucket link (`transport.emulation=token_bucket`, the default),
+unshaped (`none`), or over two network namespaces joined by a `tc`-shaped veth pair (`tc`;
+needs root), each process in its own namespace as two hosts."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvsim.transport.children import stop
+from kvsim.transport.config import EmulateConfig
+
+
+def send_all(cfg: EmulateConfig) -> list[dict]:
+    import torch
+
+    from kvsim.transport import session
+    from kvsim.transport.memory import retain_freed_memory
+    from kvsim.transport.sender import Sender
+
+    cfg.validate()
+    retain_freed_memory("send")  # before threads start: one arena, memory kept
+    torch.set_num_threads(cfg.transport.threads)
+    lm = session.load_model(cfg) if session.source_kind(cfg) == "live" else None
+    session.warm_up(cfg, lm)
+    rows = []
+    for batch in session.outgoing_requests(cfg, lm):
+        t = cfg.transport
+        sender = Sender(t.connect, session.limiter_for(cfg), cfg.link.scheduling, t.timeout_s,
+                        t.heartbeat_s, t.max_queued_bytes,
+                        max_in_flight_bytes=session.max_in_flight_bytes(cfg),
+                        residual_weight=cfg.link.residual_weight,
+                        residual_age_s=cfg.link.residual_age_s)
+        for res in sender.run(batch):
+            rows.append(res.row if res.row is not None else {
+                "request_id": res.request_id, "codec": res.codec, "status": res.status,
+                "error": res.error, "chunks": res.chunks, "acked": res.acked,
+                "sent_bytes": res.sent_bytes})
+    return rows
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _child(cmd: str, cfg: EmulateConfig, tmp: Path, report: Path) -> list[str]:
+    path = tmp / f"{cmd}.json"
+    path.write_text(json.dumps(dataclasses.asdict(cfg)))
+    return [sys.executable, "-m", "kvsim", cmd, f"--resolved={path}", f"report={report}"]
+
+
+def _wait_listening(proc: subprocess.Popen, endpoint_file: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not endpoint_file.is_file() or not endpoint_file.read_text().strip():
+        if proc.poll() is not None:
+            raise RuntimeError(f"kvsim serve exited with {proc.returncode} before listening")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"kvsim serve did not listen within {timeout_s} s (it loads the "
+                               "model and compiles the codecs first; raise "
+                               "transport.start_timeout_s on a busy machine)")
+        time.sleep(0.05)
+
+
+def _rows(report: Path) -> list[dict]:
+    if not report.is_file():
+        raise RuntimeError(f"the decode host wrote no report ({report})")
+    return json.loads(report.read_text())["rows"]
+
+
+def emulate(cfg: EmulateConfig) -> list[dict]:
+    from kvsim.scenario.variants import variants
+    from kvsim.scenario.workload import requests as workload_requests
+
+    cfg.validate()
+    t = cfg.transport
+    import numpy as np
+
+    n_requests = len(variants(cfg)) * len(workload_requests(cfg.workload,
+                                                            np.random.default_rng(cfg.seed)))
+    with tempfile.TemporaryDirectory(prefix="kvsim-emulate-") as tmp_name:
+        tmp = Path(tmp_name)
+        endpoint_file, rx_report = tmp / "endpoint", tmp / "serve-report.json"
+        port = t.port or _free_port()
+        if t.emulation == "tc":
+            return _emulate_tc(cfg, tmp, port, n_requests, endpoint_file, rx_report)
+        rx_cfg = dataclasses.replace(cfg, transport=dataclasses.replace(
+            t, bind=f"tcp://127.0.0.1:{port}", max_requests=n_requests,
+            endpoint_file=str(endpoint_file)))
+        tx_cfg = dataclasses.replace(cfg, transport=dataclasses.replace(
+            t, connect=f"tcp://127.0.0.1:{port}"))
+        serve = subprocess.Popen(_child("serve", rx_cfg, tmp, rx_report),
+                                 stdout=subprocess.DEVNULL, env=_env())
+        try:
+            _wait_listening(serve, endpoint_file, t.start_timeout_s)
+            sent = send_all(tx_cfg)
+            serve.wait(timeout=t.timeout_s + 60)
+        finally:
+            stop(serve)
+        rows = _rows(rx_report) if rx_report.is_file() else []
+        return _merge(rows, sent)
+
+
+def _emulate_tc(cfg: EmulateConfig, tmp: Path, port: int, n_requests: int,
+                endpoint_file: Path, rx_report: Path) -> list[dict]:
+    from kvsim.transport.netns import NetemSpec, netns_available, shaped_link
+
+    ok, why = netns_available()
+    if not ok:
+        raise ValueError(f"transport.emulation=tc needs network namespaces: {why}")
+    t = cfg.transport
+    k = t.time_scale  # a k-times slower link, k-times longer delays (rows divide by k)
+    spec = NetemSpec(cfg.link.bandwidth_gbps / k, t.delay_ms * k, t.jitter_ms * k, t.loss_pct)
+    with shaped_link(spec) as link:
+        rx_cfg = dataclasses.replace(cfg, transport=dataclasses.replace(
+            t, bind=f"tcp://{link.receiver_addr}:{port}", max_requests=n_requests,
+            endpoint_file=str(endpoint_file)))
+        tx_cfg = dataclasses.replace(cfg, transport=dataclasses.replace(
+            t, connect=f"tcp://{link.receiver_addr}:{port}"))
+        tx_report = tmp / "send-report.json"
+        serve = send = None
+        try:
+            serve = subprocess.Popen(link.argv_in("receiver", _child("serve", rx_cfg, tmp,
+                                                                     rx_report)),
+                                     stdout=subprocess.DEVNULL, env=_env())
+            _wait_listening(serve, endpoint_file, t.start_timeout_s)
+            send = subprocess.Popen(link.argv_in("sender", _child("send", tx_cfg, tmp,
+                                                                  tx_report)),
+                                    stdout=subprocess.DEVNULL, env=_env())
+            send.wait(timeout=n_requests * (t.timeout_s + 300))
+            serve.wait(timeout=t.timeout_s + 60)
+        finally:
+            stop(send)
+            stop(serve)
+        sent = _rows(tx_report) if tx_report.is_file() else []
+        rows = _rows(rx_report) if rx_report.is_file() else []
+        if not rows and not sent:  # never an empty result without saying why
+            raise RuntimeError(f"transport.emulation=tc: neither end reported (kvsim send "
+                               f"exited with {send.returncode}, kvsim serve with "
+                               f"{serve.returncode}); their errors are above")
+        return _merge(rows, sent)
+
+
+def _merge(rx_rows: list[dict], tx_rows: list[dict]) -> list[dict]:
+    """The decode host's rows, plus the sender's view of any request it never reported."""
+    have = {r.get("request_id") for r in rx_rows}
+    return rx_rows + [r for r in tx_rows if r.get("request_id") not in have]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    return env
