@@ -17,7 +17,7 @@ from kvsim.core.paths import DATA_DIR, ROOT
 from kvsim.model.presets import load_model_preset
 from kvsim.plots.options import PlotOptions
 from kvsim.quality import run as quality_run
-from kvsim.quality.run import QualityConfig, SpeculativeConfig, run_quality
+from kvsim.quality.run import AcceptanceRunConfig, QualityConfig, run_quality
 from kvsim.scenario.acceptance import ACCEPTANCE_DIR
 
 SURVIVAL = dict(kind="survival", input=str(ACCEPTANCE_DIR / "smollm2-135m-lynx-s1-greedy.json"),
@@ -34,7 +34,7 @@ def _repo_state() -> list[str]:
 def _tiny_quality(**kw) -> QualityConfig:
     base = dict(model=load_model_preset("tiny-random"), codecs=["bf16"], context_tokens=24,
                 heldout_tokens=4, runs=1, progress=False,
-                speculative=SpeculativeConfig(max_draft=3, prefixes="all"))
+                speculative=AcceptanceRunConfig(max_draft=3, prefixes="all"))
     return QualityConfig(**{**base, **kw})
 
 

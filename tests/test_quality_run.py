@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from kvsim.model.presets import load_model_preset
-from kvsim.quality.run import QualityConfig, SpeculativeConfig, run_quality
+from kvsim.quality.run import AcceptanceRunConfig, QualityConfig, run_quality
 from kvsim.quality.vnmse import load_vnmse_table
 from kvsim.scenario.acceptance import load_acceptance
 
 
 def _tiny_cfg(tmp_path, **kw) -> QualityConfig:
-    spec = SpeculativeConfig(max_draft=6, decoding=["greedy"], prefixes="all")
+    spec = AcceptanceRunConfig(max_draft=6, decoding=["greedy"], prefixes="all")
     base = dict(model=load_model_preset("tiny-random"), codecs=["bf16"], context_tokens=48,
                 heldout_tokens=8, runs=2, speculative=spec, out_dir=str(tmp_path), progress=False)
     return QualityConfig(**{**base, **kw})
@@ -44,7 +44,7 @@ def test_tiny_end_to_end_writes_loadable_files(tmp_path):
 
 def test_partial_prefixes_skip_single_stream_codecs(tmp_path):
     cfg = _tiny_cfg(tmp_path, runs=1, write_files=False,
-                    speculative=SpeculativeConfig(max_draft=4, prefixes="partial"))
+                    speculative=AcceptanceRunConfig(max_draft=4, prefixes="partial"))
     rows, summary = run_quality(cfg)
     assert rows[0]["survival"] is None and rows[0]["accepted_mean"] is None
     assert summary["files"] == {}
@@ -52,9 +52,9 @@ def test_partial_prefixes_skip_single_stream_codecs(tmp_path):
 
 def test_config_errors(tmp_path):
     with pytest.raises(ValueError, match="prefixes"):
-        run_quality(_tiny_cfg(tmp_path, speculative=SpeculativeConfig(prefixes="some")))
+        run_quality(_tiny_cfg(tmp_path, speculative=AcceptanceRunConfig(prefixes="some")))
     with pytest.raises(ValueError, match="decoding"):
-        run_quality(_tiny_cfg(tmp_path, speculative=SpeculativeConfig(decoding=["beam"])))
+        run_quality(_tiny_cfg(tmp_path, speculative=AcceptanceRunConfig(decoding=["beam"])))
     with pytest.raises(ValueError, match="unknown codec preset"):
         run_quality(_tiny_cfg(tmp_path, codecs=["no-such-codec"]))
 

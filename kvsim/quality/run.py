@@ -39,7 +39,7 @@ PREFIX_MODES = ("partial", "all", "none")
 
 
 @dataclass
-class SpeculativeConfig:
+class AcceptanceRunConfig:
     max_draft: int = 64  # draft tokens proposed per round
     decoding: list[str] = field(default_factory=lambda: ["greedy"])  # greedy | sampling
     temperature: float = 1.0  # sampling temperature (draft and target)
@@ -61,7 +61,7 @@ class QualityConfig:
     text_source: str = "stdlib-docs"
     seed: int = 0
     runs: int = 2  # contexts (text seeds) averaged over; one speculative round each
-    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    speculative: AcceptanceRunConfig = field(default_factory=AcceptanceRunConfig)
     write_files: bool = True  # acceptance models, vNMSE table, capture, calibration
     # root for those files (acceptance/, vnmse/, captures/, synthetic/); null: the run
     # directory; `data` updates the repository's data/, which the simulator reads by name
@@ -105,7 +105,7 @@ def _check(cfg: QualityConfig) -> None:
 
 
 def _speculates(spec_mode: str, streams_used: int, num_streams: int) -> bool:
-    """Whether a stream prefix gets speculative rounds (see SpeculativeConfig.prefixes)."""
+    """Whether a stream prefix gets speculative rounds (see AcceptanceRunConfig.prefixes)."""
     return spec_mode == "all" or (spec_mode == "partial" and streams_used < num_streams)
 
 

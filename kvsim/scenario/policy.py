@@ -26,6 +26,8 @@ from kvsim.kernels.encoded import SizeTable
 from kvsim.scenario.codec_timing import CodecTiming
 
 POLICIES = ("monolithic", "layerwise", "split_stream", "split_stream_layerwise")
+PIPELINED = ("layerwise", "split_stream", "split_stream_layerwise")  # chunks leave as encoded
+WITH_PREFILL = ("layerwise", "split_stream_layerwise")  # encoding follows prefill layer by layer
 GRANULARITIES = ("page", "layer")
 
 
@@ -58,11 +60,11 @@ class TransferPlan:
 
     @property
     def pipelined_with_prefill(self) -> bool:
-        return self.policy in ("layerwise", "split_stream_layerwise")
+        return self.policy in WITH_PREFILL
 
     @property
     def pipelined(self) -> bool:
-        return self.policy != "monolithic"
+        return self.policy in PIPELINED
 
 
 def natural_policy(num_streams: int) -> str:

@@ -31,12 +31,11 @@ import zmq
 from kvsim.kernels import wire
 from kvsim.kernels.codec import Codec
 from kvsim.kernels.encoded import preamble_meta
+from kvsim.scenario.policy import PIPELINED, WITH_PREFILL
 from kvsim.transport import protocol as P
 from kvsim.transport.scheduler import ChunkScheduler, QueuedChunk
 from kvsim.transport.source import KVSource
 
-LAYER_PIPELINED = ("layerwise", "split_stream", "split_stream_layerwise")
-WITH_PREFILL = ("layerwise", "split_stream_layerwise")
 # a lazily generated (synthetic) cache up to this size is generated during its modelled
 # prefill and held whole; a larger one is generated layer by layer as it is encoded
 PREPARE_BUDGET_BYTES = 1 << 30
@@ -269,7 +268,7 @@ class Sender:
                 enc = codec.encode(source.layer(layer))
                 items = queued(enc.streams, layer)
                 res.events.append((f"encode layer {layer}", t0, time.time()))
-                if out.policy in LAYER_PIPELINED:
+                if out.policy in PIPELINED:
                     release(items)
                 else:
                     pending.extend(items)
