@@ -1,11 +1,11 @@
 # kvsim: `make run` sets everything up and runs the default scenario;
-# `make test` sets everything up and runs the whole test suite.
+# `make test` sets everything up, runs the whole test suite and builds the docs site strictly.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: setup run test lint clean
+.PHONY: setup run test docs lint clean
 
 $(VENV)/.installed: pyproject.toml scripts/install_torch.sh
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -24,6 +24,11 @@ run: setup
 test: setup
 	KVSIM_OUTPUT_ROOT=.cache/runs $(VENV)/bin/kvsim model fetch
 	$(PY) -m pytest -q
+	$(VENV)/bin/mkdocs build --strict --site-dir .cache/site
+
+# the documentation site, served with live reload (http://127.0.0.1:8000)
+docs: setup
+	$(VENV)/bin/mkdocs serve
 
 lint: setup
 	$(VENV)/bin/ruff check kvsim tests
