@@ -139,8 +139,8 @@ def aggregate_columns(columns: dict[str, Any], ttkt: dict[str, dict[int, Any]],
     """The metrics of a multi-request row from its per-request columns, for the simulator
     and the emulator alike: means of the MEAN_KEYS columns given (the requests' values in
     order), percentiles of TTFT (drafted, committed) and of the waits, TTKT(k) means and
-    percentiles over the requests that decode k tokens (ttkt[key][k]: their values;
-    `ttkt_requests` counts them), the breakdown's means (breakdown[key]: one value per
+    percentiles over the requests that decode k tokens (`ttkt[key][k]`: their values;
+    `ttkt_requests` counts them), the breakdown's means (`breakdown[key]`: one value per
     request), summed drafts."""
     out: dict = {key: float(np.mean(column)) for key, column in columns.items()}
     for key in ("ttft_s", "ttft_committed_s", "prefill_wait_s", "memory_wait_s"):
