@@ -11,10 +11,12 @@ import pytest
 from kvsim.calibrate.model_profile import ModelCalibration, measure_codecs, measure_model
 from kvsim.cli.main import main
 from kvsim.kernels.presets import resolve_codec
-from kvsim.model.hardware import HardwareSpec, TimingModel, load_profile
+from kvsim.model.hardware import HardwareSpec
+from kvsim.model.hardware_profile import load_profile
 from kvsim.model.load import load_lm
 from kvsim.model.presets import load_model_preset
 from kvsim.scenario.codec_timing import load_codec_timing
+from kvsim.scenario.timing_model import TimingModel
 
 TINY = load_model_preset("tiny-random")
 HW = HardwareSpec(name="cpu", hbm_gb_per_s=20, bf16_tflops=0.2, memory_gb=16)
@@ -166,7 +168,7 @@ def test_receiver_step_ratio_is_interpolated_between_the_two_transfers_contexts(
     measured at both contexts (100: 0.11 / 0.1 = 1.1; 300: 0.26 / 0.2 = 1.3) and each
     step curve's time is scaled by the ratio at its own context (flat outside)."""
     from kvsim.calibrate.receiver_timing import apply_receiver_timing
-    from kvsim.model.hardware import scaled_curve
+    from kvsim.model.hardware_profile import scaled_curve
 
     hw = {"tpot": {"context_tokens": [50, 100, 200, 300, 400], "s": [0.1, 0.1, 0.15, 0.2, 0.3]},
           "first_step_extra": {"context_tokens": [100, 300], "s": [0.0, 0.0]},

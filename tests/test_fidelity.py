@@ -163,7 +163,7 @@ def test_step_probe_scales_the_step_curves_to_the_probe(tmp_path):
     import json
 
     from kvsim.fidelity.step_probe import StepProbe, probed_profile
-    from kvsim.model.hardware import load_profile
+    from kvsim.model.hardware_profile import load_profile
     from kvsim.model.presets import load_model_preset
 
     doc = {"model": "m", "prefill": {"tokens": [100, 300], "s": [1.0, 3.0]},

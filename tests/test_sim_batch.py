@@ -11,9 +11,10 @@ import pytest
 import simpy
 from sim_codecs import size_only_split_codec
 
-from kvsim.model.hardware import HardwareSpec, TimingModel
+from kvsim.model.hardware import HardwareSpec
 from kvsim.model.spec import ModelSpec
 from kvsim.scenario.config import SimConfig
+from kvsim.scenario.timing_model import TimingModel
 from kvsim.scenario.variants import variants
 from kvsim.sim.batch import DecodeBatch
 from kvsim.sim.run import Scenario

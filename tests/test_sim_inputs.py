@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from kvsim.kernels.presets import resolve_codec
-from kvsim.model.hardware import HardwareSpec, TimingModel
+from kvsim.model.hardware import HardwareSpec
 from kvsim.model.spec import ModelSpec
 from kvsim.scenario.codec_timing import TIMING_DIR, from_bench_report, load_codec_timing
 from kvsim.scenario.policy import build_plan, serial_pipeline
+from kvsim.scenario.timing_model import TimingModel
 
 MODEL = ModelSpec(name="m", layers=2, attention_heads=4, kv_heads=2, head_dim=64,
                   hidden_size=256, params_total=1e9, params_active=1e9)

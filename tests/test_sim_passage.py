@@ -9,8 +9,9 @@ import pytest
 import simpy
 from test_sim_batch import MODEL, step_s
 
-from kvsim.model.hardware import HardwareSpec, TimingModel
+from kvsim.model.hardware import HardwareSpec
 from kvsim.scenario.policy import FlowPlan
+from kvsim.scenario.timing_model import TimingModel
 from kvsim.sim.batch import DecodeBatch
 from kvsim.sim.nodes import DecodeAdmission, Deserializer, when_all_ready
 

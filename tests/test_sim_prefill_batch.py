@@ -7,9 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from kvsim.model.hardware import HardwareSpec, TimingModel
+from kvsim.model.hardware import HardwareSpec
 from kvsim.model.spec import ModelSpec
 from kvsim.scenario.config import SimConfig, WorkloadConfig
+from kvsim.scenario.timing_model import TimingModel
 from kvsim.scenario.variants import variants
 from kvsim.sim.run import Scenario
 

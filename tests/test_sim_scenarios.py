@@ -16,9 +16,10 @@ from kvsim.core.compose import compose
 from kvsim.core.paths import CONF_DIR
 from kvsim.kernels.codec import make_codec
 from kvsim.kernels.wire import CHUNK_HEADER_BYTES
-from kvsim.model.hardware import HardwareSpec, TimingModel
+from kvsim.model.hardware import HardwareSpec
 from kvsim.model.spec import ModelSpec
 from kvsim.scenario.config import SimConfig
+from kvsim.scenario.timing_model import TimingModel
 from kvsim.scenario.variants import variants
 from kvsim.sim.run import Scenario, run_all
 

@@ -232,7 +232,7 @@ def test_loopback_transfer_delivers_the_size_table_and_a_row(codec):
 
 
 def test_time_scale_runs_a_slower_link_and_reports_real_time():
-    from kvsim.model.hardware import TimingModel
+    from kvsim.scenario.timing_model import TimingModel
 
     cfg = config("codecs=[int8]", "link.bandwidth_gbps=2", "transport.time_scale=4")
     with RunningReceiver(cfg) as rx:

@@ -19,11 +19,12 @@ from kvsim.core.paths import CONF_DIR
 from kvsim.kernels.presets import resolve_codec
 from kvsim.kv.capture import cache_to_kv, prefill
 from kvsim.kv.draft_verify import decode
-from kvsim.model.hardware import HardwareSpec, TimingModel
+from kvsim.model.hardware import HardwareSpec
 from kvsim.model.spec import ModelSpec
 from kvsim.model.tiny import tiny_llama
 from kvsim.scenario.acceptance import geometric
 from kvsim.scenario.speculative import speculative_decode
+from kvsim.scenario.timing_model import TimingModel
 from kvsim.transport.decode_loop import (
     CacheView,
     DecodeResult,

@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from kvsim.model.hardware import scaled_curve
+from kvsim.model.hardware_profile import scaled_curve
 
 DECODE_STEPS = 16  # decode steps per request of the calibration transfer
 # the calibration transfer's link rate: slow enough that a split-stream codec's residual is

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kvsim.model.hardware import scaled_curve
+from kvsim.model.hardware_profile import scaled_curve
 
 # the hardware profile's curves that are times of a decode-sized forward step (scaled)
 STEP_CURVES = ("tpot", "tpot_batch", "verify")

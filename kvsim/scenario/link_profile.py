@@ -15,8 +15,8 @@ draft step measured on that link (`draft_step`: ratio, busy_ratio, ingest_s_per_
 the hardware profile): a draft step beside the receiver's work on the later streams is slower
 on a `tc`-shaped veth than on the token bucket: taking the bytes in costs the host more
 there (measured: kvsim.calibrate.draft_ingest). The run's timing model takes it in
-place of the hardware profile's (kvsim.model.hardware.TimingModel's draft_step) where it describes
-the run (draft_step_for).
+place of the hardware profile's (kvsim.scenario.timing_model.TimingModel's draft_step) where
+it describes the run (draft_step_for).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 
 from kvsim.core.data_files import record_loaded
 from kvsim.core.profiles import profile_path
-from kvsim.model.hardware import check_draft_step
+from kvsim.model.hardware_profile import check_draft_step
 
 VERSION = 1
 EFFICIENCY_MAX = 1.2  # = kvsim.calibrate.link_profile.EFFICIENCY_MAX
@@ -113,9 +113,9 @@ def profiled_link_settings(bandwidth_gbps: float, latency_s: float,
 def draft_step_for(profile: LinkProfile | None, model_name: str, hardware_profile: str
                    ) -> dict | None:
     """The link profile's draft step where it describes this run, for a timing model
-    (kvsim.model.hardware.TimingModel's draft_step, which then replaces the hardware profile's
-    whole entry): only with a measured hardware profile (`hardware.profile`: the draft step
-    is a ratio to that machine's decode step) and for the model it was measured with (its
+    (kvsim.scenario.timing_model.TimingModel's draft_step, which then replaces the hardware
+    profile's whole entry): only with a measured hardware profile (`hardware.profile`: the
+    draft step is a ratio to that machine's decode step) and for the model it was measured with (its
     `model`, where it names one); else None, and the hardware profile's draft step applies
     (the link's rate, latency and per-message fit apply either way)."""
     draft = profile.draft_step if profile is not None else None

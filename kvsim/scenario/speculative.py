@@ -29,7 +29,7 @@ import numpy as np
 from kvsim.scenario.codec_timing import CodecTiming
 
 if TYPE_CHECKING:
-    from kvsim.model.hardware import TimingModel
+    from kvsim.scenario.timing_model import TimingModel
 
 # receiver modes that build the anchor's cache before drafting on it (kvsim's transport:
 # transport.dequantize, the simulator's deserializer of the same name): a draft is a plain

@@ -46,8 +46,8 @@ from collections.abc import Callable
 import numpy as np
 import simpy
 
-from kvsim.model.hardware import TimingModel
 from kvsim.scenario.speculative import DecodeTimeline
+from kvsim.scenario.timing_model import TimingModel
 from kvsim.sim.timer import Timer, call_later
 
 _COUNTS: dict[int, np.ndarray] = {}  # n -> [n] float 1..n (read-only), see _counts

@@ -25,8 +25,8 @@ from typing import Protocol
 import numpy as np
 import simpy
 
-from kvsim.model.hardware import TimingModel
 from kvsim.scenario.policy import FlowPlan, serial_pipeline
+from kvsim.scenario.timing_model import TimingModel
 from kvsim.sim.batch import DecodeBatch
 from kvsim.sim.link import Flow, Link
 from kvsim.sim.prefill_batch import ChunkedPrefill

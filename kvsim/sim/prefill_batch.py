@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import simpy
 
-from kvsim.model.hardware import TimingModel
+from kvsim.scenario.timing_model import TimingModel
 
 
 @dataclass

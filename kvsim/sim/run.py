@@ -29,7 +29,6 @@ from typing import Any
 import numpy as np
 import simpy
 
-from kvsim.model.hardware import TimingModel
 from kvsim.scenario.acceptance import load_acceptance
 from kvsim.scenario.codec_timing import CodecTiming, load_codec_timing
 from kvsim.scenario.config import SimConfig
@@ -38,6 +37,7 @@ from kvsim.scenario.metrics import RequestRecord, aggregate_records, record_colu
 from kvsim.scenario.policy import TransferPlan, build_plan, release_times
 from kvsim.scenario.size_calibration import calibrate_sizes
 from kvsim.scenario.speculative import draft_overhead_s, receiver_busy_draft_s, receiver_draft_s
+from kvsim.scenario.timing_model import TimingModel
 from kvsim.scenario.trace import TraceLog
 from kvsim.scenario.variants import Variant, variants
 from kvsim.scenario.workload import Request, requests

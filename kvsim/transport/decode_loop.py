@@ -43,8 +43,8 @@ import torch
 from kvsim.core.checks import check_number
 from kvsim.kv.capture import CacheFromLayers, kv_to_cache
 from kvsim.kv.draft_verify import accept_greedy
-from kvsim.model.hardware import TimingModel
 from kvsim.scenario.acceptance import AcceptanceModel
+from kvsim.scenario.timing_model import TimingModel
 
 Clock = Callable[[], float]
 Span = tuple[str, float, float]  # (name or kind, t0 s, t1 s) on the loop's clock

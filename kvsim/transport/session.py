@@ -15,11 +15,12 @@ import numpy as np
 
 from kvsim.core.layout import KVShape
 from kvsim.core.report import format_table
-from kvsim.model.hardware import INGEST_S_PER_BYTE_MAX, TimingModel
+from kvsim.model.hardware_profile import INGEST_S_PER_BYTE_MAX
 from kvsim.model.spec import ModelSpec
 from kvsim.scenario.codec_timing import load_codec_timing
 from kvsim.scenario.link_profile import link_draft_step
 from kvsim.scenario.speculative import draft_overhead_s, receiver_busy_draft_s, receiver_draft_s
+from kvsim.scenario.timing_model import TimingModel
 from kvsim.scenario.variants import variants
 from kvsim.scenario.workload import requests as workload_requests
 from kvsim.transport.assembly import Assembly

@@ -1,0 +1,164 @@
+"""Measured hardware profiles (`hardware.profile=`: a path or the name of a shipped one,
+kvsim.core.profiles; `kvsim calibrate` writes them): loaded and checked here, read by the
+timing model (kvsim.scenario.timing_model) in place of the roofline for their model.
+
+The format (JSON):
+  {"model": "<model name>", "prefill": {"tokens": [...], "s": [...]},
+   "tpot": {"context_tokens": [...], "s": [...]}, "source": "..."}
+and optionally (written by `kvsim calibrate`)
+  "tpot_batch": {"context_tokens": c, "batch": [...], "s": [...]}    decode step vs batch
+  "verify": {"context_tokens": c, "drafted_tokens": [...], "s": [...]}  verification pass
+      (or "context_tokens": [c1, ...] and "s": [[...], ...]: measured at several contexts,
+      its ratio to the TPOT there interpolated between them)
+  "first_step_extra": {"context_tokens": [...], "s": [...]}   first step on a fresh cache
+  "cache_build": {"gb_per_s": x}    building the model's cache from dequantized layers (GB/s
+                                    of bf16 cache; deserializer=on_arrival, where it is the
+                                    only load left once the last layer is dequantized)
+  "draft_step": {"ratio": r}        a draft step over a decode step while the receiver
+                                    dequantizes the later streams beside it (>= 1; the
+                                    drafting overhead of deserializer=on_arrival), averaged
+                                    over the drafting; optional "busy_ratio": the same
+                                    while the on-arrival worker is busy (>= 1; used, with
+                                    the worker's load, where present); optional
+                                    "ingest_s_per_byte": the receiver's busy time per
+                                    later-stream byte taken in (s/B, in [0, 1e-3]; adds
+                                    to that load, with busy_ratio only:
+                                    kvsim.calibrate.draft_ingest); a link
+                                    profile's own draft_step (measured on that link)
+                                    replaces the whole entry in a run with that
+                                    link.profile (kvsim.scenario.link_profile.draft_step_for)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+from kvsim.core.data_files import record_loaded
+
+
+def scaled_curve(curve: dict, factor: float | Callable[[float], float]) -> dict:
+    """A profile curve with its times ("s": a list, or one list per context) x factor: a
+    number, or a function of the context (tokens) the times were measured at (the curve's
+    "context_tokens": one per point of a context curve, one per row of a verification
+    curve measured at several contexts, or the one context of the whole curve)."""
+    s = curve["s"]
+    if not callable(factor):
+        return {**curve, "s": [[v * factor for v in row] if isinstance(row, list)
+                               else row * factor for row in s]}
+    at = curve["context_tokens"]
+    if not isinstance(at, list):  # measured at one context: one factor for the curve
+        return scaled_curve(curve, factor(float(at)))
+    if len(at) != len(s):
+        raise ValueError(f"a curve over contexts needs one time (or row) per context, got "
+                         f"{len(at)} contexts and {len(s)} rows")
+    return {**curve, "s": [[v * factor(float(c)) for v in row] if isinstance(row, list)
+                           else row * factor(float(c)) for c, row in zip(at, s, strict=True)]}
+
+
+def _check_verify(path: Path, doc: dict) -> None:
+    """verify: measured at one context (context_tokens a number, s a list over
+    drafted_tokens) or at several (context_tokens an increasing list, s one such list per
+    context)."""
+    curve = doc["verify"]
+    at = curve.get("context_tokens") if isinstance(curve, dict) else None
+    if not isinstance(at, list):
+        _check_curve(path, doc, "verify", "drafted_tokens", "context_tokens")
+        return
+    rows = curve.get("s")
+    if not at or not isinstance(rows, list) or len(rows) != len(at):
+        raise ValueError(f"hardware profile {path}: verify.s needs one list per context of "
+                         f"verify.context_tokens")
+    # the contexts alone: numbers, increasing (as a curve's x with placeholder times)
+    _check_curve(path, {"verify": {"context_tokens": at, "s": [1.0] * len(at)}}, "verify",
+                 "context_tokens")
+    if min(at) <= 0:
+        raise ValueError(f"hardware profile {path}: verify.context_tokens must be > 0")
+    for c, row in zip(at, rows, strict=True):
+        _check_curve(path, {f"verify at {c}": {"drafted_tokens": curve.get("drafted_tokens"),
+                                               "s": row}}, f"verify at {c}", "drafted_tokens")
+
+
+def _check_curve(path: Path, doc: dict, key: str, xs: str, scalar_x: str = "") -> None:
+    """doc[key] holds equal-length lists xs and s of finite numbers (s > 0 unless extra),
+    xs increasing; scalar_x (optional): a positive number the curve was measured at."""
+    curve = doc.get(key)
+    if not isinstance(curve, dict) or not isinstance(curve.get(xs), list) or \
+            not isinstance(curve.get("s"), list):
+        raise ValueError(f"hardware profile {path}: needs {key}.{xs} and {key}.s (lists)")
+    x, s = curve[xs], curve["s"]
+    if len(x) != len(s) or len(s) < 1:
+        raise ValueError(f"hardware profile {path}: {key} lists differ in length or are empty")
+    values = [*x, *s] + ([curve.get(scalar_x)] if scalar_x else [])
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+               for v in values):
+        raise ValueError(f"hardware profile {path}: {key} holds a non-finite or non-number")
+    if any(b <= a for a, b in zip(x, x[1:], strict=False)):
+        raise ValueError(f"hardware profile {path}: {key}.{xs} must increase")
+    floor_ok = min(s) >= 0 if key == "first_step_extra" else min(s) > 0
+    if not floor_ok:
+        raise ValueError(f"hardware profile {path}: {key}.s must be > 0 s (extra: >= 0)")
+
+
+def load_profile(name_or_path: str, model_name: str) -> dict:
+    """A measured hardware profile (a path, or a shipped profile's name), checked."""
+    from kvsim.core.profiles import profile_path
+
+    p = profile_path("hardware", name_or_path)
+    try:
+        doc = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"hardware profile {p}: not JSON ({exc})") from None
+    record_loaded(p)
+    if doc.get("model") != model_name:
+        raise ValueError(f"hardware profile {p} is for model {doc.get('model')!r}, "
+                         f"not {model_name!r}")
+    for key, xs in (("prefill", "tokens"), ("tpot", "context_tokens")):
+        _check_curve(p, doc, key, xs)
+    for key, xs, at in (("tpot_batch", "batch", "context_tokens"),
+                        ("first_step_extra", "context_tokens", "")):
+        if key in doc:
+            _check_curve(p, doc, key, xs, at)
+    if "verify" in doc:
+        _check_verify(p, doc)
+    # (key, field, required in key, bound, test): a rate > 0; a ratio to a decode step >= 1
+    for key, field, required, bound, ok in (
+            ("cache_build", "gb_per_s", True, "> 0", lambda v: v > 0),
+            *DRAFT_STEP_FIELDS):
+        _check_field(f"hardware profile {p}", doc, key, field, required, bound, ok)
+    return doc
+
+
+# the largest receiver time per later-stream byte a profile or a HELLO may give (s/B)
+INGEST_S_PER_BYTE_MAX = 1e-3
+
+# draft_step's fields: (key, field, required in key, bound, test)
+DRAFT_STEP_FIELDS = (("draft_step", "ratio", True, ">= 1", lambda v: v >= 1),
+                     ("draft_step", "busy_ratio", False, ">= 1", lambda v: v >= 1),
+                     ("draft_step", "ingest_s_per_byte", False,
+                      f"in [0, {INGEST_S_PER_BYTE_MAX:g}]",
+                      lambda v: 0 <= v <= INGEST_S_PER_BYTE_MAX))
+
+
+def _check_field(where: str, doc: dict, key: str, field: str, required: bool, bound: str,
+                 ok: Callable[[float], bool]) -> None:
+    """doc[key][field] must be a finite number passing `ok` (where doc has `key`; an
+    optional field may be absent); the ValueError names `where`, the field and the bound."""
+    entry = doc.get(key)
+    if key not in doc or (not required and isinstance(entry, dict) and field not in entry):
+        return
+    value = (entry or {}).get(field) if isinstance(entry, dict) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value) or not ok(value):
+        raise ValueError(f"{where}: {key}.{field} must be a finite number {bound}, got "
+                         f"{value!r}")
+
+
+def check_draft_step(where: str, doc: dict) -> dict | None:
+    """doc's `draft_step` entry, checked (the hardware profile's, or a link profile's: the
+    same receiver measured on that link); None without one."""
+    for key, field, required, bound, ok in DRAFT_STEP_FIELDS:
+        _check_field(where, doc, key, field, required, bound, ok)
+    return doc.get("draft_step")
