@@ -1,4 +1,4 @@
-"""KIVI backbone (kivi, kcvt, gear, oscar): the numba cpu path (kivi_cpu.py: the fused
+"""KIVI backbone (kivi, kcvt, gear, oscar): the numba cpu path (kivi/cpu.py: the fused
 whole-cache kernels, and the per-page kernels of the configurations they leave to the generic
 path) against the torch reference, byte for byte and bit for bit; and the pieces of the fused
 kernels (Walsh-Hadamard rows, gear's low-rank fit and outlier choice) against theirs."""

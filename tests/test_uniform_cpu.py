@@ -1,4 +1,4 @@
-"""uniform codec: the numba cpu backend (uniform_cpu.py) against the torch reference."""
+"""uniform codec: the numba cpu backend (uniform/cpu.py) against the torch reference."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """kvsim's resuming sweeper, a Hydra plugin (Hydra instantiates plugins only from the
 `hydra_plugins` namespace package). What it does and the sweep directory's layout:
-kvsim/sweep.py."""
+kvsim/cli/sweep.py."""
 
 from __future__ import annotations
 

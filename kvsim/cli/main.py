@@ -1,7 +1,7 @@
 """`kvsim` command line: one entry point, subcommands, each subcommand a Hydra application.
 
     kvsim <command> [<subcommand>] [key=value ...] [-m key=a,b ...] [report=PATH]
-    kvsim sweep key=a,b ...        (a resumable multirun of `kvsim sim`, kvsim/sweep.py)
+    kvsim sweep key=a,b ...        (a resumable multirun of `kvsim sim`, kvsim/cli/sweep.py)
     kvsim list [group]   kvsim --version
 
 Each command lives in `kvsim/commands/<name>.py` and declares COMMAND (its words),

@@ -1,7 +1,7 @@
 """Shared pieces of the group-quantization codecs (uniform, kivi/kcvt, gear, oscar).
 
 1. The asymmetric min/max group quantizer, pure-torch reference. Its rounding is designed
-   so the Triton kernel (uniform_triton.py) reproduces the codes bit for bit:
+   so the Triton kernel (uniform/triton.py) reproduces the codes bit for bit:
 
        mn, mx   = min, max of the group (fp32, exact; a -0.0 result becomes +0.0)
        scale16  = fp16((mx - mn) / qmax)        qmax = 2**bits - 1, IEEE division

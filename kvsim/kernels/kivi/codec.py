@@ -35,7 +35,7 @@ k_* fields as above with qk, v_* with qv, then instead of resid:
 
 backend (param of kivi / kcvt / oscar / gear; default auto):
 'torch' = the torch reference (groupquant.quantize_groups, bitpack), 'cpu' = the numba
-kernels of kivi_cpu.py (same bytes, same decoded bits), 'auto' = cpu kernels for CPU tensors.
+kernels of kivi/cpu.py (same bytes, same decoded bits), 'auto' = cpu kernels for CPU tensors.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class Backbone:
     key_group: int  # tokens per K group; 0 = kcvt (all quantized tokens of the layer)
     value_group: int  # channels per V group; 0 = whole head_dim
     residual: int  # R: most recent tokens kept in bf16
-    backend: str = "auto"  # auto | torch | cpu (numba kernels of kivi_cpu.py, same bytes)
+    backend: str = "auto"  # auto | torch | cpu (numba kernels of kivi/cpu.py, same bytes)
 
     @property
     def kcvt(self) -> bool:

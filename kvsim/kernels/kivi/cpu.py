@@ -247,7 +247,7 @@ def decode_page(src: np.ndarray, offsets: dict[str, int], kmeta: np.ndarray,
 # rotations and norms happen before it is quantized; all heads of a (layer, page, K|V) in
 # one item when the packed codes of two heads would share a byte (D * q not a multiple of the codes
 # per byte), so that no two threads ever write the same byte. Page geometry `geo`: see
-# fused_geometry.py.
+# kivi/geometry.py.
 K_TILE = 32  # kcvt: tokens per key tile (its groups span the whole layer)
 
 

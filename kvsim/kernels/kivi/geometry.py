@@ -1,4 +1,4 @@
-"""Page geometry of the fused KIVI-family CPU kernels (kivi_cpu.py).
+"""Page geometry of the fused KIVI-family CPU kernels (kivi/cpu.py).
 
 The codec classes that build a geometry (kivi.py, gear.py) import it from here, so they can
 describe a cache without importing the numba module.

@@ -15,8 +15,9 @@ payload of chunk (layer l, page p), t = tokens of the page, D = head_dim, g = gr
     codes  uint8 [2, kv_heads, t, D * bits / 8]   bit-packed along head_dim
     scale  fp16  [2, kv_heads, t, g]    (scope 'tensor': fp16 [2], K then V of layer l)
     zero   fp16  [2, kv_heads, t, g]    (scope 'tensor': fp16 [2])
-backend: 'triton' runs uniform_triton kernels, 'cpu' the numba kernels of uniform_cpu.py
-(CPU only), 'torch' the reference; 'auto' picks Triton for CUDA tensors and cpu otherwise.
+backend: 'triton' runs the Triton kernels of uniform/triton.py, 'cpu' the numba kernels of
+uniform/cpu.py (CPU only), 'torch' the reference; 'auto' picks Triton for CUDA tensors and cpu
+otherwise.
 All give identical bytes and identical decoded tensors. Scope 'tensor' has no kernel: every
 backend runs the torch reference for it (on the tensor's device).
 """

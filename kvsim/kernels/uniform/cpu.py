@@ -10,7 +10,7 @@ in (layer, page) order, each chunk in uniform.py's payload layout: codes, then f
 then fp16 zero points). Work items run in parallel (numba prange). Decode
 mirrors it and writes fp32, bf16 or fp16 directly. bf16 input takes its group min / max on
 int16 keys of the bits (16 lanes; the same pass checks for Inf / NaN, so Codec.encode skips
-its own), and every inner loop indexes a slice from 0 (see lynx_cpu.py: numba's
+its own), and every inner loop indexes a slice from 0 (see lynx/cpu.py: numba's
 negative-index wraparound on range(a, b) blocked vectorization).
 
 The arithmetic is the exact op sequence of groupquant.quantize_groups / dequantize_groups
