@@ -3,10 +3,9 @@
 While a split-stream request drafts on its anchor, the receiver's process also takes in the
 later streams (sockets, frame checks, copies; on a `tc`-shaped veth the kernel's shaping
 and packet processing as well) and its on-arrival worker dequantizes their layers, on the
-same cores as the draft step. Measured on this machine (2026-11-24, lynx, 1024 tokens), the
-first draft's slowdown while the residual arrives grows with the arrival rate: 1.3x a decode
-step at 0.1 Gbps, 1.8-2.5x at 0.2, 3.2-4.5x at 0.3 and 4.3-6.3x at 0.5-1 Gbps over `tc`,
-where the worker's jobs alone (busy a small share of the time at 0.3 Gbps) predicted 1.4-1.7x.
+same cores as the draft step. The first draft's slowdown while the residual arrives grows
+with the arrival rate, well beyond what the worker's jobs alone predict (the measurements are
+in CHANGELOG.md, with the fidelity runs that found it).
 
 The model both engines apply (kvsim.sim.worker_load on the projected worker jobs and
 arrivals, kvsim.transport.decode_loop's timing decode on the real worker and bytes): at each

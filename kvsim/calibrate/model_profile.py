@@ -144,8 +144,7 @@ def measure_model(lm: Any, model_name: str, cal: ModelCalibration,
     batch_s = [_batch_step_s(lm, kvs[top], b, max(4, cal.steps // 2)) for b in cal.batches]
     progress(f"batch {list(cal.batches)} at {top}: " +
              ", ".join(f"{s * 1e3:.1f}" for s in batch_s) + " ms per step")
-    # the verification pass at every context: its ratio to a step changes with the
-    # context (one draft: ~1.9x a step at 1024 tokens here, 2.5x at 4096)
+    # the verification pass at every context: its ratio to a step changes with the context
     verify_s = []
     for ctx in contexts:
         verify_s.append([_verify_s(lm, kvs[ctx].float(), n, cal.codec_repeats)

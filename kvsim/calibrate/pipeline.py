@@ -305,10 +305,9 @@ def _link_draft_step(cfg: Config, emulation: str, say, hw_doc: dict, main_rows: 
     another link, that of a transfer of the split-stream codecs over it (their own prompts,
     0.3 Gbps). Its `busy_ratio` and `ingest_s_per_byte` are fitted
     (kvsim.calibrate.draft_ingest) on the drafts of that transfer and of one more at
-    `draft_fit_rate_gbps`: the slowdown grows with the later streams' arrival rate (on `tc`
-    1.3x a decode step at 0.1 Gbps, 3.2-4.5x at 0.3 in the 2026-11-24 measurements), which
-    one rate cannot tell from the worker's jobs. None without receiver timing, without a
-    split-stream codec, or when no request drafted."""
+    `draft_fit_rate_gbps`: the slowdown grows with the later streams' arrival rate
+    (kvsim.calibrate.draft_ingest), which one rate cannot tell from the worker's jobs. None
+    without receiver timing, without a split-stream codec, or when no request drafted."""
     if not cfg.receiver_loads:
         return None
     import numpy as np

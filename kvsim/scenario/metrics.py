@@ -181,8 +181,8 @@ _SCALARS = ("arrival_t", "prefill_start_t", "prefill_end_t", "needed_arrival_t",
 @dataclass
 class RecordColumns:
     """Many records as columns, read in one pass over them: at 100,000 records (~2.3 KB
-    each, spread over the heap) every pass is mostly cache misses, and one pass per column
-    had made the multi-request row 16x slower than at 10,000 (2.1 against 0.13 s here)."""
+    each, spread over the heap) every pass is mostly cache misses, so one pass per column
+    would cost the multi-request row far more than its share at 10,000."""
     scalars: dict[str, np.ndarray]  # _SCALARS -> [n] (float64; counts exact below 2^53)
     stream_bytes: np.ndarray  # [n, streams] wire bytes per stream (float64, as the scalars)
     token_t: list[np.ndarray]  # [n] each record's drafted token times (s)

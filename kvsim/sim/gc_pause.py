@@ -10,19 +10,17 @@ or weak references whose timing a result could see).
 At the end of a large run, what it left is moved into the oldest generation without a pass
 over it (`gc.freeze()` then `gc.unfreeze()`, which puts the frozen objects back into the
 oldest generation). Otherwise the first young collection after the collector is back
-passes over every object the run left, and a second pass follows when they are promoted:
-on `kvsim bench sim`'s 100,000-request case that first pass alone took 0.46 s (733,000
-objects, cache-cold) against 0.016 s for 10,000 requests, a cost that grew faster than the
-run. Those objects are long-lived by construction (the run's records), so the young passes
-would only have promoted them.
+passes over every object the run left (cache-cold), and a second pass follows when they
+are promoted: a cost that grows faster than the run (figures: docs,
+development/simulator-speed.md). Those objects are long-lived by construction (the run's
+records), so the young passes would only have promoted them.
 
 The price, and where the move is not made:
-- the run's own reference cycles (its environment and closures: ~300 objects after a
-  process's first run, then ~6 tracked objects holding ~50 KB per run, whatever its size;
-  measured over ten 2,000-request runs)
-  wait for the next full collection instead of the next young one. So the move is made only
-  after a run that left many objects (`MOVE_AT_OBJECTS` net tracked allocations,
-  `gc.get_count()[0]`: a young pass of a few ms and more), not after a sweep's small runs;
+- the run's own reference cycles (its environment and closures: a few objects per run,
+  whatever its size) wait for the next full collection instead of the next young one. So
+  the move is made only after a run that left many objects (`MOVE_AT_OBJECTS` net tracked
+  allocations, `gc.get_count()[0]`: a young pass of a few ms and more), not after a sweep's
+  small runs;
 - objects a caller froze (`gc.freeze()`) are back in the oldest generation after a large
   run: the interpreter's own frozen objects cannot be told from a caller's (CPython 3.12
   parks immortal objects there at every full collection, and parks them again at the next

@@ -56,9 +56,8 @@ class Flow:
         self.cum_l = messages.cum_l  # the same as Python floats: cheap scalar access
         # release (s) of message `head` (inf once every message is sent; kept by
         # sent_through) and of the last: the scalars the link reads at every reallocation.
-        # Not the times as a list of Python floats, a float object per message of every flow
-        # in flight (the links' live memory in a 64 + 64 instance run: 2.03 -> 1.21 MB): a
-        # run's cost per event grows with what it keeps in flight
+        # Two scalars, not a float object per message of every flow in flight: a run's cost
+        # per event grows with what it keeps in flight
         self.head_release_t = release.item(0)
         self.last_release_t = release.item(-1)
         self.head = 0  # messages fully sent

@@ -10,11 +10,11 @@ instance for a slot and its cache's memory (kvsim.sim.nodes.DecodeAdmission) and
 the per-token decode timeline is a continuous batch per decode instance
 (kvsim.sim.batch: a fluid clock re-timed at every join, leave and phase change), so a
 request costs events per flow and per batch change, not per token. Callbacks instead of
-generator processes halve the events of a run (no process start, resource request and
-release, or condition event per wait: 25 -> 11 per request on `kvsim bench sim`'s
-cluster case) and change no result (tests/test_sim_golden.py). The timers behind those
-callbacks are kvsim.sim.timer's, not simpy Timeouts: the same order, about half the
-cost to schedule (1.3 against 2.4 us here).
+generator processes: no process start, resource request and release, or condition event
+per wait, so a run schedules about half the events, with the same results
+(tests/test_sim_golden.py). The timers behind those callbacks are kvsim.sim.timer's, not
+simpy Timeouts: the same order, about half the cost to schedule. The figures are in the
+docs (development/simulator-speed.md).
 """
 
 from __future__ import annotations

@@ -27,9 +27,8 @@ reciprocals (`reciprocals`, one widening multiply: `_mulhi64`); encode_lanes /
 decode_lanes run up to LANES chunks' coders in one loop, symbol by symbol, so that the CPU
 overlaps their chains of dependent operations (a coder alone waits on its table look-up
 and multiply every symbol); emitting and refilling words are branch-free (they come every
-few symbols at random, so a branch on them would often be mispredicted). Per symbol on
-kvsim bench codecs' cache (2-core AMD EPYC host): encode 3.2 ns with two coders
-interleaved -> 2.2 ns with four; decode 4.4 -> 2.7 ns; one coder alone: 3.5 and 6.9 ns.
+few symbols at random, so a branch on them would often be mispredicted). The time per
+symbol with one, two and four coders interleaved is on the docs' CacheGen page.
 """
 
 from __future__ import annotations

@@ -29,9 +29,8 @@ Stage 4, split streams. split = [b0, b1, ...]: stream 0 (anchor) holds the sign 
     anchor-only sits in the middle of its bucket (except a narrow top bucket, which
     reconstructs at |u| = 1 where each chunk's max-abs element lies) and each residual digit
     is a signed correction around that centre; with every stream it is the exact inverse
-    L(code).
-    (Measured: L(code) beats the value-space midpoint of a code's thresholds by 16-30 % in
-    full-precision MSE on gaussian data; anchor-only error is unchanged.)
+    L(code), which reconstructs closer than the value-space midpoint of a code's thresholds
+    (docs/codecs/lynx.md).
 
 The overflow of Algorithm 1 as printed ((127 + 7) >> 4 = 8 does not fit sign + 3 bits) comes
 from rounding the anchor to the *nearest* multiple of 16 while the code range [0, 127] is
@@ -88,18 +87,9 @@ if TYPE_CHECKING:
 else:
     torch = lazy_module("torch")
 
-# alpha of the companding. The paper does not state it. Measured with the 4+4 split on
-# [2, 2, 4, 1024, 128] bf16 (relative MSE = mean (x^ - x)^2 / mean x^2, anchor-only | full):
-#   alpha                  1        2        4        8        16       64       255
-#   gaussian + 1% x10 outliers + channel offsets:
-#     anchor-only       5.33e-3  4.89e-3  4.97e-3  5.81e-3  7.44e-3  1.28e-2  2.05e-2
-#     full              1.77e-5  1.38e-5  1.13e-5  1.04e-5  1.14e-5  1.72e-5  2.72e-5
-#   plain gaussian:
-#     anchor-only       7.08e-3  7.54e-3  8.87e-3  1.14e-2  1.53e-2  2.74e-2  4.44e-2
-#     full              2.60e-5  2.59e-5  2.83e-5  3.42e-5  4.45e-5  7.88e-5  1.31e-4
-# Chunk max-abs centering already removes most of the dynamic range, so mild companding
-# wins; alpha = 4 is within 2 % (anchor) / 9 % (full) of the best on outlier data and within
-# 25 % of the best on plain gaussians; alpha = 255 (mu-law) is 2.4-5x worse.
+# alpha of the companding (the paper does not state it): chunk max-abs centering already
+# removes most of the dynamic range, so mild companding wins; 4 is near the best anchor-only
+# and full-precision error on outlier data (the measured sweep: docs/codecs/lynx.md).
 ALPHA_DEFAULT = 4.0
 
 MU_FRAC_BITS = 14  # mu is stored as uint16 fixed point with 14 fractional bits (x' < 4)
