@@ -98,10 +98,10 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int,
 
 
 def spread(times: list[float]) -> float:
-    """Slowest / fastest of repeated timings of the same work: 1 on a steady machine. This
-    machine (a shared VM) has stretches where a multi-threaded codec's calls take 2-2.5x as
-    long, in the page faults of their fresh output, so a bench reports how far its repeats
-    landed apart beside their median."""
+    """Slowest / fastest of repeated timings of the same work: 1 on a steady machine. A
+    shared VM has stretches where a multi-threaded codec's calls take 2-2.5x as long, in the
+    page faults of their fresh output, so a bench reports how far its repeats landed apart
+    beside their median."""
     return max(times) / min(times) if min(times) > 0 else float("inf")
 
 

@@ -15,33 +15,33 @@ one load varies by tens of percent from the next). On demand, the decode loop's 
   "dequantize streams 0-N"    every stream of a split-stream codec
 as GB/s of bf16 cache (the codec timing's unit). On arrival, the worker's per-layer spans
 ("dequantize layer L stream 0" / "... streams 0-N") summed over the layers give the anchor's
-and the full cache's rates, and the decode loop's spans (now only the cache built from the
-dequantized layers) the cache build rate (hardware `cache_build`). Each request's decode
+and the full cache's rates, and the decode loop's spans (on arrival they only build the cache
+from the dequantized layers) the cache build rate (hardware `cache_build`). Each request's decode
 steps on its full cache give tpot_s: the same model step as the in-process calibration
 measures, in the receiver's process. The sender's encoder is timed there too (its FIN's
 encode_work_s: encode + checksum over the layers, beside its link loop and the receiver on
-the same cores, 2-4x slower here than the same calls alone). A split-stream request that
-drafted gives its draft steps' length over its later decode steps (`draft_step_ratio`):
-drafts run while the receiver's worker dequantizes the residual as it lands, and share the
-cores (and the interpreter) with it. On arrival, the worker's layer spans inside the
-drafting window split it into busy and idle time, which gives the draft step while the
-worker works (`draft_busy_ratio`, see draft_busy_ratio): the simulator weighs it by the
-worker's load at each rate (kvsim.sim.worker_load; each link profile's own busy ratio, with
-the receiver's cost per later-stream byte, is fitted on transfers at two rates instead:
-kvsim.calibrate.draft_ingest). `apply_receiver_timing` puts these
-into the profiles. The draft step depends on the link as well: over a `tc`-shaped veth it
-measured slower than on the token bucket (likely cause, not measured: the kernel's shaping
-and packet processing on the decoder's cores), so `kvsim calibrate` repeats the transfer
-there for the split-stream codecs (`emulation=`, draft_step_doc), taking the first step's
-extra of the first transfer's plain requests (`first_step_extra_s`), and writes its draft
-step into that link's profile.
+the same cores: 2-4x slower on a 2-core host than the same calls alone). A split-stream
+request that drafted gives its draft steps' length over its later decode steps
+(`draft_step_ratio`): drafts run while the receiver's worker dequantizes the residual as it
+lands, and share the cores (and the interpreter) with it. On arrival, the worker's layer
+spans inside the drafting window split it into busy and idle time, which gives the draft
+step while the worker works (`draft_busy_ratio`, see draft_busy_ratio): the simulator
+weighs it by the worker's load at each rate (kvsim.sim.worker_load; each link profile's own
+busy ratio, with the receiver's cost per later-stream byte, is fitted on transfers at two
+rates instead: kvsim.calibrate.draft_ingest). `apply_receiver_timing` puts these into the
+profiles. The draft step depends on the link as well: over a `tc`-shaped veth it measured
+slower than on the token bucket (likely cause, not measured: the kernel's shaping and
+packet processing on the decoder's cores), so `kvsim calibrate` repeats the transfer there
+for the split-stream codecs (`emulation=`, draft_step_doc), taking the first step's extra
+of the first transfer's plain requests (`first_step_extra_s`), and writes its draft step
+into that link's profile.
 
 A worker's layer job has a fixed part as well as a part in proportion to the layer's
-bytes (lynx here, at 1 Gbps: 4.7 ms per layer at 512 tokens and 5.6 ms at 1024, where
-bytes alone would say 2.8 and 5.6): one context cannot tell them apart, and extrapolating
-its rate doubled the simulated jobs from 1024 to 2048 tokens where the real ones grew far
-less. A second calibration transfer at a shorter context (`fit_layer_jobs`) splits them:
-the simulator's on-arrival layer jobs cost fixed + bytes / rate (kvsim.scenario.codec_timing).
+bytes (its Python, kernel calls and cache update): one context cannot tell them apart, and
+a rate taken at one context and extrapolated doubles the jobs from 1024 to 2048 tokens
+where the real ones grow far less (the measured jobs: CHANGELOG.md, 2026-11-25). A second
+calibration transfer at a shorter context (`fit_layer_jobs`) splits them: the simulator's
+on-arrival layer jobs cost fixed + bytes / rate (kvsim.scenario.codec_timing).
 """
 
 from __future__ import annotations
@@ -247,8 +247,7 @@ def apply_receiver_timing(measured: dict[str, dict[str, float]], hw_doc: dict, t
     own speed. With the second (layer-job fit) transfer's figures (`fit`, at
     `fit_context_tokens`), the ratio is measured at both contexts and interpolated between
     them (flat outside): one ratio measured at one context carries the in-process curve's
-    own error at every other (with one ratio from 1024 tokens, a validation's scenarios
-    stepped 0-5% slower than calibrated at 1024 tokens and 3-9% at 2048); they are kept in
+    own error at every other (CHANGELOG.md, 2026-11-25); they are kept in
     receiver_step_ratio ("context_tokens", "ratio": lists, shortest context first)."""
     for label, entry in timing_doc["codecs"].items():
         for key in ("encode_gb_per_s", "decode_gb_per_s", "anchor_decode_gb_per_s"):

@@ -98,7 +98,7 @@ class KVShape:
 
 def all_finite(t: torch.Tensor) -> bool:
     """No NaN/Inf in a float tensor. aminmax propagates NaN and is ~15x faster than
-    isfinite(t).all() on CPU (0.22 vs 3.4 ms for one 2048-token SmolLM2 layer, 1 thread)."""
+    isfinite(t).all() on CPU, where the receiver checks every layer it dequantizes."""
     if t.numel() == 0:
         return True
     import torch

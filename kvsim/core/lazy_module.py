@@ -1,6 +1,6 @@
 """A module imported on first use.
 
-torch (about 2 s to import on this 2-core machine), numba (0.5 s) and Triton (0.2 s) are
+torch (about 2 s to import on a 2-core host), numba (0.5 s) and Triton (0.2 s) are
 needed to encode and decode, not to know a codec's streams and sizes. The simulator builds
 codecs only for their size tables, so a `kvsim sim` process (and every worker of a sweep)
 should not pay for them. Codec modules therefore bind those names to a `LazyModule`:

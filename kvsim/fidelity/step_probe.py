@@ -1,14 +1,14 @@
 """The decode step's speed now: a probe taken just before a validation scenario runs.
 
-This shared 2-core host's decode step drifts: 5-second means of one process's step at 1024
-tokens ranged 75.6-94.7 ms within two minutes, and whole runs an hour apart differ by ~30%.
-A full validation lasts ~50 minutes, so a step calibrated at its start describes its middle
-and end no better than that drift. Before each single-request scenario, the probe times
-`steps` greedy decode steps of the real model at the scenario's context, in this process, on
-a cache built as the receiver builds it (from the calibration prompts, never from a
-validation run), and the simulator's step curves for that scenario are the calibrated ones
-scaled to the probe: the calibration keeps the curves' shape (context, batch, verification
-and draft steps relative to a step), the probe sets their level.
+A shared host's decode step drifts, on the project's 2-core host by tens of percent within
+minutes and between runs (CHANGELOG.md, "The step probe"). A full validation lasts ~50
+minutes, so a step calibrated at its start describes its middle and end no better than that
+drift. Before each single-request scenario, the probe times `steps` greedy decode steps of
+the real model at the scenario's context, in this process, on a cache built as the receiver
+builds it (from the calibration prompts, never from a validation run), and the simulator's
+step curves for that scenario are the calibrated ones scaled to the probe: the calibration
+keeps the curves' shape (context, batch, verification and draft steps relative to a step),
+the probe sets their level.
 """
 
 from __future__ import annotations

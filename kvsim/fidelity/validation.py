@@ -67,13 +67,13 @@ class Config:
     output_tokens: int = 64  # decoded per request (real greedy decode)
     # emulated requests per codec in each single-request scenario, the codecs' requests
     # interleaved: the measured value is their mean, their range `measured_spread_pct`
-    # (this machine's decode step moves by ~10% between 5-second windows)
+    # (the host's decode step moves by ~10% between 5-second windows)
     repeats: int = 2
     # decode steps of the probe taken before each single-request scenario (0: none): the
-    # simulator's step curves are scaled to it there (kvsim.fidelity.step_probe: this
+    # simulator's step curves are scaled to it there (kvsim.fidelity.step_probe: the
     # host's step drifts by tens of percent over a full validation's ~50 minutes). Off by
-    # default: a 24-step probe (~2 s) moved as far from its scenario's steps as the
-    # calibrated step did (token-bucket grid: mean 4.90% with it, ~4.56% without)
+    # default: a 24-step probe (~2 s) lands as far from its scenario's steps as the
+    # calibrated step does (CHANGELOG.md, "The step probe")
     step_probe_steps: int = 0
     ks: list[int] = field(default_factory=lambda: [32, 64])  # TT<k>T compared (with TTFT)
     acceptance: str = "smollm2-135m-lynx-s1-greedy"  # the simulator's acceptance curve
@@ -112,7 +112,7 @@ class Config:
             # drafting and not moves TTFT by a decode step)
             self.emulations, self.rates_gbps, self.contexts = ["token_bucket"], [0.1], [1024]
             self.codecs = ["int8", "lynx"]
-            # one request's 64 steps span one ~5 s window of this machine's speed, which
+            # one request's 64 steps span one ~5 s window of the host's speed, which
             # alone moves TT64T by up to ~10%: three per codec, interleaved
             self.repeats = max(self.repeats, 3)
             self.multi.rates_per_s, self.multi.requests = [0.3], 6

@@ -1,13 +1,12 @@
 """Keep torch's thread count across numba's parallel kernels.
 
-numba's `omp` threading layer (the one it picks on the CPU machines here: GNU OpenMP) and
-torch's CPU build share one OpenMP runtime. When numba starts that layer (once per process,
-at its first parallel kernel) it sets the runtime's thread count to its own
-(`omp_set_num_threads`, every core) in the thread that started it, and torch's later
-operations in that thread use it, whatever `torch.set_num_threads` said: `kvsim quality`
-(threads: 1) evaluated on 2 threads after its first encode (`torch.get_num_threads()` 1 ->
-2; its CPU time 1.1x its wall time, 1.0x with the fix), as did the transport's warm-up
-thread. `kept()` puts the caller's count back.
+numba's `omp` threading layer (GNU OpenMP, where numba picks it) and torch's CPU build
+share one OpenMP runtime. When numba starts that layer (once per process, at its first
+parallel kernel) it sets the runtime's thread count to its own (`omp_set_num_threads`, every
+core) in the thread that started it, and torch's later operations in that thread use it,
+whatever `torch.set_num_threads` said: a process set to 1 torch thread (`kvsim quality`,
+the transport's warm-up thread) would run torch on every core after its first encode.
+`kept()` puts the caller's count back.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ GGUF, so that later float32 loads take ~4 s (mostly importing transformers) inst
 
 Why: transformers reads a GGUF's metadata (the whole 49k-token vocabulary) three times per
 load (tokenizer, config, weights) and rebuilds its tensor-name map per tensor: SmolLM2-135M
-takes ~17 s to load from its GGUF on this 2-core machine, of which ~2 s is dequantization.
+takes ~17 s to load from its GGUF on a 2-core host, of which ~2 s is dequantization.
 Every `kvsim emulate` transfer starts two processes that load the model (the prefill node
 and the decode node), so a calibration or validation spent most of its time loading.
 

@@ -8,7 +8,8 @@
 
 Nothing is downloaded here: HF_HUB_OFFLINE=1 is set before transformers is imported.
 A .gguf's first float32 load writes an exact float32 conversion beside it, which later float32
-loads read instead (~4 s instead of ~18 s for SmolLM2 here; kvsim.model.converted).
+loads read instead (~4 s instead of ~18 s for SmolLM2 on a 2-core host;
+kvsim.model.converted).
 """
 
 from __future__ import annotations

@@ -228,7 +228,7 @@ def aggregate_records(recs: list[RequestRecord], ks: list[int], breakdown_k: int
     arrival, prefill_end = col["arrival_t"], col["prefill_end_t"]
     tokens = col["tokens"].astype(np.int64)
     if recs and (tokens == tokens[0]).all():  # one output length: [n, tokens] matrices
-        # one concatenation, not np.stack (a view per row: 5 us per request at 100k)
+        # one concatenation, not np.stack (which makes a view per row)
         drafted = np.concatenate(c.token_t).reshape(len(recs), int(tokens[0]))
     else:
         drafted = None

@@ -65,7 +65,7 @@ def _counts(n: int) -> np.ndarray:
 _EPS_STEPS = 1e-9  # clock slack (steps) when deciding that members reached their target
 # breakpoints a batch holds before it drops those no member in it can still read (and then
 # at twice what it kept): the clock's breakpoints otherwise grow with the run (5 per
-# request: two doubles each, ~8 MB over bench sim's 100,000 requests)
+# request, two doubles each)
 _TRIM_BREAKPOINTS = 4096
 
 
@@ -130,7 +130,7 @@ class DecodeBatch:
         # clock breakpoints: time (s) ... and clock (steps), piecewise linear between. Raw
         # doubles, not lists of Python floats: a member that leaves reads its phase's
         # breakpoints, written up to seconds before; as floats scattered over the heap those
-        # reads were cache misses that grew with the requests in flight, as contiguous
+        # reads would be cache misses that grow with the requests in flight, as contiguous
         # doubles they are a few lines, handed to np.interp without a conversion
         self.bp_t = array("d", (env.now,))
         self.bp_v = array("d", (0.0,))

@@ -151,7 +151,7 @@ class Link:
         # id(payload sizes array) -> (the array, its Messages): see messages(); with
         # shared_messages (message overhead -> such a dict), one dict for every link of the
         # same framing: a run's links carry the same plans' arrays, and a Messages per
-        # array and link was a cost per request that grew with the number of links
+        # array and link would be a cost per request that grows with the number of links
         self._messages: dict[int, tuple[np.ndarray, Messages]] = (
             {} if shared_messages is None else
             shared_messages.setdefault(self.message_overhead_bytes, {}))

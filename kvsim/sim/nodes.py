@@ -137,9 +137,9 @@ class Receiver:
     once the flow's last message has left the link, hands it to the request's
     `Deserializer`, which fires `ready` when the last message is deserialized."""
 
-    # slots: one per stream of each request in flight, read at every delivery (152 bytes
-    # each against 344 with an instance dict; a run's cost per event grows with what it
-    # keeps in flight)
+    # slots: one per stream of each request in flight, read at every delivery, and a run's
+    # cost per event grows with what it keeps in flight (the sizes:
+    # docs/development/simulator-speed.md)
     __slots__ = ("env", "plan", "group", "is_ready", "_waiting", "_arrivals", "arrival_t",
                  "received_bytes", "last_arrival_t", "ready_t", "first_arrival_t",
                  "backlog_start_t", "is_done", "node_finish_t", "carriers")

@@ -81,8 +81,8 @@ class ChunkedPrefill:
                 if job.done_tokens == job.tokens:  # its last chunk: tell the request now
                     job.last_step_s = step_s
                     self.queue.remove(job)
-                    # no value: an event holding its job, held by the job, was a reference
-                    # cycle per request (freed only by the cyclic collector)
+                    # no value: an event holding its job, held by the job, would be a
+                    # reference cycle per request (freed only by the cyclic collector)
                     job.last_step.succeed()
             self.steps += 1
             yield env.timeout(step_s)

@@ -95,7 +95,7 @@ class Passage:
         self.member: Member | None = None  # in its decode batch, while drafting
 
     # The callbacks of its steps: bound methods, not a closure (and its cells) per step and
-    # request, which lived from the step's start to its end and were freed cold. (Nothing
+    # request, which would live from the step's start to its end and be freed cold. (Nothing
     # that outlives the request may hold one: the Passage holds the Scenario.)
     def prefill_waited(self) -> None:
         """It waited for its prefill instance: its prefill starts now."""

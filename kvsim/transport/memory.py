@@ -4,9 +4,9 @@ A serving engine allocates its KV cache once at start-up; a request never waits 
 operating system to hand it fresh pages. A Python process using glibc's allocator does: a
 block of 128 KiB or more is mmap-ed and returned to the system when freed, and the top of
 a heap is trimmed, so every request's cache (and every decode step's growing copy of it)
-page-faults its memory again. Measured in `kvsim serve` (SmolLM2-135M, 2048-token cache,
-94 MB in fp32): the first decode step after a transfer took 23,137 minor page faults and
-+60-120 ms over the steps after it, and each later step 400-3,000 faults.
+page-faults its memory again: with SmolLM2-135M and a 2048-token cache, that adds
+60-120 ms to the first decode step after a transfer (the fault counts: CHANGELOG.md,
+2026-11-23, "Earlier").
 
 `retain_freed_memory()` makes the allocator behave like a pool: one arena for every thread
 (the decode thread of a new request reuses what the last one freed), blocks up to 32 MiB

@@ -112,7 +112,7 @@ def _reach_peak_memory(cfg: EmulateConfig, lm: Any | None) -> None:
     after two decode steps each (a step copies the whole cache one entry longer). With the
     allocator keeping freed memory (`retain_freed_memory`), the timed requests then reuse
     these pages instead of page-faulting fresh ones, as a serving engine's preallocated KV
-    pool would (measured: the first step after a 2048-token transfer paid 23,137 faults).
+    pool would (why: kvsim.transport.memory).
     Skipped, with a note, when that is more than PEAK_WARM_UP_MAX_BYTES."""
     import torch
 

@@ -131,7 +131,7 @@ def decode_reference(words: np.ndarray, counts: list[int],
 def _mulhi64(typingctx, a, b):
     """The high 64 bits of the 128-bit product of uint64 a and b: one widening multiply in
     LLVM IR (numba has no 128-bit integer type; the four 32-bit products it would take
-    instead were a third of the encoder's chain of dependent operations per symbol)."""
+    instead would be a third of the encoder's chain of dependent operations per symbol)."""
     if not (isinstance(a, types.Integer) and isinstance(b, types.Integer)):
         return None
     sig = types.uint64(types.uint64, types.uint64)

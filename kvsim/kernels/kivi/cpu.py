@@ -1,9 +1,9 @@
 """Fast CPU pieces of the KIVI backbone (kivi / kcvt / gear / oscar): numba kernels that are
 byte-identical to the torch reference in groupquant.py and bitpack.py.
 
-The profile of the torch path on CPU (8x8x2048x128 bf16) was dominated by bit packing
-(int32 widen + shift + sum over a tiny last dim), unpacking, and the fp32 temporaries of
-the quantizer / dequantizer, not by the arithmetic. These kernels do each in one pass:
+On CPU, the torch path's time (8x8x2048x128 bf16) goes to bit packing (int32 widen + shift
++ sum over a tiny last dim), unpacking, and the fp32 temporaries of the quantizer /
+dequantizer, not to the arithmetic. These kernels do each in one pass:
 
 - quantize_rows: x [rows, n] fp32 -> codes uint8 [rows, n], scale16 / zero16 fp16
   [rows, n / group] and the reconstruction x_hat [rows, n] fp32, the exact op sequence of
@@ -1040,8 +1040,8 @@ def _matmul_seq(xt, yt, out, m, k, r):
 @numba.njit(**_JIT)
 def _transpose(e, q, D, et):
     """et [D, q] = e[0:q] [.., D]^T (fp32, C order). Eight rows at a time, through flat
-    views with unsigned offsets (no wraparound test per element): 3x the 8 x 8 blocks of
-    2-D indexing it replaces, the larger part of a low-rank fit's time."""
+    views with unsigned offsets (no wraparound test per element): 3x as fast as 8 x 8 blocks
+    of 2-D indexing, and the transpose is the larger part of a low-rank fit's time."""
     ef = e.reshape(-1)
     etf = et.reshape(-1)
     uq = np.uint64(q)

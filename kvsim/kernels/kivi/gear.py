@@ -10,7 +10,7 @@ Per page of quantized tokens (q tokens, heads h, head_dim d), for K and V separa
    Filter_s: the m vectors of one (head, page) get k_i = floor((i + 1) c) - floor(i c) per
    side, c = s / 200 * n (each capped at (n - 1) // 2), i.e. floor(m c) per side in all.
    Before quantization each outlier slot is filled with clamp(0, min, max) of the
-   vector's remaining entries, so outliers no longer widen the groups' ranges; decode
+   vector's remaining entries, so outliers do not widen the groups' ranges; decode
    writes the stored values back over those slots.
 2. low rank: the quantization residual E = X_filled - dequant(quant(X_filled)) (zero on
    the outlier slots) of each head is approximated by A B^T, A [q, r], B [d, r],
@@ -409,7 +409,7 @@ class GearCodec(BackboneCodec):
         fitted in one low_rank call. low_rank works row by row (elementwise ops over the
         batch), so a batch gives each page the bits its own call would; one call per page
         length instead of one per page keeps a GPU busy (per page, its thousands of small
-        launches took 13 s for a 64 MB cache on an H100)."""
+        launches take 13 s for a 64 MB cache on an H100)."""
         tq = xq.shape[3]
         if tq == 0 or xhat is None:
             return state

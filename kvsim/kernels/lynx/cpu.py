@@ -8,7 +8,7 @@ block, writing packed codes straight into the stream buffers. Items run in paral
 (numba prange). Decode mirrors it and writes bf16 (or fp32) directly. The oscar
 preconditioning and its inverse are numba kernels too (rows of head_dim in parallel).
 
-Speed rules the kernels follow (measured on a 2-core AVX2 VM; each cost 2-5x where broken):
+Speed rules the kernels follow (on a 2-core AVX2 host, breaking one costs 2-5x):
 loops index arrays or slices from 0 (x[i] with i in range(a, b) and a runtime a pays
 numba's negative-index wraparound on every access and does not vectorize); min / max run on
 integer keys of the float bits (integer reductions vectorize, fp32 compare-selects do not),
@@ -833,7 +833,7 @@ def oscar_forward_cpu(kv: torch.Tensor, targets: str) -> tuple[torch.Tensor, tor
         x = x.to(torch.float32)
         xb, xf, use_bits = _U16_1, x.numpy(), False
     # np.empty, not torch.empty: torch's allocator takes ~4x longer for a fresh 100 MB
-    # block on the CPUs measured (page faulting), numpy's is what clone costs elsewhere
+    # block on some CPU hosts (page faulting), numpy's is what clone costs elsewhere
     out = torch.from_numpy(np.empty((L, 2, H, T, D), np.float32))
     s16 = np.empty((L, nkv, H, T), np.uint16)
     amax = np.zeros(L * nkv * H, np.float32)

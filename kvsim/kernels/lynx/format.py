@@ -230,9 +230,8 @@ def lynx_tables(alpha: float, split: tuple[int, ...]) -> LynxTables:
             # Every chunk's max-abs element sits at |u| = 1 (code 2^M - 1) by construction,
             # so a narrow top bucket is mostly those elements: reconstruct it at 1, not at
             # its centre (which shrinks each chunk's largest value by ~11 % for a 3-bit
-            # magnitude anchor). Measured on the SmolLM2 capture, anchor-only vNMSE of 4+4:
-            # 0.219 at the centre -> 0.049 at 1. A wide top bucket (1 magnitude bit) holds
-            # mostly non-max elements and keeps its centre (1.89 there vs 3.56 at 1).
+            # magnitude anchor). A wide top bucket (1 magnitude bit) holds mostly non-max
+            # elements and keeps its centre. The errors behind both: docs/codecs/lynx.md.
             levels[-1] = 1.0
         recon.append(levels)
     return LynxTables(tuple(split), m, thr, lut_lo, shift, base, lut_thr, tuple(recon))

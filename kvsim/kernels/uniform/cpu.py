@@ -153,8 +153,8 @@ def _encode_kernel(xf, xb, use_bits, P, G, bits, layer_bytes, full_bytes, out, p
         zb = out[zero_at: zero_at + 2 * n * ng]
         # three passes over the page: (1) widen every row into a page buffer and take the
         # group min / max; (2) scales and zero points of all the page's groups at once, in
-        # branch-free vector loops (fp16 rounding per group was a third of the time as
-        # scalar code); (3) quantize and pack
+        # branch-free vector loops (as scalar code, fp16 rounding per group takes a third of
+        # the time); (3) quantize and pack
         ngp = n * ng
         pbuf = np.empty(n * D, np.float32)
         pbu = pbuf.view(np.uint32)
