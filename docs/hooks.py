@@ -11,6 +11,7 @@ Reads JSON only and imports nothing of kvsim; writes nothing outside the site di
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections import defaultdict
@@ -33,8 +34,10 @@ def _load(path: Path) -> dict:
         return json.load(f)
 
 
+@functools.cache
 def shipped_runs() -> list[tuple[str, dict]]:
-    """(directory name, report) of every shipped validation, oldest first."""
+    """(directory name, report) of every shipped validation, oldest first: read once per
+    build (on_pre_build forgets them, so `mkdocs serve` rereads them on a rebuild)."""
     runs = [(d.name, _load(d / "report.json")) for d in sorted(FIDELITY_DIR.iterdir())
             if (d / "report.json").is_file()]
     return sorted(runs, key=lambda r: r[1]["provenance"]["created_unix_s"])
@@ -297,6 +300,10 @@ SECTIONS = {
 
 
 # ---------------------------------------------------------------- mkdocs events
+
+def on_pre_build(config):
+    shipped_runs.cache_clear()
+
 
 def on_files(files, config):
     """The committed figures, served as plots/<name>.png (read from the repository's plots/)."""

@@ -157,7 +157,8 @@ def _repo_state() -> str:
     example wrote nothing there; edits elsewhere while the tests run do not count)."""
     out = subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=all",
                           "--", *_GUARDED], cwd=REPO, capture_output=True, text=True, timeout=60)
-    return out.stdout if out.returncode == 0 else ""
+    assert out.returncode == 0, f"git status failed: {out.stderr}"
+    return out.stdout
 
 
 def _check(command: Command, proc_rc: int, stdout: str, stderr: str) -> None:

@@ -1,3 +1,4 @@
-"""kvsim's version (the one in pyproject.toml), for reports and `kvsim --version`."""
+"""kvsim's version: the package's (pyproject.toml reads it from here), the reports' and
+`kvsim --version`'s."""
 
 VERSION = "0.1.0"
