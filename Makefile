@@ -23,7 +23,7 @@ run: setup
 # the fetch's run record (a Hydra run directory) goes beside the model cache, not outputs/
 test: setup
 	KVSIM_OUTPUT_ROOT=.cache/runs $(VENV)/bin/kvsim model fetch
-	$(VENV)/bin/mkdocs build --quiet --strict --site-dir .cache/site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --quiet --strict --site-dir .cache/site
 	$(PY) -m pytest -q
 
 # the documentation site, served with live reload (http://127.0.0.1:8000)
