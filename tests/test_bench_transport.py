@@ -112,8 +112,9 @@ def test_best_of_takes_fastest_and_median_cpu():
 
 
 def test_sizes_from_the_size_table():
-    # bf16, 8 heads x 128 dims, 4096 tokens: 16 chunks of 1 MiB, each + 36 frame bytes
-    assert bt.layer_wire_bytes("bf16", 8, 128, 4096) == [16 * ((1 << 20) + 36)]
+    # bf16, 8 heads x 128 dims, 4096 tokens: 16 chunks of 1 MiB, each + 44 frame bytes
+    # (24 control, 20 chunk header)
+    assert bt.layer_wire_bytes("bf16", 8, 128, 4096) == [16 * ((1 << 20) + 44)]
     anchor, residual = bt.layer_wire_bytes("lynx", 8, 128, 4096)
     assert anchor > residual > 0
     assert bt.layers_for(1e9, 16 << 20) == 60

@@ -109,12 +109,12 @@ def test_the_worker_ends_with_its_request():
     asm = _assembly(codec, "on_arrival", anchor=True, rid=991)
     _feed(asm, [f for f in _frames(enc, 991) if f.stream == 0])  # the residual never comes
     assert asm.wait_streams(1, timeout_s=30)
-    assert "kvsim-dequantize-991" in _workers()
+    assert f"kvsim-dequantize-{991:032x}" in _workers()
     asm.close()
     deadline = time.monotonic() + 5
-    while "kvsim-dequantize-991" in _workers() and time.monotonic() < deadline:
+    while f"kvsim-dequantize-{991:032x}" in _workers() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert "kvsim-dequantize-991" not in _workers()
+    assert f"kvsim-dequantize-{991:032x}" not in _workers()
 
 
 def test_unknown_mode_is_refused():
@@ -196,7 +196,7 @@ def test_a_closed_request_lets_its_caches_go_without_a_garbage_collection():
         assert full() is not None and payload() is not None
         asm.close()
         deadline = time.monotonic() + 5  # the worker thread ends after its last layer
-        while "kvsim-dequantize-992" in _workers() and time.monotonic() < deadline:
+        while f"kvsim-dequantize-{992:032x}" in _workers() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert full() is None and payload() is None
         assert asm.chunks == [[], []]

@@ -26,7 +26,7 @@ Times (Unix s, one clock: every process runs on this machine):
   last_arrival_t receiver, after the last data message was received (and, for the transport,
                  parsed, checksummed and assembled)
   goodput = wire bytes / (last_arrival_t - first_send_t); wire bytes = every data message's
-  bytes (transport: 16-byte control frame + 20-byte chunk header + payload; raw ZeroMQ:
+  bytes (transport: 24-byte control frame + 20-byte chunk header + payload; raw ZeroMQ:
   messages of exactly those sizes).
 Through the token bucket (a serializing link: each chunk leaves when its last byte would
 have crossed it, starting when the link is free) chunk k >= 2 leaves exactly n_k / rate
@@ -53,12 +53,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvsim.transport.children import stop
+from kvsim.transport.children import popen, stop
 
-# transport control frame (16) + chunk header (20) per chunk message; a literal, not
+# transport control frame (24) + chunk header (20) per chunk message; a literal, not
 # protocol's constants: importing protocol pulls in torch, and the bare-ROUTER child
 # (rx-raw) stays light (tests/test_bench_transport.py checks the sum)
-FRAME_OVERHEAD_BYTES = 36
+FRAME_OVERHEAD_BYTES = 44
 START_TIMEOUT_S = 120.0  # a receiver process imports torch before it listens
 ROLES = ("rx-transport", "rx-raw", "tx")
 
@@ -161,7 +161,7 @@ def run_session(cases: list[CaseSpec], *, bind_host: str = "127.0.0.1",
                     "timeout_s": timeout_s, "window_bytes": window_bytes}))
                 log = tmp / f"{role}.log"
                 with open(log, "w") as err:
-                    procs.append(subprocess.Popen(
+                    procs.append(popen(
                         wrap("receiver", _argv(role, job, tmp / f"{role}.out")),
                         stdout=subprocess.DEVNULL, stderr=err, env=_env()))
                 endpoints[kind] = _wait_endpoint(procs[-1], tmp / f"{role}.ep", log)
@@ -171,8 +171,8 @@ def run_session(cases: list[CaseSpec], *, bind_host: str = "127.0.0.1",
                 "timeout_s": timeout_s, "max_queued_bytes": max_queued_bytes}))
             out, log = tmp / "tx.out", tmp / "tx.log"
             with open(log, "w") as err:
-                tx = subprocess.Popen(wrap("sender", _argv("tx", job, out)),
-                                      stdout=subprocess.DEVNULL, stderr=err, env=_env())
+                tx = popen(wrap("sender", _argv("tx", job, out)),
+                           stdout=subprocess.DEVNULL, stderr=err, env=_env())
             procs.append(tx)
             try:
                 tx.wait(timeout=session_timeout_s)
@@ -484,7 +484,10 @@ def _rx_transport(job: dict, out: str) -> None:
     settings = ReceiverSettings(bind=job["bind"], model="", timeout_s=wait_s, heartbeat_s=0.5,
                                 window_bytes=int(job["window_bytes"]), max_request_bytes=1 << 40,
                                 max_requests=0, idle_exit_s=0.0,
-                                dequantize="on_demand")  # the transport alone: nothing decoded
+                                dequantize="on_demand",  # the transport alone: nothing decoded
+                                # its own loopback or namespaces' veth pair: nothing else
+                                # reaches it
+                                insecure=True)
     rx = Receiver(settings, make_decoder, build_row,
                   log=lambda msg: print(f"rx-transport: {msg}", file=sys.stderr))
     signal.signal(signal.SIGTERM, lambda *_: rx.stop.set())
@@ -651,8 +654,8 @@ def _tx_transport(c: CaseSpec, endpoint: str, timeout_s: float, max_queued: int)
     limiter = TokenBucket(c.rate_gbps, c.burst_bytes) if c.rate_gbps > 0 \
         else Unlimited()
     sender = Sender(endpoint, limiter, "anchors_first", timeout_s, 0.5, max_queued,
-                    log=lambda msg: print(f"tx: {msg}", file=sys.stderr))
-    request = OutgoingRequest(secrets.randbits(62), 0, 0.0, send_codec, c.codec, c.policy,
+                    log=lambda msg: print(f"tx: {msg}", file=sys.stderr), insecure=True)
+    request = OutgoingRequest(secrets.randbits(128), 0, 0.0, send_codec, c.codec, c.policy,
                               lambda: source, {"output_tokens": 1, "bench_case": c.name})
     cpu0 = time.process_time()
     t0 = time.time()

@@ -53,7 +53,7 @@ DEFAULT_RATES_GBPS = (0.1, 0.5, 1.0)
 # the transport's control frame per chunk message (bytes): its wire bytes minus the codec
 # chunk (header + payload) the simulator counts; = protocol.CONTROL_BYTES (not imported:
 # protocol pulls in torch; tests/test_link_profile.py checks it)
-CONTROL_FRAME_BYTES = 16
+CONTROL_FRAME_BYTES = 24
 WINDOW_BYTES = 16 * 2**20  # the transport's credit window (as kvsim bench transport)
 MAX_QUEUED_BYTES = 256 * 2**20
 TIMEOUT_S = 30.0  # a silent peer fails a case after this many seconds

@@ -227,11 +227,18 @@ def _run_resolved(name: str, mod: Any, path: str, report_path: str | None = None
     except (ValueError, FileNotFoundError, UsageError, TimeoutError) as exc:
         print(f"kvsim {name}: error: {exc}", file=sys.stderr)
         return 1
+    extra = {}
+    if isinstance(rows, dict):  # {"rows": [...], other top-level report keys}
+        extra = {k: v for k, v in rows.items() if k != "rows"}
+        rows = rows["rows"]
     if report_path:
         from kvsim.core.report import write_report
 
         write_report(report_path, name, plain, rows or [], time.time() - started,
-                     [f"--resolved={path}"])
+                     [f"--resolved={path}"], extra)
+    if extra.get("failed"):  # the run ended, its report says what happened, and it failed
+        print(f"kvsim {name}: failed: {extra['failed']}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -385,6 +392,8 @@ def _task(name: str, mod: Any, report_path: str | None):
         if report_path:
             write_report(report_path, name, plain, rows or [], wall_s, overrides, extra)
             print(f"report written to {report_path}", file=sys.stderr)
+        if extra.get("failed"):  # the report is written; the command still fails (exit 1)
+            raise CommandFailed(f"kvsim {name}: failed{where}: {extra['failed']}")
         return rows or []
 
     # what a job's process loads before its first run (the command's module and its

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvsim.core.report import format_table
+from kvsim.transport.children import popen
 
 COMMAND = ("bench", "sweep")
 HELP = ("sweep speed: basic vs Hydra's joblib vs kvsim's default launcher vs a resume of a "
@@ -39,13 +40,15 @@ def _sweep(args: list[str], sweep_dir: Path, launcher: str, timeout_s: float) ->
     cmd = [sys.executable, "-m", "kvsim", "sweep", *args, f"hydra/launcher={launcher}",
            f"hydra.sweep.dir={sweep_dir}"]
     started = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                              env={**os.environ})
-    except subprocess.TimeoutExpired as exc:
-        raise TimeoutError(f"`{' '.join(cmd)}` ran past timeout_s={timeout_s:g}") from exc
+    with popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+               env={**os.environ}) as proc:  # popen: the sweep ends if this process dies
+        try:
+            _, stderr = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired as exc:
+            proc.kill()
+            raise TimeoutError(f"`{' '.join(cmd)}` ran past timeout_s={timeout_s:g}") from exc
     if proc.returncode != 0:
-        raise ValueError(f"`{' '.join(cmd)}` failed:\n{proc.stderr[-2000:]}")
+        raise ValueError(f"`{' '.join(cmd)}` failed:\n{stderr[-2000:]}")
     return time.perf_counter() - started
 
 

@@ -2,7 +2,9 @@
 each request of its workload, make the KV cache (a live prefill of the real model, a capture,
 or synthetic KV of the model preset's shape), encode it layer by layer and send its streams
 to `transport.connect`, highest priority first, through the link emulation; print the rows
-the decode host reports back."""
+the decode host reports back. Exits 1, naming why, when a request is not done (peer lost,
+refused, aborted); `resume=<that run's report>` then sends only what the decode host lacks
+of the requests it still holds."""
 
 from __future__ import annotations
 
@@ -14,10 +16,10 @@ CONFIG_NAME = "transport"
 Config = EmulateConfig
 
 
-def run(cfg: EmulateConfig) -> list[dict]:
+def run(cfg: EmulateConfig) -> dict:
     from kvsim.transport import session
-    from kvsim.transport.emulate import send_all
+    from kvsim.transport.emulate import failures, send_all
 
     rows = send_all(cfg)
     session.print_rows(rows)
-    return rows
+    return {"rows": rows, "failed": failures(rows)}

@@ -2,10 +2,11 @@
 model this node can decode, assemble their streams, decode on them as they arrive
 (speculatively on the anchor for split-stream codecs: the real model here, or the hardware
 preset's timing model), and write one report row per request. Ctrl-C stops it and keeps
-the rows so far."""
+the rows so far, as does SIGTERM."""
 
 from __future__ import annotations
 
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -31,9 +32,15 @@ def run(cfg: EmulateConfig) -> list[dict]:
     mode = session.decode_mode(cfg)
     lm = session.load_model(cfg) if mode == "real" else None
     session.warm_up(cfg, lm, decode_side=True)
+    from kvsim.transport.metrics import TransportMetrics
+
+    metrics = TransportMetrics("serve")
     rx = Receiver(session.receiver_settings(cfg, cfg.transport.bind),
                   session.decoder_factory(cfg, mode, lm), session.row_builder(mode),
-                  check_hello=session.hello_checker(cfg, mode))
+                  check_hello=session.hello_checker(cfg, mode), metrics=metrics)
+    if metrics.start_server(cfg.transport.metrics_port, cfg.transport.metrics_addr):
+        print(f"kvsim serve: metrics on http://{cfg.transport.metrics_addr}:"
+              f"{cfg.transport.metrics_port}/metrics", file=sys.stderr)
 
     def announce() -> None:
         rx.bound.wait()
@@ -44,12 +51,17 @@ def run(cfg: EmulateConfig) -> list[dict]:
                 Path(cfg.transport.endpoint_file).write_text(rx.endpoint + "\n")
 
     threading.Thread(target=announce, daemon=True).start()
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM (kvsim emulate's stop, a parent's death): stop, report what ended so far
+        signal.signal(signal.SIGTERM, lambda *_: rx.stop.set())
     try:
         rows = rx.serve()
     except KeyboardInterrupt:
         print(f"kvsim serve: interrupted; {len(rx.rows)} request(s) reported", file=sys.stderr)
         rows = rx.rows
+    finally:
+        metrics.close()
     session.print_rows(rows)
     if rx.refused:
-        print(f"refused frames by reason: {dict(rx.refused)}", file=sys.stderr)
+        print(f"refused by code: {dict(rx.refused)}", file=sys.stderr)
     return rows

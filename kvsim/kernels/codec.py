@@ -404,18 +404,28 @@ def make_codec(name: str, params: dict | None = None) -> Codec:
 
 
 def codec_for(enc: Encoded) -> Codec:
-    """The codec (with the same params) that can decode `enc`. The params come from the
-    preamble (untrusted): numbers must be plain and bounded, and the codec built from them
-    must describe itself with exactly those params."""
-    if not isinstance(enc.codec, str):
-        raise CodecError(f"codec name must be a string, got {type(enc.codec).__name__}")
-    bad = _unsafe_value(enc.params) or _wrong_type(codec_class(enc.codec).Params, enc.params)
+    """The codec (with the same params) that can decode `enc` (checked_codec)."""
+    return checked_codec(enc.codec, enc.params)
+
+
+def checked_codec(name: Any, params: Any) -> Codec:
+    """A codec built from an untrusted name and params (a preamble from a file or the
+    wire): numbers must be plain and bounded, and the codec built from them must describe
+    itself with exactly those params. Raises CodecError naming what is wrong."""
+    if not isinstance(name, str):
+        raise CodecError(f"codec name must be a string, got {type(name).__name__}")
+    if not isinstance(params, dict):
+        raise CodecError(f"codec {name[:64]!r}: params must be an object")
+    bad = _unsafe_value(params) or _wrong_type(codec_class(name).Params, params)
     if bad:
-        raise CodecError(f"codec {enc.codec!r}: parameter {bad}")
-    codec = make_codec(enc.codec, enc.params)
-    if codec.params_dict() != enc.params:
-        raise CodecError(f"codec {enc.codec!r}: params {enc.params} are not in canonical form "
-                         f"(the codec reads them as {codec.params_dict()})")
+        raise CodecError(f"codec {name!r}: parameter {bad[:200]}")
+    try:
+        codec = make_codec(name, params)
+    except (OverflowError, TypeError, ValueError, MemoryError) as exc:
+        raise CodecError(f"codec {name!r}: parameters not usable: {str(exc)[:200]}") from None
+    if codec.params_dict() != params:
+        raise CodecError(f"codec {name!r}: params are not in canonical form (the codec reads "
+                         f"them as {str(codec.params_dict())[:200]})")
     return codec
 
 

@@ -29,6 +29,10 @@ from kvsim.transport.config import DEQUANTIZE_MODES
 from kvsim.transport.layer_dequantizer import LayerDequantizer
 
 
+class RequestCancelled(RuntimeError):
+    """The request was dropped while its decode loop ran (silent sender, deadline, ...)."""
+
+
 @dataclass
 class StreamState:
     expected: list[tuple[int, int]]  # (layer, page) of seq 0, 1, ...
@@ -57,6 +61,8 @@ class Assembly:
     created_t: float = field(default_factory=time.time)
     last_rx_t: float = field(default_factory=time.monotonic)
     processed_bytes: int = 0  # every chunk frame consumed, good or refused (sender credit)
+    acked_bytes: int = 0  # processed_bytes as of the last ACK sent (credit granted)
+    admitted_mono: float = field(default_factory=time.monotonic)  # its deadline's origin
     refused: dict[str, int] = field(default_factory=dict)
     failed: str = ""  # set when the request is dropped: waiters wake up and give up
     fin: dict | None = None
@@ -141,7 +147,7 @@ class Assembly:
         if self.dequantizer is not None:
             self.dequantizer.new_builder = new_builder
             threading.Thread(target=self.dequantizer.run, daemon=True,
-                             name=f"kvsim-dequantize-{self.request_id}").start()
+                             name=f"kvsim-dequantize-{self.request_id:032x}").start()
 
     def close(self) -> None:
         """The request ended: the worker, if still waiting for chunks, stops, and the chunks
@@ -155,14 +161,28 @@ class Assembly:
             if self.dequantizer is not None:
                 self.dequantizer.release()
 
-    def refuse(self, reason: str) -> None:
-        key = P.refusal_key(reason)
-        self.refused[key] = self.refused.get(key, 0) + 1
+    def refuse(self, code: str) -> None:
+        """Count a refused frame of this request by its code (protocol.REFUSAL_CODES)."""
+        self.refused[code] = self.refused.get(code, 0) + 1
 
     def fail(self, why: str) -> None:
+        """Drop the request: waiters wake and give up, its decode loop stops at its next
+        step (cancelled), its sleeps end now."""
         with self._cv:
             self.failed = why
             self._cv.notify_all()
+
+    def cancelled(self) -> str:
+        """Why the request was dropped ("" while it runs): what a decode loop checks
+        between steps."""
+        return self.failed
+
+    def sleep(self, s: float) -> None:
+        """Sleep s seconds, or until the request is dropped (then raise RequestCancelled):
+        a timing decode loop's steps, however long a time_scale makes them."""
+        with self._cv:
+            if self._cv.wait_for(lambda: self.failed, timeout=max(0.0, s)):
+                raise RequestCancelled(self.failed)
 
     def set_fin(self, doc: dict) -> None:
         """The sender's FIN (its encode / send times) arrived."""
@@ -258,7 +278,7 @@ class Assembly:
                       self.table.page_tokens, self.codec.stream_names(), snapshot)
         kv = self.codec.decode(enc, streams=n, dtype=torch.float32)
         if not all_finite(kv):
-            raise wire.WireError(f"request {self.request_id}: streams 0..{n - 1} decode to "
+            raise wire.WireError(f"request {self.request_id:032x}: streams 0..{n - 1} decode to "
                                  "non-finite values")
         self.events.append((f"dequantize streams 0..{n - 1}", t0, time.time()))
         return kv
@@ -277,7 +297,7 @@ class _Where:
 
     def __str__(self) -> str:
         f = self.frame
-        return (f"request {self.request_id} chunk (stream {f.stream}, layer {f.layer}, "
+        return (f"request {self.request_id:032x} chunk (stream {f.stream}, layer {f.layer}, "
                 f"page {f.page}, seq {f.seq})")
 
     __format__ = lambda self, spec: str(self)  # noqa: E731 (f-strings call __format__)

@@ -37,6 +37,23 @@ class TransportConfig:
     max_queued_bytes: int = 268435456  # encoded chunks waiting for the link (backpressure)
     max_request_bytes: int = 8589934592  # kvsim serve refuses larger (bf16) caches
     max_active_requests: int = 64  # kvsim serve refuses a request beyond this many at once
+    max_requests_per_peer: int = 16  # ... and beyond this many from one peer
+    # kvsim serve: every request's held chunks and dequantized cache are reserved against
+    # this at admission ("busy: memory" beyond it); 0: half of this host's physical memory
+    max_memory_bytes: int = 0
+    # kvsim serve: a request still running this long after its HELLO is ended and freed
+    # (wall-clock s, whatever its time_scale)
+    request_deadline_s: float = 3600.0
+    # CURVE authentication and encryption (ZeroMQ's own): a directory written by `kvsim keys`
+    # (server.key_secret + allowed/*.key for kvsim serve; client.key_secret + server.key
+    # for kvsim send; kvsim emulate uses both). "": no keys, plain TCP, only on loopback
+    # unless insecure=true
+    keys: str = ""
+    insecure: bool = False  # allow a non-loopback bind / connect without keys (warned)
+    # Prometheus metrics of kvsim serve / send / emulate's sender on this port (0: none),
+    # on metrics_addr
+    metrics_port: int = 0
+    metrics_addr: str = "127.0.0.1"
     # auto: live if the model preset's weights are here (model.path, fetched, random_init),
     # else synthetic
     kv_source: str = "auto"
@@ -71,11 +88,16 @@ class TransportConfig:
         if self.burst_bytes < 0:
             raise ValueError(f"transport.burst_bytes must be >= 0, got {self.burst_bytes}")
         for key in ("window_bytes", "max_queued_bytes", "max_request_bytes", "max_active_requests",
-                    "threads"):
+                    "max_requests_per_peer", "threads"):
             if getattr(self, key) < 1:
                 raise ValueError(f"transport.{key} must be >= 1, got {getattr(self, key)}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"transport.port must be in 0..65535, got {self.port}")
+        for key in ("port", "metrics_port"):
+            if not 0 <= getattr(self, key) < 65536:
+                raise ValueError(f"transport.{key} must be in 0..65535, got {getattr(self, key)}")
+        if self.max_memory_bytes < 0:
+            raise ValueError(f"transport.max_memory_bytes must be >= 0 (0: half of this host's "
+                             f"memory), got {self.max_memory_bytes}")
+        check_number("transport.request_deadline_s", self.request_deadline_s)
         if check_number("transport.time_scale", self.time_scale) < 1:
             raise ValueError(f"transport.time_scale must be >= 1, got {self.time_scale}")
         if self.time_scale != 1 and (self.decode == "real" or self.kv_source == "live"):
@@ -89,6 +111,10 @@ class TransportConfig:
 @dataclass
 class EmulateConfig(SimConfig):
     transport: TransportConfig = field(default_factory=TransportConfig)
+    # kvsim send: resume the requests of an earlier run that the decode host still holds,
+    # sending only what it lacks: that run's report (report=PATH of kvsim send) or one
+    # request id (32 hex digits)
+    resume: str = ""
 
     def validate(self) -> None:
         super().validate()

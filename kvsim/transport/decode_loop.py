@@ -69,6 +69,10 @@ class CacheView(Protocol):
         ...
 
 
+class DecodeCancelled(RuntimeError):
+    """The request was dropped (its view says why) while the loop decoded."""
+
+
 @dataclass
 class DecodeResult:
     mode: str  # "real" | "timing"
@@ -152,6 +156,9 @@ class _DecodeLoop(ABC):
         if int(cap_tokens) < 0:
             raise ValueError(f"cap_tokens must be >= 0, got {cap_tokens}")
         check_number("timeout_s", timeout_s)
+        # a view that can be cancelled (the receiver's Assembly: cancelled() -> why) stops
+        # the loop between steps
+        self._cancelled: Callable[[], str] = getattr(view, "cancelled", lambda: "")
         n_streams = int(view.num_streams)
         if n_streams < 1:
             raise ValueError(f"the cache view has {n_streams} streams")
@@ -173,6 +180,7 @@ class _DecodeLoop(ABC):
                    output_tokens: int) -> None:
         """Decode on the full cache until `output_tokens` tokens; token: the last one."""
         while len(times) < output_tokens:
+            self._check_cancelled()
             token = self._step(cache, token, drafting=False)
             tokens.append(token)
             times.append(self.clock())
@@ -219,6 +227,7 @@ class _DecodeLoop(ABC):
         draft_t: list[float] = []  # [proposed] end of each draft step (s)
         token = self.first_token
         while len(drafts) < cap_tokens and view.streams_ready() < n:
+            self._check_cancelled()
             token = self._step(draft_cache, token, drafting=True)
             drafts.append(token)
             draft_t.append(self.clock())
@@ -263,6 +272,11 @@ class _DecodeLoop(ABC):
             accepted, start_t, full_t, full_t, v_end, self._tpot_report(tpot), segments,
             events, self._draft_tpot_report((draft_end - start_t) / len(drafts)),
             self._verify_report(v_end - full_t, len(drafts)), n, context)
+
+    def _check_cancelled(self) -> None:
+        why = getattr(self, "_cancelled", str)()
+        if why:
+            raise DecodeCancelled(why)
 
     def _ids(self, tokens: list[int]) -> list[int]:
         return list(tokens) if self.mode == "real" else []

@@ -16,36 +16,69 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvsim.transport.children import stop
+from kvsim.transport.children import popen, stop
 from kvsim.transport.config import EmulateConfig
 
 
-def send_all(cfg: EmulateConfig) -> list[dict]:
+def send_all(cfg: EmulateConfig, metrics_port: int | None = None) -> list[dict]:
+    """Every request of the scenario, one sender per (codec, transfer) variant; the decode
+    host's row of each, or the sender's own where none came (with its status and why).
+    metrics_port: where the sender's metrics are served (None: transport.metrics_port)."""
     import torch
 
+    from kvsim.transport import protocol as P
     from kvsim.transport import session
     from kvsim.transport.memory import retain_freed_memory
+    from kvsim.transport.metrics import TransportMetrics
     from kvsim.transport.sender import Sender
 
     cfg.validate()
     retain_freed_memory("send")  # before threads start: one arena, memory kept
     torch.set_num_threads(cfg.transport.threads)
+    identities = session.resume_identities(cfg.resume) if cfg.resume else {}
     lm = session.load_model(cfg) if session.source_kind(cfg) == "live" else None
     session.warm_up(cfg, lm)
     rows = []
-    for batch in session.outgoing_requests(cfg, lm):
-        t = cfg.transport
-        sender = Sender(t.connect, session.limiter_for(cfg), cfg.link.scheduling, t.timeout_s,
-                        t.heartbeat_s, t.max_queued_bytes,
-                        max_in_flight_bytes=session.max_in_flight_bytes(cfg),
-                        residual_weight=cfg.link.residual_weight,
-                        residual_age_s=cfg.link.residual_age_s)
-        for res in sender.run(batch):
-            rows.append(res.row if res.row is not None else {
-                "request_id": res.request_id, "codec": res.codec, "status": res.status,
-                "error": res.error, "chunks": res.chunks, "acked": res.acked,
-                "sent_bytes": res.sent_bytes})
+    t = cfg.transport
+    metrics = TransportMetrics("send")
+    port = t.metrics_port if metrics_port is None else metrics_port
+    if metrics.start_server(port, t.metrics_addr):
+        print(f"kvsim send: metrics on http://{t.metrics_addr}:{port}/metrics",
+              file=sys.stderr)
+    try:
+        for variant, batch in enumerate(session.outgoing_requests(cfg, lm)):
+            sender = Sender(t.connect, session.limiter_for(cfg), cfg.link.scheduling,
+                            t.timeout_s, t.heartbeat_s, t.max_queued_bytes,
+                            identity=identities.get(variant),
+                            max_in_flight_bytes=session.max_in_flight_bytes(cfg),
+                            residual_weight=cfg.link.residual_weight,
+                            residual_age_s=cfg.link.residual_age_s, keys=t.keys,
+                            insecure=t.insecure, metrics=metrics)
+            for out, res in zip(batch, sender.run(batch), strict=True):
+                rows.append(res.row if res.row is not None else {
+                    "request_id": P.id_hex(res.request_id), "variant": variant,
+                    "seq": out.arrival_seq, "codec": res.codec, "status": res.status,
+                    "error": res.error, "chunks": res.chunks, "acked": res.acked,
+                    "sent_bytes": res.sent_bytes, "skipped_chunks": res.skipped_chunks,
+                    # the routing id its requests belong to on the decode host: what
+                    # `kvsim send resume=<this report>` presents again
+                    "sender_id": sender.identity.hex()})
+    finally:
+        metrics.close()
     return rows
+
+
+def failures(rows: list[dict]) -> str:
+    """'' if every request is done, else how many are not and why (the first of each
+    status)."""
+    bad = [r for r in rows if r.get("status") != "done"]
+    if not bad:
+        return ""
+    first = {}
+    for r in bad:
+        first.setdefault(r.get("status"), str(r.get("error") or "")[:200])
+    why = "; ".join(f"{status}: {error}" for status, error in first.items())
+    return f"{len(bad)} of {len(rows)} request(s) not done ({why})"
 
 
 def _free_port() -> int:
@@ -99,11 +132,12 @@ def emulate(cfg: EmulateConfig) -> list[dict]:
             endpoint_file=str(endpoint_file)))
         tx_cfg = dataclasses.replace(cfg, transport=dataclasses.replace(
             t, connect=f"tcp://127.0.0.1:{port}"))
-        serve = subprocess.Popen(_child("serve", rx_cfg, tmp, rx_report),
-                                 stdout=subprocess.DEVNULL, env=_env())
+        serve = popen(_child("serve", rx_cfg, tmp, rx_report),
+                      stdout=subprocess.DEVNULL, env=_env())
         try:
             _wait_listening(serve, endpoint_file, t.start_timeout_s)
-            sent = send_all(tx_cfg)
+            # the decode host's metrics on metrics_port, the sender's on the next port
+            sent = send_all(tx_cfg, t.metrics_port + 1 if t.metrics_port else 0)
             serve.wait(timeout=t.timeout_s + 60)
         finally:
             stop(serve)
@@ -121,22 +155,23 @@ def _emulate_tc(cfg: EmulateConfig, tmp: Path, port: int, n_requests: int,
     t = cfg.transport
     k = t.time_scale  # a k-times slower link, k-times longer delays (rows divide by k)
     spec = NetemSpec(cfg.link.bandwidth_gbps / k, t.delay_ms * k, t.jitter_ms * k, t.loss_pct)
+    # the veth pair joins only this run's two namespaces: plain TCP needs no keys there
+    private = not t.keys or t.insecure
     with shaped_link(spec) as link:
         rx_cfg = dataclasses.replace(cfg, transport=dataclasses.replace(
             t, bind=f"tcp://{link.receiver_addr}:{port}", max_requests=n_requests,
-            endpoint_file=str(endpoint_file)))
+            endpoint_file=str(endpoint_file), insecure=private))
         tx_cfg = dataclasses.replace(cfg, transport=dataclasses.replace(
-            t, connect=f"tcp://{link.receiver_addr}:{port}"))
+            t, connect=f"tcp://{link.receiver_addr}:{port}", insecure=private,
+            metrics_port=t.metrics_port + 1 if t.metrics_port else 0))
         tx_report = tmp / "send-report.json"
         serve = send = None
         try:
-            serve = subprocess.Popen(link.argv_in("receiver", _child("serve", rx_cfg, tmp,
-                                                                     rx_report)),
-                                     stdout=subprocess.DEVNULL, env=_env())
+            serve = popen(link.argv_in("receiver", _child("serve", rx_cfg, tmp, rx_report)),
+                          stdout=subprocess.DEVNULL, env=_env())
             _wait_listening(serve, endpoint_file, t.start_timeout_s)
-            send = subprocess.Popen(link.argv_in("sender", _child("send", tx_cfg, tmp,
-                                                                  tx_report)),
-                                    stdout=subprocess.DEVNULL, env=_env())
+            send = popen(link.argv_in("sender", _child("send", tx_cfg, tmp, tx_report)),
+                         stdout=subprocess.DEVNULL, env=_env())
             send.wait(timeout=n_requests * (t.timeout_s + 300))
             serve.wait(timeout=t.timeout_s + 60)
         finally:

@@ -101,7 +101,7 @@ class LayerDequantizer:
         if self.error is not None:
             raise self.error
         if not self.ready(streams):
-            raise RuntimeError(f"request {self.request_id}: streams 0..{streams - 1} are not "
+            raise RuntimeError(f"request {self.request_id:032x}: streams 0..{streams - 1} are not "
                                "dequantized yet")
         kind = ANCHOR if self.anchor and streams < self.num_streams else FULL
         if self._done[kind] < self.shape.layers:  # the full cache arrived before the anchor's
@@ -113,8 +113,8 @@ class LayerDequantizer:
         (kept only without a cache builder)."""
         kind = self._finished_kind(streams)
         if kind not in self._buffers:
-            raise RuntimeError(f"request {self.request_id}: its layers went into the decoder's "
-                               "cache; take it with built_cache()")
+            raise RuntimeError(f"request {self.request_id:032x}: its layers went into the "
+                               "decoder's cache; take it with built_cache()")
         return self._buffers[kind]
 
     def built_cache(self, streams: int) -> Any:
@@ -124,7 +124,7 @@ class LayerDequantizer:
             return None
         kind = self._finished_kind(streams)
         if kind in self._taken:
-            raise RuntimeError(f"request {self.request_id}: the cache of streams "
+            raise RuntimeError(f"request {self.request_id:032x}: the cache of streams "
                                f"0..{streams - 1} was taken already")
         self._taken.add(kind)
         return self._builders[kind].cache()
@@ -157,8 +157,8 @@ class LayerDequantizer:
             try:
                 out = self.codec.decode_layer(self.shape, layer, chunks, dtype=torch.float32)
                 if not all_finite(out):
-                    raise wire.WireError(f"request {self.request_id}: layer {layer} decodes to "
-                                         "non-finite values")
+                    raise wire.WireError(f"request {self.request_id:032x}: layer {layer} "
+                                         "decodes to non-finite values")
                 if self.new_builder is not None:
                     builder = self._builders.get(kind)
                     if builder is None:

@@ -1,15 +1,20 @@
 """The transport's messages: ZeroMQ multipart frames, parsed without trusting a byte.
 
-Every message starts with a 16-byte control frame (little-endian):
+Every message starts with a 24-byte control frame (little-endian):
 
-    magic b"KVTP" | version u8 | type u8 | reserved u16 (0) | request_id u64
+    magic b"KVTP" | version u8 | type u8 | reserved u16 (0) | request_id u128
+
+A request id is 128 random bits drawn by the sender (`new_request_id`): unguessable, so
+knowing one is no way into another sender's request (which also belongs to the peer that
+opened it, kvsim.transport.receiver).
 
 followed by type-specific frames:
 
     HELLO     (sender -> receiver) JSON: wire version, codec preamble (codec, params, KV shape,
               page tokens, streams), model, transfer policy, first token, times
     ACCEPT    (receiver -> sender) JSON: window_bytes, held chunks per stream (for a resume)
-    REFUSE    (receiver -> sender) JSON: reason (names what differs)
+    REFUSE    (receiver -> sender) JSON: code (REFUSAL_CODES), reason (code: what differs,
+              at most MAX_REASON_CHARS characters)
     CHUNK     (sender -> receiver) chunk header (below) | payload (sent zero-copy)
     ACK       (receiver -> sender) processed_bytes u64 | streams u16 | contiguous u32 x streams
     NACK      (receiver -> sender) count u32 | (stream u8, seq u32) x count: send these again
@@ -32,6 +37,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import secrets
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -42,11 +48,33 @@ import numpy as np
 from kvsim.kernels import wire
 
 MAGIC = b"KVTP"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: 128-bit request ids
 MAX_JSON_BYTES = 4 << 20  # a HELLO with 1M context token ids fits; anything larger is refused
 MAX_NACK = 1 << 16
+MAX_REASON_CHARS = 256  # a REFUSE / ABORT reason, a logged refusal: never an echo of a field
 
-_CONTROL = struct.Struct("<4sBBHQ")  # magic, version, type, reserved, request_id
+# Why a frame or a request is refused: the fixed vocabulary refusals are counted by (in the
+# receiver's counters, its metrics and the REFUSE's `code`); the detail goes in the reason
+REFUSAL_CODES = (
+    "malformed",  # does not parse (ProtocolError)
+    "checksum",  # a chunk's CRC32C does not match (asked for again)
+    "unknown request",  # a message for a request not in progress here
+    "not owner",  # a message or HELLO for a request another peer opened
+    "bad chunk",  # a chunk that contradicts its request's preamble
+    "duplicate chunk",
+    "beyond credit",  # a chunk past the request's credit window (dropped)
+    "not a sender message",
+    "incompatible",  # a HELLO this decode node cannot serve (names what differs)
+    "finished",  # a HELLO for a request that already ended here
+    "busy: requests",  # max_active_requests in progress
+    "busy: peer",  # max_requests_per_peer from this peer in progress
+    "busy: memory",  # the request's bytes do not fit the memory budget
+    "admission error",  # admission failed unexpectedly (a bug: the request is refused)
+    "slow reader",  # replies to a peer that does not read them were dropped
+    "deadline",  # a request outlived request_deadline_s
+)
+
+_CONTROL = struct.Struct("<4sBBH16s")  # magic, version, type, reserved, request_id
 _CHUNK = struct.Struct("<BBHIIII")  # stream, flags, layer, page, seq, payload_len, crc32c
 _ACK_HEAD = struct.Struct("<QH")  # processed_bytes, streams
 _NACK_ITEM = struct.Struct("<BI")  # stream, seq
@@ -70,7 +98,36 @@ class MsgType(enum.IntEnum):
 
 
 class ProtocolError(wire.WireError):
-    """A message that does not parse or breaks the protocol (refused, never trusted)."""
+    """A message that does not parse or breaks the protocol (refused, never trusted).
+    code: its REFUSAL_CODES entry."""
+
+    def __init__(self, message: str, code: str = "malformed") -> None:
+        super().__init__(message)
+        self.code = code if code in REFUSAL_CODES else "malformed"
+
+
+def new_request_id() -> int:
+    """128 random bits (secrets): what a request is known by on the wire."""
+    return secrets.randbits(128)
+
+
+def id_hex(request_id: int) -> str:
+    """A request id as rows and logs write it: 32 hex digits."""
+    return f"{request_id:032x}"
+
+
+def parse_id(text: str) -> int:
+    """A request id from its 32 hex digits (id_hex); ValueError otherwise."""
+    text = text.strip().lower()
+    if len(text) != 32 or any(c not in "0123456789abcdef" for c in text):
+        raise ValueError(f"a request id is 32 hex digits, got {text[:40]!r}")
+    return int(text, 16)
+
+
+def reason(code: str, detail: str = "") -> str:
+    """A refusal's reason as sent and logged: 'code: detail', at most MAX_REASON_CHARS."""
+    text = f"{code}: {detail}" if detail else code
+    return text if len(text) <= MAX_REASON_CHARS else text[:MAX_REASON_CHARS - 3] + "..."
 
 
 @dataclass(frozen=True)
@@ -92,7 +149,8 @@ class Message:
 
 # ---- building ------------------------------------------------------------------------------
 def control(msg_type: MsgType, request_id: int) -> bytes:
-    return _CONTROL.pack(MAGIC, PROTOCOL_VERSION, int(msg_type), 0, request_id)
+    return _CONTROL.pack(MAGIC, PROTOCOL_VERSION, int(msg_type), 0,
+                         request_id.to_bytes(16, "little"))
 
 
 def json_message(msg_type: MsgType, request_id: int, doc: dict) -> list[bytes]:
@@ -144,7 +202,8 @@ def parse(frames: list[Any]) -> Message:
     ctl = views[0]
     if ctl.nbytes != CONTROL_BYTES:
         raise ProtocolError(f"control frame is {ctl.nbytes} bytes, expected {CONTROL_BYTES}")
-    magic, version, type_code, reserved, request_id = _CONTROL.unpack(ctl)
+    magic, version, type_code, reserved, id_bytes = _CONTROL.unpack(ctl)
+    request_id = int.from_bytes(id_bytes, "little")
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
     if version != PROTOCOL_VERSION:
@@ -189,7 +248,7 @@ def _parse_chunk(ctl: memoryview, rest: list[memoryview], request_id: int) -> Ch
             ctl, crc32c.crc32c(payload))))
         if got == crc:
             return ChunkFrame(request_id, stream, layer, page, seq, payload)
-    where = f"request {request_id} chunk (stream {stream}, layer {layer}, page {page}, seq {seq})"
+    where = f"chunk (stream {stream}, layer {layer}, page {page}, seq {seq})"
     if flags != 0:
         raise ProtocolError(f"{where}: flags {flags:#x}, none are defined")
     if payload_len != payload.nbytes:
@@ -207,7 +266,7 @@ class ChecksumError(ProtocolError):
     neither can be trusted (a resend request for a forged pair is refused by the sender)."""
 
     def __init__(self, where: str, request_id: int, stream: int, seq: int) -> None:
-        super().__init__(f"{where}: CRC32C mismatch (corrupt frame)")
+        super().__init__(f"{where}: CRC32C mismatch (corrupt frame)", "checksum")
         self.request_id, self.stream, self.seq = request_id, stream, seq
 
 
@@ -239,11 +298,6 @@ def _parse_json(mtype: MsgType, body: memoryview) -> dict:
     if not isinstance(doc, dict):
         raise ProtocolError(f"{mtype.name} body must be a JSON object, got {type(doc).__name__}")
     return doc
-
-
-def refusal_key(reason: str) -> str:
-    """What refused frames are counted by: the reason without the frame's coordinates."""
-    return reason.split(":")[-1].strip()[:60]
 
 
 def _refuse_constant(name: str) -> None:

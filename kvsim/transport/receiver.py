@@ -2,26 +2,43 @@
 them, and runs each request's decode loop as soon as the streams it needs are in.
 
     I/O thread (owns the socket):  poll (timeout) -> parse (never trusts a byte) ->
-        HELLO: validate the preamble against this decode node -> ACCEPT (+ chunks held) |
-               REFUSE (names what differs)
-        CHUNK: checksum, coordinates, length -> Assembly; a bad checksum -> NACK (resend)
+        HELLO: bound every field, build the codec and size table, reserve the request's
+               memory -> ACCEPT (+ chunks held) | REFUSE (code + what differs)
+        CHUNK: owner, checksum, credit, coordinates, length -> Assembly; a bad checksum ->
+               NACK (resend)
         FIN:   the sender's own times (encode end, backlog starts, first send)
         -> one ACK per request touched per poll round (cumulative per stream + credit)
     decode thread per request: Assembly (a CacheView) -> decode loop -> report row -> DONE
 
+Nothing a peer sends can end or stall the server:
+- a request belongs to the peer that opened it (its ZeroMQ routing id and, with CURVE, its
+  authenticated public key): a message for it from any other peer is refused;
+- admission is total: every HELLO field is bounded before anything is built, and anything
+  admission raises refuses that request;
+- one memory budget (`max_memory_bytes`): a request's held chunks and dequantized caches are
+  reserved at admission; beyond it, "busy: memory"; per-peer and total request limits;
+- the credit window is enforced on receipt; socket high-water marks and a maximum frame size
+  bound what is buffered;
+- replies never block: a peer that does not read them has them dropped, and after
+  `max_dropped_replies` its requests are ended;
+- each request has a deadline, and its decode loop stops between steps once it is ended;
+- refusals are counted by a fixed vocabulary (protocol.REFUSAL_CODES), logged at most 3
+  times per code, and truncated.
+
 A request whose sender falls silent for `timeout_s` is reported as partial (which streams
-and chunks arrived) and freed; until then a sender that reconnects with the same request id
-is told what is held and resumes. Every refused frame is counted by reason, never raised.
+and chunks arrived) and freed; until then its sender (same peer) may reconnect with the same
+request id, is told what is held, and resumes.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import sys
 import threading
 import time
 import traceback
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,13 +47,23 @@ import zmq
 
 from kvsim.core.layout import KVShape
 from kvsim.kernels import wire
-from kvsim.kernels.codec import CodecError, make_codec
+from kvsim.kernels.codec import checked_codec
 from kvsim.scenario.policy import POLICIES
+from kvsim.transport import auth
 from kvsim.transport import protocol as P
 from kvsim.transport.assembly import Assembly
 
 MAX_LAYERS = 4096
 MAX_TOKENS = 1 << 22  # 4M tokens: a larger claim is refused before any table is built
+MAX_CHUNKS = 1 << 20  # chunks of one request (all streams): bounds its size table and state
+MAX_FINISHED_IDS = 1 << 16  # ended request ids remembered (a late HELLO for one is refused)
+LOGGED_PER_CODE = 3  # refusals logged per code; the rest are counted
+RCVHWM_MESSAGES = 64  # per peer: ZeroMQ stops reading a peer's socket beyond this backlog
+SNDHWM_MESSAGES = 1000  # per peer: replies queued for a peer that does not read them
+
+
+def physical_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 @dataclass(kw_only=True)
@@ -48,11 +75,40 @@ class ReceiverSettings:
     window_bytes: int = 16 << 20  # credit: bytes a sender may have unprocessed in flight
     max_request_bytes: int = 8 << 30  # refuse a request whose bf16 cache is larger
     max_active_requests: int = 64  # refuse a HELLO beyond this many requests in progress
+    max_requests_per_peer: int = 16  # ... or beyond this many from one peer
+    # every request's wire bytes and dequantized caches are reserved against this at
+    # admission (0: half of this host's physical memory)
+    max_memory_bytes: int = 0
+    # dequantized fp32 copies of a request's cache the decoder holds at its peak (a real
+    # model's cache built from them doubles it); a split-stream request with drafting holds
+    # the anchor's and the full one
+    cache_copies: int = 1
+    request_deadline_s: float = 3600.0  # a request running longer is ended and freed
+    max_dropped_replies: int = 64  # replies dropped for a non-reading peer before its end
     max_requests: int = 0  # stop after this many requests ended (0: until stopped)
     idle_exit_s: float = 0.0  # stop when nothing happened for this long (0: never)
     # on_arrival: a worker per request dequantizes each layer once its chunks are in |
     # on_demand: the decoder dequantizes the whole cache when it starts on it
     dequantize: str = "on_arrival"
+    keys: str = ""  # CURVE keys directory (kvsim.transport.auth); "": plain TCP
+    insecure: bool = False  # a non-loopback bind without keys
+
+    def memory_limit_bytes(self) -> int:
+        return self.max_memory_bytes or physical_memory_bytes() // 2
+
+
+def outcome_of(row: dict) -> str:
+    """What a request's row says it ended as, in the metrics' outcomes."""
+    status, error = row.get("status"), str(row.get("error") or "")
+    if status == "done":
+        return "done"
+    if status == "partial" or error.startswith("sender silent"):
+        return "peer_lost"
+    for prefix, outcome in (("deadline", "deadline"), ("sender aborted", "aborted"),
+                            ("slow reader", "cancelled"), ("receiver stopped", "cancelled")):
+        if error.startswith(prefix):
+            return outcome
+    return "error"
 
 
 # (hello, assembly) -> (decode loop with .run(view, ...), description dict); raises to refuse
@@ -61,24 +117,60 @@ DecoderFactory = Callable[[dict, Assembly], tuple[Any, dict]]
 RowBuilder = Callable[[Assembly, dict, Any, str], dict]
 
 
+class Refused(Exception):
+    """A HELLO refused with a REFUSAL_CODES code and what differs."""
+
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(detail)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Who sent a message: its ZeroMQ routing id and, with CURVE, its authenticated public
+    key (z85; "" without CURVE). A request belongs to the Peer that opened it."""
+
+    routing_id: bytes
+    key: str
+
+    def owns(self, other: Peer) -> bool:
+        """Whether `other` is this peer: the same authenticated key where there is one (its
+        connection may be new: a resumed sender), else the same routing id."""
+        return self.key == other.key if self.key else self.routing_id == other.routing_id
+
+    @property
+    def principal(self) -> str | bytes:
+        """What per-peer limits count by: the key where there is one (a peer may open many
+        connections), else the connection."""
+        return self.key or self.routing_id
+
+
 class Receiver:
     def __init__(self, settings: ReceiverSettings, make_decoder: DecoderFactory,
                  build_row: RowBuilder, log: Callable[[str], None] | None = None,
-                 check_hello: Callable[[dict, KVShape], str] | None = None) -> None:
+                 check_hello: Callable[[dict, KVShape], str] | None = None,
+                 metrics: Any = None) -> None:
         self.s = settings
         self.make_decoder, self.build_row = make_decoder, build_row
         self.check_hello = check_hello
+        self.metrics = metrics  # a TransportMetrics (kvsim.transport.metrics) or None
         self.log = log or (lambda msg: print(f"kvsim serve: {msg}", file=sys.stderr))
         self.requests: dict[int, Assembly] = {}
-        self.peers: dict[int, bytes] = {}
-        self.finished_ids: set[int] = set()
+        self.owners: dict[int, Peer] = {}
+        self.reserved: dict[int, int] = {}  # request -> bytes reserved at admission
+        self.finished_ids: OrderedDict[int, None] = OrderedDict()
         self.rows: list[dict] = []
         self.refused: Counter[str] = Counter()
+        self.dropped_replies: Counter[bytes] = Counter()  # per routing id
         self._done: queue.SimpleQueue[tuple[int, dict]] = queue.SimpleQueue()
         self.stop = threading.Event()
         self.bound = threading.Event()
         self.endpoint = ""
         self._touched: set[int] = set()
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(self.reserved.values())
 
     # ---- main loop -------------------------------------------------------------------
     def serve(self) -> list[dict]:
@@ -86,9 +178,14 @@ class Receiver:
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer raises
-        sock.setsockopt(zmq.SNDTIMEO, int(self.s.timeout_s * 1000))
-        sock.setsockopt(zmq.RCVHWM, 0)  # the senders' credit window bounds what is buffered
+        sock.setsockopt(zmq.SNDHWM, SNDHWM_MESSAGES)
+        sock.setsockopt(zmq.RCVHWM, RCVHWM_MESSAGES)
+        # the largest frame a sender may send: a JSON body or a chunk within its credit
+        sock.setsockopt(zmq.MAXMSGSIZE, max(P.MAX_JSON_BYTES, self.s.window_bytes) + 4096)
+        authenticator = None
         try:
+            authenticator = auth.secure_server(ctx, sock, self.s.keys, self.s.insecure,
+                                               self.s.bind, self.log)
             sock.bind(self.s.bind)
             self.endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
             self.bound.set()
@@ -98,6 +195,8 @@ class Receiver:
             for asm in list(self.requests.values()):
                 asm.fail("receiver stopped")
             sock.close(0)
+            if authenticator is not None:
+                authenticator.stop()
             ctx.term()
         return self.rows
 
@@ -116,185 +215,266 @@ class Receiver:
                 last_event = time.monotonic()
             now = time.monotonic()
             if now - last_hb >= self.s.heartbeat_s:
-                for peer in set(self.peers.values()):
-                    self._send(sock, peer, P.heartbeat())
+                for routing_id in {p.routing_id for p in self.owners.values()}:
+                    self._send(sock, routing_id, P.heartbeat())
                 last_hb = now
-            self._drop_silent(sock, now)
+            self._drop_silent(now)
+            if self.metrics is not None:
+                self.metrics.set_active(len(self.requests))
+                self.metrics.set_memory(self.reserved_bytes, self.s.memory_limit_bytes())
             if self.s.max_requests and len(self.rows) >= self.s.max_requests:
                 return
             if self.s.idle_exit_s and not self.requests and \
                     now - last_event > self.s.idle_exit_s:
                 return
 
-    def _send(self, sock: zmq.Socket, peer: bytes, frames: list[Any]) -> None:
+    def _send(self, sock: zmq.Socket, routing_id: bytes, frames: list[Any]) -> bool:
+        """Queue a reply without ever blocking: a peer that does not read its replies has
+        them dropped (its queue is full), and after max_dropped_replies its requests end."""
         try:
-            sock.send_multipart([peer, *frames])
-        except zmq.ZMQError as exc:  # the peer vanished (ROUTER_MANDATORY) or would block
-            self.log(f"could not reply to a peer: {exc}")
+            sock.send_multipart([routing_id, *frames], flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            self.dropped_replies[routing_id] += 1
+            self._count("slow reader", "a peer does not read its replies; dropped one")
+            if self.dropped_replies[routing_id] >= self.s.max_dropped_replies:
+                for rid, owner in list(self.owners.items()):
+                    if owner.routing_id == routing_id and rid in self.requests:
+                        self.requests[rid].fail(P.reason(
+                            "slow reader", f"{self.dropped_replies[routing_id]} replies "
+                            "dropped: the sender does not read them"))
+                del self.dropped_replies[routing_id]
+        except zmq.ZMQError:  # EHOSTUNREACH: the peer is gone (its requests time out)
+            pass
+        return False
 
     # ---- messages ----------------------------------------------------------------------
     def _handle(self, sock: zmq.Socket, frames: list[Any]) -> None:
         if len(frames) < 2:
-            self.refused["no routing id"] += 1
+            self._count("malformed", "no routing id")
             return
-        peer, body = frames[0].bytes, frames[1:]
+        peer = Peer(frames[0].bytes, auth.peer_key(frames[1]))
+        body = frames[1:]
         try:
             msg = P.parse(body)
         except P.ChecksumError as exc:
-            self._checksum_failed(sock, exc)
+            self._checksum_failed(sock, peer, exc)
             return
         except P.ProtocolError as exc:
-            self._refuse_frame(str(exc), None)
+            self._count(exc.code, str(exc))
             return
         if msg.type == P.MsgType.HEARTBEAT:
-            for rid, p in self.peers.items():
-                if p == peer and rid in self.requests:
-                    self.requests[rid].last_rx_t = time.monotonic()
+            now = time.monotonic()
+            for rid, owner in self.owners.items():
+                if owner.routing_id == peer.routing_id and rid in self.requests:
+                    self.requests[rid].last_rx_t = now
             return
         if msg.type == P.MsgType.HELLO:
             self._hello(sock, peer, msg.request_id, msg.body)
             return
         asm = self.requests.get(msg.request_id)
         if asm is None:
-            self._refuse_frame(f"{msg.type.name} for unknown request {msg.request_id}", None)
+            self._count("unknown request", msg.type.name)
             return
-        if self.peers.get(msg.request_id) != peer:
-            self._refuse_frame(f"{msg.type.name} for request {msg.request_id} from a peer "
-                               "that does not own it", asm)
+        if not self.owners[msg.request_id].owns(peer):
+            self._count("not owner", msg.type.name)
             return
         asm.last_rx_t = time.monotonic()
         if msg.type == P.MsgType.CHUNK:
-            frame = msg.body
-            size = P.CONTROL_BYTES + P.CHUNK_HEADER_BYTES + frame.payload.nbytes
-            try:
-                if asm.add(frame, size) == "duplicate":
-                    self._refuse_frame(f"duplicate chunk (stream {frame.stream}, seq "
-                                       f"{frame.seq})", asm, log=False)
-            except P.ProtocolError as exc:
-                self._refuse_frame(str(exc), asm)
-            self._touched.add(msg.request_id)
+            self._chunk(asm, msg.body)
         elif msg.type == P.MsgType.FIN:
             asm.set_fin(msg.body)
         elif msg.type == P.MsgType.ABORT:
-            asm.fail(f"sender aborted: {msg.body.get('reason', '')}")
+            asm.fail(P.reason("sender aborted", str(msg.body.get("reason", ""))))
         else:
-            self._refuse_frame(f"{msg.type.name} is not a sender's message", asm)
+            self._count("not a sender message", msg.type.name, asm)
 
-    def _refuse_frame(self, reason: str, asm: Assembly | None, log: bool = True) -> None:
-        key = P.refusal_key(reason)
-        self.refused[key] += 1
+    def _chunk(self, asm: Assembly, frame: P.ChunkFrame) -> None:
+        size = P.CONTROL_BYTES + P.CHUNK_HEADER_BYTES + frame.payload.nbytes
+        unacked = asm.processed_bytes - asm.acked_bytes
+        if unacked and unacked + size > self.s.window_bytes:  # the sender had no credit
+            self._count("beyond credit", f"stream {frame.stream} seq {frame.seq}", asm)
+            return
+        try:
+            if asm.add(frame, size) == "duplicate":
+                self._count("duplicate chunk", f"stream {frame.stream} seq {frame.seq}", asm,
+                            log=False)
+            elif self.metrics is not None:
+                self.metrics.chunk("received", frame.stream, size)
+        except P.ProtocolError as exc:
+            self._count("bad chunk", str(exc), asm)
+        self._touched.add(asm.request_id)
+
+    def _count(self, code: str, detail: str, asm: Assembly | None = None,
+               log: bool = True) -> None:
+        """Count a refusal by its code (never by anything the peer chose); log the first few
+        of each code, truncated."""
+        self.refused[code] += 1
         if asm is not None:
-            asm.refuse(reason)
-        if log and self.refused[key] <= 3:  # say it, without flooding under a fuzzer
-            self.log(f"refused a frame: {reason}")
+            asm.refuse(code)
+        if self.metrics is not None:
+            self.metrics.refused(code)
+        if log and self.refused[code] <= LOGGED_PER_CODE:
+            self.log(f"refused: {P.reason(code, detail)}" +
+                     (" (further ones only counted)" if self.refused[code] ==
+                      LOGGED_PER_CODE else ""))
 
-    def _checksum_failed(self, sock: zmq.Socket, exc: P.ChecksumError) -> None:
-        self._refuse_frame(str(exc), self.requests.get(exc.request_id))
+    def _checksum_failed(self, sock: zmq.Socket, peer: Peer, exc: P.ChecksumError) -> None:
         asm = self.requests.get(exc.request_id)
-        if asm is None or exc.stream >= asm.num_streams or \
-                exc.seq >= len(asm.streams[exc.stream].expected):
+        if asm is None or not self.owners[exc.request_id].owns(peer):
+            self._count("checksum", str(exc))
+            return
+        self._count("checksum", str(exc), asm)
+        if exc.stream >= asm.num_streams or exc.seq >= len(asm.streams[exc.stream].expected):
             return
         if asm.streams[exc.stream].received[exc.seq]:
             return
         # ask for the chunk again (the sender takes its bytes off its in-flight count)
-        self._send(sock, self.peers[exc.request_id],
-                   P.nack_message(exc.request_id, [(exc.stream, exc.seq)]))
+        if self.metrics is not None:
+            self.metrics.nack("sent")
+        self._send(sock, peer.routing_id, P.nack_message(exc.request_id, [(exc.stream,
+                                                                           exc.seq)]))
 
-    def _hello(self, sock: zmq.Socket, peer: bytes, rid: int, hello: dict) -> None:
+    def _refuse(self, sock: zmq.Socket, peer: Peer, rid: int, code: str, detail: str) -> None:
+        self._count(code, detail)
+        self._send(sock, peer.routing_id, P.json_message(P.MsgType.REFUSE, rid, {
+            "code": code, "reason": P.reason(code, detail)}))
+
+    def _hello(self, sock: zmq.Socket, peer: Peer, rid: int, hello: dict) -> None:
         if rid in self.finished_ids:
-            self._send(sock, peer, P.json_message(P.MsgType.REFUSE, rid, {
-                "reason": f"request {rid} already completed here"}))
+            self._refuse(sock, peer, rid, "finished", "the request already ended here")
             return
         existing = self.requests.get(rid)
-        if existing is not None:  # a sender reconnecting: tell it what is held
+        if existing is not None:  # its sender reconnecting: tell it what is held
+            if not self.owners[rid].owns(peer):
+                self._refuse(sock, peer, rid, "not owner",
+                             "the request is in progress here for another peer")
+                return
             if wire.canonical_json(hello.get("preamble") or {}) != \
                     wire.canonical_json(existing.hello.get("preamble") or {}):
-                self._send(sock, peer, P.json_message(P.MsgType.REFUSE, rid, {
-                    "reason": f"request {rid} is in progress here with a different preamble"}))
+                self._refuse(sock, peer, rid, "incompatible",
+                             "the request is in progress here with a different preamble")
                 return
-            self.peers[rid] = peer
             existing.last_rx_t = time.monotonic()
-            self._send(sock, peer, P.json_message(P.MsgType.ACCEPT, rid, {
+            self.owners[rid] = peer  # the same peer, maybe over a new connection
+            self._send(sock, peer.routing_id, P.json_message(P.MsgType.ACCEPT, rid, {
                 "window_bytes": self.s.window_bytes, "held": existing.held_ranges()}))
-            self.log(f"request {rid}: sender reconnected; {sum(existing.contiguous())} "
-                     "chunk(s) held")
+            self.log(f"request {P.id_hex(rid)}: sender reconnected; "
+                     f"{sum(s.count for s in existing.streams)} chunk(s) held")
             return
         if len(self.requests) >= self.s.max_active_requests:
-            self.refused["HELLO refused: busy"] += 1
-            self._send(sock, peer, P.json_message(P.MsgType.REFUSE, rid, {
-                "reason": f"busy: {len(self.requests)} requests in progress (max_active_requests "
-                          f"{self.s.max_active_requests})"}))
+            self._refuse(sock, peer, rid, "busy: requests", f"{len(self.requests)} in progress "
+                         f"(max_active_requests {self.s.max_active_requests})")
+            return
+        mine = sum(1 for r in self.requests if self.owners[r].principal == peer.principal)
+        if mine >= self.s.max_requests_per_peer:
+            self._refuse(sock, peer, rid, "busy: peer", f"{mine} of this peer's in progress "
+                         f"(max_requests_per_peer {self.s.max_requests_per_peer})")
             return
         try:
-            asm = self._admit(rid, hello)
-        except (P.ProtocolError, CodecError, ValueError, TypeError, KeyError) as exc:
-            self.refused["HELLO refused"] += 1
-            self._send(sock, peer, P.json_message(P.MsgType.REFUSE, rid, {"reason": str(exc)}))
-            self.log(f"refused request {rid}: {exc}")
+            asm, need = self._admit(rid, hello)
+        except Refused as exc:
+            self._refuse(sock, peer, rid, exc.code, str(exc))
+            return
+        except Exception as exc:  # admission never ends the server: the request is refused
+            self._refuse(sock, peer, rid, "admission error", f"{type(exc).__name__}: {exc}")
+            self.log(traceback.format_exc(limit=4)[-2000:])
             return
         self.requests[rid] = asm
-        self.peers[rid] = peer
+        self.owners[rid] = peer
+        self.reserved[rid] = need
         try:  # the decode loop first: its cache builder receives layers as they arrive
             made: tuple[Any, dict] | Exception = self.make_decoder(hello, asm)
         except Exception as exc:  # reported in the request's row, as a decode failure
             made = exc
         asm.start(getattr(made[0], "cache_builder", None) if isinstance(made, tuple) else None)
-        self._send(sock, peer, P.json_message(P.MsgType.ACCEPT, rid, {
+        self._send(sock, peer.routing_id, P.json_message(P.MsgType.ACCEPT, rid, {
             "window_bytes": self.s.window_bytes, "held": {}}))
         threading.Thread(target=self._decode, args=(asm, made), daemon=True,
-                         name=f"kvsim-decode-{rid}").start()
+                         name=f"kvsim-decode-{P.id_hex(rid)[:8]}").start()
 
-    def _admit(self, rid: int, hello: dict) -> Assembly:
-        """Validate a HELLO (untrusted) and build its assembler; raise naming what differs."""
+    def _admit(self, rid: int, hello: dict) -> tuple[Assembly, int]:
+        """Validate a HELLO (untrusted: every field bounded before anything is built) and
+        build its assembler; returns it and the bytes it reserves. Raises Refused naming what
+        differs."""
         version = hello.get("wire_version")
         if version != wire.WIRE_VERSION:
-            raise P.ProtocolError(f"wire version {version!r} differs: this receiver speaks "
-                                  f"{wire.WIRE_VERSION}")
+            raise Refused("incompatible", f"wire version {str(version)[:20]} differs: this "
+                          f"receiver speaks {wire.WIRE_VERSION}")
         pre = hello.get("preamble")
         if not isinstance(pre, dict):
-            raise P.ProtocolError("HELLO has no preamble object")
+            raise Refused("incompatible", "HELLO has no preamble object")
         shape_doc = pre.get("shape")
-        if not isinstance(shape_doc, dict):
-            raise P.ProtocolError("preamble has no shape object")
-        layers = P.field_int(shape_doc, "layers", 1, MAX_LAYERS)
-        tokens = P.field_int(shape_doc, "tokens", 1, MAX_TOKENS)
-        heads = P.field_int(shape_doc, "kv_heads", 1, 1024)
-        dim = P.field_int(shape_doc, "head_dim", 1, 1024)
-        if 2 * layers * 2 * heads * tokens * dim > self.s.max_request_bytes:
-            raise P.ProtocolError(f"a {layers}x2x{heads}x{tokens}x{dim} cache exceeds this "
-                                  f"receiver's max_request_bytes {self.s.max_request_bytes}")
-        shape = KVShape(**shape_doc)
-        codec = make_codec(P.field_str(pre, "codec", 64), pre.get("params"))
-        if codec.params_dict() != pre.get("params"):
-            raise P.ProtocolError(f"codec parameters differ: sender {pre.get('params')}, "
-                                  f"this kvsim {codec.params_dict()}")
+        if not isinstance(shape_doc, dict) or not set(shape_doc) <= {
+                "layers", "tokens", "kv_heads", "head_dim", "dtype"}:
+            raise Refused("incompatible", "preamble shape must be an object of layers, "
+                          "tokens, kv_heads, head_dim, dtype")
+        try:
+            layers = P.field_int(shape_doc, "layers", 1, MAX_LAYERS)
+            tokens = P.field_int(shape_doc, "tokens", 1, MAX_TOKENS)
+            heads = P.field_int(shape_doc, "kv_heads", 1, 1024)
+            dim = P.field_int(shape_doc, "head_dim", 1, 1024)
+            codec_name = P.field_str(pre, "codec", 64)
+        except P.ProtocolError as exc:
+            raise Refused("incompatible", str(exc)) from None
+        bf16_bytes = 2 * layers * 2 * heads * tokens * dim
+        if bf16_bytes > self.s.max_request_bytes:
+            raise Refused("incompatible", f"a {layers}x2x{heads}x{tokens}x{dim} cache exceeds "
+                          f"this receiver's max_request_bytes {self.s.max_request_bytes}")
+        try:
+            shape = KVShape(layers=layers, tokens=tokens, kv_heads=heads, head_dim=dim,
+                            dtype=P.field_str(shape_doc, "dtype", 16))
+        except (P.ProtocolError, ValueError) as exc:
+            raise Refused("incompatible", str(exc)) from None
+        try:  # the same bounds as a preamble read from a file (kvsim.kernels.codec)
+            codec = checked_codec(codec_name, pre.get("params"))
+            page_tokens = codec.page_tokens(shape)
+        except (wire.WireError, ValueError, TypeError, OverflowError) as exc:
+            raise Refused("incompatible", str(exc)) from None
         if pre.get("streams") != codec.stream_names():
-            raise P.ProtocolError(f"streams differ: sender {pre.get('streams')}, codec "
-                                  f"{codec.stream_names()}")
-        if pre.get("page_tokens") != codec.page_tokens(shape):
-            raise P.ProtocolError(f"page_tokens differ: sender {pre.get('page_tokens')}, codec "
-                                  f"{codec.page_tokens(shape)}")
-        codec.check_shape(shape)
+            raise Refused("incompatible", f"streams differ: codec {codec.stream_names()}")
+        if pre.get("page_tokens") != page_tokens:
+            raise Refused("incompatible", f"page_tokens differ: codec {page_tokens}")
+        chunks = codec.num_streams * layers * -(-tokens // max(1, page_tokens))
+        if not 1 <= page_tokens or chunks > MAX_CHUNKS:
+            raise Refused("incompatible", f"{chunks} chunks exceed this receiver's "
+                          f"{MAX_CHUNKS}")
+        try:
+            codec.check_shape(shape)
+        except (wire.WireError, ValueError) as exc:
+            raise Refused("incompatible", str(exc)) from None
         model = hello.get("model")
         if self.s.model and model != self.s.model:
-            raise P.ProtocolError(f"model differs: sender {model!r}, this decode node "
-                                  f"{self.s.model!r}")
+            raise Refused("incompatible", f"model differs: sender {str(model)[:64]!r}, this "
+                          f"decode node {self.s.model!r}")
         policy = hello.get("policy")
         if policy not in POLICIES:
-            raise P.ProtocolError(f"unknown transfer policy {policy!r}")
+            raise Refused("incompatible", f"unknown transfer policy {str(policy)[:32]!r}")
         if self.check_hello is not None:
             problem = self.check_hello(hello, shape)
             if problem:
-                raise P.ProtocolError(problem)
+                raise Refused("incompatible", problem)
+        table = codec.size_table(shape)
+        if int(table.chunk_bytes.max(initial=0)) > self.s.window_bytes:
+            raise Refused("incompatible", f"a chunk of {int(table.chunk_bytes.max())} bytes "
+                          f"exceeds the credit window {self.s.window_bytes}")
         anchor = str(policy).startswith("split_stream") and int(hello.get("cap_tokens") or 0) > 0
-        return Assembly(rid, codec, shape, codec.size_table(shape), hello,
-                        dequantize=self.s.dequantize, anchor_needed=anchor)
+        fp32_bytes = 2 * bf16_bytes
+        need = int(table.total_bytes) + fp32_bytes * self.s.cache_copies * (2 if anchor else 1)
+        limit = self.s.memory_limit_bytes()
+        if self.reserved_bytes + need > limit:
+            raise Refused("busy: memory", f"the request needs {need / 2**20:.0f} MiB, "
+                          f"{(limit - self.reserved_bytes) / 2**20:.0f} MiB of "
+                          f"max_memory_bytes {limit / 2**20:.0f} MiB are free")
+        return Assembly(rid, codec, shape, table, hello, dequantize=self.s.dequantize,
+                        anchor_needed=anchor), need
 
     def _send_acks(self, sock: zmq.Socket) -> None:
         for rid in self._touched:
             asm = self.requests.get(rid)
             if asm is not None:
-                self._send(sock, self.peers[rid],
+                asm.acked_bytes = asm.processed_bytes  # credit granted from here
+                self._send(sock, self.owners[rid].routing_id,
                            P.ack_message(rid, asm.processed_bytes, asm.contiguous()))
         self._touched.clear()
 
@@ -312,7 +492,7 @@ class Receiver:
         except Exception as exc:  # a request's failure never takes the receiver down
             error = asm.failed or f"{type(exc).__name__}: {exc}"
             if not asm.failed:
-                self.log(f"request {asm.request_id}: decode failed: {error}\n"
+                self.log(f"request {asm.request_id:032x}: decode failed: {error}\n"
                          f"{traceback.format_exc(limit=3)}")
         try:
             row = self.build_row(asm, hello, result, error)
@@ -322,21 +502,35 @@ class Receiver:
         self._done.put((asm.request_id, row))
 
     def _finish(self, sock: zmq.Socket, rid: int, row: dict) -> None:
-        peer = self.peers.pop(rid, None)
-        if peer is not None:  # answer first, then free the request's buffers
-            self._send(sock, peer, P.json_message(P.MsgType.DONE, rid, row))
+        owner = self.owners.pop(rid, None)
+        if owner is not None:  # answer first, then free the request's buffers
+            self._send(sock, owner.routing_id, P.json_message(P.MsgType.DONE, rid, row))
         self.rows.append(row)
-        self.finished_ids.add(rid)
+        self.finished_ids[rid] = None
+        while len(self.finished_ids) > MAX_FINISHED_IDS:
+            self.finished_ids.popitem(last=False)
+        self.reserved.pop(rid, None)
         asm = self.requests.pop(rid, None)
         if asm is not None:
             asm.close()
+        if self.metrics is not None:
+            self.metrics.request_ended(outcome_of(row))
+            self.metrics.observe_row(row)
 
-    def _drop_silent(self, sock: zmq.Socket, now: float) -> None:
+    def _drop_silent(self, now: float) -> None:
+        """End requests whose sender fell silent, and those past their deadline."""
         for rid, asm in list(self.requests.items()):
-            if now - asm.last_rx_t > self.s.timeout_s and not asm.failed:
+            if asm.failed:
+                continue
+            if now - asm.last_rx_t > self.s.timeout_s:
                 summary = asm.received_summary()
-                self.log(f"request {rid}: sender silent for {self.s.timeout_s} s; partial: "
-                         f"{summary}")
+                self.log(f"request {P.id_hex(rid)}: sender silent for {self.s.timeout_s} s; "
+                         f"partial: {summary}")
                 asm.fail(f"sender silent for {self.s.timeout_s} s (partial request: "
                          f"{summary['chunks_received']} of {summary['chunks_expected']} "
                          "chunks per stream)")
+            elif now - asm.admitted_mono > self.s.request_deadline_s:
+                self._count("deadline", f"request {P.id_hex(rid)} ran "
+                            f"{now - asm.admitted_mono:.0f} s")
+                asm.fail(P.reason("deadline", f"ended after request_deadline_s "
+                                  f"{self.s.request_deadline_s:g} s"))

@@ -16,6 +16,7 @@ import numpy as np
 
 from kvsim.scenario.metrics import RequestRecord, aggregate_request_rows, request_row
 from kvsim.scenario.speculative import DecodeTimeline, commit_head
+from kvsim.transport import protocol as P
 from kvsim.transport.assembly import Assembly
 
 _BREAKDOWN_KINDS = ("draft_accepted", "draft_rejected", "wait", "verify", "decode")
@@ -35,7 +36,8 @@ def emulated_row(asm: Assembly, hello: dict, result: Any, error: str,
     stream_bytes = list(asm.table.stream_bytes)
     stream_bytes[0] += asm.table.header_bytes  # the preamble travels with stream 0 (as in sim)
     base: dict[str, Any] = {
-        "mode": "emulated", "request_id": asm.request_id, "model": hello.get("model"),
+        "mode": "emulated", "request_id": P.id_hex(asm.request_id),
+        "variant": hello.get("variant"), "seq": hello.get("seq"), "model": hello.get("model"),
         "codec": hello.get("codec_label", asm.codec.name), "codec_name": asm.codec.name,
         "transfer": hello.get("policy"), "streams": asm.num_streams,
         "context_tokens": asm.shape.tokens,
@@ -77,7 +79,7 @@ def emulated_row(asm: Assembly, hello: dict, result: Any, error: str,
         (result.verify_end_t - result.verify_start_t) if result.proposed else 0.0,
         getattr(result, "draft_tpot_s", 0.0), result.tpot_s, segments, commit_count, commit_t)
     rec = RequestRecord(
-        int(hello.get("seq", asm.request_id)), asm.shape.tokens, arrival,
+        int(hello.get("seq") or 0), asm.shape.tokens, arrival,
         _num(hello, "prefill_start_t"), prefill_end, _num(fin, "encode_end_t", prefill_end),
         needed_arrival, float(backlog) if isinstance(backlog, (int, float)) else prefill_end,
         result.start_t, all_arrival, result.full_t, result.start_t, timeline, stream_bytes,

@@ -132,6 +132,10 @@ class ChunkScheduler:
                 self._cv.notify_all()
             return item
 
+    def __len__(self) -> int:
+        """Chunks queued (a gauge's reading: no lock, a list's length is atomic)."""
+        return len(self._heap)
+
     def drop_request(self, request_id: int) -> int:
         """Remove every queued chunk of a request (aborted); returns how many."""
         with self._cv:

@@ -32,6 +32,7 @@ from kvsim.kernels import wire
 from kvsim.kernels.codec import Codec
 from kvsim.kernels.encoded import preamble_meta
 from kvsim.scenario.policy import PIPELINED, WITH_PREFILL
+from kvsim.transport import auth
 from kvsim.transport import protocol as P
 from kvsim.transport.scheduler import ChunkScheduler, QueuedChunk
 from kvsim.transport.source import KVSource
@@ -102,7 +103,8 @@ class Sender:
                  max_queued_bytes: int = 256 << 20, identity: bytes | None = None,
                  log: Callable[[str], None] | None = None,
                  max_in_flight_bytes: int = 64 << 20, residual_weight: float = 0.25,
-                 residual_age_s: float = 1.0) -> None:
+                 residual_age_s: float = 1.0, keys: str = "", insecure: bool = False,
+                 metrics: Any = None) -> None:
         """max_in_flight_bytes caps the receiver's credit window: bytes in socket buffers
         and a shaper's queue are beyond the scheduler's reach, so on a shaped link keep it
         near the link's rate x a few ms or the priority order is lost on the wire."""
@@ -113,7 +115,11 @@ class Sender:
         self.heartbeat_s = float(heartbeat_s)
         self.scheduler = ChunkScheduler(scheduling, max_queued_bytes, residual_weight,
                                         residual_age_s)
+        # the routing id requests belong to on the receiver (with the CURVE key, if any):
+        # 128 random bits; a resumed run passes its earlier run's
         self.identity = identity or uuid.uuid4().bytes
+        self.keys, self.insecure = keys, insecure
+        self.metrics = metrics  # a TransportMetrics (kvsim.transport.metrics) or None
         self.log = log or (lambda msg: print(f"kvsim send: {msg}", file=sys.stderr))
         self._outbox: queue.SimpleQueue[list[Any]] = queue.SimpleQueue()
         # producers wake the link loop's poll when they queue a message or release a chunk
@@ -135,6 +141,12 @@ class Sender:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)  # the credit window bounds what is queued, not the HWM
         sock.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1000))
+        try:
+            auth.secure_client(sock, self.keys, self.insecure, self.address, self.log)
+        except BaseException:
+            sock.close(0)
+            ctx.term()
+            raise
         sock.connect(self.address)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -148,6 +160,10 @@ class Sender:
             t.start()
         try:
             self._link_loop(sock)
+        except zmq.Again:  # a send blocked timeout_s: no connection takes our messages
+            self._lose_peer(f"could not send to {self.address} for {self.timeout_s} s (nothing "
+                            "accepts the connection: the address, or a CURVE key the "
+                            "receiver does not allow)")
         finally:
             self.scheduler.close()
             for req in self._reqs.values():
@@ -292,7 +308,7 @@ class Sender:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        last_rx = last_tx = time.monotonic()
+        last_rx = last_tx = last_gauges = time.monotonic()
         while not all(r.finished.is_set() for r in self._reqs.values()):
             now = time.monotonic()
             while not self._outbox.empty():
@@ -320,6 +336,10 @@ class Sender:
                     wait_s = min(wait_s, 0.005)  # waiting for credit: ACKs wake the poll
             self._send_fins(sock)
             now = time.monotonic()
+            if self.metrics is not None and now - last_gauges > 0.05:  # gauges at <= 20 Hz
+                self.metrics.set_queue(len(self.scheduler), self.scheduler.queued_bytes)
+                self.metrics.set_credit(self._in_flight(), self._window())
+                last_gauges = now
             if now - last_tx > self.heartbeat_s:
                 sock.send_multipart(P.heartbeat())
                 last_tx = now
@@ -380,6 +400,8 @@ class Sender:
             req.queued_chunks -= 1
         req.result.sent_bytes += item.size_bytes
         req.result.sends.append((item.stream, item.layer, item.page, t))
+        if self.metrics is not None:
+            self.metrics.chunk("sent", item.stream, item.size_bytes)
 
     def _send_fins(self, sock: zmq.Socket) -> None:
         for req in self._reqs.values():
@@ -404,9 +426,11 @@ class Sender:
         if msg.type == P.MsgType.ACCEPT:
             self._accepted(req, msg.body)
         elif msg.type == P.MsgType.REFUSE:
-            self._fail(req, "refused", str(msg.body.get("reason", "no reason given")))
+            self._fail(req, "refused", str(msg.body.get("reason", "no reason given"))[
+                :P.MAX_REASON_CHARS])
         elif msg.type == P.MsgType.ABORT:
-            self._fail(req, "aborted", str(msg.body.get("reason", "no reason given")))
+            self._fail(req, "aborted", str(msg.body.get("reason", "no reason given"))[
+                :P.MAX_REASON_CHARS])
         elif msg.type == P.MsgType.ACK:
             processed, contiguous = msg.body
             with self._lock:
@@ -416,6 +440,8 @@ class Sender:
                     for key in [k for k in req.unacked if k[1] < contiguous[k[0]]]:
                         del req.unacked[key]
         elif msg.type == P.MsgType.NACK:
+            if self.metrics is not None:
+                self.metrics.nack("received")
             for stream, seq in msg.body:
                 with self._lock:
                     item = req.unacked.pop((stream, seq), None)
@@ -426,6 +452,8 @@ class Sender:
                     self.protocol_errors += 1
                     continue
                 req.result.resent_chunks += 1
+                if self.metrics is not None:
+                    self.metrics.resend()
                 item.priority = (-1, *item.priority)  # a resend jumps the queue
                 self.scheduler.put(item, self.timeout_s)
         elif msg.type == P.MsgType.DONE:
@@ -434,25 +462,38 @@ class Sender:
             self._finish(req, "done")
 
     def _accepted(self, req: _Req, body: dict) -> None:
+        """An ACCEPT: the credit window and, for a resumed request, the chunks the receiver
+        holds. Believed only within this request's own size table: a stream it has, seq
+        ranges inside that stream, at most one range per chunk."""
         try:
             window = P.field_int(body, "window_bytes", 1, 1 << 40)
             held = body.get("held") or {}
-            if not isinstance(held, dict):
-                raise P.ProtocolError("ACCEPT held must be an object")
-            parsed = {}
+            if not isinstance(held, dict) or len(held) > len(req.plan):
+                raise P.ProtocolError("held must be an object with one entry per stream")
+            parsed: dict[int, set[int]] = {}
             for key, ranges in held.items():
                 stream = int(key)
+                if not 0 <= stream < len(req.plan):
+                    raise P.ProtocolError(f"held names stream {stream:.20}, the codec has "
+                                          f"{len(req.plan)}")
+                n = len(req.plan[stream])
+                if not isinstance(ranges, list) or len(ranges) > n:
+                    raise P.ProtocolError(f"held stream {stream}: more ranges than its {n} "
+                                          "chunks")
                 seqs: set[int] = set()
                 for a, b in ranges:
-                    seqs.update(range(int(a), int(b)))
+                    if not (isinstance(a, int) and isinstance(b, int) and 0 <= a < b <= n):
+                        raise P.ProtocolError(f"held stream {stream}: a range outside its "
+                                              f"{n} chunks")
+                    seqs.update(range(a, b))
                 parsed[stream] = seqs
         except (P.ProtocolError, TypeError, ValueError) as exc:
-            self._fail(req, "error", f"malformed ACCEPT: {exc}")
+            self._fail(req, "error", f"malformed ACCEPT: {str(exc)[:P.MAX_REASON_CHARS]}")
             return
         with self._lock:
             req.window_bytes, req.held = window, parsed
         if parsed:
-            self.log(f"request {req.out.request_id}: the receiver holds "
+            self.log(f"request {P.id_hex(req.out.request_id)}: the receiver holds "
                      f"{sum(map(len, parsed.values()))} chunk(s); sending the rest")
         req.accepted.set()
 
@@ -462,13 +503,18 @@ class Sender:
         req.result.error = error
         self.scheduler.drop_request(req.out.request_id)
         self._finish(req, status)
-        self.log(f"request {req.out.request_id} ({req.out.codec_label}): {status}: {error}")
+        self.log(f"request {P.id_hex(req.out.request_id)} ({req.out.codec_label}): {status}: "
+                 f"{error}")
 
     def _finish(self, req: _Req, status: str) -> None:
         req.result.status = status
         req.result.times["finished_t"] = time.time()
         req.finished.set()
         req.accepted.set()
+        if self.metrics is not None:
+            self.metrics.request_ended(status)
+            if req.result.row is not None:
+                self.metrics.observe_row(req.result.row)
 
     def _lose_peer(self, why: str) -> None:
         for req in self._reqs.values():

@@ -5,7 +5,6 @@ printed table. Shared by `kvsim serve`, `kvsim send` and `kvsim emulate`."""
 from __future__ import annotations
 
 import os
-import secrets
 import sys
 import time
 from dataclasses import replace
@@ -15,6 +14,7 @@ import numpy as np
 
 from kvsim.core.layout import KVShape
 from kvsim.core.report import format_table
+from kvsim.kernels import wire
 from kvsim.model.hardware_profile import INGEST_S_PER_BYTE_MAX
 from kvsim.model.spec import ModelSpec
 from kvsim.scenario.codec_timing import load_codec_timing
@@ -23,6 +23,7 @@ from kvsim.scenario.speculative import draft_overhead_s, receiver_busy_draft_s, 
 from kvsim.scenario.timing_model import TimingModel
 from kvsim.scenario.variants import variants
 from kvsim.scenario.workload import requests as workload_requests
+from kvsim.transport import protocol as P
 from kvsim.transport.assembly import Assembly
 from kvsim.transport.config import EmulateConfig
 from kvsim.transport.rate_limiter import TokenBucket, Unlimited
@@ -178,7 +179,7 @@ def outgoing_requests(cfg: EmulateConfig, lm: Any | None) -> list[list[OutgoingR
         raise ValueError("the transport decodes workload.output_tokens tokens for every "
                          "request; a trace file's own GeneratedTokens per request are "
                          "simulated only (kvsim sim), not emulated")
-    nonce = secrets.randbits(20)  # request ids never repeat across runs against one server
+    resumed = resume_ids(cfg.resume) if cfg.resume else {}
     out = []
     timing_table = load_codec_timing(cfg.hardware.name, cfg.codec_timing or None)
     for vi, v in enumerate(variants(cfg)):
@@ -186,13 +187,17 @@ def outgoing_requests(cfg: EmulateConfig, lm: Any | None) -> list[list[OutgoingR
         codec_timing = timing_table.lookup(v.spec.label, v.spec.name)
         batch = []
         for r in reqs:
-            rid = (nonce << 40) | (vi << 24) | r.seq
+            # 128 random bits; a resumed run takes the id its earlier run drew
+            rid = resumed.pop((vi, r.seq), None) or P.new_request_id()
             sizes = codec.size_table(cfg.model.kv_shape(r.context_tokens))
             hello = {"model": cfg.model.name, "seq": r.seq,
                      "output_tokens": cfg.workload.output_tokens,
                      "cap_tokens": cfg.speculative.cap_tokens, "ks": list(cfg.metrics.ks),
                      "breakdown_k": cfg.metrics.breakdown_k,
-                     "acceptance": v.acceptance or cfg.speculative.acceptance,
+                     # the curve itself: the decode host opens no file a peer names
+                     "acceptance": inline_acceptance(v.acceptance or
+                                                     cfg.speculative.acceptance),
+                     "variant": vi,
                      # the simulator's per-drafted-token overhead for this request
                      "draft_overhead_s": draft_overhead_s(
                          cfg.speculative.draft_overhead_s, codec_timing,
@@ -243,8 +248,82 @@ def receiver_settings(cfg: EmulateConfig, bind: str) -> ReceiverSettings:
                             heartbeat_s=t.heartbeat_s, window_bytes=t.window_bytes,
                             max_request_bytes=t.max_request_bytes,
                             max_active_requests=t.max_active_requests,
+                            max_requests_per_peer=t.max_requests_per_peer,
+                            max_memory_bytes=t.max_memory_bytes,
+                            cache_copies=2 if decode_mode(cfg) == "real" else 1,
+                            request_deadline_s=t.request_deadline_s,
                             max_requests=t.max_requests, idle_exit_s=t.idle_exit_s,
-                            dequantize=t.dequantize)
+                            dequantize=t.dequantize, keys=t.keys, insecure=t.insecure)
+
+
+def inline_acceptance(name_or_path: str) -> dict:
+    """An acceptance model as a HELLO carries it: its name and survival curve (loaded here,
+    on the sender, from its own configuration)."""
+    from kvsim.scenario.acceptance import load_acceptance
+
+    model = load_acceptance(name_or_path)
+    return {"name": model.name, "survival": [float(x) for x in model.survival]}
+
+
+MAX_SURVIVAL_POINTS = 4096
+
+
+def acceptance_from_hello(doc: Any) -> Any:
+    """The AcceptanceModel a HELLO carries inline ({"name", "survival"}), checked; never a
+    name or a path (ValueError: the decode host opens no file a peer names)."""
+    from kvsim.scenario.acceptance import AcceptanceModel
+
+    if not isinstance(doc, dict) or set(doc) != {"name", "survival"}:
+        raise ValueError("acceptance must be an inline curve {name, survival}, not a name "
+                         "or a path")
+    name, survival = doc["name"], doc["survival"]
+    if not isinstance(name, str) or len(name) > 64:
+        raise ValueError("acceptance name must be a string of at most 64 characters")
+    if not isinstance(survival, list) or not 1 <= len(survival) <= MAX_SURVIVAL_POINTS or \
+            not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in survival):
+        raise ValueError(f"acceptance survival must be 1..{MAX_SURVIVAL_POINTS} numbers")
+    return AcceptanceModel(name, [float(x) for x in survival], "inline")
+
+
+def resume_ids(resume: str) -> dict[tuple[int, int], int]:
+    """(variant, arrival seq) -> request id of an earlier `kvsim send` run to resume: from its
+    report (report=PATH; every request it did not complete) or one id (32 hex digits: the
+    first request)."""
+    import json
+    from pathlib import Path
+
+    path = Path(resume)
+    if not path.is_file():
+        try:
+            return {(0, 0): P.parse_id(resume)}
+        except ValueError:
+            raise ValueError(f"resume={resume!r} is neither a report file nor a request id "
+                             "(32 hex digits)") from None
+    try:
+        rows = json.loads(path.read_text())["rows"]
+        out = {(int(r["variant"]), int(r["seq"])): P.parse_id(str(r["request_id"]))
+               for r in rows if r.get("status") != "done" and "variant" in r}
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"resume={resume}: not a kvsim send report ({exc})") from None
+    if not out:
+        raise ValueError(f"resume={resume}: the report has no unfinished request to resume")
+    return out
+
+
+def resume_identities(resume: str) -> dict[int, bytes]:
+    """variant -> the sender routing id an earlier `kvsim send` run's report names (a
+    request belongs to the peer that opened it: the resumed run presents the same one)."""
+    import json
+    from pathlib import Path
+
+    path = Path(resume)
+    if not path.is_file():
+        return {}  # an id alone: the same peer only where it keeps its routing id (CURVE key)
+    out = {}
+    for r in json.loads(path.read_text()).get("rows", []):
+        if r.get("sender_id") and "variant" in r:
+            out[int(r["variant"])] = bytes.fromhex(str(r["sender_id"]))
+    return out
 
 
 def decoder_factory(cfg: EmulateConfig, mode: str, lm: Any | None):
@@ -254,17 +333,19 @@ def decoder_factory(cfg: EmulateConfig, mode: str, lm: Any | None):
     # the decode loops' step times (draft costs come with each request's HELLO, from
     # outgoing_requests' timing model with the link profile's draft step)
     timing = TimingModel(cfg.model, cfg.hardware)
+    # a HELLO without a curve: this decode host's own configuration's
+    own_acceptance = load_acceptance(cfg.speculative.acceptance)
 
     def make(hello: dict, asm: Assembly):
         if mode == "real":
             return RealDecodeLoop(lm.model, int(hello["first_token"]), clock=time.time), {}
-        acceptance = load_acceptance(str(hello.get("acceptance") or
-                                         cfg.speculative.acceptance))
+        acceptance = acceptance_from_hello(hello.get("acceptance")) \
+            if hello.get("acceptance") is not None else own_acceptance
         rng = np.random.default_rng([cfg.seed, int(hello.get("seq", 0))])
         overhead = float(hello.get("draft_overhead_s") or 0.0)
         return TimingDecodeLoop(timing, asm.shape.tokens, acceptance, rng,
                                 time_scale=float(hello.get("time_scale") or 1.0),
-                                draft_overhead_s=overhead, clock=time.time,
+                                draft_overhead_s=overhead, clock=time.time, sleep=asm.sleep,
                                 busy_draft_overhead_s=hello.get("busy_draft_overhead_s"),
                                 ingest_s_per_byte=float(hello.get("ingest_s_per_byte") or 0.0)
                                 ), {}
@@ -309,6 +390,36 @@ def hello_checker(cfg: EmulateConfig, mode: str):
                 not 0 <= ingest <= INGEST_S_PER_BYTE_MAX:  # as a profile's (kvsim.model.hardware)
             return f"ingest_s_per_byte must be a number of s in [0, " \
                 f"{INGEST_S_PER_BYTE_MAX:g}], got {ingest!r}"
+        overhead = hello.get("draft_overhead_s", 0.0)
+        if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or \
+                not 0 <= overhead <= 3600:
+            return f"draft_overhead_s must be a number of s in [0, 3600], got " \
+                f"{str(overhead)[:20]}"
+        for key in ("codec_label", "model", "link_emulation", "policy"):
+            text = hello.get(key, "")
+            if not isinstance(text, str) or len(text) > 128:
+                return f"{key} must be a string of at most 128 characters"
+        bandwidth = hello.get("bandwidth_gbps", 0.0)
+        if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) or \
+                not 0 <= bandwidth <= 1e6:
+            return "bandwidth_gbps must be a number in [0, 1e6]"
+        breakdown = hello.get("breakdown_k")
+        if breakdown is not None and (isinstance(breakdown, bool) or
+                                      not isinstance(breakdown, int) or
+                                      not 1 <= breakdown <= 65536):
+            return "breakdown_k must be null or an integer in 1..65536"
+        if len(wire.canonical_json(hello.get("kv_source") or {})) > 4096:
+            return "kv_source must describe the KV in at most 4096 bytes"
+        for key in ("seq", "variant"):
+            value = hello.get(key, 0)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value < 1 << 31):
+                return f"{key} must be an integer in [0, 2**31), got {str(value)[:20]}"
+        if hello.get("acceptance") is not None:
+            try:
+                acceptance_from_hello(hello["acceptance"])
+            except ValueError as exc:
+                return str(exc)[:200]
         ks = hello.get("ks") or []
         if not isinstance(ks, list) or not all(isinstance(k, int) and 1 <= k <= out_tokens
                                                for k in ks):
