@@ -48,6 +48,26 @@ def test_bench_runs_on_tiny_sizes(tmp_path):
     assert math.isclose(tb["ratio"], tb["goodput_gbps"] / 0.2)
 
 
+def test_bench_curve_part_compares_like_with_like(tmp_path):
+    """The CURVE part: raw ZeroMQ and the transport, both with CURVE (keys made for the run),
+    the transport as a ratio of raw with CURVE, raw's cost against this run's plain raw."""
+    report = tmp_path / "report.json"
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "kvsim", "bench", "transport",
+                           "parts=[loopback,curve]", "loopback.mb=8", "loopback.repeats=1",
+                           "curve.mb=8", "curve.repeats=1", "shape.tokens=1024",
+                           "distinct_layers=1", f"report={report}"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {(r["part"], r["case"]): r for r in json.loads(report.read_text())["rows"]}
+    raw, tr = rows["curve", "raw_zmq"], rows["curve", "transport"]
+    assert raw["status"] == tr["status"] == "done" and raw["curve"] and tr["curve"]
+    assert tr["link_bytes"] == raw["link_bytes"] == rows["loopback", "raw_zmq"]["link_bytes"]
+    assert math.isclose(tr["ratio"], tr["goodput_gb_per_s"] / raw["goodput_gb_per_s"])
+    assert math.isclose(raw["vs_plain_raw_zmq"], raw["goodput_gb_per_s"] /
+                        rows["loopback", "raw_zmq"]["goodput_gb_per_s"])
+
+
 def _transport_result(first_send: float, arrivals: list[tuple[float, float, float]],
                       sizes: list[tuple[int, int]], first_chunk: int,
                       first_chunk_wait_s: float = 0.0) -> dict:

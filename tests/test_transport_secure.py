@@ -204,3 +204,26 @@ def test_a_non_loopback_bind_without_keys_is_refused():
     with pytest.raises(ValueError, match="transport.insecure"):
         rx.serve()
     assert Path(".").exists()
+
+
+@pytest.mark.net
+def test_two_namespaces_with_curve_keys_and_a_stranger_refused(tmp_path):
+    """kvsim serve and kvsim send in two network namespaces (tc), CURVE on: the allowed key's
+    requests complete; with its key removed from allowed/ (another in its place) nothing gets
+    through and the sender reports the peer lost."""
+    from kvsim.transport.emulate import emulate
+    from kvsim.transport.netns import netns_available
+
+    ok, why = netns_available()
+    if not ok:
+        pytest.skip(why)
+    keys = tmp_path / "keys"
+    write_keys(keys)
+    cfg = config(f"transport.keys={keys}", "transport.emulation=tc", "link.bandwidth_gbps=0.5",
+                 "transport.timeout_s=5")
+    [row] = emulate(cfg)
+    assert row["status"] == "done" and row["link_emulation"] == "tc", row
+    write_keys(keys, client="someone-else")
+    (keys / "allowed" / "client.key").unlink()
+    [row] = emulate(cfg)
+    assert row["status"] == "peer_lost", row

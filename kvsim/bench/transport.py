@@ -85,7 +85,7 @@ class CaseSpec:
 
 # ---- sizes (from the codec's size table: nothing is encoded) -----------------------------
 def layer_wire_bytes(codec: str, kv_heads: int, head_dim: int, tokens: int) -> list[int]:
-    """Per stream, the wire bytes one layer puts on the link (payloads + 36-byte frames)."""
+    """Per stream, the wire bytes one layer puts on the link (payloads + 44-byte frames)."""
     from kvsim.core.layout import KVShape
     from kvsim.kernels import wire
     from kvsim.kernels.presets import resolve_codec
@@ -141,9 +141,11 @@ def _wait_endpoint(proc: subprocess.Popen, path: Path, log: Path) -> str:
 
 def run_session(cases: list[CaseSpec], *, bind_host: str = "127.0.0.1",
                 wrap: Wrap | None = None, window_bytes: int, max_queued_bytes: int,
-                timeout_s: float, session_timeout_s: float) -> dict[str, dict]:
+                timeout_s: float, session_timeout_s: float,
+                keys: str = "") -> dict[str, dict]:
     """Start the receivers and the sender (each through `wrap`), run `cases` in order and
-    return each case's result by name (a failed case: status != 'done' and an error)."""
+    return each case's result by name (a failed case: status != 'done' and an error).
+    keys: a `kvsim keys` directory: every socket, raw and transport, uses CURVE."""
     wrap = wrap or (lambda side, argv: argv)
     kinds = {c.kind for c in cases}
     procs: list[subprocess.Popen] = []
@@ -158,7 +160,7 @@ def run_session(cases: list[CaseSpec], *, bind_host: str = "127.0.0.1",
                 job = tmp / f"{role}.json"
                 job.write_text(json.dumps({
                     "bind": f"tcp://{bind_host}:*", "endpoint_file": str(tmp / f"{role}.ep"),
-                    "timeout_s": timeout_s, "window_bytes": window_bytes}))
+                    "timeout_s": timeout_s, "window_bytes": window_bytes, "keys": keys}))
                 log = tmp / f"{role}.log"
                 with open(log, "w") as err:
                     procs.append(popen(
@@ -168,7 +170,7 @@ def run_session(cases: list[CaseSpec], *, bind_host: str = "127.0.0.1",
             job = tmp / "tx.json"
             job.write_text(json.dumps({
                 "cases": [asdict(c) for c in cases], "endpoints": endpoints,
-                "timeout_s": timeout_s, "max_queued_bytes": max_queued_bytes}))
+                "timeout_s": timeout_s, "max_queued_bytes": max_queued_bytes, "keys": keys}))
             out, log = tmp / "tx.out", tmp / "tx.log"
             with open(log, "w") as err:
                 tx = popen(wrap("sender", _argv("tx", job, out)),
@@ -332,6 +334,8 @@ def run_bench(cfg: Any) -> list[dict]:
     rows: list[dict] = []
     if "loopback" in cfg.parts:
         rows += _loopback_rows(cfg, results)
+    if "curve" in cfg.parts:
+        rows += _curve_rows(cfg, base, per_layer, rows)
     if "token_bucket" in cfg.parts:
         for rate in cfg.token_bucket.rates_gbps:
             rows.append(_rate_row("token_bucket", "transport", rate,
@@ -344,29 +348,61 @@ def run_bench(cfg: Any) -> list[dict]:
     return rows
 
 
-def _loopback_rows(cfg: Any, results: dict) -> list[dict]:
+def _loopback_rows(cfg: Any, results: dict, part: str = "loopback",
+                   repeats: int | None = None, min_gb_per_s: float | None = None
+                   ) -> list[dict]:
+    """Raw ZeroMQ and the transport, best of `repeats` each, the transport as a ratio of raw
+    (target: loopback_vs_raw, and at least min_gb_per_s GB/s)."""
     t = cfg.targets
+    repeats = cfg.loopback.repeats if repeats is None else repeats
+    floor = t.loopback_gb_per_s if min_gb_per_s is None else min_gb_per_s
     got = {}
     for kind in ("raw", "transport"):
-        runs = [results[f"loopback/{kind}/{i}"] for i in range(cfg.loopback.repeats)]
+        runs = [results[f"{part}/{kind}/{i}"] for i in range(repeats)]
         bad = [r for r in runs if r.get("status") != "done"]
         got[kind] = (None, bad[0]) if bad else (best_of(runs), None)
     rows = []
     raw, raw_bad = got["raw"]
     if raw is None:
-        rows.append(_failed("loopback", "raw_zmq", raw_bad["status"], raw_bad.get("error", "")))
+        rows.append(_failed(part, "raw_zmq", raw_bad["status"], raw_bad.get("error", "")))
     else:
-        rows.append(_row("loopback", "raw_zmq", rate_gbps=None, **_common(raw)))
+        rows.append(_row(part, "raw_zmq", rate_gbps=None, **_common(raw)))
     tr, tr_bad = got["transport"]
-    target = f">={t.loopback_gb_per_s:g} GB/s & >={t.loopback_vs_raw:g}x"
+    target = f">={floor:g} GB/s & >={t.loopback_vs_raw:g}x" if floor else \
+        f">={t.loopback_vs_raw:g}x"
     if tr is None:
-        rows.append(_failed("loopback", "transport", tr_bad["status"], tr_bad.get("error", ""),
+        rows.append(_failed(part, "transport", tr_bad["status"], tr_bad.get("error", ""),
                             target=target, met=False))
         return rows
     ratio = tr["goodput_gb_per_s"] / raw["goodput_gb_per_s"] if raw else math.nan
-    met = tr["goodput_gb_per_s"] >= t.loopback_gb_per_s and ratio >= t.loopback_vs_raw
-    rows.append(_row("loopback", "transport", rate_gbps=None, **_common(tr),
+    met = tr["goodput_gb_per_s"] >= floor and ratio >= t.loopback_vs_raw
+    rows.append(_row(part, "transport", rate_gbps=None, **_common(tr),
                      baseline="raw_zmq", ratio=ratio, target=target, met=bool(met)))
+    return rows
+
+
+def _curve_rows(cfg: Any, base: dict, per_layer: int, rows_so_far: list[dict]) -> list[dict]:
+    """The loopback comparison with CURVE on every socket (keys made for the run), in its
+    own processes; the raw row also says CURVE's cost: its goodput / the plain raw one's
+    (this run's loopback part), and CPU s/GB beside it."""
+    from kvsim.transport.auth import write_keys
+
+    layers = layers_for(cfg.curve.mb * 1e6, per_layer)
+    cases = []
+    for i in range(cfg.curve.repeats):
+        cases += [CaseSpec(f"curve/raw/{i}", "raw", layers=layers, **base),
+                  CaseSpec(f"curve/transport/{i}", "transport", layers=layers, **base)]
+    with tempfile.TemporaryDirectory(prefix="kvsim-bench-keys-") as keys:
+        write_keys(Path(keys) / "keys")
+        results = run_session(_warmup(base, layers) + cases, keys=str(Path(keys) / "keys"),
+                              **_session_kw(cfg))
+    rows = _loopback_rows(cfg, results, "curve", cfg.curve.repeats, min_gb_per_s=0.0)
+    plain = next((r for r in rows_so_far if r["part"] == "loopback" and
+                  r["case"] == "raw_zmq" and r["status"] == "done"), None)
+    for r in rows:
+        r["curve"] = True
+        if r["case"] == "raw_zmq" and r["status"] == "done" and plain is not None:
+            r["vs_plain_raw_zmq"] = r["goodput_gb_per_s"] / plain["goodput_gb_per_s"]
     return rows
 
 
@@ -487,7 +523,7 @@ def _rx_transport(job: dict, out: str) -> None:
                                 dequantize="on_demand",  # the transport alone: nothing decoded
                                 # its own loopback or namespaces' veth pair: nothing else
                                 # reaches it
-                                insecure=True)
+                                insecure=True, keys=job.get("keys", ""))
     rx = Receiver(settings, make_decoder, build_row,
                   log=lambda msg: print(f"rx-transport: {msg}", file=sys.stderr))
     signal.signal(signal.SIGTERM, lambda *_: rx.stop.set())
@@ -512,7 +548,12 @@ def _rx_raw(job: dict, out: str) -> None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 1000)
-    sock.setsockopt(zmq.RCVHWM, 0)  # as the transport's ROUTER
+    sock.setsockopt(zmq.RCVHWM, 64)  # as the transport's ROUTER (receiver.RCVHWM_MESSAGES)
+    authenticator = None
+    if job.get("keys"):
+        from kvsim.transport.auth import secure_server
+
+        authenticator = secure_server(ctx, sock, job["keys"], True, job["bind"])
     sock.bind(job["bind"])
     Path(job["endpoint_file"]).write_text(sock.getsockopt(zmq.LAST_ENDPOINT).decode() + "\n")
     count = got = nbytes = 0
@@ -546,6 +587,8 @@ def _rx_raw(job: dict, out: str) -> None:
             cpu0 = time.process_time()
             sock.send_multipart([peer, b"ready", b""])
     sock.close()
+    if authenticator is not None:
+        authenticator.stop()
     ctx.term()
     _write_json(out, {"cases": cases})
 
@@ -631,7 +674,8 @@ def _tx_raw(sock: Any, c: CaseSpec, timeout_s: float) -> dict:
             "rx_cpu_s": doc["cpu_s"], "wall_s": time.time() - t0}
 
 
-def _tx_transport(c: CaseSpec, endpoint: str, timeout_s: float, max_queued: int) -> dict:
+def _tx_transport(c: CaseSpec, endpoint: str, timeout_s: float, max_queued: int,
+                  keys: str = "") -> dict:
     from kvsim.core.layout import KVShape
     from kvsim.transport.rate_limiter import TokenBucket, Unlimited
     from kvsim.transport.sender import OutgoingRequest, Sender
@@ -654,7 +698,8 @@ def _tx_transport(c: CaseSpec, endpoint: str, timeout_s: float, max_queued: int)
     limiter = TokenBucket(c.rate_gbps, c.burst_bytes) if c.rate_gbps > 0 \
         else Unlimited()
     sender = Sender(endpoint, limiter, "anchors_first", timeout_s, 0.5, max_queued,
-                    log=lambda msg: print(f"tx: {msg}", file=sys.stderr), insecure=True)
+                    log=lambda msg: print(f"tx: {msg}", file=sys.stderr), insecure=True,
+                    keys=keys)
     request = OutgoingRequest(secrets.randbits(128), 0, 0.0, send_codec, c.codec, c.policy,
                               lambda: source, {"output_tokens": 1, "bench_case": c.name})
     cpu0 = time.process_time()
@@ -690,6 +735,10 @@ def _tx(job: dict, out: str) -> None:
         raw = ctx.socket(zmq.DEALER)
         raw.setsockopt(zmq.LINGER, 1000)
         raw.setsockopt(zmq.SNDHWM, 0)  # as the transport's DEALER
+        if job.get("keys"):
+            from kvsim.transport.auth import secure_client
+
+            secure_client(raw, job["keys"], True, job["endpoints"]["raw"])
         raw.connect(job["endpoints"]["raw"])
     results = []
     for doc in job["cases"]:
@@ -699,7 +748,7 @@ def _tx(job: dict, out: str) -> None:
                 r = _tx_raw(raw, c, timeout_s)
             else:
                 r = _tx_transport(c, job["endpoints"]["transport"], timeout_s,
-                                  int(job["max_queued_bytes"]))
+                                  int(job["max_queued_bytes"]), job.get("keys", ""))
         except Exception as exc:  # the case fails, the session goes on
             r = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
         r["name"], r["layers"] = c.name, c.layers
@@ -718,6 +767,11 @@ def main(argv: list[str]) -> int:
         return 2
     role, job_path, out = argv
     job = json.loads(Path(job_path).read_text())
+    # as `kvsim serve` / `kvsim send` run (and the raw peers alike): freed memory is kept,
+    # so a request's buffers reuse the last one's pages instead of faulting in fresh ones
+    from kvsim.transport.memory import retain_freed_memory
+
+    retain_freed_memory(f"bench transport {role}")
     {"rx-transport": _rx_transport, "rx-raw": _rx_raw, "tx": _tx}[role](job, out)
     return 0
 

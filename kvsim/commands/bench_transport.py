@@ -12,6 +12,10 @@ parts (run in this order; each adds rows):
                 The bucket starts empty when the first chunk is ready; goodput counts from
                 the first chunk's send without that chunk (pay before send: it left after
                 min(chunk, burst) / rate, every later chunk after chunk / rate).
+  curve         the loopback comparison with CURVE on both (kvsim keys, made for the run in a
+                temporary directory): the transport with CURVE vs raw ZeroMQ with CURVE
+                (goodput ratio against the loopback target), and CURVE's own cost: raw
+                ZeroMQ with CURVE vs without (the loopback part's raw run, where it ran).
   tc            (root + network namespaces; else rows say skipped and why) sender and
                 receiver in two namespaces joined by a veth pair shaped by tc tbf at each
                 rate, no application limit: the transport and raw ZeroMQ, goodput / rate.
@@ -57,7 +61,7 @@ from kvsim.core.report import format_table
 COMMAND = ("bench", "transport")
 HELP = "real transport goodput vs raw ZeroMQ, token bucket and tc rates; anchor time; CPU/GB"
 CONFIG_NAME = "bench_transport"
-PARTS = ("loopback", "token_bucket", "tc", "anchor")
+PARTS = ("loopback", "curve", "token_bucket", "tc", "anchor")
 ENCODES = ("pre", "live")
 # TCP payload per Ethernet frame on a 1500-byte MTU with timestamps: 1500 - 20 (IP) - 32 (TCP)
 # = 1448 of 1514 bytes (tbf counts the 14-byte Ethernet header too)
@@ -75,6 +79,12 @@ class ShapeConfig:
 class LoopbackConfig:
     mb: float = 512.0  # MB (1e6 B) per transfer
     repeats: int = 5  # transport and raw ZeroMQ alternate; best of (median CPU)
+
+
+@dataclass
+class CurveConfig:
+    mb: float = 256.0  # MB (1e6 B) per transfer (CURVE moves ~1 GB/s on 2 cores)
+    repeats: int = 3  # transport and raw ZeroMQ alternate; best of (median CPU)
 
 
 @dataclass
@@ -121,6 +131,7 @@ class Config:
     timeout_s: float = 30.0
     session_timeout_s: float = 600.0
     loopback: LoopbackConfig = field(default_factory=LoopbackConfig)
+    curve: CurveConfig = field(default_factory=CurveConfig)
     token_bucket: TokenBucketConfig = field(default_factory=TokenBucketConfig)
     tc: TcConfig = field(default_factory=TcConfig)
     anchor: AnchorConfig = field(default_factory=AnchorConfig)
@@ -142,6 +153,7 @@ class Config:
             raise ValueError(f"anchor.encode must be a list of {ENCODES}, got "
                              f"{self.anchor.encode}")
         positive = {"loopback.mb": self.loopback.mb, "loopback.repeats": self.loopback.repeats,
+                    "curve.mb": self.curve.mb, "curve.repeats": self.curve.repeats,
                     "token_bucket.seconds": self.token_bucket.seconds,
                     "tc.seconds": self.tc.seconds, "anchor.rate_gbps": self.anchor.rate_gbps,
                     "anchor.anchor_seconds": self.anchor.anchor_seconds,
@@ -192,8 +204,14 @@ def run(cfg: Config) -> list[dict]:
     for r in rows:
         if r.get("status") != "done":
             print(f"{r['part']} {r['case']}: {r['status']}: {r.get('reason', '')}")
-    print("goodput = wire bytes (36-byte frame headers + payload) / (last arrival - first "
+    print("goodput = wire bytes (44-byte frame headers + payload) / (last arrival - first "
           "send); ratios against the baseline named in `vs`, measured in this run")
+    curve = next((r for r in rows if r["part"] == "curve" and r["case"] == "raw_zmq"
+                  and "vs_plain_raw_zmq" in r), None)
+    if curve:
+        print(f"curve: CURVE's own cost: raw ZeroMQ with CURVE moves "
+              f"{curve['vs_plain_raw_zmq']:.3f}x the bytes per second of raw ZeroMQ without "
+              "it (loopback part), at the CPU s/GB above")
     tc = [r for r in rows if r["part"] == "tc" and "vs_raw_zmq" in r]
     if tc:
         print("tc: transport / raw ZeroMQ through the same link: " + ", ".join(

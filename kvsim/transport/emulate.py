@@ -105,6 +105,16 @@ def _wait_listening(proc: subprocess.Popen, endpoint_file: Path, timeout_s: floa
         time.sleep(0.05)
 
 
+def _wait_or_stop(serve: subprocess.Popen, timeout_s: float) -> None:
+    """The sender is done: the decode host ends by itself once its last request is reported
+    (max_requests), or, where some never reached it (refused, a CURVE key it does not allow),
+    is stopped after timeout_s, reporting what it has (kvsim serve on SIGTERM)."""
+    try:
+        serve.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        stop(serve)
+
+
 def _rows(report: Path) -> list[dict]:
     if not report.is_file():
         raise RuntimeError(f"the decode host wrote no report ({report})")
@@ -138,7 +148,7 @@ def emulate(cfg: EmulateConfig) -> list[dict]:
             _wait_listening(serve, endpoint_file, t.start_timeout_s)
             # the decode host's metrics on metrics_port, the sender's on the next port
             sent = send_all(tx_cfg, t.metrics_port + 1 if t.metrics_port else 0)
-            serve.wait(timeout=t.timeout_s + 60)
+            _wait_or_stop(serve, t.timeout_s + 10)
         finally:
             stop(serve)
         rows = _rows(rx_report) if rx_report.is_file() else []
@@ -173,7 +183,7 @@ def _emulate_tc(cfg: EmulateConfig, tmp: Path, port: int, n_requests: int,
             send = popen(link.argv_in("sender", _child("send", tx_cfg, tmp, tx_report)),
                          stdout=subprocess.DEVNULL, env=_env())
             send.wait(timeout=n_requests * (t.timeout_s + 300))
-            serve.wait(timeout=t.timeout_s + 60)
+            _wait_or_stop(serve, t.timeout_s + 10)
         finally:
             stop(send)
             stop(serve)

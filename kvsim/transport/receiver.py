@@ -205,7 +205,7 @@ class Receiver:
         while not self.stop.is_set():
             if sock.poll(int(self.s.heartbeat_s * 1000 / 2), zmq.POLLIN):
                 budget = 256  # messages per round before ACKs go out
-                while budget and sock.poll(0, zmq.POLLIN):
+                while budget and sock.get(zmq.EVENTS) & zmq.POLLIN:
                     self._handle(sock, sock.recv_multipart(copy=False))
                     budget -= 1
                 last_event = time.monotonic()

@@ -242,7 +242,8 @@ class Sender:
                     req.queued_chunks += 1
                 if self.scheduler.put(item, self.timeout_s):
                     req.backlog_start_t[item.stream] = item.released_t
-                self._wake()
+                if self.scheduler.peek() is item:  # the link loop only waits on its head:
+                    self._wake()  # a chunk queued behind it changes nothing there
 
         def queued(enc_streams: list, layer_offset: int) -> list[QueuedChunk]:
             items = []
@@ -314,18 +315,19 @@ class Sender:
             while not self._outbox.empty():
                 sock.send_multipart(self._outbox.get())
                 last_tx = last_rx = now  # the receiver has timeout_s from now to answer
-            while sock.poll(0, zmq.POLLIN):
+            while sock.get(zmq.EVENTS) & zmq.POLLIN:
                 self._handle(sock.recv_multipart(copy=False))
                 last_rx = time.monotonic()
             wait_s = 0.05
             item = self.scheduler.peek()
             if item is not None:
-                if self._in_flight() + item.size_bytes <= self._window() or \
-                        self._in_flight() == 0:
+                in_flight = self._in_flight()
+                if in_flight + item.size_bytes <= self._window() or in_flight == 0:
                     owner = self._reqs.get(item.request_id)
-                    if owner is not None:  # the link has this request's bytes from now on:
-                        with self._lock:  # goodput counts from here, not from the first
-                            owner.fin.setdefault("first_send_t", time.time())  # paid send
+                    if owner is not None and "first_send_t" not in owner.fin:
+                        # the link has this request's bytes from now on: goodput counts
+                        with self._lock:  # from here, not from the first paid send
+                            owner.fin.setdefault("first_send_t", time.time())
                     delay = self.limiter.delay_s(item.size_bytes, item.released_t)
                     if delay <= 0:
                         self._send_chunk(sock, self.scheduler.pop())
@@ -348,8 +350,9 @@ class Sender:
             elif now - last_rx > self.timeout_s:
                 self._lose_peer(f"no message from the receiver for {self.timeout_s} s")
                 return
-            poller.poll(math.ceil(max(0.0, wait_s) * 1000))  # ms; never a busy spin
-            self._drain_wake()
+            woken = poller.poll(math.ceil(max(0.0, wait_s) * 1000))  # ms; never a busy spin
+            if any(what == self._wake_r for what, _ in woken):
+                self._drain_wake()
 
     def _wake(self) -> None:
         """Wake the link loop (a producer queued something for it)."""
@@ -405,6 +408,8 @@ class Sender:
 
     def _send_fins(self, sock: zmq.Socket) -> None:
         for req in self._reqs.values():
+            if req.fin_sent:
+                continue
             with self._lock:
                 ready = req.released_all and not req.fin_sent and req.queued_chunks == 0
             if ready and not req.finished.is_set():

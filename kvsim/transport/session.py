@@ -406,8 +406,8 @@ def hello_checker(cfg: EmulateConfig, mode: str):
         breakdown = hello.get("breakdown_k")
         if breakdown is not None and (isinstance(breakdown, bool) or
                                       not isinstance(breakdown, int) or
-                                      not 1 <= breakdown <= 65536):
-            return "breakdown_k must be null or an integer in 1..65536"
+                                      not 0 <= breakdown <= 65536):
+            return "breakdown_k must be null or an integer in 0..65536 (0: auto)"
         if len(wire.canonical_json(hello.get("kv_source") or {})) > 4096:
             return "kv_source must describe the KV in at most 4096 bytes"
         for key in ("seq", "variant"):
