@@ -227,3 +227,39 @@ def test_two_namespaces_with_curve_keys_and_a_stranger_refused(tmp_path):
     (keys / "allowed" / "client.key").unlink()
     [row] = emulate(cfg)
     assert row["status"] == "peer_lost", row
+
+
+@pytest.mark.parametrize("held", [{"0": [[0, 10**7]]}, {"7": [[0, 1]]}, {"0": [[3, 2]]},
+                                  {"0": [[0, 1]] * 5000}, {"0": "all"}])
+def test_the_sender_believes_an_accept_only_within_its_own_size_table(held):
+    """A receiver's ACCEPT claiming chunks the request does not have (10 million of them,
+    another stream, an empty or reversed range, more ranges than chunks) fails the request
+    as malformed instead of being believed (10**7 held seqs took ~600 MB before)."""
+    import zmq
+
+    cfg = config()
+    [batch] = session.outgoing_requests(cfg, None)
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    results: list = []
+    sender = Sender(f"tcp://127.0.0.1:{port}", Unlimited(), timeout_s=5, log=lambda m: None)
+    thread = threading.Thread(target=lambda: results.extend(sender.run(batch)))
+    try:
+        thread.start()
+        hello = None
+        deadline = time.monotonic() + 30
+        while hello is None or hello.type != P.MsgType.HELLO:  # heartbeats come first
+            assert router.poll(max(1, int(1000 * (deadline - time.monotonic())))), "no HELLO"
+            peer, *frames = router.recv_multipart()
+            hello = P.parse(frames)
+        router.send_multipart([peer, *P.json_message(P.MsgType.ACCEPT, hello.request_id, {
+            "window_bytes": 1 << 20, "held": held})])
+        thread.join(30)
+    finally:
+        router.close(0)
+        ctx.term()
+    [res] = results
+    assert res.status == "error" and res.error.startswith("malformed ACCEPT"), res.error
+    assert res.sent_bytes == 0
