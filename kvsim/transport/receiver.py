@@ -215,8 +215,11 @@ class Receiver:
                 last_event = time.monotonic()
             now = time.monotonic()
             if now - last_hb >= self.s.heartbeat_s:
-                for routing_id in {p.routing_id for p in self.owners.values()}:
+                live = {p.routing_id for p in self.owners.values()}
+                for routing_id in live:
                     self._send(sock, routing_id, P.heartbeat())
+                for routing_id in set(self.dropped_replies) - live:  # bounded by the live
+                    del self.dropped_replies[routing_id]
                 last_hb = now
             self._drop_silent(now)
             if self.metrics is not None:
