@@ -33,7 +33,8 @@ def test_unknown_command_and_bad_arguments(capsys):
     assert "no_such_key" in capsys.readouterr().err
     assert main(["sim", "link.bandwidth_gbps=abc"]) == 2
     assert "could not be converted" in capsys.readouterr().err
-    assert main(["sim", "link.bandwidth_gbps=-3"]) == 1  # the command's own check, via Hydra
+    # the command's own check, before Hydra runs: a usage error like the others
+    assert main(["sim", "link.bandwidth_gbps=-3"]) == 2
     assert "link.bandwidth_gbps must be > 0" in capsys.readouterr().err
 
 
@@ -67,6 +68,40 @@ def test_typos_fail_with_the_closest_key(capsys):
     assert "did you mean workload.context_tokens?" in capsys.readouterr().err
     assert main(["smi"]) == 2
     assert "did you mean 'sim'?" in capsys.readouterr().err
+
+
+def test_usage_errors_exit_2_with_one_line_and_leave_no_directory(tmp_path, capsys):
+    run = tmp_path / "run"
+    for args, says in (
+            (["codec=int8"], "`codec` is not a setting of this command; did you mean "
+                             "codecs=[int8]?"),
+            (["codecs=[int8,lynxx]"], "unknown codec preset 'lynxx'; did you mean lynx?"),
+            (["codecs=lynxx"], "did you mean lynx?"),
+            (["link.bandwidth_gbps=0"], "link.bandwidth_gbps must be > 0"),
+            (["no_such=1"], "unknown key 'no_such'")):
+        assert main(["sim", "scenario=none", *args, f"hydra.run.dir={run}"]) == 2, args
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1, err
+        assert not run.exists(), args  # nothing ran: no directory
+
+
+def test_a_scalar_is_a_one_item_list_and_an_int_a_float(tmp_path, capsys):
+    report = tmp_path / "r.json"
+    assert main(["sim", "scenario=none", "codecs=int8", "link.trace=[[0,5],[1,2]]",
+                 f"hydra.run.dir={tmp_path / 'run'}", f"report={report}"]) == 0
+    cfg = json.loads(report.read_text())["config"]
+    assert cfg["codecs"] == ["int8"] and cfg["link"]["trace"] == [[0, 5], [1, 2]]
+    [row] = json.loads(report.read_text())["rows"]
+    assert row["codec"] == "int8"
+
+
+def test_a_run_that_fails_before_writing_leaves_no_directory(tmp_path, capsys):
+    run = tmp_path / "run"
+    missing = tmp_path / "nope.csv"
+    assert main(["sim", "scenario=none", "workload.kind=trace",
+                 f"workload.trace_path={missing}", f"hydra.run.dir={run}"]) in (1, 2)
+    assert "nope.csv" in capsys.readouterr().err
+    assert not run.exists()
 
 
 def test_valid_overrides_are_checked_with_one_composition(monkeypatch):

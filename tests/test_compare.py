@@ -48,6 +48,36 @@ def test_rows_match_by_key_and_configs_diff():
         compare_runs(dup, b)
 
 
+def test_one_label_for_another_codec_is_not_compared():
+    """Rows that print one label but stand for another codec (name or params) never match;
+    rows from reports that do not say (older ones) still match by label."""
+    a = Run("a", "sim report", [RunRow(KEY, {"ttft_s": 1.0}, {},
+                                       {"codec_name": "lynx", "codec_params": {"bits": 2}})])
+    b = Run("b", "sim report", [RunRow(KEY, {"ttft_s": 2.0}, {},
+                                       {"codec_name": "lynx", "codec_params": {"bits": 4}})])
+    cmp = compare_runs(a, b)
+    assert cmp.metrics == [] and cmp.only_a == [KEY] and cmp.only_b == [KEY]
+    old = Run("o", "sim report", [RunRow(KEY, {"ttft_s": 1.5}, {})])
+    assert [d.diff for d in compare_runs(a, old).metrics] == [0.5]
+
+
+def test_two_entries_that_differ_never_share_a_label():
+    from kvsim.core.compose import compose
+    from kvsim.scenario.config import SimConfig
+    from kvsim.scenario.variants import variants
+
+    cfg, _ = compose("sim", ["scenario=none", "codecs=[lynx,{preset: lynx, acceptance: "
+                             "'geometric:0.5'}]"], SimConfig)
+    labels = [v.spec.label for v in variants(cfg)]
+    assert len(set(labels)) == 2 and all(lb.startswith("lynx [acceptance=") for lb in labels)
+    assert "lynx [acceptance=geometric:0.5]" in labels
+    cfg, _ = compose("sim", ["scenario=none", "codecs=[int8,int8]"], SimConfig)
+    with pytest.raises(ValueError, match="twice with the same settings"):
+        variants(cfg)
+    cfg, _ = compose("sim", ["scenario=none", "codecs=[int8,int4]"], SimConfig)
+    assert [v.spec.label for v in variants(cfg)] == ["int8", "int4"]  # nothing to tell apart
+
+
 SIM = ["scenario=none", "model=smollm2-135m", "hardware=h100", "link.bandwidth_gbps=1",
        "workload.context_tokens=2048", "workload.output_tokens=32", "codecs=[int8,lynx]",
        "samples=4"]

@@ -94,8 +94,11 @@ def _message(exc: Exception) -> str:
     return msg
 
 
-def check_overrides(config_name: str, schema: type | None, overrides: list[str]) -> None:
-    """Raise OverrideError naming the first bad override (and the closest valid name)."""
+def check_overrides(config_name: str, schema: type | None, overrides: list[str]) -> list[str]:
+    """Raise OverrideError naming the first bad override (and the closest valid name), or
+    one the composed config's own checks (its validate()) refuse. Returns the overrides to
+    run: a scalar given for a list key becomes a one-item list (codecs=int8 ->
+    codecs=[int8])."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from kvsim.core.compose import register_schema
@@ -119,6 +122,13 @@ def check_overrides(config_name: str, schema: type | None, overrides: list[str])
         if old is not None:
             raise OverrideError(f"`{old}=` was renamed to `{RENAMED[old]}=` "
                                 f"({o.input_line} -> {RENAMED[old]}{key[len(old):]}=...)")
+        if is_group(key) and not _selects(config_name, key):
+            hint = closest(f"{key}s", _schema_keys(schema)) or closest(key, _schema_keys(schema))
+            value = o.get_value_element_as_str()
+            raise OverrideError(
+                f"{key}={value}: `{key}` is not a setting of this command" +
+                (f"; did you mean {hint}=[{value}]?" if hint else "") +
+                " (`--help` lists every key)")
         if is_group(key):
             options = group_options(key)
             choices = list(o.sweep_string_iterator()) if o.is_sweep_override() \
@@ -142,12 +152,15 @@ def check_overrides(config_name: str, schema: type | None, overrides: list[str])
             firsts.append(f"{key}={next(iter(o.sweep_string_iterator()))}")
         else:
             firsts.append(o.input_line)
+    overrides, firsts = _lists_for_scalars(schema, values, overrides, firsts)
     adds = any(o.is_add() or o.is_force_add() for o in values)
     failed: Exception | None = None  # the composition of every override, if it failed
     if not adds:  # the usual case: one composition, with every override, decides
         try:
-            _check_keys(_compose(config_name, firsts), values)
-            return
+            composed = _compose(config_name, firsts)
+            _check_keys(composed, values)
+            _validate(composed, schema)
+            return overrides
         except OverrideError:
             raise
         except Exception as exc:  # which override is wrong: the group choices alone tell
@@ -166,6 +179,82 @@ def check_overrides(config_name: str, schema: type | None, overrides: list[str])
             failed = exc
     if failed is not None:  # type errors of values, e.g. link.bandwidth_gbps=abc
         raise OverrideError(f"bad configuration: {_message(failed)}") from None
+    return overrides
+
+
+def _selects(config_name: str, group: str) -> bool:
+    """Whether conf/<config_name>.yaml chooses an option of `group` (its defaults list):
+    a group folder it does not use (conf/codec/ holds the presets `codecs=[...]` names) is
+    not a setting of the command."""
+    import yaml
+
+    doc = yaml.safe_load((CONF_DIR / f"{config_name}.yaml").read_text()) or {}
+    for entry in doc.get("defaults") or []:
+        names = entry.keys() if isinstance(entry, dict) else [entry]
+        if any(str(n).lstrip("+/").split("@")[0] in (group, f"override {group}")
+               for n in names):
+            return True
+    return False
+
+
+def _schema_keys(schema: type | None) -> list[str]:
+    import dataclasses
+
+    return [f.name for f in dataclasses.fields(schema)] if schema and \
+        dataclasses.is_dataclass(schema) else []
+
+
+def _lists_for_scalars(schema: type | None, values: list, overrides: list[str],
+                       firsts: list[str]) -> tuple[list[str], list[str]]:
+    """codecs=int8 where the schema types `codecs` as a list: codecs=[int8] (in the overrides
+    to run and in the first-value ones to check); sweeps and additions are left as they
+    are."""
+    rewrite = {}
+    for o in values:
+        if o.is_sweep_override() or o.is_delete() or o.is_add() or \
+                isinstance(o.value(), (list, dict)):
+            continue
+        if _is_list_field(schema, o.key_or_group):
+            rewrite[o.input_line] = f"{o.key_or_group}=[{o.get_value_element_as_str()}]"
+    if not rewrite:
+        return overrides, firsts
+    return [rewrite.get(x, x) for x in overrides], [rewrite.get(x, x) for x in firsts]
+
+
+def _is_list_field(schema: type | None, key: str) -> bool:
+    """Whether the schema's field at dotted `key` is typed as a list."""
+    import dataclasses
+    import typing
+
+    node: Any = schema
+    for part in key.split("."):
+        if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
+            return False
+        try:
+            node = typing.get_type_hints(node).get(part)
+        except (NameError, TypeError):
+            return False
+    return typing.get_origin(node) is list or node is list
+
+
+def _validate(composed: Any, schema: type | None) -> None:
+    """The command's own checks (its Config.validate()) before anything runs: a usage error
+    then exits 2 and leaves no run directory. A config that needs the running app to resolve
+    (e.g. a ${hydra:...} value) is left to the run."""
+    from omegaconf import OmegaConf
+
+    if schema is None or not hasattr(schema, "validate"):
+        return
+    plain = OmegaConf.masked_copy(composed, [k for k in composed.keys() if k != "hydra"]) \
+        if "hydra" in composed else composed
+    try:
+        typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), plain))
+    except Exception:  # an interpolation only the running app resolves: the run checks it
+        return
+    try:
+        typed.validate()
+    except (ValueError, TypeError) as exc:
+        raise OverrideError(str(exc).strip().splitlines()[0]) from None
 
 
 def _check_keys(base: Any, values: list) -> None:

@@ -282,14 +282,15 @@ def _run_hydra_app(name: str, info: CommandInfo, mod: Any, rest: list[str]) -> i
     from kvsim.cli.keys import OverrideError, check_overrides
 
     schema = getattr(mod, "Config", None)
+    overrides = list(parsed.overrides)
     try:
         if not parsed.shell_completion:  # its arguments (install=bash) are not overrides
-            check_overrides(info.config_name, schema, parsed.overrides)
+            overrides = check_overrides(info.config_name, schema, overrides)
     except OverrideError as exc:
         print(f"kvsim {name}: {exc}", file=sys.stderr)
         return 2
-    hydra_args = _hydra_flags(parsed) + list(parsed.overrides) + \
-        _default_hydra_overrides(info, parsed.overrides)
+    hydra_args = _hydra_flags(parsed) + overrides + \
+        _default_hydra_overrides(info, overrides)
     return _launch(name, info, mod, hydra_args, report_path)
 
 
@@ -346,6 +347,24 @@ def _launch(name: str, info: CommandInfo, mod: Any, hydra_args: list[str],
     return 0
 
 
+def _remove_if_empty(run_dir: Path) -> None:
+    """A run that failed before writing anything leaves no directory: only Hydra's own
+    `.hydra/` and an empty log are there (its parent too, when that is left empty)."""
+    import shutil
+
+    try:
+        entries = list(run_dir.iterdir())
+    except OSError:
+        return
+    if all(e.name == ".hydra" or (e.suffix == ".log" and e.stat().st_size == 0)
+           for e in entries):
+        shutil.rmtree(run_dir, ignore_errors=True)
+        try:
+            run_dir.parent.rmdir()  # outputs/<date>/ holding nothing else
+        except OSError:
+            pass
+
+
 def _task(name: str, mod: Any, report_path: str | None):
     """The Hydra task: typed config -> mod.run -> report.json in the run directory."""
     def task(dcfg: Any) -> list[dict]:
@@ -381,6 +400,8 @@ def _task(name: str, mod: Any, report_path: str | None):
             else:
                 rows = mod.run(typed)
         except (ValueError, FileNotFoundError, UsageError, TimeoutError) as exc:
+            if hc.mode == RunMode.RUN:
+                _remove_if_empty(output_dir())
             raise CommandFailed(f"kvsim {name}: error{where}: {exc}") from None
         wall_s = time.time() - started
         extra = {}

@@ -82,7 +82,9 @@ def diff_configs(a: dict, b: dict, skip: list[str] | tuple[str, ...] = ()) -> li
 
 def compare_runs(a: Run, b: Run, metrics: list[str] | None = None) -> Comparison:
     rows_a, rows_b = _by_key(a), _by_key(b)
-    shared = [k for k in rows_a if k in rows_b]
+    # one label, another codec (its name or params): not the same row
+    shared = [k for k in rows_a if k in rows_b and
+              same_setting(rows_a[k].setting, rows_b[k].setting)]
     diffs = []
     for key in shared:
         ra, rb = rows_a[key], rows_b[key]
@@ -94,6 +96,11 @@ def compare_runs(a: Run, b: Run, metrics: list[str] | None = None) -> Comparison
                                     ra.half_widths.get(m), rb.half_widths.get(m)))
     # a sweep's varying keys are the grid: they are compared row by row, not as config
     skip = sorted(set(a.varying) | set(b.varying))
-    return Comparison(diffs, [k for k in rows_a if k not in rows_b],
-                      [k for k in rows_b if k not in rows_a],
+    return Comparison(diffs, [k for k in rows_a if k not in shared],
+                      [k for k in rows_b if k not in shared],
                       diff_configs(a.config, b.config, skip))
+
+
+def same_setting(a: dict, b: dict) -> bool:
+    """Whether two rows' settings agree on every field both name (older rows name fewer)."""
+    return all(a[k] == b[k] for k in a.keys() & b.keys())

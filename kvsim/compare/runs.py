@@ -17,6 +17,9 @@ SCALARS = ("ttft_s", "ttft_committed_s", "ttft_from_prefill_end_s", "tpot_s", "t
 DICT_METRICS = ("ttkt_s", "ttkt_committed_s")
 
 RowKey = tuple[str, str, int, float]
+# what a codec label stands for: rows of one label but another codec are not compared
+# (a different acceptance model is a condition of the run, compared like any other)
+SETTING_FIELDS = ("codec_name", "codec_params")
 
 
 @dataclass
@@ -24,6 +27,9 @@ class RunRow:
     key: RowKey
     metrics: dict[str, float]  # flat name -> mean value (seconds, bytes or tokens)
     half_widths: dict[str, float]  # flat name -> half-width of the 95% interval of the mean
+    # what the codec label stands for, where the row says (SETTING_FIELDS): two rows with
+    # one label but another codec are not compared
+    setting: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass
@@ -75,7 +81,8 @@ def row_from_report(row: dict, where: str) -> RunRow:
         high, mean = _number((iv or {}).get("ci95_high")), _number((iv or {}).get("mean"))
         if high is not None and mean is not None:
             halves[name] = high - mean
-    return RunRow(_key(row, where), metrics, halves)
+    setting = {k: row[k] for k in SETTING_FIELDS if row.get(k) is not None}
+    return RunRow(_key(row, where), metrics, halves, setting)
 
 
 def row_from_sweep(row: dict, where: str) -> RunRow:
@@ -93,7 +100,8 @@ def row_from_sweep(row: dict, where: str) -> RunRow:
             mean = _number(row.get(f"spread.{metric}.mean"))
             if mean is not None:
                 halves[metric] = num - mean
-    return RunRow(_key(row, where), metrics, halves)
+    setting = {k: row[k] for k in SETTING_FIELDS if row.get(k) is not None}
+    return RunRow(_key(row, where), metrics, halves, setting)
 
 
 def load_run(path: str) -> Run:

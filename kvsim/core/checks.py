@@ -26,7 +26,7 @@ def check_trace(key: str, trace: Sequence[Sequence[float]]) -> None:
     """Bandwidth trace [[t_s, gbps], ...]: finite, t_s >= 0 non-decreasing, gbps > 0."""
     prev_t = 0.0
     for i, point in enumerate(trace):
-        if len(point) != 2:
+        if not isinstance(point, Sequence) or isinstance(point, str) or len(point) != 2:
             raise ValueError(f"{key}[{i}] must be [t_s, gbps], got {list(point)!r}")
         t = check_number(f"{key}[{i}] t_s", point[0], strict=False)
         check_number(f"{key}[{i}] gbps", point[1])

@@ -35,8 +35,13 @@ def preset_names() -> list[str]:
 def load_preset(preset: str) -> CodecSpec:
     path = PRESET_DIR / f"{preset}.yaml"
     if not path.is_file():
-        raise ValueError(f"unknown codec preset {preset!r}; presets in {PRESET_DIR}: "
-                         f"{', '.join(preset_names())}")
+        import difflib
+
+        names = preset_names()
+        near = difflib.get_close_matches(str(preset), names, n=1, cutoff=0.6)
+        raise ValueError(f"unknown codec preset {preset!r}" +
+                         (f"; did you mean {near[0]}?" if near else "") +
+                         f" ({len(names)} presets: `kvsim list codec`)")
     doc = yaml.safe_load(path.read_text()) or {}
     if "name" not in doc:
         raise ValueError(f"{path}: a codec preset needs a `name` (the registered codec)")

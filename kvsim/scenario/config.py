@@ -20,6 +20,8 @@ SHARINGS = ("per_prefill", "shared")
 SCHEDULINGS = ("anchors_first", "fifo", "weighted", "aging")
 TRACE_ORIGINS = ("run", "first_byte")  # = kvsim.sim.link.TRACE_ORIGINS
 WORKLOAD_KINDS = ("single", "poisson", "trace", "azure")
+# what a `codecs` entry may add to a codec entry (kvsim.scenario.variants)
+VARIANT_KEYS = ("transfer", "acceptance")
 AZURE_TRACES = ("code", "conv")  # = kvsim.scenario.azure_workload.AZURE_TRACES
 AZURE_ARRIVALS = ("trace", "gamma", "poisson")  # = kvsim.scenario.azure_workload
 CONTEXT_DISTS = ("fixed", "uniform", "lognormal")
@@ -33,7 +35,9 @@ class LinkConfig:
     bandwidth_gbps: float = 10.0  # 1e9 bit/s
     latency_s: float = 0.0  # propagation, added to every message
     message_overhead_bytes: float = 0.0  # framing bytes per message on top of its payload
-    trace: list[list[float]] = field(default_factory=list)  # [[t_s, gbps], ...] steps
+    # [[t_s, gbps], ...] steps (typed Any: OmegaConf refuses an int in a nested float list;
+    # validate() checks the numbers and makes them floats)
+    trace: list[Any] = field(default_factory=list)
     # trace times count from: run (the simulation's start) | first_byte (the link's first byte)
     trace_origin: str = "run"
     sharing: str = "per_prefill"  # per_prefill: one egress link per prefill node | shared
@@ -65,6 +69,7 @@ class LinkConfig:
         check_number("link.decode_ingress_gbps", self.decode_ingress_gbps, strict=False)
         check_number("link.message_overhead_bytes", self.message_overhead_bytes, strict=False)
         check_trace("link.trace", self.trace)
+        self.trace = [[float(t), float(gbps)] for t, gbps in self.trace]
         check_choice("link.trace_origin", self.trace_origin, TRACE_ORIGINS)
         if not isinstance(self.profile, str):
             raise ValueError(f"link.profile must be a profile name or path, got "
@@ -269,6 +274,11 @@ class SimConfig:
             raise ValueError(f"samples must be an integer >= 1, got {self.samples!r}")
         if not self.codecs:
             raise ValueError("codecs must list at least one codec")
+        from kvsim.kernels.presets import resolve_codec
+
+        for entry in self.codecs:  # an unknown preset fails here, naming the closest one
+            resolve_codec({k: v for k, v in entry.items() if k not in VARIANT_KEYS}
+                          if isinstance(entry, dict) else entry)
         from kvsim.scenario.size_calibration import check_size_calibration
 
         if self.requests_path and not str(self.requests_path).endswith((".parquet", ".csv")):

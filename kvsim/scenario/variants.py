@@ -3,7 +3,7 @@ engines run the same list (the simulator per variant; the emulator sends each in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvsim.kernels.presets import CodecSpec, resolve_codec
 from kvsim.scenario.config import SimConfig
@@ -38,4 +38,29 @@ def variants(cfg: SimConfig) -> list[Variant]:
             if policy not in POLICIES:
                 raise ValueError(f"unknown transfer {t!r}; choose auto or one of {POLICIES}")
             out.append(Variant(spec, policy, acceptance))
+    return _unique_labels(out)
+
+
+def _unique_labels(out: list[Variant]) -> list[Variant]:
+    """Two entries that differ (here: by their acceptance model) never print the same label:
+    the label of each such entry names what differs, e.g. `lynx [acceptance=geometric:0.8]`.
+    The same setting listed twice is an error (its rows could not be told apart)."""
+    seen: dict[tuple[str, str], list[Variant]] = {}
+    for v in out:
+        seen.setdefault((v.spec.label, v.policy), []).append(v)
+    for (label, policy), group in seen.items():
+        if len(group) < 2:
+            continue
+        settings = [(v.spec.name, wire_json(v.spec.params), v.acceptance) for v in group]
+        if len(set(settings)) < len(settings):
+            raise ValueError(f"codecs lists {label} ({policy}) twice with the same settings")
+        for v in group:
+            v.spec = replace(v.spec, label=f"{label} [acceptance="
+                             f"{v.acceptance or 'speculative.acceptance'}]")
     return out
+
+
+def wire_json(params: dict) -> str:
+    import json
+
+    return json.dumps(params, sort_keys=True)

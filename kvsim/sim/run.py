@@ -514,6 +514,7 @@ class Scenario:
         row: dict[str, Any] = {
             "model": self.model.name, "hardware": self.hw.name,
             "codec": self.variant.spec.label, "codec_name": self.variant.spec.name,
+            "codec_params": dict(self.variant.spec.params),
             "transfer": self.variant.policy, "streams": len(plan.stream_names),
             # the receiver mode that ran (the emulator's rows: the same key)
             "dequantize": self.deserializer,
