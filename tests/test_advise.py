@@ -127,7 +127,7 @@ def test_advise_command_end_to_end(tmp_path, capsys):
     doc = json.loads(path.read_text())
     assert [r["codec"] for r in doc["rows"] if r["recommended"]] == ["int8"]
     assert doc["config"]["floor"] == 1e-3
-    assert main(["advise", *SLOW, "floor=abc"]) == 1
+    assert main(["advise", *SLOW, "floor=abc"]) == 2  # a usage error, caught before anything runs
     assert "floor" in capsys.readouterr().err
 
 

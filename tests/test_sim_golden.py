@@ -26,6 +26,7 @@ GOLDEN_PATH = Path(__file__).parent / "data" / "sim_golden.json"
 REL_TOL = 1e-9
 # wall-clock and event-count fields measure the simulator's speed, not its results
 SPEED_KEYS = {"wall_s", "events", "events_per_s"}
+CONFIG_ECHO = {"codec_params"}  # what the row repeats of its config: not a result
 
 SINGLE = ["scenario=none", "link=25g", "workload=single", "workload.context_tokens=5000",
           "codecs=[bf16,int8,lynx]"]
@@ -84,7 +85,8 @@ def results(overrides: list[str]) -> dict[str, float]:
             key = f"{v.spec.label}/{v.policy}"
             scenario = Scenario(cfg, v, cfg.workload.context_tokens, cfg.link.bandwidth_gbps)
             row = scenario.run_samples(cfg.samples)
-            _flatten({k: x for k, x in row.items() if k not in SPEED_KEYS}, key, out)
+            _flatten({k: x for k, x in row.items() if k not in SPEED_KEYS | CONFIG_ECHO}, key,
+                     out)
             ks = list(cfg.metrics.ks)
             for rec in sorted(scenario.records, key=lambda r: r.seq):  # the last sample's
                 rkey = f"{key}/r{rec.seq}"

@@ -44,16 +44,16 @@ def variants(cfg: SimConfig) -> list[Variant]:
 def _unique_labels(out: list[Variant]) -> list[Variant]:
     """Two entries that differ (here: by their acceptance model) never print the same label:
     the label of each such entry names what differs, e.g. `lynx [acceptance=geometric:0.8]`.
-    The same setting listed twice is an error (its rows could not be told apart)."""
+    The same setting listed twice keeps its label (repeats: `kvsim validate` runs them)."""
     seen: dict[tuple[str, str], list[Variant]] = {}
     for v in out:
         seen.setdefault((v.spec.label, v.policy), []).append(v)
-    for (label, policy), group in seen.items():
+    for (label, _policy), group in seen.items():
         if len(group) < 2:
             continue
-        settings = [(v.spec.name, wire_json(v.spec.params), v.acceptance) for v in group]
-        if len(set(settings)) < len(settings):
-            raise ValueError(f"codecs lists {label} ({policy}) twice with the same settings")
+        settings = {(v.spec.name, wire_json(v.spec.params), v.acceptance) for v in group}
+        if len(settings) == 1:  # repeats of one setting
+            continue
         for v in group:
             v.spec = replace(v.spec, label=f"{label} [acceptance="
                              f"{v.acceptance or 'speculative.acceptance'}]")
