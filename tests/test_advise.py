@@ -154,3 +154,24 @@ def test_codec_entries_pin_transfer_and_measured_acceptance_per_codec():
 def test_sim_output_paths_are_refused_not_ignored(key: str):
     with pytest.raises(ValueError, match=f"{key} is a `kvsim sim` output"):
         _slow([f"{key}=/tmp/never-written.csv"])
+
+
+def test_a_ranking_of_drawn_times_averages_enough_samples(tmp_path, capsys):
+    """samples=1 with split-stream candidates that draft: one acceptance draw would decide
+    the ranking; advise raises samples to min_samples and says so. Deterministic candidates
+    keep samples=1."""
+    from kvsim.advise.rank import enough_samples
+
+    cfg = _slow(["codecs=[int8,lynx]", "transfer=[monolithic,split_stream]"])
+    note = enough_samples(cfg)
+    assert cfg.samples == 8 and "speculative acceptance" in note
+    cfg = _slow([])  # bf16 / int8 / int4 monolithic: nothing drawn
+    assert enough_samples(cfg) == "" and cfg.samples == 1
+    cfg = _slow(["codecs=[int8,lynx]", "transfer=[monolithic,split_stream]", "min_samples=1"])
+    assert enough_samples(cfg) == "" and cfg.samples == 1
+    report = tmp_path / "advice.json"
+    assert main(["advise", *SLOW, "codecs=[int8,lynx]", "transfer=[monolithic,split_stream]",
+                 "min_samples=3", f"report={report}"]) == 0
+    assert "samples=1 raised to 3" in capsys.readouterr().err
+    rows = json.loads(report.read_text())["rows"]
+    assert rows and all(r["samples"] == 3 for r in rows)

@@ -32,6 +32,10 @@ class AdviseConfig(SimConfig):
     # exists drafts with its own curve (a 2-bit anchor is accepted less than a 4-bit one);
     # "": every codec drafts with speculative.acceptance, as in `kvsim sim`
     acceptance_files: str = ""
+    # a ranking of candidates whose times are drawn (drafts accepted by chance, random
+    # arrivals) averages at least this many runs: a smaller `samples` is raised to it, and
+    # advise says so (1: rank on what `samples` says, one draw deciding)
+    min_samples: int = 8
 
     def validate(self) -> None:
         if not self.codecs:  # empty: every preset in conf/codec
@@ -55,6 +59,9 @@ class AdviseConfig(SimConfig):
         if self.acceptance_files and "CODEC" not in self.acceptance_files:
             raise ValueError(f"acceptance_files must contain CODEC (where the codec label "
                              f"goes), got {self.acceptance_files!r}")
+        if isinstance(self.min_samples, bool) or not isinstance(self.min_samples, int) or \
+                self.min_samples < 1:
+            raise ValueError(f"min_samples must be an integer >= 1, got {self.min_samples!r}")
         if not self.vnmse_tables:
             raise ValueError("vnmse_tables must name at least one table (data/vnmse/)")
 

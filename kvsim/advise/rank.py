@@ -42,6 +42,7 @@ class Candidate:
     excluded_because: str = ""
     rank: int | None = None  # 1 = recommended (admissible ones only)
     on_front: bool = False  # on the Pareto front of (objective_s, vnmse)
+    samples: int = 1  # runs averaged into its times
 
 
 @dataclass
@@ -105,6 +106,31 @@ def candidate_policies(cfg: AdviseConfig) -> list[tuple[str | dict, list[str]]]:
     return out
 
 
+def drawn(cfg: AdviseConfig) -> str:
+    """What makes the candidates' times random draws ("" if nothing does): drafts accepted
+    by chance (a split-stream candidate that drafts) or random arrivals."""
+    why = []
+    if cfg.speculative.cap_tokens > 0 and any(
+            p.startswith("split_stream") for _, policies in candidate_policies(cfg)
+            for p in policies):
+        why.append("speculative acceptance")
+    if cfg.workload.kind in ("poisson", "azure"):
+        why.append(f"{cfg.workload.kind} arrivals")
+    return " and ".join(why)
+
+
+def enough_samples(cfg: AdviseConfig) -> str:
+    """Raise cfg.samples to cfg.min_samples where the times are drawn; returns the note
+    that says so ("" when nothing changed)."""
+    why = drawn(cfg)
+    if not why or cfg.samples >= cfg.min_samples:
+        return ""
+    note = (f"samples={cfg.samples} raised to {cfg.min_samples} (min_samples): the times "
+            f"depend on {why}, and one draw would decide the ranking")
+    cfg.samples = cfg.min_samples
+    return note
+
+
 def simulate(cfg: AdviseConfig, progress: bool = False) -> list[dict]:
     """One `kvsim sim` row per candidate, run in this process with the user's setting."""
     from kvsim.sim.run import run_all
@@ -156,7 +182,7 @@ def advise(cfg: AdviseConfig, rows: list[dict],
             ttkt_committed_s=metric(row, "ttkt_committed_s", k) if k else None,
             objective_s=float(time_s), objective_ci95_s=half_width(row, spread_key),
             vnmse=None if q is None else q.vnmse, acceptance=str(row.get("acceptance", "")),
-            admissible=ok, excluded_because=why))
+            admissible=ok, excluded_because=why, samples=int(row.get("samples") or 1)))
     measured = [c for c in cands if c.vnmse is not None]
     front = [measured[i] for i in
              pareto_front([(c.objective_s, c.vnmse) for c in measured])]  # type: ignore[misc]

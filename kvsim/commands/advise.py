@@ -11,7 +11,14 @@ import dataclasses
 import sys
 
 from kvsim.advise.config import AdviseConfig, objective_key
-from kvsim.advise.rank import Advice, Candidate, advise, load_qualities, simulate
+from kvsim.advise.rank import (
+    Advice,
+    Candidate,
+    advise,
+    enough_samples,
+    load_qualities,
+    simulate,
+)
 from kvsim.core.report import format_table
 
 COMMAND = ("advise",)
@@ -68,8 +75,13 @@ def print_advice(cfg: AdviseConfig, advice: Advice) -> None:
 def run(cfg: AdviseConfig) -> list[dict]:
     cfg.validate()
     qualities = load_qualities(list(cfg.vnmse_tables))
+    raised = enough_samples(cfg)
+    if raised:
+        print(f"kvsim advise: {raised}", file=sys.stderr)
     rows = simulate(cfg, progress=sys.stderr.isatty())
     advice = advise(cfg, rows, qualities)
+    if raised:
+        advice.notes.append(raised)
     print_advice(cfg, advice)
     out = [flat(c) for c in advice.candidates]
     for r in out:
