@@ -175,3 +175,24 @@ def test_a_ranking_of_drawn_times_averages_enough_samples(tmp_path, capsys):
     assert "samples=1 raised to 3" in capsys.readouterr().err
     rows = json.loads(report.read_text())["rows"]
     assert rows and all(r["samples"] == 3 for r in rows)
+
+
+def test_ties_are_shown_as_ties_and_the_reason_is_one_sentence_then_details(capsys):
+    """Candidates within tie_s are marked `tie` in the rank column (their order is the tie
+    rule's, not the time column's), and the reason prints as a sentence plus detail lines."""
+    from kvsim.advise.floor import CodecQuality
+    from kvsim.advise.rank import Advice, advise
+
+    cfg = _slow(["tie_s=1.0"])
+    rows = [{"codec": c, "transfer": "monolithic", "total_bytes": b, "ttft_s": t,
+             "ttft_committed_s": t, "ttkt_s": {32: t + 1}, "ttkt_committed_s": {32: t + 1},
+             "streams": 1} for c, b, t in (("int8", 2.0, 1.00), ("int4", 1.0, 1.05),
+                                            ("bf16", 4.0, 3.0))]
+    q = {c: CodecQuality(c, v, None, "test") for c, v in (("int8", 1e-5), ("int4", 1e-4),
+                                                    ("bf16", 0.0))}
+    got: Advice = advise(cfg, rows, q)
+    status = {c.codec: (c.rank, c.tied) for c in got.candidates}
+    assert status == {"int8": (1, True), "int4": (2, True), "bf16": (3, False)}
+    head, *details = got.reason_lines
+    assert head.startswith("int8 with monolithic transfer") and details
+    assert all(len(line) < 200 for line in got.reason_lines)

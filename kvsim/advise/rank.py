@@ -43,6 +43,7 @@ class Candidate:
     rank: int | None = None  # 1 = recommended (admissible ones only)
     on_front: bool = False  # on the Pareto front of (objective_s, vnmse)
     samples: int = 1  # runs averaged into its times
+    tied: bool = False  # admissible and within tie_s of the fastest: ordered by the tie rule
 
 
 @dataclass
@@ -52,8 +53,13 @@ class Advice:
     candidates: list[Candidate]  # ranked admissible first, then the excluded by time
     front: list[Candidate]  # Pareto front over measured candidates, by time
     recommended: Candidate | None
-    reason: str
+    reason: str  # one sentence, then its details after "; " (the report keeps it whole)
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def reason_lines(self) -> list[str]:
+        """The reason as printed: its first sentence, then one line per detail."""
+        return self.reason.rstrip(".").split("; ")
 
 
 def metric(row: dict, name: str, k: int | None) -> float | None:
@@ -215,6 +221,9 @@ def rank(cands: list[Candidate], tie_s: float) -> list[Candidate]:
         rest = [c for c in ok if c.objective_s > fastest + tie_s]
         tied.sort(key=lambda c: (float("inf") if c.vnmse is None else c.vnmse,
                                  c.total_bytes, c.objective_s))
+        if len(tied) > 1:
+            for c in tied:
+                c.tied = True
         ok = tied + rest
     for i, c in enumerate(ok, 1):
         c.rank = i

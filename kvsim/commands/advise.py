@@ -30,7 +30,8 @@ Config = AdviseConfig
 def flat(c: Candidate) -> dict:
     row = dataclasses.asdict(c)
     row["gb"] = c.total_bytes / 1e9
-    row["status"] = (f"#{c.rank}" if c.admissible else f"out: {c.excluded_because}")
+    row["status"] = (f"#{c.rank}" + (" tie" if c.tied else "") if c.admissible
+                     else f"out: {c.excluded_because}")
     row["front"] = "*" if c.on_front else ""
     return row
 
@@ -60,6 +61,9 @@ def print_advice(cfg: AdviseConfig, advice: Advice) -> None:
     hidden = sum(r["rank"] is not None for r in rows) - len(shown)
     excluded = sum(r["rank"] is None for r in rows)
     print(f"({hidden} more admissible and {excluded} excluded candidates in report.json)")
+    if any(r["tied"] for r in shown):
+        print(f"tie: within tie_s ({cfg.tie_s:g} s) of the fastest, a tie ordered by vNMSE, "
+              "then bytes (not by time)")
     print("\nPareto front (time vs vNMSE, every measured candidate; lower is better in both):")
     print(format_table([flat(c) for c in advice.front],
                        [("codec", "codec", ""), ("transfer", "transfer", ""),
@@ -67,7 +71,10 @@ def print_advice(cfg: AdviseConfig, advice: Advice) -> None:
                         ("status", "under the floor", "")]))
     print(f"\nrecommendation: {advice.recommended.codec} / {advice.recommended.transfer}"
           if advice.recommended else "\nrecommendation: none")
-    print(f"reason: {advice.reason}")
+    head, *details = advice.reason_lines
+    print(f"reason: {head}")
+    for line in details:
+        print(f"  - {line}")
     for note in advice.notes:
         print(f"note: {note}")
 
