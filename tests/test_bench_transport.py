@@ -162,7 +162,7 @@ def test_tc_rows_say_skipped_without_namespaces(monkeypatch):
     ("session_timeout_s=-1", "session_timeout_s must be > 0"),
 ])
 def test_bad_config_is_refused(override, message, capsys):
-    assert main(["bench", "transport", override]) == 1
+    assert main(["bench", "transport", override]) == 2  # a usage error, caught before anything runs
     assert message in capsys.readouterr().err
 
 

@@ -279,5 +279,5 @@ def test_kvsim_keys_command(tmp_path, capsys):
     assert main(["keys", f"dir={directory}", "client=host2"]) == 0
     assert (directory / "allowed" / "host2.key").is_file()
     assert main(["keys", f"dir={directory}", "force=true"]) == 0
-    assert main(["keys"]) == 1
+    assert main(["keys"]) == 2  # a usage error, before anything runs
     assert "needs dir=DIR" in capsys.readouterr().err
