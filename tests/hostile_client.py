@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import secrets
 import subprocess
 import sys
 import threading
@@ -39,12 +38,6 @@ from kvsim.transport.rate_limiter import Unlimited
 from kvsim.transport.sender import Sender, _Req
 
 REPLIES = frozenset({P.MsgType.ACCEPT, P.MsgType.REFUSE})
-
-
-def new_request_id() -> int:
-    """A fresh request id as this protocol version carries them (128-bit where it does)."""
-    make = getattr(P, "new_request_id", None)
-    return make() if make is not None else secrets.randbits(63)
 
 
 # ---- memory of this process ----------------------------------------------------------------
@@ -300,12 +293,11 @@ class HostileClient:
 
 # ---- a flood from another process -----------------------------------------------------------
 _FLOOD_PROCESS = r"""
-import json, secrets, sys, time, uuid
+import json, sys, time, uuid
 import zmq
 from kvsim.transport import protocol as P
 endpoint, n, body_bytes, sndhwm, max_s = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
     int(sys.argv[4]), float(sys.argv[5])
-make_id = getattr(P, "new_request_id", None) or (lambda: secrets.randbits(63))
 body = b'{"pad": "' + b"a" * max(0, body_bytes - 16) + b'"}'
 ctx = zmq.Context()
 sock = ctx.socket(zmq.DEALER)
@@ -321,7 +313,7 @@ try:
         if time.monotonic() - t0 > max_s:
             break
         try:
-            sock.send_multipart([P.control(P.MsgType.FIN, make_id()), body])
+            sock.send_multipart([P.control(P.MsgType.FIN, P.new_request_id()), body])
             sent += 1
         except zmq.Again:
             not_sent += 1
@@ -352,7 +344,7 @@ def malformed_messages(n: int, seed: int = 0) -> Iterator[list[bytes]]:
     """n malformed variants of valid messages: truncated, extended, bit-flipped, frames
     dropped or repeated, wrong magic / version / type / reserved field, random bytes."""
     rng = np.random.default_rng(seed)
-    rid = new_request_id()
+    rid = P.new_request_id()
     payload = rng.integers(0, 256, 300, dtype=np.uint8)
     seeds = [P.chunk_frames(rid, 0, 2, 3, 4, payload), P.ack_message(rid, 10, [1, 2]),
              P.nack_message(rid, [(0, 1)]), P.json_message(P.MsgType.FIN, rid, {"x": 1}),
@@ -396,7 +388,7 @@ def unknown_fins(n: int, body_bytes: int = 16, numbers: bool = False) -> Iterato
     else:
         body = b'{"pad": "' + b"a" * pad + b'"}'
     for _ in range(n):
-        yield [P.control(P.MsgType.FIN, new_request_id()), body]
+        yield [P.control(P.MsgType.FIN, P.new_request_id()), body]
 
 
 def junk_hellos(n: int, pad: int = 0) -> Iterator[list[bytes]]:
@@ -404,4 +396,4 @@ def junk_hellos(n: int, pad: int = 0) -> Iterator[list[bytes]]:
     about pad characters long where the receiver names the version it got."""
     version: int | str = "v" * pad if pad else -1
     for _ in range(n):
-        yield P.json_message(P.MsgType.HELLO, new_request_id(), {"wire_version": version})
+        yield P.json_message(P.MsgType.HELLO, P.new_request_id(), {"wire_version": version})

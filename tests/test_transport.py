@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hostile_client import malformed_messages
+from transport_harness import RunningReceiver
 
 from kvsim.core.compose import compose
 from kvsim.transport import protocol as P
@@ -36,27 +38,6 @@ def config(*overrides: str) -> EmulateConfig:
     cfg, _ = compose("transport", [*BASE, *overrides], EmulateConfig)
     cfg.validate()
     return cfg
-
-
-class RunningReceiver:
-    """A Receiver serving in a background thread on an ephemeral loopback port."""
-
-    def __init__(self, cfg: EmulateConfig) -> None:
-        mode = session.decode_mode(cfg)
-        self.rx = Receiver(session.receiver_settings(cfg, "tcp://127.0.0.1:*"),
-                           session.decoder_factory(cfg, mode, None), session.row_builder(mode),
-                           log=lambda m: None, check_hello=session.hello_checker(cfg, mode))
-        self.thread = threading.Thread(target=self.rx.serve, daemon=True)
-
-    def __enter__(self) -> Receiver:
-        self.thread.start()
-        assert self.rx.bound.wait(10)
-        return self.rx
-
-    def __exit__(self, *exc) -> None:
-        self.rx.stop.set()
-        self.thread.join(10)
-        assert not self.thread.is_alive()
 
 
 def send(cfg: EmulateConfig, endpoint: str, limiter=None, **kw) -> list:
@@ -125,37 +106,9 @@ def test_malformed_messages_are_refused_with_a_reason(frames, why):
         assert why in str(err.value)
 
 
-def _mutations(rng: np.random.Generator, n: int):
-    """Malformed variants of valid messages: truncated, extended, bit-flipped, frames dropped,
-    duplicated or swapped, random bytes."""
-    payload = rng.integers(0, 256, 300, dtype=np.uint8)
-    seeds = [P.chunk_frames(5, 1, 2, 3, 4, payload), P.ack_message(5, 10, [1, 2]),
-             P.nack_message(5, [(0, 1)]), P.json_message(P.MsgType.FIN, 5, {"x": 1}),
-             P.heartbeat()]
-    for _ in range(n):
-        frames = [bytearray(bytes(f)) for f in seeds[rng.integers(len(seeds))]]
-        op = rng.integers(6)
-        i = int(rng.integers(len(frames)))
-        if op == 0 and frames[i]:
-            del frames[i][int(rng.integers(len(frames[i]))):]
-        elif op == 1:
-            frames[i] += bytes(rng.integers(0, 256, int(rng.integers(1, 40)), dtype=np.uint8))
-        elif op == 2 and frames[i]:
-            for _ in range(int(rng.integers(1, 4))):
-                frames[i][int(rng.integers(len(frames[i])))] ^= 1 << int(rng.integers(8))
-        elif op == 3:
-            del frames[i]
-        elif op == 4:
-            frames.insert(i, frames[i])
-        else:
-            frames = [bytearray(rng.integers(0, 256, int(rng.integers(0, 64)), dtype=np.uint8))
-                      for _ in range(int(rng.integers(0, 4)))]
-        yield [bytes(f) for f in frames]
-
-
 def _fuzz_parse(n: int, seed: int) -> int:
     refused = 0
-    for frames in _mutations(np.random.default_rng(seed), n):
+    for frames in malformed_messages(n, seed):
         try:
             P.parse(frames)
         except P.ProtocolError:

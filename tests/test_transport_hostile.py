@@ -23,13 +23,13 @@ from hostile_client import (
     flood_from_process,
     junk_hellos,
     malformed_messages,
-    new_request_id,
     peak_rss_bytes,
     request_kit,
     reset_peak_rss,
     rss_bytes,
     unknown_fins,
 )
+from transport_harness import RunningReceiver
 
 from kvsim.core.compose import compose
 from kvsim.core.layout import KVShape
@@ -39,7 +39,7 @@ from kvsim.transport import protocol as P
 from kvsim.transport import session
 from kvsim.transport.config import EmulateConfig
 from kvsim.transport.rate_limiter import Unlimited
-from kvsim.transport.receiver import Receiver
+from kvsim.transport.receiver import LOGGED_PER_CODE, Receiver
 from kvsim.transport.sender import Sender, SendResult
 
 ARGS = ["transport.kv_source=synthetic", "transport.decode=timing", "codecs=[int8]",
@@ -48,7 +48,6 @@ ARGS = ["transport.kv_source=synthetic", "transport.decode=timing", "codecs=[int
 MIB = 1 << 20
 RSS_SLACK_BYTES = 128 * MIB  # after a flood and a good request, RSS is within this of before
 MAX_LOG_CHARS = 320  # "at most ~300 characters" a log line
-LOGGED_PER_CODE = 3
 GOOD_REQUEST_S = 60.0  # a good request's Sender, joined with this timeout
 # the codes an admission failure may carry (a HELLO the receiver cannot or will not serve)
 ADMISSION_CODES = {"incompatible", "admission error", "busy: memory"}
@@ -72,35 +71,16 @@ def kit(cfg: EmulateConfig) -> RequestKit:
     return request_kit(cfg)
 
 
-class Harness:
-    """A Receiver serving in a background thread on an ephemeral loopback port, with limits
-    set on its settings and its log captured."""
+class Harness(RunningReceiver):
+    """The in-process receiver, its log captured, with what these tests ask of it."""
 
     def __init__(self, cfg: EmulateConfig, **limits: Any) -> None:
-        mode = session.decode_mode(cfg)
-        settings = session.receiver_settings(cfg, "tcp://127.0.0.1:*")
-        for key, value in limits.items():
-            setattr(settings, key, value)
-        self.cfg, self.log = cfg, LogCapture()
-        self.rx = Receiver(settings, session.decoder_factory(cfg, mode, None),
-                           session.row_builder(mode), log=self.log,
-                           check_hello=session.hello_checker(cfg, mode))
-        self.thread = threading.Thread(target=self.rx.serve, daemon=True,
-                                       name="hostile-test-receiver")
+        self.log = LogCapture()
+        super().__init__(cfg, log=self.log, **limits)
 
     @property
     def endpoint(self) -> str:
         return self.rx.endpoint
-
-    def start(self) -> Harness:
-        self.thread.start()
-        assert self.rx.bound.wait(10)
-        return self
-
-    def stop(self) -> bool:
-        self.rx.stop.set()
-        self.thread.join(10)
-        return not self.thread.is_alive()
 
     def refused_total(self) -> int:
         return sum(dict(self.rx.refused).values())
@@ -169,9 +149,7 @@ def good_request(cfg: EmulateConfig, endpoint: str, timeout_s: float) -> SendRes
 
 
 def assert_vocabulary(rx: Receiver) -> None:
-    codes = getattr(P, "REFUSAL_CODES", None)
-    assert codes is not None, "kvsim.transport.protocol has no REFUSAL_CODES"
-    unknown = set(dict(rx.refused)) - set(codes)
+    unknown = set(dict(rx.refused)) - set(P.REFUSAL_CODES)
     assert not unknown, f"refusals counted outside the vocabulary: {sorted(unknown)[:5]}"
 
 
@@ -179,8 +157,7 @@ def assert_log_bounded(lines: list[str], floods_of: int | None = None) -> None:
     long = [line for line in lines if len(line) > MAX_LOG_CHARS]
     assert not long, f"{len(long)} log line(s) over {MAX_LOG_CHARS} chars: {long[0][:120]!r}"
     if floods_of is not None:  # a flood of one class of message: at most a few lines each
-        codes = len(getattr(P, "REFUSAL_CODES", ())) or 16
-        assert len(lines) <= LOGGED_PER_CODE * codes, \
+        assert len(lines) <= LOGGED_PER_CODE * len(P.REFUSAL_CODES), \
             f"{len(lines)} log lines for a flood of {floods_of} messages: {lines[:3]}"
 
 
@@ -191,7 +168,7 @@ def refusal(msg: P.Message | None) -> tuple[str, str]:
     body = msg.body
     code, reason = body.get("code"), body.get("reason")
     assert isinstance(reason, str) and len(reason) <= P.__dict__.get("MAX_REASON_CHARS", 256)
-    assert code in getattr(P, "REFUSAL_CODES", ()), f"code {code!r} (reason {reason[:120]!r})"
+    assert code in P.REFUSAL_CODES, f"code {code!r} (reason {reason[:120]!r})"
     return code, reason
 
 
@@ -283,7 +260,7 @@ def test_oversized_hello_parameters_are_refused_quickly(serve, kit):
     slow, codes = {}, {}
     with HostileClient(h.endpoint) as c:
         for name, (path, value) in _hostile_hellos(kit).items():
-            rid = new_request_id()
+            rid = P.new_request_id()
             t0 = time.monotonic()
             c.send(kit.hello_with(rid, path, value))
             msg = c.wait(rid, REPLIES, timeout_s=10)
@@ -317,7 +294,7 @@ sys.addaudithook(_audit)  # process-wide and permanent; idle while _WATCHED is e
 
 
 def test_acceptance_must_be_an_inline_curve_never_a_path(serve, kit, tmp_path):
-    marker = f"SECRET-{new_request_id():x}"
+    marker = f"SECRET-{P.new_request_id():x}"
     secret = tmp_path / "secret.json"  # a well-formed acceptance file, named by the marker
     secret.write_text(json.dumps({"version": 1, "name": marker, "survival": [1.0, 0.5],
                                   "source": marker}))
@@ -329,7 +306,7 @@ def test_acceptance_must_be_an_inline_curve_never_a_path(serve, kit, tmp_path):
         replies = {}
         with HostileClient(h.endpoint) as c:
             for value in [*paths, "geometric:0.9", "seeds-fig10"]:
-                rid = new_request_id()
+                rid = P.new_request_id()
                 replies[value] = refusal(open_request(c, kit, rid, acceptance=value))
             # the sender's own form of an inline curve: a list, or an object with one
             ref = kit.hello["acceptance"]
@@ -345,10 +322,10 @@ def test_acceptance_must_be_an_inline_curve_never_a_path(serve, kit, tmp_path):
                           "empty": curve([]), "survival a path": curve(str(secret)),
                           "a number": 0.9, "a list of lists": [[1.0]]}
             for name, value in bad_curves.items():
-                rid = new_request_id()
+                rid = P.new_request_id()
                 replies[name] = refusal(open_request(c, kit, rid, acceptance=value))
             for good in (ref, curve([1.0, 0.9, 0.81, 0.5])):  # inline curves are taken
-                rid = new_request_id()
+                rid = P.new_request_id()
                 msg = open_request(c, kit, rid, acceptance=good)
                 assert msg is not None and msg.type == P.MsgType.ACCEPT, msg and msg.body
                 c.send(P.json_message(P.MsgType.ABORT, rid, {"reason": "test"}))
@@ -370,7 +347,7 @@ def test_acceptance_must_be_an_inline_curve_never_a_path(serve, kit, tmp_path):
 # ---- ownership -------------------------------------------------------------------------------
 def test_another_peer_cannot_take_over_a_request(serve, kit):
     h = serve()
-    rid = new_request_id()
+    rid = P.new_request_id()
     half = len(kit.chunks) // 2
     with HostileClient(h.endpoint) as victim, HostileClient(h.endpoint) as attacker:
         accept = open_request(victim, kit, rid)
@@ -411,7 +388,7 @@ def test_memory_budget_refuses_what_does_not_fit(serve, kit):
     before = rss_bytes()
     peers = [HostileClient(h.endpoint) for _ in range(5)]
     try:
-        rids = [new_request_id() for _ in peers]
+        rids = [P.new_request_id() for _ in peers]
         replies = []
         for c, rid in zip(peers[:4], rids, strict=False):
             replies.append(open_request(c, kit, rid))
@@ -439,7 +416,7 @@ def test_memory_budget_refuses_what_does_not_fit(serve, kit):
 def test_chunks_beyond_credit_are_dropped(serve, kit):
     window = 256 << 10
     h = serve(window_bytes=window)
-    rid = new_request_id()
+    rid = P.new_request_id()
     with HostileClient(h.endpoint) as c:
         accept = open_request(c, kit, rid)
         assert accept is not None and accept.type == P.MsgType.ACCEPT
@@ -494,7 +471,7 @@ def test_long_fields_are_not_echoed(serve, kit):
              "acceptance": (("acceptance",), long)}
     with HostileClient(h.endpoint) as c:
         for name, (path, value) in cases.items():
-            rid = new_request_id()
+            rid = P.new_request_id()
             c.send(kit.hello_with(rid, path, value))
             code, reason = refusal(c.wait(rid, REPLIES, 5))
             assert len(reason) <= 256 and long[:300] not in reason, (name, len(reason))
@@ -506,7 +483,7 @@ def test_long_fields_are_not_echoed(serve, kit):
 def test_slow_reader_does_not_stall_other_senders(serve, kit):
     h = serve()
     with HostileClient(h.endpoint, rcvhwm=1, rcvbuf=4096, send_timeout_s=2) as slow:
-        rid = new_request_id()
+        rid = P.new_request_id()
         slow.send(kit.hello_frames(rid))  # a request of its own, then replies it never reads
         # ~30k replies of ~300 bytes: past the ROUTER's per-peer queue and the socket
         # buffers (a few MB on loopback) of a peer that reads nothing
@@ -525,7 +502,7 @@ def test_slow_reader_does_not_stall_other_senders(serve, kit):
 def test_a_never_ending_decode_is_ended_at_its_deadline(serve, kit):
     deadline_s = 2.0
     h = serve(request_deadline_s=deadline_s)
-    rid = new_request_id()
+    rid = P.new_request_id()
     with HostileClient(h.endpoint) as c:
         t0 = time.monotonic()
         accept = open_request(c, kit, rid, output_tokens=65536, time_scale=10000.0)
@@ -547,7 +524,7 @@ def test_a_never_ending_decode_is_ended_at_its_deadline(serve, kit):
 
 def test_one_peer_cannot_hold_every_slot(serve, kit):
     h = serve(max_requests_per_peer=2, max_active_requests=8)
-    rids = [new_request_id() for _ in range(3)]
+    rids = [P.new_request_id() for _ in range(3)]
     with HostileClient(h.endpoint) as hog:
         replies = [open_request(hog, kit, rid) for rid in rids]
         kinds = [m.type.name if m is not None else None for m in replies]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import zmq.auth
+from transport_harness import RunningReceiver
 
 from kvsim.cli.main import main
 from kvsim.core.compose import compose
@@ -35,28 +36,6 @@ def config(*overrides: str) -> EmulateConfig:
     return cfg
 
 
-class Serving:
-    """A Receiver of `cfg` in a background thread on an ephemeral loopback port."""
-
-    def __init__(self, cfg: EmulateConfig, metrics: TransportMetrics | None = None) -> None:
-        mode = session.decode_mode(cfg)
-        self.rx = Receiver(session.receiver_settings(cfg, "tcp://127.0.0.1:*"),
-                           session.decoder_factory(cfg, mode, None), session.row_builder(mode),
-                           log=lambda m: None, check_hello=session.hello_checker(cfg, mode),
-                           metrics=metrics)
-        self.thread = threading.Thread(target=self.rx.serve, daemon=True)
-
-    def __enter__(self) -> Receiver:
-        self.thread.start()
-        assert self.rx.bound.wait(10)
-        return self.rx
-
-    def __exit__(self, *exc) -> None:
-        self.rx.stop.set()
-        self.thread.join(10)
-        assert not self.thread.is_alive()
-
-
 def run_sender(cfg: EmulateConfig, endpoint: str, keys: str = "", limiter=None, **kw) -> list:
     session.warm_up(cfg, None)
     [batch] = session.outgoing_requests(cfg, None)
@@ -73,7 +52,7 @@ def test_curve_admits_an_allowed_key_and_no_other(tmp_path):
     zmq.auth.create_certificates(stranger, "client")
     shutil.copy(keys / "server.key", stranger / "server.key")
     cfg = config(f"transport.keys={keys}")
-    with Serving(cfg) as rx:
+    with RunningReceiver(cfg) as rx:
         [ok] = run_sender(cfg, rx.endpoint, str(keys))
         [refused] = run_sender(cfg, rx.endpoint, str(stranger))
         [plain] = run_sender(cfg, rx.endpoint, "")  # no CURVE at all
@@ -97,7 +76,7 @@ def test_a_request_is_its_authenticated_peers(tmp_path):
         shutil.copy(keys / name, other / name)
     cfg = config(f"transport.keys={keys}")
     [batch] = session.outgoing_requests(cfg, None)
-    with Serving(cfg) as rx:
+    with RunningReceiver(cfg) as rx:
         victim = Sender(rx.endpoint, TokenBucket(0.02), timeout_s=5, keys=str(keys),
                         log=lambda m: None)
         done: list = []
@@ -131,7 +110,7 @@ def test_metrics_are_scraped_during_a_transfer():
     total = session.outgoing_requests(cfg, None)[0][0].codec.size_table(
         cfg.model.kv_shape(512)).total_bytes
     try:
-        with Serving(cfg, rx_metrics) as rx:
+        with RunningReceiver(cfg, rx_metrics) as rx:
             out: list = []
             # ~1.6 MB at 0.005 Gbps: about 2.5 s on the wire
             thread = threading.Thread(target=lambda: out.extend(run_sender(
@@ -179,7 +158,9 @@ def test_send_exits_nonzero_on_a_lost_peer_and_resumes_from_its_report(tmp_path)
     cfg = config(f"resume={report}")
     [batch] = session.outgoing_requests(cfg, None)
     assert P.id_hex(batch[0].request_id) == row["request_id"]
-    assert session.resume_identities(str(report)) == {0: bytes.fromhex(row["sender_id"])}
+    plan = session.resume_plan(str(report))
+    assert plan.identities == {0: bytes.fromhex(row["sender_id"])}
+    assert plan.ids == {(0, 0): P.parse_id(row["request_id"])}
     again = tmp_path / "again.json"
     assert main([*args, f"resume={report}", f"report={again}"]) == 1
     assert json.loads(again.read_text())["rows"][0]["request_id"] == row["request_id"]
@@ -187,13 +168,14 @@ def test_send_exits_nonzero_on_a_lost_peer_and_resumes_from_its_report(tmp_path)
 
 def test_resume_names_what_it_cannot_use(tmp_path):
     with pytest.raises(ValueError, match="neither a report file nor a request id"):
-        session.resume_ids("not-an-id")
+        session.resume_plan("not-an-id")
     done = tmp_path / "done.json"
     done.write_text(json.dumps({"rows": [{"status": "done", "variant": 0, "seq": 0,
                                           "request_id": "0" * 32}]}))
     with pytest.raises(ValueError, match="no unfinished request"):
-        session.resume_ids(str(done))
-    assert session.resume_ids("ab" * 16) == {(0, 0): int("ab" * 16, 16)}
+        session.resume_plan(str(done))
+    assert session.resume_plan("ab" * 16) == session.ResumePlan({(0, 0): int("ab" * 16, 16)},
+                                                                {})
 
 
 def test_a_non_loopback_bind_without_keys_is_refused():

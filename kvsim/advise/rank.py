@@ -19,6 +19,7 @@ from kvsim.advise.floor import (
 )
 from kvsim.advise.pareto import pareto_front
 from kvsim.kernels.presets import preset_names, resolve_codec
+from kvsim.scenario.config import VARIANT_KEYS
 from kvsim.scenario.policy import POLICIES
 
 
@@ -96,7 +97,7 @@ def candidate_policies(cfg: AdviseConfig) -> list[tuple[str | dict, list[str]]]:
         entry = dict(entry) if isinstance(entry, dict) else str(entry)
         pinned = entry.get("transfer") if isinstance(entry, dict) else None
         spec = resolve_codec({k: v for k, v in entry.items()
-                              if k not in ("transfer", "acceptance")}
+                              if k not in VARIANT_KEYS}
                              if isinstance(entry, dict) else entry)
         streams = spec.build().num_streams
         if cfg.acceptance_files and streams > 1 and not (

@@ -245,10 +245,8 @@ def _validate(composed: Any, schema: type | None) -> None:
 
     if schema is None or not hasattr(schema, "validate"):
         return
-    plain = OmegaConf.masked_copy(composed, [k for k in composed.keys() if k != "hydra"]) \
-        if "hydra" in composed else composed
     try:
-        typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), plain))
+        typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), composed))
     except Exception:  # an interpolation only the running app resolves: the run checks it
         return
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from kvsim.kernels.presets import CodecSpec, resolve_codec
+from kvsim.kernels.wire import canonical_json
 from kvsim.scenario.config import SimConfig
 from kvsim.scenario.policy import POLICIES, natural_policy
 
@@ -51,7 +52,8 @@ def _unique_labels(out: list[Variant]) -> list[Variant]:
     for (label, _policy), group in seen.items():
         if len(group) < 2:
             continue
-        settings = {(v.spec.name, wire_json(v.spec.params), v.acceptance) for v in group}
+        settings = {(v.spec.name, canonical_json(v.spec.params), v.acceptance)
+                    for v in group}
         if len(settings) == 1:  # repeats of one setting
             continue
         for v in group:
@@ -59,8 +61,3 @@ def _unique_labels(out: list[Variant]) -> list[Variant]:
                              f"{v.acceptance or 'speculative.acceptance'}]")
     return out
 
-
-def wire_json(params: dict) -> str:
-    import json
-
-    return json.dumps(params, sort_keys=True)

@@ -107,30 +107,21 @@ def _check_plain(role: str, verb: str, endpoint: str, insecure: bool, log: Log) 
 
 # ---- key files ---------------------------------------------------------------------------
 
-def _secret_pair(path: Path, keys: str | Path) -> tuple[bytes, bytes]:
-    """(public, secret) z85 keys of a `<name>.key_secret` file."""
+def _load_key(path: Path, keys: str | Path, secret: bool) -> tuple[bytes, bytes | None]:
+    """(public, secret) z85 keys of a key file: a `<name>.key_secret` (secret=True: its
+    secret half must be there) or a public `<name>.key`."""
     if not path.is_file():
+        what = "the file" if secret else "the decode host's server.key"
         raise ValueError(f"no {path.name} in {keys} (looked for {path}): {_make_hint(keys)} "
-                         "and copy the file here")
+                         f"and copy {what} here")
     try:
-        public, secret = load_certificate(path)
+        public, secret_key = load_certificate(path)
     except (OSError, ValueError) as exc:
         raise ValueError(f"{path} is not a CURVE key file ({exc}): {_make_hint(keys)}") from exc
-    if not secret:
+    if secret and not secret_key:
         raise ValueError(f"{path} holds no secret key (a public .key file copied under the "
                          f"secret's name?): {_make_hint(keys)}")
-    return public, secret
-
-
-def _public_key(path: Path, keys: str | Path) -> bytes:
-    if not path.is_file():
-        raise ValueError(f"no {path.name} in {keys} (looked for {path}): {_make_hint(keys)} "
-                         "and copy the decode host's server.key here")
-    try:
-        public, _secret = load_certificate(path)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path} is not a CURVE key file ({exc}): {_make_hint(keys)}") from exc
-    return public
+    return public, secret_key
 
 
 def _client_secret_file(directory: Path, keys: str | Path) -> Path:
@@ -170,7 +161,7 @@ def secure_server(ctx: zmq.Context, sock: zmq.Socket, keys: str, insecure: bool,
         _check_plain("serve", "listen on", endpoint, insecure, log)
         return None
     directory = Path(keys).expanduser()
-    public, secret = _secret_pair(directory / f"{SERVER}{SECRET_SUFFIX}", keys)
+    public, secret = _load_key(directory / f"{SERVER}{SECRET_SUFFIX}", keys, secret=True)
     allowed = directory / ALLOWED_DIR
     if not allowed.is_dir():
         raise ValueError(f"no {ALLOWED_DIR}/ in {keys} (the public keys of the clients to "
@@ -214,8 +205,8 @@ def secure_client(sock: zmq.Socket, keys: str, insecure: bool, endpoint: str,
         _check_plain("send", "connect to", endpoint, insecure, log)
         return False
     directory = Path(keys).expanduser()
-    public, secret = _secret_pair(_client_secret_file(directory, keys), keys)
-    server_public = _public_key(directory / f"{SERVER}{PUBLIC_SUFFIX}", keys)
+    public, secret = _load_key(_client_secret_file(directory, keys), keys, secret=True)
+    server_public, _ = _load_key(directory / f"{SERVER}{PUBLIC_SUFFIX}", keys, secret=False)
     sock.curve_secretkey = secret
     sock.curve_publickey = public
     sock.curve_serverkey = server_public
@@ -290,7 +281,7 @@ def write_keys(directory: Path, client: str = CLIENT, force: bool = False) -> di
         tmp = Path(tmp_name)  # mode 0700: nobody else reads a key before its mode is set
         if server_secret.exists():
             if not server_public.exists():  # a decode host's copy: its public half again
-                public, _secret = _secret_pair(server_secret, directory)
+                public, _secret = _load_key(server_secret, directory, secret=True)
                 (tmp / server_public.name).write_text(
                     f'metadata\ncurve\n    public-key = "{public.decode()}"\n')
                 _install(tmp / server_public.name, server_public, PUBLIC_MODE)

@@ -35,7 +35,7 @@ def send_all(cfg: EmulateConfig, metrics_port: int | None = None) -> list[dict]:
     cfg.validate()
     retain_freed_memory("send")  # before threads start: one arena, memory kept
     torch.set_num_threads(cfg.transport.threads)
-    identities = session.resume_identities(cfg.resume) if cfg.resume else {}
+    resume = session.resume_plan(cfg.resume) if cfg.resume else None
     lm = session.load_model(cfg) if session.source_kind(cfg) == "live" else None
     session.warm_up(cfg, lm)
     rows = []
@@ -46,10 +46,10 @@ def send_all(cfg: EmulateConfig, metrics_port: int | None = None) -> list[dict]:
         print(f"kvsim send: metrics on http://{t.metrics_addr}:{port}/metrics",
               file=sys.stderr)
     try:
-        for variant, batch in enumerate(session.outgoing_requests(cfg, lm)):
+        for variant, batch in enumerate(session.outgoing_requests(cfg, lm, resume)):
             sender = Sender(t.connect, session.limiter_for(cfg), cfg.link.scheduling,
                             t.timeout_s, t.heartbeat_s, t.max_queued_bytes,
-                            identity=identities.get(variant),
+                            identity=resume.identities.get(variant) if resume else None,
                             max_in_flight_bytes=session.max_in_flight_bytes(cfg),
                             residual_weight=cfg.link.residual_weight,
                             residual_age_s=cfg.link.residual_age_s, keys=t.keys,

@@ -158,6 +158,7 @@ class Receiver:
         self.requests: dict[int, Assembly] = {}
         self.owners: dict[int, Peer] = {}
         self.reserved: dict[int, int] = {}  # request -> bytes reserved at admission
+        self.memory_limit_bytes = settings.memory_limit_bytes()
         self.finished_ids: OrderedDict[int, None] = OrderedDict()
         self.rows: list[dict] = []
         self.refused: Counter[str] = Counter()
@@ -224,7 +225,7 @@ class Receiver:
             self._drop_silent(now)
             if self.metrics is not None:
                 self.metrics.set_active(len(self.requests))
-                self.metrics.set_memory(self.reserved_bytes, self.s.memory_limit_bytes())
+                self.metrics.set_memory(self.reserved_bytes, self.memory_limit_bytes)
             if self.s.max_requests and len(self.rows) >= self.s.max_requests:
                 return
             if self.s.idle_exit_s and not self.requests and \
@@ -464,7 +465,7 @@ class Receiver:
         anchor = str(policy).startswith("split_stream") and int(hello.get("cap_tokens") or 0) > 0
         fp32_bytes = 2 * bf16_bytes
         need = int(table.total_bytes) + fp32_bytes * self.s.cache_copies * (2 if anchor else 1)
-        limit = self.s.memory_limit_bytes()
+        limit = self.memory_limit_bytes
         if self.reserved_bytes + need > limit:
             raise Refused("busy: memory", f"the request needs {need / 2**20:.0f} MiB, "
                           f"{(limit - self.reserved_bytes) / 2**20:.0f} MiB of "

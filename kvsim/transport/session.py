@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -165,9 +165,11 @@ def limiter_for(cfg: EmulateConfig) -> Any:
 
 
 # ---- sender side --------------------------------------------------------------------------
-def outgoing_requests(cfg: EmulateConfig, lm: Any | None) -> list[list[OutgoingRequest]]:
+def outgoing_requests(cfg: EmulateConfig, lm: Any | None, resume: ResumePlan | None = None
+                      ) -> list[list[OutgoingRequest]]:
     """One list of requests per (codec, transfer) variant, each replaying the workload's
-    arrivals (the simulator's generator with the same seed)."""
+    arrivals (the simulator's generator with the same seed); a resumed run's requests take
+    the ids of `resume` (None: cfg.resume's plan, if any)."""
     kind = source_kind(cfg)
     if kind == "live" and lm is None:
         raise ValueError("kv_source=live needs the model loaded")
@@ -179,7 +181,9 @@ def outgoing_requests(cfg: EmulateConfig, lm: Any | None) -> list[list[OutgoingR
         raise ValueError("the transport decodes workload.output_tokens tokens for every "
                          "request; a trace file's own GeneratedTokens per request are "
                          "simulated only (kvsim sim), not emulated")
-    resumed = resume_ids(cfg.resume) if cfg.resume else {}
+    if resume is None and cfg.resume:
+        resume = resume_plan(cfg.resume)
+    resumed = dict(resume.ids) if resume is not None else {}
     out = []
     timing_table = load_codec_timing(cfg.hardware.name, cfg.codec_timing or None)
     for vi, v in enumerate(variants(cfg)):
@@ -285,45 +289,43 @@ def acceptance_from_hello(doc: Any) -> Any:
     return AcceptanceModel(name, [float(x) for x in survival], "inline")
 
 
-def resume_ids(resume: str) -> dict[tuple[int, int], int]:
-    """(variant, arrival seq) -> request id of an earlier `kvsim send` run to resume: from its
-    report (report=PATH; every request it did not complete) or one id (32 hex digits: the
-    first request)."""
+@dataclass(frozen=True)
+class ResumePlan:
+    """What an earlier `kvsim send` run left to resume."""
+
+    # (variant, arrival seq) -> request id, for every request it did not complete
+    ids: dict[tuple[int, int], int]
+    # variant -> the sender routing id its requests belong to on the decode host (a request
+    # belongs to the peer that opened it: the resumed run presents the same one)
+    identities: dict[int, bytes]
+
+
+def resume_plan(resume: str) -> ResumePlan:
+    """From that run's report (report=PATH) or one id (32 hex digits: the first request; the
+    same peer then only where it keeps its routing id, i.e. its CURVE key)."""
     import json
     from pathlib import Path
 
     path = Path(resume)
     if not path.is_file():
         try:
-            return {(0, 0): P.parse_id(resume)}
+            return ResumePlan({(0, 0): P.parse_id(resume)}, {})
         except ValueError:
             raise ValueError(f"resume={resume!r} is neither a report file nor a request id "
                              "(32 hex digits)") from None
+    ids, identities = {}, {}
     try:
-        rows = json.loads(path.read_text())["rows"]
-        out = {(int(r["variant"]), int(r["seq"])): P.parse_id(str(r["request_id"]))
-               for r in rows if r.get("status") != "done" and "variant" in r}
+        for r in json.loads(path.read_text())["rows"]:
+            if r.get("status") == "done" or "variant" not in r:
+                continue
+            ids[(int(r["variant"]), int(r["seq"]))] = P.parse_id(str(r["request_id"]))
+            if r.get("sender_id"):
+                identities[int(r["variant"])] = bytes.fromhex(str(r["sender_id"]))
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"resume={resume}: not a kvsim send report ({exc})") from None
-    if not out:
+    if not ids:
         raise ValueError(f"resume={resume}: the report has no unfinished request to resume")
-    return out
-
-
-def resume_identities(resume: str) -> dict[int, bytes]:
-    """variant -> the sender routing id an earlier `kvsim send` run's report names (a
-    request belongs to the peer that opened it: the resumed run presents the same one)."""
-    import json
-    from pathlib import Path
-
-    path = Path(resume)
-    if not path.is_file():
-        return {}  # an id alone: the same peer only where it keeps its routing id (CURVE key)
-    out = {}
-    for r in json.loads(path.read_text()).get("rows", []):
-        if r.get("sender_id") and "variant" in r:
-            out[int(r["variant"])] = bytes.fromhex(str(r["sender_id"]))
-    return out
+    return ResumePlan(ids, identities)
 
 
 def decoder_factory(cfg: EmulateConfig, mode: str, lm: Any | None):
