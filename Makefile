@@ -18,7 +18,7 @@ setup: $(VENV)/.installed
 
 run: setup
 	$(VENV)/bin/kvsim model fetch
-	$(VENV)/bin/kvsim sim
+	$(VENV)/bin/kvsim sim scenario=table1-qwen32b-16k
 
 # the fetch's run record (a Hydra run directory) goes beside the model cache, not outputs/
 test: setup

@@ -8,7 +8,9 @@ from kvsim.scenario.config import SimConfig
 from kvsim.scenario.variants import variants
 from kvsim.sim.run import Scenario
 
-BASE = ["scenario=none", "model=smollm2-135m", "hardware=local-cpu", "link=emulated",
+# transfer=seeds: monolithic / split_stream, the policies the expectations below are of
+BASE = ["scenario=none", "transfer=seeds", "model=smollm2-135m", "hardware=local-cpu",
+        "link=emulated",
         "workload=emulated", "workload.context_tokens=1024", "workload.output_tokens=32",
         "speculative.draft_overhead_s=0", "speculative.acceptance=smollm2-135m-lynx-s1-greedy"]
 

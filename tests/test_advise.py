@@ -160,15 +160,19 @@ def test_a_ranking_of_drawn_times_averages_enough_samples(tmp_path, capsys):
     """samples=1 with split-stream candidates that draft: one acceptance draw would decide
     the ranking; advise raises samples to min_samples and says so. Deterministic candidates
     keep samples=1."""
-    from kvsim.advise.rank import enough_samples
+    from kvsim.advise.rank import candidate_policies
+    from kvsim.scenario.samples import enough_samples
+
+    def raised(cfg) -> str:
+        return enough_samples(cfg, [p for _, ps in candidate_policies(cfg) for p in ps])
 
     cfg = _slow(["codecs=[int8,lynx]", "transfer=[monolithic,split_stream]"])
-    note = enough_samples(cfg)
+    note = raised(cfg)
     assert cfg.samples == 8 and "speculative acceptance" in note
     cfg = _slow([])  # bf16 / int8 / int4 monolithic: nothing drawn
-    assert enough_samples(cfg) == "" and cfg.samples == 1
+    assert raised(cfg) == "" and cfg.samples == 1
     cfg = _slow(["codecs=[int8,lynx]", "transfer=[monolithic,split_stream]", "min_samples=1"])
-    assert enough_samples(cfg) == "" and cfg.samples == 1
+    assert raised(cfg) == "" and cfg.samples == 1
     report = tmp_path / "advice.json"
     assert main(["advise", *SLOW, "codecs=[int8,lynx]", "transfer=[monolithic,split_stream]",
                  "min_samples=3", f"report={report}"]) == 0
@@ -194,5 +198,5 @@ def test_ties_are_shown_as_ties_and_the_reason_is_one_sentence_then_details(caps
     status = {c.codec: (c.rank, c.tied) for c in got.candidates}
     assert status == {"int8": (1, True), "int4": (2, True), "bf16": (3, False)}
     head, *details = got.reason_lines
-    assert head.startswith("int8 with monolithic transfer") and details
-    assert all(len(line) < 200 for line in got.reason_lines)
+    assert head.startswith("int8 / monolithic ties for the shortest committed TT32T") and details
+    assert all(len(line) < 120 for line in got.reason_lines)

@@ -181,7 +181,8 @@ def _scenario(tmp_path, bandwidth_gbps: float, codecs=("bf16", "lynx"),
     entry = {"encode_gb_per_s": 50.0, "decode_gb_per_s": 25.0, "source": "assumed",
              "assumption": "test"}
     timing.write_text(json.dumps({"version": 1, "hardware": "test", "default": entry}))
-    cfg = SimConfig(model=MODEL, hardware=HW, codecs=list(codecs), codec_timing=str(timing))
+    cfg = SimConfig(model=MODEL, hardware=HW, codecs=list(codecs), codec_timing=str(timing),
+                    transfer="seeds")  # one-stream codecs monolithic, as computed below
     cfg.link = replace(cfg.link, bandwidth_gbps=bandwidth_gbps, **link)
     cfg.workload = replace(cfg.workload, kind="trace",
                            arrivals_t=[0.01 * i for i in range(len(contexts))],

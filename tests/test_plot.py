@@ -57,7 +57,9 @@ def test_ttkt_series_are_the_report_values(inputs, tmp_path):
     report = json.loads(inputs["sim"].read_text())["rows"]
     lynx = next(r for r in report if r["codec"] == "lynx")
     series = next(s for s in rows[0]["series"] if s["codec"] == "lynx")
-    assert series["t_s"][series["k"].index(32)] == lynx["ttkt_from_prefill_end_s"]["32"]
+    # committed by default (a drafted token counts once verified)
+    assert series["t_s"] == [lynx["ttkt_committed_from_prefill_end_s"][str(k)]
+                             for k in series["k"]]
 
 
 def test_breakdown_bars_total_the_critical_path(inputs, tmp_path):
@@ -177,10 +179,10 @@ def test_coincident_series_are_named():
 def test_fig11_defaults_to_prefill_end_and_a_log_bandwidth_axis(inputs, tmp_path):
     rows = run(PlotOptions(kind="fig11", input=str(inputs["sweep"]), k=32,
                            out=str(tmp_path / "f.png"), formats=["png"]))
-    assert rows[0]["metric"] == "ttkt_from_prefill_end_s.32"
+    assert rows[0]["metric"] == "ttkt_committed_from_prefill_end_s.32"
     assert rows[0]["x_scale"] == {"context_tokens": "log", "bandwidth_gbps": "log"}
     rows = run(PlotOptions(kind="fig11", input=str(inputs["sweep"]), k=32, origin="arrival",
-                           out=str(tmp_path / "g.png"), formats=["png"]))
+                           count="drafted", out=str(tmp_path / "g.png"), formats=["png"]))
     assert rows[0]["metric"] == "ttkt_s.32"
 
 
@@ -225,3 +227,29 @@ def test_pareto_from_an_advise_report(inputs, tmp_path):
     assert len(files) == 2
     with pytest.raises(ValueError, match="is a 'sim' report, not a 'advise' one"):
         run(PlotOptions(kind="pareto", input=str(inputs["sim"]), out=str(tmp_path / "q.png")))
+
+
+def test_fig11_draws_committed_times_and_one_line_per_codec_and_policy(inputs, tmp_path):
+    """Committed by default, labelled so; a codec swept under two policies is two lines
+    (colour by codec, marker by policy) instead of a refusal."""
+    import pandas as pd
+
+    table = pd.read_parquet(inputs["sweep"] / "sweep.parquet")
+    rows = run(PlotOptions(kind="fig11", input=str(inputs["sweep"]), k=32, origin="arrival",
+                           out=str(tmp_path / "c.png"), formats=["png"]))
+    assert rows[0]["metric"] == "ttkt_committed_s.32"
+    lynx = next(s for s in rows[0]["bandwidth_gbps"] if s["codec"] == "lynx")
+    here = table[(table["codec"] == "lynx") & (table["context_tokens"] == 1024)]
+    assert lynx["ttkt_committed_s.32"] == here.sort_values("bandwidth_gbps")[
+        "ttkt_committed_s.32"].tolist()
+    drafted = run(PlotOptions(kind="fig11", input=str(inputs["sweep"]), k=32, count="drafted",
+                              out=str(tmp_path / "d.png"), formats=["png"]))
+    assert drafted[0]["metric"] == "ttkt_from_prefill_end_s.32"
+    # the same sweep with lynx under a second policy: one line per (codec, policy)
+    other = table[table["codec"] == "lynx"].assign(transfer="layerwise")
+    both = tmp_path / "both.parquet"
+    pd.concat([table, other]).to_parquet(both)
+    rows = run(PlotOptions(kind="fig11", input=str(both), k=32, out=str(tmp_path / "b.png"),
+                           formats=["png"]))
+    labels = sorted(s["label"] for s in rows[0]["context_tokens"])
+    assert labels == ["int8", "lynx (layerwise)", "lynx (split_stream_layerwise)"]

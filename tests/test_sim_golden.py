@@ -28,19 +28,20 @@ REL_TOL = 1e-9
 SPEED_KEYS = {"wall_s", "events", "events_per_s"}
 CONFIG_ECHO = {"codec_params"}  # what the row repeats of its config: not a result
 
-SINGLE = ["scenario=none", "link=25g", "workload=single", "workload.context_tokens=5000",
-          "codecs=[bf16,int8,lynx]"]
+# transfer=seeds: the policies the values were recorded under (monolithic / split_stream)
+SINGLE = ["scenario=none", "transfer=seeds", "link=25g", "workload=single",
+          "workload.context_tokens=5000", "codecs=[bf16,int8,lynx]"]
 # 30 Poisson requests at overload on 3 prefill + 2 decode instances: queues, shared links,
 # several members in each decode batch
-POISSON = ["scenario=none", "link=25g", "workload=poisson", "workload.requests=30",
-           "workload.rate_per_s=20", "workload.context_tokens=6000",
+POISSON = ["scenario=none", "transfer=seeds", "link=25g", "workload=poisson",
+           "workload.requests=30", "workload.rate_per_s=20", "workload.context_tokens=6000",
            "workload.context_max_tokens=20000", "workload.output_tokens=32",
            "workload.prefill_nodes=3", "workload.decode_nodes=2", "workload.decode_max_batch=8",
            "codecs=[int8,lynx]", "metrics.ks=[1,8,32]"]
 CASES: dict[str, list[str]] = {
     "single-page": SINGLE + ["granularity=page"],
     "single-layer": SINGLE + ["granularity=layer"],
-    "single-trace": ["scenario=none", "link=wan-trace", "workload=single",
+    "single-trace": ["scenario=none", "transfer=seeds", "link=wan-trace", "workload=single",
                      "workload.context_tokens=30000", "codecs=[lynx,int8]"],
     "poisson-anchors-first": POISSON + ["link.scheduling=anchors_first"],
     "poisson-fifo-shared": POISSON + ["link.scheduling=fifo", "link.sharing=shared",

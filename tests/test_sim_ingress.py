@@ -27,7 +27,8 @@ def _run(tmp_path, ingress_gbps: float, decode_nodes: int = 1):
     entry = {"encode_gb_per_s": 50.0, "decode_gb_per_s": 25.0, "source": "assumed",
              "assumption": "test"}
     timing.write_text(json.dumps({"version": 1, "hardware": "test", "default": entry}))
-    cfg = SimConfig(model=MODEL, hardware=HW, codecs=["bf16"], codec_timing=str(timing))
+    cfg = SimConfig(model=MODEL, hardware=HW, codecs=["bf16"], codec_timing=str(timing),
+                    transfer="monolithic")
     cfg.link = replace(cfg.link, bandwidth_gbps=1.0, latency_s=0.002,
                        decode_ingress_gbps=ingress_gbps)
     # two identical requests at t=0 on two prefill nodes (one egress link each of 1 Gbps)
@@ -68,7 +69,7 @@ def test_ingress_rate_is_validated():
         LinkConfig(decode_ingress_gbps=-1.0).validate()
 
 
-def _deser_run(tmp_path, mode: str, transfer: str = "auto", arrivals=(0.0, 0.0),
+def _deser_run(tmp_path, mode: str, transfer: str = "monolithic", arrivals=(0.0, 0.0),
                ingress_gbps: float = 0.0, decode_gb_per_s: float = 25.0,
                egress_gbps: float = 1.0, prefill_nodes: int = 2):
     timing = tmp_path / "timing.json"

@@ -42,7 +42,8 @@ def _cfg(tmp_path, codecs, enc_gbs=50.0, dec_gbs=25.0, **over) -> SimConfig:
                       hidden_size=256, params_total=1e8, params_active=1e8)
     hw = HardwareSpec(name="test", hbm_gb_per_s=100.0, bf16_tflops=10.0, memory_gb=100.0,
                       step_overhead_s=0.001)
-    cfg = SimConfig(model=model, hardware=hw, codecs=codecs,
+    # transfer=seeds: the hand-computed times below are of monolithic / split_stream transfer
+    cfg = SimConfig(model=model, hardware=hw, codecs=codecs, transfer="seeds",
                     codec_timing=_timing_file(tmp_path, enc_gbs, dec_gbs))
     cfg.link = replace(cfg.link, bandwidth_gbps=1.0, latency_s=0.002)
     cfg.workload = replace(cfg.workload, context_tokens=1000, output_tokens=130)
@@ -132,7 +133,7 @@ def test_breakdown_sums_and_trace_spans_within_the_run(tmp_path):
                transfer=["monolithic", "layerwise", "split_stream", "split_stream_layerwise"],
                trace_path=str(tmp_path / "trace.json"))
     rows, trace = run_all(cfg)
-    assert len(rows) == 8  # bf16 has one stream: its split policies send one flow
+    assert len(rows) == 6  # bf16 has one stream: no row under the split-stream policies
     for r in rows:
         k = r["breakdown_k"]
         assert sum(r["breakdown_s"].values()) == pytest.approx(
@@ -213,7 +214,7 @@ def test_every_config_group_option_composes():
 
 def test_bad_policy_and_missing_timing_are_clear(tmp_path):
     cfg = _cfg(tmp_path, ["bf16"], transfer="teleport")
-    with pytest.raises(ValueError, match="unknown transfer"):
+    with pytest.raises(ValueError, match="unknown policy 'teleport'"):
         variants(cfg)
     cfg = _cfg(tmp_path, ["bf16"], codec_timing=str(tmp_path / "none.json"))
     with pytest.raises(ValueError, match="no codec timing file"):
@@ -296,16 +297,23 @@ def test_codec_entry_pins_its_own_acceptance_and_transfer(tmp_path):
 
 # ---- breakdown attribution and the decode-side deserializer (analytic) ---------------------
 def test_encoder_bound_pipeline_books_encoding_as_serialize(tmp_path):
-    # bf16 sent as one pipelined flow (split_stream of a one-stream codec: encoding after
-    # prefill, chunk i on the wire while i+1 is encoded). 4 layers x 4 pages of 256 tokens:
+    # bf16 sent as one pipelined flow: the engine's split_stream pipeline with one stream
+    # (encoding after prefill, chunk i on the wire while i+1 is encoded; what each stream of a
+    # split-stream codec does). No config gives a one-stream codec this policy (variants()
+    # skips it), so the variant is built here. 4 layers x 4 pages of 256 tokens:
     # 16 chunks of 2 (K,V) * 2 heads * 256 * 64 * 2 B = 131,072 B. Encoder 0.01 GB/s: 13.1 ms
     # per chunk; link 1 Gbps: 1.05 ms per chunk -> every chunk leaves as soon as it is
     # encoded: the last byte arrives at t_pe + 16 e + s_last + latency (s: the chunk and its
     # 20-byte frame header on the wire).
     cfg = _cfg(tmp_path, [{"name": "bf16", "params": {"page_tokens": 256}}], enc_gbs=0.01,
-               dec_gbs=1.0, transfer="split_stream")
+               dec_gbs=1.0)
     cfg.workload = replace(cfg.workload, context_tokens=1024)
-    (row,), _ = run_all(cfg)
+    variant = replace(variants(cfg)[0], policy="split_stream")
+
+    def run_one() -> dict:
+        return Scenario(cfg, variant, 1024, cfg.link.bandwidth_gbps).run_samples(1)
+
+    row = run_one()
     tm = TimingModel(cfg.model, cfg.hardware)
     chunk = 2 * 2 * 256 * 64 * 2
     e, d, lat = chunk / 0.01e9, chunk / 1e9, 0.002
@@ -319,7 +327,7 @@ def test_encoder_bound_pipeline_books_encoding_as_serialize(tmp_path):
     # link-bound (encoder 100 GB/s, 1.3 us per chunk): only the first chunk's encoding is
     # exposed; the rest is the link's: 16 chunks (+ the preamble) + latency
     cfg.codec_timing = _timing_file(tmp_path, 100.0, 1.0)
-    (fast,), _ = run_all(cfg)
+    fast = run_one()
     bd = fast["breakdown_s"]
     wire = fast["total_bytes"]
     assert bd["serialize"] == pytest.approx(chunk / 100e9, rel=1e-9)
@@ -598,3 +606,41 @@ def test_a_run_leaves_no_cyclic_garbage(tmp_path, deserializer, chunk_tokens):
     finally:
         gc.enable()
     assert left < 20, f"a dropped scenario left {left} objects in reference cycles"
+
+
+# ---- transfer: which policy each codec runs under ------------------------------------------
+def test_auto_transfer_is_the_best_policy_each_codec_supports(tmp_path):
+    """auto: layer-wise encoding for a one-stream codec, split streams with layer-wise
+    encoding for a several-stream one; seeds: the seeds' pairing (monolithic / split_stream).
+    Under auto no one-stream codec waits for the whole prefill before sending, so it is never
+    slower than under seeds."""
+    two = {"name": "test-two-halves"}
+    auto = {v.spec.label: v.policy for v in variants(_cfg(tmp_path, ["bf16", two],
+                                                          transfer="auto"))}
+    assert auto == {"bf16": "layerwise", "test-two-halves": "split_stream_layerwise"}
+    seeds = {v.spec.label: v.policy for v in variants(_cfg(tmp_path, ["bf16", two]))}
+    assert seeds == {"bf16": "monolithic", "test-two-halves": "split_stream"}
+    fast = {r["codec"]: r for r in run_all(_cfg(tmp_path, ["bf16"], transfer="auto"))[0]}
+    slow = {r["codec"]: r for r in run_all(_cfg(tmp_path, ["bf16"]))[0]}
+    assert fast["bf16"]["ttkt_committed_s"][32] < slow["bf16"]["ttkt_committed_s"][32]
+
+
+def test_a_policy_a_codec_cannot_use_gives_no_row(tmp_path):
+    """A one-stream codec has nothing to split: under a split-stream policy it gives no row
+    (skipped_variants names it); pinned on the entry, or with no codec left, it is an error."""
+    from kvsim.scenario.variants import skipped_variants
+
+    two = {"name": "test-two-halves"}
+    cfg = _cfg(tmp_path, ["bf16", two], transfer=["layerwise", "split_stream"])
+    assert [(v.spec.label, v.policy) for v in variants(cfg)] == [
+        ("bf16", "layerwise"), ("test-two-halves", "layerwise"),
+        ("test-two-halves", "split_stream")]
+    assert skipped_variants(cfg) == ["bf16/split_stream"]
+    rows = run_all(cfg)[0]
+    assert sorted((r["codec"], r["transfer"]) for r in rows) == sorted(
+        [("bf16", "layerwise"), ("test-two-halves", "layerwise"),
+         ("test-two-halves", "split_stream")])
+    with pytest.raises(ValueError, match="bf16: transfer split_stream needs several streams"):
+        variants(_cfg(tmp_path, [{"name": "bf16", "transfer": "split_stream"}]))
+    with pytest.raises(ValueError, match="no listed codec can use it.*bf16/split_stream"):
+        variants(_cfg(tmp_path, ["bf16"], transfer="split_stream"))

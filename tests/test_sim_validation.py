@@ -117,12 +117,12 @@ def test_link_refuses_non_finite_numbers_and_accepts_equal_trace_times():
 def test_base_defaults_without_a_scenario_fit_and_run(capsys):
     from kvsim.core.compose import compose
 
-    cfg, _ = compose("sim", ["scenario=none"], SimConfig)
+    cfg, _ = compose("sim", [], SimConfig)  # no scenario unless one is named
     assert (cfg.model.name, cfg.hardware.name, cfg.hardware.devices) == ("llama-3.1-8b",
                                                                          "h100", 1)
-    assert main(["sim", "scenario=none", "codecs=[int8]", "samples=1"]) == 0
+    assert main(["sim", "codecs=[int8]", "samples=1"]) == 0
     # every scenario names the model and hardware it was calibrated for
-    table1, _ = compose("sim", [], SimConfig)
+    table1, _ = compose("sim", ["scenario=table1-qwen32b-16k"], SimConfig)
     assert (table1.model.name, table1.hardware.name, table1.hardware.devices) == (
         "qwen3-32b", "ascend-910b4", 4)
 

@@ -29,9 +29,10 @@ from kvsim.transport.rate_limiter import TokenBucket, Unlimited
 from kvsim.transport.receiver import Receiver
 from kvsim.transport.sender import OutgoingRequest, Sender
 
+# transfer=seeds: monolithic / split_stream, the policies these tests check on the wire
 BASE = ["transport.kv_source=synthetic", "transport.decode=timing", "workload.context_tokens=512",
         "workload.output_tokens=8", "transport.timeout_s=3", "transport.heartbeat_s=0.2",
-        "speculative.acceptance=geometric:0.9"]
+        "speculative.acceptance=geometric:0.9", "transfer=seeds"]
 
 
 def config(*overrides: str) -> EmulateConfig:

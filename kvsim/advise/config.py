@@ -3,10 +3,14 @@ workload=, scenario=, ...) plus the quality floor and what to rank by."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvsim.scenario.config import SimConfig
+
+DEFAULT_FLOOR = 1e-3  # attention-output vNMSE bound
+DEFAULT_OBJECTIVE = "ttkt_committed_s.32"
+DEFAULT_TIE_S = 0.01  # s: below what a user notices
 
 # what `objective` may name: a row metric, and for the TTKT ones `.k` (a TTKT point)
 OBJECTIVES = ("ttft_s", "ttft_committed_s", "ttkt_s", "ttkt_committed_s")
@@ -15,27 +19,20 @@ OBJECTIVES = ("ttft_s", "ttft_committed_s", "ttkt_s", "ttkt_committed_s")
 @dataclass
 class AdviseConfig(SimConfig):
     # lossless | none | a vNMSE bound (attention-output vNMSE with every stream used)
-    floor: Any = 1e-3
+    floor: Any = DEFAULT_FLOOR
     # the time ranked: ttft_s | ttft_committed_s | ttkt_s.K | ttkt_committed_s.K (seconds
     # from request arrival; -committed: a drafted token counts once verified)
-    objective: str = "ttkt_committed_s.32"
-    # measured vNMSE tables (data/vnmse/<name>.json or paths), the first naming a codec wins
-    vnmse_tables: list[str] = field(
-        default_factory=lambda: ["smollm2-135m-ctx1024", "smollm2-135m-ctx1024-lynx"])
+    objective: str = DEFAULT_OBJECTIVE
     # candidates within this many seconds of the fastest admissible one count as tied, and
     # the tie goes to the lowest vNMSE, then the fewest bytes (10 ms is below what a user
     # notices; 0: strictly the fastest)
-    tie_s: float = 0.01
+    tie_s: float = DEFAULT_TIE_S
     top: int = 12  # ranked rows printed (every row is in report.json)
     # measured acceptance per codec: a data/acceptance/ file name in which CODEC stands for
     # the codec label, e.g. smollm2-135m-CODEC-s1-greedy; a several-stream codec whose file
     # exists drafts with its own curve (a 2-bit anchor is accepted less than a 4-bit one);
     # "": every codec drafts with speculative.acceptance, as in `kvsim sim`
     acceptance_files: str = ""
-    # a ranking of candidates whose times are drawn (drafts accepted by chance, random
-    # arrivals) averages at least this many runs: a smaller `samples` is raised to it, and
-    # advise says so (1: rank on what `samples` says, one draw deciding)
-    min_samples: int = 8
 
     def validate(self) -> None:
         if not self.codecs:  # empty: every preset in conf/codec
@@ -59,11 +56,6 @@ class AdviseConfig(SimConfig):
         if self.acceptance_files and "CODEC" not in self.acceptance_files:
             raise ValueError(f"acceptance_files must contain CODEC (where the codec label "
                              f"goes), got {self.acceptance_files!r}")
-        if isinstance(self.min_samples, bool) or not isinstance(self.min_samples, int) or \
-                self.min_samples < 1:
-            raise ValueError(f"min_samples must be an integer >= 1, got {self.min_samples!r}")
-        if not self.vnmse_tables:
-            raise ValueError("vnmse_tables must name at least one table (data/vnmse/)")
 
 
 def objective_key(objective: str) -> tuple[str, int | None]:
@@ -80,3 +72,9 @@ def objective_key(objective: str) -> tuple[str, int | None]:
     if k:
         raise ValueError(f"objective {objective!r}: {name} takes no .K")
     return name, None
+
+
+def objective_words(objective: str) -> str:
+    """'ttkt_committed_s.32' -> 'committed TT32T'; 'ttft_s' -> 'drafted TTFT'."""
+    name, k = objective_key(objective)
+    return ("committed " if "committed" in name else "drafted ") + (f"TT{k}T" if k else "TTFT")

@@ -7,7 +7,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from kvsim.advise.config import AdviseConfig, objective_key
+from kvsim.advise.config import (
+    DEFAULT_FLOOR,
+    DEFAULT_OBJECTIVE,
+    DEFAULT_TIE_S,
+    AdviseConfig,
+    objective_key,
+    objective_words,
+)
 from kvsim.advise.floor import (
     LOSSLESS,
     SERVING_CODEC,
@@ -20,7 +27,7 @@ from kvsim.advise.floor import (
 from kvsim.advise.pareto import pareto_front
 from kvsim.kernels.presets import preset_names, resolve_codec
 from kvsim.scenario.config import VARIANT_KEYS
-from kvsim.scenario.policy import POLICIES
+from kvsim.scenario.policy import POLICIES, applicable
 
 
 @dataclass
@@ -107,35 +114,10 @@ def candidate_policies(cfg: AdviseConfig) -> list[tuple[str | dict, list[str]]]:
                 entry = {**entry, "acceptance": name} if isinstance(entry, dict) \
                     else {"preset": entry, "acceptance": name}
         policies = [str(pinned)] if pinned else [
-            t for t in transfers if streams > 1 or not t.startswith("split_stream")]
+            t for t in transfers if applicable(t, streams)]
         if policies:
             out.append((entry, policies))
     return out
-
-
-def drawn(cfg: AdviseConfig) -> str:
-    """What makes the candidates' times random draws ("" if nothing does): drafts accepted
-    by chance (a split-stream candidate that drafts) or random arrivals."""
-    why = []
-    if cfg.speculative.cap_tokens > 0 and any(
-            p.startswith("split_stream") for _, policies in candidate_policies(cfg)
-            for p in policies):
-        why.append("speculative acceptance")
-    if cfg.workload.kind in ("poisson", "azure"):
-        why.append(f"{cfg.workload.kind} arrivals")
-    return " and ".join(why)
-
-
-def enough_samples(cfg: AdviseConfig) -> str:
-    """Raise cfg.samples to cfg.min_samples where the times are drawn; returns the note
-    that says so ("" when nothing changed)."""
-    why = drawn(cfg)
-    if not why or cfg.samples >= cfg.min_samples:
-        return ""
-    note = (f"samples={cfg.samples} raised to {cfg.min_samples} (min_samples): the times "
-            f"depend on {why}, and one draw would decide the ranking")
-    cfg.samples = cfg.min_samples
-    return note
 
 
 def simulate(cfg: AdviseConfig, progress: bool = False) -> list[dict]:
@@ -163,33 +145,7 @@ def advise(cfg: AdviseConfig, rows: list[dict],
            qualities: dict[str, CodecQuality]) -> Advice:
     """Rank simulated rows under cfg's floor and objective (pure: no simulation here)."""
     floor = parse_floor(cfg.floor)
-    name, k = objective_key(cfg.objective)
-    if floor.kind == LOSSLESS and "committed" not in name:
-        raise ValueError(f"floor=lossless ranks committed times only (a drafted token is shown "
-                         f"before verification and may be rejected); objective "
-                         f"{cfg.objective!r} is drafted: use ttkt_committed_s.K or "
-                         "ttft_committed_s")
-    serving = qualities.get(SERVING_CODEC)
-    spread_key = name if k is None else f"{name}.{k}"
-    cands = []
-    for row in rows:
-        time_s = metric(row, name, k)
-        if time_s is None:
-            raise ValueError(f"objective {cfg.objective!r}: row {row.get('codec')}/"
-                             f"{row.get('transfer')} has no such metric (is {k} among "
-                             "metrics.ks and <= workload.output_tokens?)")
-        q = qualities.get(row["codec"])
-        ok, why = admissible(floor, q, serving)
-        cands.append(Candidate(
-            codec=row["codec"], transfer=row["transfer"],
-            streams=int(row.get("streams") or len(row.get("stream_bytes") or {}) or 1),
-            total_bytes=float(row["total_bytes"]), ttft_s=row["ttft_s"],
-            ttft_committed_s=row.get("ttft_committed_s", row["ttft_s"]),
-            ttkt_s=metric(row, "ttkt_s", k) if k else None,
-            ttkt_committed_s=metric(row, "ttkt_committed_s", k) if k else None,
-            objective_s=float(time_s), objective_ci95_s=half_width(row, spread_key),
-            vnmse=None if q is None else q.vnmse, acceptance=str(row.get("acceptance", "")),
-            admissible=ok, excluded_because=why, samples=int(row.get("samples") or 1)))
+    cands = candidates(rows, qualities, floor, cfg.objective)
     measured = [c for c in cands if c.vnmse is not None]
     front = [measured[i] for i in
              pareto_front([(c.objective_s, c.vnmse) for c in measured])]  # type: ignore[misc]
@@ -208,6 +164,51 @@ def advise(cfg: AdviseConfig, rows: list[dict],
     if unmeasured and floor.kind != "none":
         notes.append(f"not admissible for want of a vNMSE measurement: {', '.join(unmeasured)}")
     return Advice(floor, cfg.objective, ranked, front, recommended, reason, notes)
+
+
+def pick(rows: list[dict], qualities: dict[str, CodecQuality],
+         floor: QualityFloor | None = None, objective: str = DEFAULT_OBJECTIVE,
+         tie_s: float = DEFAULT_TIE_S) -> Candidate | None:
+    """The row advise would recommend among these rows, by advise's defaults (floor, objective,
+    tie rule): what `kvsim sim` and the sweep summary name, so every command gives one answer
+    for one setting."""
+    floor = floor or parse_floor(DEFAULT_FLOOR)
+    ranked = rank(candidates(rows, qualities, floor, objective), tie_s)
+    return ranked[0] if ranked and ranked[0].admissible else None
+
+
+def candidates(rows: list[dict], qualities: dict[str, CodecQuality], floor: QualityFloor,
+               objective: str) -> list[Candidate]:
+    """One candidate per row: its times at the objective's k, its quality and whether it is
+    admissible under the floor."""
+    name, k = objective_key(objective)
+    if floor.kind == LOSSLESS and "committed" not in name:
+        raise ValueError(f"floor=lossless ranks committed times only (a drafted token is shown "
+                         f"before verification and may be rejected); objective "
+                         f"{objective!r} is drafted: use ttkt_committed_s.K or "
+                         "ttft_committed_s")
+    serving = qualities.get(SERVING_CODEC)
+    spread_key = name if k is None else f"{name}.{k}"
+    cands = []
+    for row in rows:
+        time_s = metric(row, name, k)
+        if time_s is None:
+            raise ValueError(f"objective {objective!r}: row {row.get('codec')}/"
+                             f"{row.get('transfer')} has no such metric (is {k} among "
+                             "metrics.ks and <= workload.output_tokens?)")
+        q = qualities.get(row["codec"])
+        ok, why = admissible(floor, q, serving)
+        cands.append(Candidate(
+            codec=row["codec"], transfer=row["transfer"],
+            streams=int(row.get("streams") or len(row.get("stream_bytes") or {}) or 1),
+            total_bytes=float(row["total_bytes"]), ttft_s=row["ttft_s"],
+            ttft_committed_s=row.get("ttft_committed_s", row["ttft_s"]),
+            ttkt_s=metric(row, "ttkt_s", k) if k else None,
+            ttkt_committed_s=metric(row, "ttkt_committed_s", k) if k else None,
+            objective_s=float(time_s), objective_ci95_s=half_width(row, spread_key),
+            vnmse=None if q is None else q.vnmse, acceptance=str(row.get("acceptance", "")),
+            admissible=ok, excluded_because=why, samples=int(row.get("samples") or 1)))
+    return cands
 
 
 def rank(cands: list[Candidate], tie_s: float) -> list[Candidate]:
@@ -244,8 +245,8 @@ def explain(best: Candidate | None, ranked: list[Candidate], cands: list[Candida
     if best is None:
         return (f"no candidate meets the floor ({floor.describe()}); loosen it or measure "
                 "the codecs' vNMSE (`kvsim quality`)")
-    parts = [f"{best.codec} with {best.transfer} transfer has the shortest {objective} "
-             f"among codecs meeting the floor ({floor.describe()}): {_fmt(best)}"
+    what = ("ties for" if best.tied else "has") + f" the shortest {objective_words(objective)}"
+    parts = [f"{best.codec} / {best.transfer} {what} meeting the floor: {best.objective_s:.3f} s"
              + (f", vNMSE {best.vnmse:.3g}" if best.vnmse is not None else "")]
     others = [c for c in ranked if c.admissible and c is not best]
     tied = [c for c in others if c.objective_s <= ranked[0].objective_s + tie_s

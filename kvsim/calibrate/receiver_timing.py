@@ -110,7 +110,9 @@ def receiver_loads(model: str, codecs: list[Any], context_tokens: int, seed: int
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     entries = ",".join(str(c) for _ in range(repeats) for c in codecs)
-    overrides = [f"model={model}", "hardware=local-cpu", "link=emulated",
+    # transfer=seeds: monolithic / split_stream, the policies the receiver's loads are
+    # calibrated under (the split-stream requests draft)
+    overrides = [f"model={model}", "hardware=local-cpu", "link=emulated", "transfer=seeds",
                  f"link.bandwidth_gbps={bandwidth_gbps}", f"transport.emulation={emulation}",
                  "transport.decode=real", "transport.kv_source=live",
                  f"transport.text_source={text_source}", f"transport.threads={threads}",

@@ -317,7 +317,8 @@ def newest_input_mtime(sweep_dir: Path) -> float:
 
 
 def print_summary(table_path: Path, grid: dict[str, list[str]]) -> None:
-    """The merged table's headline columns, one line per (point, codec, transfer). Read from
+    """The merged table's headline columns, one line per (point, codec, transfer): committed
+    times, then drafted ones (as the seeds count), in seconds from request arrival. Read from
     the table's CSV twin with the standard library: a rerun of a finished sweep, which only
     prints this, need not import pandas."""
     import csv
@@ -333,11 +334,18 @@ def print_summary(table_path: Path, grid: dict[str, list[str]]) -> None:
         return
     cols = [("point", "point", "")]
     cols += [(f"{GRID_PREFIX}{k}", k, "") for k in grid]
+    # committed times first (the time a user sees a verified token), as `kvsim sim` prints
     cols += [(c, h, f) for c, h, f in (("codec", "codec", ""), ("transfer", "transfer", ""),
-                                       ("ttft_s", "TTFT s", ".3f"),
-                                       ("ttft_committed_s", "TTFT-c", ".3f"),
-                                       ("ttkt_s.32", "TT32T s", ".3f"),
-                                       ("ttkt_s.64", "TT64T s", ".3f")) if c in rows[0]]
+                                       ("ttft_committed_s", "TTFT\ns", ".3f"),
+                                       ("ttkt_committed_s.32", "TT32T\ns", ".3f"),
+                                       ("ttkt_committed_s.64", "TT64T\ns", ".3f"),
+                                       ("ttkt_s.32", "drafted\nTT32T s", ".3f"),
+                                       ("ttkt_s.64", "drafted\nTT64T s", ".3f"))
+             if c in rows[0]]
+    if "pick" in rows[0]:  # the row `kvsim sim` picked at each point, as advise would
+        cols.append(("pick_mark", "pick", ""))
+        for row in rows:
+            row["pick_mark"] = "*" if row["pick"] == "True" else ""
     numeric = [c for c, _, f in cols if f]
     for row in rows:
         row["point"] = row["point"][:8]

@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import textwrap
 
-from kvsim.advise.config import AdviseConfig, objective_key
+from kvsim.advise.config import AdviseConfig, objective_key, objective_words
 from kvsim.advise.rank import (
     Advice,
     Candidate,
     advise,
-    enough_samples,
+    candidate_policies,
     load_qualities,
     simulate,
 )
 from kvsim.core.report import format_table
+from kvsim.scenario.describe import TABLE_WIDTH, setting_header
+from kvsim.scenario.samples import enough_samples
 
 COMMAND = ("advise",)
 HELP = "rank codecs x transfer policies for one setting under a quality floor; recommend one"
@@ -33,28 +36,41 @@ def flat(c: Candidate) -> dict:
     row["status"] = (f"#{c.rank}" + (" tie" if c.tied else "") if c.admissible
                      else f"out: {c.excluded_because}")
     row["front"] = "*" if c.on_front else ""
+    row["quality"] = "unmeasured" if c.vnmse is None else f"{c.vnmse:.3g}"
     return row
 
 
-def print_advice(cfg: AdviseConfig, advice: Advice) -> None:
-    _, k = objective_key(cfg.objective)
-    k = k or 32
+def ranked_and_other(objective: str) -> tuple[tuple[str, str, str], tuple[str, str, str]]:
+    """(the ranked time's column, the other count of the same token's): committed (the time
+    a user sees a verified token) or drafted (as the seeds count)."""
+    name, k = objective_key(objective)
+    token = f"TT{k}T" if k else "TTFT"
+    field = "ttkt" if k else "ttft"
+    committed = (f"{field}_committed_s", f"{token}\ns", ".3f")
+    drafted = (f"{field}_s", f"drafted\n{token} s", ".3f")
+    return (committed, drafted) if "committed" in name else (drafted, committed)
+
+
+def ranking_columns(objective: str) -> list[tuple[str, str, str]]:
+    """The ranking's columns: the ranked time right after the committed TTFT, its 95%
+    half-width beside it, the other count of the same token (drafted or committed) after."""
+    _, k = objective_key(objective)
+    ranked, other = ranked_and_other(objective)
     cols = [("status", "rank", ""), ("codec", "codec", ""), ("transfer", "transfer", ""),
-            ("gb", "GB", ".3f"), ("ttft_s", "TTFT", ".3f"), ("ttft_committed_s", "TTFT-c", ".3f"),
-            ("ttkt_s", f"TT{k}T", ".3f"), ("ttkt_committed_s", f"TT{k}T-c", ".3f"),
-            ("objective_ci95_s", "±95%", ".3f"), ("vnmse", "vNMSE", ".3g"),
-            ("front", "front", "")]
+            ("gb", "GB", ".3f")]
+    if k:
+        cols.append(("ttft_committed_s", "TTFT\ns", ".3f"))
+    return cols + [ranked, ("objective_ci95_s", "±95%", ".3f"), other,
+                   ("quality", "vNMSE", ""), ("front", "front", "")]
+
+
+def print_advice(cfg: AdviseConfig, advice: Advice) -> None:
+    cols = ranking_columns(cfg.objective)
     if cfg.acceptance_files:  # which acceptance curve each candidate drafted with
         cols.append(("acceptance", "acceptance", ""))
-    link = cfg.link
-    print(f"setting: model={cfg.model.name} hardware={cfg.hardware.devices}x"
-          f"{cfg.hardware.name} link={link.name} ({link.bandwidth_gbps:g} Gbps"
-          + (", trace" if link.trace else "") + f") context={cfg.workload.context_tokens} "
-          f"output={cfg.workload.output_tokens} acceptance={cfg.speculative.acceptance} "
-          f"samples={cfg.samples}")
-    print(f"floor: {advice.floor.describe()}; ranked by {advice.objective} (s from request "
-          "arrival; -c: committed, a drafted token counts once verified); ±95%: half-width "
-          "of its 95% interval over the samples")
+    print("\n".join(setting_header(cfg)))
+    print(f"floor: {advice.floor.describe()}; ranked by {objective_words(advice.objective)} "
+          f"({advice.objective})")
     rows = [flat(c) for c in advice.candidates]
     shown = [r for r in rows if r["rank"] is not None][:cfg.top]
     print(format_table(shown, cols))
@@ -67,7 +83,8 @@ def print_advice(cfg: AdviseConfig, advice: Advice) -> None:
     print("\nPareto front (time vs vNMSE, every measured candidate; lower is better in both):")
     print(format_table([flat(c) for c in advice.front],
                        [("codec", "codec", ""), ("transfer", "transfer", ""),
-                        ("objective_s", advice.objective, ".3f"), ("vnmse", "vNMSE", ".3g"),
+                        ("objective_s", ranked_and_other(cfg.objective)[0][1], ".3f"),
+                        ("vnmse", "vNMSE", ".3g"),
                         ("status", "under the floor", "")]))
     print(f"\nrecommendation: {advice.recommended.codec} / {advice.recommended.transfer}"
           if advice.recommended else "\nrecommendation: none")
@@ -76,13 +93,14 @@ def print_advice(cfg: AdviseConfig, advice: Advice) -> None:
     for line in details:
         print(f"  - {line}")
     for note in advice.notes:
-        print(f"note: {note}")
+        print("\n".join(textwrap.wrap(f"note: {note}", width=TABLE_WIDTH,
+                                       subsequent_indent="  ", break_on_hyphens=False)))
 
 
 def run(cfg: AdviseConfig) -> list[dict]:
     cfg.validate()
     qualities = load_qualities(list(cfg.vnmse_tables))
-    raised = enough_samples(cfg)
+    raised = enough_samples(cfg, [p for _, ps in candidate_policies(cfg) for p in ps])
     if raised:
         print(f"kvsim advise: {raised}", file=sys.stderr)
     rows = simulate(cfg, progress=sys.stderr.isatty())

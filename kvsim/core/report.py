@@ -100,8 +100,13 @@ def write_report(path: str | Path, command: str, config: dict, rows: list[dict],
 
 
 def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
-    """columns: (key, header, format spec like '.3f' or '') -> fixed-width text table."""
-    cells = [[h for _, h, _ in columns]]
+    """columns: (key, header, format spec like '.3f' or '') -> fixed-width text table. A
+    header may span lines ("drafted\nTT32T"): narrow columns under a long name."""
+    heads = [h.split("\n") for _, h, _ in columns]
+    depth = max((len(h) for h in heads), default=1)
+    head_rows = [[h[i - (depth - len(h))] if i >= depth - len(h) else "" for h in heads]
+                 for i in range(depth)]
+    cells = []
     for row in rows:
         line = []
         for key, _, fmt in columns:
@@ -113,9 +118,9 @@ def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
             else:
                 line.append(str(value))
         cells.append(line)
-    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    widths = [max(len(r[i]) for r in head_rows + cells) for i in range(len(columns))]
     out = ["  ".join(c.rjust(w) if i else c.ljust(w)
-                     for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-           for r in cells]
-    out.insert(1, "  ".join("-" * w for w in widths))
+                     for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
+           for r in head_rows + cells]
+    out.insert(depth, "  ".join("-" * w for w in widths))
     return "\n".join(out)

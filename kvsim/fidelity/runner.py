@@ -57,8 +57,11 @@ def scenario_overrides(model: str, emulation: str, bandwidth_gbps: float, codecs
                        workload: list[str], ks: list[int], profiles: Profiles) -> list[str]:
     """The keys both engines read (`kvsim emulate` / `kvsim sim` overrides). The hardware
     profile is the emulator's timing model too (a modelled prefill, timing-model decode),
-    and so is the link profile's draft step (the simulator's link is the profile's)."""
+    and so is the link profile's draft step (the simulator's link is the profile's).
+    Transfer is the seeds' pairing (monolithic / split_stream): the policies the shipped
+    validations measured."""
     return [f"model={model}", "hardware=local-cpu", f"hardware.profile={profiles.hardware}",
+            "transfer=seeds",
             f"codec_timing={profiles.codec_timing}", "link=emulated",
             f"link.bandwidth_gbps={bandwidth_gbps}", f"link.profile={profiles.links[emulation]}",
             f"codecs={_list(codecs)}",

@@ -11,20 +11,20 @@ from __future__ import annotations
 import pandas as pd
 from matplotlib.figure import Figure
 
-from kvsim.plots.inputs import load_sweep
+from kvsim.plots.inputs import codec_label, load_sweep, many_policy_codecs
 from kvsim.plots.options import PlotOptions
 from kvsim.plots.style import (
     codec_color,
-    codec_marker,
     coincident_with,
     max_gap,
     new_figure,
     one_line_tolerance,
+    policy_marker,
     tokens_label,
 )
-from kvsim.plots.ttkt import ttkt_field
+from kvsim.plots.ttkt import ttkt_axis_label, ttkt_field
 
-_NEEDED = ("codec", "context_tokens", "bandwidth_gbps", "model", "hardware")
+_NEEDED = ("codec", "transfer", "context_tokens", "bandwidth_gbps", "model", "hardware")
 
 
 def _fixed(table: pd.DataFrame, column: str, wanted: float | None) -> float:
@@ -38,31 +38,35 @@ def _fixed(table: pd.DataFrame, column: str, wanted: float | None) -> float:
 
 
 def _panel(ax, table: pd.DataFrame, x: str, metric: str) -> list[dict]:
+    """One line per series (codec, or codec with its policy): colour by codec, marker by
+    transfer policy."""
     series = []
-    codecs = list(dict.fromkeys(table["codec"]))
+    names = list(dict.fromkeys(table["series"]))
     drawn: dict[str, list[float]] = {}
     tol_s = one_line_tolerance([[float(v) for v in table[metric]]])
     low_col, high_col = f"spread.{metric}.ci95_low", f"spread.{metric}.ci95_high"
-    for codec in codecs:
-        part = table[table["codec"] == codec].sort_values(x)
+    for name in names:
+        part = table[table["series"] == name].sort_values(x)
+        codec, policy = str(part["codec"].iloc[0]), str(part["transfer"].iloc[0])
         ys = [float(v) for v in part[metric]]
         under = coincident_with(ys, drawn, abs_tol=tol_s) if len(ys) > 1 else None
         color = codec_color(codec)
-        shown = (f"{codec} (on {under}'s line: within {max_gap(ys, drawn[under]):.2g} s)"
-                 if under else codec)
-        ax.plot(part[x], ys, marker=codec_marker(codec), color=color, label=shown, linewidth=1.5,
-                markersize=6, linestyle="--" if under else "-",
+        shown = (f"{name} (on {under}'s line: within {max_gap(ys, drawn[under]):.2g} s)"
+                 if under else name)
+        ax.plot(part[x], ys, marker=policy_marker(policy), color=color, label=shown,
+                linewidth=1.5, markersize=6, linestyle="--" if under else "-",
                 markerfacecolor="none" if under else color)
         band = None
         if low_col in part.columns and part[low_col].notna().all():
             band = ([float(v) for v in part[low_col]], [float(v) for v in part[high_col]])
             ax.fill_between(part[x], band[0], band[1], color=color, alpha=0.2, linewidth=0)
-        drawn[codec] = ys
-        series.append({"codec": codec, x: part[x].tolist(), metric: ys, "on_line_of": under,
+        drawn[name] = ys
+        series.append({"codec": codec, "transfer": policy, "label": name,
+                       x: part[x].tolist(), metric: ys, "on_line_of": under,
                        "ci95_low": band[0] if band else None,
                        "ci95_high": band[1] if band else None})
-    if len(codecs) == 2:  # the gap the seeds quote ("Lynx's gain over INT8")
-        a, b = (table[table["codec"] == c].set_index(x)[metric] for c in codecs)
+    if len(names) == 2:  # the gap the seeds quote ("Lynx's gain over INT8")
+        a, b = (table[table["series"] == n].set_index(x)[metric] for n in names)
         for xv in a.index.intersection(b.index):
             gap = float(a[xv] - b[xv])
             ax.annotate(f"{gap:+.2f} s", (xv, max(a[xv], b[xv])), textcoords="offset points",
@@ -75,7 +79,7 @@ def _panel(ax, table: pd.DataFrame, x: str, metric: str) -> list[dict]:
 def make(opts: PlotOptions) -> tuple[Figure, dict]:
     table, sidecar = load_sweep(opts.input)
     origin = opts.origin or "prefill_end"  # default: the part the codecs change
-    metric = f"{ttkt_field(origin)}.{opts.k}"
+    metric = f"{ttkt_field(origin, opts.count)}.{opts.k}"
     missing = [c for c in (*_NEEDED, metric) if c not in table.columns]
     if missing:
         raise ValueError(f"sweep table {opts.input} lacks columns {missing} (is k={opts.k} "
@@ -88,9 +92,14 @@ def make(opts: PlotOptions) -> tuple[Figure, dict]:
     if contexts < 2 and bandwidths < 2:
         raise ValueError("fig11 needs a sweep over workload.context_tokens or "
                          "link.bandwidth_gbps (the table holds one setting)")
-    if table.groupby(["codec", "context_tokens", "bandwidth_gbps"]).size().max() > 1:
-        raise ValueError("the sweep table has several rows per (codec, context, bandwidth): "
-                         "fig11 needs one (sweep only context and bandwidth)")
+    # a codec swept under several policies is one series per policy: "lynx (layerwise)"
+    many = many_policy_codecs(table[["codec", "transfer"]].to_dict("records"))
+    labels = [codec_label(r, many) for r in table[["codec", "transfer"]].to_dict("records")]
+    table = pd.concat([table, pd.Series(labels, index=table.index, name="series")], axis=1)
+    if table.groupby(["series", "context_tokens", "bandwidth_gbps"]).size().max() > 1:
+        raise ValueError("the sweep table has several rows per (codec, policy, context, "
+                         "bandwidth): fig11 needs one (sweep only context and bandwidth, "
+                         "and transfer)")
     panels = []
     if contexts >= 2:
         bw = _fixed(table, "bandwidth_gbps", opts.fixed_bandwidth_gbps)
@@ -106,7 +115,7 @@ def make(opts: PlotOptions) -> tuple[Figure, dict]:
     for ax, (x, part, title) in zip(axes, panels, strict=True):
         summary[x] = _panel(ax, part, x, metric)
         ax.set_title(title, fontsize=10)
-        ax.set_ylabel(f"TT{opts.k}T (s, from {origin_text})")
+        ax.set_ylabel(ttkt_axis_label(f"TT{opts.k}T", origin, opts.count))
         if x == "context_tokens":
             ticks = sorted(part[x].unique())
             ax.set_xscale("log", base=2)
@@ -119,9 +128,9 @@ def make(opts: PlotOptions) -> tuple[Figure, dict]:
             ax.minorticks_off()
             ax.set_xlabel("link bandwidth (Gbps, log scale)")
         summary["x_scale"][x] = ax.get_xscale()
-        codecs = list(dict.fromkeys(part["codec"]))
+        names = list(dict.fromkeys(part["series"]))
         ax.legend(fontsize=8, loc="lower right" if x == "context_tokens" else "upper right",
-                  title=f"labels: {codecs[0]} - {codecs[1]}" if len(codecs) == 2 else None,
+                  title=f"labels: {names[0]} - {names[1]}" if len(names) == 2 else None,
                   title_fontsize=7)
     base = sidecar.get("base_config", {})
     hw = base.get("hardware", {})
@@ -132,7 +141,8 @@ def make(opts: PlotOptions) -> tuple[Figure, dict]:
     source = (f"{table['model'].iloc[0]}, {devices}x "
               f"{table['hardware'].iloc[0]}, mean of {samples} run(s)")
     spread = ", band: 95% interval" if samples > 1 else ""
-    fig.suptitle(opts.title or f"TT{opts.k}T from {origin_text} per codec: {source}{spread}",
+    fig.suptitle(opts.title or f"{opts.count} TT{opts.k}T from {origin_text} per codec: "
+                 f"{source}{spread}",
                  fontsize=11)
     fig.tight_layout()
     return fig, summary

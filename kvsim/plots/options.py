@@ -18,6 +18,9 @@ class PlotOptions:
     # Figure 2 convention); "": each figure's default (ttkt: arrival; fig11: prefill_end,
     # where the codecs' differences are not hidden under the prefill)
     origin: str = ""  # "" | arrival | prefill_end
+    # ttkt / fig11: committed (a drafted token counts once verified: the time a user sees a
+    # verified token) | drafted (when drafted, as the seeds count)
+    count: str = "committed"
     k: int = 64  # fig11: the TT<k>T plotted
     fixed_bandwidth_gbps: float | None = None  # fig11 context panel (null: the table's median)
     fixed_context_tokens: int | None = None  # fig11 bandwidth panel (null: the table's median)
@@ -29,3 +32,4 @@ class PlotOptions:
 
 
 ORIGINS = ("arrival", "prefill_end")
+COUNTS = ("committed", "drafted")

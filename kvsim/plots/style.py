@@ -29,6 +29,16 @@ def codec_color(label: str) -> str:
     return matplotlib.colors.to_hex(plt.get_cmap("Dark2")(zlib.crc32(label.encode()) % 8))
 
 
+# one marker per transfer policy (kvsim.scenario.policy.POLICIES), where a figure sets
+# policies apart
+_POLICY_MARKERS = {"monolithic": "s", "layerwise": "o", "split_stream": "^",
+                   "split_stream_layerwise": "D"}
+
+
+def policy_marker(policy: str) -> str:
+    return _POLICY_MARKERS.get(policy, "x")
+
+
 def codec_marker(label: str) -> str:
     index = _ORDER.index(label) if label in _ORDER else zlib.crc32(label.encode())
     return _MARKERS[index % len(_MARKERS)]

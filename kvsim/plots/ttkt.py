@@ -14,7 +14,7 @@ from kvsim.plots.inputs import (
     load_report,
     many_policy_codecs,
 )
-from kvsim.plots.options import ORIGINS, PlotOptions
+from kvsim.plots.options import COUNTS, ORIGINS, PlotOptions
 from kvsim.plots.style import (
     codec_color,
     codec_marker,
@@ -27,16 +27,29 @@ from kvsim.plots.style import (
 )
 
 
-def ttkt_field(origin: str) -> str:
+def ttkt_field(origin: str, count: str = "committed") -> str:
+    """The row metric of TTKT counted from origin, committed or drafted."""
     if origin not in ORIGINS:
         raise ValueError(f"origin must be one of {ORIGINS}, got {origin!r}")
-    return "ttkt_s" if origin == "arrival" else "ttkt_from_prefill_end_s"
+    if count not in COUNTS:
+        raise ValueError(f"count must be one of {COUNTS}, got {count!r}")
+    committed = "_committed" if count == "committed" else ""
+    return f"ttkt{committed}_s" if origin == "arrival" else \
+        f"ttkt{committed}_from_prefill_end_s"
+
+
+def ttkt_axis_label(token: str, origin: str, count: str) -> str:
+    """'committed TT64T (s, from prefill end)' / 'drafted TTKT (s, ..., the seeds' count)'."""
+    where = "request arrival" if origin == "arrival" else "prefill end"
+    if count == "drafted":
+        return f"drafted {token} (s, from {where}; the seeds' count)"
+    return f"committed {token} (s, from {where})"
 
 
 def make(opts: PlotOptions) -> tuple[Figure, dict]:
     doc = load_report(opts.input, "sim")
     origin = opts.origin or "arrival"  # default: the wait the user sees
-    field = ttkt_field(origin)
+    field = ttkt_field(origin, opts.count)
     rows = doc["rows"]
     missing = [r.get("codec") for r in rows if not r.get(field)]
     if missing:
@@ -73,13 +86,12 @@ def make(opts: PlotOptions) -> tuple[Figure, dict]:
         ax.set_xlabel("k (valid tokens)")
         ax.set_title(f"{tokens_label(ctx)} context, {bw:g} Gbps", fontsize=10)
         ax.grid(True, which="major", alpha=0.3)
-    origin = "request arrival" if origin == "arrival" else "prefill end"
-    axes[0].set_ylabel(f"TTKT (s, from {origin})")
+    axes[0].set_ylabel(ttkt_axis_label("TTKT", origin, opts.count))
     axes[-1].legend(fontsize=8, loc="upper left")
     cfg = doc.get("config", {})
     samples = cfg.get("samples", 1)
     spread = ", band: 95% interval of the mean" if samples > 1 else ""
-    fig.suptitle(opts.title or f"Time to k-th valid token: {describe_sim(cfg)}"
+    fig.suptitle(opts.title or f"Time to the k-th {opts.count} token: {describe_sim(cfg)}"
                  f" (mean of {samples} run(s){spread})", fontsize=11)
     fig.tight_layout()
     return fig, {"series": series}

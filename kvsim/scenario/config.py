@@ -228,7 +228,9 @@ class SimConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     # codec entries: preset names or {preset|name, params, label}; optional `transfer` key
     codecs: list[Any] = field(default_factory=lambda: ["bf16"])
-    transfer: Any = "auto"  # auto (codec's natural policy) | policy | list of policies
+    # auto (the best policy each codec supports) | seeds (the seeds' pairing) | a policy | a
+    # list of them (kvsim.scenario.policy.TRANSFER_CHOICES)
+    transfer: Any = "auto"
     granularity: str = "page"  # page: one message per (layer, page) | layer
     # shared: one deserializer per decode instance and request, streams in priority order
     # (anchor first) | per_stream: every stream its own deserializer (runs in parallel) |
@@ -250,11 +252,20 @@ class SimConfig:
     size_calibration: str = "file"
     seed: int = 0
     samples: int = 1  # independent runs (seeds seed..seed+samples-1) averaged per row
+    # rows whose times are drawn (drafts accepted by chance, random arrivals) average at least
+    # this many runs: `kvsim sim`, `sweep` and `advise` raise a smaller `samples` to it and
+    # say so (kvsim.scenario.samples; 1: one draw decides)
+    min_samples: int = 8
     trace_path: str = ""  # write a Chrome-trace JSON event log of the runs here
     # write one row per request (every scenario and sample: phases, TTFT / TTKT drafted and
     # committed, bytes, drafts) here, as .parquet or .csv
     requests_path: str = ""
     title: str = ""  # what this scenario reproduces (printed above the table)
+    # measured vNMSE tables (data/vnmse/<name>.json or paths), the first naming a codec wins:
+    # the quality column of `kvsim sim` and advise's floor
+    vnmse_tables: list[str] = field(
+        default_factory=lambda: ["smollm2-135m-ctx1024", "smollm2-135m-ctx1024-lynx"])
+    wide: bool = False  # print every time column (each k, from prefill end, the breakdown)
 
     def validate(self) -> None:
         """Fill automatic values (metrics.ks empty, breakdown_k 0), then check every
@@ -272,6 +283,9 @@ class SimConfig:
         if isinstance(self.samples, bool) or not isinstance(self.samples, int) or \
                 self.samples < 1:
             raise ValueError(f"samples must be an integer >= 1, got {self.samples!r}")
+        if isinstance(self.min_samples, bool) or not isinstance(self.min_samples, int) or \
+                self.min_samples < 1:
+            raise ValueError(f"min_samples must be an integer >= 1, got {self.min_samples!r}")
         if not self.codecs:
             raise ValueError("codecs must list at least one codec")
         from kvsim.kernels.presets import resolve_codec
@@ -285,3 +299,8 @@ class SimConfig:
             raise ValueError(f"requests_path must end in .parquet or .csv, got "
                              f"{self.requests_path!r}")
         check_size_calibration(self.size_calibration)
+        if not self.vnmse_tables:
+            raise ValueError("vnmse_tables must name at least one table (data/vnmse/)")
+        from kvsim.scenario.variants import variants
+
+        variants(self)  # an unknown transfer, or one no listed codec can use, fails here

@@ -67,9 +67,29 @@ class TransferPlan:
         return self.policy in PIPELINED
 
 
-def natural_policy(num_streams: int) -> str:
-    """The policy a codec is meant for: split_stream if it has several streams."""
-    return "split_stream" if num_streams > 1 else "monolithic"
+# what `transfer` may say: a policy, or a rule choosing one per codec
+#   auto: the best policy the codec supports (layer-wise encoding pipelined with prefill; split
+#         into streams when the codec has several): layerwise | split_stream_layerwise
+#   seeds: the seeds' pairing in their Table 1 and Figure 11: a one-stream codec's cache sent
+#         whole after prefill (monolithic), a several-stream codec's as split_stream
+TRANSFER_RULES = ("auto", "seeds")
+TRANSFER_CHOICES = TRANSFER_RULES + POLICIES
+
+
+def chosen_policy(transfer: str, num_streams: int) -> str:
+    """The policy `transfer` (a TRANSFER_CHOICES entry) gives a codec of num_streams."""
+    several = num_streams > 1
+    if transfer == "auto":
+        return "split_stream_layerwise" if several else "layerwise"
+    if transfer == "seeds":
+        return "split_stream" if several else "monolithic"
+    return transfer
+
+
+def applicable(policy: str, num_streams: int) -> bool:
+    """Whether a codec of num_streams can use the policy: splitting needs several streams (a
+    one-stream codec under a split-stream policy would be layerwise or monolithic renamed)."""
+    return num_streams > 1 or not policy.startswith("split_stream")
 
 
 def build_plan(table: SizeTable, shape: KVShape, policy: str, timing: CodecTiming,

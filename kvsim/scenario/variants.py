@@ -4,11 +4,14 @@ engines run the same list (the simulator per variant; the emulator sends each in
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from kvsim.kernels.presets import CodecSpec, resolve_codec
 from kvsim.kernels.wire import canonical_json
-from kvsim.scenario.config import SimConfig
-from kvsim.scenario.policy import POLICIES, natural_policy
+from kvsim.scenario.policy import TRANSFER_CHOICES, applicable, chosen_policy
+
+if TYPE_CHECKING:  # a type only: SimConfig.validate calls variants() (no import circle)
+    from kvsim.scenario.config import SimConfig
 
 
 @dataclass
@@ -21,11 +24,23 @@ class Variant:
 
 
 def variants(cfg: SimConfig) -> list[Variant]:
-    """codecs x transfer: `auto` picks each codec's natural policy; an entry may pin its own
-    with a `transfer` key, and its own acceptance model with an `acceptance` key (drafts on
-    a 2-bit anchor are accepted less often than on a 4-bit one)."""
+    """codecs x transfer (kvsim.scenario.policy.chosen_policy: `auto` is the best policy each
+    codec supports); an entry may pin its own policy with a `transfer` key, and its own
+    acceptance model with an `acceptance` key (drafts on a 2-bit anchor are accepted less often
+    than on a 4-bit one). A split-stream policy a one-stream codec cannot use gives no variant
+    (`skipped_variants` names them); a pinned one it cannot use is an error."""
+    return _plan(cfg)[0]
+
+
+def skipped_variants(cfg: SimConfig) -> list[str]:
+    """'codec/policy' for each listed policy a codec cannot use (no row: nothing to split)."""
+    return _plan(cfg)[1]
+
+
+def _plan(cfg: SimConfig) -> tuple[list[Variant], list[str]]:
     transfers = cfg.transfer if isinstance(cfg.transfer, (list, tuple)) else [cfg.transfer]
-    out = []
+    out: list[Variant] = []
+    skipped: list[str] = []
     for entry in cfg.codecs:
         pinned = acceptance = None
         if isinstance(entry, dict):
@@ -35,11 +50,23 @@ def variants(cfg: SimConfig) -> list[Variant]:
         spec = resolve_codec(entry)
         streams = spec.build().num_streams
         for t in ([pinned] if pinned else transfers):
-            policy = natural_policy(streams) if t == "auto" else str(t)
-            if policy not in POLICIES:
-                raise ValueError(f"unknown transfer {t!r}; choose auto or one of {POLICIES}")
+            if t not in TRANSFER_CHOICES:
+                raise ValueError(f"transfer: unknown policy {t!r}; choose one of "
+                                 f"{', '.join(TRANSFER_CHOICES)}")
+            policy = chosen_policy(str(t), streams)
+            if not applicable(policy, streams):
+                if pinned:
+                    raise ValueError(f"codec {spec.label}: transfer {policy} needs several "
+                                     f"streams and {spec.label} has one; pin layerwise or "
+                                     "monolithic")
+                skipped.append(f"{spec.label}/{policy}")
+                continue
             out.append(Variant(spec, policy, acceptance))
-    return _unique_labels(out)
+    if not out:
+        raise ValueError(f"transfer={cfg.transfer}: no listed codec can use it (split-stream "
+                         f"policies need a codec of several streams; skipped "
+                         f"{', '.join(skipped)}); add layerwise or transfer=auto")
+    return _unique_labels(out), skipped
 
 
 def _unique_labels(out: list[Variant]) -> list[Variant]:
