@@ -69,7 +69,12 @@ def test_breakdown_bars_total_the_critical_path(inputs, tmp_path):
     report = json.loads(inputs["sim"].read_text())["rows"]
     for bar, r in zip(rows[0]["bars"], report, strict=True):
         k = str(r["breakdown_k"])
-        assert bar["total_s"] == pytest.approx(r["ttkt_from_prefill_end_s"][k], rel=1e-9)
+        # end to end, as the seeds' Figure 2: from request arrival, prefill included
+        assert bar["total_s"] == pytest.approx(r["ttkt_s"][k], rel=1e-9)
+        assert bar["prefill"] + bar["prefill_wait"] == pytest.approx(
+            r["ttkt_s"][k] - r["ttkt_from_prefill_end_s"][k], rel=1e-9)
+        assert bar["prefill"] == pytest.approx(r["prefill_s"], rel=1e-6)
+        assert bar["committed_s"] == r["ttkt_committed_s"][k]
 
 
 @pytest.mark.parametrize("suffix", ["/sweep.parquet", "/sweep.csv", "/sweep.json", ""])
@@ -192,12 +197,56 @@ def test_breakdown_names_parts_too_thin_to_see(inputs, tmp_path):
 
     rows = run(PlotOptions(kind="breakdown", input=str(inputs["sim"]),
                            out=str(tmp_path / "b.png"), formats=["png"]))
+    from kvsim.plots.breakdown import PARTS
+
     bars = rows[0]["bars"]
-    x_max_s = 1.15 * max(b["total_s"] for b in bars)
+    x_max_s = 1.45 * max(b["total_s"] for b in bars)
     for b in bars:
-        thin = [k for k in BREAKDOWN_KEYS if 0 < b[k] < SLIVER_FRACTION * x_max_s]
+        thin = [k for k in PARTS if 0 < b[k] < SLIVER_FRACTION * x_max_s]
         assert b["slivers"] == thin
     assert any(b["slivers"] for b in bars)  # this input has one (lynx's verification)
+    # the legend lists only parts wide enough to see in some bar, plus the committed tick
+    legend = rows[0]["legend"]
+    for key in BREAKDOWN_KEYS:
+        visible = any(b[key] >= SLIVER_FRACTION * x_max_s for b in bars)
+        assert (key.replace("_", " ") in legend) == visible, key
+    assert any(name.startswith("committed TT") for name in legend)
+    assert "prefill" in legend
+
+
+def test_breakdown_times_are_written_in_one_style():
+    from kvsim.plots.breakdown import duration_text, ordinal
+
+    assert [duration_text(s) for s in (8.4, 0.127, 0.0034, 9.2e-6)] == [
+        "8.4 s", "127 ms", "3.4 ms", "9.2 us"]
+    assert [ordinal(k) for k in (1, 2, 3, 11, 12, 21, 32, 64)] == [
+        "1st", "2nd", "3rd", "11th", "12th", "21st", "32nd", "64th"]
+
+
+@pytest.mark.parametrize("kind", ["ttkt", "breakdown", "fig11"])
+def test_sim_figures_label_units_list_only_what_is_drawn_and_hide_nothing(inputs, kind):
+    """Every axis names its unit, every legend entry names a drawn series, no line lies
+    unmarked under another (tests/figure_checks.py); titles carry the run's date, and the
+    figure-wide title does not repeat what each panel's title says."""
+    import re
+
+    import matplotlib.pyplot as plt
+    from figure_checks import check_figure
+
+    from kvsim.plots import KINDS
+
+    source = inputs["sweep"] if kind == "fig11" else inputs["sim"]
+    fig, _ = KINDS[kind].make(PlotOptions(kind=kind, input=str(source), k=32))
+    try:
+        check_figure(fig)
+        title = fig._suptitle.get_text()
+        if kind != "fig11":
+            assert re.search(r"\(20\d\d-\d\d-\d\d\)", title), title
+            assert "Gbps" not in title  # each panel's title names its link rate
+        if kind == "ttkt":  # the band is promised with its size, so a thin one is not missed
+            assert re.search(r"at most ±[0-9.]+ s", title), title
+    finally:
+        plt.close(fig)
 
 
 def test_codecs_figure_names_codecs_on_the_same_point(tmp_path):
@@ -252,4 +301,4 @@ def test_fig11_draws_committed_times_and_one_line_per_codec_and_policy(inputs, t
     rows = run(PlotOptions(kind="fig11", input=str(both), k=32, out=str(tmp_path / "b.png"),
                            formats=["png"]))
     labels = sorted(s["label"] for s in rows[0]["context_tokens"])
-    assert labels == ["int8", "lynx (layerwise)", "lynx (split_stream_layerwise)"]
+    assert labels == ["int8 (layerwise)", "lynx (layerwise)", "lynx (split_stream_layerwise)"]

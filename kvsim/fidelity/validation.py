@@ -417,7 +417,8 @@ def _conclude(cfg: Config, rows: list[dict], run_dir: Path, profiles: Any, extra
         from kvsim.plots.fidelity import draw
         from kvsim.plots.style import save
 
-        paths = save(draw(rows, summary), run_dir / "fidelity.png", ["png"], 150)
+        paths = save(draw(rows, summary, model=cfg.model.name), run_dir / "fidelity.png",
+                     ["png"], 150)
         _say(f"figure: {paths[0]} (kvsim plot kind=fidelity input=<report.json> redraws it)")
     if cfg.fail_on_target and not met_mean:  # CI's gate: the mean (the worst is reported)
         raise TargetMissed(f"fidelity target missed: mean |error| "

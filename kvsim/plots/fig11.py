@@ -11,11 +11,12 @@ from __future__ import annotations
 import pandas as pd
 from matplotlib.figure import Figure
 
-from kvsim.plots.inputs import codec_label, load_sweep, many_policy_codecs
+from kvsim.plots.inputs import codec_label, load_sweep, run_date
 from kvsim.plots.options import PlotOptions
 from kvsim.plots.style import (
     codec_color,
     coincident_with,
+    fitted_title,
     max_gap,
     new_figure,
     one_line_tolerance,
@@ -92,9 +93,9 @@ def make(opts: PlotOptions) -> tuple[Figure, dict]:
     if contexts < 2 and bandwidths < 2:
         raise ValueError("fig11 needs a sweep over workload.context_tokens or "
                          "link.bandwidth_gbps (the table holds one setting)")
-    # a codec swept under several policies is one series per policy: "lynx (layerwise)"
-    many = many_policy_codecs(table[["codec", "transfer"]].to_dict("records"))
-    labels = [codec_label(r, many) for r in table[["codec", "transfer"]].to_dict("records")]
+    # one series per (codec, policy), named by both: the marker is the policy's
+    pairs = table[["codec", "transfer"]].to_dict("records")
+    labels = [codec_label(r, {str(r["codec"]) for r in pairs}) for r in pairs]
     table = pd.concat([table, pd.Series(labels, index=table.index, name="series")], axis=1)
     if table.groupby(["series", "context_tokens", "bandwidth_gbps"]).size().max() > 1:
         raise ValueError("the sweep table has several rows per (codec, policy, context, "
@@ -141,8 +142,11 @@ def make(opts: PlotOptions) -> tuple[Figure, dict]:
     source = (f"{table['model'].iloc[0]}, {devices}x "
               f"{table['hardware'].iloc[0]}, mean of {samples} run(s)")
     spread = ", band: 95% interval" if samples > 1 else ""
-    fig.suptitle(opts.title or f"{opts.count} TT{opts.k}T from {origin_text} per codec: "
-                 f"{source}{spread}",
+    counted = "committed" if opts.count == "committed" else "drafted (as the seeds count)"
+    date = run_date(sidecar)
+    fig.suptitle(fitted_title(opts.title or f"{counted.capitalize()} TT{opts.k}T from "
+                              f"{origin_text} per codec and transfer policy: {source}{spread}"
+                              + (f" ({date})" if date else ""), fig),
                  fontsize=11)
     fig.tight_layout()
     return fig, summary

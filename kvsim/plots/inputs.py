@@ -35,6 +35,24 @@ def load_json(path: str | Path, what: str) -> dict:
     return doc
 
 
+def run_date(doc: dict) -> str:
+    """The UTC date a report was written ("2026-11-27"), from its provenance; "" if absent."""
+    import datetime
+
+    created = (doc.get("provenance") or {}).get("created_unix_s")
+    if not isinstance(created, (int, float)):
+        return ""
+    return datetime.datetime.fromtimestamp(created, datetime.UTC).strftime("%Y-%m-%d")
+
+
+def describe_run(config: dict) -> str:
+    """'<model>, <n>x <hardware>' from a resolved `kvsim sim` config (the link rate and
+    context are each panel's)."""
+    model = (config.get("model") or {}).get("name", "?")
+    hw = config.get("hardware") or {}
+    return f"{model}, {hw.get('devices', 1)}x {hw.get('name', '?')}"
+
+
 def load_report(path: str | Path, command: str) -> dict:
     """A report written with `kvsim <command> report=PATH` that has rows."""
     what = f"a `kvsim {command} report=PATH` JSON report"

@@ -12,21 +12,26 @@ matplotlib.use("Agg")  # files only, no display (before pyplot is imported)
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-# One colour per codec preset, the same in every figure: the seeds' headline comparison
-# (bf16, int8, int4, lynx) gets the strongest colours; lynx variants shades of red.
-_COLORS = {"bf16": "#1f77b4", "int8": "#ff7f0e", "int4": "#2ca02c", "lynx": "#d62728",
-           "lynx-int4": "#ff9896", "lynx-int8": "#8c1c1c", "lynx-2+6": "#e377c2",
-           "lynx-2+2+4": "#f7b6d2", "lynx-oscar": "#bd1f5e", "kivi-2": "#9467bd",
-           "kivi-4": "#c5b0d5", "kcvt-4": "#8c564b", "gear": "#17becf", "gear-l": "#9edae5",
-           "oscar": "#bcbd22", "cachegen": "#7f7f7f"}
+# One colour per codec preset, the same in every figure, from colour-blind-safe palettes
+# (Okabe & Ito's eight, then Paul Tol's muted set): the seeds' comparison (bf16, int8, int4,
+# lynx, lynx-oscar) takes Okabe-Ito colours, and the Lynx splits, drawn together in the
+# survival and codecs figures, take colours far apart from each other and from lynx's.
+_COLORS = {"bf16": "#000000", "int8": "#0072B2", "int4": "#009E73", "lynx": "#D55E00",
+           "lynx-oscar": "#CC79A7", "lynx-int4": "#999933", "lynx-int8": "#882255",
+           "lynx-2+6": "#332288", "lynx-2+2+4": "#44AA99", "kivi-2": "#56B4E9",
+           "kivi-4": "#88CCEE", "kcvt-4": "#E69F00", "gear": "#AA4499", "gear-l": "#DDCC77",
+           "oscar": "#661100", "cachegen": "#888888"}
+# a label not above (a custom codec entry) takes one of these by a stable hash
+_SPARE_COLORS = ("#117733", "#6699CC", "#AA7744", "#555555", "#EE99AA", "#994455")
 _ORDER = list(_COLORS)
 _MARKERS = "osD^vP*Xhp<>"
 
 
 def codec_color(label: str) -> str:
-    if label in _COLORS:
-        return _COLORS[label]
-    return matplotlib.colors.to_hex(plt.get_cmap("Dark2")(zlib.crc32(label.encode()) % 8))
+    base = label.split(" [", 1)[0]  # "lynx [acceptance=...]" is drawn in lynx's colour
+    if base in _COLORS:
+        return _COLORS[base]
+    return _SPARE_COLORS[zlib.crc32(base.encode()) % len(_SPARE_COLORS)]
 
 
 # one marker per transfer policy (kvsim.scenario.policy.POLICIES), where a figure sets
@@ -87,6 +92,15 @@ def save(fig: Figure, out: str | Path, formats: list[str], dpi: int) -> list[Pat
         fig.savefig(path, dpi=dpi, bbox_inches="tight", metadata=_metadata(fmt, provenance_json))
     plt.close(fig)
     return paths
+
+
+def fitted_title(text: str, fig: Figure, chars_per_inch: float = 12.0) -> str:
+    """text wrapped to the figure's width (a title wider than its panels widens the saved
+    canvas and shrinks the panels in it)."""
+    import textwrap
+
+    width = max(40, int(fig.get_figwidth() * chars_per_inch))
+    return "\n".join(textwrap.wrap(text, width=width, break_on_hyphens=False))
 
 
 def tokens_label(tokens: float) -> str:

@@ -9,16 +9,18 @@ from matplotlib.figure import Figure
 
 from kvsim.plots.inputs import (
     codec_label,
-    describe_sim,
+    describe_run,
     group_by_setting,
     load_report,
     many_policy_codecs,
+    run_date,
 )
 from kvsim.plots.options import COUNTS, ORIGINS, PlotOptions
 from kvsim.plots.style import (
     codec_color,
     codec_marker,
     coincident_with,
+    fitted_title,
     interval_band,
     max_gap,
     new_figure,
@@ -39,11 +41,10 @@ def ttkt_field(origin: str, count: str = "committed") -> str:
 
 
 def ttkt_axis_label(token: str, origin: str, count: str) -> str:
-    """'committed TT64T (s, from prefill end)' / 'drafted TTKT (s, ..., the seeds' count)'."""
+    """'committed TT64T (s, from prefill end)' / 'drafted TTKT (s, from request arrival)'
+    (drafted: as the seeds count, which the titles say)."""
     where = "request arrival" if origin == "arrival" else "prefill end"
-    if count == "drafted":
-        return f"drafted {token} (s, from {where}; the seeds' count)"
-    return f"committed {token} (s, from {where})"
+    return f"{count} {token} (s, from {where})"
 
 
 def make(opts: PlotOptions) -> tuple[Figure, dict]:
@@ -56,7 +57,7 @@ def make(opts: PlotOptions) -> tuple[Figure, dict]:
         raise ValueError(f"input {opts.input}: rows {missing} have no {field!r} (TTKT per k)")
     groups = group_by_setting(rows)
     many = many_policy_codecs(rows)
-    fig, axes = new_figure(5.2 * len(groups), 3.8, ncols=len(groups), sharey=True)
+    fig, axes = new_figure(5.4 * len(groups) + 2.4, 4.0, ncols=len(groups), sharey=True)
     series = []
     for ax, ((ctx, bw), group) in zip(axes, sorted(groups.items()), strict=True):
         drawn: dict[str, list[float]] = {}
@@ -83,15 +84,23 @@ def make(opts: PlotOptions) -> tuple[Figure, dict]:
         ax.set_xscale("log", base=2)
         all_ks = sorted({k for s in series if s["context_tokens"] == ctx for k in s["k"]})
         ax.set_xticks(all_ks, [str(k) for k in all_ks])
-        ax.set_xlabel("k (valid tokens)")
+        ax.set_xlabel("k (the k-th token, log scale)")
         ax.set_title(f"{tokens_label(ctx)} context, {bw:g} Gbps", fontsize=10)
         ax.grid(True, which="major", alpha=0.3)
     axes[0].set_ylabel(ttkt_axis_label("TTKT", origin, opts.count))
-    axes[-1].legend(fontsize=8, loc="upper left")
+    # beside the panels, not over the lines
+    axes[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0),
+                    borderaxespad=0.0)
     cfg = doc.get("config", {})
     samples = cfg.get("samples", 1)
-    spread = ", band: 95% interval of the mean" if samples > 1 else ""
-    fig.suptitle(opts.title or f"Time to the k-th {opts.count} token: {describe_sim(cfg)}"
-                 f" (mean of {samples} run(s){spread})", fontsize=11)
+    widest = max((h - lo for s in series if s["ci95_low"]
+                  for lo, h in zip(s["ci95_low"], s["ci95_high"], strict=True)), default=None)
+    spread = (f"; band: 95% interval of the mean, at most ±{widest / 2:.2g} s"
+              if widest is not None else "")
+    date = run_date(doc)
+    counted = "committed" if opts.count == "committed" else "drafted (as the seeds count)"
+    fig.suptitle(fitted_title(opts.title or f"Time to the k-th {counted} token: "
+                              f"{describe_run(cfg)}, mean of {samples} run(s){spread}"
+                              + (f" ({date})" if date else ""), fig), fontsize=10)
     fig.tight_layout()
     return fig, {"series": series}
