@@ -68,3 +68,20 @@ def test_every_command_gives_one_answer(name, tmp_path, capsys):
     assert at_gbps[answer] == pytest.approx(time_s, rel=1e-12)
     admissible = {k: v for k, v in at_gbps.items() if k[0] != "int4"}
     assert min(admissible.values()) >= time_s - 0.01  # within advise's tie of the answer
+
+
+def test_a_sweep_over_codecs_or_policies_marks_no_pick(tmp_path, capsys):
+    """Each point of such a sweep picks among its own rows only: the summary marks none and
+    says why (advise ranks the codecs and policies of one setting together). A display-only
+    key (wide) does not make a point new."""
+    from kvsim.cli.sweep import point_key
+
+    setting, gbps, _ = SETTINGS["1g-16k"]
+    sweep_dir = tmp_path / "policies"
+    assert main(["sweep", *setting, f"link.bandwidth_gbps={gbps:g}", CODECS,
+                 "transfer=layerwise,auto", "hydra/launcher=basic",
+                 f"hydra.sweep.dir={sweep_dir}"]) == 0
+    out = capsys.readouterr().out
+    assert "no pick marked: transfer swept" in out
+    assert point_key({"a": 1, "wide": True}) == point_key({"a": 1, "wide": False})
+    assert point_key({"a": 1}) != point_key({"a": 2})

@@ -18,14 +18,14 @@ def test_the_base_is_neutral_and_a_named_scenario_says_what_it_set(capsys):
     assert main(["sim", *SETTING, "codecs=[int8]"]) == 0
     out = capsys.readouterr().out
     assert "scenario" not in out  # nothing carried over from any scenario
-    assert "model=llama-3.1-8b hardware=1xh100 link=10g (25 Gbps)" in out
+    assert "model=llama-3.1-8b hardware=1xh100 link=10g at 25 Gbps" in out
     # a scenario named: its settings the command line did not give are listed; a group chosen
     # on the command line (hardware=h100) leaves the scenario's hardware.devices in force
     assert main(["sim", "scenario=table1-qwen32b-16k", "hardware=h100", "codecs=[int8]",
                  "samples=2"]) == 0
     out = capsys.readouterr().out
     block = out.split("setting:")[0]
-    assert block.startswith("scenario table1-qwen32b-16k (Lynx Table 1")
+    assert block.startswith("scenario table1-qwen32b-16k (its title as written: Lynx Table 1")
     for carried in ("model=qwen3-32b", "hardware.devices=4", "workload.context_tokens=16384",
                     "speculative.draft_overhead_s=0.0", "transfer=seeds"):
         assert carried in block, carried

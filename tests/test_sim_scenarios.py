@@ -618,6 +618,9 @@ def test_auto_transfer_is_the_best_policy_each_codec_supports(tmp_path):
     auto = {v.spec.label: v.policy for v in variants(_cfg(tmp_path, ["bf16", two],
                                                           transfer="auto"))}
     assert auto == {"bf16": "layerwise", "test-two-halves": "split_stream_layerwise"}
+    # a codec whose layers do not encode alone is encoded whole, as the transport sends it
+    whole = variants(_cfg(tmp_path, ["cachegen"], transfer="auto"))
+    assert [v.policy for v in whole] == ["monolithic"]
     seeds = {v.spec.label: v.policy for v in variants(_cfg(tmp_path, ["bf16", two]))}
     assert seeds == {"bf16": "monolithic", "test-two-halves": "split_stream"}
     fast = {r["codec"]: r for r in run_all(_cfg(tmp_path, ["bf16"], transfer="auto"))[0]}
@@ -627,15 +630,15 @@ def test_auto_transfer_is_the_best_policy_each_codec_supports(tmp_path):
 
 def test_a_policy_a_codec_cannot_use_gives_no_row(tmp_path):
     """A one-stream codec has nothing to split: under a split-stream policy it gives no row
-    (skipped_variants names it); pinned on the entry, or with no codec left, it is an error."""
-    from kvsim.scenario.variants import skipped_variants
+    (plan_variants names it); pinned on the entry, or with no codec left, it is an error."""
+    from kvsim.scenario.variants import plan_variants
 
     two = {"name": "test-two-halves"}
     cfg = _cfg(tmp_path, ["bf16", two], transfer=["layerwise", "split_stream"])
     assert [(v.spec.label, v.policy) for v in variants(cfg)] == [
         ("bf16", "layerwise"), ("test-two-halves", "layerwise"),
         ("test-two-halves", "split_stream")]
-    assert skipped_variants(cfg) == ["bf16/split_stream"]
+    assert plan_variants(cfg.codecs, cfg.transfer)[1] == ["bf16/split_stream"]
     rows = run_all(cfg)[0]
     assert sorted((r["codec"], r["transfer"]) for r in rows) == sorted(
         [("bf16", "layerwise"), ("test-two-halves", "layerwise"),

@@ -82,9 +82,14 @@ def prepare_worker(module: str, prepare: str | None) -> int:
     return os.getpid()
 
 
+DISPLAY_KEYS = ("wide",)  # config keys that change what is printed, not a point's result
+
+
 def point_key(config: dict) -> str:
-    """The identity of a point: sha256 of its resolved config (sorted JSON), 16 hex digits."""
-    text = json.dumps(json_safe(config), sort_keys=True, separators=(",", ":"))
+    """The identity of a point: sha256 of its resolved config (sorted JSON) without the
+    display-only keys, 16 hex digits."""
+    kept = {k: v for k, v in config.items() if k not in DISPLAY_KEYS}
+    text = json.dumps(json_safe(kept), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -342,7 +347,10 @@ def print_summary(table_path: Path, grid: dict[str, list[str]]) -> None:
                                        ("ttkt_s.32", "drafted\nTT32T s", ".3f"),
                                        ("ttkt_s.64", "drafted\nTT64T s", ".3f"))
              if c in rows[0]]
-    if "pick" in rows[0]:  # the row `kvsim sim` picked at each point, as advise would
+    # the row `kvsim sim` picked at each point, as advise would; with codecs or transfer among
+    # the grid's keys each point picks among its own rows only, so none is marked
+    swept_choice = sorted({"codecs", "transfer"} & set(grid))
+    if "pick" in rows[0] and not swept_choice:
         cols.append(("pick_mark", "pick", ""))
         for row in rows:
             row["pick_mark"] = "*" if row["pick"] == "True" else ""
@@ -352,3 +360,6 @@ def print_summary(table_path: Path, grid: dict[str, list[str]]) -> None:
         for c in numeric:  # an empty cell (a metric a row lacks) stays empty
             row[c] = float(row[c]) if row[c] not in ("", None) else None
     print(format_table(rows, cols))
+    if swept_choice:
+        print(f"no pick marked: {', '.join(swept_choice)} swept, each point picks among its "
+              "own rows; `kvsim advise` ranks codecs and policies of one setting together")

@@ -36,7 +36,7 @@ def table_rows(rows: list[dict], qualities: dict | None = None) -> list[dict]:
         for k, v in (r.get("ttkt_committed_s") or {}).items():
             flat[f"tt{k}t"] = v
         flat["gb"] = r["total_bytes"] / 1e9
-        pct = r.get("ttft_pct_s") or {}
+        pct = r.get("ttft_committed_pct_s") or {}  # committed, as the TTFT column
         flat["ttft_p50"], flat["ttft_p99"] = pct.get("p50"), pct.get("p99")
         spread = r.get("spread") or {}
         for key, col in (("ttft_committed_s", "ttft_ci"), ("ttkt_committed_s.32", "tt32t_ci")):
@@ -71,8 +71,8 @@ def table_columns(cfg: SimConfig, rows: list[dict]) -> list[tuple[str, str, str]
     cols.append(("vnmse", "vNMSE", ""))
     if cfg.wide:
         cols += [("ttft_s", "drafted\nTTFT s", ".3f"),
-                 ("ttft_from_prefill_end_s", "TTFT-pe\ns", ".3f")]
-        cols += [(f"tt{k}t_pe", f"TT{k}T-pe\ns", ".3f") for k in ks if k in (32, 64)]
+                 ("ttft_from_prefill_end_s", "drafted\nTTFT-pe s", ".3f")]
+        cols += [(f"tt{k}t_pe", f"drafted\nTT{k}T-pe s", ".3f") for k in ks if k in (32, 64)]
     if cfg.wide or not many:
         cols += [("comm", "comm\ns", ".3f"), ("deser", "deser\ns", ".3f")]
     if cfg.wide:
@@ -141,15 +141,15 @@ def run(cfg: SimConfig) -> list[dict]:
     # imported here: the simulator pulls in the codecs and simpy; a sweep's parent process,
     # which only composes configs and launches jobs, never needs them
     from kvsim.advise.rank import load_qualities
-    from kvsim.scenario.variants import skipped_variants, variants
+    from kvsim.scenario.variants import plan_variants
     from kvsim.sim.run import run_all
 
-    raised = enough_samples(cfg, [v.policy for v in variants(cfg)])
+    qualities = load_qualities(list(cfg.vnmse_tables))  # a bad table name fails before a run
+    planned, skipped = plan_variants(cfg.codecs, cfg.transfer)
+    raised = enough_samples(cfg, [v.policy for v in planned])
     if raised:
         print(f"kvsim sim: {raised}", file=sys.stderr)
-    skipped = skipped_variants(cfg)
     rows, trace = run_all(cfg, progress=sys.stderr.isatty())
-    qualities = load_qualities(list(cfg.vnmse_tables))
     mark_pick(rows, cfg, qualities)
     print_table(cfg, rows, qualities)
     if skipped:

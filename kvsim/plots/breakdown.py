@@ -122,7 +122,7 @@ def make(opts: PlotOptions) -> tuple[Figure, dict]:
     date = run_date(doc)
     fig.suptitle(fitted_title(
         opts.title or f"Where the time to token {k_text} goes, from request arrival: "
-        f"{describe_run(cfg)}, mean of {cfg.get('samples', 1)} run(s)"
+        f"{describe_run(cfg)}, mean of {max(int(r.get('samples') or 1) for r in rows)} run(s)"
         + (f" ({date})" if date else ""), fig), fontsize=10)
     rows_of_legend = -(-len(names) // min(4, len(names)))
     fig.tight_layout(rect=(0, 0.06 + 0.05 * rows_of_legend, 1, 1))

@@ -95,7 +95,8 @@ def make(opts: PlotOptions) -> tuple[Figure, dict]:
                          "link.bandwidth_gbps (the table holds one setting)")
     # one series per (codec, policy), named by both: the marker is the policy's
     pairs = table[["codec", "transfer"]].to_dict("records")
-    labels = [codec_label(r, {str(r["codec"]) for r in pairs}) for r in pairs]
+    every_codec = {str(p["codec"]) for p in pairs}
+    labels = [codec_label(p, every_codec) for p in pairs]
     table = pd.concat([table, pd.Series(labels, index=table.index, name="series")], axis=1)
     if table.groupby(["series", "context_tokens", "bandwidth_gbps"]).size().max() > 1:
         raise ValueError("the sweep table has several rows per (codec, policy, context, "
@@ -141,7 +142,10 @@ def make(opts: PlotOptions) -> tuple[Figure, dict]:
                                     if "config.hardware.devices" in table.columns else "?")
     source = (f"{table['model'].iloc[0]}, {devices}x "
               f"{table['hardware'].iloc[0]}, mean of {samples} run(s)")
-    spread = ", band: 95% interval" if samples > 1 else ""
+    # the band only where the table has the metric's spread (no spread is kept of committed
+    # times from prefill end): the title promises none it does not draw
+    banded = any(s["ci95_low"] for x, _, _ in panels for s in summary[x])
+    spread = ", band: 95% interval" if banded else ""
     counted = "committed" if opts.count == "committed" else "drafted (as the seeds count)"
     date = run_date(sidecar)
     fig.suptitle(fitted_title(opts.title or f"{counted.capitalize()} TT{opts.k}T from "

@@ -125,11 +125,9 @@ def load_survivals(input_path: str, match: str) -> list[AcceptanceModel]:
 
 def describe_sim(config: dict) -> str:
     """'<model>, <n>x<hardware>, <Gbps> Gbps' from a resolved `kvsim sim` config."""
-    model = (config.get("model") or {}).get("name", "?")
-    hw = config.get("hardware") or {}
     link = config.get("link") or {}
     bw = f"{link['bandwidth_gbps']:g}" if link.get("bandwidth_gbps") is not None else "?"
-    return f"{model}, {hw.get('devices', 1)}x {hw.get('name', '?')}, {bw} Gbps"
+    return f"{describe_run(config)}, {bw} Gbps"
 
 
 def codec_label(row: dict, labels_with_many_policies: set[str]) -> str:

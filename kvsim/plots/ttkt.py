@@ -92,7 +92,8 @@ def make(opts: PlotOptions) -> tuple[Figure, dict]:
     axes[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0),
                     borderaxespad=0.0)
     cfg = doc.get("config", {})
-    samples = cfg.get("samples", 1)
+    samples = max(int(r.get("samples") or 1) for r in rows)  # runs averaged (the config's
+    # `samples` is before min_samples raised it)
     widest = max((h - lo for s in series if s["ci95_low"]
                   for lo, h in zip(s["ci95_low"], s["ci95_high"], strict=True)), default=None)
     spread = (f"; band: 95% interval of the mean, at most ±{widest / 2:.2g} s"

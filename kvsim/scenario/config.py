@@ -301,6 +301,7 @@ class SimConfig:
         check_size_calibration(self.size_calibration)
         if not self.vnmse_tables:
             raise ValueError("vnmse_tables must name at least one table (data/vnmse/)")
-        from kvsim.scenario.variants import variants
+        from kvsim.scenario.variants import plan_variants
 
-        variants(self)  # an unknown transfer, or one no listed codec can use, fails here
+        plan_variants(self.codecs, self.transfer)  # an unknown transfer, or one no listed
+        # codec can use, fails here

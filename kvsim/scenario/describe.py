@@ -9,6 +9,7 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
+from kvsim.core.hydra_run import hydra_run
 from kvsim.core.paths import CONF_DIR
 from kvsim.scenario.config import SimConfig
 
@@ -20,12 +21,13 @@ NOT_SETTINGS = ("defaults", "hydra", "title")  # a scenario's keys that set noth
 def scenario_settings(name: str) -> dict[str, Any]:
     """{key: value} of conf/scenario/<name>.yaml: group choices under the group's name, other
     keys as dotted paths; {} for scenario `none` or a scenario file that is not there."""
-    import yaml
+    from omegaconf import OmegaConf
 
     path = CONF_DIR / "scenario" / f"{name}.yaml"
     if name == "none" or not path.is_file():
         return {}
-    doc = yaml.safe_load(path.read_text()) or {}
+    # as Hydra reads it (YAML 1.1 alone reads 1e-3 as a string)
+    doc = OmegaConf.to_container(OmegaConf.load(path)) or {}
     out: dict[str, Any] = {}
     for entry in doc.get("defaults") or []:
         if isinstance(entry, dict):
@@ -66,7 +68,7 @@ def carried_over(name: str, title: str, overrides: list[str], cfg: object | None
             and _in_force(k, v, cfg, choices or {}, groups)]
     if not kept:
         return []
-    head = f"scenario {name}" + (f" ({title})" if title else "") + \
+    head = f"scenario {name}" + (f" (its title as written: {title})" if title else "") + \
         " sets, beyond the command line:"
     return textwrap.wrap(head, width=width, subsequent_indent="  ") + \
         textwrap.wrap(" ".join(kept), width=width, initial_indent="  ",
@@ -100,8 +102,8 @@ def setting_lines(cfg: SimConfig, first_row: dict | None = None,
     times below it, wrapped to width."""
     link, wl = cfg.link, cfg.workload
     setting = (f"setting: model={cfg.model.name} hardware={cfg.hardware.devices}x"
-               f"{cfg.hardware.name} link={link.name} ({link.bandwidth_gbps:g} Gbps"
-               + (", trace" if link.trace else "") + f") workload={wl.kind} "
+               f"{cfg.hardware.name} link={link.name} at {link.bandwidth_gbps:g} Gbps"
+               + (" (trace)" if link.trace else "") + f" workload={wl.kind} "
                + (f"context={wl.context_tokens} output={wl.output_tokens}"
                   if wl.kind == "single" else
                   f"({(first_row or {}).get('requests', wl.requests)} requests)")
@@ -111,7 +113,9 @@ def setting_lines(cfg: SimConfig, first_row: dict | None = None,
                                                    else "")
                + "; committed: a drafted token counts once verified; drafted: when drafted, "
                "as the seeds count" + ("; ±95%: half-width of the 95% interval of the mean"
-                                       if cfg.samples > 1 else ""))
+                                       if cfg.samples > 1 else "")
+               + f"; comm, deser: parts of the breakdown of TT{cfg.metrics.breakdown_k}T from "
+               "prefill end")
     out = []
     for text in (setting, reading):
         out += textwrap.wrap(text, width=width, subsequent_indent="  ",
@@ -119,22 +123,10 @@ def setting_lines(cfg: SimConfig, first_row: dict | None = None,
     return out
 
 
-def _hydra_run() -> tuple[str, list[str], dict[str, str]]:
-    """(scenario chosen, command-line overrides, group choices) of this run; ("none", [], {})
-    outside kvsim's command line."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
-        return "none", [], {}
-    hc = HydraConfig.get()
-    choices = {str(k): str(v) for k, v in hc.runtime.choices.items()}
-    return choices.get("scenario") or "none", list(hc.overrides.task), choices
-
-
 def setting_header(cfg: SimConfig, first_row: dict | None = None,
                    width: int = TABLE_WIDTH) -> list[str]:
     """What `kvsim sim` and `kvsim advise` print above their tables: what a named scenario
     carried over that the command line did not set, then the setting itself."""
-    scenario, overrides, choices = _hydra_run()
+    scenario, overrides, choices = hydra_run()
     return carried_over(scenario, cfg.title, overrides, cfg, choices, width) + \
         setting_lines(cfg, first_row, width)

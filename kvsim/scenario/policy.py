@@ -68,18 +68,23 @@ class TransferPlan:
 
 
 # what `transfer` may say: a policy, or a rule choosing one per codec
-#   auto: the best policy the codec supports (layer-wise encoding pipelined with prefill; split
-#         into streams when the codec has several): layerwise | split_stream_layerwise
+#   auto: the best policy the codec supports (layer-wise encoding pipelined with prefill where
+#         its layers encode alone; split into streams when it has several):
+#         layerwise | split_stream_layerwise (a codec that encodes whole: monolithic)
 #   seeds: the seeds' pairing in their Table 1 and Figure 11: a one-stream codec's cache sent
 #         whole after prefill (monolithic), a several-stream codec's as split_stream
 TRANSFER_RULES = ("auto", "seeds")
 TRANSFER_CHOICES = TRANSFER_RULES + POLICIES
 
 
-def chosen_policy(transfer: str, num_streams: int) -> str:
-    """The policy `transfer` (a TRANSFER_CHOICES entry) gives a codec of num_streams."""
+def chosen_policy(transfer: str, num_streams: int, layer_independent: bool = True) -> str:
+    """The policy `transfer` (a TRANSFER_CHOICES entry) gives a codec of num_streams. auto
+    encodes layer by layer only a codec whose layers encode alone (CacheGen's bits per layer
+    depend on the whole cache: the transport encodes it whole, so it goes monolithic)."""
     several = num_streams > 1
     if transfer == "auto":
+        if not layer_independent:
+            return "split_stream" if several else "monolithic"
         return "split_stream_layerwise" if several else "layerwise"
     if transfer == "seeds":
         return "split_stream" if several else "monolithic"

@@ -4,14 +4,19 @@ engines run the same list (the simulator per variant; the emulator sends each in
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from kvsim.kernels.presets import CodecSpec, resolve_codec
 from kvsim.kernels.wire import canonical_json
 from kvsim.scenario.policy import TRANSFER_CHOICES, applicable, chosen_policy
 
-if TYPE_CHECKING:  # a type only: SimConfig.validate calls variants() (no import circle)
-    from kvsim.scenario.config import SimConfig
+
+class CodecsAndTransfer(Protocol):
+    """What variants() reads of a SimConfig (named so: SimConfig.validate calls
+    plan_variants, and this module does not import the config)."""
+
+    codecs: list[Any]
+    transfer: Any
 
 
 @dataclass
@@ -23,38 +28,35 @@ class Variant:
     acceptance: str | None = None  # per-codec acceptance model (else speculative.acceptance)
 
 
-def variants(cfg: SimConfig) -> list[Variant]:
-    """codecs x transfer (kvsim.scenario.policy.chosen_policy: `auto` is the best policy each
-    codec supports); an entry may pin its own policy with a `transfer` key, and its own
-    acceptance model with an `acceptance` key (drafts on a 2-bit anchor are accepted less often
-    than on a 4-bit one). A split-stream policy a one-stream codec cannot use gives no variant
-    (`skipped_variants` names them); a pinned one it cannot use is an error."""
-    return _plan(cfg)[0]
+def variants(cfg: CodecsAndTransfer) -> list[Variant]:
+    """codecs x transfer (`auto` is the best policy each codec supports:
+    kvsim.scenario.policy.chosen_policy); an entry may pin its own policy with a `transfer`
+    key, and its own acceptance model with an `acceptance` key (drafts on a 2-bit anchor are
+    accepted less often than on a 4-bit one)."""
+    return plan_variants(cfg.codecs, cfg.transfer)[0]
 
 
-def skipped_variants(cfg: SimConfig) -> list[str]:
-    """'codec/policy' for each listed policy a codec cannot use (no row: nothing to split)."""
-    return _plan(cfg)[1]
-
-
-def _plan(cfg: SimConfig) -> tuple[list[Variant], list[str]]:
-    transfers = cfg.transfer if isinstance(cfg.transfer, (list, tuple)) else [cfg.transfer]
+def plan_variants(codecs: list[Any], transfer: Any) -> tuple[list[Variant], list[str]]:
+    """(variants, skipped): a split-stream policy a one-stream codec cannot use gives no
+    variant and is named in `skipped` ('codec/policy'); pinned on the entry, or with no
+    variant left, it is a ValueError."""
+    transfers = transfer if isinstance(transfer, (list, tuple)) else [transfer]
     out: list[Variant] = []
     skipped: list[str] = []
-    for entry in cfg.codecs:
+    for entry in codecs:
         pinned = acceptance = None
         if isinstance(entry, dict):
             entry = dict(entry)
             pinned = entry.pop("transfer", None)
             acceptance = entry.pop("acceptance", None)
         spec = resolve_codec(entry)
-        streams = spec.build().num_streams
+        codec = spec.build()
         for t in ([pinned] if pinned else transfers):
             if t not in TRANSFER_CHOICES:
                 raise ValueError(f"transfer: unknown policy {t!r}; choose one of "
                                  f"{', '.join(TRANSFER_CHOICES)}")
-            policy = chosen_policy(str(t), streams)
-            if not applicable(policy, streams):
+            policy = chosen_policy(str(t), codec.num_streams, codec.layer_independent)
+            if not applicable(policy, codec.num_streams):
                 if pinned:
                     raise ValueError(f"codec {spec.label}: transfer {policy} needs several "
                                      f"streams and {spec.label} has one; pin layerwise or "
@@ -63,7 +65,7 @@ def _plan(cfg: SimConfig) -> tuple[list[Variant], list[str]]:
                 continue
             out.append(Variant(spec, policy, acceptance))
     if not out:
-        raise ValueError(f"transfer={cfg.transfer}: no listed codec can use it (split-stream "
+        raise ValueError(f"transfer={transfer}: no listed codec can use it (split-stream "
                          f"policies need a codec of several streams; skipped "
                          f"{', '.join(skipped)}); add layerwise or transfer=auto")
     return _unique_labels(out), skipped
