@@ -2,8 +2,8 @@
 returns: each axis of a panel with data that shows a quantity (not named categories) is
 labelled with its unit in parentheses ("(s, from request arrival)", "(bits per KV
 element)", "(probability)"); every legend entry names a series drawn with at least one point
-inside the panel; no series lies hidden under another (a line on another line, or a marker
-on another marker, must be dashed or hollow so both show)."""
+inside the panel; no line lies hidden under another (a line on another line must be dashed
+or hollow-marked so both show)."""
 
 from __future__ import annotations
 
@@ -82,8 +82,8 @@ def _hollow(line: Line2D) -> bool:
 
 def check_nothing_hidden(fig: Figure, fraction: float = 0.01) -> None:
     """Two lines of one panel whose points all lie within `fraction` of the panel's range of
-    each other: the later must be dashed or hollow-marked. Two scatter series sharing a
-    point: the later must be hollow (no face) or larger (a ring around it)."""
+    each other: the later must be dashed or hollow-marked. (Scatter points sharing a place
+    are checked by the codecs and pareto figures' own tests: rings around one point.)"""
     for ax in fig.axes:
         (y0, y1) = sorted(ax.get_ylim())
         tol = fraction * (y1 - y0) if ax.get_yscale() == "linear" else 0.0

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvsim.advise.config import AdviseConfig, objective_key
+from kvsim.advise.config import AdviseConfig
 from kvsim.advise.floor import CodecQuality, QualityFloor, admissible, parse_floor
 from kvsim.advise.pareto import dominates, pareto_front
 from kvsim.advise.rank import advise, candidate_policies, load_qualities, simulate
@@ -62,6 +62,8 @@ def test_floor_parsing_and_admissibility():
 
 
 def test_objective_keys():
+    from kvsim.scenario.objective import objective_key
+
     assert objective_key("ttkt_committed_s.32") == ("ttkt_committed_s", 32)
     assert objective_key("ttft_s") == ("ttft_s", None)
     for bad in ("ttkt_s", "ttkt_s.0", "ttft_s.3", "tpot_s"):

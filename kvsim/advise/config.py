@@ -7,13 +7,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvsim.scenario.config import SimConfig
+from kvsim.scenario.objective import objective_key
 
 DEFAULT_FLOOR = 1e-3  # attention-output vNMSE bound
 DEFAULT_OBJECTIVE = "ttkt_committed_s.32"
 DEFAULT_TIE_S = 0.01  # s: below what a user notices
-
-# what `objective` may name: a row metric, and for the TTKT ones `.k` (a TTKT point)
-OBJECTIVES = ("ttft_s", "ttft_committed_s", "ttkt_s", "ttkt_committed_s")
 
 
 @dataclass
@@ -56,25 +54,3 @@ class AdviseConfig(SimConfig):
         if self.acceptance_files and "CODEC" not in self.acceptance_files:
             raise ValueError(f"acceptance_files must contain CODEC (where the codec label "
                              f"goes), got {self.acceptance_files!r}")
-
-
-def objective_key(objective: str) -> tuple[str, int | None]:
-    """'ttkt_committed_s.32' -> ('ttkt_committed_s', 32); 'ttft_s' -> ('ttft_s', None)."""
-    name, _, k = str(objective).partition(".")
-    if name not in OBJECTIVES:
-        raise ValueError(f"objective {objective!r}: choose one of ttft_s, ttft_committed_s, "
-                         "ttkt_s.K, ttkt_committed_s.K")
-    if name.startswith("ttkt"):
-        if not k.isdigit() or int(k) < 1:
-            raise ValueError(f"objective {objective!r}: {name} needs a token index, e.g. "
-                             f"{name}.32")
-        return name, int(k)
-    if k:
-        raise ValueError(f"objective {objective!r}: {name} takes no .K")
-    return name, None
-
-
-def objective_words(objective: str) -> str:
-    """'ttkt_committed_s.32' -> 'committed TT32T'; 'ttft_s' -> 'drafted TTFT'."""
-    name, k = objective_key(objective)
-    return ("committed " if "committed" in name else "drafted ") + (f"TT{k}T" if k else "TTFT")

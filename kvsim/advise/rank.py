@@ -12,8 +12,6 @@ from kvsim.advise.config import (
     DEFAULT_OBJECTIVE,
     DEFAULT_TIE_S,
     AdviseConfig,
-    objective_key,
-    objective_words,
 )
 from kvsim.advise.floor import (
     LOSSLESS,
@@ -27,6 +25,7 @@ from kvsim.advise.floor import (
 from kvsim.advise.pareto import pareto_front
 from kvsim.kernels.presets import preset_names, resolve_codec
 from kvsim.scenario.config import VARIANT_KEYS
+from kvsim.scenario.objective import objective_key, objective_words
 from kvsim.scenario.policy import POLICIES, applicable
 
 
@@ -120,12 +119,14 @@ def candidate_policies(cfg: AdviseConfig) -> list[tuple[str | dict, list[str]]]:
     return out
 
 
-def simulate(cfg: AdviseConfig, progress: bool = False) -> list[dict]:
-    """One `kvsim sim` row per candidate, run in this process with the user's setting."""
+def simulate(cfg: AdviseConfig, progress: bool = False,
+             candidates: list[tuple[str | dict, list[str]]] | None = None) -> list[dict]:
+    """One `kvsim sim` row per candidate (candidate_policies(cfg) unless given), run in this
+    process with the user's setting."""
     from kvsim.sim.run import run_all
 
     rows: list[dict] = []
-    for entry, policies in candidate_policies(cfg):
+    for entry, policies in (candidates if candidates is not None else candidate_policies(cfg)):
         one = dataclasses.replace(cfg, codecs=[entry], transfer=list(policies),
                                   trace_path="", requests_path="")
         got, _ = run_all(one, progress=progress)

@@ -11,7 +11,7 @@ import dataclasses
 import sys
 import textwrap
 
-from kvsim.advise.config import AdviseConfig, objective_key, objective_words
+from kvsim.advise.config import AdviseConfig
 from kvsim.advise.rank import (
     Advice,
     Candidate,
@@ -22,6 +22,7 @@ from kvsim.advise.rank import (
 )
 from kvsim.core.report import format_table
 from kvsim.scenario.describe import TABLE_WIDTH, setting_header
+from kvsim.scenario.objective import objective_key, objective_words
 from kvsim.scenario.samples import enough_samples
 
 COMMAND = ("advise",)
@@ -100,10 +101,11 @@ def print_advice(cfg: AdviseConfig, advice: Advice) -> None:
 def run(cfg: AdviseConfig) -> list[dict]:
     cfg.validate()
     qualities = load_qualities(list(cfg.vnmse_tables))
-    raised = enough_samples(cfg, [p for _, ps in candidate_policies(cfg) for p in ps])
+    pairs = candidate_policies(cfg)  # every preset built once
+    raised = enough_samples(cfg, [p for _, ps in pairs for p in ps])
     if raised:
         print(f"kvsim advise: {raised}", file=sys.stderr)
-    rows = simulate(cfg, progress=sys.stderr.isatty())
+    rows = simulate(cfg, progress=sys.stderr.isatty(), candidates=pairs)
     advice = advise(cfg, rows, qualities)
     if raised:
         advice.notes.append(raised)

@@ -58,7 +58,7 @@ def table_columns(cfg: SimConfig, rows: list[dict]) -> list[tuple[str, str, str]
     ks = [k for k in cfg.metrics.ks if rows and all(k in (r.get("ttkt_s") or {}) for r in rows)]
     sampled = bool(rows) and rows[0].get("samples", 1) > 1
     many = bool(rows) and rows[0].get("requests", 1) > 1
-    head = [k for k in ks if k in (32, 64, 128) and k != 1][:1] or ks[-1:]
+    head = [k for k in ks if k in (32, 64, 128)][:1] or ks[-1:]
     cols = [("codec", "codec", ""), ("transfer", "transfer", ""), ("gb", "GB", ".3f"),
             ("ttft_committed_s", "TTFT\ns", ".3f")]
     if sampled and cfg.wide:

@@ -17,6 +17,7 @@ from matplotlib.lines import Line2D
 from kvsim.plots.inputs import describe_sim, load_report, run_date
 from kvsim.plots.options import PlotOptions
 from kvsim.plots.style import codec_color, new_figure, policy_marker, tokens_label
+from kvsim.scenario.objective import objective_words
 from kvsim.scenario.policy import POLICIES
 
 MARKER_AREA_PT2 = 42.0  # a candidate's marker (points^2)
@@ -27,18 +28,9 @@ SAME_POINT_Y_RATIO = 1.02
 
 
 def objective_axis_label(objective: str) -> str:
-    """'ttkt_committed_s.32' -> 'committed TT32T (s, from request arrival)'; 'ttft_s' ->
-    'drafted TTFT (...)' (advise's objectives are times from arrival; see
-    kvsim.advise.config.objective_words, which kvsim.plots may not import)."""
-    name, _, k = str(objective).partition(".")
-    count = "committed" if "committed" in name else "drafted"
-    if name.startswith("ttkt") and k.isdigit():
-        what = f"{count} TT{k}T"
-    elif name.startswith("ttft"):
-        what = f"{count} TTFT"
-    else:
-        what = str(objective)
-    return f"{what} (s, from request arrival)"
+    """'ttkt_committed_s.32' -> 'committed TT32T (s, from request arrival)' (advise's
+    objectives are times from arrival)."""
+    return f"{objective_words(objective)} (s, from request arrival)"
 
 
 def _same_point(a: tuple[float, float], b: tuple[float, float], x_tol_s: float) -> bool:
@@ -53,7 +45,9 @@ def make(opts: PlotOptions) -> tuple[Figure, dict]:
     if not rows:
         raise ValueError(f"input {opts.input}: no candidate has a measured vNMSE to plot")
     cfg = doc.get("config", {})
-    objective = cfg.get("objective") or doc["rows"][0].get("objective", "objective")
+    objective = cfg.get("objective") or doc["rows"][0].get("objective")
+    if not objective:
+        raise ValueError(f"input {opts.input}: the advise report names no objective")
     fig, (ax,) = new_figure(10.0, 5.0)
 
     # codecs in the report's order (its ranking): the first codec at a point is drawn
