@@ -113,6 +113,7 @@ def measure_model(lm: Any, model_name: str, cal: ModelCalibration,
                   ) -> tuple[dict, dict[int, torch.Tensor]]:
     """The hardware profile document of the real model here, and the real bf16 KV
     [layers, 2, kv_heads, tokens, head_dim] of each calibration context (for the codecs)."""
+    from kvsim.calibrate.step_fit import fitted_curve
     from kvsim.kv.capture import cache_to_kv, kv_to_cache, prefill
 
     contexts = sorted({int(c) for c in cal.contexts})
@@ -155,11 +156,12 @@ def measure_model(lm: Any, model_name: str, cal: ModelCalibration,
         "version": PROFILE_VERSION, "kind": "hardware", "model": model_name,
         "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."),
         "prefill": {"tokens": contexts, "s": prefill_s},
-        "tpot": {"context_tokens": contexts, "s": tpot_s},
+        # fitted over context (kvsim.calibrate.step_fit), the medians under "measured"
+        "tpot": fitted_curve({"context_tokens": contexts, "s": tpot_s}),
         "first_step_extra": {"context_tokens": contexts, "s": first_extra_s},
         "tpot_batch": {"context_tokens": top, "batch": list(cal.batches), "s": batch_s},
-        "verify": {"context_tokens": contexts, "drafted_tokens": list(cal.drafted),
-                   "s": verify_s},
+        "verify": fitted_curve({"context_tokens": contexts,
+                                "drafted_tokens": list(cal.drafted), "s": verify_s}),
     }
     return doc, kvs
 

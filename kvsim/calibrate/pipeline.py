@@ -174,6 +174,15 @@ def calibrate(cfg: Config) -> list[dict]:
                            tuple(cfg.drafted), cfg.repeats, cfg.text_source, cfg.seed)
     hw_doc, kvs = measure_model(lm, cfg.model.name, cal, say)
     hw_doc.update(name=profile_name(cfg), **prov)
+    # the host, probed as `kvsim sim` / `kvsim validate` probe theirs (kvsim.model.host)
+    from kvsim.calibrate.host_probe import PROBE_STEPS, StepProbe, host_record
+
+    hw_doc["host"] = host_record(StepProbe(cfg.model, PROBE_STEPS, cfg.threads, _lm=lm),
+                                 min(cfg.contexts))
+    say(f"host: {hw_doc['host']['cpu_model']}, {hw_doc['host']['logical_cpus']} CPUs, "
+        f"memory copy {hw_doc['host']['memory_copy_gb_per_s']:.1f} GB/s, decode step probe "
+        f"{hw_doc['host']['decode_step_probe']['s'] * 1e3:.1f} ms at "
+        f"{hw_doc['host']['decode_step_probe']['context_tokens']} tokens")
     timing_doc = measure_codecs(lm, specs, kvs[cfg.codec_context_tokens], cfg.repeats,
                                 prov["command"], say)
     timing_doc.update(hardware=profile_name(cfg), **{k: v for k, v in prov.items()

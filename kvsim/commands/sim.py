@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import textwrap
+from typing import Any
 
 from kvsim.advise.config import DEFAULT_FLOOR, DEFAULT_TIE_S
 from kvsim.core.report import format_table
@@ -137,6 +138,24 @@ def prepare() -> None:
     codec_names()
 
 
+def check_host(cfg: SimConfig) -> Any:
+    """With a measured hardware profile, this host against the profile's (drift=;
+    kvsim.model.host): the Drift (its rescaled profile now cfg's) or None when not probed.
+    A rescaled profile is written to the run directory."""
+    if not cfg.hardware.profile or cfg.drift.action == "off":
+        return None
+    from kvsim.calibrate.host_probe import check_drift
+    from kvsim.core.outputs import out_root
+    from kvsim.core.profiles import profile_path
+
+    drift = check_drift(profile_path("hardware", cfg.hardware.profile), cfg.model, cfg.drift,
+                        out_root(None) / "profiles-rescaled")
+    if drift is not None:
+        print(f"kvsim sim: host: {drift.words()}", file=sys.stderr)
+        cfg.hardware.profile = drift.profile
+    return drift
+
+
 def run(cfg: SimConfig) -> list[dict]:
     # imported here: the simulator pulls in the codecs and simpy; a sweep's parent process,
     # which only composes configs and launches jobs, never needs them
@@ -145,13 +164,20 @@ def run(cfg: SimConfig) -> list[dict]:
     from kvsim.sim.run import run_all
 
     qualities = load_qualities(list(cfg.vnmse_tables))  # a bad table name fails before a run
+    drift = check_host(cfg)
     planned, skipped = plan_variants(cfg.codecs, cfg.transfer)
     raised = enough_samples(cfg, [v.policy for v in planned])
     if raised:
         print(f"kvsim sim: {raised}", file=sys.stderr)
     rows, trace = run_all(cfg, progress=sys.stderr.isatty())
+    if drift is not None:
+        for r in rows:
+            r.update(hardware_drift=drift.outcome, hardware_drift_factor=drift.factor)
     mark_pick(rows, cfg, qualities)
     print_table(cfg, rows, qualities)
+    if drift is not None:
+        print("\n".join(textwrap.wrap(f"host: {drift.words()}", width=TABLE_WIDTH,
+                                       subsequent_indent="  ")))
     if skipped:
         print(f"no row for {', '.join(skipped)}: a split-stream policy needs a codec of "
               "several streams")

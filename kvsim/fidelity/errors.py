@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from kvsim.fidelity.statistics import beyond_spread_pct, tost
+
 
 @dataclass(frozen=True)
 class Metric:
@@ -37,7 +39,7 @@ MULTI_METRICS = [Metric("ttft_p50", "ttft_pct_s", "p50"), Metric("ttft_p99", "tt
                  Metric("ttft_c_p99", "ttft_committed_pct_s", "p99")]
 
 
-def _number(v: Any) -> float:
+def number(v: Any) -> float:
     """v as a float, nan when it is not a number (None: a NaN written to JSON as null)."""
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
 
@@ -48,7 +50,7 @@ def value(row: dict, m: Metric) -> float:
     v: Any = row.get(m.field)
     if m.key:
         v = {str(k): x for k, x in v.items()}.get(m.key) if isinstance(v, dict) else None
-    return _number(v)
+    return number(v)
 
 
 def spread_pct(values: list[float]) -> float:
@@ -62,7 +64,7 @@ def spread_pct(values: list[float]) -> float:
 
 def error_pct(measured_s: float, simulated_s: float) -> float:
     """100 * (simulated - measured) / measured; nan when either is not a usable number."""
-    a, b = _number(measured_s), _number(simulated_s)
+    a, b = number(measured_s), number(simulated_s)
     return 100.0 * (b - a) / a if a > 0 and math.isfinite(b) else math.nan
 
 
@@ -81,10 +83,15 @@ def recompare(saved: list[dict], simulated: dict, metrics: list[Metric],
             raise ValueError(f"the saved run compared no {m.name} for {_where(saved)} "
                              f"(it compared {', '.join(by_metric) or 'nothing'})")
         b = value(simulated, m)
-        row = {k: v for k, v in old.items() if k not in ("simulated_s", "error_pct")}
+        row = {k: v for k, v in old.items()
+               if k not in ("simulated_s", "error_pct", "beyond_spread_pct")}
         row.update(scenario_update)
-        row.update(metric=m.name, measured_s=_number(old["measured_s"]), simulated_s=b,
+        row.update(metric=m.name, measured_s=number(old["measured_s"]), simulated_s=b,
                    error_pct=error_pct(old["measured_s"], b))
+        if "measured_min_s" in old and "measured_max_s" in old:  # its runs' range was saved
+            row["beyond_spread_pct"] = beyond_spread_pct(
+                row["measured_s"], number(old["measured_min_s"]),
+                number(old["measured_max_s"]), b)
         out.append(row)
     return out
 
@@ -95,18 +102,24 @@ def _where(rows: list[dict]) -> str:
 
 
 def compare(scenario: dict, measured: dict, simulated: dict, metrics: list[Metric]) -> list[dict]:
-    """One row per metric: the scenario's keys, measured, simulated, error_pct, and
-    measured_spread_pct when the measured row is a mean over repeated requests (its
-    `per_request` rows: the aggregate of `kvsim.transport.record.aggregate_rows`)."""
+    """One row per metric: the scenario's keys, measured, simulated, error_pct; when the
+    measured row is a mean over repeated requests (its `per_request` rows: the aggregate of
+    `kvsim.transport.record.aggregate_rows`), also their range (measured_min_s / _max_s,
+    measured_spread_pct) and how far the simulated value lies outside it
+    (beyond_spread_pct, 0 inside: kvsim.fidelity.statistics)."""
     repeats = measured.get("per_request")
     out = []
     for m in metrics:
         a, b = value(measured, m), value(simulated, m)
         row = {**scenario, "metric": m.name, "measured_s": a, "simulated_s": b,
                "error_pct": error_pct(a, b)}
-        spread = spread_pct([value(r, m) for r in repeats]) if repeats else math.nan
+        runs = [v for v in (value(r, m) for r in repeats) if math.isfinite(v)] \
+            if repeats else []
+        spread = spread_pct(runs)
         if math.isfinite(spread):  # (percentiles over requests have no per-request value)
-            row["measured_spread_pct"] = spread
+            row.update(measured_spread_pct=spread, measured_min_s=min(runs),
+                       measured_max_s=max(runs))
+            row["beyond_spread_pct"] = beyond_spread_pct(a, min(runs), max(runs), b)
         out.append(row)
     return out
 
@@ -117,7 +130,7 @@ def step_error_pct(row: dict) -> float:
     `tpot_simulated_s`: mean seconds per token after the first); nan without both. TT<k>T
     for large k is mostly k steps, so this is the part of its error the host's step speed
     on the day explains (it drifts between calibration and scenario)."""
-    a, b = _number(row.get("tpot_measured_s")), _number(row.get("tpot_simulated_s"))
+    a, b = number(row.get("tpot_measured_s")), number(row.get("tpot_simulated_s"))
     if not math.isfinite(a) or not math.isfinite(b) or a <= 0:
         return math.nan
     return 100.0 * (b - a) / a
@@ -138,7 +151,7 @@ def summary(rows: list[dict]) -> dict:
     the worst; rows without one are counted (`missing`), never averaged in. With the
     decode steps in the rows, also the steps' mean / max absolute error (%) over the
     (scenario, codec) pairs: how far the host's step moved from its calibration."""
-    finite = [r for r in rows if math.isfinite(_number(r["error_pct"]))]  # (JSON: null)
+    finite = [r for r in rows if math.isfinite(number(r["error_pct"]))]  # (JSON: null)
     errs = [abs(r["error_pct"]) for r in finite]
     if not errs:
         return {"mean_abs_pct_error": math.nan, "max_abs_pct_error": math.nan,
@@ -146,11 +159,24 @@ def summary(rows: list[dict]) -> dict:
     steps = _step_errors(rows)
     worst = max(finite, key=lambda r: abs(r["error_pct"]))
     spreads = [r["measured_spread_pct"] for r in rows
-               if math.isfinite(_number(r.get("measured_spread_pct")))]
+               if math.isfinite(number(r.get("measured_spread_pct")))]
+    # against the emulator's own spread: a comparison inside the range of its repeated runs
+    # is not a model error (rows without repeats count with their whole error)
+    beyond = [abs(number(r["beyond_spread_pct"])) if "beyond_spread_pct" in r
+              else abs(r["error_pct"]) for r in finite]
+    beyond = [x for x in beyond if math.isfinite(x)]
+    by_metric: dict[str, list[float]] = {}
+    for r in finite:
+        by_metric.setdefault(str(r.get("metric")), []).append(float(r["error_pct"]))
     return {"mean_abs_pct_error": sum(errs) / len(errs), "max_abs_pct_error": max(errs),
             "compared": len(errs), "missing": len(rows) - len(errs),
             # the noise floor: how far repeated runs of one scenario land apart, on average
             "mean_measured_spread_pct": sum(spreads) / len(spreads) if spreads else math.nan,
+            "inside_spread": sum(1 for r in finite if r.get("beyond_spread_pct") == 0.0),
+            "model_errors": sum(1 for x in beyond if x > 0.0),
+            "mean_abs_pct_beyond_spread": sum(beyond) / len(beyond) if beyond else math.nan,
+            "max_abs_pct_beyond_spread": max(beyond) if beyond else math.nan,
+            "tost": {metric: tost(es) for metric, es in by_metric.items()},
             "step_mean_abs_pct_error": sum(steps) / len(steps) if steps else math.nan,
             "step_max_abs_pct_error": max(steps) if steps else math.nan,
             "worst": {k: worst[k] for k in worst if k not in ("measured_s", "simulated_s")}}
@@ -180,15 +206,30 @@ def markdown_table(rows: list[dict]) -> str:
             by = {r["metric"]: r for r in rs}
             head = by.get("ttft_p50", rs[0]) if multi else rs[-1]
             errs = [f"{by[m]['error_pct']:+.1f}" if m in by and
-                    math.isfinite(_number(by[m]["error_pct"])) else "" for m in metrics]
+                    math.isfinite(number(by[m]["error_pct"])) else "" for m in metrics]
             steps = ""
             if step:
                 ok = math.isfinite(step_error_pct(head))
                 steps = (f"{1e3 * head['tpot_measured_s']:.1f} / "
                          f"{1e3 * head['tpot_simulated_s']:.1f} | ") if ok else " | "
-            pair = f"{_number(head['measured_s']):.3f} / {_number(head['simulated_s']):.3f}"
+            pair = f"{number(head['measured_s']):.3f} / {number(head['simulated_s']):.3f}"
             lines.append(f"| {link} | {gbps:g} | {ctx} | {f'{rate:g} | ' if multi else ''}"
                          f"{codec} | {pair} ({head['metric']}) | {steps}" + " | ".join(errs)
                          + " |")
         out.append("\n".join(lines))
     return "\n\n".join(out) + "\n"
+
+
+def distributions_table(rows: list[dict]) -> str:
+    """The multi-request case's per-request comparisons (one line per arrival rate, codec
+    and metric): MAPE, Pearson r and the two-sample KS test (kvsim.fidelity.statistics)."""
+    lines = ["| link | Gbps | ctx | req/s | codec | metric | requests | MAPE % | Pearson r | "
+             "KS D | KS p |", "|" + "---|" * 11]
+    for r in rows:
+        cells = [f"{number(r.get(k)):{fmt}}" for k, fmt in (
+            ("mape_pct", ".2f"), ("pearson_r", ".3f"), ("ks_statistic", ".3f"),
+            ("ks_p", ".3g"))]
+        lines.append(f"| {r['emulation']} | {r['bandwidth_gbps']:g} | {r['context_tokens']} | "
+                     f"{r['rate_per_s']:g} | {r['codec']} | {r['metric']} | {r['requests']} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

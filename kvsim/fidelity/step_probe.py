@@ -14,51 +14,17 @@ the probe sets their level.
 from __future__ import annotations
 
 import json
-import statistics
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from kvsim.calibrate.host_probe import StepProbe
 from kvsim.model.hardware_profile import scaled_curve
+
+__all__ = ["STEP_CURVES", "StepProbe", "probed_profile"]
 
 # the hardware profile's curves that are times of a decode-sized forward step (scaled)
 STEP_CURVES = ("tpot", "tpot_batch", "verify")
-
-
-@dataclass
-class StepProbe:
-    """Times the real model's decode step at a context (median of `steps` after the first)."""
-
-    model: Any  # ModelSpec of the validated model
-    steps: int = 24
-    threads: int = 1  # torch threads, as the transport's processes
-    _lm: Any = None
-    _kv: dict[int, Any] = field(default_factory=dict)  # context -> bf16 KV of its prompt
-
-    def step_s(self, context_tokens: int) -> float:
-        import torch
-
-        from kvsim.calibrate.model_profile import ModelCalibration, _prompt, _steps_s
-        from kvsim.kv.capture import cache_to_kv, kv_to_cache, prefill
-
-        if self._lm is None:
-            from kvsim.model.load import load_lm
-
-            self._lm = load_lm(self.model, threads=self.threads, seed=0)
-            torch.set_num_threads(self.threads)
-        lm = self._lm
-        if context_tokens not in self._kv:  # the calibration prompts (their own text seed)
-            ids = _prompt(lm, context_tokens, ModelCalibration([context_tokens]))
-            cache, logits = prefill(lm.model, ids)
-            self._kv[context_tokens] = (cache_to_kv(cache).to(torch.bfloat16),
-                                        int(torch.argmax(logits)))
-        kv, token = self._kv[context_tokens]
-        dtype = next(lm.model.parameters()).dtype
-        cache = kv_to_cache(kv.float(), lm.model.config, dtype)
-        _first, later = _steps_s(lm, cache, token, self.steps)
-        return float(statistics.median(later))
 
 
 def probed_profile(hw_path: Path, context_tokens: int, probe_s: float, out_path: Path

@@ -32,9 +32,18 @@ from typing import Any
 from omegaconf import MISSING
 
 from kvsim.core.report import format_table
+from kvsim.model.host import DriftConfig
 from kvsim.model.spec import ModelSpec
 
-GRIDS = ("full", "quick")
+GRIDS = ("full", "quick", "heldout")
+
+# grid=heldout: contexts and link rates that neither the full grid nor the calibration
+# (kvsim.calibrate.pipeline: link_rates_gbps 0.1 / 0.5 / 1.0, its transfers at 0.3 and 0.8
+# Gbps) uses, calibrated at the full grid's contexts only: the model is asked off its grid
+HELDOUT_RATES_GBPS = [0.2, 0.6]
+HELDOUT_CONTEXTS = [1536]
+HELDOUT_CODECS = ["int8", "int4", "lynx"]
+HELDOUT_MULTI = {"bandwidth_gbps": 0.6, "context_tokens": 1536, "rates_per_s": [0.2, 0.4]}
 
 
 class TargetMissed(ValueError):
@@ -56,7 +65,9 @@ class MultiConfig:
 @dataclass
 class Config:
     model: ModelSpec = MISSING
-    grid: str = "full"  # full | quick (CI: 1 emulation, 1 rate, 1 context, 2 codecs)
+    # full | quick (CI: 1 emulation, 1 rate, 1 context, 2 codecs) | heldout (rates and a
+    # context outside the full grid and the calibration: HELDOUT_*)
+    grid: str = "full"
     calibrate: bool = False  # true: kvsim calibrate into <run dir>/profiles first
     profile_dir: str = ""  # where calibrated profiles are; "": data/profiles
     profile_name: str = ""  # "": local-<model>
@@ -79,6 +90,9 @@ class Config:
     acceptance: str = "smollm2-135m-lynx-s1-greedy"  # the simulator's acceptance curve
     samples: int = 16  # simulator runs averaged per single-request row (acceptance draws)
     multi: MultiConfig = field(default_factory=MultiConfig)
+    # this host against the hardware profile's, probed before anything is compared
+    # (kvsim.model.host): rescale the profile's model times | refuse | off
+    drift: DriftConfig = field(default_factory=DriftConfig)
     target_mean_abs_pct: float = 5.0  # % mean absolute error over every comparison
     target_max_abs_pct: float = 10.0  # % worst absolute error
     fail_on_target: bool = False  # true: exit non-zero when the mean is above its target
@@ -116,6 +130,19 @@ class Config:
             # alone moves TT64T by up to ~10%: three per codec, interleaved
             self.repeats = max(self.repeats, 3)
             self.multi.rates_per_s, self.multi.requests = [0.3], 6
+        elif self.grid == "heldout":
+            self.rates_gbps, self.contexts = list(HELDOUT_RATES_GBPS), list(HELDOUT_CONTEXTS)
+            self.codecs = list(HELDOUT_CODECS)
+            for key, v in HELDOUT_MULTI.items():
+                setattr(self.multi, key, list(v) if isinstance(v, list) else v)
+
+    @property
+    def calibration_contexts(self) -> list[int]:
+        """The validated contexts the calibration measures at: the grid's own, but the full
+        grid's for grid=heldout (whose contexts are held out of the calibration)."""
+        if self.grid == "heldout":
+            return list(Config.__dataclass_fields__["contexts"].default_factory())
+        return list(self.contexts)
 
 
 def _say(msg: str) -> None:
@@ -127,20 +154,20 @@ def _calibrate(cfg: Config, root: Path, name: str, emulations: list[str]) -> Non
     from kvsim.calibrate.pipeline import calibrate
 
     quick = cfg.grid == "quick"
-    contexts = sorted({256, *cfg.contexts, cfg.multi.context_tokens} if quick else
-                      {256, 1024, 2048, 4096, *cfg.contexts, cfg.multi.context_tokens})
+    grid = cfg.calibration_contexts
+    extra = {cfg.multi.context_tokens} if cfg.grid != "heldout" else set()
+    contexts = sorted({256, *grid, *extra} if quick else {256, 1024, 2048, 4096, *grid, *extra})
     cal = CalConfig(model=cfg.model, name=name, contexts=contexts,
                     drafted=[1, 2, 4, 8, 16] if quick else [1, 2, 4, 8, 16, 32, 64],
                     codecs=sorted({str(c) for c in [*cfg.codecs, *cfg.multi.codecs]}),
-                    codec_context_tokens=max(cfg.contexts), links=emulations,
+                    codec_context_tokens=max(grid), links=emulations,
                     # the receiver's calibration transfers at the validated contexts (the
                     # longest; the shortest for the layer-job fit and the step there), so
                     # that neither is extrapolated to the single-request scenarios (the
                     # multi-request case's context may lie outside; on demand there is
                     # no fit and the one step ratio applies flat)
-                    receiver_context_tokens=max(cfg.contexts),
-                    receiver_fit_context_tokens=min(cfg.contexts)
-                    if min(cfg.contexts) < max(cfg.contexts) else -1,
+                    receiver_context_tokens=max(grid),
+                    receiver_fit_context_tokens=min(grid) if min(grid) < max(grid) else -1,
                     out_dir=str(root), overwrite=True)
     _say(f"calibrating into {root} (prompts, decode steps, codecs, links)")
     calibrate(cal)
@@ -187,6 +214,7 @@ def validate(cfg: Config) -> dict:
         root = run_dir / "profiles"
         _calibrate(cfg, root, name, emulations)
     profiles = find_profiles(root, name, emulations)
+    profiles, drift = _drift(cfg, profiles, run_dir)
     started = time.time()
     rows: list[dict] = []
     single = errors.single_metrics(list(cfg.ks))
@@ -219,11 +247,46 @@ def validate(cfg: Config) -> dict:
                                              f"{m.get('proposed_tokens', 0) / n:.3g}",
                         "prefill_measured_s": m.get("prefill_s"),
                         # the decode step after the first (s/token): errors.step_error_pct
-                        "tpot_measured_s": m.get("tpot_s"), **_simulated_keys(s), **probed}
+                        "tpot_measured_s": m.get("tpot_s"), **_simulated_keys(s), **probed,
+                        **_drift_keys(drift)}
             rows += errors.compare(scenario, m, s, single)
+    distributions: list[dict] = []
     if cfg.multi.enabled and cfg.multi.emulation in emulations:
-        rows += _multi(cfg, profiles, started, run_dir)
-    return _conclude(cfg, rows, run_dir, profiles, {"notes": notes}, started)
+        multi_rows, distributions = _multi(cfg, profiles, started, run_dir)
+        rows += [{**r, **_drift_keys(drift)} for r in multi_rows]
+    return _conclude(cfg, rows, run_dir, profiles,
+                     {"notes": notes, "drift": drift.as_dict() if drift else None},
+                     started, distributions)
+
+
+def _drift(cfg: Config, profiles: Any, run_dir: Path) -> tuple[Any, Any]:
+    """This host's decode step against the hardware profile's, before anything is compared
+    (kvsim.model.host): (the profiles to use, the Drift or None with drift.action=off). A
+    rescaled profile is written under run_dir/profiles-rescaled and used by both engines
+    (it is also the emulator's timing model in the multi-request case); refuse raises
+    kvsim.calibrate.host_probe.DriftRefused."""
+    from dataclasses import replace
+
+    from kvsim.calibrate.host_probe import PROBE_STEPS, check_drift
+    from kvsim.fidelity.step_probe import StepProbe
+
+    if cfg.drift.action == "off":
+        return profiles, None
+    drift = check_drift(profiles.hardware, cfg.model, cfg.drift,
+                        run_dir / "profiles-rescaled", StepProbe(cfg.model, PROBE_STEPS),
+                        force=True)
+    assert drift is not None  # force: always probed unless off
+    _say(f"host: {drift.words()}")
+    if drift.outcome == "rescaled":
+        profiles = replace(profiles, hardware=Path(drift.profile))
+    return profiles, drift
+
+
+def _drift_keys(drift: Any) -> dict:
+    """A comparison row's record of the host check: what was done, and the factor."""
+    if drift is None:
+        return {"drift": "off"}
+    return {"drift": drift.outcome, "drift_factor": drift.factor}
 
 
 def _resimulate(cfg: Config) -> dict:
@@ -269,6 +332,7 @@ def _resimulate(cfg: Config) -> dict:
         root = Path(saved.profile_dir) if saved.profile_dir else DATA_DIR / "profiles"
     profiles = find_profiles(root, name, sorted({str(k[1]) for k in groups}))
     run_dir = out_root(None)
+    profiles = _saved_drift(report, profiles, run_dir)
     started = time.time()
     provenance = report.get("provenance") if isinstance(report.get("provenance"), dict) else {}
     notes = [f"{key}={mine} (the measured run's simulator had {theirs})"
@@ -282,6 +346,14 @@ def _resimulate(cfg: Config) -> dict:
          f"{provenance.get('git_describe', 'an unknown commit')})")
     rows: list[dict] = []
     single = errors.single_metrics(list(cfg.ks))
+    # the saved run's per-request comparisons (a run before they were kept has none)
+    saved_distributions: dict[tuple, list[dict]] = {}
+    for d in report.get("distributions") or []:
+        if isinstance(d, dict) and isinstance(d.get("measured_s"), list):
+            saved_distributions.setdefault(
+                (d.get("emulation"), d.get("bandwidth_gbps"), d.get("context_tokens"),
+                 d.get("rate_per_s")), []).append(d)
+    distributions: list[dict] = []
     for (case, emulation, rate, ctx, per_s), saved_rows in groups.items():
         if case == "single":
             scenario, workload = _single_scenario(emulation, rate, ctx, saved.output_tokens)
@@ -304,10 +376,18 @@ def _resimulate(cfg: Config) -> dict:
                     f"{m.emulation} at {m.bandwidth_gbps:g} Gbps with {m.context_tokens}")
             common = scenario_overrides(saved.model.name, emulation, rate, m.codecs,
                                         _multi_workload(m, per_s), [], profiles)
-            sim = sim_overrides(common, profiles, cfg.acceptance, 1)  # seed 0's arrivals
+            sim, requests_path = _with_request_log(  # seed 0's arrivals
+                sim_overrides(common, profiles, cfg.acceptance, 1), run_dir, scenario)
             metrics = errors.MULTI_METRICS
         _say(f"{scenario} ({time.time() - started:.0f} s so far)")
         simulated = {str(r["codec"]): r for r in simulate(sim)}
+        if case == "multi":  # the per-request comparisons the saved run measured for
+            for d in saved_distributions.get((emulation, rate, ctx, per_s), []):
+                again = _simulated_requests(requests_path, str(d["codec"]))[d["metric"]]
+                measured_requests = {d["metric"]: [errors.number(v) for v in d["measured_s"]]}
+                distributions += _distribution_rows(
+                    {k: d[k] for k in (*errors.SCENARIO_KEYS, "codec", "requests")},
+                    measured_requests, {d["metric"]: again})
         _keep(run_dir, scenario, {"measured_from": str(report_path),
                                   "simulated": list(simulated.values())})
         by_codec: dict[str, list[dict]] = {}
@@ -323,7 +403,29 @@ def _resimulate(cfg: Config) -> dict:
                                      else {})
     return _conclude(cfg, rows, run_dir, profiles, {
         "notes": notes, "measured_from": str(report_path),
-        "measured_provenance": provenance}, started)
+        "measured_provenance": provenance}, started, distributions)
+
+
+def _saved_drift(report: dict, profiles: Any, run_dir: Path) -> Any:
+    """The profiles of a re-simulation with the saved run's host rescale applied again (its
+    factor, not a new probe: the measurements are that run's, on that host that day)."""
+    from dataclasses import replace
+
+    from kvsim.model.host import rescaled_profile
+
+    drift = (report.get("fidelity") or {}).get("drift")
+    if not isinstance(drift, dict) or drift.get("outcome") != "rescaled":
+        return profiles
+    factor = float(drift["factor"])
+    path = run_dir / "profiles-rescaled" / profiles.hardware.name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = json.loads(profiles.hardware.read_text())
+    path.write_text(json.dumps(rescaled_profile(doc, factor, {
+        "from_profile": str(profiles.hardware), "from_report": "the measured run's rescale"}),
+        indent=1) + "\n")
+    _say(f"the measured run rescaled its hardware profile x {factor:.3f} (its host probe): "
+         "applied again")
+    return replace(profiles, hardware=path)
 
 
 def _saved_run(where: str) -> tuple[Path, dict, Config]:
@@ -391,9 +493,11 @@ def _comparison_row(r: Any) -> bool:
 
 
 def _conclude(cfg: Config, rows: list[dict], run_dir: Path, profiles: Any, extra: dict,
-              started: float) -> dict:
+              started: float, distributions: list[dict] | None = None) -> dict:
     """Summary against the targets, printed and written (fidelity.json, fidelity.md,
-    fidelity.png); raises TargetMissed under fail_on_target."""
+    fidelity.png); raises TargetMissed under fail_on_target. distributions: the
+    multi-request case's per-request comparisons (_distribution_rows), reported beside."""
+    distributions = distributions or []
     from kvsim.core.report import json_safe
     from kvsim.fidelity import errors
 
@@ -409,10 +513,11 @@ def _conclude(cfg: Config, rows: list[dict], run_dir: Path, profiles: Any, extra
                              "codec_timing": str(profiles.codec_timing),
                              **{f"link.{k}": str(v) for k, v in profiles.links.items()}},
                    **extra, wall_s=time.time() - started)
-    _print(rows, summary)
-    doc = {"summary": summary, "rows": rows}
+    _print(rows, summary, distributions)
+    doc = {"summary": summary, "rows": rows, "distributions": distributions}
     (run_dir / "fidelity.json").write_text(json.dumps(json_safe(doc), indent=1) + "\n")
-    (run_dir / "fidelity.md").write_text(errors.markdown_table(rows))
+    (run_dir / "fidelity.md").write_text(errors.markdown_table(rows) + (
+        "\n" + errors.distributions_table(distributions) if distributions else ""))
     if cfg.figure and rows:
         from kvsim.plots.fidelity import draw
         from kvsim.plots.style import save
@@ -428,7 +533,7 @@ def _conclude(cfg: Config, rows: list[dict], run_dir: Path, profiles: Any, extra
                            f"{cfg.target_max_abs_pct}%); see fidelity.json in the run directory")
     return {"rows": rows, **{k: summary[k] for k in ("mean_abs_pct_error",
                                                       "max_abs_pct_error")},
-            "fidelity": summary}
+            "fidelity": summary, "distributions": distributions}
 
 
 def _keep(run_dir: Path, name: str, doc: dict) -> None:
@@ -493,28 +598,79 @@ def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path) -> list[di
     from kvsim.fidelity.runner import by_codec, run_pair, scenario_overrides, sim_overrides
 
     m = cfg.multi
-    rows = []
+    rows, distributions = [], []
     for rate in m.rates_per_s:
         _say(f"multi-request: {m.requests} Poisson arrivals at {rate:g}/s over "
              f"{m.bandwidth_gbps:g} Gbps ({m.emulation}), timing-model decode "
              f"({time.time() - started:.0f} s so far)")
+        name = _multi_name(m.emulation, rate)
         common = scenario_overrides(cfg.model.name, m.emulation, m.bandwidth_gbps, m.codecs,
                                     _multi_workload(m, rate), [], profiles)
         # one sample: the emulator replays the arrivals of seed 0 and so must the simulator
         # (percentiles of other arrival draws are not the same quantity)
-        measured, simulated = run_pair(common, sim_overrides(common, profiles, cfg.acceptance, 1))
-        _keep(run_dir, _multi_name(m.emulation, rate),
-              {"measured": measured, "simulated": simulated})
+        sim, requests_path = _with_request_log(
+            sim_overrides(common, profiles, cfg.acceptance, 1), run_dir, name)
+        measured, simulated = run_pair(common, sim)
+        _keep(run_dir, name, {"measured": measured, "simulated": simulated})
         sim_by = by_codec(simulated)
         for codec, row in by_codec(measured).items():
             scenario = {"case": "multi", "emulation": m.emulation,
                         "bandwidth_gbps": m.bandwidth_gbps, "context_tokens": m.context_tokens,
                         "codec": codec, "rate_per_s": rate, "requests": m.requests}
             rows += errors.compare(scenario, row, sim_by[codec], errors.MULTI_METRICS)
-    return rows
+            requests = _measured_requests(row)
+            if requests is not None:
+                distributions += _distribution_rows(scenario, requests,
+                                                    _simulated_requests(requests_path, codec))
+    return rows, distributions
 
 
-def _print(rows: list[dict], summary: dict) -> None:
+# per-request times compared in a multi-request run: (metric, request row key), from arrival
+PER_REQUEST_METRICS = (("ttft", "ttft_s"), ("ttft_c", "ttft_committed_s"))
+
+
+def _with_request_log(sim: list[str], run_dir: Path, name: str) -> tuple[list[str], Path]:
+    """The simulator's overrides writing its per-request rows beside the scenario's file."""
+    path = run_dir / "scenarios" / f"{name}-simulated-requests.csv"
+    return [*sim, f"requests_path={path}"], path
+
+
+def _measured_requests(row: dict) -> dict[str, list[float]] | None:
+    """metric -> the emulated requests' values (s), in arrival order; None for a row that
+    keeps no requests of its own (`per_request`)."""
+    from kvsim.fidelity.errors import number
+
+    if not isinstance(row.get("per_request"), list):
+        return None
+    per = sorted(row["per_request"], key=lambda r: number(r.get("seq")))
+    return {metric: [number(r.get(key)) for r in per] for metric, key in PER_REQUEST_METRICS}
+
+
+def _simulated_requests(path: Path, codec: str) -> dict[str, list[float]]:
+    """metric -> the simulated requests' values (s) of one codec, in arrival order (the
+    request log kvsim sim wrote at `path`: one sample, its requests numbered by arrival)."""
+    import pandas as pd
+
+    log = pd.read_csv(path)
+    mine = log[log["codec"].astype(str) == codec].sort_values("request")
+    if mine.empty:
+        raise ValueError(f"{path}: the simulator logged no request of codec {codec!r}")
+    return {metric: [float(v) for v in mine[key]] for metric, key in PER_REQUEST_METRICS}
+
+
+def _distribution_rows(scenario: dict, measured: dict[str, list[float]],
+                       simulated: dict[str, list[float]]) -> list[dict]:
+    """One row per per-request metric: MAPE, Pearson r and the KS test of the two engines'
+    per-request times (kvsim.fidelity.statistics.per_request), and the times themselves."""
+    from kvsim.fidelity.statistics import per_request
+
+    return [{**scenario, "metric": metric,
+             **per_request(measured[metric], simulated[metric]),
+             "measured_s": measured[metric], "simulated_s": simulated[metric]}
+            for metric, _ in PER_REQUEST_METRICS]
+
+
+def _print(rows: list[dict], summary: dict, distributions: list[dict]) -> None:
     print(format_table(rows, [
         ("case", "case", ""), ("emulation", "link", ""), ("bandwidth_gbps", "Gbps", "g"),
         ("context_tokens", "ctx", "d"), ("rate_per_s", "req/s", "g"), ("codec", "codec", ""),
@@ -523,7 +679,31 @@ def _print(rows: list[dict], summary: dict) -> None:
         ("measured_spread_pct", "runs apart %", ".1f")]))
     spread = summary.get("mean_measured_spread_pct", float("nan"))
     if spread == spread:  # repeated runs: the noise floor the errors sit on
-        print(f"repeated emulated runs of one scenario land {spread:.1f}% apart on average")
+        print(f"repeated emulated runs of one scenario land {spread:.1f}% apart on average; "
+              f"{summary['inside_spread']} of {summary['compared']} simulated values lie "
+              f"inside their runs' range; beyond it: mean "
+              f"{summary['mean_abs_pct_beyond_spread']:.2f}%, worst "
+              f"{summary['max_abs_pct_beyond_spread']:.2f}%")
+    tests = summary.get("tost") or {}
+    if tests:
+        margin = next(iter(tests.values()))["margin_pct"]
+        print(f"each metric's mean error equivalent to 0 within +-{margin:g}% (TOST, "
+              f"alpha {next(iter(tests.values()))['alpha']:g}):")
+        print(format_table([{"metric": metric, **t, "low": t["interval_pct"][0],
+                             "high": t["interval_pct"][1],
+                             "verdict": "equivalent" if t["equivalent"] else "not shown"}
+                            for metric, t in tests.items()],
+                           [("metric", "metric", ""), ("n", "n", "d"),
+                            ("mean_error_pct", "mean error %", "+.2f"),
+                            ("low", "90% from", "+.2f"), ("high", "to", "+.2f"),
+                            ("p", "p", ".3g"), ("verdict", "TOST", "")]))
+    if distributions:
+        print("multi-request, per request (same arrivals in both engines):")
+        print(format_table(distributions, [
+            ("rate_per_s", "req/s", "g"), ("codec", "codec", ""), ("metric", "metric", ""),
+            ("requests", "requests", "d"), ("mape_pct", "MAPE %", ".2f"),
+            ("pearson_r", "Pearson r", ".3f"), ("ks_statistic", "KS D", ".3f"),
+            ("ks_p", "KS p", ".3g")]))
     step = summary.get("step_mean_abs_pct_error", float("nan"))
     if step == step:  # the host's step against its calibration: what TT<k>T errors inherit
         print(f"decode step, simulated (calibrated) vs measured in the scenario: mean |error| "

@@ -14,6 +14,7 @@ from omegaconf import MISSING
 
 from kvsim.core.checks import check_choice, check_number, check_trace
 from kvsim.model.hardware import HardwareSpec
+from kvsim.model.host import DriftConfig
 from kvsim.model.spec import ModelSpec
 
 SHARINGS = ("per_prefill", "shared")
@@ -266,6 +267,9 @@ class SimConfig:
     vnmse_tables: list[str] = field(
         default_factory=lambda: ["smollm2-135m-ctx1024", "smollm2-135m-ctx1024-lynx"])
     wide: bool = False  # print every time column (each k, from prefill end, the breakdown)
+    # a measured hardware profile (hardware.profile=) on another host: probe this one and
+    # rescale the profile's model times or refuse (kvsim.model.host)
+    drift: DriftConfig = field(default_factory=DriftConfig)
 
     def validate(self) -> None:
         """Fill automatic values (metrics.ks empty, breakdown_k 0), then check every

@@ -1,0 +1,160 @@
+"""Probe this host the way `kvsim calibrate` probed the host of a profile, and decide what a
+run does with a profile measured elsewhere or on another day (kvsim.model.host says why).
+
+The probe: `PROBE_STEPS` greedy decode steps of the real model at the calibration's shortest
+context (256 tokens by default; probe_context_tokens), in this process with the transport's
+thread count, on a cache built as the receiver builds it from the calibration prompt of that
+length (StepProbe); beside it the fingerprint and a memory-copy bandwidth
+(kvsim.model.host). About 5 s with the model load.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvsim.model.host import DriftConfig, fingerprint, memory_copy_gb_per_s, other_host
+
+PROBE_STEPS = 16
+
+
+class DriftRefused(ValueError):
+    """drift.action=refuse and this host's decode step is beyond the tolerance."""
+
+
+@dataclass
+class StepProbe:
+    """Times the real model's decode step at a context (median of `steps` after the first)."""
+
+    model: Any  # ModelSpec of the probed model
+    steps: int = 24
+    threads: int = 1  # torch threads, as the transport's processes
+    _lm: Any = None
+    _kv: dict[int, Any] = field(default_factory=dict)  # context -> bf16 KV of its prompt
+
+    def step_s(self, context_tokens: int) -> float:
+        import torch
+
+        from kvsim.calibrate.model_profile import ModelCalibration, _prompt, _steps_s
+        from kvsim.kv.capture import cache_to_kv, kv_to_cache, prefill
+
+        if self._lm is None:
+            from kvsim.model.load import load_lm
+
+            self._lm = load_lm(self.model, threads=self.threads, seed=0)
+            torch.set_num_threads(self.threads)
+        lm = self._lm
+        if context_tokens not in self._kv:  # the calibration prompts (their own text seed)
+            ids = _prompt(lm, context_tokens, ModelCalibration([context_tokens]))
+            cache, logits = prefill(lm.model, ids)
+            self._kv[context_tokens] = (cache_to_kv(cache).to(torch.bfloat16),
+                                        int(torch.argmax(logits)))
+        kv, token = self._kv[context_tokens]
+        dtype = next(lm.model.parameters()).dtype
+        cache = kv_to_cache(kv.float(), lm.model.config, dtype)
+        _first, later = _steps_s(lm, cache, token, self.steps)
+        return float(statistics.median(later))
+
+
+def host_record(probe: Any, context_tokens: int) -> dict:
+    """This host as a profile records it (`host`): fingerprint, memory-copy GB/s and the
+    decode-step probe at context_tokens (probe: a StepProbe of the profile's model)."""
+    step_s = probe.step_s(context_tokens)
+    return {**fingerprint(), "hostname": socket.gethostname(),
+            "memory_copy_gb_per_s": memory_copy_gb_per_s(),
+            "decode_step_probe": {"context_tokens": context_tokens,
+                                  "steps": probe.steps, "s": step_s},
+            "measured_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def profile_step(doc: dict) -> tuple[int, float, str]:
+    """(context (tokens), the profile's in-process decode step there (s), where it comes
+    from): its host's probe where it records one, else its in-process step curve (the
+    curve before the receiver's ratio, `tpot_inprocess`, where the calibration applied one)
+    at its shortest context."""
+    host = doc.get("host") if isinstance(doc.get("host"), dict) else {}  # (older: a name)
+    probe = host.get("decode_step_probe") or {}
+    if isinstance(probe.get("context_tokens"), int) and probe.get("s", 0) > 0:
+        return int(probe["context_tokens"]), float(probe["s"]), "its host's probe"
+    curve = doc.get("tpot_inprocess") or doc["tpot"]
+    ctx = int(curve["context_tokens"][0])
+    return ctx, float(np.interp(ctx, curve["context_tokens"], curve["s"])), \
+        "its in-process step curve"
+
+
+@dataclass
+class Drift:
+    """This host's decode step against a profile's, and what was done about it."""
+
+    factor: float  # step here now / step in the profile
+    probe_s: float
+    profile_s: float
+    reference: str  # where the profile's step comes from (profile_step_s)
+    context_tokens: int
+    outcome: str  # within | rescaled | refused
+    host: dict  # this host (fingerprint, memory-copy GB/s)
+    profile_host: dict  # the profile's (empty where it records none)
+    profile: str  # the profile used from here on (the rescaled copy when rescaled)
+
+    def words(self) -> str:
+        """One line for the rows and the log."""
+        what = {"within": "within tolerance, used as it is",
+                "rescaled": f"profile times x {self.factor:.3f}",
+                "refused": "refused"}[self.outcome]
+        return (f"decode step here {self.probe_s * 1e3:.1f} ms at {self.context_tokens} "
+                f"tokens vs {self.profile_s * 1e3:.1f} ms in the profile ({self.reference}): "
+                f"x {self.factor:.3f}, {what}")
+
+    def as_dict(self) -> dict:
+        return {"factor": self.factor, "probe_s": self.probe_s, "profile_s": self.profile_s,
+                "reference": self.reference, "context_tokens": self.context_tokens,
+                "outcome": self.outcome, "host": self.host, "profile_host": self.profile_host,
+                "profile": self.profile, "words": self.words()}
+
+
+def check_drift(profile_path: str | Path, model: Any, cfg: DriftConfig, out_dir: Path,
+                probe: Any = None, force: bool = False) -> Drift | None:
+    """Probe this host against the hardware profile at profile_path (of `model`, a
+    ModelSpec) and act by cfg: None when not probed (action off, or `kvsim sim`'s when=
+    other_host and the profile names this kind of host or none: force=True probes anyway,
+    as validate does). Beyond the tolerance, rescale writes the profile with its model times
+    x the factor to out_dir/<name> (Drift.profile) and refuse raises DriftRefused. probe: a
+    StepProbe (one is made for `model`)."""
+    from kvsim.model.host import rescaled_profile
+
+    if cfg.action == "off":
+        return None
+    path = Path(profile_path)
+    doc = json.loads(path.read_text())
+    recorded = doc.get("host") if isinstance(doc.get("host"), dict) else {}
+    here = fingerprint()
+    if not force and (cfg.when == "other_host" and not other_host(recorded, here)):
+        return None
+    probe = probe if probe is not None else StepProbe(model, steps=PROBE_STEPS)
+    context_tokens, profile_s, reference = profile_step(doc)
+    probe_s = probe.step_s(context_tokens)
+    factor = probe_s / profile_s
+    within = abs(factor - 1.0) * 100.0 <= cfg.tolerance_pct
+    outcome = "within" if within else ("rescaled" if cfg.action == "rescale" else "refused")
+    drift = Drift(factor, probe_s, profile_s, reference, context_tokens, outcome,
+                  {**here, "memory_copy_gb_per_s": memory_copy_gb_per_s()}, recorded,
+                  str(path))
+    if outcome == "refused":
+        raise DriftRefused(f"hardware profile {path}: {drift.words()}: beyond "
+                           f"drift.tolerance_pct={cfg.tolerance_pct:g}% (drift.action=rescale "
+                           f"scales it; kvsim calibrate measures this host)")
+    if outcome == "rescaled":
+        out = Path(out_dir) / path.name
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(rescaled_profile(doc, factor, {
+            "from_profile": str(path), "probe_s": probe_s, "profile_s": profile_s,
+            "context_tokens": context_tokens, "host": drift.host}), indent=1) + "\n")
+        drift.profile = str(out)
+    return drift

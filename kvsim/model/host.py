@@ -1,0 +1,114 @@
+"""The host a measured profile describes, and what to do when the host running kvsim now is
+not that host (or is, on a slower day).
+
+A hardware profile written by `kvsim calibrate` times the real model on one machine at one
+time. Read elsewhere, or on a day the machine is busier, its times are off by however much
+the decode step moved, and nothing else in the simulator can tell (issue 44 found a day with
+the step ~2x the calibrated one and every error inheriting it). The calibration therefore
+records its host (`host`: CPU model, CPUs, a memory-copy bandwidth and a decode-step probe);
+`kvsim sim` and `kvsim validate` probe this host the same way and either rescale the
+profile's times by the step's factor or refuse, by `drift.action`
+(kvsim.calibrate.host_probe runs the probe).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvsim.core.checks import check_choice
+
+DRIFT_ACTIONS = ("rescale", "refuse", "off")
+DRIFT_WHEN = ("other_host", "always")
+
+# the profile curves that are times of the real model's work on this host (scaled together)
+TIME_CURVES = ("prefill", "tpot", "tpot_batch", "verify", "first_step_extra")
+
+
+@dataclass
+class DriftConfig:
+    """What a run with a measured hardware profile does about the host it runs on."""
+
+    # beyond the tolerance: rescale (the profile's model times x the probe's factor, stated
+    # in the rows) | refuse (exit with the figures) | off (no probe, the profile as it is)
+    action: str = "rescale"
+    # when `kvsim sim` probes: other_host (the profile names another CPU model or CPU
+    # count; a profile naming none is not probed) | always (~5 s: the model loads)
+    when: str = "other_host"
+    tolerance_pct: float = 10.0  # |step now / step in the profile - 1| within: as it is
+
+    def __post_init__(self) -> None:
+        check_choice("drift.action", self.action, DRIFT_ACTIONS)
+        check_choice("drift.when", self.when, DRIFT_WHEN)
+        if not 0 <= self.tolerance_pct < 1000:
+            raise ValueError(f"drift.tolerance_pct must be in [0, 1000), got "
+                             f"{self.tolerance_pct}")
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux; platform's guess elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity where the OS reports one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def fingerprint() -> dict:
+    """What names this host's kind: CPU model, logical CPUs, CPUs usable by this process."""
+    return {"cpu_model": cpu_model(), "logical_cpus": os.cpu_count() or 1,
+            "usable_cpus": usable_cpus()}
+
+
+def memory_copy_gb_per_s(size_bytes: int = 64 << 20, repeats: int = 5) -> float:
+    """This host's memory bandwidth as one thread copies `size_bytes` (GB/s of bytes copied,
+    read + write counted once; the best of `repeats`: ~0.2 s)."""
+    import numpy as np
+
+    src = np.ones(size_bytes // 8, dtype=np.float64)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return size_bytes / best / 1e9
+
+
+def other_host(recorded: dict | None, now: dict) -> bool | None:
+    """Whether `now` (fingerprint()) is another kind of host than `recorded` (a profile's
+    `host`): CPU model or logical CPU count differ; None when the profile records neither."""
+    if not recorded or "cpu_model" not in recorded:
+        return None
+    return (recorded.get("cpu_model"), recorded.get("logical_cpus")) != \
+        (now["cpu_model"], now["logical_cpus"])
+
+
+def rescaled_profile(doc: dict, factor: float, drift: dict) -> dict:
+    """A hardware profile document with every model time (TIME_CURVES) x factor and the
+    drift that led to it recorded under `drift`."""
+    from kvsim.model.hardware_profile import scaled_curve
+
+    if not factor > 0:
+        raise ValueError(f"a rescale factor must be > 0, got {factor}")
+    out = dict(doc)
+    for key in TIME_CURVES:
+        if key in out:
+            out[key] = scaled_curve(out[key], factor)
+    out["drift"] = {**drift, "factor": factor,
+                    "what": f"{', '.join(k for k in TIME_CURVES if k in doc)} x {factor:.4g}: "
+                            "this host's decode step over the profile's"}
+    return out

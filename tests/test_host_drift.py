@@ -1,0 +1,191 @@
+"""A measured hardware profile on another host, or on a slower day: probed, then rescaled or
+refused (kvsim.model.host, kvsim.calibrate.host_probe), in `kvsim sim` and `kvsim validate`;
+and the calibration's step curves fitted over context (kvsim.calibrate.step_fit)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from kvsim.calibrate import host_probe
+from kvsim.calibrate.host_probe import DriftRefused, check_drift, profile_step
+from kvsim.calibrate.step_fit import fit_step_line, fitted_curve
+from kvsim.cli.main import main
+from kvsim.model.hardware_profile import load_profile
+from kvsim.model.host import DriftConfig, fingerprint, other_host, rescaled_profile
+
+
+class FakeProbe:
+    """A decode-step probe that answers a fixed step (s) and records where it was asked."""
+
+    steps = 16
+
+    def __init__(self, step_s: float) -> None:
+        self.step, self.asked = step_s, []
+
+    def step_s(self, context_tokens: int) -> float:
+        self.asked.append(context_tokens)
+        return self.step
+
+
+def _profile(tmp_path, host: dict | None, model: str = "m"):
+    doc = {"model": model, "prefill": {"tokens": [100, 300], "s": [1.0, 3.0]},
+           "tpot": {"context_tokens": [100, 300], "s": [0.11, 0.22]},
+           "tpot_inprocess": {"context_tokens": [100, 300], "s": [0.1, 0.2]},
+           "tpot_batch": {"context_tokens": 300, "batch": [1, 2], "s": [0.2, 0.3]},
+           "verify": {"context_tokens": [100, 300], "drafted_tokens": [1], "s": [[0.3], [0.4]]},
+           "first_step_extra": {"context_tokens": [100, 300], "s": [0.0, 0.01]}}
+    if host is not None:
+        doc["host"] = host
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps(doc))
+    return path, doc
+
+
+def test_another_host_is_another_cpu_model_or_count():
+    here = fingerprint()
+    assert other_host({**here}, here) is False
+    assert other_host({**here, "cpu_model": "Some Other CPU"}, here) is True
+    assert other_host({**here, "logical_cpus": here["logical_cpus"] + 1}, here) is True
+    assert other_host(None, here) is None and other_host({}, here) is None
+    with pytest.raises(ValueError, match="drift.action"):
+        DriftConfig(action="ignore")
+    with pytest.raises(ValueError, match="drift.when"):
+        DriftConfig(when="sometimes")
+
+
+def test_rescale_multiplies_every_model_time_and_says_so(tmp_path):
+    path, doc = _profile(tmp_path, None)
+    out = rescaled_profile(doc, 1.5, {"probe_s": 0.15})
+    assert out["prefill"]["s"] == pytest.approx([1.5, 4.5])
+    assert out["tpot"]["s"] == pytest.approx([0.165, 0.33])
+    assert out["tpot_batch"]["s"] == pytest.approx([0.3, 0.45])
+    assert out["verify"]["s"] == [pytest.approx([0.45]), pytest.approx([0.6])]
+    assert out["first_step_extra"]["s"] == pytest.approx([0.0, 0.015])
+    assert out["drift"]["factor"] == 1.5 and "x 1.5" in out["drift"]["what"]
+    assert doc["tpot"]["s"] == [0.11, 0.22]  # the original is left alone
+
+
+def test_the_profiles_step_is_its_hosts_probe_else_its_in_process_curve(tmp_path):
+    _, old = _profile(tmp_path, "a-hostname")  # older profiles name the host only
+    assert profile_step(old) == (100, 0.1, "its in-process step curve")
+    _, new = _profile(tmp_path, {"decode_step_probe": {"context_tokens": 256, "s": 0.08}})
+    assert profile_step(new) == (256, 0.08, "its host's probe")
+
+
+@pytest.mark.parametrize("step_s, action, outcome", [
+    (0.105, "rescale", "within"),  # 5 % slower: within 10 %
+    (0.2, "rescale", "rescaled"),  # twice as slow
+    (0.05, "rescale", "rescaled"),  # twice as fast
+    (0.2, "refuse", "refused"),
+])
+def test_check_drift_acts_on_the_probe(tmp_path, step_s, action, outcome):
+    path, doc = _profile(tmp_path, {**fingerprint(), "cpu_model": "Some Other CPU"})
+    probe = FakeProbe(step_s)
+    cfg = DriftConfig(action=action)
+    if outcome == "refused":
+        with pytest.raises(DriftRefused, match=r"200.0 ms at 100 tokens vs 100.0 ms.*x 2.000"):
+            check_drift(path, None, cfg, tmp_path / "out", probe)
+        assert not (tmp_path / "out").exists()
+        return
+    drift = check_drift(path, None, cfg, tmp_path / "out", probe)
+    assert probe.asked == [100]  # the profile's shortest context (no probe recorded)
+    assert drift.factor == pytest.approx(step_s / 0.1) and drift.outcome == outcome
+    if outcome == "within":
+        assert drift.profile == str(path) and not (tmp_path / "out").exists()
+    else:
+        got = load_profile(drift.profile, "m")
+        assert got["tpot"]["s"] == pytest.approx([0.11 * drift.factor, 0.22 * drift.factor])
+        assert got["drift"]["from_profile"] == str(path)
+        assert f"x {drift.factor:.3f}" in drift.words()
+
+
+def test_sim_probes_only_another_host_unless_asked(tmp_path):
+    here = fingerprint()
+    same, _ = _profile(tmp_path, {**here})
+    probe = FakeProbe(0.5)
+    assert check_drift(same, None, DriftConfig(), tmp_path / "o", probe) is None
+    assert check_drift(same, None, DriftConfig(action="off"), tmp_path / "o", probe,
+                       force=True) is None
+    assert probe.asked == []
+    assert check_drift(same, None, DriftConfig(when="always"), tmp_path / "o", probe) \
+        is not None
+    unnamed, _ = _profile(tmp_path, None)  # names no host: not probed unless forced
+    assert check_drift(unnamed, None, DriftConfig(), tmp_path / "o", probe) is None
+    assert check_drift(unnamed, None, DriftConfig(), tmp_path / "o", probe,
+                       force=True).outcome == "rescaled"
+
+
+def _sim(tmp_path, profile, *extra) -> list[str]:
+    return ["sim", "scenario=none", "model=tiny-random", "hardware=local-cpu",
+            f"hardware.profile={profile}", "codecs=[int8]", "deserializer=on_demand",
+            "workload=emulated", "workload.context_tokens=200", "workload.output_tokens=4",
+            f"hydra.run.dir={tmp_path}/run", *extra]
+
+
+def test_kvsim_sim_rescales_a_profile_from_another_host(tmp_path, monkeypatch, capsys):
+    """The same profile read on another CPU that decodes twice as slowly: the decode-bound
+    times double against drift.action=off, the rows and the table say so; refuse exits
+    non-zero with the figures."""
+    path, _ = _profile(tmp_path, {**fingerprint(), "cpu_model": "Some Other CPU"},
+                       model="tiny-random")
+    monkeypatch.setattr(host_probe, "StepProbe", lambda model, steps: FakeProbe(0.2))
+    report_off, report_on = tmp_path / "off.json", tmp_path / "on.json"
+    assert main(_sim(tmp_path, path, "drift.action=off", f"report={report_off}")) == 0
+    capsys.readouterr()
+    assert main(_sim(tmp_path, path, f"report={report_on}")) == 0
+    out = " ".join(capsys.readouterr().out.split())  # (the line wraps at 120 columns)
+    assert "host: decode step here 200.0 ms at 100 tokens vs 100.0 ms" in out
+    assert "profile times x 2.000" in out
+    off, on = (json.loads(p.read_text())["rows"][0] for p in (report_off, report_on))
+    assert "hardware_drift" not in off
+    assert (on["hardware_drift"], on["hardware_drift_factor"]) == ("rescaled", 2.0)
+    assert on["tpot_s"] == pytest.approx(2 * off["tpot_s"])  # each later step twice as long
+    assert on["prefill_s"] == pytest.approx(2 * off["prefill_s"])
+    assert main(_sim(tmp_path, path, "drift.action=refuse")) != 0
+    assert "beyond drift.tolerance_pct=10%" in capsys.readouterr().err
+
+
+def test_a_step_line_through_noisy_medians():
+    # 129 ms at 256, 113 at 1024, 132 at 1536, 199 at 2048 (a calibration on a busy day)
+    fit = fit_step_line([256, 1024, 1536, 2048], [0.129, 0.113, 0.132, 0.199])
+    assert fit["s_per_token"] > 0
+    assert all(b >= a for a, b in zip(fit["s"], fit["s"][1:], strict=False))  # monotone
+    assert fit["residual_max_pct"] > 5  # the medians are far from any line: it says so
+    exact = fit_step_line([100, 300], [0.1, 0.2])  # two points: the line through them
+    assert (exact["fixed_s"], exact["s_per_token"]) == (pytest.approx(0.05),
+                                                        pytest.approx(0.0005))
+    assert exact["residual_rms_pct"] == pytest.approx(0.0, abs=1e-9)
+    falling = fit_step_line([100, 300], [0.2, 0.1])  # a falling step is noise: flat
+    assert falling["s_per_token"] == 0.0 and falling["s"] == [pytest.approx(0.15)] * 2
+    one = fit_step_line([100], [0.3])
+    assert one["s"] == [0.3] and one["s_per_token"] == 0.0
+    with pytest.raises(ValueError, match="finite"):
+        fit_step_line([1, 2], [0.1, math.nan])
+
+
+def test_fitted_curves_keep_their_medians():
+    curve = fitted_curve({"context_tokens": [100, 200, 300], "s": [0.1, 0.25, 0.3]})
+    assert curve["measured"] == [0.1, 0.25, 0.3]
+    line = curve["fit"]
+    assert curve["s"] == pytest.approx([line["fixed_s"] + line["s_per_token"] * c
+                                        for c in (100, 200, 300)])
+    verify = fitted_curve({"context_tokens": [100, 300], "drafted_tokens": [1, 2],
+                           "s": [[0.3, 0.5], [0.4, 0.4]]})
+    assert verify["s"] == [pytest.approx([0.3, 0.45]), pytest.approx([0.4, 0.45])]
+    assert len(verify["fit"]) == 2 and verify["measured"] == [[0.3, 0.5], [0.4, 0.4]]
+    single = {"context_tokens": 300, "batch": [1, 2], "s": [0.2, 0.3]}
+    assert fitted_curve(single) is single
+
+
+def test_the_heldout_grid_is_off_the_full_grid_and_its_calibration():
+    from kvsim.fidelity.validation import Config
+
+    full, held = Config(model=None), Config(model=None, grid="heldout")
+    held.apply_grid()
+    assert not set(held.contexts) & {256, 1024, 2048, 4096, *full.contexts}
+    assert not set(held.rates_gbps) & {0.1, 0.3, 0.5, 0.8, 1.0, *full.rates_gbps}
+    assert held.calibration_contexts == full.contexts  # calibrated on the full grid's
+    assert held.multi.context_tokens not in held.calibration_contexts
