@@ -60,6 +60,11 @@ class TransportConfig:
     capture: str = ""  # kv_source=capture: a capture name or path
     decode: str = "auto"  # auto: real if the model's weights are here, else timing
     text_source: str = "stdlib-docs"  # the real text a live prefill reads (kvsim.kv.text)
+    # a live prefill of a prompt this process prefilled before (same model, same tokens)
+    # reuses that prefill's KV, first token and measured time, booked without being waited:
+    # the request's arrival and prefill start move back by it (kvsim.transport.source).
+    # One request at a time only (workload.kind=single): a validation's repeats
+    reuse_prefill: bool = False
     threads: int = 1  # torch threads per process (sender and receiver share the cores)
     max_requests: int = 0  # kvsim serve: exit after this many requests (0: until Ctrl-C)
     idle_exit_s: float = 0.0  # kvsim serve: exit after this long with nothing to do (0: never)
@@ -119,3 +124,7 @@ class EmulateConfig(SimConfig):
     def validate(self) -> None:
         super().validate()
         self.transport.validate()
+        if self.transport.reuse_prefill and self.workload.kind != "single":
+            raise ValueError(f"transport.reuse_prefill books a reused prefill's time without "
+                             f"waiting it, which only a lone request can (workload.kind="
+                             f"single), not workload.kind={self.workload.kind}")

@@ -193,6 +193,9 @@ class Sender:
                 if source.prefill_measured:  # its KV is in hand now: prefill ends here
                     res.times["prefill_end_t"] = time.time()
                     res.times["prefill_start_t"] = res.times["prefill_end_t"] - source.prefill_s
+                    if source.reused:  # booked, not waited: the request arrived that early
+                        res.times["arrival_t"] = min(res.times["arrival_t"],
+                                                     res.times["prefill_start_t"])
                 else:
                     if out.policy not in WITH_PREFILL:  # modelled: the layers exist after it;
                         # synthetic KV is generated meanwhile (not counted as encoding)

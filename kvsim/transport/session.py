@@ -30,7 +30,12 @@ from kvsim.transport.rate_limiter import TokenBucket, Unlimited
 from kvsim.transport.receiver import ReceiverSettings
 from kvsim.transport.record import emulated_row
 from kvsim.transport.sender import OutgoingRequest
-from kvsim.transport.source import capture_source, live_source, synthetic_source
+from kvsim.transport.source import (
+    capture_source,
+    live_source,
+    reused_live_source,
+    synthetic_source,
+)
 
 
 def weights_available(model: ModelSpec) -> bool:
@@ -237,7 +242,8 @@ def _source_maker(cfg: EmulateConfig, kind: str, lm: Any, timing: TimingModel,
         # the prompt is tokenized before the request arrives (the simulator's arrival is a
         # tokenized request); only the prefill itself runs (timed) at arrival
         sample = assemble(lm.tokenizer, context_tokens, cfg.transport.text_source, seed)
-        return lambda: live_source(lm, sample.ids, {"text_sha256": sample.sha256})
+        source = reused_live_source if cfg.transport.reuse_prefill else live_source
+        return lambda: source(lm, sample.ids, {"text_sha256": sample.sha256})
     modelled_s = timing.prefill_s(context_tokens) * cfg.transport.time_scale
     if kind == "capture":
         return lambda: capture_source(cfg.transport.capture, modelled_s)
