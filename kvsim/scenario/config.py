@@ -181,6 +181,12 @@ class SpeculativeConfig:
     # timing, a draft step dequantizes the request's anchor (its bf16-equivalent cache at
     # the codec's decode GB/s; kvsim.scenario.speculative.draft_overhead_s)
     draft_overhead_s: float | None = None
+    # share (0..1) of the later streams' deserialization, run by the request's deserializer
+    # on its decode instance while it drafts, during which a draft step makes no progress
+    # (0: they overlap for free, as before; 1: the device runs the dequantization kernels
+    # and the draft steps one after the other). deserializer=shared / per_stream only:
+    # on_arrival has its measured draft_step.busy_ratio, on_demand dequantizes after drafting
+    dequant_contention: float = 0.0
 
     def validate(self) -> None:
         if isinstance(self.cap_tokens, bool) or int(self.cap_tokens) != self.cap_tokens or \
@@ -189,6 +195,10 @@ class SpeculativeConfig:
                              f"got {self.cap_tokens!r}")
         if self.draft_overhead_s is not None:
             check_number("speculative.draft_overhead_s", self.draft_overhead_s, strict=False)
+        if check_number("speculative.dequant_contention", self.dequant_contention,
+                        strict=False) > 1.0:
+            raise ValueError("speculative.dequant_contention must be <= 1, "
+                             f"got {self.dequant_contention!r}")
         if not str(self.acceptance).strip():
             raise ValueError("speculative.acceptance must name an acceptance model")
 

@@ -124,6 +124,16 @@ def receiver_busy_draft_s(mode: str, configured_s: float | None, timing: TimingM
     return timing.draft_busy_contention_s(context_tokens)
 
 
+def contention_overhead_s(tpot_s: float, busy_share: float, contention: float) -> float:
+    """A draft step's mean extra (s) while the deserializer dequantizes the later streams on
+    the same device `busy_share` of the drafting window and a draft makes no progress for
+    `contention` of that time: drafts advance at (1 - contention x share) / tpot_s, so the
+    drafting window loses contention x (the later streams' work in it), whatever the
+    bandwidth."""
+    lost = min(max(contention * busy_share, 0.0), 0.95)  # cap: drafting never stops outright
+    return tpot_s * lost / (1.0 - lost) if lost > 0.0 else 0.0
+
+
 def plain_decode(t_ready: float, tpot_s: float, tokens: int) -> DecodeTimeline:
     times = t_ready + tpot_s * np.arange(1, tokens + 1)
     return DecodeTimeline(times, t_ready, t_ready, tpot_s=tpot_s,

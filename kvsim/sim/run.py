@@ -36,7 +36,12 @@ from kvsim.scenario.link_profile import draft_step_for, load_link_profile, profi
 from kvsim.scenario.metrics import RequestRecord, aggregate_records, record_columns, request_row
 from kvsim.scenario.policy import TransferPlan, build_plan, release_times
 from kvsim.scenario.size_calibration import calibrate_sizes
-from kvsim.scenario.speculative import draft_overhead_s, receiver_busy_draft_s, receiver_draft_s
+from kvsim.scenario.speculative import (
+    contention_overhead_s,
+    draft_overhead_s,
+    receiver_busy_draft_s,
+    receiver_draft_s,
+)
 from kvsim.scenario.timing_model import TimingModel
 from kvsim.scenario.trace import TraceLog
 from kvsim.scenario.variants import Variant, variants
@@ -410,10 +415,19 @@ class Scenario:
                 busy_s, self.timing.tpot_s(req.context_tokens),
                 later_streams_busy_fraction(receivers, self.env.now,
                                             self.timing.draft_ingest_s_per_byte()))
+        # shared / per_stream: the deserializer dequantizes the later streams on this
+        # instance while the request drafts; with dequant_contention > 0 the drafts lose
+        # that share of its work (its projected busy share of the window, until full ready)
+        contended = drafting and busy_s is None and spec.dequant_contention > 0 and \
+            self.deserializer in ("shared", "per_stream")
+        if contended:
+            overhead_s += contention_overhead_s(
+                self.timing.tpot_s(req.context_tokens),
+                later_streams_busy_fraction(receivers, self.env.now), spec.dequant_contention)
         member = dnode.batch.join(
             req.seq, req.context_tokens, req.output_tokens, spec.cap_tokens, overhead_s,
             self._sample_accepted if drafting else None,
-            on_leave=ps.left, overhead_until_full=busy_s is not None)
+            on_leave=ps.left, overhead_until_full=busy_s is not None or contended)
         if drafting:
             ps.member = member
             when_all_ready(receivers, ps.full_in)
