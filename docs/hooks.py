@@ -43,8 +43,18 @@ def shipped_runs() -> list[tuple[str, dict]]:
     return sorted(runs, key=lambda r: r[1]["provenance"]["created_unix_s"])
 
 
+def _grid(report: dict) -> str:
+    return (report.get("config") or {}).get("grid", "full")
+
+
+def runs_of(grid: str) -> list[tuple[str, dict]]:
+    """The shipped runs of one grid (`kvsim validate grid=`), oldest first."""
+    return [r for r in shipped_runs() if _grid(r[1]) == grid]
+
+
 def latest_run() -> tuple[str, dict]:
-    return shipped_runs()[-1]
+    """The latest shipped full-grid run: the page's headline and the performance pages'."""
+    return runs_of("full")[-1]
 
 
 def _profile(kind: str) -> dict | list[dict]:
@@ -81,15 +91,24 @@ def _utc(unix_s: float) -> str:
     return datetime.fromtimestamp(unix_s, UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
+def _seen(rows: list[dict], key: str) -> list:
+    """The distinct values of `key` over rows, in the order first seen."""
+    return list(dict.fromkeys(r[key] for r in rows if key in r))
+
+
 def _mean_abs(values: list[float]) -> str:
     return f"{sum(abs(v) for v in values) / len(values):.2f}%" if values else "-"
 
 
 # ---------------------------------------------------------------- fidelity sections
 
-def fidelity_summary() -> str:
-    name, report = latest_run()
+def fidelity_summary(grid: str = "full") -> str:
+    runs = runs_of(grid)
+    if not runs:
+        return f"No `grid={grid}` run is shipped yet."
+    name, report = runs[-1]
     fid, prov, cfg = report["fidelity"], report["provenance"], report["config"]
+    single = [r for r in report["rows"] if r.get("case") == "single"]
     overrides = " ".join(report.get("overrides") or [])
     met = lambda ok: "met" if ok else "missed"  # noqa: E731
     lines = [
@@ -98,10 +117,12 @@ def fidelity_summary() -> str:
         f", host `{prov['host']}`, torch {prov['torch']}).",
         f"- **Command**: `kvsim {report['command']} {overrides}`, "
         f"{report['wall_s'] / 60:.1f} minutes in all.",
-        f"- **Grid**: {', '.join(cfg['emulations'])} x {cfg['rates_gbps']} Gbps x "
-        f"{cfg['contexts']}-token prompts x {', '.join(cfg['codecs'])}; "
-        f"{cfg['output_tokens']} tokens decoded; each codec emulated {cfg.get('repeats', 1)} "
-        f"times per scenario; {cfg['samples']} simulator samples per row.",
+        f"- **Grid** (read from its rows): "
+        f"{', '.join(_seen(single, 'emulation'))} x {_seen(single, 'bandwidth_gbps')} Gbps x "
+        f"{_seen(single, 'context_tokens')}-token prompts x "
+        f"{', '.join(_seen(single, 'codec'))}; {cfg['output_tokens']} tokens decoded; each "
+        f"codec emulated {max((r.get('repeats', 1) for r in single), default=1)} times per "
+        f"scenario; {cfg['samples']} simulator samples per row.",
         f"- **Mean |error|**: {fid['mean_abs_pct_error']:.2f}% (target "
         f"{fid['target_mean_abs_pct']:g}%: {met(fid['met_mean'])}); **worst**: "
         f"{fid['max_abs_pct_error']:.2f}% (target {fid['target_max_abs_pct']:g}%: "
@@ -111,6 +132,19 @@ def fidelity_summary() -> str:
         f"was {fid['step_mean_abs_pct_error']:.1f}% from the calibrated one on average, "
         f"{fid['step_max_abs_pct_error']:.1f}% at worst.",
     ]
+    if "inside_spread" in fid:  # runs since the spread and the host were recorded
+        lines.append(
+            f"- **Against the emulator's own spread**: {fid['inside_spread']} of "
+            f"{fid['compared']} simulated values lie inside the range of their repeated runs; "
+            f"beyond it, mean {fid['mean_abs_pct_beyond_spread']:.2f}%, worst "
+            f"{fid['max_abs_pct_beyond_spread']:.2f}%.")
+        tost = fid.get("tost") or {}
+        shown = [m for m, t in tost.items() if t.get("equivalent")]
+        lines.append(f"- **TOST at ±5%**: mean error shown equivalent to 0 for "
+                     f"{', '.join(f'`{m}`' for m in shown) or 'no metric'} (of {len(tost)}).")
+    drift = fid.get("drift")
+    if isinstance(drift, dict):
+        lines.append(f"- **Host check**: {drift['words']}.")
     worst = fid.get("worst")
     if worst:
         lines.append(
@@ -195,11 +229,11 @@ def fidelity_runs() -> str:
     for name, report in shipped_runs():
         fid, prov = report["fidelity"], report["provenance"]
         figure = PLOTS_DIR / f"fidelity-{name}.png"
-        rows.append([f"`{name}`", _utc(prov["created_unix_s"]),
+        rows.append([f"`{name}`", f"`{_grid(report)}`", _utc(prov["created_unix_s"]),
                      f"`{prov['git_describe']}`", fid["compared"],
                      f"{fid['mean_abs_pct_error']:.2f}%", f"{fid['max_abs_pct_error']:.2f}%",
                      f"[figure](../plots/{figure.name})" if figure.is_file() else "-"])
-    return _table(["run (data/fidelity/)", "report written", "commit", "comparisons",
+    return _table(["run (data/fidelity/)", "grid", "report written", "commit", "comparisons",
                    "mean |error|", "worst |error|", "figure"], rows)
 
 
@@ -288,6 +322,7 @@ def perf_codec_timing() -> str:
 
 SECTIONS = {
     "fidelity-summary": fidelity_summary,
+    "fidelity-heldout-summary": lambda: fidelity_summary("heldout"),
     "fidelity-breakdown": fidelity_breakdown,
     "fidelity-table": fidelity_table,
     "fidelity-runs": fidelity_runs,

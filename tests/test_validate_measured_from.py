@@ -231,3 +231,44 @@ def test_ks_are_bounded_by_the_saved_runs_output_tokens(tmp_path, no_emulation):
     assert all(r["simulated_s"] > 1.5 * t64[r["codec"]] for r in single
                if r["metric"] == "tt128t")
 
+
+
+def test_per_request_comparisons_are_kept_and_recomputed(tmp_path, monkeypatch, no_emulation):
+    """The multi-request case compares the engines request by request (MAPE, Pearson r, KS)
+    and keeps the measured requests in the report, so measured_from= recomputes the same
+    statistics against them. Here the "emulator" is the simulator itself, its requests read
+    from the simulator's own request log: every request agrees."""
+    import pandas as pd
+
+    from kvsim.fidelity import runner
+
+    def pair(common, sim):
+        rows = runner.simulate(sim)
+        logs = [o.split("=", 1)[1] for o in sim if o.startswith("requests_path=")]
+        if not logs:  # single-request scenarios: no per-request comparison
+            return rows, rows
+        log = pd.read_csv(logs[0])
+        measured = []
+        for r in rows:
+            mine = log[log["codec"] == r["codec"]]
+            measured.append({**r, "per_request": [
+                {"seq": int(q["request"]), "ttft_s": float(q["ttft_s"]),
+                 "ttft_committed_s": float(q["ttft_committed_s"])}
+                for _, q in mine.iterrows()]})
+        return measured, rows
+
+    monkeypatch.setattr(runner, "run_pair", pair)
+    first, again = tmp_path / "first", tmp_path / "again"
+    assert main(["validate", "grid=quick", "samples=2", "drift.action=off",
+                 f"hydra.run.dir={first}"]) == 0
+    saved = json.loads((first / "report.json").read_text())["distributions"]
+    assert {(d["codec"], d["metric"]) for d in saved} == {
+        (c, m) for c in ("int8", "lynx") for m in ("ttft", "ttft_c")}
+    for d in saved:
+        assert d["requests"] == 6 and d["mape_pct"] == 0.0 and d["ks_statistic"] == 0.0
+        assert d["pearson_r"] == pytest.approx(1.0)
+    assert main(["validate", f"measured_from={first}", "samples=2",
+                 f"hydra.run.dir={again}"]) == 0
+    redone = json.loads((again / "fidelity.json").read_text())["distributions"]
+    assert [(d["codec"], d["metric"], d["measured_s"], d["mape_pct"]) for d in redone] == \
+        [(d["codec"], d["metric"], d["measured_s"], d["mape_pct"]) for d in saved]

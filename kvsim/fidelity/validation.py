@@ -663,14 +663,15 @@ def _simulated_requests(path: Path, codec: str) -> dict[str, list[float]]:
 
 def _distribution_rows(scenario: dict, measured: dict[str, list[float]],
                        simulated: dict[str, list[float]]) -> list[dict]:
-    """One row per per-request metric: MAPE, Pearson r and the KS test of the two engines'
-    per-request times (kvsim.fidelity.statistics.per_request), and the times themselves."""
+    """One row per per-request metric of `measured`: MAPE, Pearson r and the KS test of the
+    two engines' per-request times (kvsim.fidelity.statistics.per_request), and the times
+    themselves."""
     from kvsim.fidelity.statistics import per_request
 
     return [{**scenario, "metric": metric,
              **per_request(measured[metric], simulated[metric]),
              "measured_s": measured[metric], "simulated_s": simulated[metric]}
-            for metric, _ in PER_REQUEST_METRICS]
+            for metric in measured]
 
 
 def _print(rows: list[dict], summary: dict, distributions: list[dict]) -> None:
