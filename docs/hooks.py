@@ -132,16 +132,25 @@ def fidelity_summary(grid: str = "full") -> str:
         f"was {fid['step_mean_abs_pct_error']:.1f}% from the calibrated one on average, "
         f"{fid['step_max_abs_pct_error']:.1f}% at worst.",
     ]
-    if "inside_spread" in fid:  # runs since the spread and the host were recorded
+    cases = {case: [abs(r["error_pct"]) for r in report["rows"] if r.get("case") == case
+                    and isinstance(r.get("error_pct"), (int, float))]
+             for case in ("single", "multi")}
+    lines.append("- **By case**: " + "; ".join(
+        f"{case}-request {sum(es) / len(es):.2f}% mean, {max(es):.2f}% worst over {len(es)}"
+        for case, es in cases.items() if es) + ".")
+    beyond = [abs(r["beyond_spread_pct"]) for r in report["rows"]
+              if isinstance(r.get("beyond_spread_pct"), (int, float))]
+    if beyond:  # runs since the spread was recorded per row
         lines.append(
-            f"- **Against the emulator's own spread**: {fid['inside_spread']} of "
-            f"{fid['compared']} simulated values lie inside the range of their repeated runs; "
-            f"beyond it, mean {fid['mean_abs_pct_beyond_spread']:.2f}%, worst "
-            f"{fid['max_abs_pct_beyond_spread']:.2f}%.")
-        tost = fid.get("tost") or {}
+            f"- **Against the emulator's own spread**: {sum(x == 0 for x in beyond)} of the "
+            f"{len(beyond)} simulated values with repeated runs lie inside their range; "
+            f"beyond it, mean {sum(beyond) / len(beyond):.2f}%, worst {max(beyond):.2f}%.")
+    tost = fid.get("tost") or {}
+    if tost:
         shown = [m for m, t in tost.items() if t.get("equivalent")]
-        lines.append(f"- **TOST at ±5%**: mean error shown equivalent to 0 for "
-                     f"{', '.join(f'`{m}`' for m in shown) or 'no metric'} (of {len(tost)}).")
+        lines.append(f"- **Bias (TOST at ±5%)**: the mean signed error is shown equivalent to 0 "
+                     f"for {', '.join(f'`{m}`' for m in shown) or 'no metric'} (of "
+                     f"{len(tost)}; errors of opposite signs cancel in it).")
     drift = fid.get("drift")
     if isinstance(drift, dict):
         lines.append(f"- **Host check**: {drift['words']}.")

@@ -49,7 +49,7 @@ def test_tost_shows_equivalence_of_many_small_errors_and_not_of_a_bias():
 def test_per_request_mape_pearson_and_ks():
     out = per_request([1.0, 2.0, 3.0, 4.0], [1.1, 1.8, 3.3, 4.0])
     assert out["mape_pct"] == pytest.approx(100 * (0.1 + 0.1 + 0.1 + 0.0) / 4)
-    assert out["requests"] == 4 and out["missing"] == 0
+    assert out["pairs"] == 4 and out["missing"] == 0
     linear = per_request([1.0, 2.0, 3.0], [2.5, 4.5, 6.5])  # simulated = 2 x measured + 0.5
     assert linear["pearson_r"] == pytest.approx(1.0)
     apart = per_request([1.0, 2.0, 3.0], [10.0, 11.0, 12.0])  # no overlap at all
@@ -59,7 +59,10 @@ def test_per_request_mape_pearson_and_ks():
     flat = per_request([1.0, 1.0, 1.0], [1.0, 2.0, 3.0])  # a constant side: no r
     assert math.isnan(flat["pearson_r"])
     gap = per_request([1.0, math.nan, 2.0], [1.0, 5.0, 2.0])
-    assert (gap["requests"], gap["missing"]) == (2, 1) and gap["mape_pct"] == 0.0
+    assert (gap["pairs"], gap["missing"]) == (2, 1) and gap["mape_pct"] == 0.0
+    offset = per_request([1.0, 2.0, 3.0, 4.0], [1.5, 2.5, 3.5, 4.5])  # a constant +0.5 s:
+    assert offset["pearson_r"] == pytest.approx(1.0)  # r cannot see it ...
+    assert offset["mape_pct"] == pytest.approx(100 * (0.5 + 0.25 + 0.5 / 3 + 0.125) / 4)
     with pytest.raises(ValueError, match="same requests"):
         per_request([1.0], [1.0, 2.0])
 
@@ -74,11 +77,15 @@ def test_compare_keeps_the_runs_range_and_the_summary_counts_model_errors():
     assert inside["beyond_spread_pct"] == 0.0
     assert outside["beyond_spread_pct"] == pytest.approx(10.0)
     lone = {"metric": "ttft", "error_pct": -4.0, "measured_s": 1.0, "simulated_s": 0.96}
-    s = errors.summary([inside, outside, lone])
-    assert (s["inside_spread"], s["model_errors"]) == (1, 2)
-    # beyond the spread: 0, 10 and the lone row's whole 4 %
-    assert s["mean_abs_pct_beyond_spread"] == pytest.approx((0.0 + 10.0 + 4.0) / 3)
+    s = errors.summary([{**inside, "case": "single"}, {**outside, "case": "single"},
+                        {**lone, "case": "multi"}])
+    # over the rows with repeated runs only (the lone row has no spread to be inside)
+    assert (s["with_spread"], s["inside_spread"], s["model_errors"]) == (2, 1, 1)
+    assert s["mean_abs_pct_beyond_spread"] == pytest.approx((0.0 + 10.0) / 2)
     assert s["max_abs_pct_beyond_spread"] == pytest.approx(10.0)
+    assert s["by_case"]["multi"] == {"compared": 1, "mean_abs_pct_error": 4.0,
+                                     "max_abs_pct_error": 4.0}
+    assert s["by_case"]["single"]["compared"] == 2
     assert set(s["tost"]) == {"tt32t", "ttft"} and s["tost"]["tt32t"]["n"] == 2
 
 

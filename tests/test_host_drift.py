@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -15,6 +16,8 @@ from kvsim.calibrate.step_fit import fit_step_line, fitted_curve
 from kvsim.cli.main import main
 from kvsim.model.hardware_profile import load_profile
 from kvsim.model.host import DriftConfig, fingerprint, other_host, rescaled_profile
+
+MODEL = SimpleNamespace(name="m")  # the profiles below are of model "m"
 
 
 class FakeProbe:
@@ -66,6 +69,11 @@ def test_rescale_multiplies_every_model_time_and_says_so(tmp_path):
     assert out["first_step_extra"]["s"] == pytest.approx([0.0, 0.015])
     assert out["drift"]["factor"] == 1.5 and "x 1.5" in out["drift"]["what"]
     assert doc["tpot"]["s"] == [0.11, 0.22]  # the original is left alone
+    # checked again, a rescaled profile finds its own level (no second rescale)
+    assert profile_step(out) == (100, pytest.approx(0.15), "its in-process step curve")
+    probed = rescaled_profile({**doc, "host": {"decode_step_probe": {
+        "context_tokens": 256, "s": 0.08}}}, 1.5, {})
+    assert profile_step(probed) == (256, pytest.approx(0.12), "its host's probe")
 
 
 def test_the_profiles_step_is_its_hosts_probe_else_its_in_process_curve(tmp_path):
@@ -87,10 +95,10 @@ def test_check_drift_acts_on_the_probe(tmp_path, step_s, action, outcome):
     cfg = DriftConfig(action=action)
     if outcome == "refused":
         with pytest.raises(DriftRefused, match=r"200.0 ms at 100 tokens vs 100.0 ms.*x 2.000"):
-            check_drift(path, None, cfg, tmp_path / "out", probe)
+            check_drift(path, MODEL, cfg, tmp_path / "out", probe)
         assert not (tmp_path / "out").exists()
         return
-    drift = check_drift(path, None, cfg, tmp_path / "out", probe)
+    drift = check_drift(path, MODEL, cfg, tmp_path / "out", probe)
     assert probe.asked == [100]  # the profile's shortest context (no probe recorded)
     assert drift.factor == pytest.approx(step_s / 0.1) and drift.outcome == outcome
     if outcome == "within":
@@ -106,15 +114,15 @@ def test_sim_probes_only_another_host_unless_asked(tmp_path):
     here = fingerprint()
     same, _ = _profile(tmp_path, {**here})
     probe = FakeProbe(0.5)
-    assert check_drift(same, None, DriftConfig(), tmp_path / "o", probe) is None
-    assert check_drift(same, None, DriftConfig(action="off"), tmp_path / "o", probe,
+    assert check_drift(same, MODEL, DriftConfig(), tmp_path / "o", probe) is None
+    assert check_drift(same, MODEL, DriftConfig(action="off"), tmp_path / "o", probe,
                        force=True) is None
     assert probe.asked == []
-    assert check_drift(same, None, DriftConfig(when="always"), tmp_path / "o", probe) \
+    assert check_drift(same, MODEL, DriftConfig(when="always"), tmp_path / "o", probe) \
         is not None
     unnamed, _ = _profile(tmp_path, None)  # names no host: not probed unless forced
-    assert check_drift(unnamed, None, DriftConfig(), tmp_path / "o", probe) is None
-    assert check_drift(unnamed, None, DriftConfig(), tmp_path / "o", probe,
+    assert check_drift(unnamed, MODEL, DriftConfig(), tmp_path / "o", probe) is None
+    assert check_drift(unnamed, MODEL, DriftConfig(), tmp_path / "o", probe,
                        force=True).outcome == "rescaled"
 
 
@@ -131,7 +139,7 @@ def test_kvsim_sim_rescales_a_profile_from_another_host(tmp_path, monkeypatch, c
     non-zero with the figures."""
     path, _ = _profile(tmp_path, {**fingerprint(), "cpu_model": "Some Other CPU"},
                        model="tiny-random")
-    monkeypatch.setattr(host_probe, "StepProbe", lambda model, steps: FakeProbe(0.2))
+    monkeypatch.setattr(host_probe, "StepProbe", lambda model, steps, threads: FakeProbe(0.2))
     report_off, report_on = tmp_path / "off.json", tmp_path / "on.json"
     assert main(_sim(tmp_path, path, "drift.action=off", f"report={report_off}")) == 0
     capsys.readouterr()
@@ -178,6 +186,33 @@ def test_fitted_curves_keep_their_medians():
     assert len(verify["fit"]) == 2 and verify["measured"] == [[0.3, 0.5], [0.4, 0.4]]
     single = {"context_tokens": 300, "batch": [1, 2], "s": [0.2, 0.3]}
     assert fitted_curve(single) is single
+
+
+def test_the_receivers_ratio_leaves_the_step_a_non_decreasing_line():
+    """The receiver's ratio, interpolated between two noisy medians (1.03 at 1024 tokens,
+    0.90 at 2048), would bend the fitted step down between them: the scaled curves are
+    fitted again, and the fit scales with any later constant factor."""
+    from kvsim.calibrate.receiver_timing import apply_receiver_timing
+    from kvsim.model.hardware_profile import scaled_curve
+
+    ctx = [256, 1024, 2048, 4096]
+    hw = {"tpot": fitted_curve({"context_tokens": ctx, "s": [0.073, 0.092, 0.111, 0.120]}),
+          "first_step_extra": {"context_tokens": ctx, "s": [0.0] * 4},
+          "tpot_batch": {"context_tokens": 4096, "batch": [1, 2], "s": [0.11, 0.2]},
+          "verify": fitted_curve({"context_tokens": ctx, "drafted_tokens": [1],
+                                  "s": [[0.13], [0.14], [0.18], [0.22]]})}
+    timing = {"codecs": {"int8": {"decode_gb_per_s": 1.0, "what": "w"}}}
+    line = hw["tpot"]["fit"]
+    at = {c: line["fixed_s"] + line["s_per_token"] * c for c in (1024, 2048)}
+    fit = {"int8": {"decode_gb_per_s": 1.0, "tpot_s": 1.03 * at[1024]}}
+    top = {"int8": {"decode_gb_per_s": 1.0, "tpot_s": 0.90 * at[2048]}}
+    apply_receiver_timing(top, hw, timing, 2048, fit=fit, fit_context_tokens=1024)
+    for key in ("tpot", "verify"):
+        s = hw[key]["s"] if key == "tpot" else [row[0] for row in hw[key]["s"]]
+        assert all(b >= a for a, b in zip(s, s[1:], strict=False)), (key, s)
+    assert hw["tpot"]["measured"] == [0.073, 0.092, 0.111, 0.120]  # the in-process medians
+    doubled = scaled_curve(hw["tpot"], 2.0)
+    assert doubled["fit"]["s_per_token"] == pytest.approx(2 * hw["tpot"]["fit"]["s_per_token"])
 
 
 def test_the_heldout_grid_is_off_the_full_grid_and_its_calibration():

@@ -42,3 +42,12 @@ def test_contention_costs_the_drafts_the_residuals_dequantization(tmp_path):
         from kvsim.scenario.config import SpeculativeConfig
 
         SpeculativeConfig(dequant_contention=1.5).validate()
+
+
+def test_a_draft_step_with_its_own_overhead_loses_its_whole_length():
+    from kvsim.scenario.speculative import contention_overhead_s
+
+    # half the window busy, fully serialized: each draft step takes twice its length
+    assert contention_overhead_s(0.1, 0.5, 1.0) == pytest.approx(0.1)
+    assert contention_overhead_s(0.1 + 0.05, 0.5, 1.0) == pytest.approx(0.15)
+    assert contention_overhead_s(0.1, 0.5, 0.0) == 0.0

@@ -165,7 +165,7 @@ def test_the_simulator_gets_the_measured_runs_overrides(tmp_path, monkeypatch, n
         return rows, rows
 
     class Probe:
-        def __init__(self, model, steps):
+        def __init__(self, model, steps, threads=1):
             pass
 
         def step_s(self, context_tokens):
@@ -249,13 +249,20 @@ def test_per_request_comparisons_are_kept_and_recomputed(tmp_path, monkeypatch, 
             return rows, rows
         log = pd.read_csv(logs[0])
         measured = []
-        for r in rows:
+        for r in rows:  # request i measured 0.1 * (i + 1) s late, listed last first
             mine = log[log["codec"] == r["codec"]]
             measured.append({**r, "per_request": [
-                {"seq": int(q["request"]), "ttft_s": float(q["ttft_s"]),
-                 "ttft_committed_s": float(q["ttft_committed_s"])}
-                for _, q in mine.iterrows()]})
+                {"seq": int(q["request"]), "ttft_s": float(q["ttft_s"]) + late(q),
+                 "ttft_committed_s": float(q["ttft_committed_s"]) + late(q)}
+                for _, q in mine.iterrows()][::-1]})
+            expected[r["codec"]] = 100 * sum(
+                late(q) / (float(q["ttft_s"]) + late(q)) for _, q in mine.iterrows()) / len(mine)
         return measured, rows
+
+    def late(q) -> float:
+        return 0.1 * (int(q["request"]) + 1)
+
+    expected: dict[str, float] = {}
 
     monkeypatch.setattr(runner, "run_pair", pair)
     first, again = tmp_path / "first", tmp_path / "again"
@@ -264,9 +271,10 @@ def test_per_request_comparisons_are_kept_and_recomputed(tmp_path, monkeypatch, 
     saved = json.loads((first / "report.json").read_text())["distributions"]
     assert {(d["codec"], d["metric"]) for d in saved} == {
         (c, m) for c in ("int8", "lynx") for m in ("ttft", "ttft_c")}
-    for d in saved:
-        assert d["requests"] == 6 and d["mape_pct"] == 0.0 and d["ks_statistic"] == 0.0
-        assert d["pearson_r"] == pytest.approx(1.0)
+    for d in saved:  # paired by arrival number, not by list position
+        assert d["pairs"] == 6 and d["seq"] == list(range(6))
+        if d["metric"] == "ttft":
+            assert d["mape_pct"] == pytest.approx(expected[d["codec"]])
     assert main(["validate", f"measured_from={first}", "samples=2",
                  f"hydra.run.dir={again}"]) == 0
     redone = json.loads((again / "fidelity.json").read_text())["distributions"]

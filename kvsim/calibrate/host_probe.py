@@ -74,6 +74,14 @@ def host_record(probe: Any, context_tokens: int) -> dict:
             "measured_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
+def probe_threads(doc: dict) -> int:
+    """The torch threads the profile's probe (and its step curves) ran with: a probe here
+    must use as many to be comparable."""
+    threads = doc.get("threads", 1)
+    return threads if isinstance(threads, int) and not isinstance(threads, bool) \
+        and threads >= 1 else 1
+
+
 def profile_step(doc: dict) -> tuple[int, float, str]:
     """(context (tokens), the profile's in-process decode step there (s), where it comes
     from): its host's probe where it records one, else its in-process step curve (the
@@ -81,8 +89,10 @@ def profile_step(doc: dict) -> tuple[int, float, str]:
     at its shortest context."""
     host = doc.get("host") if isinstance(doc.get("host"), dict) else {}  # (older: a name)
     probe = host.get("decode_step_probe") or {}
-    if isinstance(probe.get("context_tokens"), int) and probe.get("s", 0) > 0:
-        return int(probe["context_tokens"]), float(probe["s"]), "its host's probe"
+    step = probe.get("s") if isinstance(probe, dict) else None
+    if isinstance(probe.get("context_tokens"), int) and isinstance(step, (int, float)) \
+            and not isinstance(step, bool) and step > 0:
+        return int(probe["context_tokens"]), float(step), "its host's probe"
     curve = doc.get("tpot_inprocess") or doc["tpot"]
     ctx = int(curve["context_tokens"][0])
     return ctx, float(np.interp(ctx, curve["context_tokens"], curve["s"])), \
@@ -96,7 +106,7 @@ class Drift:
     factor: float  # step here now / step in the profile
     probe_s: float
     profile_s: float
-    reference: str  # where the profile's step comes from (profile_step_s)
+    reference: str  # where the profile's step comes from (profile_step)
     context_tokens: int
     outcome: str  # within | rescaled | refused
     host: dict  # this host (fingerprint, memory-copy GB/s)
@@ -127,19 +137,25 @@ def check_drift(profile_path: str | Path, model: Any, cfg: DriftConfig, out_dir:
     as validate does). Beyond the tolerance, rescale writes the profile with its model times
     x the factor to out_dir/<name> (Drift.profile) and refuse raises DriftRefused. probe: a
     StepProbe (one is made for `model`)."""
+    from kvsim.model.hardware_profile import load_profile
     from kvsim.model.host import rescaled_profile
 
     if cfg.action == "off":
         return None
     path = Path(profile_path)
-    doc = json.loads(path.read_text())
+    doc = load_profile(str(path), model.name)  # checked (and of this model) before probing
     recorded = doc.get("host") if isinstance(doc.get("host"), dict) else {}
     here = fingerprint()
     if not force and (cfg.when == "other_host" and not other_host(recorded, here)):
         return None
-    probe = probe if probe is not None else StepProbe(model, steps=PROBE_STEPS)
+    probe = probe if probe is not None else StepProbe(model, PROBE_STEPS, probe_threads(doc))
     context_tokens, profile_s, reference = profile_step(doc)
-    probe_s = probe.step_s(context_tokens)
+    try:
+        probe_s = probe.step_s(context_tokens)
+    except Exception as exc:  # no weights here, out of memory, ...
+        raise RuntimeError(f"hardware profile {path}: this host's decode step could not be "
+                           f"probed ({type(exc).__name__}: {exc}); drift.action=off uses the "
+                           f"profile as it is") from exc
     factor = probe_s / profile_s
     within = abs(factor - 1.0) * 100.0 <= cfg.tolerance_pct
     outcome = "within" if within else ("rescaled" if cfg.action == "rescale" else "refused")
@@ -157,4 +173,23 @@ def check_drift(profile_path: str | Path, model: Any, cfg: DriftConfig, out_dir:
             "from_profile": str(path), "probe_s": probe_s, "profile_s": profile_s,
             "context_tokens": context_tokens, "host": drift.host}), indent=1) + "\n")
         drift.profile = str(out)
+    return drift
+
+
+def check_host(cfg: Any, who: str) -> Drift | None:
+    """The check a simulation runs (kvsim sim, kvsim advise) with a measured hardware profile
+    (cfg: a SimConfig): the Drift, its rescaled profile now cfg's (written to the run
+    directory), or None when not probed; `who` names the command on stderr."""
+    if not cfg.hardware.profile or cfg.drift.action == "off":
+        return None
+    import sys
+
+    from kvsim.core.outputs import out_root
+    from kvsim.core.profiles import profile_path
+
+    drift = check_drift(profile_path("hardware", cfg.hardware.profile), cfg.model, cfg.drift,
+                        out_root(None) / "profiles-rescaled")
+    if drift is not None:
+        print(f"{who}: host: {drift.words()}", file=sys.stderr)
+        cfg.hardware.profile = drift.profile
     return drift

@@ -52,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from kvsim.calibrate.step_fit import fitted_curve
 from kvsim.model.hardware_profile import scaled_curve
 
 DECODE_STEPS = 16  # decode steps per request of the calibration transfer
@@ -295,6 +296,11 @@ def apply_receiver_timing(measured: dict[str, dict[str, float]], hw_doc: dict, t
                                      "receiver_tpot_s": receiver_steps}
     for key in ("tpot", "tpot_batch", "verify"):
         hw_doc[key] = scaled_curve(hw_doc[key], lambda c: float(np.interp(c, contexts, ratios)))
+    # the ratio, interpolated between two noisy medians, can bend the fitted line: the
+    # scaled step curves are fitted again (kvsim.calibrate.step_fit), so the simulator's
+    # step stays a non-decreasing line in context
+    for key in ("tpot", "verify"):
+        hw_doc[key] = fitted_curve(hw_doc[key])
     # the first step on a freshly built cache, in the receiver's new decode thread, costs
     # more than in a warm process: the transfer's plain requests measure it (one context:
     # applied flat, the in-process curve kept as first_step_extra_inprocess)

@@ -50,7 +50,8 @@ def fitted_curve(curve: dict) -> dict:
     """A profile curve over contexts ({"context_tokens": [...], "s": [...]}, or a verification
     curve whose "s" holds one row per context over its drafted counts) with its times
     replaced by their fitted lines (one per drafted count); the medians are kept under
-    `measured` and each line under `fit`."""
+    `measured` (those already there are kept: a curve scaled after its first fit is fitted
+    again, its medians stay the measured ones) and each line under `fit`."""
     at = curve["context_tokens"]
     rows = curve["s"]
     if not isinstance(at, list) or len(at) < 2:
@@ -62,4 +63,4 @@ def fitted_curve(curve: dict) -> dict:
     else:
         line = fit_step_line(at, rows)
         fitted, fits = line["s"], {k: v for k, v in line.items() if k != "s"}
-    return {**curve, "s": fitted, "measured": rows, "fit": fits}
+    return {**curve, "s": fitted, "measured": curve.get("measured", rows), "fit": fits}

@@ -20,6 +20,7 @@ from kvsim.advise.rank import (
     load_qualities,
     simulate,
 )
+from kvsim.calibrate.host_probe import check_host
 from kvsim.core.report import format_table
 from kvsim.scenario.describe import TABLE_WIDTH, setting_header
 from kvsim.scenario.objective import objective_key, objective_words
@@ -101,6 +102,7 @@ def print_advice(cfg: AdviseConfig, advice: Advice) -> None:
 def run(cfg: AdviseConfig) -> list[dict]:
     cfg.validate()
     qualities = load_qualities(list(cfg.vnmse_tables))
+    drift = check_host(cfg, "kvsim advise")  # a measured profile on another host
     pairs = candidate_policies(cfg)  # every preset built once
     raised = enough_samples(cfg, [p for _, ps in pairs for p in ps])
     if raised:
@@ -115,4 +117,6 @@ def run(cfg: AdviseConfig) -> list[dict]:
         r["recommended"] = advice.recommended is not None and r["rank"] == 1
         r["floor"] = advice.floor.describe()
         r["objective"] = advice.objective
+        if drift is not None:
+            r.update(hardware_drift=drift.outcome, hardware_drift_factor=drift.factor)
     return out

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import sys
 import textwrap
-from typing import Any
 
 from kvsim.advise.config import DEFAULT_FLOOR, DEFAULT_TIE_S
+from kvsim.calibrate.host_probe import check_host
 from kvsim.core.report import format_table
 from kvsim.scenario.config import SimConfig
 from kvsim.scenario.describe import TABLE_WIDTH, setting_header
@@ -138,24 +138,6 @@ def prepare() -> None:
     codec_names()
 
 
-def check_host(cfg: SimConfig) -> Any:
-    """With a measured hardware profile, this host against the profile's (drift=;
-    kvsim.model.host): the Drift (its rescaled profile now cfg's) or None when not probed.
-    A rescaled profile is written to the run directory."""
-    if not cfg.hardware.profile or cfg.drift.action == "off":
-        return None
-    from kvsim.calibrate.host_probe import check_drift
-    from kvsim.core.outputs import out_root
-    from kvsim.core.profiles import profile_path
-
-    drift = check_drift(profile_path("hardware", cfg.hardware.profile), cfg.model, cfg.drift,
-                        out_root(None) / "profiles-rescaled")
-    if drift is not None:
-        print(f"kvsim sim: host: {drift.words()}", file=sys.stderr)
-        cfg.hardware.profile = drift.profile
-    return drift
-
-
 def run(cfg: SimConfig) -> list[dict]:
     # imported here: the simulator pulls in the codecs and simpy; a sweep's parent process,
     # which only composes configs and launches jobs, never needs them
@@ -164,7 +146,7 @@ def run(cfg: SimConfig) -> list[dict]:
     from kvsim.sim.run import run_all
 
     qualities = load_qualities(list(cfg.vnmse_tables))  # a bad table name fails before a run
-    drift = check_host(cfg)
+    drift = check_host(cfg, "kvsim sim")
     planned, skipped = plan_variants(cfg.codecs, cfg.transfer)
     raised = enough_samples(cfg, [v.policy for v in planned])
     if raised:

@@ -160,11 +160,13 @@ def summary(rows: list[dict]) -> dict:
     worst = max(finite, key=lambda r: abs(r["error_pct"]))
     spreads = [r["measured_spread_pct"] for r in rows
                if math.isfinite(number(r.get("measured_spread_pct")))]
-    # against the emulator's own spread: a comparison inside the range of its repeated runs
-    # is not a model error (rows without repeats count with their whole error)
-    beyond = [abs(number(r["beyond_spread_pct"])) if "beyond_spread_pct" in r
-              else abs(r["error_pct"]) for r in finite]
+    # against the emulator's own spread, over the comparisons that have one (repeated runs):
+    # a simulated value inside the range of its runs is not a model error
+    beyond = [abs(number(r["beyond_spread_pct"])) for r in finite if "beyond_spread_pct" in r]
     beyond = [x for x in beyond if math.isfinite(x)]
+    by_case: dict[str, list[float]] = {}
+    for r in finite:
+        by_case.setdefault(str(r.get("case", "")), []).append(abs(float(r["error_pct"])))
     by_metric: dict[str, list[float]] = {}
     for r in finite:
         by_metric.setdefault(str(r.get("metric")), []).append(float(r["error_pct"]))
@@ -172,8 +174,12 @@ def summary(rows: list[dict]) -> dict:
             "compared": len(errs), "missing": len(rows) - len(errs),
             # the noise floor: how far repeated runs of one scenario land apart, on average
             "mean_measured_spread_pct": sum(spreads) / len(spreads) if spreads else math.nan,
-            "inside_spread": sum(1 for r in finite if r.get("beyond_spread_pct") == 0.0),
+            "with_spread": len(beyond),
+            "inside_spread": sum(1 for x in beyond if x == 0.0),
             "model_errors": sum(1 for x in beyond if x > 0.0),
+            # each case alone (single-request and multi-request compare different things)
+            "by_case": {case: {"compared": len(es), "mean_abs_pct_error": sum(es) / len(es),
+                               "max_abs_pct_error": max(es)} for case, es in by_case.items()},
             "mean_abs_pct_beyond_spread": sum(beyond) / len(beyond) if beyond else math.nan,
             "max_abs_pct_beyond_spread": max(beyond) if beyond else math.nan,
             "tost": {metric: tost(es) for metric, es in by_metric.items()},
@@ -223,13 +229,13 @@ def markdown_table(rows: list[dict]) -> str:
 def distributions_table(rows: list[dict]) -> str:
     """The multi-request case's per-request comparisons (one line per arrival rate, codec
     and metric): MAPE, Pearson r and the two-sample KS test (kvsim.fidelity.statistics)."""
-    lines = ["| link | Gbps | ctx | req/s | codec | metric | requests | MAPE % | Pearson r | "
+    lines = ["| link | Gbps | ctx | req/s | codec | metric | pairs | MAPE % | Pearson r | "
              "KS D | KS p |", "|" + "---|" * 11]
     for r in rows:
         cells = [f"{number(r.get(k)):{fmt}}" for k, fmt in (
             ("mape_pct", ".2f"), ("pearson_r", ".3f"), ("ks_statistic", ".3f"),
             ("ks_p", ".3g"))]
         lines.append(f"| {r['emulation']} | {r['bandwidth_gbps']:g} | {r['context_tokens']} | "
-                     f"{r['rate_per_s']:g} | {r['codec']} | {r['metric']} | {r['requests']} | "
+                     f"{r['rate_per_s']:g} | {r['codec']} | {r['metric']} | {r['pairs']} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -3,9 +3,12 @@ report agreement with a real system:
 
 - the emulator's own spread: a comparison whose simulated value lies inside the range of the
   repeated emulated runs is noise, not a model error (`beyond_spread_pct`);
-- TOST equivalence of each metric's mean error at +-margin (`tost`);
+- TOST equivalence of each metric's mean signed error at +-margin (`tost`): a test of the
+  model's bias on that metric, not of each comparison (errors of +10% and -10% average to 0);
 - per request, for a multi-request run: MAPE, Pearson r, and a two-sample KS test of the two
-  TTFT distributions (`per_request`).
+  TTFT distributions (`per_request`). MAPE sees a constant offset, r and KS do not (r is 1
+  and D small for simulated = measured + c); KS treats the two sides as independent samples
+  while they are the same requests.
 
 Errors are relative, in percent of the measured value, signed simulated minus measured.
 """
@@ -70,8 +73,9 @@ def per_request(measured_s: Sequence[float], simulated_s: Sequence[float]) -> di
     """Agreement of two engines' per-request times of the same requests (same arrivals, in
     the same order): MAPE (%), Pearson r of the pairs, and the two-sample Kolmogorov-Smirnov
     statistic and p-value of the two distributions. Pairs with a non-finite or non-positive
-    measured value are left out (counted in `missing`); r is nan where either side is
-    constant or fewer than three pairs remain, KS needs one value on each side."""
+    measured value are left out (`pairs` counts the rest, `missing` those); r is nan where
+    either side is constant or fewer than three pairs remain, KS needs one value on each
+    side."""
     from scipy import stats
 
     if len(measured_s) != len(simulated_s):
@@ -79,7 +83,7 @@ def per_request(measured_s: Sequence[float], simulated_s: Sequence[float]) -> di
                          f"{len(measured_s)} measured and {len(simulated_s)} simulated")
     pairs = [(float(a), float(b)) for a, b in zip(measured_s, simulated_s, strict=True)
              if math.isfinite(a) and a > 0 and math.isfinite(b)]
-    out = {"requests": len(pairs), "missing": len(measured_s) - len(pairs),
+    out = {"pairs": len(pairs), "missing": len(measured_s) - len(pairs),
            "mape_pct": math.nan, "pearson_r": math.nan, "ks_statistic": math.nan,
            "ks_p": math.nan}
     if not pairs:

@@ -270,13 +270,14 @@ def _drift(cfg: Config, profiles: Any, run_dir: Path) -> tuple[Any, Any]:
     kvsim.calibrate.host_probe.DriftRefused."""
     from dataclasses import replace
 
-    from kvsim.calibrate.host_probe import PROBE_STEPS, check_drift
+    from kvsim.calibrate.host_probe import PROBE_STEPS, check_drift, probe_threads
     from kvsim.fidelity.step_probe import StepProbe
 
     if cfg.drift.action == "off":
         return profiles, None
+    threads = probe_threads(json.loads(profiles.hardware.read_text()))
     drift = check_drift(profiles.hardware, cfg.model, cfg.drift,
-                        run_dir / "profiles-rescaled", StepProbe(cfg.model, PROBE_STEPS),
+                        run_dir / "profiles-rescaled", StepProbe(cfg.model, PROBE_STEPS, threads),
                         force=True)
     assert drift is not None  # force: always probed unless off
     _say(f"host: {drift.words()}")
@@ -335,7 +336,7 @@ def _resimulate(cfg: Config) -> dict:
         root = Path(saved.profile_dir) if saved.profile_dir else DATA_DIR / "profiles"
     profiles = find_profiles(root, name, sorted({str(k[1]) for k in groups}))
     run_dir = out_root(None)
-    profiles = _saved_drift(report, profiles, run_dir)
+    profiles = _saved_drift(report, profiles, run_dir, other=bool(cfg.profile_dir))
     started = time.time()
     provenance = report.get("provenance") if isinstance(report.get("provenance"), dict) else {}
     notes = [f"{key}={mine} (the measured run's simulator had {theirs})"
@@ -386,11 +387,12 @@ def _resimulate(cfg: Config) -> dict:
         simulated = {str(r["codec"]): r for r in simulate(sim)}
         if case == "multi":  # the per-request comparisons the saved run measured for
             for d in saved_distributions.get((emulation, rate, ctx, per_s), []):
-                again = _simulated_requests(requests_path, str(d["codec"]))[d["metric"]]
+                seqs = d.get("seq") or list(range(len(d["measured_s"])))
+                again = _simulated_requests(requests_path, str(d["codec"]), seqs)
                 measured_requests = {d["metric"]: [errors.number(v) for v in d["measured_s"]]}
                 distributions += _distribution_rows(
-                    {k: d[k] for k in (*errors.SCENARIO_KEYS, "codec", "requests")},
-                    measured_requests, {d["metric"]: again})
+                    {**{k: d[k] for k in (*errors.SCENARIO_KEYS, "codec", "requests")},
+                     "seq": seqs}, measured_requests, {d["metric"]: again[d["metric"]]})
         _keep(run_dir, scenario, {"measured_from": str(report_path),
                                   "simulated": list(simulated.values())})
         by_codec: dict[str, list[dict]] = {}
@@ -409,15 +411,20 @@ def _resimulate(cfg: Config) -> dict:
         "measured_provenance": provenance}, started, distributions)
 
 
-def _saved_drift(report: dict, profiles: Any, run_dir: Path) -> Any:
+def _saved_drift(report: dict, profiles: Any, run_dir: Path, other: bool = False) -> Any:
     """The profiles of a re-simulation with the saved run's host rescale applied again (its
-    factor, not a new probe: the measurements are that run's, on that host that day)."""
+    factor, not a new probe: the measurements are that run's, on that host that day). Not
+    to other profiles (`other`: profile_dir= given), whose level the factor says nothing of."""
     from dataclasses import replace
 
     from kvsim.model.host import rescaled_profile
 
     drift = (report.get("fidelity") or {}).get("drift")
     if not isinstance(drift, dict) or drift.get("outcome") != "rescaled":
+        return profiles
+    if other:
+        _say(f"the measured run rescaled its own profile x {float(drift['factor']):.3f}; "
+             "profile_dir= gives others: not applied to them")
         return profiles
     factor = float(drift["factor"])
     path = run_dir / "profiles-rescaled" / profiles.hardware.name
@@ -596,7 +603,8 @@ def _multi_workload(m: MultiConfig, rate_per_s: float) -> list[str]:
             "transport.kv_source=synthetic"]
 
 
-def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path) -> list[dict]:
+def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path
+           ) -> tuple[list[dict], list[dict]]:
     from kvsim.fidelity import errors
     from kvsim.fidelity.runner import by_codec, run_pair, scenario_overrides, sim_overrides
 
@@ -623,8 +631,10 @@ def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path) -> list[di
             rows += errors.compare(scenario, row, sim_by[codec], errors.MULTI_METRICS)
             requests = _measured_requests(row)
             if requests is not None:
-                distributions += _distribution_rows(scenario, requests,
-                                                    _simulated_requests(requests_path, codec))
+                seqs = requests.pop("seq")
+                distributions += _distribution_rows(
+                    {**scenario, "seq": seqs}, requests,
+                    _simulated_requests(requests_path, codec, seqs))
     return rows, distributions
 
 
@@ -639,26 +649,37 @@ def _with_request_log(sim: list[str], run_dir: Path, name: str) -> tuple[list[st
 
 
 def _measured_requests(row: dict) -> dict[str, list[float]] | None:
-    """metric -> the emulated requests' values (s), in arrival order; None for a row that
-    keeps no requests of its own (`per_request`)."""
+    """metric -> the emulated requests' values (s) by arrival number (`seq`: request i of
+    the workload's arrivals, as the simulator numbers them); None for a row that keeps no
+    requests of its own (`per_request`). Refused when a request has no number or two
+    share one."""
     from kvsim.fidelity.errors import number
 
     if not isinstance(row.get("per_request"), list):
         return None
-    per = sorted(row["per_request"], key=lambda r: number(r.get("seq")))
-    return {metric: [number(r.get(key)) for r in per] for metric, key in PER_REQUEST_METRICS}
+    seqs = [r.get("seq") for r in row["per_request"]]
+    if any(not isinstance(q, int) or isinstance(q, bool) for q in seqs) or \
+            len(set(seqs)) != len(seqs):
+        raise ValueError(f"the emulated requests of {row.get('codec')} need distinct arrival "
+                         f"numbers (seq) to be paired with the simulator's, got {seqs}")
+    order = sorted(range(len(seqs)), key=lambda i: seqs[i])
+    return {metric: [number(row["per_request"][i].get(key)) for i in order]
+            for metric, key in PER_REQUEST_METRICS} | {"seq": [seqs[i] for i in order]}
 
 
-def _simulated_requests(path: Path, codec: str) -> dict[str, list[float]]:
-    """metric -> the simulated requests' values (s) of one codec, in arrival order (the
-    request log kvsim sim wrote at `path`: one sample, its requests numbered by arrival)."""
+def _simulated_requests(path: Path, codec: str, seqs: list[int]) -> dict[str, list[float]]:
+    """metric -> the simulated requests' values (s) of one codec for the arrival numbers
+    `seqs` (the request log kvsim sim wrote at `path`: one sample, requests numbered by
+    arrival); refused when the two engines' requests differ."""
     import pandas as pd
 
     log = pd.read_csv(path)
-    mine = log[log["codec"].astype(str) == codec].sort_values("request")
-    if mine.empty:
-        raise ValueError(f"{path}: the simulator logged no request of codec {codec!r}")
-    return {metric: [float(v) for v in mine[key]] for metric, key in PER_REQUEST_METRICS}
+    mine = log[log["codec"].astype(str) == codec].set_index("request")
+    if sorted(int(q) for q in mine.index) != sorted(seqs):
+        raise ValueError(f"{path}: the simulator's requests of {codec!r} "
+                         f"({sorted(int(q) for q in mine.index)}) are not the emulated ones "
+                         f"({sorted(seqs)})")
+    return {metric: [float(mine.at[q, key]) for q in seqs] for metric, key in PER_REQUEST_METRICS}
 
 
 def _distribution_rows(scenario: dict, measured: dict[str, list[float]],
@@ -684,15 +705,16 @@ def _print(rows: list[dict], summary: dict, distributions: list[dict]) -> None:
     spread = summary.get("mean_measured_spread_pct", float("nan"))
     if spread == spread:  # repeated runs: the noise floor the errors sit on
         print(f"repeated emulated runs of one scenario land {spread:.1f}% apart on average; "
-              f"{summary['inside_spread']} of {summary['compared']} simulated values lie "
-              f"inside their runs' range; beyond it: mean "
+              f"{summary['inside_spread']} of the {summary['with_spread']} simulated values "
+              f"with repeated runs lie inside their range; beyond it: mean "
               f"{summary['mean_abs_pct_beyond_spread']:.2f}%, worst "
               f"{summary['max_abs_pct_beyond_spread']:.2f}%")
     tests = summary.get("tost") or {}
     if tests:
         margin = next(iter(tests.values()))["margin_pct"]
-        print(f"each metric's mean error equivalent to 0 within +-{margin:g}% (TOST, "
-              f"alpha {next(iter(tests.values()))['alpha']:g}):")
+        print(f"each metric's bias (its mean signed error) equivalent to 0 within "
+              f"+-{margin:g}% (TOST, alpha {next(iter(tests.values()))['alpha']:g}; errors "
+              "of opposite signs cancel in it):")
         print(format_table([{"metric": metric, **t, "low": t["interval_pct"][0],
                              "high": t["interval_pct"][1],
                              "verdict": "equivalent" if t["equivalent"] else "not shown"}
@@ -705,13 +727,18 @@ def _print(rows: list[dict], summary: dict, distributions: list[dict]) -> None:
         print("multi-request, per request (same arrivals in both engines):")
         print(format_table(distributions, [
             ("rate_per_s", "req/s", "g"), ("codec", "codec", ""), ("metric", "metric", ""),
-            ("requests", "requests", "d"), ("mape_pct", "MAPE %", ".2f"),
+            ("pairs", "pairs", "d"), ("mape_pct", "MAPE %", ".2f"),
             ("pearson_r", "Pearson r", ".3f"), ("ks_statistic", "KS D", ".3f"),
             ("ks_p", "KS p", ".3g")]))
     step = summary.get("step_mean_abs_pct_error", float("nan"))
     if step == step:  # the host's step against its calibration: what TT<k>T errors inherit
         print(f"decode step, simulated (calibrated) vs measured in the scenario: mean |error| "
               f"{step:.1f}%, worst {summary['step_max_abs_pct_error']:.1f}%")
+    cases = summary.get("by_case") or {}
+    if len(cases) > 1:
+        print("by case: " + "; ".join(
+            f"{case} {c['mean_abs_pct_error']:.2f}% mean, {c['max_abs_pct_error']:.2f}% worst "
+            f"over {c['compared']}" for case, c in cases.items()))
     print(f"mean |error| {summary['mean_abs_pct_error']:.2f}% (target "
           f"{summary['target_mean_abs_pct']}%), worst {summary['max_abs_pct_error']:.2f}% "
           f"(target {summary['target_max_abs_pct']}%) over {summary['compared']} comparisons"

@@ -39,15 +39,26 @@ from pathlib import Path
 from kvsim.core.data_files import record_loaded
 
 
+def _scaled_fit(fit: dict | list, factor: float) -> dict | list:
+    """A step fit's line(s) x factor (its residuals are relative: unchanged)."""
+    if isinstance(fit, list):
+        return [_scaled_fit(f, factor) for f in fit]
+    return {**fit, **{k: fit[k] * factor for k in ("fixed_s", "s_per_token") if k in fit}}
+
+
 def scaled_curve(curve: dict, factor: float | Callable[[float], float]) -> dict:
     """A profile curve with its times ("s": a list, or one list per context) x factor: a
     number, or a function of the context (tokens) the times were measured at (the curve's
     "context_tokens": one per point of a context curve, one per row of a verification
     curve measured at several contexts, or the one context of the whole curve)."""
     s = curve["s"]
-    if not callable(factor):
-        return {**curve, "s": [[v * factor for v in row] if isinstance(row, list)
-                               else row * factor for row in s]}
+    if not callable(factor):  # a fitted line (kvsim.calibrate.step_fit) scales with it
+        out = {**curve, "s": [[v * factor for v in row] if isinstance(row, list)
+                              else row * factor for row in s]}
+        if "fit" in curve:
+            out["fit"] = _scaled_fit(curve["fit"], factor)
+        return out
+    curve = {k: v for k, v in curve.items() if k != "fit"}  # no longer that line
     at = curve["context_tokens"]
     if not isinstance(at, list):  # measured at one context: one factor for the curve
         return scaled_curve(curve, factor(float(at)))

@@ -24,8 +24,11 @@ from kvsim.core.checks import check_choice
 DRIFT_ACTIONS = ("rescale", "refuse", "off")
 DRIFT_WHEN = ("other_host", "always")
 
-# the profile curves that are times of the real model's work on this host (scaled together)
-TIME_CURVES = ("prefill", "tpot", "tpot_batch", "verify", "first_step_extra")
+# the profile curves that are times of the real model's work on this host (scaled together:
+# a slower day slows the prefill as it slows a step; the in-process curves the receiver's
+# ratio was taken against too, so a rescaled profile checked again finds its own level)
+TIME_CURVES = ("prefill", "tpot", "tpot_batch", "verify", "first_step_extra",
+               "tpot_inprocess", "first_step_extra_inprocess")
 
 
 @dataclass
@@ -108,6 +111,11 @@ def rescaled_profile(doc: dict, factor: float, drift: dict) -> dict:
     for key in TIME_CURVES:
         if key in out:
             out[key] = scaled_curve(out[key], factor)
+    host = out.get("host")
+    probe = host.get("decode_step_probe") if isinstance(host, dict) else None
+    if isinstance(probe, dict) and isinstance(probe.get("s"), (int, float)):
+        # the profile now describes this host's level: its probe is the one taken here
+        out["host"] = {**host, "decode_step_probe": {**probe, "s": probe["s"] * factor}}
     out["drift"] = {**drift, "factor": factor,
                     "what": f"{', '.join(k for k in TIME_CURVES if k in doc)} x {factor:.4g}: "
                             "this host's decode step over the profile's"}

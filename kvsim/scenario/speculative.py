@@ -124,14 +124,15 @@ def receiver_busy_draft_s(mode: str, configured_s: float | None, timing: TimingM
     return timing.draft_busy_contention_s(context_tokens)
 
 
-def contention_overhead_s(tpot_s: float, busy_share: float, contention: float) -> float:
+def contention_overhead_s(step_s: float, busy_share: float, contention: float) -> float:
     """A draft step's mean extra (s) while the deserializer dequantizes the later streams on
     the same device `busy_share` of the drafting window and a draft makes no progress for
-    `contention` of that time: drafts advance at (1 - contention x share) / tpot_s, so the
+    `contention` of that time (step_s: the draft step without it, its own overhead
+    included): drafts advance at (1 - contention x share) / step_s, so the
     drafting window loses contention x (the later streams' work in it), whatever the
     bandwidth."""
     lost = min(max(contention * busy_share, 0.0), 0.95)  # cap: drafting never stops outright
-    return tpot_s * lost / (1.0 - lost) if lost > 0.0 else 0.0
+    return step_s * lost / (1.0 - lost) if lost > 0.0 else 0.0
 
 
 def plain_decode(t_ready: float, tpot_s: float, tokens: int) -> DecodeTimeline:

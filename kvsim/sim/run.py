@@ -421,8 +421,9 @@ class Scenario:
         contended = drafting and busy_s is None and spec.dequant_contention > 0 and \
             self.deserializer in ("shared", "per_stream")
         if contended:
+            # (the whole draft step, its own overhead included, is what makes no progress)
             overhead_s += contention_overhead_s(
-                self.timing.tpot_s(req.context_tokens),
+                self.timing.tpot_s(req.context_tokens) + overhead_s,
                 later_streams_busy_fraction(receivers, self.env.now), spec.dequant_contention)
         member = dnode.batch.join(
             req.seq, req.context_tokens, req.output_tokens, spec.cap_tokens, overhead_s,

@@ -31,6 +31,7 @@ def send_all(cfg: EmulateConfig, metrics_port: int | None = None) -> list[dict]:
     from kvsim.transport.memory import retain_freed_memory
     from kvsim.transport.metrics import TransportMetrics
     from kvsim.transport.sender import Sender
+    from kvsim.transport.source import forget_prefills
 
     cfg.validate()
     retain_freed_memory("send")  # before threads start: one arena, memory kept
@@ -65,6 +66,7 @@ def send_all(cfg: EmulateConfig, metrics_port: int | None = None) -> list[dict]:
                     "sender_id": sender.identity.hex()})
     finally:
         metrics.close()
+        forget_prefills()  # reuse_prefill spans this run's requests only
     return rows
 
 

@@ -66,8 +66,14 @@ def live_source(lm: Any, context_ids: list[int], describe: dict | None = None) -
                     {"kv_source": "live", "live_model": lm.name, **(describe or {})}, _kv=kv)
 
 
-# (model name, prompt sha256) -> the first live prefill of that prompt in this process
+# (model name, prompt sha256) -> the first live prefill of that prompt in this sender run
+# (send_all clears it when it ends: reuse spans one run's requests, not a process's life)
 _PREFILLS: dict[tuple[str, str], KVSource] = {}
+
+
+def forget_prefills() -> None:
+    """Drop the prefills kept for reuse (reused_live_source)."""
+    _PREFILLS.clear()
 
 
 def reused_live_source(lm: Any, context_ids: list[int], describe: dict | None = None
