@@ -128,3 +128,8 @@ class EmulateConfig(SimConfig):
             raise ValueError(f"transport.reuse_prefill books a reused prefill's time without "
                              f"waiting it, which only a lone request can (workload.kind="
                              f"single), not workload.kind={self.workload.kind}")
+        if self.speculative.dequant_contention:
+            raise ValueError("speculative.dequant_contention is the simulator's model of a "
+                             "device that dequantizes while it drafts; the transport's "
+                             "receiver does both for real (its on-arrival worker beside the "
+                             "drafts): leave it 0 here")
