@@ -454,8 +454,11 @@ def test_unknown_request_flood_is_counted_not_logged(serve):
     mark = h.log.mark()
     with HostileClient(h.endpoint) as c:
         flood = c.flood(unknown_fins(n))
-    assert flood.sent == n
-    assert wait_until(lambda: h.rx.refused["unknown request"] >= n, 30), dict(h.rx.refused)
+        assert flood.sent == n
+        # counted while the client is still open: closing it (linger 0) drops what its
+        # queue has not yet handed to the receiver, which a loaded host can leave behind
+        assert wait_until(lambda: h.rx.refused["unknown request"] >= n, 30), \
+            dict(h.rx.refused)
     assert_log_bounded(h.log.since(mark), floods_of=n)
     assert len(h.log.since(mark)) <= LOGGED_PER_CODE
     h.assert_healthy(before)
