@@ -162,7 +162,8 @@ def test_both_engines_run_the_receiver_mode_the_codec_timing_was_measured_in(tmp
 def test_step_probe_scales_the_step_curves_to_the_probe(tmp_path):
     import json
 
-    from kvsim.fidelity.step_probe import StepProbe, probed_profile
+    from kvsim.calibrate.host_probe import StepProbe
+    from kvsim.fidelity.step_probe import probed_profile
     from kvsim.model.hardware_profile import load_profile
     from kvsim.model.presets import load_model_preset
 

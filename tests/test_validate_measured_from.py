@@ -155,7 +155,8 @@ def test_the_simulator_gets_the_measured_runs_overrides(tmp_path, monkeypatch, n
     probe is faked), then measured_from= on its run directory: every scenario is simulated
     with the same overrides (but the run directory), to the same values, the probe applied
     again; this holds whatever the simulator computes."""
-    from kvsim.fidelity import runner, step_probe
+    from kvsim.calibrate import host_probe
+    from kvsim.fidelity import runner
 
     calls: dict[str, list[list[str]]] = {"measured": [], "again": []}
 
@@ -172,7 +173,7 @@ def test_the_simulator_gets_the_measured_runs_overrides(tmp_path, monkeypatch, n
             return 0.05  # s: a decode step unlike the calibrated one
 
     monkeypatch.setattr(runner, "run_pair", pair)
-    monkeypatch.setattr(step_probe, "StepProbe", Probe)
+    monkeypatch.setattr(host_probe, "StepProbe", Probe)
     first, again = tmp_path / "first", tmp_path / "again"
     assert main(["validate", "grid=quick", "step_probe_steps=24", "samples=2",
                  f"hydra.run.dir={first}"]) == 0
@@ -194,6 +195,10 @@ def test_the_simulator_gets_the_measured_runs_overrides(tmp_path, monkeypatch, n
     assert any(o.startswith(f"hardware.profile={again}/profiles-probed/")
                for o in calls["again"][0])  # the saved probe, applied again
     rows = [json.loads((d / "fidelity.json").read_text())["rows"] for d in (first, again)]
+    # the host check's record on every row (a 50 ms probe vs the shipped profile's
+    # in-process step at 256 tokens, 53.9 ms: x 0.927, within the 10% tolerance)
+    assert {r["hardware_drift"] for r in rows[0]} == {"within"}
+    assert {round(r["hardware_drift_factor"], 3) for r in rows[0]} == {0.927}
     assert [(_key(r), r["simulated_s"], r.get("step_scale")) for r in rows[0]] == \
         [(_key(r), r["simulated_s"], r.get("step_scale")) for r in rows[1]]
 

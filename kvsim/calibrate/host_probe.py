@@ -2,14 +2,15 @@
 run does with a profile measured elsewhere or on another day (kvsim.model.host says why).
 
 The probe: `PROBE_STEPS` greedy decode steps of the real model at the calibration's shortest
-context (256 tokens by default; probe_context_tokens), in this process with the transport's
-thread count, on a cache built as the receiver builds it from the calibration prompt of that
-length (StepProbe); beside it the fingerprint and a memory-copy bandwidth
+context (256 tokens by default), in this process with the profile's thread count, on a cache
+built as the receiver builds it from the calibration prompt of that length (StepProbe);
+beside it the fingerprint and a memory-copy bandwidth
 (kvsim.model.host). About 5 s with the model load.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import statistics
@@ -122,11 +123,12 @@ class Drift:
                 f"tokens vs {self.profile_s * 1e3:.1f} ms in the profile ({self.reference}): "
                 f"x {self.factor:.3f}, {what}")
 
+    def row_keys(self) -> dict:
+        """What a result row records of the check (kvsim sim, advise, validate)."""
+        return {"hardware_drift": self.outcome, "hardware_drift_factor": self.factor}
+
     def as_dict(self) -> dict:
-        return {"factor": self.factor, "probe_s": self.probe_s, "profile_s": self.profile_s,
-                "reference": self.reference, "context_tokens": self.context_tokens,
-                "outcome": self.outcome, "host": self.host, "profile_host": self.profile_host,
-                "profile": self.profile, "words": self.words()}
+        return {**dataclasses.asdict(self), "words": self.words()}
 
 
 def check_drift(profile_path: str | Path, model: Any, cfg: DriftConfig, out_dir: Path,

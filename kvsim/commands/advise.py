@@ -118,5 +118,5 @@ def run(cfg: AdviseConfig) -> list[dict]:
         r["floor"] = advice.floor.describe()
         r["objective"] = advice.objective
         if drift is not None:
-            r.update(hardware_drift=drift.outcome, hardware_drift_factor=drift.factor)
+            r.update(drift.row_keys())
     return out

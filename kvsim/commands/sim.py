@@ -154,7 +154,7 @@ def run(cfg: SimConfig) -> list[dict]:
     rows, trace = run_all(cfg, progress=sys.stderr.isatty())
     if drift is not None:
         for r in rows:
-            r.update(hardware_drift=drift.outcome, hardware_drift_factor=drift.factor)
+            r.update(drift.row_keys())
     mark_pick(rows, cfg, qualities)
     print_table(cfg, rows, qualities)
     if drift is not None:

@@ -18,10 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvsim.calibrate.host_probe import StepProbe
 from kvsim.model.hardware_profile import scaled_curve
-
-__all__ = ["STEP_CURVES", "StepProbe", "probed_profile"]
 
 # the hardware profile's curves that are times of a decode-sized forward step (scaled)
 STEP_CURVES = ("tpot", "tpot_batch", "verify")

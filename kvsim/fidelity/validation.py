@@ -40,6 +40,7 @@ GRIDS = ("full", "quick", "heldout")
 # grid=heldout: contexts and link rates that neither the full grid nor the calibration
 # (kvsim.calibrate.pipeline: link_rates_gbps 0.1 / 0.5 / 1.0, its transfers at 0.3 and 0.8
 # Gbps) uses, calibrated at the full grid's contexts only: the model is asked off its grid
+FULL_GRID_CONTEXTS = [1024, 2048]  # prompt tokens of grid=full (the calibration's too)
 HELDOUT_RATES_GBPS = [0.2, 0.6]
 HELDOUT_CONTEXTS = [1536]
 HELDOUT_CODECS = ["int8", "int4", "lynx"]
@@ -73,7 +74,7 @@ class Config:
     profile_name: str = ""  # "": local-<model>
     emulations: list[str] = field(default_factory=lambda: ["token_bucket", "tc"])
     rates_gbps: list[float] = field(default_factory=lambda: [0.1, 0.3, 1.0])  # link, 1e9 bit/s
-    contexts: list[int] = field(default_factory=lambda: [1024, 2048])  # prompt tokens
+    contexts: list[int] = field(default_factory=lambda: list(FULL_GRID_CONTEXTS))  # tokens
     codecs: list[Any] = field(default_factory=lambda: ["bf16", "int8", "int4", "lynx"])
     output_tokens: int = 64  # decoded per request (real greedy decode)
     # emulated requests per codec in each single-request scenario, the codecs' requests
@@ -141,7 +142,7 @@ class Config:
         """The validated contexts the calibration measures at: the grid's own, but the full
         grid's for grid=heldout (whose contexts are held out of the calibration)."""
         if self.grid == "heldout":
-            return list(Config.__dataclass_fields__["contexts"].default_factory())
+            return list(FULL_GRID_CONTEXTS)
         return list(self.contexts)
 
 
@@ -189,6 +190,7 @@ def _emulations(cfg: Config) -> tuple[list[str], list[str]]:
 
 
 def validate(cfg: Config) -> dict:
+    from kvsim.calibrate.host_probe import StepProbe
     from kvsim.core.outputs import out_root
     from kvsim.core.paths import DATA_DIR
     from kvsim.fidelity import errors
@@ -199,7 +201,6 @@ def validate(cfg: Config) -> dict:
         scenario_overrides,
         sim_overrides,
     )
-    from kvsim.fidelity.step_probe import StepProbe
 
     if cfg.measured_from:
         return _resimulate(cfg)
@@ -270,15 +271,12 @@ def _drift(cfg: Config, profiles: Any, run_dir: Path) -> tuple[Any, Any]:
     kvsim.calibrate.host_probe.DriftRefused."""
     from dataclasses import replace
 
-    from kvsim.calibrate.host_probe import PROBE_STEPS, check_drift, probe_threads
-    from kvsim.fidelity.step_probe import StepProbe
+    from kvsim.calibrate.host_probe import check_drift
 
     if cfg.drift.action == "off":
         return profiles, None
-    threads = probe_threads(json.loads(profiles.hardware.read_text()))
     drift = check_drift(profiles.hardware, cfg.model, cfg.drift,
-                        run_dir / "profiles-rescaled", StepProbe(cfg.model, PROBE_STEPS, threads),
-                        force=True)
+                        run_dir / "profiles-rescaled", force=True)
     assert drift is not None  # force: always probed unless off
     _say(f"host: {drift.words()}")
     if drift.outcome == "rescaled":
@@ -287,10 +285,8 @@ def _drift(cfg: Config, profiles: Any, run_dir: Path) -> tuple[Any, Any]:
 
 
 def _drift_keys(drift: Any) -> dict:
-    """A comparison row's record of the host check: what was done, and the factor."""
-    if drift is None:
-        return {"drift": "off"}
-    return {"drift": drift.outcome, "drift_factor": drift.factor}
+    """A comparison row's record of the host check (as kvsim sim's rows: Drift.row_keys)."""
+    return {"hardware_drift": "off"} if drift is None else drift.row_keys()
 
 
 def _resimulate(cfg: Config) -> dict:
@@ -386,9 +382,13 @@ def _resimulate(cfg: Config) -> dict:
         _say(f"{scenario} ({time.time() - started:.0f} s so far)")
         simulated = {str(r["codec"]): r for r in simulate(sim)}
         if case == "multi":  # the per-request comparisons the saved run measured for
+            logged: dict[tuple, dict[str, list[float]]] = {}  # the log read once per codec
             for d in saved_distributions.get((emulation, rate, ctx, per_s), []):
                 seqs = d.get("seq") or list(range(len(d["measured_s"])))
-                again = _simulated_requests(requests_path, str(d["codec"]), seqs)
+                key = (str(d["codec"]), tuple(seqs))
+                if key not in logged:
+                    logged[key] = _simulated_requests(requests_path, key[0], seqs)
+                again = logged[key]
                 measured_requests = {d["metric"]: [errors.number(v) for v in d["measured_s"]]}
                 distributions += _distribution_rows(
                     {**{k: d[k] for k in (*errors.SCENARIO_KEYS, "codec", "requests")},
