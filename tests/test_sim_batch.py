@@ -79,20 +79,33 @@ def test_single_member_keeps_batch_one_speed():
 
 
 def test_join_slows_the_running_member_and_leave_speeds_it_up():
-    # A (1000-token prompt, 10 tokens) decodes alone at s1; B (3000 tokens, 4 tokens) joins
-    # when A has done 2.5 steps; both then run at s2 until B's 4th token; A's last 3.5
-    # steps run alone at s1 again.
+    # A (1000-token prompt, 10 tokens) decodes alone at s1; B (3000 tokens, 4 tokens)
+    # becomes ready when A has done 2.5 steps and joins when A's third step ends (a step
+    # boundary, as iteration-level scheduling admits it); both then run at s2 until B's
+    # 4th token; A's last 3 steps run alone at s1 again.
     s1, s2 = step_s(1000), step_s(1000, 3000)
     tb = 2.5 * s1
     out, batch = _run([(0.0, 1000, 10), (tb, 3000, 4)])
-    b_end = tb + 4 * s2
-    a = [s1, 2 * s1,  # alone
-         tb + 0.5 * s2, tb + 1.5 * s2, tb + 2.5 * s2, tb + 3.5 * s2,  # tokens 3..6 shared
-         b_end + 0.5 * s1, b_end + 1.5 * s1, b_end + 2.5 * s1, b_end + 3.5 * s1]  # 7..10 alone
+    b_join = 3 * s1
+    b_end = b_join + 4 * s2
+    a = [s1, 2 * s1, 3 * s1,  # alone
+         b_join + s2, b_join + 2 * s2, b_join + 3 * s2, b_end,  # tokens 4..7 shared
+         b_end + s1, b_end + 2 * s1, b_end + 3 * s1]  # 8..10 alone
     np.testing.assert_allclose(out[0], a, rtol=1e-12)
-    np.testing.assert_allclose(out[1], tb + s2 * np.arange(1, 5), rtol=1e-12)
+    np.testing.assert_allclose(out[1], b_join + s2 * np.arange(1, 5), rtol=1e-12)
     # one timer per batch change, none per token
-    assert batch.changes == 4  # A joins, B joins, B leaves, A leaves
+    assert batch.changes == 5  # A joins, B is ready, B joins, B leaves, A leaves
+
+
+def test_a_member_ready_on_a_boundary_or_on_an_idle_batch_starts_at_once():
+    s1, s2 = step_s(1000), step_s(1000, 1000)
+    out, _ = _run([(0.0, 1000, 4), (2 * s1, 1000, 2)])  # B ready as A's 2nd step ends
+    np.testing.assert_allclose(out[1], 2 * s1 + s2 * np.arange(1, 3), rtol=1e-12)
+    np.testing.assert_allclose(out[0], [s1, 2 * s1, 2 * s1 + s2, 2 * s1 + 2 * s2],
+                               rtol=1e-12)
+    # the batch idles between A's end and C: C's steps count from its own start
+    out, _ = _run([(0.0, 1000, 2), (2.7 * s1, 1000, 2)])
+    np.testing.assert_allclose(out[1], 2.7 * s1 + s1 * np.arange(1, 3), rtol=1e-12)
 
 
 def test_two_equal_members_share_the_batch_two_step():
@@ -227,19 +240,20 @@ def test_simulator_retimes_a_decoding_request_when_another_joins(tmp_path):
     a, b = sorted(sc.records, key=lambda r: r.seq)
     assert a.decode_start_t < b.decode_start_t < a.timeline.token_t[-1]  # B joins mid-decode
     s1, s2 = step_s(1000), step_s(1000, 3000)
-    done_alone = (b.decode_start_t - a.decode_start_t) / s1  # A's steps before B joined
-    j = np.arange(1, 65)
-    first = a.decode_start_t + j[j <= done_alone] * s1
-    np.testing.assert_allclose(a.timeline.token_t[: len(first)], first, rtol=1e-12)
-    # A's next token: the step in progress finishes at the shared rate
-    k = len(first) + 1
-    assert a.timeline.token_t[k - 1] == pytest.approx(
-        b.decode_start_t + (k - done_alone) * s2, rel=1e-12)
-    # B decodes in the shared batch until A leaves, then alone
+    # B is ready mid-step: it joins when A's step in progress ends
+    alone = int(np.ceil((b.decode_start_t - a.decode_start_t) / s1))  # A's steps alone
+    assert alone > (b.decode_start_t - a.decode_start_t) / s1
+    first = a.decode_start_t + np.arange(1, alone + 1) * s1
+    np.testing.assert_allclose(a.timeline.token_t[:alone], first, rtol=1e-12)
+    b_join = first[-1]
+    # then both at the shared rate, A's steps and B's on the same boundaries
+    np.testing.assert_allclose(a.timeline.token_t[alone:],
+                               b_join + np.arange(1, 64 - alone + 1) * s2, rtol=1e-12)
     a_left = a.timeline.token_t[-1]
-    b_at_a_left = (a_left - b.decode_start_t) / s2
-    last = a_left + (64 - b_at_a_left) * step_s(3000)
-    assert b.timeline.token_t[-1] == pytest.approx(last, rel=1e-12)
+    np.testing.assert_allclose(b.timeline.token_t[:64 - alone],
+                               b_join + np.arange(1, 64 - alone + 1) * s2, rtol=1e-12)
+    # B decodes its last `alone` tokens alone
+    assert b.timeline.token_t[-1] == pytest.approx(a_left + alone * step_s(3000), rel=1e-12)
 
 
 size_only_split_codec("test-anchor-quarter", 2)  # an anchor of 1/4, a residual of 3/4

@@ -327,7 +327,7 @@ def test_drafts_slow_down_by_the_workers_projected_load_until_the_full_cache(
 def test_busy_draft_overhead_weights_the_busy_ratio_by_steps_made():
     """By hand: r = 3 (overhead 2 x 0.1 s), busy half the time: in 1 s, 0.5 s idle make 5
     steps and 0.5 s busy make 5/3, so a step takes 1 / (20/3) = 0.15 s: 0.05 s overhead."""
-    from kvsim.sim.worker_load import busy_share_overhead_s
+    from kvsim.scenario.speculative import busy_share_overhead_s
 
     assert busy_share_overhead_s(0.2, 0.1, 0.5) == pytest.approx(0.05, rel=1e-12)
     assert busy_share_overhead_s(0.2, 0.1, 1.0) == pytest.approx(0.2, rel=1e-12)

@@ -143,7 +143,7 @@ def aggregate_columns(columns: dict[str, Any], ttkt: dict[str, dict[int, Any]],
     `ttkt_requests` counts them), the breakdown's means (`breakdown[key]`: one value per
     request), summed drafts."""
     out: dict = {key: float(np.mean(column)) for key, column in columns.items()}
-    for key in ("ttft_s", "ttft_committed_s", "prefill_wait_s", "memory_wait_s"):
+    for key in ("ttft_s", "ttft_committed_s", "prefill_wait_s", "memory_wait_s", "tpot_s"):
         if key in columns:
             out[key.removesuffix("_s") + "_pct_s"] = percentiles(columns[key])
     out["ttkt_requests"] = ttkt_requests

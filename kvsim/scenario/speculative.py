@@ -124,6 +124,18 @@ def receiver_busy_draft_s(mode: str, configured_s: float | None, timing: TimingM
     return timing.draft_busy_contention_s(context_tokens)
 
 
+def busy_share_overhead_s(busy_overhead_s: float, tpot_s: float, busy_share: float) -> float:
+    """A draft step's mean extra (s) when the worker is busy `busy_share` of the time:
+    drafts advance one step per tpot_s while it is idle and one per r x tpot_s while it
+    works (r = 1 + busy_overhead_s / tpot_s, as kvsim.calibrate.receiver_timing measures
+    it), so the mean step is tpot_s x r / (r (1 - share) + share), weighting by steps made,
+    not by time."""
+    if busy_share <= 0.0 or busy_overhead_s <= 0.0:
+        return 0.0
+    r = 1.0 + busy_overhead_s / tpot_s
+    return busy_overhead_s * busy_share / (r * (1.0 - busy_share) + busy_share)
+
+
 def contention_overhead_s(step_s: float, busy_share: float, contention: float) -> float:
     """A draft step's mean extra (s) while the deserializer dequantizes the later streams on
     the same device `busy_share` of the drafting window and a draft makes no progress for

@@ -204,6 +204,18 @@ class TimingModel:
         one = self._forward_s(1, mean_ctx, 1, hw.prefill_mfu, hw.decode_mbu)
         return self.tpot_s(mean_ctx) * roof / one
 
+    def batch_pass_s(self, new_tokens: int, flops: float, kv_read_bytes: float,
+                     sequences: int, context_tokens_sum: float, verifying: int) -> float:
+        """One step of a continuous batch (`batch_step_s`), except a lone verification pass
+        (one member, verifying) where the profile measured it: that pass's own curve (the
+        roofline's ratio to a decode step misses a fresh cache's first pass over n + 1
+        tokens). The simulator's fluid batch and the emulator's stepped batch both time
+        their steps with it."""
+        if sequences == verifying == 1 and self.verify_measured:
+            return self.verify_s(new_tokens, int(context_tokens_sum))
+        return self.batch_step_s(new_tokens, flops, kv_read_bytes, sequences,
+                                 context_tokens_sum)
+
     @property
     def verify_measured(self) -> bool:
         """A measured profile holds the verification pass's own curve."""

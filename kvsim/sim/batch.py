@@ -11,11 +11,13 @@ Between those instants it is constant, so one fluid clock serves every member:
 
 A member that enters a phase when the clock reads v0 has its j-th token of the phase when
 the clock reads v0 + j; token times are read off the clock's breakpoints by interpolation
-when the member leaves. This is the fluid limit of iteration-level scheduling: a step in
-progress when the batch changes is re-timed at the new rate (as the link re-times a
-message when its share changes), so a member that decoded alone slows down as soon as
-another joins, and speeds up when one leaves. Cost: O(log batch) per batch change, and
-none per token.
+when the member leaves. Members enter a computing phase at a step boundary, as
+iteration-level scheduling admits them: one that becomes ready while the others' step is in
+progress joins when that step ends (the clock's next whole step from the moment the batch
+last started from idle), computing nothing meanwhile; one that finds the batch idle starts
+at once. A step in progress is re-timed when a member leaves it or changes its work
+(verification, a draft overhead that ends), as the link re-times a message when its share
+changes. Cost: O(log batch) per batch change, and none per token.
 
 Context of a member: its prompt (`context_tokens`). The tokens it generates (output_tokens,
 128 by default, against prompts of thousands) are left out so that the step time is
@@ -32,7 +34,8 @@ Phases of a member (speculative: split-stream decoding that starts on the anchor
           next whole draft), then one step in which this member's forward covers its n
           drafts on the full cache (batched with the others' decode steps); its accepted
           prefix is drawn then, and the step yields the correction / bonus token;
-  decode  one token per step until the request's tokens are out.
+  decode  one token per step until the request's tokens are out;
+  join    ready for one of the above, waiting for the step in progress to end.
 Drafted and committed token times follow kvsim.scenario.speculative's definitions.
 """
 
@@ -77,7 +80,7 @@ class Member:
                  "work", "timeline", "start_t", "full_t", "draft_v", "draft_i",
                  "draft_end_t", "draft_end_i", "proposed", "accepted", "verify_start_t",
                  "verify_end_t", "_verify_work", "load_s", "env", "on_leave", "_done",
-                 "overhead_until_full")
+                 "overhead_until_full", "pending")
 
     def __init__(self, env: simpy.Environment, seq: int, context_tokens: int, tokens: int,
                  cap: int, draft_overhead_s: float,
@@ -106,6 +109,7 @@ class Member:
         self.proposed = self.accepted = 0
         self._verify_work = (0, 0.0, 0.0, 0.0)
         self.load_s = 0.0  # deserializer=on_demand: full cache dequantized after drafting (s)
+        self.pending: Callable[[], None] | None = None  # joining: starts its phase at the boundary
 
     @property
     def done(self) -> simpy.Event:
@@ -143,6 +147,7 @@ class DecodeBatch:
         # (s), sequences, prompt tokens (the profile's mean context)
         self._tokens, self._flops, self._kv, self._overhead = 0, 0.0, 0.0, 0.0
         self._seqs, self._ctx = 0, 0
+        self._origin = 0.0  # clock (steps) of a step boundary: where the batch last left idle
         self._verifying = 0  # members in their verification pass
         self._heap: list[tuple[float, int, Member]] = []  # (target clock, push #, member)
         self._pushed = 0
@@ -179,10 +184,12 @@ class DecodeBatch:
         self._live.add(m)
         if m.full_ready:
             m.full_t = m.start_t
-            self._enter(m, "decode", m.tokens)
+            self._begin(m, lambda: self._enter(m, "decode", m.tokens))
         elif m.cap > 0:
-            m.draft_v, m.draft_i = self.steps, self._last_i()
-            self._enter(m, "draft", m.cap)
+            def draft() -> None:
+                m.draft_v, m.draft_i = self.steps, self._last_i()
+                self._enter(m, "draft", m.cap)
+            self._begin(m, draft)
         else:
             self._enter(m, "wait", 0)
         self._changed()
@@ -197,7 +204,10 @@ class DecodeBatch:
             raise RuntimeError(f"request {m.seq}: full cache reported ready twice")
         self._advance()
         m.full_ready, m.full_t, m.load_s = True, self.env.now, float(load_s)
-        if m.phase == "draft":
+        if m.phase == "join":  # its drafting had not begun: it decodes plainly
+            m.pending = None
+            self._after_load(m, lambda: self._enter(m, "decode", m.tokens))
+        elif m.phase == "draft":
             progress = self.steps - m.draft_v  # drafts done (fractional: one in progress)
             proposed = min(m.cap, math.ceil(progress - 1e-12))
             if proposed <= 0:  # full cache with the anchor: no draft, plain decoding
@@ -222,9 +232,10 @@ class DecodeBatch:
         self._changed()
 
     def _after_load(self, m: Member, start: Callable[[], None]) -> None:
-        """Run `start` (m's next phase) now, or after m.load_s with m waiting meanwhile."""
+        """Begin `start` (m's next phase) now, or after m.load_s with m waiting meanwhile
+        (either at the next step boundary, `_begin`)."""
         if m.load_s <= 0:
-            start()
+            self._begin(m, start)
             return
         if m.phase != "wait":
             self._enter(m, "wait", 0)
@@ -232,11 +243,33 @@ class DecodeBatch:
         def loaded(_timer: Timer) -> None:
             self._advance()
             m.full_t = self.env.now  # the full cache is usable from here
-            start()
+            self._begin(m, start)
             self._changed()
         call_later(self.env, m.load_s, loaded)
 
     # ---- phases ------------------------------------------------------------------------
+    def _boundary(self) -> float:
+        """The clock (steps) at which the step in progress ends; now when none runs."""
+        if not self._seqs:
+            return self.steps
+        return self._origin + math.ceil(self.steps - self._origin - _EPS_STEPS)
+
+    def _begin(self, m: Member, start: Callable[[], None]) -> None:
+        """m starts a computing phase (`start` enters it) at the next step boundary: now
+        when the batch is idle or at one, else joining until the step in progress ends."""
+        boundary = self._boundary()
+        if boundary - self.steps <= _EPS_STEPS:
+            if m.phase == "join":
+                m.pending = None
+            start()
+            return
+        if m.phase == "join":  # already waiting for that boundary: the phase it starts
+            m.pending = start
+            return
+        self._enter(m, "join", 0)
+        m.pending, m.target_v = start, boundary
+        self._push(m)
+
     def _enter(self, m: Member, phase: str, steps: int) -> None:
         """m starts `phase` now, lasting `steps` steps (0: until an outside event)."""
         self._set_work(m, phase)
@@ -258,6 +291,7 @@ class DecodeBatch:
         else:
             work = (0, 0.0, 0.0, 0.0)
         old = m.work
+        idle = not self._seqs  # (a member changing its own work leaves the batch busy)
         self._verifying += (phase == "verify" and work[0] > 0) - \
             (m.phase == "verify" and old[0] > 0)
         if old[0]:
@@ -268,6 +302,8 @@ class DecodeBatch:
             self._seqs -= 1
             self._ctx -= m.context_tokens
         if work[0]:
+            if idle:  # the batch leaves idle: its steps count from here
+                self._origin = self.steps
             self._tokens += work[0]
             self._flops += work[1]
             self._kv += work[2]
@@ -290,6 +326,11 @@ class DecodeBatch:
 
     def _reached(self, m: Member) -> None:
         """m's clock target is reached now: next phase, or leave."""
+        if m.phase == "join":
+            start, m.pending = m.pending, None
+            if start is not None:
+                start()
+            return
         if m.phase == "draft":
             m.draft_end_t, m.draft_end_i = self.env.now, self._last_i()
             if m.full_ready:
@@ -380,13 +421,10 @@ class DecodeBatch:
         self.changes += 1
         if not self._seqs:
             self.step_s = math.inf
-        elif self._seqs == self._verifying == 1 and self.timing.verify_measured:
-            # a lone verification pass: the profile measured it (the roofline's ratio to a
-            # decode step misses a fresh cache's first pass over n + 1 tokens)
-            self.step_s = self.timing.verify_s(self._tokens, self._ctx) + self._overhead
         else:
-            self.step_s = self.timing.batch_step_s(
-                self._tokens, self._flops, self._kv, self._seqs, self._ctx) + self._overhead
+            self.step_s = self.timing.batch_pass_s(
+                self._tokens, self._flops, self._kv, self._seqs, self._ctx,
+                self._verifying) + self._overhead
         self._mark()
         self._arm()
 

@@ -37,6 +37,7 @@ from kvsim.scenario.metrics import RequestRecord, aggregate_records, record_colu
 from kvsim.scenario.policy import TransferPlan, build_plan, release_times
 from kvsim.scenario.size_calibration import calibrate_sizes
 from kvsim.scenario.speculative import (
+    busy_share_overhead_s,
     contention_overhead_s,
     draft_overhead_s,
     receiver_busy_draft_s,
@@ -62,7 +63,7 @@ from kvsim.sim.prefill_batch import ChunkedPrefill
 from kvsim.sim.request_log import request_rows, write_request_log
 from kvsim.sim.spread import spread_of
 from kvsim.sim.timer import Timer, call_later
-from kvsim.sim.worker_load import busy_share_overhead_s, later_streams_busy_fraction
+from kvsim.sim.worker_load import later_streams_busy_fraction
 
 
 class CountingEnvironment(simpy.Environment):

@@ -12,9 +12,10 @@ busy is projected from what the simulator knows then: arrivals known so far, and
 rest as each link would carry its current flows (kvsim.sim.link_projection: a dry run of
 the link's schedule, priorities, weights and capacity trace included), served as the
 request's Deserializer serves them (kvsim.sim.nodes.priority_server). A drafting member's
-overhead is the mean over that share (`busy_share_overhead_s`), until its full cache is ready
-(kvsim.sim.batch: `overhead_until_full`). The projection is exact while no other flow joins
-the request's links before its last message; a flow that joins later is not foreseen, and
+overhead is the mean over that share (kvsim.scenario.speculative.busy_share_overhead_s),
+until its full cache is ready (kvsim.sim.batch: `overhead_until_full`). The projection is
+exact while no other flow joins the request's links before its last message; a flow that
+joins later is not foreseen, and
 the share runs to the worker's last job even when the draft cap stops drafting earlier.
 Taking the later streams' bytes in costs the receiver too (its sockets and copies, and over a
 `tc`-shaped link the kernel's shaping): with the link's measured cost per byte
@@ -47,18 +48,6 @@ def busy_fraction(now: float, finish_t: np.ndarray, work_s: np.ndarray) -> float
         return 0.0
     busy = np.maximum(finish_t, now) - np.maximum(finish_t - work_s, now)  # [m] s after now
     return float(busy.sum()) / (end - now)
-
-
-def busy_share_overhead_s(busy_overhead_s: float, tpot_s: float, busy_share: float) -> float:
-    """A draft step's mean extra (s) when the worker is busy `busy_share` of the time:
-    drafts advance one step per tpot_s while it is idle and one per r x tpot_s while it
-    works (r = 1 + busy_overhead_s / tpot_s, as kvsim.calibrate.receiver_timing measures
-    it), so the mean step is tpot_s x r / (r (1 - share) + share), weighting by steps made,
-    not by time."""
-    if busy_share <= 0.0 or busy_overhead_s <= 0.0:
-        return 0.0
-    r = 1.0 + busy_overhead_s / tpot_s
-    return busy_overhead_s * busy_share / (r * (1.0 - busy_share) + busy_share)
 
 
 def projected_arrival_t(rx: Receiver,

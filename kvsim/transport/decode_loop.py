@@ -44,7 +44,9 @@ from kvsim.core.checks import check_number
 from kvsim.kv.capture import CacheFromLayers, kv_to_cache
 from kvsim.kv.draft_verify import accept_greedy
 from kvsim.scenario.acceptance import AcceptanceModel
+from kvsim.scenario.speculative import busy_share_overhead_s
 from kvsim.scenario.timing_model import TimingModel
+from kvsim.transport.decode_batch import StepBatch, StepWork
 
 Clock = Callable[[], float]
 Span = tuple[str, float, float]  # (name or kind, t0 s, t1 s) on the loop's clock
@@ -130,6 +132,9 @@ class _DecodeLoop(ABC):
 
     def _begin_phase(self, t: float) -> None:  # noqa: B027 (optional hook)
         """Back-to-back steps start at clock time `t` (the timing loop plans sleeps from it)."""
+
+    def _end_phase(self) -> None:  # noqa: B027 (optional hook)
+        """Back-to-back steps are over for now (drafting stopped: the loop waits or loads)."""
 
     @abstractmethod
     def _context_tokens(self, cache: Any) -> int:
@@ -231,6 +236,7 @@ class _DecodeLoop(ABC):
             token = self._step(draft_cache, token, drafting=True)
             drafts.append(token)
             draft_t.append(self.clock())
+        self._end_phase()
         del draft_cache  # the anchor-only cache is never used again
         if not drafts:  # the rest completed while the anchor was dequantized
             return self._plain(view, output_tokens, timeout_s, start_t, events=events,
@@ -377,6 +383,15 @@ class TimingDecodeLoop(_DecodeLoop):
     dequantize: call view.kv(n) for real (its time is real, not scaled) or skip it. A view
     dequantized on arrival (its `dequantize` attribute) hands over finished layers: the load
     then sleeps the profile's cache build (cache_build_s) instead.
+    With `batch` (a decode host's StepBatch, kvsim.transport.decode_batch) the loop's steps
+    are its share of the host's batched steps instead of sleeps of its own: each step posts
+    this request's work (a draft or decode token, or the verification pass over n drafts,
+    plus a drafting step's overhead: draft_overhead_s, or with busy_draft_overhead_s the
+    busy-share mean of kvsim.scenario.speculative.busy_share_overhead_s at the worker's
+    state when the step is posted) and returns when the batch's step ends; the first step
+    after a load sleeps the fresh cache's extra alone before it joins (as the simulator
+    admits a request after it); the request holds a batch slot from its first step to its
+    end; and tpot_s, draft_tpot_s and verify_s are reported as measured.
     Reported times are raw clock readings: the caller divides
     durations by time_scale to get modelled seconds; tpot_s, draft_tpot_s and verify_s are
     the modelled ones times time_scale (clock seconds, like everything else)."""
@@ -388,7 +403,8 @@ class TimingDecodeLoop(_DecodeLoop):
                  draft_overhead_s: float = 0.0, clock: Clock = time.perf_counter,
                  dequantize: bool = True, sleep: Callable[[float], None] = time.sleep,
                  busy_draft_overhead_s: float | None = None, poll_s: float = 0.005,
-                 ingest_s_per_byte: float = 0.0) -> None:
+                 ingest_s_per_byte: float = 0.0, batch: StepBatch | None = None,
+                 on_done: Callable[[], None] | None = None) -> None:
         if int(context_tokens) < 1:
             raise ValueError(f"context_tokens must be >= 1, got {context_tokens}")
         self.timing, self.context = timing, int(context_tokens)
@@ -420,9 +436,37 @@ class TimingDecodeLoop(_DecodeLoop):
         # the first step on a freshly loaded cache costs this much more (measured profiles;
         # a verification pass is measured as such and pays none)
         self._fresh_extra_s = 0.0
+        # modelled draft overheads (s), for batched steps
+        self._draft_overhead_model_s = self.draft_overhead_s
+        self._busy_overhead_model_s = None if busy_draft_overhead_s is None else \
+            float(busy_draft_overhead_s)
+        self.batch = batch
+        self._has_slot = False
+        self._on_done = on_done  # called once when run() ends (the instance's assignment)
+
+    def run(self, view: CacheView, speculative: bool, output_tokens: int, cap_tokens: int,
+            timeout_s: float) -> DecodeResult:
+        try:
+            return super().run(view, speculative, output_tokens, cap_tokens, timeout_s)
+        finally:
+            if self.batch is not None:  # out of the batch, whatever happened
+                self.batch.pause(self)
+                if self._has_slot:
+                    self._has_slot = False
+                    self.batch.give_slot()
+            if self._on_done is not None:
+                done, self._on_done = self._on_done, None
+                done()
 
     def _begin_phase(self, t: float) -> None:
         self._planned = t
+        if self.batch is not None and not self._has_slot:  # first steps: a place in the batch
+            self.batch.take_slot()
+            self._has_slot = True
+
+    def _end_phase(self) -> None:
+        if self.batch is not None:
+            self.batch.pause(self)
 
     def _sleep_for(self, s: float) -> None:
         self._planned += s
@@ -431,6 +475,8 @@ class TimingDecodeLoop(_DecodeLoop):
             self.sleep(left)
 
     def _load(self, view: CacheView, n: int) -> Any:
+        if self.batch is not None:
+            self.batch.pause(self)  # loading computes no batched step
         if self.dequantize:
             view.kv(n)  # real dequantization cost; the tensor itself is not needed
         if getattr(view, "dequantize", "on_demand") == "on_arrival":
@@ -453,6 +499,14 @@ class TimingDecodeLoop(_DecodeLoop):
 
     def _step(self, cache: Any, token: int, drafting: bool) -> int:
         extra, self._fresh_extra_s = self._fresh_extra_s, 0.0
+        if self.batch is not None:
+            if extra > 0:  # the fresh cache's first step costs this request alone
+                self.sleep(extra)
+            flops, kv = self.timing.member_work(1, self.context)
+            overhead = self._batched_draft_overhead_s() if drafting else 0.0
+            self.batch.step(self, StepWork(1, flops, kv, self.context, overhead),
+                            self.time_scale)
+            return -1
         if drafting and self._worker_busy is not None:
             self._sleep_for(extra)
             self._fluid_draft_step(self._worker_busy)
@@ -473,6 +527,15 @@ class TimingDecodeLoop(_DecodeLoop):
             self._sleep_for(slice_s)
             left -= slice_s * rate
 
+    def _batched_draft_overhead_s(self) -> float:
+        """Modelled s a draft step of this request adds to a batched step: the constant
+        draft overhead, or, following the worker, the busy-share mean at its state now."""
+        busy_s = self._busy_overhead_model_s
+        if busy_s is None or self._worker_busy is None:
+            return self._draft_overhead_model_s
+        share = 1.0 if self._worker_busy() else self._ingest_share()
+        return busy_share_overhead_s(busy_s, self.timing.tpot_s(self.context, 1), share)
+
     def _ingest_share(self) -> float:
         """min(1, ingest_s_per_byte x the later streams' mean arrival rate since drafting
         began) while some later stream is still arriving; 0 after, or without the cost."""
@@ -491,18 +554,27 @@ class TimingDecodeLoop(_DecodeLoop):
     def _verify(self, cache: Any, drafts: list[int]) -> tuple[int, int]:
         self._fresh_extra_s = 0.0
         n = len(drafts)
+        if self.batch is not None:
+            flops, kv = self.timing.member_work(n, self.context)
+            self.batch.step(self, StepWork(n, flops, kv, self.context, verifying=True),
+                            self.time_scale)
+            return int(self.acceptance.sample_accepted(n, self.rng)), -1
         self._sleep_for(self.timing.verify_s(n, self.context) * self.time_scale)
         return int(self.acceptance.sample_accepted(n, self.rng)), -1
 
     def _tpot_report(self, measured_s: float) -> float:
-        return self.step_s
+        return measured_s if self.batch is not None else self.step_s  # batched: as it ran
 
     def _draft_tpot_report(self, measured_s: float) -> float:
-        # steps that followed the worker have no one modelled length: report their mean
-        # (as measured: with the first step's extra and any sleep overshoot)
-        return measured_s if self._worker_busy is not None else self.draft_step_s
+        # steps that followed the worker, or the batch, have no one modelled length: report
+        # their mean (as measured: with the first step's extra and any sleep overshoot)
+        if self._worker_busy is not None or self.batch is not None:
+            return measured_s
+        return self.draft_step_s
 
     def _verify_report(self, measured_s: float, proposed: int) -> float:
+        if self.batch is not None:
+            return measured_s
         return self.timing.verify_s(proposed, self.context) * self.time_scale
 
 

@@ -26,6 +26,7 @@ from kvsim.scenario.workload import requests as workload_requests
 from kvsim.transport import protocol as P
 from kvsim.transport.assembly import Assembly
 from kvsim.transport.config import EmulateConfig
+from kvsim.transport.decode_batch import DecodeInstances
 from kvsim.transport.rate_limiter import TokenBucket, Unlimited
 from kvsim.transport.receiver import ReceiverSettings
 from kvsim.transport.record import emulated_row
@@ -343,10 +344,12 @@ def decoder_factory(cfg: EmulateConfig, mode: str, lm: Any | None):
     timing = TimingModel(cfg.model, cfg.hardware)
     # a HELLO without a curve: this decode host's own configuration's
     own_acceptance = load_acceptance(cfg.speculative.acceptance)
+    instances = decode_instances(cfg, mode, timing)
 
     def make(hello: dict, asm: Assembly):
         if mode == "real":
             return RealDecodeLoop(lm.model, int(hello["first_token"]), clock=time.time), {}
+        batch = instances.assign() if instances is not None else None
         acceptance = acceptance_from_hello(hello.get("acceptance")) \
             if hello.get("acceptance") is not None else own_acceptance
         rng = np.random.default_rng([cfg.seed, int(hello.get("seq", 0))])
@@ -355,9 +358,26 @@ def decoder_factory(cfg: EmulateConfig, mode: str, lm: Any | None):
                                 time_scale=float(hello.get("time_scale") or 1.0),
                                 draft_overhead_s=overhead, clock=time.time, sleep=asm.sleep,
                                 busy_draft_overhead_s=hello.get("busy_draft_overhead_s"),
-                                ingest_s_per_byte=float(hello.get("ingest_s_per_byte") or 0.0)
+                                ingest_s_per_byte=float(hello.get("ingest_s_per_byte") or 0.0),
+                                batch=batch,
+                                on_done=None if batch is None else lambda: instances.done(batch)
                                 ), {}
     return make
+
+
+def decode_instances(cfg: EmulateConfig, mode: str, timing: TimingModel
+                     ) -> DecodeInstances | None:
+    """The decode host's continuous batches (kvsim.transport.decode_batch): timing-model
+    decoding with workload.decode_max_batch > 1 runs workload.decode_nodes instances of up
+    to decode_max_batch requests each, every member stepping with the others; None for
+    real decoding (each request's forwards on its own thread) and for decode_max_batch=1
+    (each request decodes alone, as on an instance of its own)."""
+    w = cfg.workload
+    if mode != "timing" or int(w.decode_max_batch) <= 1:
+        return None
+    return DecodeInstances(timing, int(w.decode_nodes), int(w.decode_max_batch),
+                           clock=time.time, wait_timeout_s=cfg.transport.request_deadline_s,
+                           log=lambda msg: print(f"kvsim serve: {msg}", file=sys.stderr))
 
 
 def hello_checker(cfg: EmulateConfig, mode: str):

@@ -1,0 +1,245 @@
+"""One decode host's continuous batch, for timing-model decode loops (`transport.decode=timing`).
+
+The simulator's decode instance (kvsim.sim.batch) advances every member of its batch one
+token per forward step, the step's length set by the whole batch. Here the same happens in
+real time: each request's `TimingDecodeLoop` posts its share of the next step (`StepWork`)
+and blocks; a stepping thread starts a step once every computing member has posted, sleeps
+its length (`TimingModel.batch_pass_s` over the members' summed work, plus each drafting
+member's overhead, times the time scale) and releases them all at its end. A request that
+becomes ready while a step runs joins at the next one; one that waits for streams or
+dequantizes pauses (it computes nothing and the batch does not wait for it); one that is
+done leaves. So joins and leaves happen between steps, as iteration-level scheduling does;
+the simulator's fluid clock re-times a step in progress instead, and the difference between
+the two is part of what a multi-request validation measures.
+
+Instances: a decode host runs `workload.decode_nodes` batches (`DecodeInstances`); a request
+goes to the one with the fewest requests assigned (the first of equals), as the simulator
+routes at arrival, here when the decode host admits the request's HELLO (after its prefill:
+an assignment can differ from the simulator's where a request ends in between).
+
+Slots: at most `max_batch` requests hold a place in the batch (first come, first served,
+from their first step to their end), as `workload.decode_max_batch` bounds the simulator's.
+
+Back-to-back steps are planned from the previous step's planned end, so the stepping
+thread's wake-up delays do not accumulate; a step that starts later than that (a member
+arrived to an idle batch) starts now.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+from kvsim.scenario.timing_model import TimingModel
+
+Clock = Callable[[], float]
+
+# a step that follows the previous one's planned end by less than this (clock s) is planned
+# from that end (the members re-posted at once); later, it starts when it starts
+_CONTIGUOUS_S = 0.005
+_IDLE_EXIT_S = 2.0  # the stepping thread ends after this long with no member (clock s)
+_POLL_S = 0.5  # the stepping thread re-checks stalled members at least this often (s)
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """One member's share of the next step: its new tokens (1 drafting or decoding, n
+    verifying n drafts), their FLOPs and bf16 KV bytes read (TimingModel.member_work), its
+    prompt tokens, the modelled s it adds to the step (a drafting member's overhead), and
+    whether the step is its verification pass."""
+
+    new_tokens: int
+    flops: float
+    kv_read_bytes: float
+    context_tokens: int
+    overhead_s: float = 0.0
+    verifying: bool = False
+
+
+class StepBatch:
+    """See the module docstring. Thread-safe; one per decode host (its decoder factory)."""
+
+    def __init__(self, timing: TimingModel, max_batch: int, clock: Clock = time.time,
+                 sleep: Callable[[float], None] = time.sleep, wait_timeout_s: float = 600.0,
+                 stall_s: float = 30.0, log: Callable[[str], None] | None = None) -> None:
+        if int(max_batch) < 1:
+            raise ValueError(f"a decode batch needs max_batch >= 1, got {max_batch}")
+        self.timing, self.max_batch = timing, int(max_batch)
+        self.clock, self.sleep = clock, sleep
+        self.wait_timeout_s, self.stall_s = float(wait_timeout_s), float(stall_s)
+        self.log = log or (lambda msg: None)
+        self._cond = threading.Condition()
+        self._computing: set[Hashable] = set()  # members that take part in the next step
+        self._posted: dict[Hashable, StepWork] = {}  # their work for it, as they post
+        self._released_t: dict[Hashable, float] = {}  # when each was last released (clock)
+        self._started = 0  # steps started ...
+        self._finished = 0  # ... and finished
+        self._planned_end = -float("inf")  # the last step's planned end (clock s)
+        self._scale = 0.0  # clock s per modelled s (the members' HELLOs; 0: none yet)
+        self._error = ""  # the stepping thread's failure, reported to every member
+        self._thread: threading.Thread | None = None
+        # slots: holders and the queue of waiting tickets (first come, first served)
+        self._holders = 0
+        self._queue: deque[int] = deque()
+        self._tickets = 0
+        # what a run did: steps run and the most members one step had
+        self.steps = 0
+        self.widest = 0
+        self.assigned = 0  # requests routed here and not yet done (DecodeInstances)
+
+    # ---- slots ---------------------------------------------------------------------------
+    def take_slot(self) -> None:
+        """Block until this caller holds one of the batch's max_batch places (first come,
+        first served); TimeoutError after wait_timeout_s."""
+        with self._cond:
+            ticket = self._tickets
+            self._tickets += 1
+            self._queue.append(ticket)
+            ok = self._cond.wait_for(
+                lambda: self._queue[0] == ticket and self._holders < self.max_batch,
+                self.wait_timeout_s)
+            self._queue.remove(ticket)
+            self._cond.notify_all()
+            if not ok:
+                raise TimeoutError(f"no place in the decode batch (max_batch {self.max_batch}, "
+                                   f"all held) within {self.wait_timeout_s:g} s")
+            self._holders += 1
+
+    def give_slot(self) -> None:
+        with self._cond:
+            if self._holders <= 0:
+                raise RuntimeError("a decode batch slot given back that no one held")
+            self._holders -= 1
+            if self._holders == 0 and not self._computing:
+                self._scale = 0.0  # the next request may bring another time scale
+            self._cond.notify_all()
+
+    # ---- steps ---------------------------------------------------------------------------
+    def step(self, member: Hashable, work: StepWork, time_scale: float) -> None:
+        """Take part in the next step with `work`; return when that step has ended.
+        time_scale: clock s per modelled s (one per batch: the first member's)."""
+        if work.new_tokens < 1:
+            raise ValueError(f"a step member needs new_tokens >= 1, got {work.new_tokens}")
+        with self._cond:
+            if self._scale == 0.0:
+                self._scale = float(time_scale)
+            elif float(time_scale) != self._scale:
+                raise ValueError(f"a decode batch runs at one time scale: this request's "
+                                 f"{time_scale:g}, the batch's {self._scale:g}")
+            self._computing.add(member)
+            self._posted[member] = work
+            target = self._started + 1  # the step that will take this post
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvsim-decode-batch",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+            ok = self._cond.wait_for(lambda: self._finished >= target or self._error,
+                                     self.wait_timeout_s)
+            if self._error:
+                raise RuntimeError(f"decode batch failed: {self._error}")
+            if not ok:
+                self._computing.discard(member)
+                self._posted.pop(member, None)
+                raise TimeoutError(f"the decode batch's step did not end within "
+                                   f"{self.wait_timeout_s:g} s")
+            self._released_t[member] = self.clock()
+
+    def pause(self, member: Hashable) -> None:
+        """The member computes nothing until its next `step` (it waits for streams,
+        dequantizes, or is done): the batch stops waiting for it."""
+        with self._cond:
+            self._computing.discard(member)
+            self._posted.pop(member, None)
+            self._released_t.pop(member, None)
+            self._cond.notify_all()
+
+    def _ready(self) -> bool:
+        return bool(self._computing) and self._computing <= self._posted.keys()
+
+    def _drop_stalled(self) -> None:
+        """A member released from a step that has not posted again within stall_s is
+        paused (a decode loop always posts or pauses right after a step: this is a guard,
+        and says so)."""
+        now = self.clock()
+        for member in [m for m in self._computing if m not in self._posted]:
+            if now - self._released_t.get(member, now) > self.stall_s:
+                self.log(f"decode batch: member {member!r} neither stepped nor paused for "
+                         f"{self.stall_s:g} s; the batch goes on without it")
+                self._computing.discard(member)
+                self._released_t.pop(member, None)
+
+    def _run(self) -> None:
+        cond = self._cond
+        with cond:
+            idle_since = self.clock()
+            while True:
+                while not self._ready():
+                    if not self._computing and not self._posted and \
+                            self.clock() - idle_since > _IDLE_EXIT_S:
+                        self._thread = None
+                        return
+                    cond.wait(_POLL_S)
+                    self._drop_stalled()
+                works, self._posted = self._posted, {}
+                self._started += 1
+                try:
+                    step_s = self._scale * self._step_model_s(list(works.values()))
+                except Exception as exc:  # every waiting member fails with the reason
+                    self._error = f"{type(exc).__name__}: {exc}"
+                    self._thread = None
+                    cond.notify_all()
+                    return
+                now = self.clock()
+                t0 = self._planned_end if now - self._planned_end < _CONTIGUOUS_S else now
+                self._planned_end = t0 + step_s
+                cond.release()
+                try:
+                    left = self._planned_end - self.clock()
+                    if left > 0:
+                        self.sleep(left)
+                finally:
+                    cond.acquire()
+                self._finished = self._started
+                self.steps += 1
+                self.widest = max(self.widest, len(works))
+                idle_since = self.clock()
+                cond.notify_all()
+
+    def _step_model_s(self, works: list[StepWork]) -> float:
+        """Modelled s of one step over `works` (the simulator's batch formula)."""
+        return self.timing.batch_pass_s(
+            sum(w.new_tokens for w in works), sum(w.flops for w in works),
+            sum(w.kv_read_bytes for w in works), len(works),
+            sum(w.context_tokens for w in works), sum(w.verifying for w in works)) \
+            + sum(w.overhead_s for w in works)
+
+
+class DecodeInstances:
+    """A decode host's decode instances, one StepBatch each (see the module docstring)."""
+
+    def __init__(self, timing: TimingModel, nodes: int, max_batch: int, **batch_kw) -> None:
+        if int(nodes) < 1:
+            raise ValueError(f"a decode host needs decode_nodes >= 1, got {nodes}")
+        self.batches = [StepBatch(timing, max_batch, **batch_kw) for _ in range(int(nodes))]
+        self._lock = threading.Lock()
+
+    def assign(self) -> StepBatch:
+        """The instance with the fewest requests assigned (the first of equals), its count
+        raised; `done` lowers it when the request ends."""
+        with self._lock:
+            batch = min(self.batches, key=lambda b: b.assigned)
+            batch.assigned += 1
+            return batch
+
+    def done(self, batch: StepBatch) -> None:
+        with self._lock:
+            if batch.assigned <= 0:
+                raise RuntimeError("a request reported done on a decode instance twice")
+            batch.assigned -= 1
+
+
+__all__ = ["DecodeInstances", "StepBatch", "StepWork"]
