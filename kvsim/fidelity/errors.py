@@ -36,7 +36,8 @@ SCENARIO_KEYS = ("case", "emulation", "bandwidth_gbps", "context_tokens", "rate_
 
 MULTI_METRICS = [Metric("ttft_p50", "ttft_pct_s", "p50"), Metric("ttft_p99", "ttft_pct_s", "p99"),
                  Metric("ttft_c_p50", "ttft_committed_pct_s", "p50"),
-                 Metric("ttft_c_p99", "ttft_committed_pct_s", "p99")]
+                 Metric("ttft_c_p99", "ttft_committed_pct_s", "p99"),
+                 Metric("tpot_p50", "tpot_pct_s", "p50"), Metric("tpot_p99", "tpot_pct_s", "p99")]
 
 
 def number(v: Any) -> float:
