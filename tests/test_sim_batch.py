@@ -295,3 +295,36 @@ def test_measured_profile_scales_the_batch_step(tmp_path):
     assert tm.batch_step_s(2, 2 * f, 2 * k, 2, 4000) == pytest.approx(tm.tpot_s(2000, 2),
                                                                        rel=1e-12)
     assert tm.prefill_step_s([(1000, 0)]) == pytest.approx(tm.prefill_s(1000), rel=1e-12)
+
+
+def test_a_full_cache_ready_while_joining_makes_the_one_pending_draft_then_verifies():
+    # A decodes alone; S (speculative, cap 8) is ready mid-step and its full cache arrives
+    # before the step ends: it still makes the one draft it joined for (as a decode loop
+    # that posted it), then verifies it
+    tm = TimingModel(MODEL, HW)
+    s1, s2 = step_s(1000), step_s(1000, 1000)
+    o = 0.002
+    env = simpy.Environment()
+    batch = DecodeBatch(env, tm)
+    out = {}
+
+    def plain():
+        m = batch.join(0, 1000, 6)
+        out["a"] = yield m.done
+
+    def spec():
+        yield env.timeout(0.5 * s1)
+        m = batch.join(1, 1000, 3, cap=8, draft_overhead_s=o, sample_accepted=lambda n: n)
+        yield env.timeout(0.2 * s1)
+        assert m.phase == "join"
+        batch.full_ready(m)
+        out["s"] = yield m.done
+
+    env.process(plain())
+    env.process(spec())
+    env.run()
+    tl = out["s"]
+    assert (tl.proposed, tl.accepted) == (1, 1)
+    draft_t = s1 + s2 + o
+    verify_end = draft_t + step_s(1000, 1000, new_tokens=(1, 1))
+    np.testing.assert_allclose(tl.token_t[:2], [draft_t, verify_end], rtol=1e-12)

@@ -46,9 +46,10 @@ HELDOUT_CONTEXTS = [1536]
 HELDOUT_CODECS = ["int8", "int4", "lynx"]
 # its multi-request case: a prompt length and link rate no other case uses, at three loads
 # below the one prefill instance's saturation (768-token prefills take ~2.4 s on the shipped
-# profile's host: 0.35 req/s keeps it ~85% busy)
+# profile's host: 0.35 req/s keeps it ~85% busy), decoding 64 tokens (~4.5 s, longer than a
+# prefill: decodes overlap, and batch; with 32 they followed one another)
 HELDOUT_MULTI = {"bandwidth_gbps": 0.6, "context_tokens": 768,
-                 "rates_per_s": [0.12, 0.25, 0.35]}
+                 "rates_per_s": [0.12, 0.25, 0.35], "output_tokens": 64}
 # ... and the one runs measured before the emulator batched (their configs have no
 # multi.max_batch): kept so that measured_from= simulates their scenarios again
 HELDOUT_MULTI_UNBATCHED = {"bandwidth_gbps": 0.6, "context_tokens": 1536,

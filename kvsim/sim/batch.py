@@ -181,6 +181,7 @@ class DecodeBatch:
         m = Member(self.env, seq, context_tokens, tokens, cap, draft_overhead_s,
                    sample_accepted, on_leave, overhead_until_full)
         m.start_t = self.env.now
+        m.draft_v, m.draft_i = self.steps, self._last_i()  # (set again when drafting starts)
         self._live.add(m)
         if m.full_ready:
             m.full_t = m.start_t
@@ -188,7 +189,10 @@ class DecodeBatch:
         elif m.cap > 0:
             def draft() -> None:
                 m.draft_v, m.draft_i = self.steps, self._last_i()
-                self._enter(m, "draft", m.cap)
+                if m.full_ready and m.overhead_until_full:
+                    m.draft_overhead_s = 0.0  # the receiver's work beside it is over
+                # full cache ready while it joined: the one draft it was admitted for
+                self._enter(m, "draft", 1 if m.full_ready else m.cap)
             self._begin(m, draft)
         else:
             self._enter(m, "wait", 0)
@@ -204,9 +208,10 @@ class DecodeBatch:
             raise RuntimeError(f"request {m.seq}: full cache reported ready twice")
         self._advance()
         m.full_ready, m.full_t, m.load_s = True, self.env.now, float(load_s)
-        if m.phase == "join":  # its drafting had not begun: it decodes plainly
-            m.pending = None
-            self._after_load(m, lambda: self._enter(m, "decode", m.tokens))
+        if m.phase == "join":
+            # its first draft step was pending (as a decode loop that posted it): that one
+            # draft runs, then verification (the draft phase reads full_ready as it starts)
+            return
         elif m.phase == "draft":
             progress = self.steps - m.draft_v  # drafts done (fractional: one in progress)
             proposed = min(m.cap, math.ceil(progress - 1e-12))

@@ -8,9 +8,8 @@ its length (`TimingModel.batch_pass_s` over the members' summed work, plus each 
 member's overhead, times the time scale) and releases them all at its end. A request that
 becomes ready while a step runs joins at the next one; one that waits for streams or
 dequantizes pauses (it computes nothing and the batch does not wait for it); one that is
-done leaves. So joins and leaves happen between steps, as iteration-level scheduling does;
-the simulator's fluid clock re-times a step in progress instead, and the difference between
-the two is part of what a multi-request validation measures.
+done leaves. So joins and leaves happen between steps, as iteration-level scheduling does
+and as the simulator's batch admits its members (kvsim.sim.batch: at the step boundary).
 
 Instances: a decode host runs `workload.decode_nodes` batches (`DecodeInstances`); a request
 goes to the one with the fewest requests assigned (the first of equals), as the simulator
@@ -20,9 +19,9 @@ an assignment can differ from the simulator's where a request ends in between).
 Slots: at most `max_batch` requests hold a place in the batch (first come, first served,
 from their first step to their end), as `workload.decode_max_batch` bounds the simulator's.
 
-Back-to-back steps are planned from the previous step's planned end, so the stepping
-thread's wake-up delays do not accumulate; a step that starts later than that (a member
-arrived to an idle batch) starts now.
+Back-to-back steps (some member of the new step was released by the previous one) are
+planned from the previous step's planned end, so the stepping thread's wake-up delays do
+not accumulate; any other step (the batch was idle) starts now.
 """
 
 from __future__ import annotations
@@ -79,7 +78,9 @@ class StepBatch:
         self._finished = 0  # ... and finished
         self._planned_end = -float("inf")  # the last step's planned end (clock s)
         self._scale = 0.0  # clock s per modelled s (the members' HELLOs; 0: none yet)
-        self._error = ""  # the stepping thread's failure, reported to every member
+        self._error = ""  # the stepping thread's last failure ...
+        self._failed_step = 0  # ... in this step: its members fail with it, later ones not
+        self._last_members: set[Hashable] = set()  # the members of the last step
         self._thread: threading.Thread | None = None
         # slots: holders and the queue of waiting tickets (first come, first served)
         self._holders = 0
@@ -133,20 +134,25 @@ class StepBatch:
             self._posted[member] = work
             target = self._started + 1  # the step that will take this post
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kvsim-decode-batch",
-                                                daemon=True)
-                self._thread.start()
+                self._start_thread()
             self._cond.notify_all()
-            ok = self._cond.wait_for(lambda: self._finished >= target or self._error,
-                                     self.wait_timeout_s)
-            if self._error:
+            ok = self._cond.wait_for(
+                lambda: self._finished >= target or self._failed_step >= target,
+                self.wait_timeout_s)
+            if self._failed_step >= target:
+                self._computing.discard(member)
+                self._posted.pop(member, None)
                 raise RuntimeError(f"decode batch failed: {self._error}")
             if not ok:
                 self._computing.discard(member)
                 self._posted.pop(member, None)
                 raise TimeoutError(f"the decode batch's step did not end within "
                                    f"{self.wait_timeout_s:g} s")
-            self._released_t[member] = self.clock()
+
+    def _start_thread(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kvsim-decode-batch",
+                                        daemon=True)
+        self._thread.start()
 
     def pause(self, member: Hashable) -> None:
         """The member computes nothing until its next `step` (it waits for streams,
@@ -173,41 +179,56 @@ class StepBatch:
                 self._released_t.pop(member, None)
 
     def _run(self) -> None:
+        """The stepping thread; any failure fails the step it was in (its members raise),
+        and the next post starts a new thread."""
+        with self._cond:
+            try:
+                self._step_loop()
+            except BaseException as exc:
+                self._error = f"{type(exc).__name__}: {exc}"
+                self._failed_step = self._started  # its members leave (see step)
+                self._thread = None
+                if self._posted:  # members already waiting for the next step get a thread
+                    self._start_thread()
+                self._cond.notify_all()
+
+    def _step_loop(self) -> None:
+        """Steps while members post (the caller holds the lock; it is released while a
+        step sleeps); returns after _IDLE_EXIT_S with no member."""
         cond = self._cond
-        with cond:
-            idle_since = self.clock()
-            while True:
-                while not self._ready():
-                    if not self._computing and not self._posted and \
-                            self.clock() - idle_since > _IDLE_EXIT_S:
-                        self._thread = None
-                        return
-                    cond.wait(_POLL_S)
-                    self._drop_stalled()
-                works, self._posted = self._posted, {}
-                self._started += 1
-                try:
-                    step_s = self._scale * self._step_model_s(list(works.values()))
-                except Exception as exc:  # every waiting member fails with the reason
-                    self._error = f"{type(exc).__name__}: {exc}"
+        idle_since = self.clock()
+        while True:
+            while not self._ready():
+                if not self._computing and not self._posted and \
+                        self.clock() - idle_since > _IDLE_EXIT_S:
                     self._thread = None
-                    cond.notify_all()
                     return
-                now = self.clock()
-                t0 = self._planned_end if now - self._planned_end < _CONTIGUOUS_S else now
-                self._planned_end = t0 + step_s
-                cond.release()
-                try:
-                    left = self._planned_end - self.clock()
-                    if left > 0:
-                        self.sleep(left)
-                finally:
-                    cond.acquire()
-                self._finished = self._started
-                self.steps += 1
-                self.widest = max(self.widest, len(works))
-                idle_since = self.clock()
-                cond.notify_all()
+                cond.wait(_POLL_S)
+                self._drop_stalled()
+            works, self._posted = self._posted, {}
+            self._started += 1
+            step_s = self._scale * self._step_model_s(list(works.values()))
+            now = self.clock()
+            back_to_back = not self._last_members.isdisjoint(works) and \
+                now - self._planned_end < _CONTIGUOUS_S
+            t0 = self._planned_end if back_to_back else now
+            self._planned_end = t0 + step_s
+            cond.release()
+            try:
+                left = self._planned_end - self.clock()
+                if left > 0:
+                    self.sleep(left)
+            finally:
+                cond.acquire()
+            self._finished = self._started
+            self.steps += 1
+            self.widest = max(self.widest, len(works))
+            idle_since = self.clock()
+            # released now (the stall guard counts from here, whoever wakes first)
+            for member in works:
+                self._released_t[member] = idle_since
+            self._last_members = set(works)
+            cond.notify_all()
 
     def _step_model_s(self, works: list[StepWork]) -> float:
         """Modelled s of one step over `works` (the simulator's batch formula)."""

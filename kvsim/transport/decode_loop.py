@@ -136,6 +136,12 @@ class _DecodeLoop(ABC):
     def _end_phase(self) -> None:  # noqa: B027 (optional hook)
         """Back-to-back steps are over for now (drafting stopped: the loop waits or loads)."""
 
+    def _steps_from(self, t: float, drafting: bool = False) -> float:
+        """Where a phase's mean step is measured from: `t`, where it began (a batched timing
+        loop: its first step's post, after its slot and the fresh cache's extra, as the
+        simulator's batch starts its member's clock at admission)."""
+        return t
+
     @abstractmethod
     def _context_tokens(self, cache: Any) -> int:
         """Entries in a freshly loaded cache."""
@@ -217,7 +223,8 @@ class _DecodeLoop(ABC):
         return DecodeResult(
             self.mode, list(times), list(times), self._ids(tokens), 0, 0,
             full_t if start_t is None else start_t, full_t, math.nan, math.nan,
-            self._tpot_report((times[-1] - full_t) / len(times)), segments, events,
+            self._tpot_report((times[-1] - self._steps_from(full_t)) / len(times)), segments,
+            events,
             streams=n, context_tokens=context)
 
     def _speculative(self, view: CacheView, output_tokens: int, cap_tokens: int,
@@ -276,7 +283,8 @@ class _DecodeLoop(ABC):
         return DecodeResult(
             self.mode, drafted_t[:k], committed_t[:k], self._ids(tokens[:k]), len(drafts),
             accepted, start_t, full_t, full_t, v_end, self._tpot_report(tpot), segments,
-            events, self._draft_tpot_report((draft_end - start_t) / len(drafts)),
+            events, self._draft_tpot_report(
+                (draft_end - self._steps_from(start_t, drafting=True)) / len(drafts)),
             self._verify_report(v_end - full_t, len(drafts)), n, context)
 
     def _check_cancelled(self) -> None:
@@ -442,6 +450,9 @@ class TimingDecodeLoop(_DecodeLoop):
             float(busy_draft_overhead_s)
         self.batch = batch
         self._has_slot = False
+        # batched: clock time of the current phase's first post, and of the drafts' first
+        self._steps_t: float | None = None
+        self._draft_steps_t: float | None = None
         self._on_done = on_done  # called once when run() ends (the instance's assignment)
 
     def run(self, view: CacheView, speculative: bool, output_tokens: int, cap_tokens: int,
@@ -460,6 +471,7 @@ class TimingDecodeLoop(_DecodeLoop):
 
     def _begin_phase(self, t: float) -> None:
         self._planned = t
+        self._steps_t = None
         if self.batch is not None and not self._has_slot:  # first steps: a place in the batch
             self.batch.take_slot()
             self._has_slot = True
@@ -502,6 +514,10 @@ class TimingDecodeLoop(_DecodeLoop):
         if self.batch is not None:
             if extra > 0:  # the fresh cache's first step costs this request alone
                 self.sleep(extra)
+            if self._steps_t is None:
+                self._steps_t = self.clock()
+                if drafting:
+                    self._draft_steps_t = self._steps_t
             flops, kv = self.timing.member_work(1, self.context)
             overhead = self._batched_draft_overhead_s() if drafting else 0.0
             self.batch.step(self, StepWork(1, flops, kv, self.context, overhead),
@@ -526,6 +542,12 @@ class TimingDecodeLoop(_DecodeLoop):
             slice_s = min(left / rate, self.poll_s)
             self._sleep_for(slice_s)
             left -= slice_s * rate
+
+    def _steps_from(self, t: float, drafting: bool = False) -> float:
+        if self.batch is None:
+            return t
+        began = self._draft_steps_t if drafting else self._steps_t
+        return t if began is None else began
 
     def _batched_draft_overhead_s(self) -> float:
         """Modelled s a draft step of this request adds to a batched step: the constant

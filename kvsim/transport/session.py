@@ -349,11 +349,12 @@ def decoder_factory(cfg: EmulateConfig, mode: str, lm: Any | None):
     def make(hello: dict, asm: Assembly):
         if mode == "real":
             return RealDecodeLoop(lm.model, int(hello["first_token"]), clock=time.time), {}
-        batch = instances.assign() if instances is not None else None
         acceptance = acceptance_from_hello(hello.get("acceptance")) \
             if hello.get("acceptance") is not None else own_acceptance
         rng = np.random.default_rng([cfg.seed, int(hello.get("seq", 0))])
         overhead = float(hello.get("draft_overhead_s") or 0.0)
+        # routed last: a HELLO that fails above holds no instance
+        batch = instances.assign() if instances is not None else None
         return TimingDecodeLoop(timing, asm.shape.tokens, acceptance, rng,
                                 time_scale=float(hello.get("time_scale") or 1.0),
                                 draft_overhead_s=overhead, clock=time.time, sleep=asm.sleep,
