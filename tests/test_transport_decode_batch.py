@@ -264,3 +264,59 @@ def test_a_failed_step_fails_its_members_and_the_next_step_runs():
     batch.step("a", ONE, 1.0)  # a new stepping thread, a step of its own
     assert time.time() - t0 == pytest.approx(0.07, abs=TOL_S)
     batch.pause("a")
+
+
+def test_late_wake_ups_do_not_add_up_and_a_paused_member_starts_fresh():
+    late_s = 0.02
+
+    def oversleep(s):
+        time.sleep(s + late_s)  # a busy host: every sleep ends late
+
+    batch = StepBatch(LinearTiming(), max_batch=2, sleep=oversleep, wait_timeout_s=WAIT_S)
+    t0 = time.time()
+    for _ in range(6):
+        batch.step("a", ONE, 1.0)  # 0.07 s steps, back to back
+    # planned from each other's ends: one lateness, not six
+    assert time.time() - t0 == pytest.approx(6 * 0.07 + late_s, abs=TOL_S)
+    batch.pause("a")  # e.g. dequantizing its full cache
+    time.sleep(0.1)
+    t1 = time.time()
+    batch.step("a", ONE, 1.0)  # back from the load: a step of its own length from now
+    assert time.time() - t1 == pytest.approx(0.07 + late_s, abs=TOL_S)
+    batch.pause("a")
+
+
+def test_an_overhead_that_ends_mid_step_re_times_the_step_in_progress():
+    # 0.07 s step; the member's overhead is 0.2 s while its worker works (the first 0.05 s):
+    # 0.05 / 0.27 of the step is done by then, the rest runs at 0.07 s per step
+    batch = StepBatch(LinearTiming(), max_batch=2, wait_timeout_s=WAIT_S)
+    t0 = time.time()
+    busy_until = t0 + 0.05
+    work = StepWork(1, 0.0, 0.0, 100, overhead_now=lambda: 0.2 if time.time() < busy_until
+                    else 0.0)
+    batch.step("d", work, 1.0)
+    expected = 0.05 + (1 - 0.05 / 0.27) * 0.07
+    assert time.time() - t0 == pytest.approx(expected, abs=TOL_S / 2)
+    batch.pause("d")
+
+
+def test_a_dropped_request_leaves_a_long_step_and_the_slot_queue_at_once():
+    batch = StepBatch(LinearTiming(), max_batch=1, wait_timeout_s=WAIT_S)
+    why = []
+    cancelled = lambda: why[0] if why else ""  # noqa: E731
+    threading.Timer(0.2, lambda: why.append("peer gone")).start()
+    t0 = time.time()
+    # a 7 s step (x 100): the member is out when its request is dropped, not at the end
+    assert batch.step("a", ONE, 100.0, cancelled) is False
+    assert time.time() - t0 < 0.2 + 0.1 + TOL_S + 0.05
+    assert not batch._computing
+    # the step it was alone in ends too (a good request behind it is not held for 7 s)
+    deadline = time.time() + 0.5
+    while batch._finished < batch._started and time.time() < deadline:
+        time.sleep(0.01)
+    assert batch._finished == batch._started == 1
+    batch.take_slot()
+    why.clear()
+    threading.Timer(0.2, lambda: why.append("peer gone")).start()
+    assert batch.take_slot(cancelled) is False  # queued behind the held slot, then dropped
+    batch.give_slot()

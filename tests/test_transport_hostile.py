@@ -106,7 +106,7 @@ class Harness(RunningReceiver):
         assert self.thread.is_alive(), "the receiver thread ended"
         res = self.good_request()
         assert res.status == "done", (res.status, res.error)
-        assert res.row["status"] == "done"
+        assert res.row["status"] == "done", res.row.get("error")
         assert self.thread.is_alive(), "the receiver thread ended"
         assert_vocabulary(self.rx)
         assert_log_bounded(self.log.lines)

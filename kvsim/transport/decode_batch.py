@@ -19,9 +19,10 @@ an assignment can differ from the simulator's where a request ends in between).
 Slots: at most `max_batch` requests hold a place in the batch (first come, first served,
 from their first step to their end), as `workload.decode_max_batch` bounds the simulator's.
 
-Back-to-back steps (some member of the new step was released by the previous one) are
-planned from the previous step's planned end, so the stepping thread's wake-up delays do
-not accumulate; any other step (the batch was idle) starts now.
+Back-to-back steps (some member of the new step was in the previous one and has not paused
+since) are planned from the previous step's planned end, so the threads' wake-up delays
+(a receiver busy dequantizing holds the interpreter) do not add up from step to step; any
+other step (the batch was idle, or its members come back from a load) starts now.
 """
 
 from __future__ import annotations
@@ -36,11 +37,14 @@ from kvsim.scenario.timing_model import TimingModel
 
 Clock = Callable[[], float]
 
-# a step that follows the previous one's planned end by less than this (clock s) is planned
-# from that end (the members re-posted at once); later, it starts when it starts
-_CONTIGUOUS_S = 0.005
+# a back-to-back step this late after the previous one's planned end (clock s) starts now:
+# beyond any wake-up delay, the schedule is not caught up
+_CATCH_UP_S = 0.25
 _IDLE_EXIT_S = 2.0  # the stepping thread ends after this long with no member (clock s)
 _POLL_S = 0.5  # the stepping thread re-checks stalled members at least this often (s)
+# a step with a member whose overhead follows the receiver is re-timed this often (clock s)
+_FLUID_SLICE_S = 0.005
+_CANCEL_POLL_S = 0.1  # a waiting member checks whether its request was dropped this often (s)
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,11 @@ class StepWork:
     """One member's share of the next step: its new tokens (1 drafting or decoding, n
     verifying n drafts), their FLOPs and bf16 KV bytes read (TimingModel.member_work), its
     prompt tokens, the modelled s it adds to the step (a drafting member's overhead), and
-    whether the step is its verification pass."""
+    whether the step is its verification pass. overhead_now, where given, replaces
+    overhead_s by a reading taken while the step runs (a drafting member's overhead that
+    follows its receiver's worker, which may finish mid-step): the step then advances at
+    1 / (its length with the overheads now), re-read every _FLUID_SLICE_S, as the
+    simulator's fluid batch re-times a step in progress when a member's overhead ends."""
 
     new_tokens: int
     flops: float
@@ -56,6 +64,7 @@ class StepWork:
     context_tokens: int
     overhead_s: float = 0.0
     verifying: bool = False
+    overhead_now: Callable[[], float] | None = None
 
 
 class StepBatch:
@@ -80,7 +89,12 @@ class StepBatch:
         self._scale = 0.0  # clock s per modelled s (the members' HELLOs; 0: none yet)
         self._error = ""  # the stepping thread's last failure ...
         self._failed_step = 0  # ... in this step: its members fail with it, later ones not
-        self._last_members: set[Hashable] = set()  # the members of the last step
+        # the members of the last step that have not paused since (their next post is
+        # back to back with it)
+        self._last_members: set[Hashable] = set()
+        # the members of the step in progress still in it (a dropped request leaves; a
+        # step that none is left in ends at once)
+        self._running: set[Hashable] = set()
         self._thread: threading.Thread | None = None
         # slots: holders and the queue of waiting tickets (first come, first served)
         self._holders = 0
@@ -92,22 +106,39 @@ class StepBatch:
         self.assigned = 0  # requests routed here and not yet done (DecodeInstances)
 
     # ---- slots ---------------------------------------------------------------------------
-    def take_slot(self) -> None:
+    def _wait(self, done: Callable[[], bool], cancelled: Callable[[], str]) -> str:
+        """Wait (holding the lock) until done(): 'done', 'cancelled' (cancelled() said why),
+        or 'timeout' after wait_timeout_s."""
+        deadline = time.monotonic() + self.wait_timeout_s
+        while not done():
+            if cancelled():
+                return "cancelled"
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return "timeout"
+            self._cond.wait(min(left, _CANCEL_POLL_S))
+        return "done"
+
+    def take_slot(self, cancelled: Callable[[], str] = str) -> bool:
         """Block until this caller holds one of the batch's max_batch places (first come,
-        first served); TimeoutError after wait_timeout_s."""
+        first served): True; False when cancelled() says the request was dropped first;
+        TimeoutError after wait_timeout_s."""
         with self._cond:
             ticket = self._tickets
             self._tickets += 1
             self._queue.append(ticket)
-            ok = self._cond.wait_for(
+            got = self._wait(
                 lambda: self._queue[0] == ticket and self._holders < self.max_batch,
-                self.wait_timeout_s)
+                cancelled)
             self._queue.remove(ticket)
             self._cond.notify_all()
-            if not ok:
+            if got == "cancelled":
+                return False
+            if got == "timeout":
                 raise TimeoutError(f"no place in the decode batch (max_batch {self.max_batch}, "
                                    f"all held) within {self.wait_timeout_s:g} s")
             self._holders += 1
+            return True
 
     def give_slot(self) -> None:
         with self._cond:
@@ -119,9 +150,12 @@ class StepBatch:
             self._cond.notify_all()
 
     # ---- steps ---------------------------------------------------------------------------
-    def step(self, member: Hashable, work: StepWork, time_scale: float) -> None:
-        """Take part in the next step with `work`; return when that step has ended.
-        time_scale: clock s per modelled s (one per batch: the first member's)."""
+    def step(self, member: Hashable, work: StepWork, time_scale: float,
+             cancelled: Callable[[], str] = str) -> bool:
+        """Take part in the next step with `work`: True when that step has ended; False
+        when cancelled() says the request was dropped first (the member is out of the
+        batch; a step it was in goes on for the others). time_scale: clock s per modelled
+        s (one per batch: the first member's)."""
         if work.new_tokens < 1:
             raise ValueError(f"a step member needs new_tokens >= 1, got {work.new_tokens}")
         with self._cond:
@@ -136,18 +170,22 @@ class StepBatch:
             if self._thread is None:
                 self._start_thread()
             self._cond.notify_all()
-            ok = self._cond.wait_for(
-                lambda: self._finished >= target or self._failed_step >= target,
-                self.wait_timeout_s)
+            got = self._wait(
+                lambda: self._finished >= target or self._failed_step >= target, cancelled)
+            if got != "done" or self._failed_step >= target:  # out of the batch
+                self._computing.discard(member)
+                self._posted.pop(member, None)
+                self._last_members.discard(member)
+                self._running.discard(member)
+                self._cond.notify_all()
+            if got == "cancelled":
+                return False
             if self._failed_step >= target:
-                self._computing.discard(member)
-                self._posted.pop(member, None)
                 raise RuntimeError(f"decode batch failed: {self._error}")
-            if not ok:
-                self._computing.discard(member)
-                self._posted.pop(member, None)
+            if got == "timeout":
                 raise TimeoutError(f"the decode batch's step did not end within "
                                    f"{self.wait_timeout_s:g} s")
+            return True
 
     def _start_thread(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kvsim-decode-batch",
@@ -161,6 +199,7 @@ class StepBatch:
             self._computing.discard(member)
             self._posted.pop(member, None)
             self._released_t.pop(member, None)
+            self._last_members.discard(member)
             self._cond.notify_all()
 
     def _ready(self) -> bool:
@@ -207,19 +246,19 @@ class StepBatch:
                 self._drop_stalled()
             works, self._posted = self._posted, {}
             self._started += 1
-            step_s = self._scale * self._step_model_s(list(works.values()))
+            base_s = self._step_model_s(list(works.values()))  # modelled s
+            dynamic = [w.overhead_now for w in works.values() if w.overhead_now is not None]
             now = self.clock()
             back_to_back = not self._last_members.isdisjoint(works) and \
-                now - self._planned_end < _CONTIGUOUS_S
+                now - self._planned_end < _CATCH_UP_S
             t0 = self._planned_end if back_to_back else now
-            self._planned_end = t0 + step_s
+            self._running = set(works)
             cond.release()
             try:
-                left = self._planned_end - self.clock()
-                if left > 0:
-                    self.sleep(left)
+                end = self._sleep_step(t0, base_s, dynamic)
             finally:
                 cond.acquire()
+            self._planned_end = end
             self._finished = self._started
             self.steps += 1
             self.widest = max(self.widest, len(works))
@@ -229,6 +268,32 @@ class StepBatch:
                 self._released_t[member] = idle_since
             self._last_members = set(works)
             cond.notify_all()
+
+    def _sleep_step(self, t0: float, base_s: float,
+                    dynamic: list[Callable[[], float]]) -> float:
+        """Sleep one step begun at clock t0 (modelled length base_s, plus the dynamic
+        overheads read as it runs); returns its planned end (clock s)."""
+        if not dynamic:
+            end = t0 + self._scale * base_s
+            left = end - self.clock()
+            while left > 0:
+                if not self._running:  # every member was dropped: the step ends here
+                    return self.clock()
+                self.sleep(min(left, _CANCEL_POLL_S))
+                left = end - self.clock()
+            return end
+        t, left = t0, 1.0  # share of the step still to run
+        while left > 1e-9:
+            if not self._running:
+                return self.clock()
+            length = self._scale * (base_s + sum(f() for f in dynamic))  # clock s now
+            slice_s = min(left * length, _FLUID_SLICE_S)
+            t += slice_s
+            left -= slice_s / length
+            wait = t - self.clock()
+            if wait > 0:
+                self.sleep(wait)
+        return t
 
     def _step_model_s(self, works: list[StepWork]) -> float:
         """Modelled s of one step over `works` (the simulator's batch formula)."""

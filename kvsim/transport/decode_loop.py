@@ -396,7 +396,7 @@ class TimingDecodeLoop(_DecodeLoop):
     this request's work (a draft or decode token, or the verification pass over n drafts,
     plus a drafting step's overhead: draft_overhead_s, or with busy_draft_overhead_s the
     busy-share mean of kvsim.scenario.speculative.busy_share_overhead_s at the worker's
-    state when the step is posted) and returns when the batch's step ends; the first step
+    state, read while the step runs) and returns when the batch's step ends; the first step
     after a load sleeps the fresh cache's extra alone before it joins (as the simulator
     admits a request after it); the request holds a batch slot from its first step to its
     end; and tpot_s, draft_tpot_s and verify_s are reported as measured.
@@ -473,7 +473,8 @@ class TimingDecodeLoop(_DecodeLoop):
         self._planned = t
         self._steps_t = None
         if self.batch is not None and not self._has_slot:  # first steps: a place in the batch
-            self.batch.take_slot()
+            if not self.batch.take_slot(self._cancelled):  # dropped while it queued
+                raise DecodeCancelled(self._cancelled())
             self._has_slot = True
 
     def _end_phase(self) -> None:
@@ -519,9 +520,15 @@ class TimingDecodeLoop(_DecodeLoop):
                 if drafting:
                     self._draft_steps_t = self._steps_t
             flops, kv = self.timing.member_work(1, self.context)
-            overhead = self._batched_draft_overhead_s() if drafting else 0.0
-            self.batch.step(self, StepWork(1, flops, kv, self.context, overhead),
-                            self.time_scale)
+            if drafting and self._busy_overhead_model_s is not None and \
+                    self._worker_busy is not None:  # follows the worker while the step runs
+                work = StepWork(1, flops, kv, self.context,
+                                overhead_now=self._batched_draft_overhead_s)
+            else:
+                work = StepWork(1, flops, kv, self.context,
+                                self._draft_overhead_model_s if drafting else 0.0)
+            if not self.batch.step(self, work, self.time_scale, self._cancelled):
+                raise DecodeCancelled(self._cancelled())  # dropped while its step ran
             return -1
         if drafting and self._worker_busy is not None:
             self._sleep_for(extra)
@@ -550,11 +557,11 @@ class TimingDecodeLoop(_DecodeLoop):
         return t if began is None else began
 
     def _batched_draft_overhead_s(self) -> float:
-        """Modelled s a draft step of this request adds to a batched step: the constant
-        draft overhead, or, following the worker, the busy-share mean at its state now."""
+        """Modelled s this drafting request adds to a batched step at the worker's state
+        now (read by the stepping thread as the step runs): the busy overhead while the
+        worker dequantizes, else its ingest share's mean (0 once every byte is in)."""
         busy_s = self._busy_overhead_model_s
-        if busy_s is None or self._worker_busy is None:
-            return self._draft_overhead_model_s
+        assert busy_s is not None and self._worker_busy is not None  # (_step checks)
         share = 1.0 if self._worker_busy() else self._ingest_share()
         return busy_share_overhead_s(busy_s, self.timing.tpot_s(self.context, 1), share)
 
@@ -578,8 +585,9 @@ class TimingDecodeLoop(_DecodeLoop):
         n = len(drafts)
         if self.batch is not None:
             flops, kv = self.timing.member_work(n, self.context)
-            self.batch.step(self, StepWork(n, flops, kv, self.context, verifying=True),
-                            self.time_scale)
+            if not self.batch.step(self, StepWork(n, flops, kv, self.context, verifying=True),
+                                   self.time_scale, self._cancelled):
+                raise DecodeCancelled(self._cancelled())
             return int(self.acceptance.sample_accepted(n, self.rng)), -1
         self._sleep_for(self.timing.verify_s(n, self.context) * self.time_scale)
         return int(self.acceptance.sample_accepted(n, self.rng)), -1
