@@ -10,13 +10,9 @@ import time
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
+from timing_models import llama8b_h100_timing
 
-from kvsim.core.paths import CONF_DIR
-from kvsim.model.hardware import HardwareSpec
-from kvsim.model.spec import ModelSpec
 from kvsim.scenario.acceptance import geometric
-from kvsim.scenario.timing_model import TimingModel
 from kvsim.transport.decode_batch import DecodeInstances, StepBatch, StepWork
 from kvsim.transport.decode_loop import TimingDecodeLoop
 
@@ -177,19 +173,11 @@ class ReadyView:
         return torch.zeros(1)
 
 
-def _timing_model() -> TimingModel:
-    model = ModelSpec(**OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" /
-                                                              "llama-3.1-8b.yaml")))
-    hw = HardwareSpec(**OmegaConf.to_container(OmegaConf.load(CONF_DIR / "hardware" /
-                                                              "h100.yaml")))
-    return TimingModel(model, hw)
-
-
 def test_batched_timing_loops_match_the_hand_computed_steps():
     """A decodes 8 tokens; B joins while A's third step runs and decodes 4. A's steps 1-3
     are one-member steps (s1), then A and B share two-member steps (s2) until B leaves,
     then A is alone again: every token time is a sum of those step lengths."""
-    timing, context = _timing_model(), 4096
+    timing, context = llama8b_h100_timing(), 4096
     s1_model = timing.tpot_s(context, 1)
     scale = 0.1 / s1_model  # a one-member step is 0.1 clock s
     s1 = 0.1
@@ -227,7 +215,7 @@ def test_batched_timing_loops_match_the_hand_computed_steps():
 
 
 def test_a_cancelled_batched_loop_leaves_the_batch_and_its_slot():
-    timing, context = _timing_model(), 4096
+    timing, context = llama8b_h100_timing(), 4096
     scale = 0.05 / timing.tpot_s(context, 1)
     batch = StepBatch(timing, max_batch=1, wait_timeout_s=WAIT_S)
 

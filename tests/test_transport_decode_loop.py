@@ -13,18 +13,14 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
+from timing_models import llama8b_h100_timing
 
-from kvsim.core.paths import CONF_DIR
 from kvsim.kernels.presets import resolve_codec
 from kvsim.kv.capture import cache_to_kv, prefill
 from kvsim.kv.draft_verify import decode
-from kvsim.model.hardware import HardwareSpec
-from kvsim.model.spec import ModelSpec
 from kvsim.model.tiny import tiny_llama
 from kvsim.scenario.acceptance import geometric
 from kvsim.scenario.speculative import speculative_decode
-from kvsim.scenario.timing_model import TimingModel
 from kvsim.transport.decode_loop import (
     CacheView,
     DecodeResult,
@@ -275,15 +271,6 @@ def test_bad_arguments_are_refused(tiny):
 
 # ---- timing loop ----------------------------------------------------------------------------
 
-def _timing_model() -> TimingModel:
-    # OmegaConf's YAML reads 8.03e9 as a float (PyYAML's YAML 1.1 reads a string)
-    model = ModelSpec(**OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" /
-                                                              "llama-3.1-8b.yaml")))
-    hw = HardwareSpec(**OmegaConf.to_container(OmegaConf.load(CONF_DIR / "hardware" /
-                                                              "h100.yaml")))
-    return TimingModel(model, hw)
-
-
 TIMING_CONTEXT = 4096
 STEP_S = 0.1  # clock seconds per full-cache step after scaling: large against sleep jitter
 # Tolerance (clock s). Sleeps never end early and back-to-back steps sleep to their planned
@@ -302,7 +289,7 @@ TOL_S = 0.04
 ])
 def test_timing_loop_matches_the_closed_form(tiny, accept, gap_steps, cap):
     _, kv, _ = tiny
-    timing = _timing_model()
+    timing = llama8b_h100_timing()
     tpot = timing.tpot_s(TIMING_CONTEXT, 1)  # modelled s
     scale = STEP_S / tpot
     overhead = 0.1 * tpot  # modelled s per drafted token
@@ -338,7 +325,7 @@ def test_timing_loop_matches_the_closed_form(tiny, accept, gap_steps, cap):
 @pytest.mark.parametrize("dequantize", [True, False])
 def test_timing_loop_plain_decoding(tiny, dequantize):
     _, kv, _ = tiny
-    timing = _timing_model()
+    timing = llama8b_h100_timing()
     scale = STEP_S / timing.tpot_s(TIMING_CONTEXT, 1)
     streams, levels = codec_levels(kv, "lynx")
     view = DelayedView(streams, levels, [0.0, 0.05])
@@ -397,7 +384,7 @@ def test_timing_draft_steps_slow_only_while_the_worker_is_busy(on_arrival):
     the full cache is ready at 0.55, so drafting stops after 3. A view without an on-arrival
     worker drafts at the constant draft step (tpot + draft_overhead_s): 0.15 s each, 4
     drafts."""
-    timing = _timing_model()
+    timing = llama8b_h100_timing()
     tpot = timing.tpot_s(TIMING_CONTEXT, 1)
     scale = STEP_S / tpot
     view = WorkerView(full_t=0.55, busy_end=0.45)
@@ -450,7 +437,7 @@ def test_timing_draft_steps_slow_while_the_later_bytes_come_in(busy_end: float):
     draft 3 makes 1/3 by 0.4 and ends at 0.4667, draft 4 at 0.5667. The mean rate is taken
     from the anchor's load (the first slice, with nothing elapsed, has share 0: <= 1 ms
     late). Without the cost the same drafts run at the step while the worker waits."""
-    timing = _timing_model()
+    timing = llama8b_h100_timing()
     tpot = timing.tpot_s(TIMING_CONTEXT, 1)
     scale = STEP_S / tpot
 

@@ -264,12 +264,7 @@ class DecodeBatch:
         when the batch is idle or at one, else joining until the step in progress ends."""
         boundary = self._boundary()
         if boundary - self.steps <= _EPS_STEPS:
-            if m.phase == "join":
-                m.pending = None
             start()
-            return
-        if m.phase == "join":  # already waiting for that boundary: the phase it starts
-            m.pending = start
             return
         self._enter(m, "join", 0)
         m.pending, m.target_v = start, boundary

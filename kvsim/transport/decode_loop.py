@@ -444,8 +444,7 @@ class TimingDecodeLoop(_DecodeLoop):
         # the first step on a freshly loaded cache costs this much more (measured profiles;
         # a verification pass is measured as such and pays none)
         self._fresh_extra_s = 0.0
-        # modelled draft overheads (s), for batched steps
-        self._draft_overhead_model_s = self.draft_overhead_s
+        # modelled busy draft overhead (s), for batched steps
         self._busy_overhead_model_s = None if busy_draft_overhead_s is None else \
             float(busy_draft_overhead_s)
         self.batch = batch
@@ -526,7 +525,7 @@ class TimingDecodeLoop(_DecodeLoop):
                                 overhead_now=self._batched_draft_overhead_s)
             else:
                 work = StepWork(1, flops, kv, self.context,
-                                self._draft_overhead_model_s if drafting else 0.0)
+                                self.draft_overhead_s if drafting else 0.0)
             if not self.batch.step(self, work, self.time_scale, self._cancelled):
                 raise DecodeCancelled(self._cancelled())  # dropped while its step ran
             return -1
