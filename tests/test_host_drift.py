@@ -224,3 +224,29 @@ def test_the_heldout_grid_is_off_the_full_grid_and_its_calibration():
     assert not set(held.rates_gbps) & {0.1, 0.3, 0.5, 0.8, 1.0, *full.rates_gbps}
     assert held.calibration_contexts == full.contexts  # calibrated on the full grid's
     assert held.multi.context_tokens not in held.calibration_contexts
+
+
+@pytest.mark.parametrize("calibrate,action,probed,recorded", [
+    (True, "rescale", False, "calibrated_in_run"),
+    (True, "off", False, "off"),
+    (False, "rescale", True, "rescaled"),
+])
+def test_validate_probes_only_profiles_it_did_not_calibrate(tmp_path, monkeypatch, calibrate,
+                                                           action, probed, recorded):
+    """Profiles calibrated by this very run are not probed (two probes minutes apart differ by
+    their own noise, and a rescale by it would move every decode-bound metric); a profile
+    from elsewhere is, and a slow probe rescales it; the rows record which."""
+    from kvsim.fidelity import validation
+    from kvsim.fidelity.runner import Profiles
+
+    path, _ = _profile(tmp_path, {**fingerprint(), "decode_step_probe": {
+        "context_tokens": 100, "steps": 16, "s": 0.1}})
+    probe = FakeProbe(0.2)
+    monkeypatch.setattr(host_probe, "StepProbe", lambda model, steps, threads: probe)
+    cfg = validation.Config(model=MODEL, calibrate=calibrate, drift=DriftConfig(action=action))
+    profiles = Profiles(hardware=path, codec_timing=tmp_path / "codecs.json", links={})
+    used, drift = validation._drift(cfg, profiles, tmp_path / "run")
+    assert bool(probe.asked) == probed and (drift is not None) == probed
+    assert validation._drift_keys(cfg, drift)["hardware_drift"] == recorded
+    assert used.hardware == (tmp_path / "run" / "profiles-rescaled" / "hw.json" if probed
+                             else path)

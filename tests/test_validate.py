@@ -32,6 +32,9 @@ def _quick_validation(run_dir: Path) -> tuple[int, dict]:
     assert s["compared"] == len(doc["rows"]) > 0 and s["missing"] == 0
     assert all(math.isfinite(r["error_pct"]) for r in doc["rows"])
     assert {r["case"] for r in doc["rows"]} == {"single", "multi"}
+    # profiles calibrated by this run are used as measured, not rescaled by a probe
+    assert {r["hardware_drift"] for r in doc["rows"]} == {"calibrated_in_run"}
+    assert not (run_dir / "profiles-rescaled").exists()
     assert (rc == 0) == (s["mean_abs_pct_error"] <= s["target_mean_abs_pct"])
     assert (run_dir / "fidelity.png").is_file() and (run_dir / "fidelity.md").is_file()
     report = json.loads((run_dir / "report.json").read_text()) if rc == 0 else None

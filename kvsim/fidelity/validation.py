@@ -276,12 +276,12 @@ def validate(cfg: Config) -> dict:
                         "prefill_measured_s": m.get("prefill_s"),
                         # the decode step after the first (s/token): errors.step_error_pct
                         "tpot_measured_s": m.get("tpot_s"), **_simulated_keys(s), **probed,
-                        **_drift_keys(drift)}
+                        **_drift_keys(cfg, drift)}
             rows += errors.compare(scenario, m, s, single)
     distributions: list[dict] = []
     if cfg.multi.enabled and cfg.multi.emulation in emulations:
         multi_rows, distributions = _multi(cfg, profiles, started, run_dir)
-        rows += [{**r, **_drift_keys(drift)} for r in multi_rows]
+        rows += [{**r, **_drift_keys(cfg, drift)} for r in multi_rows]
     return _conclude(cfg, rows, run_dir, profiles,
                      {"notes": notes, "drift": drift.as_dict() if drift else None},
                      started, distributions)
@@ -289,15 +289,21 @@ def validate(cfg: Config) -> dict:
 
 def _drift(cfg: Config, profiles: Any, run_dir: Path) -> tuple[Any, Any]:
     """This host's decode step against the hardware profile's, before anything is compared
-    (kvsim.model.host): (the profiles to use, the Drift or None with drift.action=off). A
-    rescaled profile is written under run_dir/profiles-rescaled and used by both engines
-    (it is also the emulator's timing model in the multi-request case); refuse raises
-    kvsim.calibrate.host_probe.DriftRefused."""
+    (kvsim.model.host): (the profiles to use, the Drift or None: drift.action=off, or
+    profiles calibrated by this run, calibrate=true). A rescaled profile is written under
+    run_dir/profiles-rescaled and used by both engines (it is also the emulator's timing
+    model in the multi-request case); refuse raises kvsim.calibrate.host_probe.DriftRefused."""
     from dataclasses import replace
 
     from kvsim.calibrate.host_probe import check_drift
 
     if cfg.drift.action == "off":
+        return profiles, None
+    if cfg.calibrate:
+        # profiles measured minutes ago by this process on this host: nothing has drifted
+        # that a probe could tell from its own noise (two probes of one host minutes apart
+        # landed 11.7% apart, and rescaling by that made every decode-bound metric late)
+        _say("host: profiles calibrated in this run, on this host: no drift probe")
         return profiles, None
     drift = check_drift(profiles.hardware, cfg.model, cfg.drift,
                         run_dir / "profiles-rescaled", force=True)
@@ -308,9 +314,14 @@ def _drift(cfg: Config, profiles: Any, run_dir: Path) -> tuple[Any, Any]:
     return profiles, drift
 
 
-def _drift_keys(drift: Any) -> dict:
-    """A comparison row's record of the host check (as kvsim sim's rows: Drift.row_keys)."""
-    return {"hardware_drift": "off"} if drift is None else drift.row_keys()
+def _drift_keys(cfg: Config, drift: Any) -> dict:
+    """A comparison row's record of the host check (as kvsim sim's rows: Drift.row_keys):
+    "calibrated_in_run" where the profiles were made by this run (not probed), "off" where
+    drift.action=off."""
+    if drift is not None:
+        return drift.row_keys()
+    return {"hardware_drift": "calibrated_in_run" if cfg.calibrate and
+            cfg.drift.action != "off" else "off"}
 
 
 def _resimulate(cfg: Config) -> dict:
