@@ -133,8 +133,8 @@ def test_sweep_table_follows_the_grid_and_a_rerun_computes_nothing(tmp_path, cap
 
 def test_interrupted_sweep_resumes_with_only_the_missing_points(tmp_path):
     sweep_dir = tmp_path / "i"
-    # six points of ~2 s each (1,500 Poisson requests per codec: one Table 1 request takes
-    # milliseconds), one at a time, so that an interrupt sent after the first lands mid-sweep
+    # six points of ~10 s each (1,500 Poisson requests per codec), one at a time, so that an
+    # interrupt sent after the first lands mid-sweep
     args = [sys.executable, "-m", "kvsim", "sweep", "scenario=table1-qwen32b-16k",
             "codecs=[int8,lynx]", "samples=1", "workload=bench-10k", "workload.requests=1500",
             "workload.context_tokens=8192,16384,24576",
@@ -167,6 +167,37 @@ def test_interrupted_sweep_resumes_with_only_the_missing_points(tmp_path):
     assert f"{done_first} already done, {6 - done_first} to run" in rerun.stderr
     assert len(list(points.glob("*.json"))) == 6
     assert pd.read_parquet(sweep_dir / "sweep.parquet")["point"].nunique() == 6
+
+
+class _InterruptInFinalizer:
+    """Ctrl-C landing while the garbage collector runs a finalizer: the KeyboardInterrupt is
+    raised there, printed and swallowed by Python."""
+
+    def __del__(self) -> None:
+        signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_an_interrupt_a_point_swallowed_stops_the_sweep_at_the_next(tmp_path, monkeypatch,
+                                                                   capsys):
+    from kvsim.commands import sim
+
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    run = sim.run
+
+    def swallowing(cfg):
+        rows = run(cfg)
+        _InterruptInFinalizer()  # collected at once: the point itself finishes
+        return rows
+
+    monkeypatch.setattr(sim, "run", swallowing)
+    sweep_dir = tmp_path / "s"
+    rc = main(["sweep", *BASE, "link.bandwidth_gbps=10,25,50", "hydra/launcher=basic",
+               f"hydra.sweep.dir={sweep_dir}"])
+    assert rc == 130 and "kvsim: interrupted" in capsys.readouterr().err
+    assert len(list((sweep_dir / "points").glob("*.json"))) == 1  # the next two never began
+    assert pd.read_parquet(sweep_dir / "sweep.parquet")["point"].nunique() == 1
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # latch removed
 
 
 def test_scenario_grid_runs_and_a_command_line_key_wins(tmp_path, capsys):

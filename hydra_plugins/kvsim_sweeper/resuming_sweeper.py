@@ -21,6 +21,7 @@ from kvsim.cli.sweep import (
     _locked,
     _write_atomic,
     config_fingerprint,
+    interrupt_latch,
     newest_input_mtime,
     prepare_worker,
     print_summary,
@@ -128,8 +129,9 @@ class ResumingSweeper(BasicSweeper):
             if missing:
                 if warming is not None:
                     warming.wait()
-                results = list(self.launcher.launch(
-                    missing, initial_job_idx=_next_job_number(sweep_dir)))
+                with interrupt_latch():
+                    results = list(self.launcher.launch(
+                        missing, initial_job_idx=_next_job_number(sweep_dir)))
         finally:  # interrupted too: the table holds every point that finished
             stale = missing or not table.is_file() or \
                 table.stat().st_mtime < newest_input_mtime(sweep_dir)

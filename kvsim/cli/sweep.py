@@ -41,7 +41,9 @@ import fcntl
 import hashlib
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -63,6 +65,43 @@ TABLE_IMPORTS = ("pandas", "pyarrow.parquet")  # the merged table's writer (writ
 
 class SweepFailed(CompactHydraException):
     pass
+
+
+# Ctrl-C while a point runs raises KeyboardInterrupt wherever the interpreter is; raised inside
+# a finalizer (a suspended simulator process closed by the garbage collector, a __del__)
+# Python prints it and carries on, and the sweep would run its remaining points. While a
+# sweep launches its jobs, a latch keeps the signal, so that the next point refuses to start.
+_interrupted = False
+
+
+def _latch_interrupt(signum: int, frame: Any) -> None:
+    global _interrupted
+    _interrupted = True
+    signal.default_int_handler(signum, frame)  # KeyboardInterrupt here, as without the latch
+
+
+@contextlib.contextmanager
+def interrupt_latch() -> Iterator[None]:
+    """While the sweeper launches its jobs: SIGINT is remembered as well as raised (in the
+    main thread, where Python's own handler is in place; elsewhere nothing changes)."""
+    global _interrupted
+    _interrupted = False
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    signal.signal(signal.SIGINT, _latch_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def stop_if_interrupted() -> None:
+    """Raise KeyboardInterrupt when SIGINT arrived during an earlier point of this sweep,
+    whether or not it stopped that point (interrupt_latch)."""
+    if _interrupted:
+        raise KeyboardInterrupt
 
 
 def prepare_worker(module: str, prepare: str | None) -> int:
@@ -271,9 +310,11 @@ def run_point(run: Callable[[Any], list[dict]], typed: Any, plain: dict,
     """One job of a resumable sweep (called inside the Hydra job): unless its resolved
     config's point exists, run the command with its printed output going to <job
     dir>/output.txt and write points/<key>.json; leave the job's marker; rewrite the merged
-    table when it is older than TABLE_EVERY_S; say how far the sweep is."""
+    table when it is older than TABLE_EVERY_S; say how far the sweep is. A Ctrl-C that an
+    earlier point swallowed stops the sweep here (stop_if_interrupted)."""
     from hydra.core.hydra_config import HydraConfig
 
+    stop_if_interrupted()
     hc = HydraConfig.get()
     sweep_dir = Path(hc.sweep.dir)
     job_dir = Path(hc.runtime.output_dir)
