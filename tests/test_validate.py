@@ -1,14 +1,18 @@
-"""CI's fidelity gate: `kvsim validate grid=quick calibrate=true fail_on_target=true` calibrates
-this machine, runs the quick scenarios emulated (real transport, real SmolLM2) and simulated,
-and fails when the mean absolute error is above its target (5%). About 6 minutes; needs the
-SmolLM2 weights (`kvsim model fetch`, done by `make test`).
+"""CI's fidelity gate: `kvsim validate grid=quick calibrate=true step_from_scenario=true
+fail_on_target=true` calibrates this machine, runs the quick scenarios emulated (real
+transport, real SmolLM2) and simulated, and fails when the mean absolute error is above its
+target (5%). About 4 minutes; needs the SmolLM2 weights (`kvsim model fetch`, done by `make
+test`).
 
 On this shared 2-core machine the real decode step itself moves by ~10% between 5-second
 windows (measured in one process: 5-second means of 75.6-94.7 ms at 1024 tokens within two
-minutes), the size of the target on decode-dominated metrics: the quick grid emulates each
-codec three times, interleaved (repeated runs of TT64T landed up to 23% apart), and a run
-that still misses the mean target is repeated once, with a fresh calibration; the gate
-fails only if both miss."""
+minutes), and a step calibrated three minutes before a scenario landed 4-27% from the
+scenario's own: the gate takes each scenario's step level from its own measured steps
+(step_from_scenario), so it gates the model (transfer, dequantization, first step, drafting,
+verification, batching) and not the host's speed that minute. The calibrated step's own
+error is still checked, loosely: beyond 40% the calibration is broken, not noisy. A run that
+misses the mean target is repeated once, with a fresh calibration; the gate fails only if
+both miss."""
 
 from __future__ import annotations
 
@@ -24,8 +28,8 @@ from kvsim.transport.session import weights_available
 
 
 def _quick_validation(run_dir: Path) -> tuple[int, dict]:
-    rc = main(["validate", "grid=quick", "calibrate=true", "fail_on_target=true",
-               f"hydra.run.dir={run_dir}"])
+    rc = main(["validate", "grid=quick", "calibrate=true", "step_from_scenario=true",
+               "fail_on_target=true", f"hydra.run.dir={run_dir}"])
     doc = json.loads((run_dir / "fidelity.json").read_text())
     s = doc["summary"]
     # the gate (rc) and the numbers it is made of agree; every comparison has a number
@@ -35,6 +39,10 @@ def _quick_validation(run_dir: Path) -> tuple[int, dict]:
     # profiles calibrated by this run are used as measured, not rescaled by a probe
     assert {r["hardware_drift"] for r in doc["rows"]} == {"calibrated_in_run"}
     assert not (run_dir / "profiles-rescaled").exists()
+    single = [r for r in doc["rows"] if r["case"] == "single"]
+    assert {r["step_level_from"] for r in single} == {"scenario"}
+    # the calibrated step against the scenario's (seen: 4-27% on this host)
+    assert s["step_max_abs_pct_error"] < 40.0, s["step_max_abs_pct_error"]
     assert (rc == 0) == (s["mean_abs_pct_error"] <= s["target_mean_abs_pct"])
     assert (run_dir / "fidelity.png").is_file() and (run_dir / "fidelity.md").is_file()
     report = json.loads((run_dir / "report.json").read_text()) if rc == 0 else None

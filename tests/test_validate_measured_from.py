@@ -285,3 +285,37 @@ def test_per_request_comparisons_are_kept_and_recomputed(tmp_path, monkeypatch, 
     redone = json.loads((again / "fidelity.json").read_text())["distributions"]
     assert [(d["codec"], d["metric"], d["measured_s"], d["mape_pct"]) for d in redone] == \
         [(d["codec"], d["metric"], d["measured_s"], d["mape_pct"]) for d in saved]
+
+
+def test_the_step_level_taken_from_the_scenario(tmp_path, monkeypatch, no_emulation):
+    """step_from_scenario=true: a quick validation whose "emulator" is the simulator with a
+    50 ms decode step: the compared simulation is scaled to that step at the scenario's mid
+    context, the rows keep the calibrated step (its own error) and say where the level came
+    from; measured_from= gives every value again."""
+    from kvsim.fidelity import runner
+
+    def emulated(common):
+        sim = ["scenario=none", *[o for o in common if not o.startswith("transport.")],
+               "deserializer=on_arrival", "samples=2"]
+        return [{**r, "tpot_s": 0.05} for r in runner.simulate(sim)]
+
+    monkeypatch.setattr(runner, "emulate_rows", emulated)
+    first, again = tmp_path / "first", tmp_path / "again"
+    assert main(["validate", "grid=quick", "step_from_scenario=true", "samples=2",
+                 "drift.action=off", f"hydra.run.dir={first}"]) == 0
+    assert main(["validate", f"measured_from={first}", "samples=2",
+                 f"hydra.run.dir={again}"]) == 0
+    rows = [json.loads((d / "fidelity.json").read_text())["rows"] for d in (first, again)]
+    single = [r for r in rows[0] if r["case"] == "single"]
+    assert single and {r["step_level_from"] for r in single} == {"scenario"}
+    assert {r["step_probe_s"] for r in single} == {0.05}
+    assert {r["step_probe_context_tokens"] for r in single} == {1024 + 64 // 2}
+    # the calibrated step (SmolLM2's shipped profile: ~55-60 ms at 1024 tokens), not 50 ms
+    assert all(r["tpot_simulated_s"] > 0.051 for r in single)
+    assert all(r["step_scale"] < 0.95 for r in single)
+    fields = ("simulated_s", "tpot_simulated_s", "step_scale")
+    assert [(_key(r), *(r.get(f) for f in fields)) for r in rows[0]] == \
+        [(_key(r), *(r.get(f) for f in fields)) for r in rows[1]]
+    with pytest.raises(ValueError, match="choose one"):
+        from kvsim.fidelity.validation import Config
+        Config(model=None, step_probe_steps=24, step_from_scenario=True)

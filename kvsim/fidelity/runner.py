@@ -81,6 +81,12 @@ def run_pair(common: list[str], sim: list[str],
              log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)
              ) -> tuple[list[dict], list[dict]]:
     """(emulated rows, simulated rows) of one scenario, one row per codec each."""
+    return emulate_rows(common), simulate(sim)
+
+
+def emulate_rows(common: list[str]) -> list[dict]:
+    """The emulated rows of one scenario (`kvsim emulate` with these overrides), one per
+    codec (repeats aggregated); raises if a request did not finish."""
     from kvsim.core.compose import compose
     from kvsim.transport.config import EmulateConfig
     from kvsim.transport.emulate import emulate
@@ -92,7 +98,7 @@ def run_pair(common: list[str], sim: list[str],
     if failed:
         raise RuntimeError(f"emulated run failed ({' '.join(common)}): "
                            f"{failed[0].get('status')}: {failed[0].get('error')}")
-    return measured, simulate(sim)
+    return measured
 
 
 def simulate(sim: list[str]) -> list[dict]:
