@@ -51,6 +51,9 @@ class Config:
     codecs: list[Any] = field(default_factory=lambda: ["bf16", "int8", "int4", "lynx"])
     codec_context_tokens: int = 2048  # the real KV codecs are timed on (one of contexts)
     threads: int = 1  # torch threads, as transport.threads (each process of a transfer)
+    # the calibration transfers' sender and decode host on CPUs of their own
+    # (transport.split_cpus: kvsim.transport.cpus); the profiles are then for such runs
+    split_cpus: bool = False
     text_source: str = "stdlib-docs"  # the real text of the calibration prompts
     seed: int = 1009  # the calibration prompts' text seed (validation prompts use others)
     # time the receiver's loads and decode step on a calibration transfer (and the draft
@@ -197,6 +200,7 @@ def calibrate(cfg: Config) -> list[dict]:
         measured = receiver_loads(cfg.model.name, list(cfg.codecs),
                                   cfg.receiver_context_tokens, cfg.seed, cfg.text_source,
                                   repeats=cfg.receiver_repeats, threads=cfg.threads,
+                                  split_cpus=cfg.split_cpus,
                                   dequantize=cfg.dequantize, keep_rows=main_rows)
         fit_ctx = cfg.fit_context_tokens if cfg.dequantize == "on_arrival" else 0
         fit = None
@@ -207,7 +211,8 @@ def calibrate(cfg: Config) -> list[dict]:
             # prompts of their own (emulate seeds request i's text at seed + i)
             fit = receiver_loads(cfg.model.name, list(cfg.codecs), fit_ctx, cfg.seed + 10_000,
                                  cfg.text_source, repeats=cfg.receiver_repeats,
-                                 threads=cfg.threads, dequantize=cfg.dequantize)
+                                 threads=cfg.threads, dequantize=cfg.dequantize,
+                                 split_cpus=cfg.split_cpus)
         apply_receiver_timing(measured, hw_doc, timing_doc, cfg.receiver_context_tokens,
                               cfg.dequantize, fit, fit_ctx)
         steps = hw_doc["receiver_step_ratio"]
@@ -348,6 +353,7 @@ def _link_draft_step(cfg: Config, emulation: str, say, hw_doc: dict, main_rows: 
         measured = receiver_loads(cfg.model.name, split, cfg.receiver_context_tokens,
                                   cfg.seed + 20_000, cfg.text_source,
                                   repeats=cfg.receiver_repeats, threads=cfg.threads,
+                                  split_cpus=cfg.split_cpus,
                                   dequantize=cfg.dequantize, emulation=emulation,
                                   first_step_extra_s=extra_s, keep_rows=rows)
         draft = draft_step_doc(measured, cfg.receiver_context_tokens,
@@ -362,7 +368,7 @@ def _link_draft_step(cfg: Config, emulation: str, say, hw_doc: dict, main_rows: 
         "slowdown with the arrival rate")
     receiver_loads(cfg.model.name, split, cfg.receiver_context_tokens, cfg.seed + 30_000,
                    cfg.text_source, bandwidth_gbps=cfg.draft_fit_rate_gbps,
-                   repeats=cfg.receiver_repeats, threads=cfg.threads,
+                   repeats=cfg.receiver_repeats, threads=cfg.threads, split_cpus=cfg.split_cpus,
                    dequantize=cfg.dequantize, emulation=emulation,
                    first_step_extra_s=extra_s, keep_rows=rows)
     windows = draft_ingest.windows_from_rows(rows)

@@ -88,7 +88,8 @@ def receiver_loads(model: str, codecs: list[Any], context_tokens: int, seed: int
                    repeats: int = 3,
                    threads: int = 1, dequantize: str = "on_arrival",
                    emulation: str = "token_bucket", first_step_extra_s: float | None = None,
-                   keep_rows: list[dict] | None = None) -> dict[str, dict[str, float]]:
+                   keep_rows: list[dict] | None = None, split_cpus: bool = False
+                   ) -> dict[str, dict[str, float]]:
     """codec label -> {"decode_gb_per_s": every stream, "anchor_decode_gb_per_s": stream 0
     (split-stream codecs whose anchor was loaded alone), "tpot_s", "first_step_s",
     "encode_gb_per_s" (the sender's encoder, FIN's encode_work_s), "draft_step_ratio"
@@ -117,7 +118,7 @@ def receiver_loads(model: str, codecs: list[Any], context_tokens: int, seed: int
                  f"link.bandwidth_gbps={bandwidth_gbps}", f"transport.emulation={emulation}",
                  "transport.decode=real", "transport.kv_source=live",
                  f"transport.text_source={text_source}", f"transport.threads={threads}",
-                 f"transport.dequantize={dequantize}",
+                 f"transport.dequantize={dequantize}", f"transport.split_cpus={split_cpus}",
                  # the repeats' one prompt is prefilled once (its time is not used here)
                  "transport.reuse_prefill=true",
                  "workload=emulated", f"workload.context_tokens={context_tokens}",

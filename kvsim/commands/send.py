@@ -20,6 +20,10 @@ def run(cfg: EmulateConfig) -> dict:
     from kvsim.transport import session
     from kvsim.transport.emulate import failures, send_all
 
+    if cfg.transport.cpus:  # before any thread starts: every later one inherits the set
+        from kvsim.transport.cpus import parse_cpus, pin
+
+        pin(parse_cpus(cfg.transport.cpus))
     rows = send_all(cfg)
     session.print_rows(rows)
     return {"rows": rows, "failed": failures(rows)}

@@ -6,6 +6,7 @@ the rows so far, as does SIGTERM."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -27,6 +28,10 @@ def run(cfg: EmulateConfig) -> list[dict]:
     from kvsim.transport.receiver import Receiver
 
     cfg.validate()
+    if cfg.transport.cpus:  # before any thread starts: every later one inherits the set
+        from kvsim.transport.cpus import parse_cpus, pin
+
+        pin(parse_cpus(cfg.transport.cpus))
     retain_freed_memory("serve")  # before threads start: one arena, memory kept
     torch.set_num_threads(cfg.transport.threads)
     mode = session.decode_mode(cfg)
@@ -61,6 +66,10 @@ def run(cfg: EmulateConfig) -> list[dict]:
         rows = rx.rows
     finally:
         metrics.close()
+    if cfg.transport.cpus:  # where the decode side ran (transport.split_cpus / cpus)
+        from kvsim.transport.cpus import format_cpus
+
+        rows = [{**r, "decode_cpus": format_cpus(os.sched_getaffinity(0))} for r in rows]
     session.print_rows(rows)
     if rx.refused:
         print(f"refused by code: {dict(rx.refused)}", file=sys.stderr)

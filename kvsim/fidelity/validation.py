@@ -111,6 +111,9 @@ class Config:
     # "decode step" line). CI's gate uses it (a step calibrated three minutes earlier
     # landed 4-27% from the scenario's on this host)
     step_from_scenario: bool = False
+    # the emulated transfers' sender and decode host on CPUs of their own, calibration's too
+    # (transport.split_cpus, kvsim.transport.cpus); a saved run's setting is in its config
+    split_cpus: bool = False
     ks: list[int] = field(default_factory=lambda: [32, 64])  # TT<k>T compared (with TTFT)
     acceptance: str = "smollm2-135m-lynx-s1-greedy"  # the simulator's acceptance curve
     samples: int = 16  # simulator runs averaged per single-request row (acceptance draws)
@@ -204,7 +207,7 @@ def _calibrate(cfg: Config, root: Path, name: str, emulations: list[str]) -> Non
                     # no fit and the one step ratio applies flat)
                     receiver_context_tokens=max(grid),
                     receiver_fit_context_tokens=min(grid) if min(grid) < max(grid) else -1,
-                    out_dir=str(root), overwrite=True)
+                    out_dir=str(root), overwrite=True, split_cpus=cfg.split_cpus)
     _say(f"calibrating into {root} (prompts, decode steps, codecs, links)")
     calibrate(cal)
 
@@ -269,7 +272,7 @@ def validate(cfg: Config) -> dict:
         emulated = scenario_overrides(cfg.model.name, emulation, rate,
                                       [c for _ in range(cfg.repeats) for c in cfg.codecs],
                                       workload, list(cfg.ks), profiles) + \
-            ["transport.reuse_prefill=true"]
+            ["transport.reuse_prefill=true", f"transport.split_cpus={cfg.split_cpus}"]
         common = scenario_overrides(cfg.model.name, emulation, rate, cfg.codecs, workload,
                                     list(cfg.ks), profiles)
         sim = sim_overrides(common, profiles, cfg.acceptance, cfg.samples)
@@ -420,12 +423,17 @@ def _resimulate(cfg: Config) -> dict:
                                         workload, list(cfg.ks), profiles)
             sim = sim_overrides(common, profiles, cfg.acceptance, cfg.samples)
             probe_s = saved_rows[0].get("step_probe_s")  # s, or absent (no probe)
+            source = str(saved_rows[0].get("step_level_from") or "probe")
+            probe_ctx = saved_rows[0].get("step_probe_context_tokens")
+            if cfg.step_from_scenario:  # asked of this re-simulation: the saved steps' level
+                probe_s = _scenario_step_s(  # one step per codec
+                    [{"tpot_s": t} for t in {str(r["codec"]): r.get("tpot_measured_s")
+                                             for r in saved_rows}.values()], scenario)
+                source, probe_ctx = "scenario", _mid_context(ctx, saved.output_tokens)
             probed: dict[str, Any] = {}
             if isinstance(probe_s, (int, float)) and probe_s > 0:  # applied to these profiles
-                source = str(saved_rows[0].get("step_level_from") or "probe")
                 if source == "scenario":  # the calibrated step's own error, as measured
                     calibrated = {str(r["codec"]): r for r in simulate(sim)}
-                probe_ctx = saved_rows[0].get("step_probe_context_tokens")
                 sim, probed = _probed(sim, profiles,
                                       probe_ctx if isinstance(probe_ctx, int) else ctx,
                                       probe_s, run_dir, scenario,
@@ -720,7 +728,8 @@ def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path
         # (percentiles of other arrival draws are not the same quantity)
         sim, requests_path = _with_request_log(
             sim_overrides(common, profiles, cfg.acceptance, 1), run_dir, name)
-        measured, simulated = run_pair(common, sim)
+        measured, simulated = run_pair(common + [f"transport.split_cpus={cfg.split_cpus}"],
+                                       sim)
         _keep(run_dir, name, {"measured": measured, "simulated": simulated})
         sim_by = by_codec(simulated)
         for codec, row in by_codec(measured).items():

@@ -66,6 +66,10 @@ class TransportConfig:
     # One request at a time only (workload.kind=single): a validation's repeats
     reuse_prefill: bool = False
     threads: int = 1  # torch threads per process (sender and receiver share the cores)
+    # kvsim emulate: the sender on the first half of this process's CPUs, the decode host on
+    # the rest, as a disaggregated deployment gives each side its own (kvsim.transport.cpus)
+    split_cpus: bool = False
+    cpus: str = ""  # kvsim serve / send: pin this process to these CPUs ("1", "0-3,6"; "": all)
     max_requests: int = 0  # kvsim serve: exit after this many requests (0: until Ctrl-C)
     idle_exit_s: float = 0.0  # kvsim serve: exit after this long with nothing to do (0: never)
     endpoint_file: str = ""  # kvsim serve: write the bound endpoint here (for scripts)
@@ -99,6 +103,9 @@ class TransportConfig:
         for key in ("port", "metrics_port"):
             if not 0 <= getattr(self, key) < 65536:
                 raise ValueError(f"transport.{key} must be in 0..65535, got {getattr(self, key)}")
+        from kvsim.transport.cpus import parse_cpus
+
+        parse_cpus(self.cpus)  # a malformed list fails here, before anything starts
         if self.max_memory_bytes < 0:
             raise ValueError(f"transport.max_memory_bytes must be >= 0 (0: half of this host's "
                              f"memory), got {self.max_memory_bytes}")

@@ -139,22 +139,37 @@ def emulate(cfg: EmulateConfig) -> list[dict]:
         port = t.port or _free_port()
         if t.emulation == "tc":
             return _emulate_tc(cfg, tmp, port, n_requests, endpoint_file, rx_report)
+        tx_cpus, rx_cpus = _split(cfg)
         rx_cfg = dataclasses.replace(cfg, transport=dataclasses.replace(
             t, bind=f"tcp://127.0.0.1:{port}", max_requests=n_requests,
-            endpoint_file=str(endpoint_file)))
+            endpoint_file=str(endpoint_file), cpus=rx_cpus))
         tx_cfg = dataclasses.replace(cfg, transport=dataclasses.replace(
             t, connect=f"tcp://127.0.0.1:{port}"))
         serve = popen(_child("serve", rx_cfg, tmp, rx_report),
-                      stdout=subprocess.DEVNULL, env=_env())
+                      stdout=subprocess.DEVNULL, env=_env(rx_cpus))
+        before = None
         try:
             _wait_listening(serve, endpoint_file, t.start_timeout_s)
+            if tx_cpus:  # this process sends: pinned for the transfer, put back after it
+                from kvsim.transport.cpus import parse_cpus, pin
+
+                before = pin(parse_cpus(tx_cpus))
             # the decode host's metrics on metrics_port, the sender's on the next port
             sent = send_all(tx_cfg, t.metrics_port + 1 if t.metrics_port else 0)
             _wait_or_stop(serve, t.timeout_s + 10)
         finally:
+            if before is not None:
+                from kvsim.transport.cpus import pin
+
+                pin(before)
             stop(serve)
         rows = _rows(rx_report) if rx_report.is_file() else []
-        return _merge(rows, sent)
+        return _with_send_cpus(_merge(rows, sent), tx_cpus)
+
+
+def _with_send_cpus(rows: list[dict], cpus: str) -> list[dict]:
+    """Every row names the sender's CPUs where it was pinned (transport.split_cpus)."""
+    return [{**r, "send_cpus": cpus} for r in rows] if cpus else rows
 
 
 def _emulate_tc(cfg: EmulateConfig, tmp: Path, port: int, n_requests: int,
@@ -169,21 +184,22 @@ def _emulate_tc(cfg: EmulateConfig, tmp: Path, port: int, n_requests: int,
     spec = NetemSpec(cfg.link.bandwidth_gbps / k, t.delay_ms * k, t.jitter_ms * k, t.loss_pct)
     # the veth pair joins only this run's two namespaces: plain TCP needs no keys there
     private = not t.keys or t.insecure
+    tx_cpus, rx_cpus = _split(cfg)
     with shaped_link(spec) as link:
         rx_cfg = dataclasses.replace(cfg, transport=dataclasses.replace(
             t, bind=f"tcp://{link.receiver_addr}:{port}", max_requests=n_requests,
-            endpoint_file=str(endpoint_file), insecure=private))
+            endpoint_file=str(endpoint_file), insecure=private, cpus=rx_cpus))
         tx_cfg = dataclasses.replace(cfg, transport=dataclasses.replace(
             t, connect=f"tcp://{link.receiver_addr}:{port}", insecure=private,
-            metrics_port=t.metrics_port + 1 if t.metrics_port else 0))
+            metrics_port=t.metrics_port + 1 if t.metrics_port else 0, cpus=tx_cpus))
         tx_report = tmp / "send-report.json"
         serve = send = None
         try:
             serve = popen(link.argv_in("receiver", _child("serve", rx_cfg, tmp, rx_report)),
-                          stdout=subprocess.DEVNULL, env=_env())
+                          stdout=subprocess.DEVNULL, env=_env(rx_cpus))
             _wait_listening(serve, endpoint_file, t.start_timeout_s)
             send = popen(link.argv_in("sender", _child("send", tx_cfg, tmp, tx_report)),
-                         stdout=subprocess.DEVNULL, env=_env())
+                         stdout=subprocess.DEVNULL, env=_env(tx_cpus))
             send.wait(timeout=n_requests * (t.timeout_s + 300))
             _wait_or_stop(serve, t.timeout_s + 10)
         finally:
@@ -195,7 +211,7 @@ def _emulate_tc(cfg: EmulateConfig, tmp: Path, port: int, n_requests: int,
             raise RuntimeError(f"transport.emulation=tc: neither end reported (kvsim send "
                                f"exited with {send.returncode}, kvsim serve with "
                                f"{serve.returncode}); their errors are above")
-        return _merge(rows, sent)
+        return _with_send_cpus(_merge(rows, sent), tx_cpus)
 
 
 def _merge(rx_rows: list[dict], tx_rows: list[dict]) -> list[dict]:
@@ -204,8 +220,25 @@ def _merge(rx_rows: list[dict], tx_rows: list[dict]) -> list[dict]:
     return rx_rows + [r for r in tx_rows if r.get("request_id") not in have]
 
 
-def _env() -> dict:
+def _env(cpus: str = "") -> dict:
+    """A child's environment: offline model hubs; pinned to `cpus`, numba's pool as large
+    as its share (read when numba is imported, before the pin)."""
     env = dict(os.environ)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if cpus:
+        from kvsim.transport.cpus import parse_cpus
+
+        env["NUMBA_NUM_THREADS"] = str(len(parse_cpus(cpus)))
     return env
+
+
+def _split(cfg: EmulateConfig) -> tuple[str, str]:
+    """(the sender's CPUs, the decode host's) as transport.cpus lists; ("", "") unless
+    transport.split_cpus."""
+    if not cfg.transport.split_cpus:
+        return "", ""
+    from kvsim.transport.cpus import format_cpus, halves
+
+    tx, rx = halves()
+    return format_cpus(tx), format_cpus(rx)
