@@ -85,16 +85,17 @@ def interrupt_latch() -> Iterator[None]:
     """While the sweeper launches its jobs: SIGINT is remembered as well as raised (in the
     main thread, where Python's own handler is in place; elsewhere nothing changes)."""
     global _interrupted
-    _interrupted = False
     if threading.current_thread() is not threading.main_thread() or \
             signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         yield
         return
-    signal.signal(signal.SIGINT, _latch_interrupt)
+    _interrupted = False
     try:
+        signal.signal(signal.SIGINT, _latch_interrupt)
         yield
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        _interrupted = False  # this sweep's; a later one in this process starts afresh
 
 
 def stop_if_interrupted() -> None:
