@@ -92,3 +92,16 @@ def test_emulate_runs_each_end_on_its_own_cpus(tmp_path):
     assert row["status"] == "done"
     assert (cpus.parse_cpus(row["send_cpus"]), cpus.parse_cpus(row["decode_cpus"])) == \
         (sender, receiver)
+
+
+@needs_pinning
+def test_pinned_puts_the_process_back_even_when_the_block_fails():
+    before = os.sched_getaffinity(0)
+    one = {min(before)}
+    with pytest.raises(RuntimeError, match="mid-transfer"):
+        with cpus.pinned(cpus.format_cpus(one)):
+            assert os.sched_getaffinity(0) == one
+            raise RuntimeError("mid-transfer")
+    assert os.sched_getaffinity(0) == before
+    with cpus.pinned(""):  # nothing asked: nothing changes
+        assert os.sched_getaffinity(0) == before

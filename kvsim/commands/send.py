@@ -18,12 +18,10 @@ Config = EmulateConfig
 
 def run(cfg: EmulateConfig) -> dict:
     from kvsim.transport import session
+    from kvsim.transport.cpus import pin_listed
     from kvsim.transport.emulate import failures, send_all
 
-    if cfg.transport.cpus:  # before any thread starts: every later one inherits the set
-        from kvsim.transport.cpus import parse_cpus, pin
-
-        pin(parse_cpus(cfg.transport.cpus))
+    pin_listed(cfg.transport.cpus)  # before any thread starts: every later one inherits it
     rows = send_all(cfg)
     session.print_rows(rows)
     return {"rows": rows, "failed": failures(rows)}

@@ -24,14 +24,12 @@ def run(cfg: EmulateConfig) -> list[dict]:
     import torch
 
     from kvsim.transport import session
+    from kvsim.transport.cpus import pin_listed
     from kvsim.transport.memory import retain_freed_memory
     from kvsim.transport.receiver import Receiver
 
     cfg.validate()
-    if cfg.transport.cpus:  # before any thread starts: every later one inherits the set
-        from kvsim.transport.cpus import parse_cpus, pin
-
-        pin(parse_cpus(cfg.transport.cpus))
+    pin_listed(cfg.transport.cpus)  # before any thread starts: every later one inherits it
     retain_freed_memory("serve")  # before threads start: one arena, memory kept
     torch.set_num_threads(cfg.transport.threads)
     mode = session.decode_mode(cfg)

@@ -54,7 +54,8 @@ def _list(items: list[Any]) -> str:
 
 
 def scenario_overrides(model: str, emulation: str, bandwidth_gbps: float, codecs: list[Any],
-                       workload: list[str], ks: list[int], profiles: Profiles) -> list[str]:
+                       workload: list[str], ks: list[int], profiles: Profiles,
+                       split_cpus: bool = False) -> list[str]:
     """The keys both engines read (`kvsim emulate` / `kvsim sim` overrides). The hardware
     profile is the emulator's timing model too (a modelled prefill, timing-model decode),
     and so is the link profile's draft step (the simulator's link is the profile's).
@@ -67,7 +68,7 @@ def scenario_overrides(model: str, emulation: str, bandwidth_gbps: float, codecs
             f"codecs={_list(codecs)}",
             f"metrics.ks={_list(sorted({1, *ks}))}",
             f"transport.emulation={emulation}", f"transport.dequantize={profiles.dequantize}",
-            *workload]
+            f"transport.split_cpus={split_cpus}", *workload]
 
 
 def sim_overrides(common: list[str], profiles: Profiles, acceptance: str, samples: int

@@ -271,12 +271,13 @@ def validate(cfg: Config) -> dict:
         # by every later request of it (the metrics are from prefill end)
         emulated = scenario_overrides(cfg.model.name, emulation, rate,
                                       [c for _ in range(cfg.repeats) for c in cfg.codecs],
-                                      workload, list(cfg.ks), profiles) + \
-            ["transport.reuse_prefill=true", f"transport.split_cpus={cfg.split_cpus}"]
+                                      workload, list(cfg.ks), profiles, cfg.split_cpus) + \
+            ["transport.reuse_prefill=true"]
         common = scenario_overrides(cfg.model.name, emulation, rate, cfg.codecs, workload,
                                     list(cfg.ks), profiles)
         sim = sim_overrides(common, profiles, cfg.acceptance, cfg.samples)
         probed: dict[str, Any] = {}
+        calibrated: dict[str, dict] | None = None  # the unscaled simulation, where scaled
         if probe is not None:  # the step's speed now (kvsim.fidelity.step_probe)
             sim, probed = _probed(sim, profiles, ctx, probe.step_s(ctx), run_dir, name)
         if cfg.step_from_scenario:
@@ -288,7 +289,6 @@ def validate(cfg: Config) -> dict:
             simulated = simulate(sim)
         else:
             measured, simulated = run_pair(emulated, sim)
-            calibrated = by_codec(simulated)
         _keep(run_dir, name, {"measured": measured, "simulated": simulated})
         sim_by = by_codec(simulated)
         for codec, m in by_codec(measured).items():
@@ -300,8 +300,8 @@ def validate(cfg: Config) -> dict:
                                              f"{m.get('proposed_tokens', 0) / n:.3g}",
                         "prefill_measured_s": m.get("prefill_s"),
                         # the decode step after the first (s/token): errors.step_error_pct
-                        "tpot_measured_s": m.get("tpot_s"), **_simulated_keys(s), **probed,
-                        "tpot_simulated_s": calibrated[codec].get("tpot_s"),
+                        "tpot_measured_s": m.get("tpot_s"),
+                        **_single_keys(s, probed, calibrated, codec),
                         **_drift_keys(cfg, drift)}
             rows += errors.compare(scenario, m, s, single)
     distributions: list[dict] = []
@@ -478,12 +478,9 @@ def _resimulate(cfg: Config) -> dict:
             if s is None:
                 raise ValueError(f"{report_path}: its {scenario} rows name codec {codec!r}, "
                                  f"which its config's codecs do not ({', '.join(simulated)})")
-            keys = {}
-            if case == "single":
-                keys = {**_simulated_keys(s), **probed}
-                if calibrated is not None:
-                    keys["tpot_simulated_s"] = calibrated[codec].get("tpot_s")
-            rows += errors.recompare(codec_rows, s, metrics, keys)
+            rows += errors.recompare(codec_rows, s, metrics,
+                                     _single_keys(s, probed, calibrated, codec)
+                                     if case == "single" else {})
     return _conclude(cfg, rows, run_dir, profiles, {
         "notes": notes, "measured_from": str(report_path),
         "measured_provenance": provenance}, started, distributions)
@@ -645,6 +642,17 @@ def _simulated_keys(s: dict) -> dict:
             "prefill_simulated_s": s.get("prefill_s"), "tpot_simulated_s": s.get("tpot_s")}
 
 
+def _single_keys(s: dict, probed: dict, calibrated: dict[str, dict] | None,
+                 codec: str) -> dict:
+    """A single-request row's simulated keys: _simulated_keys, the step level's keys
+    (_probed), and where the compared simulation was scaled to the scenario's own step, the
+    calibrated simulation's step as tpot_simulated_s (its own error)."""
+    keys = {**_simulated_keys(s), **probed}
+    if calibrated is not None:
+        keys["tpot_simulated_s"] = calibrated[codec].get("tpot_s")
+    return keys
+
+
 def _probed(sim: list[str], profiles: Any, ctx: int, probe_s: float, run_dir: Path,
             name: str, what: str = "step probe", source: str = "probe"
             ) -> tuple[list[str], dict[str, Any]]:
@@ -723,13 +731,12 @@ def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path
              f"({time.time() - started:.0f} s so far)")
         name = _multi_name(m.emulation, rate)
         common = scenario_overrides(cfg.model.name, m.emulation, m.bandwidth_gbps, m.codecs,
-                                    _multi_workload(m, rate), [], profiles)
+                                    _multi_workload(m, rate), [], profiles, cfg.split_cpus)
         # one sample: the emulator replays the arrivals of seed 0 and so must the simulator
         # (percentiles of other arrival draws are not the same quantity)
         sim, requests_path = _with_request_log(
             sim_overrides(common, profiles, cfg.acceptance, 1), run_dir, name)
-        measured, simulated = run_pair(common + [f"transport.split_cpus={cfg.split_cpus}"],
-                                       sim)
+        measured, simulated = run_pair(common, sim)
         _keep(run_dir, name, {"measured": measured, "simulated": simulated})
         sim_by = by_codec(simulated)
         for codec, row in by_codec(measured).items():

@@ -16,7 +16,9 @@ can pin its in-process sender for one transfer and put it back afterwards. Linux
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -80,3 +82,24 @@ def pin(cpus: set[int]) -> set[int]:
         except ProcessLookupError:  # a thread that ended meanwhile
             pass
     return before
+
+
+def pin_listed(text: str) -> None:
+    """`pin` to a CPU list as transport.cpus writes it; "" leaves this process as it is."""
+    if text:
+        pin(parse_cpus(text))
+
+
+@contextlib.contextmanager
+def pinned(text: str) -> Iterator[None]:
+    """Every thread of this process on the CPU list `text` while the block runs, then back
+    on the set it had ("": nothing changes)."""
+    if not text:
+        yield
+        return
+    before = os.sched_getaffinity(0)  # taken first: a pin that fails half-way is undone too
+    try:
+        pin(parse_cpus(text))
+        yield
+    finally:
+        pin(before)

@@ -147,25 +147,16 @@ def emulate(cfg: EmulateConfig) -> list[dict]:
             t, connect=f"tcp://127.0.0.1:{port}"))
         serve = popen(_child("serve", rx_cfg, tmp, rx_report),
                       stdout=subprocess.DEVNULL, env=_env(rx_cpus))
-        before = None
         try:
             _wait_listening(serve, endpoint_file, t.start_timeout_s)
-            if tx_cpus:  # this process sends: pinned for the transfer, put back after it
-                from kvsim.transport.cpus import parse_cpus, pin
+            from kvsim.transport.cpus import pinned
 
-                before = os.sched_getaffinity(0)  # (taken first: a pin that fails half-way)
-                pin(parse_cpus(tx_cpus))
-            # the decode host's metrics on metrics_port, the sender's on the next port
-            sent = send_all(tx_cfg, t.metrics_port + 1 if t.metrics_port else 0)
+            with pinned(tx_cpus):  # this process sends: pinned for the transfer only
+                # the decode host's metrics on metrics_port, the sender's on the next port
+                sent = send_all(tx_cfg, t.metrics_port + 1 if t.metrics_port else 0)
             _wait_or_stop(serve, t.timeout_s + 10)
         finally:
-            try:
-                if before is not None:
-                    from kvsim.transport.cpus import pin
-
-                    pin(before)
-            finally:
-                stop(serve)
+            stop(serve)
         rows = _rows(rx_report) if rx_report.is_file() else []
         return _with_send_cpus(_merge(rows, sent), tx_cpus)
 
