@@ -94,8 +94,11 @@ class _SplitBF16(BF16Codec):
         half = super().payload_bytes(shape)[0] // 2
         return np.stack([half, half])
 
+    def has_device_path(self, device, shape) -> bool:
+        return False  # encodes through _encode below
+
     def _encode(self, kv, shape):
-        (chunks,) = super()._encode(kv, shape)
+        (chunks,) = BF16Codec(self.params).encode(kv).streams
         return [[Chunk(s, c.layer, c.page, c.payload[1 - s :: 2].copy()) for c in chunks]
                 for s in (0, 1)]
 

@@ -524,7 +524,7 @@ def test_cpu_oscar_refuses_huge_values_like_the_reference():
 def test_decode_takes_adjacent_chunks_without_a_copy():
     """Chunks of a local encode are slices of one buffer: decode reads them in place; chunks
     from the wire (separate buffers) are joined; both decode the same."""
-    from kvsim.kernels.codec import concat_payloads
+    from kvsim.kernels.device_wire import concat_payloads
 
     kv = torch.randn(2, 2, 2, 70, 8).to(torch.bfloat16)
     c = codec(backend="cpu", page_tokens=32, chunk_tokens=8)

@@ -2,6 +2,8 @@
 
 payload of chunk (layer l, page p): kv[l, :, :, page tokens, :] as bf16, C-order
 [2, kv_heads, page_tokens, head_dim]. Input of another float dtype is rounded to bf16.
+Encode and decode are the device path on every device (Codec.encode_device): two strided
+copies between the cache and its wire buffer (full pages, then a shorter last page).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import numpy as np
 from kvsim.core.layout import KVShape
 from kvsim.core.lazy_module import lazy_module
 from kvsim.kernels.codec import Codec, CodecError, register
+from kvsim.kernels.device_wire import nonfinite_status, stream_buffers
 from kvsim.kernels.encoded import Chunk, Encoded
 
 if TYPE_CHECKING:
@@ -49,26 +52,52 @@ class BF16Codec(Codec):
         per_layer = tokens * (2 * shape.kv_heads * shape.head_dim * 2)
         return np.broadcast_to(per_layer, (1, shape.layers, pages)).copy()
 
+    def has_device_path(self, device: torch.device, shape: KVShape) -> bool:
+        """Two strided copies put the pages in wire order, on any device."""
+        return True
+
+    def _wire_views(self, flat: torch.Tensor, shape: KVShape
+                    ) -> list[tuple[torch.Tensor, slice]]:
+        """[(view of the bf16 wire buffer [layers, pages, 2, H, t, D], token slice)] for the
+        full pages and for a shorter last page."""
+        pt, (layers, _, heads, tokens, dim) = self.params.page_tokens, shape.dims
+        full, rest = tokens // pt, tokens % pt
+        per_layer = flat.view(layers, 2 * heads * tokens * dim)
+        out = []
+        if full:
+            view = per_layer[:, :full * 2 * heads * pt * dim]
+            out.append((view.view(layers, full, 2, heads, pt, dim), slice(0, full * pt)))
+        if rest:
+            view = per_layer[:, full * 2 * heads * pt * dim:]
+            out.append((view.view(layers, 1, 2, heads, rest, dim), slice(full * pt, tokens)))
+        return out
+
+    def _encode_device(self, kv: torch.Tensor, shape: KVShape
+                       ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        status = nonfinite_status(kv)
+        x = kv.detach().to(torch.bfloat16)
+        buf = torch.empty(2 * shape.numel, dtype=torch.uint8, device=kv.device)
+        for view, tokens in self._wire_views(buf.view(torch.bfloat16), shape):
+            pages = view.shape[1]
+            # kv[:, :, :, tokens] [L, 2, H, pages * t, D] -> [L, pages, 2, H, t, D]
+            view.copy_(x[:, :, :, tokens].unflatten(3, (pages, -1)).permute(0, 3, 1, 2, 4, 5))
+        return [buf], status
+
+    def _decode_device(self, buffers: list[torch.Tensor], shape: KVShape,
+                       dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(shape.dims, dtype=torch.bfloat16, device=buffers[0].device)
+        for view, tokens in self._wire_views(buffers[0].view(torch.bfloat16), shape):
+            pages = view.shape[1]
+            out[:, :, :, tokens].unflatten(3, (pages, -1)).copy_(view.permute(0, 2, 3, 1, 4, 5))
+        self._check_finite(out, self.params.page_tokens)
+        return out
+
     def _encode(self, kv: torch.Tensor, shape: KVShape) -> list[list[Chunk]]:
-        # Bytes of a bf16 tensor, reinterpreted as int16 so numpy can hold them.
-        raw = kv.detach().to("cpu", torch.bfloat16).view(torch.int16)
-        pt = self.params.page_tokens
-        chunks = []
-        for layer in range(shape.layers):
-            for page in range(self.num_pages(shape)):
-                block = raw[layer, :, :, page * pt : (page + 1) * pt, :].contiguous()
-                chunks.append(Chunk(0, layer, page, block.numpy().view(np.uint8).reshape(-1)))
-        return [chunks]
+        raise AssertionError("bf16 encodes through its device path")  # pragma: no cover
 
     def _decode(self, enc: Encoded, streams: int, device: torch.device) -> torch.Tensor:
-        shape, pt = enc.shape, enc.page_tokens
-        out = torch.empty(shape.dims, dtype=torch.bfloat16)
-        for (layer, page), payload in enc.payloads(0).items():
-            t0, t1 = page * pt, min((page + 1) * pt, shape.tokens)
-            block = torch.from_numpy(payload.copy().view(np.int16)).view(torch.bfloat16)
-            out[layer, :, :, t0:t1, :] = block.view(2, shape.kv_heads, t1 - t0, shape.head_dim)
-        self._check_finite(out, pt)
-        return out.to(device)
+        return self._decode_device(stream_buffers(enc, 1, torch.device(device)), enc.shape,
+                                   torch.bfloat16)
 
     def _check_finite(self, out: torch.Tensor, page_tokens: int) -> None:
         """The payload is the values themselves: refuse NaN / Inf bit patterns (one aminmax

@@ -27,6 +27,7 @@ import numpy as np
 from kvsim.core.layout import DTYPES, KVShape, check_finite
 from kvsim.core.lazy_module import lazy_module
 from kvsim.kernels import wire
+from kvsim.kernels.device_wire import DeviceWire
 from kvsim.kernels.encoded import Chunk, Encoded, SizeTable, preamble_meta
 
 if TYPE_CHECKING:
@@ -131,6 +132,8 @@ class Codec(ABC):
     # ---- encode / decode ------------------------------------------------------------
     def encode(self, kv: torch.Tensor) -> Encoded:
         """kv: [layers, 2, kv_heads, tokens, head_dim] in bf16/fp16/fp32, finite."""
+        if self.has_device_path(kv.device, KVShape.of(kv)):
+            return self.encode_device(kv).to_encoded()  # one copy per stream to the host
         shape = KVShape.of(kv)
         if not self._kernel_checks_finite(kv):
             check_finite(kv)
@@ -163,6 +166,55 @@ class Codec(ABC):
             out = self._decode_to(enc, n, torch.device(device) if device else
                                   torch.device("cpu"), dtype)
         return cast_finite(out, dtype)
+
+    # ---- the device path (kvsim.kernels.device_wire) --------------------------------
+    def has_device_path(self, device: torch.device, shape: KVShape) -> bool:
+        """True where this codec, as configured, encodes a cache of `shape` on `device` into
+        its wire buffers with a fixed number of kernel launches (encode_device / decode_device)."""
+        return False
+
+    def encode_device(self, kv: torch.Tensor, verify: bool = True) -> DeviceWire:
+        """kv [layers, 2, kv_heads, tokens, head_dim] -> its wire buffers on kv's device, the
+        bytes encode() gives (DeviceWire.to_encoded). verify=False leaves the input's checks
+        on the device (call DeviceWire.verify(kv) before using the bytes): nothing waits for
+        the device, so the encode can be timed alone and overlapped with copies."""
+        shape = KVShape.of(kv)
+        if not self.has_device_path(kv.device, shape):
+            raise CodecError(f"{self.label}: no device path for {shape.dims} on {kv.device} "
+                             "with these params")
+        self.check_shape(shape)
+        buffers, status = self._encode_device(kv, shape)
+        dw = DeviceWire(self.name, self.params_dict(), shape, self.page_tokens(shape),
+                        self.stream_names(), buffers, np.asarray(self.payload_bytes(shape)),
+                        status)
+        if verify:
+            dw.verify(kv)
+        return dw
+
+    def decode_device(self, buffers: list[torch.Tensor], shape: KVShape,
+                      dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Mirror of encode_device: the first len(buffers) streams' wire buffers (on the
+        device the result is wanted on; from encode_device, or from an Encoded that decode()
+        has checked, device_wire.stream_buffers) -> [layers, 2, kv_heads, tokens, head_dim]
+        in `dtype` (default: the encoded dtype), clamped to its finite range."""
+        if not buffers or not self.has_device_path(buffers[0].device, shape):
+            raise CodecError(f"{self.label}: no device path for these buffers")
+        if len(buffers) > self.num_streams:
+            raise CodecError(f"{self.label}: {len(buffers)} buffers for {self.num_streams} "
+                             "streams")
+        dtype = dtype or DTYPES[shape.dtype]
+        return cast_finite(self._decode_device(buffers, shape, dtype), dtype)
+
+    def _encode_device(self, kv: torch.Tensor, shape: KVShape
+                       ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """(wire buffer of each stream, status counters or None): see DeviceWire."""
+        raise NotImplementedError(f"{self.name} has no device path")
+
+    def _decode_device(self, buffers: list[torch.Tensor], shape: KVShape,
+                       dtype: torch.dtype) -> torch.Tensor:
+        """Reconstruct from the first len(buffers) streams' wire buffers; may return fp32
+        (decode_device casts)."""
+        raise NotImplementedError(f"{self.name} has no device path")
 
     def decode_layer(self, shape: KVShape, layer: int, chunks: list[list[Chunk]],
                      dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -323,31 +375,6 @@ def finite_bits(raw: np.ndarray, kind: str) -> bool:
         return True
     u = np.ascontiguousarray(raw).view(view)
     return int(np.bitwise_and(u, mask).max()) != mask
-
-
-def concat_payloads(parts: list[np.ndarray]) -> np.ndarray:
-    """Payloads (1-D uint8) -> one uint8 array of them end to end. Without a copy when they
-    already lie end to end in one buffer (chunks of a local encode are slices of the
-    kernel's output) and are writeable (torch.from_numpy warns otherwise), else
-    np.concatenate. For reading only: the result may alias the parts."""
-    if not parts:
-        return np.zeros(0, np.uint8)
-    first = parts[0]
-    if not first.flags.writeable:  # torch.from_numpy wants writeable arrays: copy those
-        return np.concatenate(parts)
-    addr, total = first.__array_interface__["data"][0], 0
-    for p in parts:
-        if (p.dtype != np.uint8 or p.ndim != 1 or not p.flags.c_contiguous
-                or p.__array_interface__["data"][0] != addr + total):
-            return np.concatenate(parts)
-        total += p.size
-    root = first
-    while isinstance(root.base, np.ndarray):
-        root = root.base
-    lo, hi = np.lib.array_utils.byte_bounds(root)
-    if not (lo <= addr and addr + total <= hi):  # pragma: no cover - adjacent but unrelated
-        return np.concatenate(parts)
-    return np.lib.stride_tricks.as_strided(first, shape=(total,), strides=(1,))
 
 
 def _is_index(x: object, n: int) -> bool:

@@ -182,8 +182,55 @@ def timing_doc_from_rows(rows: list[dict], hardware: str, command: str,
         if not {"codec", "encode_gbps", "decode_gbps"} <= set(row):
             raise ValueError(f"{where}: bench row lacks codec/encode_gbps/decode_gbps: "
                              f"{sorted(row)}")
-        codecs[row["codec"]] = {"encode_gb_per_s": row["encode_gbps"],
-                                "decode_gb_per_s": row["decode_gbps"], "source": "measured",
-                                "command": command, "device": row.get("device", "unknown"),
-                                "shape": row.get("shape")}
-    return {"version": FORMAT_VERSION, "hardware": hardware, "codecs": codecs}
+        entry = {"encode_gb_per_s": row["encode_gbps"], "decode_gb_per_s": row["decode_gbps"],
+                 "source": "measured", "command": command,
+                 "device": row.get("device", "unknown"), "shape": row.get("shape")}
+        if "kernel_encode_gbps" in row:  # the device path of a GPU (bench/device_codecs.py)
+            entry.update({
+                "encode_gb_per_s": row["kernel_encode_gbps"],
+                "decode_gb_per_s": row["kernel_decode_gbps"],
+                "timing": "device path, kernels alone (CUDA events)",
+                "device_name": row.get("device_name"),
+                **{key: row[key] for key in DEVICE_KEYS if key in row}})
+        codecs[row["codec"]] = entry
+    return {"version": FORMAT_VERSION, "hardware": hardware, "codecs": codecs,
+            "measured_with": measuring_stack()}
+
+
+# what a device-path timing entry keeps beside its kernel GB/s
+DEVICE_KEYS = ("encode_with_copy_gbps", "decode_with_copy_gbps", "d2d_copy_gbps",
+               "pinned_d2h_gbps", "kernel_encode_vs_d2d", "kernel_decode_vs_d2d",
+               "encode_with_copy_vs_pinned", "decode_with_copy_vs_pinned", "wire_bytes")
+
+
+def measuring_stack() -> dict:
+    """The software and the code a timing file was measured with: torch, Triton, the CUDA
+    runtime and driver where there is one, and the commit (git, or KVSIM_SOURCE_COMMIT for a
+    copied tree without its .git)."""
+    import os
+    import subprocess
+
+    import torch
+
+    from kvsim.core.report import git_state
+
+    stack: dict = {"torch": torch.__version__}
+    try:
+        import triton
+
+        stack["triton"] = triton.__version__
+    except ImportError:
+        stack["triton"] = None
+    if torch.cuda.is_available():
+        stack["cuda_runtime"] = torch.version.cuda
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,name",
+                                  "--format=csv,noheader"], capture_output=True, text=True,
+                                 timeout=10)
+            stack["driver"] = out.stdout.strip() or None
+        except (OSError, subprocess.TimeoutExpired):
+            stack["driver"] = None
+    git = git_state()
+    stack["commit"] = git.get("git_commit") or os.environ.get("KVSIM_SOURCE_COMMIT")
+    stack["git_dirty"] = git.get("git_dirty")
+    return stack

@@ -13,10 +13,10 @@ from kvsim.kernels.codec import (
     Codec,
     CodecError,
     cast_finite,
-    concat_payloads,
     finite_bits,
     register,
 )
+from kvsim.kernels.device_wire import nonfinite_status, stream_buffers
 from kvsim.kernels.encoded import Chunk, Encoded
 from kvsim.kernels.hadamard import check_hadamard_dim, hadamard
 from kvsim.kernels.lynx.format import (
@@ -133,30 +133,53 @@ class LynxCodec(Codec):
             return False
         return self.params.precondition == "oscar" or kv.dtype == torch.bfloat16
 
-    def _encode(self, kv: torch.Tensor, shape: KVShape) -> list[list[Chunk]]:
+    def _precondition(self, kv: torch.Tensor, backend: str
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the tensor the hierarchy quantizes, oscar's token scales or None)."""
         p = self.params
-        lay, tab = self.layout(shape), self.tables
-        backend = self._backend(kv.device, shape)
-        scales = None
         if p.precondition == "oscar" and backend == "cpu" and kv.device.type == "cpu":
             from kvsim.kernels.lynx import cpu as lynx_cpu
 
-            x, scales = lynx_cpu.oscar_forward_cpu(kv, p.oscar_targets)  # fused, same bits
-        elif p.precondition == "oscar":
-            x, scales = oscar_forward(kv.detach().to(torch.float32), p.oscar_targets,
-                                      _rotation(backend, kv.device))
-        else:
-            x = kv.detach()
+            return lynx_cpu.oscar_forward_cpu(kv, p.oscar_targets)  # fused, same bits
+        if p.precondition == "oscar":
+            return oscar_forward(kv.detach().to(torch.float32), p.oscar_targets,
+                                 _rotation(backend, kv.device))
+        return kv.detach(), None
+
+    def has_device_path(self, device: torch.device, shape: KVShape) -> bool:
+        """The Triton kernels (backend 'triton', or 'auto' on CUDA where they apply) write the
+        codes into the stream buffers; the metadata follows in a few strided copies."""
+        return self._backend(device, shape) == "triton"
+
+    def _encode_device(self, kv: torch.Tensor, shape: KVShape
+                       ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        from kvsim.kernels.lynx import triton as lynx_triton
+
+        status = nonfinite_status(kv)
+        x, scales = self._precondition(kv, "triton")
+        arr = lynx_triton.encode_triton(x, self.layout(shape), self.tables, scales)
+        return arr.buffers, status
+
+    def _decode_device(self, buffers: list[torch.Tensor], shape: KVShape,
+                       dtype: torch.dtype) -> torch.Tensor:
+        from kvsim.kernels.lynx import triton as lynx_triton
+
+        lay, tab = self.layout(shape), self.tables
+        arr = read_metadata(buffers[0], lay)
+        arr.buffers = list(buffers)
+        out = lynx_triton.decode_triton(arr, lay, tab, len(buffers))
+        return self._finish_decode(out, arr.scales, shape, "triton", dtype == torch.bfloat16)
+
+    def _encode(self, kv: torch.Tensor, shape: KVShape) -> list[list[Chunk]]:
+        lay, tab = self.layout(shape), self.tables
+        backend = self._backend(kv.device, shape)  # torch or cpu: triton is the device path
+        x, scales = self._precondition(kv, backend)
         if backend == "torch":
             arr = encode_torch(x.to(torch.float32), lay, tab, scales)
-        elif backend == "cpu":
+        else:
             from kvsim.kernels.lynx import cpu as lynx_cpu
 
             arr = lynx_cpu.encode_cpu(x.cpu(), lay, tab, scales)
-        else:
-            from kvsim.kernels.lynx import triton as lynx_triton
-
-            arr = lynx_triton.encode_triton(x, lay, tab, scales)
         return self._chunks(arr, lay)
 
     def _chunks(self, arr: LynxArrays, lay: LynxLayout) -> list[list[Chunk]]:
@@ -185,13 +208,11 @@ class LynxCodec(Codec):
         p = self.params
         lay, tab = self.layout(enc.shape), self.tables
         backend = self._backend(device, enc.shape)
+        if backend == "triton":
+            return self._decode_device(stream_buffers(enc, streams, device), enc.shape,
+                                       torch.bfloat16 if bf16 else torch.float32)
         work = torch.device("cpu") if backend == "cpu" else device  # where the kernel runs
-        bufs = []  # one buffer per stream, chunks in (layer, page) order
-        for s in range(streams):
-            parts = enc.payloads(s)  # sizes checked by Codec.decode
-            flat = concat_payloads([parts[(layer, page)] for layer in range(lay.shape.layers)
-                                    for page in range(lay.pages)])
-            bufs.append(torch.from_numpy(flat).to(work))
+        bufs = stream_buffers(enc, streams, work)  # one buffer per stream, (layer, page) order
         if backend == "cpu":
             from kvsim.kernels.lynx import cpu as lynx_cpu
 
@@ -204,23 +225,24 @@ class LynxCodec(Codec):
             arr = read_metadata(bufs[0], lay)
             arr.buffers = bufs
             scales = arr.scales
-            if backend == "torch":
-                out = decode_torch(arr, lay, tab, streams)
-            else:
-                from kvsim.kernels.lynx import triton as lynx_triton
+            out = decode_torch(arr, lay, tab, streams)
+        return self._finish_decode(out, scales, enc.shape, backend, bf16).to(device)
 
-                out = lynx_triton.decode_triton(arr, lay, tab, streams)
-        big = torch.finfo(DTYPES[enc.shape.dtype]).max
+    def _finish_decode(self, out: torch.Tensor, scales: torch.Tensor | None, shape: KVShape,
+                       backend: str, bf16: bool) -> torch.Tensor:
+        """Undo oscar's preconditioning and clamp to the encoded dtype's finite range."""
+        p = self.params
+        big = torch.finfo(DTYPES[shape.dtype]).max
         if p.precondition == "oscar" and backend == "cpu" and out.device.type == "cpu":
             from kvsim.kernels.lynx import cpu as lynx_cpu
 
             # both clamps and the inverse preconditioning below in one pass, same bits
-            out = lynx_cpu.oscar_inverse_cpu(out, scales, p.oscar_targets, OSCAR_DECODE_MAX,
-                                             big, bf16=bf16)
-        elif p.precondition == "oscar":
+            return lynx_cpu.oscar_inverse_cpu(out, scales, p.oscar_targets, OSCAR_DECODE_MAX,
+                                              big, bf16=bf16)
+        if p.precondition == "oscar":
             out = oscar_inverse(out.clamp_(-OSCAR_DECODE_MAX, OSCAR_DECODE_MAX), scales,
                                 p.oscar_targets, _rotation(backend, out.device))
-            out = out.clamp_(-big, big)
-        elif out.dtype == torch.float32:  # else: already in the encoded dtype, clamped, rounded
-            out = out.clamp_(-big, big)
-        return out.to(device)
+            return out.clamp_(-big, big)
+        if out.dtype == torch.float32:  # else: already in the encoded dtype, clamped, rounded
+            return out.clamp_(-big, big)
+        return out

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from kvsim.core.layout import check_finite
-from kvsim.kernels.codec import concat_payloads
+from kvsim.kernels.device_wire import concat_payloads
 from kvsim.kernels.fp16_bits import (
     f16_bits_to_f32_bits,
     f16_bits_to_f32_rows,

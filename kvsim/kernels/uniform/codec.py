@@ -15,7 +15,8 @@ payload of chunk (layer l, page p), t = tokens of the page, D = head_dim, g = gr
     codes  uint8 [2, kv_heads, t, D * bits / 8]   bit-packed along head_dim
     scale  fp16  [2, kv_heads, t, g]    (scope 'tensor': fp16 [2], K then V of layer l)
     zero   fp16  [2, kv_heads, t, g]    (scope 'tensor': fp16 [2])
-backend: 'triton' runs the Triton kernels of uniform/triton.py, 'cpu' the numba kernels of
+backend: 'triton' runs the Triton kernels of uniform/triton.py (the device path: one launch
+writes the wire buffer, Codec.encode_device), 'cpu' the numba kernels of
 uniform/cpu.py (CPU only), 'torch' the reference; 'auto' picks Triton for CUDA tensors and cpu
 otherwise.
 All give identical bytes and identical decoded tensors. Scope 'tensor' has no kernel: every
@@ -35,10 +36,10 @@ from kvsim.kernels.bitpack import pack, unpack
 from kvsim.kernels.codec import (
     Codec,
     cast_finite,
-    concat_payloads,
     finite_bits,
     register,
 )
+from kvsim.kernels.device_wire import concat_payloads, stream_buffers
 from kvsim.kernels.encoded import Chunk, Encoded
 from kvsim.kernels.groupquant import (
     FP16_MAX,
@@ -178,12 +179,11 @@ class UniformCodec(Codec):
             return self._encode_tensor(kv, shape)
         if use_cpu(self.params.backend, kv.device):
             return self._encode_cpu(kv, shape)
+        # the torch reference (backend 'torch'; 'triton' takes the device path)
         check_fp16_range(kv, "uniform")
         g, bits = self.group_of(shape), self.params.bits
         rows = kv.reshape(-1, shape.head_dim)  # [layers*2*heads*tokens, head_dim]
-        fn = (uniform_triton.quantize_pack if use_triton(self.params.backend, kv.device)
-              else uniform_triton.quantize_pack_reference)
-        packed, scale16, zero16 = fn(rows, g, bits)
+        packed, scale16, zero16 = uniform_triton.quantize_pack_reference(rows, g, bits)
         lead = (shape.layers, 2, shape.kv_heads, shape.tokens)
         packed = packed.reshape(*lead, -1).cpu()
         scale16 = scale16.reshape(*lead, -1).cpu()
@@ -197,6 +197,28 @@ class UniformCodec(Codec):
                     {"codes": packed[sl], "scale": scale16[sl], "zero": zero16[sl]})
                 chunks.append(Chunk(0, layer, p, payload))
         return [chunks]
+
+    def has_device_path(self, device: torch.device, shape: KVShape) -> bool:
+        """The Triton kernels of uniform/triton.py (scope 'group', backend 'triton', or
+        'auto' on CUDA) write the wire buffer directly."""
+        return not self.per_tensor and use_triton(self.params.backend, device)
+
+    def _encode_device(self, kv: torch.Tensor, shape: KVShape
+                       ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        layer_bytes, full_bytes = self.chunk_geometry(shape)
+        buf, status = uniform_triton.encode_wire(kv.detach(), self.group_of(shape),
+                                                 self.params.bits, self.params.page_tokens,
+                                                 layer_bytes, full_bytes)
+        return [buf], status
+
+    def _decode_device(self, buffers: list[torch.Tensor], shape: KVShape,
+                       dtype: torch.dtype) -> torch.Tensor:
+        layer_bytes, full_bytes = self.chunk_geometry(shape)
+        # bf16 / fp32 straight from the kernel; fp16 through fp32 (cast_finite clamps)
+        direct = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
+        return uniform_triton.decode_wire(buffers[0], shape.dims, self.group_of(shape),
+                                          self.params.bits, self.params.page_tokens,
+                                          layer_bytes, full_bytes, direct)
 
     def _encode_tensor(self, kv: torch.Tensor, shape: KVShape) -> list[list[Chunk]]:
         """Scope 'tensor' (torch reference on any backend): one min/max group per (layer, K|V)
@@ -263,6 +285,8 @@ class UniformCodec(Codec):
             return cast_finite(self._decode_tensor(enc, device), dtype)
         if use_cpu(self.params.backend, device):
             return self._decode_cpu(enc, device, dtype)  # the kernel writes `dtype` directly
+        if self.has_device_path(device, enc.shape):
+            return self._decode_device(stream_buffers(enc, 1, device), enc.shape, dtype)
         return cast_finite(self._decode(enc, streams, device), dtype)
 
     def _decode_cpu(self, enc: Encoded, device: torch.device,
@@ -283,6 +307,9 @@ class UniformCodec(Codec):
             return self._decode_tensor(enc, device)
         if use_cpu(self.params.backend, device):
             return self._decode_cpu(enc, device)
+        if self.has_device_path(device, enc.shape):
+            return self._decode_device(stream_buffers(enc, 1, device), enc.shape,
+                                       torch.float32)
         shape, pt = enc.shape, enc.page_tokens
         g, bits, d = self.group_of(shape), self.params.bits, shape.head_dim
         packed = torch.empty((shape.layers, 2, shape.kv_heads, shape.tokens, d * bits // 8),
@@ -296,8 +323,7 @@ class UniformCodec(Codec):
             packed[layer, :, :, t0:t1] = f["codes"]
             scale16[layer, :, :, t0:t1] = f["scale"]
             zero16[layer, :, :, t0:t1] = f["zero"]
-        fn = (uniform_triton.unpack_dequantize if use_triton(self.params.backend, device)
-              else uniform_triton.unpack_dequantize_reference)
-        out = fn(packed.reshape(-1, d * bits // 8), scale16.reshape(-1, d // g),
-                 zero16.reshape(-1, d // g), g, bits)
+        out = uniform_triton.unpack_dequantize_reference(
+            packed.reshape(-1, d * bits // 8), scale16.reshape(-1, d // g),
+            zero16.reshape(-1, d // g), g, bits)
         return out.reshape(shape.dims)

@@ -1,19 +1,28 @@
-"""Triton kernels: uniform asymmetric group quantize + bit-pack, and unpack + dequantize.
+"""Triton kernels of the `uniform` codec: group quantize + bit-pack straight into the wire
+buffer, and its mirror (wire buffer -> dequantized tensor).
 
-Rows of x: [rows, n] are split into groups of `group` consecutive elements (per-token
-groups along head_dim when rows are tokens). Each program handles ROWS rows x one group.
-The arithmetic is the exact op sequence of the torch reference
-(groupquant.quantize_groups): fp32 min/max, IEEE-rounded divisions (tl.math.div_rn; plain
-`/` lowers to an approximate division on the GPU), round-to-nearest-even fp16 casts and
-floor(v + 0.5), so codes, scales and zero points match the reference bit for bit.
-Dequantization is exact too: code * scale16 needs <= 19 significant bits, so whether or
-not the compiler fuses it into an FMA the fp32 result is the same.
+The cache [layers, 2, kv_heads, tokens, head_dim] is read as rows [layers*2*kv_heads*tokens,
+head_dim] (one row per (layer, K|V, head, token)); each row is split into groups of `group`
+consecutive channels. Each program handles ROWS rows x one group and writes its codes, fp16
+scales and fp16 zero points where the chunk's payload holds them: the buffer is every chunk's
+payload end to end in (layer, page) order (chunk (l, p) at l * layer_bytes + p * full_bytes),
+each payload laid out as uniform.codec's ChunkLayout (codes [2, H, t, D*bits/8], then scale
+and zero [2, H, t, D/group], little-endian). So one launch produces the bytes the wire sends,
+on the device, with no host copy and no per-page copies.
+
+The arithmetic is the exact op sequence of the torch reference (groupquant.quantize_groups):
+fp32 min/max, IEEE-rounded divisions (tl.math.div_rn; plain `/` lowers to an approximate
+division on the GPU), round-to-nearest-even fp16 casts and floor(v + 0.5), so the bytes match
+the reference bit for bit. Dequantization is exact too: code * scale16 needs <= 19
+significant bits, so whether or not the compiler fuses it into an FMA the fp32 result is the
+same. The encode kernel also counts non-finite inputs and |x| beyond fp16's range into a
+two-int status (read once by the caller: the refusal costs no extra pass over the cache).
 
 Packing matches bitpack.pack along the last dim (little-end first: for 4 bits,
 byte = c[2i] | c[2i+1] << 4); a group never straddles a byte (group % (8 // bits) == 0).
-The wrappers take any float input (converted to fp32 first: the interpreter has no bf16
-arithmetic) and run on whatever device the tensor lives on; on CPU that requires
-TRITON_INTERPRET=1 (set by tests/conftest.py when there is no CUDA).
+On CUDA the kernels read bf16 / fp16 / fp32 directly; under TRITON_INTERPRET=1 (the CPU
+tests, set by tests/conftest.py when there is no CUDA) the input is widened to fp32 first,
+since the interpreter has no bf16 arithmetic.
 """
 
 from __future__ import annotations
@@ -23,23 +32,67 @@ import triton
 import triton.language as tl
 
 from kvsim.kernels.bitpack import pack
-from kvsim.kernels.groupquant import dequantize_groups, qmax_of, quantize_groups
+from kvsim.kernels.groupquant import FP16_MAX, dequantize_groups, qmax_of, quantize_groups
 from kvsim.kernels.triton_support import (
     DEFAULT_CUDA_ARCH,
     compile_ptx,
+    interpreting,
     require_kernel_device,
 )
 
-ROWS_PER_PROGRAM = 16
+# rows per program: 64 keeps a GPU program's tile at 4-8 KB of input (memory-bound kernel);
+# the interpreter runs one program at a time in numpy, where smaller tiles test more edges
+ROWS_PER_PROGRAM_GPU = 64
+ROWS_PER_PROGRAM_INTERPRETED = 16
+STATUS_NONFINITE, STATUS_BEYOND_FP16 = 0, 1  # the encode kernel's status counters
 
 
 @triton.jit
-def _quantize_pack_kernel(x_ptr, packed_ptr, scale_ptr, zero_ptr, n_rows,
-                          N: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-                          BITS: tl.constexpr, ROWS: tl.constexpr):
+def _wire_addresses(rows, g, T, LAYER_BYTES, FULL_BYTES, P: tl.constexpr, H2: tl.constexpr,
+                    CB: tl.constexpr, NG: tl.constexpr, GB: tl.constexpr):
+    """Byte offsets (int64 [ROWS]) of a group's codes, scale and zero point in the wire
+    buffer, for rows = l * H2 * T + (kv * H + h) * T + token."""
+    r = rows.to(tl.int64)
+    l = r // (H2 * T)
+    rem = r % (H2 * T)
+    kh = rem // T
+    tok = rem % T
+    p = tok // P
+    t = tl.minimum(T - p * P, P)  # tokens of this row's page
+    crow = kh * t + tok % P  # row inside the chunk's [2H, t] rows
+    base = l * LAYER_BYTES + p * FULL_BYTES
+    codes_at = base + crow * CB + g * GB
+    scale_at = base + H2 * t * CB + (crow * NG + g) * 2
+    zero_at = scale_at + H2 * t * NG * 2
+    return codes_at, scale_at, zero_at
+
+
+@triton.jit
+def _store_f16(out_ptr, at, v16, mask):
+    """fp16 values -> 2 little-endian bytes each at out_ptr + at."""
+    bits = v16.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    tl.store(out_ptr + at, (bits & 255).to(tl.uint8), mask=mask)
+    tl.store(out_ptr + at + 1, (bits >> 8).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _load_f16(src_ptr, at, mask):
+    """2 little-endian bytes at src_ptr + at -> fp32 (the fp16 value they hold)."""
+    lo = tl.load(src_ptr + at, mask=mask, other=0).to(tl.int32)
+    hi = tl.load(src_ptr + at + 1, mask=mask, other=0).to(tl.int32)
+    return (lo | (hi << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _encode_wire_kernel(x_ptr, out_ptr, status_ptr, n_rows, T, LAYER_BYTES, FULL_BYTES,
+                        N: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                        BITS: tl.constexpr, ROWS: tl.constexpr, P: tl.constexpr,
+                        H2: tl.constexpr, BIG: tl.constexpr):
     PER: tl.constexpr = 8 // BITS  # codes per byte
     QMAX: tl.constexpr = (1 << BITS) - 1
     NG: tl.constexpr = N // GROUP  # groups per row
+    CB: tl.constexpr = N * BITS // 8  # code bytes per row
+    GB: tl.constexpr = GROUP * BITS // 8  # code bytes per group
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     g = tl.program_id(1)
     cols = tl.arange(0, BLOCK_G)
@@ -47,7 +100,13 @@ def _quantize_pack_kernel(x_ptr, packed_ptr, scale_ptr, zero_ptr, n_rows,
     cmask = cols < GROUP
     mask = rmask[:, None] & cmask[None, :]
     # x: [ROWS, BLOCK_G] fp32 (out-of-range rows read as 0, padded columns excluded below)
-    x = tl.load(x_ptr + rows[:, None] * N + g * GROUP + cols[None, :], mask=mask, other=0.0)
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * N + g * GROUP + cols[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    ax = tl.abs(x)
+    nonfinite = tl.sum(tl.where(mask & ((x != x) | (ax == float("inf"))), 1, 0))
+    beyond = tl.sum(tl.where(mask & (ax > BIG), 1, 0))
+    tl.atomic_add(status_ptr + 0, nonfinite, mask=nonfinite > 0)
+    tl.atomic_add(status_ptr + 1, beyond, mask=beyond > 0)
     mn = tl.min(tl.where(cmask[None, :], x, float("inf")), axis=1) + 0.0  # -0.0 -> +0.0
     mx = tl.max(tl.where(cmask[None, :], x, float("-inf")), axis=1) + 0.0
     qmax = tl.full((ROWS,), QMAX, tl.float32)
@@ -60,49 +119,54 @@ def _quantize_pack_kernel(x_ptr, packed_ptr, scale_ptr, zero_ptr, n_rows,
     v = tl.math.div_rn(x - z[:, None], tl.broadcast_to(safe[:, None], (ROWS, BLOCK_G)))
     q = tl.minimum(tl.maximum(tl.floor(v + 0.5), 0.0), QMAX * 1.0)
     q = tl.where(live[:, None], q, 0.0).to(tl.int32)
-    tl.store(scale_ptr + rows * NG + g, scale16, mask=rmask)
-    tl.store(zero_ptr + rows * NG + g, zero16, mask=rmask)
+    codes_at, scale_at, zero_at = _wire_addresses(rows, g, T, LAYER_BYTES, FULL_BYTES, P, H2,
+                                                  CB, NG, GB)
+    _store_f16(out_ptr, scale_at, scale16, rmask)
+    _store_f16(out_ptr, zero_at, zero16, rmask)
     if PER == 1:
-        tl.store(packed_ptr + rows[:, None] * N + g * GROUP + cols[None, :], q.to(tl.uint8),
-                 mask=mask)
+        tl.store(out_ptr + codes_at[:, None] + cols[None, :], q.to(tl.uint8), mask=mask)
     else:
         # [ROWS, BLOCK_G] -> [ROWS, BLOCK_G / PER, PER]; byte = sum_j code_j << (j * BITS)
         q3 = tl.reshape(q, (ROWS, BLOCK_G // PER, PER))
         shifts = tl.arange(0, PER) * BITS
         byte = tl.sum(q3 << shifts[None, None, :], axis=2)
         bcols = tl.arange(0, BLOCK_G // PER)
-        bmask = rmask[:, None] & (bcols < GROUP // PER)[None, :]
-        tl.store(packed_ptr + rows[:, None] * (N // PER) + g * (GROUP // PER) + bcols[None, :],
-                 byte.to(tl.uint8), mask=bmask)
+        bmask = rmask[:, None] & (bcols < GB)[None, :]
+        tl.store(out_ptr + codes_at[:, None] + bcols[None, :], byte.to(tl.uint8), mask=bmask)
 
 
 @triton.jit
-def _unpack_dequantize_kernel(packed_ptr, scale_ptr, zero_ptr, out_ptr, n_rows,
-                              N: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-                              BITS: tl.constexpr, ROWS: tl.constexpr):
+def _decode_wire_kernel(src_ptr, out_ptr, n_rows, T, LAYER_BYTES, FULL_BYTES,
+                        N: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                        BITS: tl.constexpr, ROWS: tl.constexpr, P: tl.constexpr,
+                        H2: tl.constexpr):
     PER: tl.constexpr = 8 // BITS
     QMAX: tl.constexpr = (1 << BITS) - 1
     NG: tl.constexpr = N // GROUP
+    CB: tl.constexpr = N * BITS // 8
+    GB: tl.constexpr = GROUP * BITS // 8
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     g = tl.program_id(1)
     rmask = rows < n_rows
-    s = tl.load(scale_ptr + rows * NG + g, mask=rmask, other=0.0).to(tl.float32)
-    z = tl.load(zero_ptr + rows * NG + g, mask=rmask, other=0.0).to(tl.float32)
+    codes_at, scale_at, zero_at = _wire_addresses(rows, g, T, LAYER_BYTES, FULL_BYTES, P, H2,
+                                                  CB, NG, GB)
+    s = _load_f16(src_ptr, scale_at, rmask)
+    z = _load_f16(src_ptr, zero_at, rmask)
     cols = tl.arange(0, BLOCK_G)
     mask = rmask[:, None] & (cols < GROUP)[None, :]
     if PER == 1:
-        q = tl.load(packed_ptr + rows[:, None] * N + g * GROUP + cols[None, :], mask=mask,
-                    other=0).to(tl.int32)
+        q = tl.load(src_ptr + codes_at[:, None] + cols[None, :], mask=mask, other=0).to(tl.int32)
     else:
         bcols = tl.arange(0, BLOCK_G // PER)
-        bmask = rmask[:, None] & (bcols < GROUP // PER)[None, :]
-        byte = tl.load(packed_ptr + rows[:, None] * (N // PER) + g * (GROUP // PER)
-                       + bcols[None, :], mask=bmask, other=0).to(tl.int32)
+        bmask = rmask[:, None] & (bcols < GB)[None, :]
+        byte = tl.load(src_ptr + codes_at[:, None] + bcols[None, :], mask=bmask,
+                       other=0).to(tl.int32)
         shifts = tl.arange(0, PER) * BITS
         q3 = (byte[:, :, None] >> shifts[None, None, :]) & QMAX  # [ROWS, BLOCK_G/PER, PER]
         q = tl.reshape(q3, (ROWS, BLOCK_G))
     out = z[:, None] + q.to(tl.float32) * s[:, None]
-    tl.store(out_ptr + rows[:, None] * N + g * GROUP + cols[None, :], out, mask=mask)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + g * GROUP + cols[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 _INSTEAD = "use backend 'cpu', 'torch' or 'auto'"
@@ -117,67 +181,87 @@ def _check(n: int, group: int, bits: int) -> None:
                          f"{bits}-bit packing")
 
 
-def quantize_pack(x: torch.Tensor, group: int, bits: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x: [rows, n] float -> packed uint8 [rows, n*bits/8], scale16, zero16 fp16 [rows, n/group]
-    (Triton kernel; same bytes as quantize_pack_reference)."""
-    if x.dim() != 2:
-        raise ValueError(f"quantize_pack expects [rows, n], got shape {tuple(x.shape)}")
-    rows, n = (int(s) for s in x.shape)
-    _check(n, group, bits)
-    require_kernel_device(x.device, "uniform triton backend", _INSTEAD)
-    xf = x.to(torch.float32).contiguous()
-    packed = torch.empty((rows, n * bits // 8), dtype=torch.uint8, device=x.device)
-    scale16 = torch.empty((rows, n // group), dtype=torch.float16, device=x.device)
-    zero16 = torch.empty_like(scale16)
-    if rows:
-        grid = (triton.cdiv(rows, ROWS_PER_PROGRAM), n // group)
-        _quantize_pack_kernel[grid](xf, packed, scale16, zero16, rows, N=n, GROUP=group,
-                                    BLOCK_G=triton.next_power_of_2(group), BITS=bits,
-                                    ROWS=ROWS_PER_PROGRAM)
-    return packed, scale16, zero16
+def _rows_per_program() -> int:
+    return ROWS_PER_PROGRAM_INTERPRETED if interpreting() else ROWS_PER_PROGRAM_GPU
 
 
-def unpack_dequantize(packed: torch.Tensor, scale16: torch.Tensor, zero16: torch.Tensor,
-                      group: int, bits: int) -> torch.Tensor:
-    """Inverse of quantize_pack: -> fp32 [rows, n] (Triton kernel)."""
-    rows = int(packed.shape[0])
-    n = int(packed.shape[1]) * 8 // bits
-    _check(n, group, bits)
-    require_kernel_device(packed.device, "uniform triton backend", _INSTEAD)
-    if tuple(scale16.shape) != (rows, n // group) or tuple(zero16.shape) != (rows, n // group):
-        raise ValueError(f"scale/zero must be [{rows}, {n // group}], got "
-                         f"{tuple(scale16.shape)} / {tuple(zero16.shape)}")
-    out = torch.empty((rows, n), dtype=torch.float32, device=packed.device)
-    if rows:
-        grid = (triton.cdiv(rows, ROWS_PER_PROGRAM), n // group)
-        _unpack_dequantize_kernel[grid](packed.contiguous(), scale16.contiguous(),
-                                        zero16.contiguous(), out, rows, N=n, GROUP=group,
-                                        BLOCK_G=triton.next_power_of_2(group), BITS=bits,
-                                        ROWS=ROWS_PER_PROGRAM)
+def _constexprs(dims: tuple[int, ...], group: int, bits: int, page_tokens: int) -> dict:
+    return dict(N=dims[-1], GROUP=group, BLOCK_G=triton.next_power_of_2(group), BITS=bits,
+                ROWS=_rows_per_program(), P=page_tokens, H2=2 * dims[2])
+
+
+def encode_wire(kv: torch.Tensor, group: int, bits: int, page_tokens: int, layer_bytes: int,
+                full_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv: [layers, 2, kv_heads, tokens, head_dim] float on CUDA (or CPU under the
+    interpreter) -> (wire buffer uint8 [layers * layer_bytes] on kv's device, status int32
+    [2]: non-finite inputs, inputs beyond fp16's range). One launch; nothing is synchronized:
+    read the status after the stream has run (uniform.codec does)."""
+    if kv.dim() != 5:
+        raise ValueError(f"encode_wire expects [layers, 2, kv_heads, tokens, head_dim], got "
+                         f"shape {tuple(kv.shape)}")
+    dims = tuple(int(s) for s in kv.shape)
+    _check(dims[-1], group, bits)
+    require_kernel_device(kv.device, "uniform triton backend", _INSTEAD)
+    x = kv.contiguous()
+    if interpreting() or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        x = x.to(torch.float32)
+    out = torch.empty(dims[0] * layer_bytes, dtype=torch.uint8, device=kv.device)
+    status = torch.zeros(2, dtype=torch.int32, device=kv.device)
+    n_rows = dims[0] * 2 * dims[2] * dims[3]
+    if n_rows:
+        consts = _constexprs(dims, group, bits, page_tokens)
+        grid = (triton.cdiv(n_rows, consts["ROWS"]), dims[-1] // group)
+        _encode_wire_kernel[grid](x, out, status, n_rows, dims[3], layer_bytes, full_bytes,
+                                  BIG=FP16_MAX, **consts)
+    return out, status
+
+
+def decode_wire(wire: torch.Tensor, dims: tuple[int, ...], group: int, bits: int,
+                page_tokens: int, layer_bytes: int, full_bytes: int,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Mirror of encode_wire: wire buffer (uint8 [layers * layer_bytes], on CUDA or CPU under
+    the interpreter) -> [layers, 2, kv_heads, tokens, head_dim] in `dtype` (fp32 under the
+    interpreter) on the buffer's device. One launch."""
+    _check(dims[-1], group, bits)
+    require_kernel_device(wire.device, "uniform triton backend", _INSTEAD)
+    if wire.dtype != torch.uint8 or wire.numel() != dims[0] * layer_bytes:
+        raise ValueError(f"wire buffer must be uint8 of {dims[0] * layer_bytes} bytes, got "
+                         f"{wire.dtype} of {wire.numel()}")
+    if interpreting():
+        dtype = torch.float32
+    out = torch.empty(dims, dtype=dtype, device=wire.device)
+    n_rows = dims[0] * 2 * dims[2] * dims[3]
+    if n_rows:
+        consts = _constexprs(dims, group, bits, page_tokens)
+        grid = (triton.cdiv(n_rows, consts["ROWS"]), dims[-1] // group)
+        _decode_wire_kernel[grid](wire.contiguous(), out, n_rows, dims[3], layer_bytes,
+                                  full_bytes, **consts)
     return out
 
 
-def compile_for_cuda(arch: int = DEFAULT_CUDA_ARCH, n: int = 128, group: int = 32
+def compile_for_cuda(arch: int = DEFAULT_CUDA_ARCH, n: int = 128, group: int = 64
                      ) -> dict[str, str]:
-    """Build both kernels (2-, 4- and 8-bit) for CUDA sm_<arch> without a GPU; returns their
-    PTX by name. Needs TRITON_INTERPRET unset (triton_support.compile_ptx)."""
+    """Build both kernels (2-, 4- and 8-bit, bf16 in and out) for CUDA sm_<arch> without a
+    GPU; returns their PTX by name. Needs TRITON_INTERPRET unset (triton_support.compile_ptx)."""
     ptx = {}
     for bits in (2, 4, 8):
         consts = dict(N=n, GROUP=group, BLOCK_G=triton.next_power_of_2(group), BITS=bits,
-                      ROWS=ROWS_PER_PROGRAM)
-        ptx[f"quantize_pack_{bits}bit"] = compile_ptx(
-            _quantize_pack_kernel, {"x_ptr": "*fp32", "packed_ptr": "*u8",
-                                    "scale_ptr": "*fp16", "zero_ptr": "*fp16"}, consts, arch)
-        ptx[f"unpack_dequantize_{bits}bit"] = compile_ptx(
-            _unpack_dequantize_kernel, {"packed_ptr": "*u8", "scale_ptr": "*fp16",
-                                        "zero_ptr": "*fp16", "out_ptr": "*fp32"}, consts, arch)
+                      ROWS=ROWS_PER_PROGRAM_GPU, P=256, H2=16)
+        ptx[f"encode_wire_{bits}bit"] = compile_ptx(
+            _encode_wire_kernel, {"x_ptr": "*bf16", "out_ptr": "*u8", "status_ptr": "*i32",
+                                  "LAYER_BYTES": "i64", "FULL_BYTES": "i64"},
+            {**consts, "BIG": FP16_MAX}, arch)
+        ptx[f"decode_wire_{bits}bit"] = compile_ptx(
+            _decode_wire_kernel, {"src_ptr": "*u8", "out_ptr": "*bf16",
+                                  "LAYER_BYTES": "i64", "FULL_BYTES": "i64"}, consts, arch)
     return ptx
 
 
-# ---- torch reference with the same signature --------------------------------------------
+# ---- torch reference of the quantizer (the specification the kernels match) ---------------
 def quantize_pack_reference(x: torch.Tensor, group: int, bits: int
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x: [rows, n] float -> packed uint8 [rows, n*bits/8], scale16, zero16 fp16
+    [rows, n/group]."""
     _check(int(x.shape[-1]), group, bits)
     codes, scale16, zero16 = quantize_groups(x, group, bits)
     return pack(codes, bits), scale16, zero16

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The device checks of the GPU codecs, as one short run on a machine with one CUDA GPU
+# (minutes): the `gpu` tests of the device path, then `kvsim bench codecs device=cuda` on a
+# Llama-3.1-8B-shaped cache (32 layers x 8 KV heads x 8,192 tokens x 128, bf16: 1.07 GB),
+# writing a measured timing file. Results go to $OUT (default /tmp/kvsim-gpu-checks):
+# gpu-tests.log, bench.log, bench-report.json, codec_timing/<hardware>.json.
+#   OUT=/tmp/x bash scripts/gpu_checks.sh [hardware name, default h100]
+# Packages the GPU machine lacks may sit as wheels in .whl/ (installed into /tmp/site).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+HARDWARE=${1:-h100}
+OUT=${OUT:-/tmp/kvsim-gpu-checks}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export KVSIM_OUTPUT_ROOT=/tmp/kvsim-gpu-runs
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+
+timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_device_wire.py \
+    tests/test_uniform.py tests/test_lynx_triton.py tests/test_hadamard.py 2>&1 \
+    | tee "$OUT/gpu-tests.log" | tail -15
+
+CODECS='[bf16,int8,int4,lynx,lynx-int4,lynx-int8,lynx-2+6,lynx-2+2+4,lynx-oscar]'
+timeout 420 python3 -m kvsim bench codecs device=cuda kv_source=synthetic "codecs=$CODECS" \
+    shape.layers=32 shape.kv_heads=8 shape.tokens=8192 shape.head_dim=128 \
+    repeats=10 warmup=2 progress=false write_timing="$HARDWARE" out_dir="$OUT" \
+    overwrite=true 2>&1 | tee "$OUT/bench.log"
+report=$(find "$KVSIM_OUTPUT_ROOT" -name '*.json' -path '*bench*' | head -1)
+[ -n "$report" ] && cp "$report" "$OUT/bench-report.json"
+ls -R "$OUT"

@@ -1,0 +1,115 @@
+"""The device path: codecs that encode a whole cache into wire-ordered buffers on its device
+(kvsim.kernels.device_wire), checked against the bytes of their reference backends; the
+staging copies and the bench's device timings on a GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvsim.core.layout import KVShape
+from kvsim.kernels.codec import CodecError, make_codec
+from kvsim.kernels.device_wire import stream_offsets
+
+
+def kv_sample(dims: tuple[int, ...], dtype: torch.dtype = torch.bfloat16,
+              seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn((dims[0], 2, *dims[1:]), generator=g) * 2  # dims: (L, H, T, D)
+    kv[:, 0, :, :, 1] *= 15  # an outlier key channel
+    return kv.to(dtype)
+
+
+def payloads(enc) -> list[list[tuple[int, int, bytes]]]:
+    return [[(c.layer, c.page, c.payload.tobytes()) for c in s] for s in enc.streams]
+
+
+def test_stream_offsets_lay_chunks_end_to_end_in_layer_page_order():
+    sizes = np.array([[[10, 10, 4], [10, 10, 4]],
+                      [[3, -1, 2], [5, 5, -1]]])  # stream 1: two absent chunks
+    (start0, size0, total0), (start1, size1, total1) = stream_offsets(sizes)
+    assert start0.tolist() == [[0, 10, 20], [24, 34, 44]] and total0 == 48
+    assert start1.tolist() == [[0, 3, 3], [5, 10, 15]] and total1 == 15
+    assert size1.tolist() == [[3, 0, 2], [5, 5, 0]]
+
+
+# (codec, params, reference params): the device path of each family against the backend
+# that is its specification
+CASES = [
+    ("bf16", {"page_tokens": 32}, None),
+    ("uniform", {"bits": 4, "group": 32, "page_tokens": 32, "backend": "triton"},
+     {"backend": "torch"}),
+    ("lynx", {"page_tokens": 64, "backend": "triton"}, {"backend": "torch"}),
+    ("lynx", {"page_tokens": 64, "split": [2, 2, 4], "backend": "triton"},
+     {"backend": "torch"}),
+    ("lynx", {"page_tokens": 64, "precondition": "oscar", "backend": "triton"},
+     {"backend": "torch"}),
+]
+
+
+@pytest.mark.parametrize("name,params,ref_params", CASES)
+def test_device_path_gives_the_reference_bytes(name, params, ref_params, kernel_device):
+    dims = (2, 2, 150, 64)  # a short last page (150 = 2 x 64 + 22)
+    kv = kv_sample(dims)
+    codec = make_codec(name, params)
+    assert codec.has_device_path(torch.device(kernel_device), KVShape.of(kv))
+    dw = codec.encode_device(kv.to(kernel_device))
+    assert [b.device.type for b in dw.buffers] == [kernel_device] * codec.num_streams
+    assert dw.nbytes == int(np.maximum(codec.payload_bytes(KVShape.of(kv)), 0).sum())
+    enc = dw.to_encoded()
+    ref = make_codec(name, {**params, **ref_params}) if ref_params else codec
+    want = ref.encode(kv)
+    assert payloads(enc) == payloads(want)
+    assert enc.total_bytes == codec.size_table(KVShape.of(kv)).total_bytes
+    for streams in range(1, codec.num_streams + 1):
+        expect = ref.decode(want, streams=streams, dtype=torch.float32)
+        got = codec.decode_device(dw.buffers[:streams], KVShape.of(kv), torch.float32)
+        torch.testing.assert_close(got.cpu(), expect, rtol=0, atol=0)
+
+
+def test_bf16_device_path_rounds_other_dtypes_and_refuses_nan():
+    codec = make_codec("bf16", {"page_tokens": 7})
+    kv = kv_sample((1, 3, 20, 8), torch.float32)
+    enc = codec.encode(kv)
+    page_bytes = [2 * 3 * 7 * 8 * 2] * 2 + [2 * 3 * 6 * 8 * 2]  # [2, H, t, D] bf16
+    assert [c.payload.size for c in enc.streams[0]] == page_bytes
+    assert torch.equal(codec.decode(enc), kv.to(torch.bfloat16))
+    kv[0, 1, 2, 19, 5] = float("inf")
+    with pytest.raises(ValueError, match=r"non-finite.*\(0, 1, 2, 19, 5\)"):
+        codec.encode(kv)
+
+
+def test_encode_device_refused_where_there_is_no_device_path():
+    kivi = make_codec("kivi", {})
+    kv = kv_sample((1, 1, 64, 32))
+    assert not kivi.has_device_path(kv.device, KVShape.of(kv))
+    with pytest.raises(CodecError, match="no device path"):
+        kivi.encode_device(kv)
+    cpu_uniform = make_codec("uniform", {"bits": 8, "backend": "cpu"})
+    assert not cpu_uniform.has_device_path(torch.device("cpu"), KVShape.of(kv))
+
+
+@pytest.mark.gpu
+def test_pinned_staging_round_trip_and_device_timing():
+    from kvsim.bench.device_codecs import device_timing
+    from kvsim.kernels.device_wire import PinnedStaging
+
+    kv = kv_sample((4, 8, 1024, 128)).cuda()
+    codec = make_codec("uniform", {"bits": 8})
+    dw = codec.encode_device(kv)
+    staging = PinnedStaging(kv.device)
+    host = staging.to_host(dw.buffers)
+    staging.wait()
+    assert host[0].is_pinned()
+    assert payloads(dw.to_encoded([h.numpy() for h in host])) == payloads(codec.encode(kv))
+    back = staging.to_device(host)
+    assert torch.equal(back[0], dw.buffers[0])
+    row = device_timing(codec, kv, repeats=3, warmup=1)
+    assert row["wire_bytes"] == dw.nbytes
+    for key in ("kernel_encode_s", "encode_with_copy_s", "kernel_decode_s", "d2d_copy_s",
+                "pinned_d2h_s", "pinned_h2d_s", "decode_with_copy_s"):
+        assert row[key] > 0, key
+    # the copy of the wire bytes to the host cannot be slower than encode + that copy by much
+    assert row["encode_with_copy_s"] > 0.5 * row["pinned_d2h_s"]
+    assert device_timing(make_codec("kivi", {}), kv, 1, 0) is None
