@@ -103,14 +103,19 @@ class DeviceWire:
 
 
 def nonfinite_status(kv: torch.Tensor) -> torch.Tensor | None:
-    """For a device path whose kernel does not check its input: on CUDA, the status counters
-    of DeviceWire counted by one torch pass (no synchronization); on the CPU, where
+    """For a device path whose kernel does not check its input: on CUDA, DeviceWire's status
+    from one aminmax pass (no synchronization; non-zero when any value is NaN / Inf); on the CPU, where
     check_finite's aminmax is the fastest check, it runs now (None: nothing left to verify)."""
     if kv.device.type != "cuda":
         check_finite(kv)
         return None
-    bad = (~torch.isfinite(kv)).sum(dtype=torch.int32).reshape(1)
-    return torch.cat([bad, torch.zeros(1, dtype=torch.int32, device=kv.device)])
+    status = torch.zeros(2, dtype=torch.int32, device=kv.device)
+    if kv.numel():
+        # one read pass (min / max propagate NaN; Inf is the min or the max): the count is
+        # 0 or more, the exact count and place come from check_finite in verify()
+        lo, hi = torch.aminmax(kv)
+        status[NONFINITE] = (~torch.isfinite(torch.stack([lo, hi]))).sum()
+    return status
 
 
 def stream_buffers(enc: Encoded, streams: int, device: torch.device) -> list[torch.Tensor]:
