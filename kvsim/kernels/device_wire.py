@@ -104,8 +104,9 @@ class DeviceWire:
 
 def nonfinite_status(kv: torch.Tensor) -> torch.Tensor | None:
     """For a device path whose kernel does not check its input: on CUDA, DeviceWire's status
-    from one aminmax pass (no synchronization; non-zero when any value is NaN / Inf); on the CPU, where
-    check_finite's aminmax is the fastest check, it runs now (None: nothing left to verify)."""
+    from one aminmax pass (no synchronization; non-zero when any value is NaN / Inf); on the
+    CPU, where check_finite's aminmax is the fastest check, it runs now (None: nothing left
+    to verify)."""
     if kv.device.type != "cuda":
         check_finite(kv)
         return None
