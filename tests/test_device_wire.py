@@ -40,6 +40,10 @@ CASES = [
     ("bf16", {"page_tokens": 32}, None),
     ("uniform", {"bits": 4, "group": 32, "page_tokens": 32, "backend": "triton"},
      {"backend": "torch"}),
+    ("kivi", {"bits": 2, "group": 16, "value_group": 16, "residual": 32, "page_tokens": 64,
+              "backend": "triton"}, {"backend": "torch"}),
+    ("kivi", {"bits": 4, "group": 16, "value_group": 0, "residual": 32, "page_tokens": 64,
+              "window": "kivi", "backend": "triton"}, {"backend": "torch"}),
     ("lynx", {"page_tokens": 64, "backend": "triton"}, {"backend": "torch"}),
     ("lynx", {"page_tokens": 64, "split": [2, 2, 4], "backend": "triton"},
      {"backend": "torch"}),
@@ -68,6 +72,27 @@ def test_device_path_gives_the_reference_bytes(name, params, ref_params, kernel_
         torch.testing.assert_close(got.cpu(), expect, rtol=0, atol=0)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,params,ref_params", CASES)
+def test_compiled_device_path_gives_the_reference_bytes(name, params, ref_params):
+    """The same on a GPU, compiled (bf16 read directly; decode written in bf16 directly)."""
+    kv = kv_sample((2, 4, 300, 128))
+    shape = KVShape.of(kv)
+    codec = make_codec(name, params)
+    ref = make_codec(name, {**params, **ref_params}) if ref_params else codec
+    want = ref.encode(kv)
+    dw = codec.encode_device(kv.cuda())
+    assert payloads(dw.to_encoded()) == payloads(want)
+    for dtype in (torch.float32, torch.bfloat16):
+        expect = ref.decode(want, dtype=dtype)
+        got = codec.decode_device(dw.buffers, shape, dtype).cpu()
+        if name == "lynx":  # as tests/test_lynx_triton.py: fp32 within 1e-6, bf16 one ulp
+            rtol = 8e-3 if dtype == torch.bfloat16 else 1e-6
+            torch.testing.assert_close(got.float(), expect.float(), rtol=rtol, atol=1e-6)
+        else:
+            assert torch.equal(got, expect)
+
+
 def test_bf16_device_path_rounds_other_dtypes_and_refuses_nan():
     codec = make_codec("bf16", {"page_tokens": 7})
     kv = kv_sample((1, 3, 20, 8), torch.float32)
@@ -81,11 +106,12 @@ def test_bf16_device_path_rounds_other_dtypes_and_refuses_nan():
 
 
 def test_encode_device_refused_where_there_is_no_device_path():
-    kivi = make_codec("kivi", {})
+    gear = make_codec("gear", {})
     kv = kv_sample((1, 1, 64, 32))
-    assert not kivi.has_device_path(kv.device, KVShape.of(kv))
+    assert not gear.has_device_path(kv.device, KVShape.of(kv))
     with pytest.raises(CodecError, match="no device path"):
-        kivi.encode_device(kv)
+        gear.encode_device(kv)
+    assert not make_codec("kivi", {}).has_device_path(kv.device, KVShape.of(kv))  # auto, CPU
     cpu_uniform = make_codec("uniform", {"bits": 8, "backend": "cpu"})
     assert not cpu_uniform.has_device_path(torch.device("cpu"), KVShape.of(kv))
 
@@ -112,4 +138,4 @@ def test_pinned_staging_round_trip_and_device_timing():
         assert row[key] > 0, key
     # the copy of the wire bytes to the host cannot be slower than encode + that copy by much
     assert row["encode_with_copy_s"] > 0.5 * row["pinned_d2h_s"]
-    assert device_timing(make_codec("kivi", {}), kv, 1, 0) is None
+    assert device_timing(make_codec("gear", {}), kv, 1, 0) is None

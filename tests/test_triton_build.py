@@ -13,7 +13,7 @@ from triton_checks import needs_ptxas, run_compiled
 
 # module -> its compile_for_cuda() (default tile parameters)
 MODULES = ["kvsim.kernels.hadamard_triton", "kvsim.kernels.uniform.triton",
-           "kvsim.kernels.lynx.triton"]
+           "kvsim.kernels.kivi.triton", "kvsim.kernels.lynx.triton"]
 
 
 @needs_ptxas

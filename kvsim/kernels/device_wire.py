@@ -102,11 +102,12 @@ class DeviceWire:
                        list(self.stream_names), streams)
 
 
-def nonfinite_status(kv: torch.Tensor) -> torch.Tensor | None:
+def nonfinite_status(kv: torch.Tensor, fp16_range: bool = False) -> torch.Tensor | None:
     """For a device path whose kernel does not check its input: on CUDA, DeviceWire's status
     from one aminmax pass (no synchronization; non-zero when any value is NaN / Inf); on the
     CPU, where check_finite's aminmax is the fastest check, it runs now (None: nothing left
-    to verify)."""
+    to verify; the caller checks the fp16 range there itself). fp16_range: also count values
+    beyond fp16's range (status[BEYOND_FP16]) on CUDA."""
     if kv.device.type != "cuda":
         check_finite(kv)
         return None
@@ -115,7 +116,10 @@ def nonfinite_status(kv: torch.Tensor) -> torch.Tensor | None:
         # one read pass (min / max propagate NaN; Inf is the min or the max): the count is
         # 0 or more, the exact count and place come from check_finite in verify()
         lo, hi = torch.aminmax(kv)
-        status[NONFINITE] = (~torch.isfinite(torch.stack([lo, hi]))).sum()
+        ends = torch.stack([lo, hi]).to(torch.float32)
+        status[NONFINITE] = (~torch.isfinite(ends)).sum()
+        if fp16_range:  # the codec stores fp16 metadata computed from the values
+            status[BEYOND_FP16] = (ends.abs() > torch.finfo(torch.float16).max).sum()
     return status
 
 

@@ -49,6 +49,7 @@ import numpy as np
 from kvsim.core.layout import KVShape
 from kvsim.core.lazy_module import lazy_module
 from kvsim.kernels.codec import Codec, register
+from kvsim.kernels.device_wire import nonfinite_status, stream_buffers
 from kvsim.kernels.encoded import Chunk, Encoded
 from kvsim.kernels.groupquant import (
     FP16_MAX,
@@ -60,7 +61,21 @@ from kvsim.kernels.groupquant import (
     page_bounds,
     quantize_groups,
 )
-from kvsim.kernels.kivi.geometry import G_BASE, G_KK, G_KR, G_KV, G_RANK, G_VR, GEO_COLS, GEO_FIELDS
+from kvsim.kernels.kivi.geometry import (
+    G_BASE,
+    G_KK,
+    G_KR,
+    G_KV,
+    G_QK,
+    G_QV,
+    G_RANK,
+    G_RK,
+    G_RV,
+    G_T0,
+    G_VR,
+    GEO_COLS,
+    GEO_FIELDS,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -71,6 +86,8 @@ else:
     kivi_cpu = lazy_module("kvsim.kernels.kivi.cpu")
 
 BACKENDS = ("auto", "torch", "cpu")
+# kivi alone has a device path (Triton kernels of kivi/triton.py; 'auto' takes it on CUDA)
+KIVI_BACKENDS = (*BACKENDS, "triton")
 WINDOWS = ("shared", "kivi")
 
 
@@ -461,8 +478,8 @@ class KiviParams:
     window: str = "shared"  # bf16 tokens: 'shared' R + (T-R) mod G of K and V | 'kivi' (see top)
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}")
+        if self.backend not in KIVI_BACKENDS:
+            raise ValueError(f"backend must be one of {KIVI_BACKENDS}")
         if self.bits not in QUANT_BITS:
             raise ValueError(f"bits must be one of {QUANT_BITS}")
         if self.window not in WINDOWS:
@@ -516,6 +533,83 @@ class KiviCodec(BackboneCodec):
         if not self.kivi_window:
             return super().page_split(shape, page)
         return self.kivi_split(shape, page)
+
+    # ---- the device path (kivi/triton.py; the bf16 window copied by torch) ------------
+    def has_device_path(self, device: torch.device, shape: KVShape) -> bool:
+        p = self.params
+        if not (p.backend == "triton" or (p.backend == "auto" and device.type == "cuda")):
+            return False
+        per = 8 // p.bits  # the kernels pack whole groups into whole bytes
+        return p.group % per == 0 and self.backbone().vgroup(shape) % per == 0
+
+    def quant_backend(self) -> str:
+        """The torch / cpu paths never see 'triton' (it always takes the device path)."""
+        return "auto" if self.params.backend == "triton" else self.params.backend
+
+    def _device_geometry(self, shape: KVShape, device: torch.device
+                         ) -> tuple[np.ndarray, torch.Tensor, int]:
+        geo, layer_bytes, _ = self.geometry(shape)
+        return geo, torch.from_numpy(geo).to(device), layer_bytes
+
+    def _window_copy(self, buf: torch.Tensor, cache: torch.Tensor, geo: np.ndarray,
+                     layer_bytes: int, to_wire: bool) -> None:
+        """Copy the bf16 tokens of every page between the cache (bf16 when to_wire, else the
+        decode's output) and the k_resid / v_resid bytes of the wire buffer: one copy per K / V
+        plane of each page that has such tokens (the last one or two)."""
+        layers, _, heads, _, dim = cache.shape
+        for p in range(geo.shape[0]):
+            t0 = int(geo[p, G_T0])
+            for plane, q, r, col in ((0, geo[p, G_QK], geo[p, G_RK], G_KR),
+                                     (1, geo[p, G_QV], geo[p, G_RV], G_VR)):
+                q, r = int(q), int(r)
+                if not r:
+                    continue
+                wire = buf.as_strided((layers, heads, r, 2 * dim),
+                                      (layer_bytes, r * 2 * dim, 2 * dim, 1),
+                                      int(geo[p, G_BASE] + geo[p, col]))
+                tokens = cache[:, plane, :, t0 + q:t0 + q + r]  # [L, H, r, D]
+                if to_wire:
+                    wire.copy_(tokens.view(torch.uint8))
+                else:
+                    values = torch.empty(tokens.shape, dtype=torch.bfloat16, device=buf.device)
+                    values.view(torch.uint8).copy_(wire)
+                    tokens.copy_(values)
+
+    def _encode_device(self, kv: torch.Tensor, shape: KVShape
+                       ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        from kvsim.kernels.kivi import triton as kivi_triton
+
+        p = self.params
+        status = nonfinite_status(kv, fp16_range=True)
+        if status is None:  # on the CPU (interpreter): checked now, as the reference does
+            check_fp16_range(kv, self.name)
+        geo, geo_dev, layer_bytes = self._device_geometry(shape, kv.device)
+        buf = torch.empty(shape.layers * layer_bytes, dtype=torch.uint8, device=kv.device)
+        kivi_triton.encode_quantized(kv.detach(), buf, geo_dev, layer_bytes, p.page_tokens,
+                                     p.group, self.backbone().vgroup(shape), p.bits)
+        self._window_copy(buf, kv.detach().to(torch.bfloat16), geo, layer_bytes, True)
+        return [buf], status
+
+    def _decode_device(self, buffers: list[torch.Tensor], shape: KVShape,
+                       dtype: torch.dtype) -> torch.Tensor:
+        from kvsim.kernels.kivi import triton as kivi_triton
+        from kvsim.kernels.triton_support import interpreting
+
+        p, buf = self.params, buffers[0]
+        direct = (dtype if dtype in (torch.bfloat16, torch.float32) and not interpreting()
+                  else torch.float32)
+        out = torch.empty(shape.dims, dtype=direct, device=buf.device)
+        geo, geo_dev, layer_bytes = self._device_geometry(shape, buf.device)
+        kivi_triton.decode_quantized(buf, out, geo_dev, layer_bytes, p.page_tokens, p.group,
+                                     self.backbone().vgroup(shape), p.bits)
+        self._window_copy(buf, out, geo, layer_bytes, False)
+        return out
+
+    def _decode_to(self, enc: Encoded, streams: int, device: torch.device,
+                   dtype: torch.dtype) -> torch.Tensor:
+        if self.has_device_path(device, enc.shape):
+            return self._decode_device(stream_buffers(enc, 1, device), enc.shape, dtype)
+        return super()._decode_to(enc, streams, device, dtype)
 
     def _encode(self, kv: torch.Tensor, shape: KVShape) -> list[list[Chunk]]:
         if not self.kivi_window or self.fused(kv.device, shape):

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from kvsim.kernels.bitpack import pack
 from kvsim.kernels.groupquant import FP16_MAX, dequantize_groups, qmax_of, quantize_groups
+from kvsim.kernels.groupquant_triton import dequantize_tile, load_f16, quantize_tile, store_f16
 from kvsim.kernels.triton_support import (
     DEFAULT_CUDA_ARCH,
     compile_ptx,
@@ -68,22 +69,6 @@ def _wire_addresses(rows, g, T, LAYER_BYTES, FULL_BYTES, P: tl.constexpr, H2: tl
 
 
 @triton.jit
-def _store_f16(out_ptr, at, v16, mask):
-    """fp16 values -> 2 little-endian bytes each at out_ptr + at."""
-    bits = v16.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    tl.store(out_ptr + at, (bits & 255).to(tl.uint8), mask=mask)
-    tl.store(out_ptr + at + 1, (bits >> 8).to(tl.uint8), mask=mask)
-
-
-@triton.jit
-def _load_f16(src_ptr, at, mask):
-    """2 little-endian bytes at src_ptr + at -> fp32 (the fp16 value they hold)."""
-    lo = tl.load(src_ptr + at, mask=mask, other=0).to(tl.int32)
-    hi = tl.load(src_ptr + at + 1, mask=mask, other=0).to(tl.int32)
-    return (lo | (hi << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
 def _encode_wire_kernel(x_ptr, out_ptr, status_ptr, n_rows, T, LAYER_BYTES, FULL_BYTES,
                         N: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                         BITS: tl.constexpr, ROWS: tl.constexpr, P: tl.constexpr,
@@ -107,22 +92,12 @@ def _encode_wire_kernel(x_ptr, out_ptr, status_ptr, n_rows, T, LAYER_BYTES, FULL
     beyond = tl.sum(tl.where(mask & (ax > BIG), 1, 0))
     tl.atomic_add(status_ptr + 0, nonfinite, mask=nonfinite > 0)
     tl.atomic_add(status_ptr + 1, beyond, mask=beyond > 0)
-    mn = tl.min(tl.where(cmask[None, :], x, float("inf")), axis=1) + 0.0  # -0.0 -> +0.0
-    mx = tl.max(tl.where(cmask[None, :], x, float("-inf")), axis=1) + 0.0
-    qmax = tl.full((ROWS,), QMAX, tl.float32)
-    scale16 = tl.math.div_rn(mx - mn, qmax).to(tl.float16)
-    zero16 = mn.to(tl.float16)
-    s = scale16.to(tl.float32)
-    z = zero16.to(tl.float32)
-    live = s > 0
-    safe = tl.where(live, s, 1.0)
-    v = tl.math.div_rn(x - z[:, None], tl.broadcast_to(safe[:, None], (ROWS, BLOCK_G)))
-    q = tl.minimum(tl.maximum(tl.floor(v + 0.5), 0.0), QMAX * 1.0)
-    q = tl.where(live[:, None], q, 0.0).to(tl.int32)
+    q, scale16, zero16 = quantize_tile(x, tl.broadcast_to(cmask[None, :], (ROWS, BLOCK_G)),
+                                       1, QMAX)
     codes_at, scale_at, zero_at = _wire_addresses(rows, g, T, LAYER_BYTES, FULL_BYTES, P, H2,
                                                   CB, NG, GB)
-    _store_f16(out_ptr, scale_at, scale16, rmask)
-    _store_f16(out_ptr, zero_at, zero16, rmask)
+    store_f16(out_ptr, scale_at, scale16, rmask)
+    store_f16(out_ptr, zero_at, zero16, rmask)
     if PER == 1:
         tl.store(out_ptr + codes_at[:, None] + cols[None, :], q.to(tl.uint8), mask=mask)
     else:
@@ -150,8 +125,8 @@ def _decode_wire_kernel(src_ptr, out_ptr, n_rows, T, LAYER_BYTES, FULL_BYTES,
     rmask = rows < n_rows
     codes_at, scale_at, zero_at = _wire_addresses(rows, g, T, LAYER_BYTES, FULL_BYTES, P, H2,
                                                   CB, NG, GB)
-    s = _load_f16(src_ptr, scale_at, rmask)
-    z = _load_f16(src_ptr, zero_at, rmask)
+    s = load_f16(src_ptr, scale_at, rmask)
+    z = load_f16(src_ptr, zero_at, rmask)
     cols = tl.arange(0, BLOCK_G)
     mask = rmask[:, None] & (cols < GROUP)[None, :]
     if PER == 1:
@@ -164,7 +139,7 @@ def _decode_wire_kernel(src_ptr, out_ptr, n_rows, T, LAYER_BYTES, FULL_BYTES,
         shifts = tl.arange(0, PER) * BITS
         q3 = (byte[:, :, None] >> shifts[None, None, :]) & QMAX  # [ROWS, BLOCK_G/PER, PER]
         q = tl.reshape(q3, (ROWS, BLOCK_G))
-    out = z[:, None] + q.to(tl.float32) * s[:, None]
+    out = dequantize_tile(q, s, z, 1)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + g * GROUP + cols[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)
 
