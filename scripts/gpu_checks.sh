@@ -6,6 +6,7 @@
 # gpu-tests.log, bench.log, bench-report.json, codec_timing/<hardware>.json.
 #   OUT=/tmp/x bash scripts/gpu_checks.sh [hardware name, default h100]
 # Packages the GPU machine lacks may sit as wheels in .whl/ (installed into /tmp/site).
+# TESTS= and CODECS= (a bench list, e.g. '[int8,kivi-2]') narrow a rerun.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 HARDWARE=${1:-h100}
@@ -21,11 +22,13 @@ export KVSIM_OUTPUT_ROOT=/tmp/kvsim-gpu-runs
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
-timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_device_wire.py \
-    tests/test_uniform.py tests/test_lynx_triton.py tests/test_hadamard.py 2>&1 \
+TESTS=${TESTS:-tests/test_device_wire.py tests/test_uniform.py tests/test_lynx_triton.py \
+tests/test_hadamard.py}
+# shellcheck disable=SC2086  # TESTS is a list of paths
+timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu $TESTS 2>&1 \
     | tee "$OUT/gpu-tests.log" | tail -15
 
-CODECS='[bf16,int8,int4,lynx,lynx-int4,lynx-int8,lynx-2+6,lynx-2+2+4,lynx-oscar]'
+CODECS=${CODECS:-'[bf16,int8,int4,kivi-2,kivi-4,lynx,lynx-int4,lynx-int8,lynx-2+6,lynx-2+2+4,lynx-oscar]'}
 timeout 420 python3 -m kvsim bench codecs device=cuda kv_source=synthetic "codecs=$CODECS" \
     shape.layers=32 shape.kv_heads=8 shape.tokens=8192 shape.head_dim=128 \
     repeats=10 warmup=2 progress=false write_timing="$HARDWARE" out_dir="$OUT" \
