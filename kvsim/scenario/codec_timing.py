@@ -193,8 +193,10 @@ def timing_doc_from_rows(rows: list[dict], hardware: str, command: str,
                 "device_name": row.get("device_name"),
                 **{key: row[key] for key in DEVICE_KEYS if key in row}})
         codecs[row["codec"]] = entry
-    return {"version": FORMAT_VERSION, "hardware": hardware, "codecs": codecs,
-            "measured_with": measuring_stack()}
+    stack = measuring_stack()
+    for entry in codecs.values():  # per entry: a file may gather entries of several runs
+        entry["measured_with"] = stack
+    return {"version": FORMAT_VERSION, "hardware": hardware, "codecs": codecs}
 
 
 # what a device-path timing entry keeps beside its kernel GB/s
