@@ -36,6 +36,9 @@ k_* fields as above with qk, v_* with qv, then instead of resid:
 backend (param of kivi / kcvt / oscar / gear; default auto):
 'torch' = the torch reference (groupquant.quantize_groups, bitpack), 'cpu' = the numba
 kernels of kivi/cpu.py (same bytes, same decoded bits), 'auto' = cpu kernels for CPU tensors.
+kivi alone also takes 'triton', its device path (Codec.encode_device: the Triton kernels of
+kivi/triton.py write every chunk into one wire buffer on the GPU, same bytes), which 'auto'
+takes for CUDA tensors (the others run the torch reference there).
 """
 
 from __future__ import annotations

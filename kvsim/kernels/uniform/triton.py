@@ -10,12 +10,8 @@ each payload laid out as uniform.codec's ChunkLayout (codes [2, H, t, D*bits/8],
 and zero [2, H, t, D/group], little-endian). So one launch produces the bytes the wire sends,
 on the device, with no host copy and no per-page copies.
 
-The arithmetic is the exact op sequence of the torch reference (groupquant.quantize_groups):
-fp32 min/max, IEEE-rounded divisions (tl.math.div_rn; plain `/` lowers to an approximate
-division on the GPU), round-to-nearest-even fp16 casts and floor(v + 0.5), so the bytes match
-the reference bit for bit. Dequantization is exact too: code * scale16 needs <= 19
-significant bits, so whether or not the compiler fuses it into an FMA the fp32 result is the
-same. The encode kernel also counts non-finite inputs and |x| beyond fp16's range into a
+The arithmetic is groupquant_triton's, the torch reference's exact op sequence, so the bytes
+match the reference (groupquant.quantize_groups) bit for bit. The encode kernel also counts non-finite inputs and |x| beyond fp16's range into a
 two-int status (read once by the caller: the refusal costs no extra pass over the cache).
 
 Packing matches bitpack.pack along the last dim (little-end first: for 4 bits,
