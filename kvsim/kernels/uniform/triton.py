@@ -11,8 +11,9 @@ and zero [2, H, t, D/group], little-endian). So one launch produces the bytes th
 on the device, with no host copy and no per-page copies.
 
 The arithmetic is groupquant_triton's, the torch reference's exact op sequence, so the bytes
-match the reference (groupquant.quantize_groups) bit for bit. The encode kernel also counts non-finite inputs and |x| beyond fp16's range into a
-two-int status (read once by the caller: the refusal costs no extra pass over the cache).
+match the reference (groupquant.quantize_groups) bit for bit. The encode kernel also counts
+non-finite inputs and |x| beyond fp16's range into a two-int status (read once by the
+caller: the refusal costs no extra pass over the cache).
 
 Packing matches bitpack.pack along the last dim (little-end first: for 4 bits,
 byte = c[2i] | c[2i+1] << 4); a group never straddles a byte (group % (8 // bits) == 0).
