@@ -19,6 +19,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export KVSIM_OUTPUT_ROOT=/tmp/kvsim-gpu-runs
+rm -rf "$KVSIM_OUTPUT_ROOT"  # the report copied below is this run's
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
@@ -27,12 +28,16 @@ tests/test_hadamard.py}
 # shellcheck disable=SC2086  # TESTS is a list of paths
 timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu $TESTS 2>&1 \
     | tee "$OUT/gpu-tests.log" | tail -15
+tests_rc=${PIPESTATUS[0]}
 
 CODECS=${CODECS:-'[bf16,int8,int4,kivi-2,kivi-4,lynx,lynx-int4,lynx-int8,lynx-2+6,lynx-2+2+4,lynx-oscar]'}
 timeout 420 python3 -m kvsim bench codecs device=cuda kv_source=synthetic "codecs=$CODECS" \
     shape.layers=32 shape.kv_heads=8 shape.tokens=8192 shape.head_dim=128 \
     repeats=10 warmup=2 progress=false write_timing="$HARDWARE" out_dir="$OUT" \
     overwrite=true 2>&1 | tee "$OUT/bench.log"
+bench_rc=${PIPESTATUS[0]}
 report=$(find "$KVSIM_OUTPUT_ROOT" -name '*.json' -path '*bench*' | head -1)
 [ -n "$report" ] && cp "$report" "$OUT/bench-report.json"
 ls -R "$OUT"
+echo "gpu tests exit $tests_rc, bench exit $bench_rc"
+[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]

@@ -95,14 +95,39 @@ def test_compiled_device_path_gives_the_reference_bytes(name, params, ref_params
 
 def test_bf16_device_path_rounds_other_dtypes_and_refuses_nan():
     codec = make_codec("bf16", {"page_tokens": 7})
-    kv = kv_sample((1, 3, 20, 8), torch.float32)
+    kv = kv_sample((2, 3, 20, 8), torch.float32)
     enc = codec.encode(kv)
-    page_bytes = [2 * 3 * 7 * 8 * 2] * 2 + [2 * 3 * 6 * 8 * 2]  # [2, H, t, D] bf16
-    assert [c.payload.size for c in enc.streams[0]] == page_bytes
+    # chunk (l, p): kv[l, :, :, page] as bf16, C-order [2, H, t, D] (7, 7 and 6 tokens)
+    for c in enc.streams[0]:
+        page = kv[c.layer, :, :, 7 * c.page:7 * c.page + 7].to(torch.bfloat16).contiguous()
+        assert c.payload.tobytes() == page.view(torch.int16).numpy().tobytes()
+    assert [c.payload.size for c in enc.streams[0]] == [2 * 3 * 7 * 8 * 2] * 2 + [
+        2 * 3 * 6 * 8 * 2] + [2 * 3 * 7 * 8 * 2] * 2 + [2 * 3 * 6 * 8 * 2]
     assert torch.equal(codec.decode(enc), kv.to(torch.bfloat16))
     kv[0, 1, 2, 19, 5] = float("inf")
     with pytest.raises(ValueError, match=r"non-finite.*\(0, 1, 2, 19, 5\)"):
         codec.encode(kv)
+
+
+def test_decode_device_refuses_a_buffer_of_the_wrong_size(kernel_device):
+    codec = make_codec("uniform", {"bits": 4, "group": 32, "backend": "triton"})
+    kv = kv_sample((1, 1, 40, 64))
+    buf = codec.encode_device(kv.to(kernel_device)).buffers[0]
+    with pytest.raises(CodecError, match="stream 0 buffer must be 1-D uint8 of"):
+        codec.decode_device([buf[:-1]], KVShape.of(kv))
+
+
+def test_kivi_triton_falls_back_where_groups_do_not_fill_bytes():
+    """bits 2 packs 4 codes a byte: a key group of 2 tokens has no device path, and the
+    'triton' backend then runs the reference (same bytes as backend 'torch')."""
+    params = {"bits": 2, "group": 2, "value_group": 4, "residual": 4, "page_tokens": 8,
+              "window": "kivi"}
+    kv = kv_sample((1, 1, 20, 8))
+    tri = make_codec("kivi", {**params, "backend": "triton"})
+    assert not tri.has_device_path(kv.device, KVShape.of(kv))
+    assert payloads(tri.encode(kv)) == payloads(make_codec("kivi", {**params,
+                                                                    "backend": "torch"})
+                                                 .encode(kv))
 
 
 def test_encode_device_refused_where_there_is_no_device_path():

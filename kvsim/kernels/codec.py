@@ -27,7 +27,7 @@ import numpy as np
 from kvsim.core.layout import DTYPES, KVShape, check_finite
 from kvsim.core.lazy_module import lazy_module
 from kvsim.kernels import wire
-from kvsim.kernels.device_wire import DeviceWire
+from kvsim.kernels.device_wire import DeviceWire, stream_offsets
 from kvsim.kernels.encoded import Chunk, Encoded, SizeTable, preamble_meta
 
 if TYPE_CHECKING:
@@ -185,8 +185,7 @@ class Codec(ABC):
         self.check_shape(shape)
         buffers, status = self._encode_device(kv, shape)
         dw = DeviceWire(self.name, self.params_dict(), shape, self.page_tokens(shape),
-                        self.stream_names(), buffers, np.asarray(self.payload_bytes(shape)),
-                        status)
+                        self.stream_names(), buffers, self.wire_sizes(shape), status)
         if verify:
             dw.verify(kv)
         return dw
@@ -202,12 +201,27 @@ class Codec(ABC):
         if len(buffers) > self.num_streams:
             raise CodecError(f"{self.label}: {len(buffers)} buffers for {self.num_streams} "
                              "streams")
+        sizes = stream_offsets(self.wire_sizes(shape))
+        for s, buf in enumerate(buffers):  # the kernels read where the size table says
+            want = sizes[s][2]
+            if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != want:
+                raise CodecError(f"{self.label}: stream {s} buffer must be 1-D uint8 of {want} "
+                                 f"bytes, got {buf.dtype} {tuple(buf.shape)}")
         dtype = dtype or DTYPES[shape.dtype]
         return cast_finite(self._decode_device(buffers, shape, dtype), dtype)
 
+    def wire_sizes(self, shape: KVShape) -> np.ndarray:
+        """payload_bytes(shape), computed once per shape (the device path asks for it around
+        every launch; a page loop in Python would sit in front of the kernels)."""
+        cache = self.__dict__.setdefault("_wire_sizes", {})
+        if shape not in cache:
+            cache.clear()  # one shape at a time is what a sender encodes
+            cache[shape] = np.asarray(self.payload_bytes(shape), dtype=np.int64)
+        return cache[shape]
+
     def _encode_device(self, kv: torch.Tensor, shape: KVShape
                        ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """(wire buffer of each stream, status counters or None): see DeviceWire."""
+        """(wire buffer of each stream, status flags or None): see DeviceWire."""
         raise NotImplementedError(f"{self.name} has no device path")
 
     def _decode_device(self, buffers: list[torch.Tensor], shape: KVShape,

@@ -6,7 +6,7 @@ small number of kernel launches into one flat uint8 buffer per stream on the ten
 device: the payloads of the stream's chunks end to end in (layer, page) order, exactly the
 bytes `Codec.encode` gives each Chunk (frame headers are the transport's). Where each chunk
 starts follows from the size table alone (`stream_offsets`). Nothing is synchronized until
-the caller asks: the input's checks (NaN / Inf, fp16 range) are counted on the device into
+the caller asks: the input's checks (NaN / Inf, fp16 range) are flagged on the device in
 `status` and read by `DeviceWire.verify`.
 
 `PinnedStaging` is the host side: page-locked buffers reused from one encode to the next,
@@ -48,8 +48,8 @@ def stream_offsets(payload_bytes: np.ndarray) -> list[tuple[np.ndarray, np.ndarr
 @dataclass
 class DeviceWire:
     """One cache encoded on its device. buffers[s]: uint8 [total bytes of stream s], the
-    stream's chunk payloads end to end in (layer, page) order. status: int32 [2] counts of
-    non-finite inputs and of inputs beyond fp16's range (the second only where the codec
+    stream's chunk payloads end to end in (layer, page) order. status: int32 [2], non-zero
+    where some input is non-finite, resp. beyond fp16's range (the second only where the codec
     stores fp16 metadata computed from the values), or None where the codec checked first."""
 
     codec: str
@@ -73,9 +73,9 @@ class DeviceWire:
             return
         nonfinite, beyond = (int(v) for v in self.status.tolist())
         if nonfinite:
-            check_finite(kv)  # names the first bad index
-            raise ValueError(f"KV tensor contains {nonfinite} non-finite value(s) (NaN/Inf); "
-                             "refusing to encode")
+            check_finite(kv)  # counts them and names the first bad index
+            raise ValueError("KV tensor contains non-finite values (NaN/Inf); refusing to "
+                             "encode")
         if beyond:
             peak = float(kv.abs().max())
             raise ValueError(f"{self.codec}: |value| up to {peak:.4g} exceeds the fp16 range "

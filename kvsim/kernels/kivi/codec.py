@@ -477,7 +477,9 @@ class KiviParams:
     value_group: int = 32  # channels per value group (per token); 0 = head_dim
     residual: int = 128  # most recent tokens kept in bf16; a multiple of group
     page_tokens: int = 256  # a multiple of group
-    backend: str = "auto"  # auto (numba kernels for CPU tensors) | torch | cpu; same bytes
+    # auto (numba kernels for CPU tensors, the Triton device path for CUDA ones) | torch | cpu
+    # | triton; same bytes
+    backend: str = "auto"
     window: str = "shared"  # bf16 tokens: 'shared' R + (T-R) mod G of K and V | 'kivi' (see top)
 
     def __post_init__(self) -> None:
@@ -546,18 +548,26 @@ class KiviCodec(BackboneCodec):
         return p.group % per == 0 and self.backbone().vgroup(shape) % per == 0
 
     def quant_backend(self) -> str:
-        """The torch / cpu paths never see 'triton' (it always takes the device path)."""
+        """'triton' where the device path does not apply (groups that do not fill whole
+        bytes) runs the torch / cpu paths as 'auto'."""
         return "auto" if self.params.backend == "triton" else self.params.backend
 
     def _device_geometry(self, shape: KVShape, device: torch.device
                          ) -> tuple[np.ndarray, torch.Tensor, int]:
-        geo, layer_bytes, _ = self.geometry(shape)
-        return geo, torch.from_numpy(geo).to(device), layer_bytes
+        """(geometry, the same on `device`, bytes per layer), built once per shape and
+        device: the host work is not repeated in front of every launch."""
+        cache = self.__dict__.setdefault("_device_geometries", {})
+        key = (shape, str(device))
+        if key not in cache:
+            geo, layer_bytes, _ = self.geometry(shape)
+            cache.clear()  # one shape at a time is what a sender encodes
+            cache[key] = (geo, torch.from_numpy(geo).to(device), layer_bytes)
+        return cache[key]
 
     def _window_copy(self, buf: torch.Tensor, cache: torch.Tensor, geo: np.ndarray,
                      layer_bytes: int, to_wire: bool) -> None:
-        """Copy the bf16 tokens of every page between the cache (bf16 when to_wire, else the
-        decode's output) and the k_resid / v_resid bytes of the wire buffer: one copy per K / V
+        """Copy the bf16 tokens of every page between the cache (the input when to_wire, else
+        the decode's output) and the k_resid / v_resid bytes of the wire buffer: one copy per K / V
         plane of each page that has such tokens (the last one or two)."""
         layers, _, heads, _, dim = cache.shape
         for p in range(geo.shape[0]):
@@ -571,8 +581,8 @@ class KiviCodec(BackboneCodec):
                                       (layer_bytes, r * 2 * dim, 2 * dim, 1),
                                       int(geo[p, G_BASE] + geo[p, col]))
                 tokens = cache[:, plane, :, t0 + q:t0 + q + r]  # [L, H, r, D]
-                if to_wire:
-                    wire.copy_(tokens.view(torch.uint8))
+                if to_wire:  # the window alone rounded to bf16
+                    wire.copy_(tokens.to(torch.bfloat16).view(torch.uint8))
                 else:
                     values = torch.empty(tokens.shape, dtype=torch.bfloat16, device=buf.device)
                     values.view(torch.uint8).copy_(wire)
@@ -581,7 +591,9 @@ class KiviCodec(BackboneCodec):
     def _encode_device(self, kv: torch.Tensor, shape: KVShape
                        ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         from kvsim.kernels.kivi import triton as kivi_triton
+        from kvsim.kernels.triton_support import require_kernel_device
 
+        require_kernel_device(kv.device, "kivi triton backend", "use backend 'cpu' or 'auto'")
         p = self.params
         status = nonfinite_status(kv, fp16_range=True)
         if status is None:  # on the CPU (interpreter): checked now, as the reference does
@@ -590,7 +602,7 @@ class KiviCodec(BackboneCodec):
         buf = torch.empty(shape.layers * layer_bytes, dtype=torch.uint8, device=kv.device)
         kivi_triton.encode_quantized(kv.detach(), buf, geo_dev, layer_bytes, p.page_tokens,
                                      p.group, self.backbone().vgroup(shape), p.bits)
-        self._window_copy(buf, kv.detach().to(torch.bfloat16), geo, layer_bytes, True)
+        self._window_copy(buf, kv.detach(), geo, layer_bytes, True)
         return [buf], status
 
     def _decode_device(self, buffers: list[torch.Tensor], shape: KVShape,
@@ -619,7 +631,7 @@ class KiviCodec(BackboneCodec):
             return super()._encode(kv, shape)
         check_fp16_range(kv, self.name)
         p, vg = self.params, self.backbone().vgroup(shape)
-        fast = use_cpu_kernels(p.backend, kv.device)
+        fast = use_cpu_kernels(self.quant_backend(), kv.device)
         x = kv.detach().to(torch.float32)  # [layers, 2, heads, tokens, head_dim]
         tqk = shape.tokens // p.residual * p.residual
         tqv = max(0, shape.tokens - p.residual)
@@ -650,7 +662,7 @@ class KiviCodec(BackboneCodec):
         if not self.kivi_window:
             return super()._decode(enc, streams, device)
         shape, p = enc.shape, self.params
-        fast = use_cpu_kernels(p.backend, device)
+        fast = use_cpu_kernels(self.quant_backend(), device)
         deq = kivi_cpu.dequantize_rows if fast else dequantize_groups
         vg = self.backbone().vgroup(shape)
         out = torch.empty(shape.dims, dtype=torch.float32, device=device)

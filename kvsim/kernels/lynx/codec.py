@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvsim.core.layout import DTYPES, KVShape
+from kvsim.core.layout import DTYPES, KVShape, check_finite
 from kvsim.core.lazy_module import lazy_module
 from kvsim.kernels.codec import (
     Codec,
@@ -155,7 +155,13 @@ class LynxCodec(Codec):
                        ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         from kvsim.kernels.lynx import triton as lynx_triton
 
-        status = nonfinite_status(kv)
+        if self.params.precondition == "oscar":
+            # the rotation reads max |x| on the host anyway: check first, for the error
+            # naming the bad value rather than the rotation's range refusal
+            check_finite(kv)
+            status = None
+        else:
+            status = nonfinite_status(kv)
         x, scales = self._precondition(kv, "triton")
         arr = lynx_triton.encode_triton(x, self.layout(shape), self.tables, scales)
         return arr.buffers, status

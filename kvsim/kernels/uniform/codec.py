@@ -171,7 +171,7 @@ class UniformCodec(Codec):
         """(bytes of one layer's chunks, bytes of a full-page chunk): chunk (l, p) starts at
         l * layer_bytes + p * full_bytes when chunks are laid end to end in (layer, page)
         order (every page but the last is full)."""
-        per_layer = self.payload_bytes(shape)[0, 0]
+        per_layer = self.wire_sizes(shape)[0, 0]
         return int(per_layer.sum()), int(per_layer[0])
 
     def _encode(self, kv: torch.Tensor, shape: KVShape) -> list[list[Chunk]]:

@@ -11,9 +11,9 @@ and zero [2, H, t, D/group], little-endian). So one launch produces the bytes th
 on the device, with no host copy and no per-page copies.
 
 The arithmetic is groupquant_triton's, the torch reference's exact op sequence, so the bytes
-match the reference (groupquant.quantize_groups) bit for bit. The encode kernel also counts
-non-finite inputs and |x| beyond fp16's range into a two-int status (read once by the
-caller: the refusal costs no extra pass over the cache).
+match the reference (groupquant.quantize_groups) bit for bit. The encode kernel also flags
+non-finite inputs and |x| beyond fp16's range in a two-int status (read once by the caller:
+the refusal costs no extra pass over the cache).
 
 Packing matches bitpack.pack along the last dim (little-end first: for 4 bits,
 byte = c[2i] | c[2i+1] << 4); a group never straddles a byte (group % (8 // bits) == 0).
@@ -87,8 +87,9 @@ def _encode_wire_kernel(x_ptr, out_ptr, status_ptr, n_rows, T, LAYER_BYTES, FULL
     ax = tl.abs(x)
     nonfinite = tl.sum(tl.where(mask & ((x != x) | (ax == float("inf"))), 1, 0))
     beyond = tl.sum(tl.where(mask & (ax > BIG), 1, 0))
-    tl.atomic_add(status_ptr + 0, nonfinite, mask=nonfinite > 0)
-    tl.atomic_add(status_ptr + 1, beyond, mask=beyond > 0)
+    # flags, not counts: a count could wrap int32 on a large all-NaN cache
+    tl.atomic_max(status_ptr + 0, 1, mask=nonfinite > 0)
+    tl.atomic_max(status_ptr + 1, 1, mask=beyond > 0)
     q, scale16, zero16 = quantize_tile(x, tl.broadcast_to(cmask[None, :], (ROWS, BLOCK_G)),
                                        1, QMAX)
     codes_at, scale_at, zero_at = _wire_addresses(rows, g, T, LAYER_BYTES, FULL_BYTES, P, H2,
@@ -166,8 +167,9 @@ def encode_wire(kv: torch.Tensor, group: int, bits: int, page_tokens: int, layer
                 full_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """kv: [layers, 2, kv_heads, tokens, head_dim] float on CUDA (or CPU under the
     interpreter) -> (wire buffer uint8 [layers * layer_bytes] on kv's device, status int32
-    [2]: non-finite inputs, inputs beyond fp16's range). One launch; nothing is synchronized:
-    read the status after the stream has run (uniform.codec does)."""
+    [2]: 1 where some input is non-finite, resp. beyond fp16's range, else 0). One launch;
+    nothing is synchronized: read the status after the stream has run (Codec.encode_device
+    does, through DeviceWire.verify)."""
     if kv.dim() != 5:
         raise ValueError(f"encode_wire expects [layers, 2, kv_heads, tokens, head_dim], got "
                          f"shape {tuple(kv.shape)}")
