@@ -24,7 +24,7 @@ def test_cpu_lists_read_and_write_as_taskset_does():
     assert cpus.parse_cpus(" 1 ") == {1} and cpus.parse_cpus("") == set()
     for text in ("0-3,6", "1", "0,2,4", "0-1,3-5,9"):
         assert cpus.format_cpus(cpus.parse_cpus(text)) == text
-    for bad in ("a", "3-1", "-1", "1-b"):
+    for bad in ("a", "3-1", "-1", "1-b", "1-", "2,4-"):
         with pytest.raises(ValueError, match="CPU list"):
             cpus.parse_cpus(bad)
 

@@ -17,8 +17,6 @@ kvsim.scenario.speculative.receiver_draft_s).
 from __future__ import annotations
 
 import json
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,9 +76,7 @@ def sim_overrides(common: list[str], profiles: Profiles, acceptance: str, sample
             f"speculative.acceptance={acceptance}", f"samples={samples}"]
 
 
-def run_pair(common: list[str], sim: list[str],
-             log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)
-             ) -> tuple[list[dict], list[dict]]:
+def run_pair(common: list[str], sim: list[str]) -> tuple[list[dict], list[dict]]:
     """(emulated rows, simulated rows) of one scenario, one row per codec each."""
     return emulate_rows(common), simulate(sim)
 

@@ -31,8 +31,10 @@ def parse_cpus(text: str) -> set[int]:
     """A CPU list as `taskset -c` writes it ("0-3,6", "1") -> {0, 1, 2, 3, 6}; "" -> {}."""
     cpus: set[int] = set()
     for part in filter(None, (p.strip() for p in text.split(","))):
-        lo, _, hi = part.partition("-")
+        lo, dash, hi = part.partition("-")
         try:
+            if dash and not hi:  # "1-": a range without its end
+                raise ValueError
             first, last = int(lo), int(hi or lo)
         except ValueError:
             raise ValueError(f"CPU list {text!r}: {part!r} is not a CPU number or a range "
