@@ -34,6 +34,15 @@ def test_a_malformed_cpu_list_is_refused_before_anything_starts():
         config("transport.cpus=zero").validate()
 
 
+def test_emulate_refuses_a_cpu_list_it_would_drop():
+    """emulate places both ends (transport.split_cpus): a list meant for one process is
+    refused, not silently ignored."""
+    from kvsim.transport.emulate import emulate
+
+    with pytest.raises(ValueError, match="kvsim emulate runs both ends"):
+        emulate(config("transport.cpus=0"))
+
+
 @pytest.mark.parametrize("mine,sender,receiver", [
     ({0, 1}, {0}, {1}), ({0, 1, 2}, {0}, {1, 2}), ({2, 3, 5, 7}, {2, 3}, {5, 7})])
 def test_the_sender_gets_the_first_half(monkeypatch, mine, sender, receiver):

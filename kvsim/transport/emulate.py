@@ -129,6 +129,10 @@ def emulate(cfg: EmulateConfig) -> list[dict]:
 
     cfg.validate()
     t = cfg.transport
+    if t.cpus:  # emulate places both ends itself: a list for one process would be dropped
+        raise ValueError(f"transport.cpus={t.cpus!r} pins kvsim serve or kvsim send alone; "
+                         "kvsim emulate runs both ends: use transport.split_cpus=true to "
+                         "give each its half of the CPUs")
     import numpy as np
 
     n_requests = len(variants(cfg)) * len(workload_requests(cfg.workload,
