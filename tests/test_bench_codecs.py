@@ -103,7 +103,7 @@ class _SplitBF16(BF16Codec):
                 for s in (0, 1)]
 
     def _decode(self, enc: Encoded, streams: int, device):
-        merged = Encoded(enc.codec, enc.params, enc.shape, enc.page_tokens, ["full"], [[]])
+        merged = Encoded("bf16", enc.params, enc.shape, enc.page_tokens, ["full"], [[]])
         low = enc.payloads(1) if streams > 1 else {}
         for (layer, page), high in enc.payloads(0).items():
             both = np.zeros(2 * high.size, dtype=np.uint8)
@@ -111,7 +111,7 @@ class _SplitBF16(BF16Codec):
             if low:
                 both[0::2] = low[(layer, page)]
             merged.streams[0].append(Chunk(0, layer, page, both))
-        return super()._decode(merged, 1, device)
+        return BF16Codec(self.params).decode(merged, device=device)
 
 
 def test_split_codec_prefix_metrics():

@@ -77,6 +77,16 @@ def test_git_state_marks_a_dirty_tree(tmp_path):
     assert dirty["git_commit"] == clean["git_commit"]
 
 
+def test_a_copied_tree_names_its_commit(monkeypatch):
+    """KVSIM_SOURCE_COMMIT (a tree copied to a GPU machine) wins over whatever .git is
+    there, in every report's provenance and in a timing file's measured_with."""
+    monkeypatch.setenv("KVSIM_SOURCE_COMMIT", "82b98f9707ec161daa9143e0c4eddd87db04bd9c")
+    state = git_state()
+    assert state["git_commit"] == "82b98f9707ec161daa9143e0c4eddd87db04bd9c"
+    assert state["git_from"] == "KVSIM_SOURCE_COMMIT" and state["git_dirty"] is None
+    assert provenance()["git_commit"] == state["git_commit"]
+
+
 def test_provenance_without_git_says_unknown(tmp_path, monkeypatch):
     monkeypatch.setattr("kvsim.core.report.CODE_DIR", tmp_path)  # not a git checkout
     doc = provenance()

@@ -6,6 +6,7 @@ import functools
 import importlib.metadata
 import json
 import math
+import os
 import platform
 import subprocess
 import time
@@ -31,8 +32,14 @@ def git_state(cwd: Path | None = None) -> dict[str, Any]:
     """The commit the code is at and `git describe --always --dirty` (a "-dirty" suffix: tracked
     files differ from that commit, so the commit alone does not reproduce the run). The code's
     own checkout (cwd None) is asked once per process, at its first report: a sweep's
-    worker process writes a report per job."""
+    worker process writes a report per job. There, KVSIM_SOURCE_COMMIT names the commit of a
+    tree copied to another machine (scripts/gpu_checks.sh), whose .git, if one came along,
+    need not be that tree's."""
     if cwd is None:
+        named = os.environ.get("KVSIM_SOURCE_COMMIT")
+        if named:
+            return {"git_commit": named, "git_describe": None, "git_dirty": None,
+                    "git_from": "KVSIM_SOURCE_COMMIT"}
         return dict(_code_git_state(CODE_DIR))
     describe = _git(["describe", "--always", "--dirty"], cwd)
     return {"git_commit": _git(["rev-parse", "HEAD"], cwd), "git_describe": describe,

@@ -16,8 +16,7 @@ import numpy as np
 from kvsim.core.layout import KVShape
 from kvsim.core.lazy_module import lazy_module
 from kvsim.kernels.codec import Codec, CodecError, register
-from kvsim.kernels.device_wire import nonfinite_status, stream_buffers
-from kvsim.kernels.encoded import Chunk, Encoded
+from kvsim.kernels.device_wire import nonfinite_status
 
 if TYPE_CHECKING:
     import torch
@@ -91,13 +90,6 @@ class BF16Codec(Codec):
             out[:, :, :, tokens].unflatten(3, (pages, -1)).copy_(view.permute(0, 2, 3, 1, 4, 5))
         self._check_finite(out, self.params.page_tokens)
         return out
-
-    def _encode(self, kv: torch.Tensor, shape: KVShape) -> list[list[Chunk]]:
-        raise AssertionError("bf16 encodes through its device path")  # pragma: no cover
-
-    def _decode(self, enc: Encoded, streams: int, device: torch.device) -> torch.Tensor:
-        return self._decode_device(stream_buffers(enc, 1, torch.device(device)), enc.shape,
-                                   torch.bfloat16)
 
     def _check_finite(self, out: torch.Tensor, page_tokens: int) -> None:
         """The payload is the values themselves: refuse NaN / Inf bit patterns (one aminmax

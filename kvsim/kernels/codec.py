@@ -27,7 +27,7 @@ import numpy as np
 from kvsim.core.layout import DTYPES, KVShape, check_finite
 from kvsim.core.lazy_module import lazy_module
 from kvsim.kernels import wire
-from kvsim.kernels.device_wire import DeviceWire, stream_offsets
+from kvsim.kernels.device_wire import DeviceWire, stream_buffers, stream_offsets
 from kvsim.kernels.encoded import Chunk, Encoded, SizeTable, preamble_meta
 
 if TYPE_CHECKING:
@@ -132,9 +132,9 @@ class Codec(ABC):
     # ---- encode / decode ------------------------------------------------------------
     def encode(self, kv: torch.Tensor) -> Encoded:
         """kv: [layers, 2, kv_heads, tokens, head_dim] in bf16/fp16/fp32, finite."""
-        if self.has_device_path(kv.device, KVShape.of(kv)):
-            return self.encode_device(kv).to_encoded()  # one copy per stream to the host
         shape = KVShape.of(kv)
+        if self.has_device_path(kv.device, shape):
+            return self.encode_device(kv).to_encoded()  # one copy per stream to the host
         if not self._kernel_checks_finite(kv):
             check_finite(kv)
         self.check_shape(shape)
@@ -162,9 +162,12 @@ class Codec(ABC):
         self._check_complete(enc, n)
         self._check_content(enc, n)
         dtype = dtype or DTYPES[enc.shape.dtype]
+        target = torch.device(device) if device else torch.device("cpu")
         with torch_threads.kept():  # numba's kernels would leave torch on every core
-            out = self._decode_to(enc, n, torch.device(device) if device else
-                                  torch.device("cpu"), dtype)
+            if self.has_device_path(target, enc.shape):  # one copy per stream, then kernels
+                out = self._decode_device(stream_buffers(enc, n, target), enc.shape, dtype)
+            else:
+                out = self._decode_to(enc, n, target, dtype)
         return cast_finite(out, dtype)
 
     # ---- the device path (kvsim.kernels.device_wire) --------------------------------
@@ -267,13 +270,16 @@ class Codec(ABC):
     def check_shape(self, shape: KVShape) -> None:  # noqa: B027 (optional hook)
         """Refuse shapes this codec cannot handle, with a clear message (override)."""
 
-    @abstractmethod
+    # The host path: a codec implements it, its device path (has_device_path,
+    # _encode_device, _decode_device), or both; encode() / decode() take the device path
+    # wherever has_device_path says it applies.
     def _encode(self, kv: torch.Tensor, shape: KVShape) -> list[list[Chunk]]:
         """Return streams[i] = list of chunks of stream i."""
+        raise NotImplementedError(f"{self.name} has no host path on {kv.device}")
 
-    @abstractmethod
     def _decode(self, enc: Encoded, streams: int, device: torch.device) -> torch.Tensor:
         """Reconstruct from the first `streams` streams (presence already checked)."""
+        raise NotImplementedError(f"{self.name} has no host path on {device}")
 
     def _decode_to(self, enc: Encoded, streams: int, device: torch.device,
                    dtype: torch.dtype) -> torch.Tensor:

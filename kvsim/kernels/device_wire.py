@@ -66,8 +66,8 @@ class DeviceWire:
         return sum(int(b.numel()) for b in self.buffers)
 
     def verify(self, kv: torch.Tensor) -> None:
-        """Raise the error Codec.encode raises for this input (ValueError) when the kernel
-        counted a non-finite value or one beyond fp16's range; synchronizes with the device
+        """Raise the error Codec.encode raises for this input (ValueError) when the device
+        flagged a non-finite value or one beyond fp16's range; synchronizes with the device
         (reads 8 bytes)."""
         if self.status is None:
             return
@@ -106,15 +106,15 @@ def nonfinite_status(kv: torch.Tensor, fp16_range: bool = False) -> torch.Tensor
     """For a device path whose kernel does not check its input: on CUDA, DeviceWire's status
     from one aminmax pass (no synchronization; non-zero when any value is NaN / Inf); on the
     CPU, where check_finite's aminmax is the fastest check, it runs now (None: nothing left
-    to verify; the caller checks the fp16 range there itself). fp16_range: also count values
+    to verify; the caller checks the fp16 range there itself). fp16_range: also flag values
     beyond fp16's range (status[BEYOND_FP16]) on CUDA."""
     if kv.device.type != "cuda":
         check_finite(kv)
         return None
     status = torch.zeros(2, dtype=torch.int32, device=kv.device)
     if kv.numel():
-        # one read pass (min / max propagate NaN; Inf is the min or the max): the count is
-        # 0 or more, the exact count and place come from check_finite in verify()
+        # one read pass (min / max propagate NaN; Inf is the min or the max): a flag; the
+        # count and the place come from check_finite in verify()
         lo, hi = torch.aminmax(kv)
         ends = torch.stack([lo, hi]).to(torch.float32)
         status[NONFINITE] = (~torch.isfinite(ends)).sum()

@@ -41,6 +41,48 @@ def dequantize_tile(q, s, z, AXIS: tl.constexpr):
 
 
 @triton.jit
+def store_codes(out_ptr, row_at, q, rmask, ROWS: tl.constexpr, GROUP: tl.constexpr,
+                BLOCK: tl.constexpr, BITS: tl.constexpr):
+    """q: [ROWS, BLOCK] int32 codes, the first GROUP of each row valid -> bit-packed along the
+    row (bitpack.pack: little end first, byte = c[2i] | c[2i+1] << 4 for 4 bits) at
+    out_ptr + row_at[r] (int64 [ROWS], byte offset of the row's first code)."""
+    PER: tl.constexpr = 8 // BITS  # codes per byte
+    if PER == 1:
+        cols = tl.arange(0, BLOCK)
+        tl.store(out_ptr + row_at[:, None] + cols[None, :], q.to(tl.uint8),
+                 mask=rmask[:, None] & (cols < GROUP)[None, :])
+    else:
+        # [ROWS, BLOCK] -> [ROWS, BLOCK / PER, PER]; byte = sum_j code_j << (j * BITS)
+        q3 = tl.reshape(q, (ROWS, BLOCK // PER, PER))
+        shifts = tl.arange(0, PER) * BITS
+        byte = tl.sum(q3 << shifts[None, None, :], axis=2)
+        bcols = tl.arange(0, BLOCK // PER)
+        tl.store(out_ptr + row_at[:, None] + bcols[None, :], byte.to(tl.uint8),
+                 mask=rmask[:, None] & (bcols * PER < GROUP)[None, :])
+
+
+@triton.jit
+def load_codes(src_ptr, row_at, rmask, ROWS: tl.constexpr, GROUP: tl.constexpr,
+               BLOCK: tl.constexpr, BITS: tl.constexpr):
+    """Mirror of store_codes -> int32 codes [ROWS, BLOCK] (0 where masked)."""
+    PER: tl.constexpr = 8 // BITS
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    if PER == 1:
+        cols = tl.arange(0, BLOCK)
+        q = tl.load(src_ptr + row_at[:, None] + cols[None, :],
+                    mask=rmask[:, None] & (cols < GROUP)[None, :], other=0).to(tl.int32)
+    else:
+        bcols = tl.arange(0, BLOCK // PER)
+        byte = tl.load(src_ptr + row_at[:, None] + bcols[None, :],
+                       mask=rmask[:, None] & (bcols * PER < GROUP)[None, :],
+                       other=0).to(tl.int32)
+        shifts = tl.arange(0, PER) * BITS
+        q3 = (byte[:, :, None] >> shifts[None, None, :]) & QMAX  # [ROWS, BLOCK/PER, PER]
+        q = tl.reshape(q3, (ROWS, BLOCK))
+    return q
+
+
+@triton.jit
 def store_f16(out_ptr, at, v16, mask):
     """fp16 values -> 2 little-endian bytes each at out_ptr + at."""
     bits = v16.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF

@@ -207,9 +207,7 @@ DEVICE_KEYS = ("encode_with_copy_gbps", "decode_with_copy_gbps", "d2d_copy_gbps"
 
 def measuring_stack() -> dict:
     """The software and the code a timing file was measured with: torch, Triton, the CUDA
-    runtime and driver where there is one, and the commit: KVSIM_SOURCE_COMMIT where it is
-    set (a tree copied to another machine, scripts/gpu_checks.sh), else git's."""
-    import os
+    runtime and driver where there is one, and the commit (kvsim.core.report.git_state)."""
     import subprocess
 
     import torch
@@ -232,10 +230,4 @@ def measuring_stack() -> dict:
             stack["driver"] = out.stdout.strip() or None
         except (OSError, subprocess.TimeoutExpired):
             stack["driver"] = None
-    named = os.environ.get("KVSIM_SOURCE_COMMIT")
-    if named:  # a copied tree: its .git, if any came along, need not be the tree's commit
-        stack.update(commit=named, commit_from="KVSIM_SOURCE_COMMIT")
-        return stack
-    git = git_state()
-    stack.update(commit=git.get("git_commit"), git_dirty=git.get("git_dirty"))
-    return stack
+    return {**stack, **git_state()}

@@ -52,7 +52,7 @@ import numpy as np
 from kvsim.core.layout import KVShape
 from kvsim.core.lazy_module import lazy_module
 from kvsim.kernels.codec import Codec, register
-from kvsim.kernels.device_wire import nonfinite_status, stream_buffers
+from kvsim.kernels.device_wire import nonfinite_status
 from kvsim.kernels.encoded import Chunk, Encoded
 from kvsim.kernels.groupquant import (
     FP16_MAX,
@@ -619,12 +619,6 @@ class KiviCodec(BackboneCodec):
                                      self.backbone().vgroup(shape), p.bits)
         self._window_copy(buf, out, geo, layer_bytes, False)
         return out
-
-    def _decode_to(self, enc: Encoded, streams: int, device: torch.device,
-                   dtype: torch.dtype) -> torch.Tensor:
-        if self.has_device_path(device, enc.shape):
-            return self._decode_device(stream_buffers(enc, 1, device), enc.shape, dtype)
-        return super()._decode_to(enc, streams, device, dtype)
 
     def _encode(self, kv: torch.Tensor, shape: KVShape) -> list[list[Chunk]]:
         if not self.kivi_window or self.fused(kv.device, shape):

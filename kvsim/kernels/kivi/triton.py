@@ -19,7 +19,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kvsim.kernels.groupquant_triton import dequantize_tile, load_f16, quantize_tile, store_f16
+from kvsim.kernels.groupquant_triton import (
+    dequantize_tile,
+    load_codes,
+    load_f16,
+    quantize_tile,
+    store_codes,
+    store_f16,
+)
 from kvsim.kernels.kivi.geometry import (
     G_BASE,
     G_KC,
@@ -140,21 +147,12 @@ def _v_kernel(x_ptr, buf_ptr, geo_ptr, T, LAYER_BYTES, H: tl.constexpr, D: tl.co
     at = (((l * 2 + 1) * H + h).to(tl.int64) * T + t0 + tt)[:, None] * D + g * VG + cols[None, :]
     trow = (h * qv + tt).to(tl.int64)  # row of v_codes [H, qv, D] / v_scale [H, qv, D / VG]
     sat = (trow * NGV + g) * 2
-    vc = chunk + _page(geo_ptr, p, _VC)
+    # byte offset of each row's first code of this group (v_codes [H, qv, D], packed flat)
+    row_at = chunk + _page(geo_ptr, p, _VC) + (trow * D + g * VG) // PER
     if DECODE:
         s = load_f16(buf_ptr, chunk + _page(geo_ptr, p, _VS) + sat, tvalid)
         z = load_f16(buf_ptr, chunk + _page(geo_ptr, p, _VZ) + sat, tvalid)
-        if PER == 1:
-            q = tl.load(buf_ptr + vc + trow[:, None] * D + g * VG + cols[None, :], mask=mask,
-                        other=0).to(tl.int32)
-        else:
-            bcols = tl.arange(0, BLOCK_VG // PER)
-            bmask = tvalid[:, None] & (bcols * PER < VG)[None, :]
-            byte = tl.load(buf_ptr + vc + (trow[:, None] * D + g * VG) // PER + bcols[None, :],
-                           mask=bmask, other=0).to(tl.int32)
-            shifts = tl.arange(0, PER) * BITS
-            q3 = (byte[:, :, None] >> shifts[None, None, :]) & QMAX  # [RT, BLOCK_VG/PER, PER]
-            q = tl.reshape(q3, (RT, BLOCK_VG))
+        q = load_codes(buf_ptr, row_at, tvalid, RT, VG, BLOCK_VG, BITS)
         v = dequantize_tile(q, s, z, 1)
         tl.store(x_ptr + at, v.to(x_ptr.dtype.element_ty), mask=mask)
     else:
@@ -163,17 +161,7 @@ def _v_kernel(x_ptr, buf_ptr, geo_ptr, T, LAYER_BYTES, H: tl.constexpr, D: tl.co
                                     QMAX)
         store_f16(buf_ptr, chunk + _page(geo_ptr, p, _VS) + sat, s16, tvalid)
         store_f16(buf_ptr, chunk + _page(geo_ptr, p, _VZ) + sat, z16, tvalid)
-        if PER == 1:
-            tl.store(buf_ptr + vc + trow[:, None] * D + g * VG + cols[None, :], q.to(tl.uint8),
-                     mask=mask)
-        else:
-            q3 = tl.reshape(q, (RT, BLOCK_VG // PER, PER))
-            shifts = tl.arange(0, PER) * BITS
-            byte = tl.sum(q3 << shifts[None, None, :], axis=2)
-            bcols = tl.arange(0, BLOCK_VG // PER)
-            bmask = tvalid[:, None] & (bcols * PER < VG)[None, :]
-            tl.store(buf_ptr + vc + (trow[:, None] * D + g * VG) // PER + bcols[None, :],
-                     byte.to(tl.uint8), mask=bmask)
+        store_codes(buf_ptr, row_at, q, tvalid, RT, VG, BLOCK_VG, BITS)
 
 
 def _launch(x: torch.Tensor, buf: torch.Tensor, geo: torch.Tensor, layer_bytes: int,

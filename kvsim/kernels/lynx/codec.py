@@ -213,10 +213,7 @@ class LynxCodec(Codec):
         (every path returns values clamped to the encoded dtype's finite range)."""
         p = self.params
         lay, tab = self.layout(enc.shape), self.tables
-        backend = self._backend(device, enc.shape)
-        if backend == "triton":
-            return self._decode_device(stream_buffers(enc, streams, device), enc.shape,
-                                       torch.bfloat16 if bf16 else torch.float32)
+        backend = self._backend(device, enc.shape)  # torch or cpu: triton is the device path
         work = torch.device("cpu") if backend == "cpu" else device  # where the kernel runs
         bufs = stream_buffers(enc, streams, work)  # one buffer per stream, (layer, page) order
         if backend == "cpu":

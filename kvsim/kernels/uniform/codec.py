@@ -39,7 +39,7 @@ from kvsim.kernels.codec import (
     finite_bits,
     register,
 )
-from kvsim.kernels.device_wire import concat_payloads, stream_buffers
+from kvsim.kernels.device_wire import concat_payloads
 from kvsim.kernels.encoded import Chunk, Encoded
 from kvsim.kernels.groupquant import (
     FP16_MAX,
@@ -285,8 +285,6 @@ class UniformCodec(Codec):
             return cast_finite(self._decode_tensor(enc, device), dtype)
         if use_cpu(self.params.backend, device):
             return self._decode_cpu(enc, device, dtype)  # the kernel writes `dtype` directly
-        if self.has_device_path(device, enc.shape):
-            return self._decode_device(stream_buffers(enc, 1, device), enc.shape, dtype)
         return cast_finite(self._decode(enc, streams, device), dtype)
 
     def _decode_cpu(self, enc: Encoded, device: torch.device,
@@ -307,10 +305,7 @@ class UniformCodec(Codec):
             return self._decode_tensor(enc, device)
         if use_cpu(self.params.backend, device):
             return self._decode_cpu(enc, device)
-        if self.has_device_path(device, enc.shape):
-            return self._decode_device(stream_buffers(enc, 1, device), enc.shape,
-                                       torch.float32)
-        shape, pt = enc.shape, enc.page_tokens
+        shape, pt = enc.shape, enc.page_tokens  # the torch reference ('triton': device path)
         g, bits, d = self.group_of(shape), self.params.bits, shape.head_dim
         packed = torch.empty((shape.layers, 2, shape.kv_heads, shape.tokens, d * bits // 8),
                              dtype=torch.uint8, device=device)

@@ -30,7 +30,14 @@ import triton.language as tl
 
 from kvsim.kernels.bitpack import pack
 from kvsim.kernels.groupquant import FP16_MAX, dequantize_groups, qmax_of, quantize_groups
-from kvsim.kernels.groupquant_triton import dequantize_tile, load_f16, quantize_tile, store_f16
+from kvsim.kernels.groupquant_triton import (
+    dequantize_tile,
+    load_codes,
+    load_f16,
+    quantize_tile,
+    store_codes,
+    store_f16,
+)
 from kvsim.kernels.triton_support import (
     DEFAULT_CUDA_ARCH,
     compile_ptx,
@@ -70,7 +77,6 @@ def _encode_wire_kernel(x_ptr, out_ptr, status_ptr, n_rows, T, LAYER_BYTES, FULL
                         N: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                         BITS: tl.constexpr, ROWS: tl.constexpr, P: tl.constexpr,
                         H2: tl.constexpr, BIG: tl.constexpr):
-    PER: tl.constexpr = 8 // BITS  # codes per byte
     QMAX: tl.constexpr = (1 << BITS) - 1
     NG: tl.constexpr = N // GROUP  # groups per row
     CB: tl.constexpr = N * BITS // 8  # code bytes per row
@@ -96,16 +102,7 @@ def _encode_wire_kernel(x_ptr, out_ptr, status_ptr, n_rows, T, LAYER_BYTES, FULL
                                                   CB, NG, GB)
     store_f16(out_ptr, scale_at, scale16, rmask)
     store_f16(out_ptr, zero_at, zero16, rmask)
-    if PER == 1:
-        tl.store(out_ptr + codes_at[:, None] + cols[None, :], q.to(tl.uint8), mask=mask)
-    else:
-        # [ROWS, BLOCK_G] -> [ROWS, BLOCK_G / PER, PER]; byte = sum_j code_j << (j * BITS)
-        q3 = tl.reshape(q, (ROWS, BLOCK_G // PER, PER))
-        shifts = tl.arange(0, PER) * BITS
-        byte = tl.sum(q3 << shifts[None, None, :], axis=2)
-        bcols = tl.arange(0, BLOCK_G // PER)
-        bmask = rmask[:, None] & (bcols < GB)[None, :]
-        tl.store(out_ptr + codes_at[:, None] + bcols[None, :], byte.to(tl.uint8), mask=bmask)
+    store_codes(out_ptr, codes_at, q, rmask, ROWS, GROUP, BLOCK_G, BITS)
 
 
 @triton.jit
@@ -113,8 +110,6 @@ def _decode_wire_kernel(src_ptr, out_ptr, n_rows, T, LAYER_BYTES, FULL_BYTES,
                         N: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                         BITS: tl.constexpr, ROWS: tl.constexpr, P: tl.constexpr,
                         H2: tl.constexpr):
-    PER: tl.constexpr = 8 // BITS
-    QMAX: tl.constexpr = (1 << BITS) - 1
     NG: tl.constexpr = N // GROUP
     CB: tl.constexpr = N * BITS // 8
     GB: tl.constexpr = GROUP * BITS // 8
@@ -127,16 +122,7 @@ def _decode_wire_kernel(src_ptr, out_ptr, n_rows, T, LAYER_BYTES, FULL_BYTES,
     z = load_f16(src_ptr, zero_at, rmask)
     cols = tl.arange(0, BLOCK_G)
     mask = rmask[:, None] & (cols < GROUP)[None, :]
-    if PER == 1:
-        q = tl.load(src_ptr + codes_at[:, None] + cols[None, :], mask=mask, other=0).to(tl.int32)
-    else:
-        bcols = tl.arange(0, BLOCK_G // PER)
-        bmask = rmask[:, None] & (bcols < GB)[None, :]
-        byte = tl.load(src_ptr + codes_at[:, None] + bcols[None, :], mask=bmask,
-                       other=0).to(tl.int32)
-        shifts = tl.arange(0, PER) * BITS
-        q3 = (byte[:, :, None] >> shifts[None, None, :]) & QMAX  # [ROWS, BLOCK_G/PER, PER]
-        q = tl.reshape(q3, (ROWS, BLOCK_G))
+    q = load_codes(src_ptr, codes_at, rmask, ROWS, GROUP, BLOCK_G, BITS)
     out = dequantize_tile(q, s, z, 1)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + g * GROUP + cols[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)
