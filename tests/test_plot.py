@@ -302,3 +302,39 @@ def test_fig11_draws_committed_times_and_one_line_per_codec_and_policy(inputs, t
                            formats=["png"]))
     labels = sorted(s["label"] for s in rows[0]["context_tokens"])
     assert labels == ["int8 (layerwise)", "lynx (layerwise)", "lynx (split_stream_layerwise)"]
+
+
+def test_reuse_plots_ttft_and_hit_rate_against_the_cache_capacity(tmp_path):
+    """A real sweep over the decode cache's capacity on a window of the shipped trace: the
+    figure draws the table's values, labels units, hides no line; a table without a capacity
+    axis is refused."""
+    import matplotlib.pyplot as plt
+    import pandas as pd
+    from figure_checks import check_figure
+
+    from kvsim.plots import KINDS
+
+    sweep = tmp_path / "sweep"
+    assert main(["sweep", "prefix_cache.decode_capacity_gb=0,2,30", "scenario=none",
+                 "workload=mooncake-conversation", "workload.trace_duration_s=60",
+                 "prefix_cache.enabled=true", "workload.routing=least_loaded,kv_aware",
+                 "link=25g", "codecs=[int8]", "granularity=layer", "samples=1",
+                 "min_samples=1", "hydra/launcher=basic", f"hydra.sweep.dir={sweep}"]) == 0
+    table = pd.read_parquet(sweep / "sweep.parquet")
+    fig, summary = KINDS["reuse"].make(PlotOptions(kind="reuse", input=str(sweep)))
+    try:
+        check_figure(fig)
+    finally:
+        plt.close(fig)
+    for s in summary["series"]:
+        part = table[table["config.workload.routing"] == s["routing"]].sort_values(
+            "config.prefix_cache.decode_capacity_gb")
+        assert s["capacity_gb"] == [0.0, 2.0, 30.0]
+        assert s["ttft_p50_s"] == part["ttft_pct_s.p50"].tolist()
+        assert s["hit_rate"] == part["prefix_hit_rate"].tolist()
+        assert s["hit_rate"][0] == 0.0 and s["hit_rate"][2] >= s["hit_rate"][1] > 0.0
+    _render(tmp_path, kind="reuse", input=str(sweep))
+    flat = tmp_path / "one.parquet"
+    table[table["config.prefix_cache.decode_capacity_gb"] == 2.0].to_parquet(flat)
+    with pytest.raises(ValueError, match="one capacity"):
+        run(PlotOptions(kind="reuse", input=str(flat), out=str(tmp_path / "x.png")))

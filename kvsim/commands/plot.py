@@ -4,7 +4,8 @@ a `kvsim sim` report; kind=fig11 (TT<k>T vs context and vs bandwidth) a `kvsim s
 kind=survival (P(accepted >= k), Figure 10a) data/acceptance/ files; kind=codecs
 (bits/element vs vNMSE) a `kvsim bench codecs` report or a data/vnmse table; kind=pareto
 (time vs vNMSE per codec and transfer policy) a `kvsim advise` report; kind=fidelity
-(simulated vs measured times) a `kvsim validate` report. Figures go to the
+(simulated vs measured times) a `kvsim validate` report; kind=reuse (TTFT and hit rate
+vs prefix cache capacity) a `kvsim sweep` table. Figures go to the
 run directory unless out= names a path (out=plots/<name>.png updates a committed figure, with
 overwrite=true when it exists)."""
 
@@ -15,7 +16,7 @@ from pathlib import Path
 from kvsim.plots.options import PlotOptions
 
 COMMAND = ("plot",)
-HELP = ("figures (PNG+PDF): kind=ttkt|fig11|survival|codecs|breakdown|pareto|fidelity from "
+HELP = ("figures (PNG+PDF): kind=ttkt|fig11|survival|codecs|breakdown|pareto|fidelity|reuse from "
         "kvsim output files")
 CONFIG_NAME = "plot"
 Config = PlotOptions

@@ -37,6 +37,9 @@ def table_rows(rows: list[dict], qualities: dict | None = None) -> list[dict]:
         for k, v in (r.get("ttkt_committed_s") or {}).items():
             flat[f"tt{k}t"] = v
         flat["gb"] = r["total_bytes"] / 1e9
+        if "prefix_hit_rate" in r:  # prefix reuse: shares of blocks reused, of bytes saved
+            flat["hit_pct"] = 100 * r["prefix_hit_rate"]
+            flat["saved_pct"] = 100 * r["prefix_bytes_saved_fraction"]
         pct = r.get("ttft_committed_pct_s") or {}  # committed, as the TTFT column
         flat["ttft_p50"], flat["ttft_p99"] = pct.get("p50"), pct.get("p99")
         spread = r.get("spread") or {}
@@ -82,6 +85,9 @@ def table_columns(cfg: SimConfig, rows: list[dict]) -> list[tuple[str, str, str]
     if many:
         cols += [("ttft_p50", "TTFT\np50", ".3f"), ("ttft_p99", "TTFT\np99", ".3f"),
                  ("throughput_rps", "req/s", ".2f")]
+        if rows and "prefix_hit_rate" in rows[0]:
+            cols += [("hit_pct", "reused\nblocks %", ".1f"),
+                     ("saved_pct", "bytes\nsaved %", ".1f")]
         if cfg.wide:
             cols += [("link_utilisation", "link\nutil", ".2f"),
                      ("link_busy_utilisation", "link\nbusy", ".2f")]

@@ -5,7 +5,7 @@ summary of what it drew (input, series) for the command's report row."""
 
 from __future__ import annotations
 
-from kvsim.plots import breakdown, codecs, fidelity, fig11, pareto, survival, ttkt
+from kvsim.plots import breakdown, codecs, fidelity, fig11, pareto, reuse, survival, ttkt
 
 KINDS = {
     "ttkt": ttkt,  # TTKT vs k per codec (Lynx Figure 9) from a `kvsim sim` report
@@ -15,6 +15,7 @@ KINDS = {
     "breakdown": breakdown,  # stacked Figure-2 breakdown bars from a `kvsim sim` report
     "pareto": pareto,  # time vs vNMSE per codec x policy from a `kvsim advise` report
     "fidelity": fidelity,  # simulated vs measured times from a `kvsim validate` report
+    "reuse": reuse,  # TTFT and hit rate vs prefix cache capacity from a `kvsim sweep` table
 }
 
 __all__ = ["KINDS"]

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class PlotOptions:
-    kind: str = ""  # ttkt | fig11 | survival | codecs | breakdown | pareto
+    kind: str = ""  # ttkt | fig11 | survival | codecs | breakdown | pareto | fidelity | reuse
     input: str = ""  # the file (or, for survival, directory / files) the figure is made from
     # output path, one file per format (x.png -> x.png, x.pdf); "": <run directory>/<kind>.png
     out: str = ""

@@ -21,6 +21,8 @@ SHARINGS = ("per_prefill", "shared")
 SCHEDULINGS = ("anchors_first", "fifo", "weighted", "aging")
 TRACE_ORIGINS = ("run", "first_byte")  # = kvsim.sim.link.TRACE_ORIGINS
 WORKLOAD_KINDS = ("single", "poisson", "trace", "azure")
+ROUTINGS = ("least_loaded", "round_robin", "kv_aware")  # = kvsim.sim.routing.ROUTINGS
+EVICTIONS = ("lru",)
 # what a `codecs` entry may add to a codec entry (kvsim.scenario.variants)
 VARIANT_KEYS = ("transfer", "acceptance")
 AZURE_TRACES = ("code", "conv")  # = kvsim.scenario.azure_workload.AZURE_TRACES
@@ -99,11 +101,20 @@ class WorkloadConfig:
     context_round_tokens: int = 256  # sampled contexts are rounded up to this multiple
     arrivals_t: list[float] = field(default_factory=list)  # trace: arrival times (s)
     arrivals_context_tokens: list[int] = field(default_factory=list)  # trace: contexts
-    # trace from a CSV file instead (TIMESTAMP, ContextTokens, GeneratedTokens: the Azure LLM
-    # inference trace columns; each request decodes its own GeneratedTokens)
+    # trace: each request's prefix block ids, a list per request as a Mooncake trace's
+    # hash_ids (prefix_cache); empty: none
+    arrivals_prefix_blocks: list[list[int]] = field(default_factory=list)
+    # trace from a file instead, by path or by the name of a shipped trace (data/traces/:
+    # mooncake-conversation, mooncake-synthetic): a CSV of the Azure LLM inference trace
+    # columns (TIMESTAMP, ContextTokens, GeneratedTokens), or Mooncake JSONL (.jsonl or
+    # .jsonl.gz: timestamp ms, input_length, output_length, hash_ids); each request decodes
+    # its own output length (kvsim.scenario.request_trace)
     trace_path: str = ""
-    trace_max_requests: int = 0  # first N rows of trace_path (0: all)
-    trace_time_scale: float = 1.0  # arrival gaps x this (0.5: replay twice as fast)
+    trace_start_s: float = 0.0  # replay the trace from this time (s of the trace) ...
+    trace_duration_s: float = 0.0  # ... for this long (s of the trace; 0: to its end)
+    trace_max_requests: int = 0  # then its first N requests (0: all)
+    # arrival gaps x this (0.5: replay at twice the trace's rate)
+    trace_time_scale: float = 1.0
     # kind=azure (kvsim.scenario.azure_workload): `requests` requests whose ContextTokens and
     # GeneratedTokens are drawn from the measured shape of an Azure LLM inference trace 2023,
     # data/workload/azure-2023-<azure_trace>.json: code | conv. Contexts are clipped to
@@ -120,9 +131,26 @@ class WorkloadConfig:
     # tokens per chunked prefill step, prompts batched first come first served
     # (kvsim.sim.prefill_batch); 0 (default): one whole prompt at a time
     prefill_chunk_tokens: int = 0
+    # which instances a request goes to (kvsim.sim.routing): least_loaded (fewest requests
+    # in flight there) | round_robin | kv_aware (the longest prefix held, within
+    # routing_load_slack requests of the least loaded; needs prefix_cache.enabled)
+    routing: str = "least_loaded"
+    routing_load_slack: int = 4  # kv_aware: requests above the least loaded instance, at most
 
     def validate(self) -> None:
         check_choice("workload.kind", self.kind, WORKLOAD_KINDS)
+        check_choice("workload.routing", self.routing, ROUTINGS)
+        if isinstance(self.routing_load_slack, bool) or \
+                not isinstance(self.routing_load_slack, int) or self.routing_load_slack < 0:
+            raise ValueError(f"workload.routing_load_slack must be an integer >= 0, got "
+                             f"{self.routing_load_slack!r}")
+        check_number("workload.trace_start_s", self.trace_start_s, strict=False)
+        check_number("workload.trace_duration_s", self.trace_duration_s, strict=False)
+        if self.arrivals_prefix_blocks and \
+                len(self.arrivals_prefix_blocks) != len(self.arrivals_t):
+            raise ValueError(f"workload.arrivals_prefix_blocks has "
+                             f"{len(self.arrivals_prefix_blocks)} entries for "
+                             f"{len(self.arrivals_t)} arrivals_t; give one list per request")
         check_choice("workload.context_dist", self.context_dist, CONTEXT_DISTS)
         for key in ("context_tokens", "output_tokens", "requests", "prefill_nodes",
                     "decode_nodes", "decode_max_batch", "context_round_tokens"):
@@ -162,10 +190,9 @@ class WorkloadConfig:
     def max_output_tokens(self) -> int:
         """The most tokens any request decodes (a trace file's GeneratedTokens vary)."""
         if self.kind == "trace" and self.trace_path:
-            from kvsim.scenario.request_trace import cached_request_trace
+            from kvsim.scenario.request_trace import workload_trace
 
-            return int(cached_request_trace(self.trace_path, self.trace_max_requests,
-                                            self.trace_time_scale).output_tokens.max())
+            return int(workload_trace(self).output_tokens.max())
         if self.kind == "azure":
             from kvsim.scenario.azure_workload import load_azure_shape
 
@@ -203,6 +230,38 @@ class SpeculativeConfig:
             raise ValueError("speculative.acceptance must name an acceptance model")
 
 
+@dataclass
+class PrefixCacheConfig:
+    """Prefix reuse (kvsim.sim.prefix_cache): instances keep the KV blocks of the prompts
+    they held, by the workload's prefix block ids (a trace's hash_ids), and a request reuses
+    the leading blocks held. Off: no cache, today's results exactly."""
+
+    enabled: bool = False  # keep and reuse prefix blocks (false: no cache, today's results)
+    # tokens per block: the trace's (Mooncake's hash_ids name 512-token blocks); a request's
+    # block ids must number ceil(context / block_tokens)
+    block_tokens: int = 512
+    # GB (1e9 bytes) of bf16 KV blocks each decode instance keeps; null: all its memory
+    # beside the weights, shared with the running requests' caches (idle blocks are
+    # evicted when an admission needs the room). A hit sends only the blocks it lacks
+    decode_capacity_gb: float | None = None
+    # the same on each prefill instance (its prefill skips the blocks held); 0: none
+    prefill_capacity_gb: float | None = None
+    eviction: str = "lru"  # least recently used idle block first, a prompt's tail first
+
+    def validate(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"prefix_cache.enabled must be true or false, got "
+                             f"{self.enabled!r}")
+        if isinstance(self.block_tokens, bool) or not isinstance(self.block_tokens, int) or \
+                self.block_tokens < 1:
+            raise ValueError(f"prefix_cache.block_tokens must be an integer >= 1, got "
+                             f"{self.block_tokens!r}")
+        for key in ("decode_capacity_gb", "prefill_capacity_gb"):
+            if getattr(self, key) is not None:
+                check_number(f"prefix_cache.{key}", getattr(self, key), strict=False)
+        check_choice("prefix_cache.eviction", self.eviction, EVICTIONS)
+
+
 STANDARD_KS = (1, 8, 16, 32, 64, 128)  # TTKT points reported by default (the seeds' k's)
 
 
@@ -237,6 +296,7 @@ class SimConfig:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
     # codec entries: preset names or {preset|name, params, label}; optional `transfer` key
     codecs: list[Any] = field(default_factory=lambda: ["bf16"])
     # auto (the best policy each codec supports) | seeds (the seeds' pairing) | a policy | a
@@ -287,6 +347,10 @@ class SimConfig:
         self.link.validate()
         self.workload.validate()
         self.speculative.validate()
+        self.prefix_cache.validate()
+        if self.workload.routing == "kv_aware" and not self.prefix_cache.enabled:
+            raise ValueError("workload.routing=kv_aware routes by the prefix caches: set "
+                             "prefix_cache.enabled=true")
         # ks up to the longest request; with a trace file's varying outputs, TTKT(k) is over
         # the requests that decode k tokens (rows count them: ttkt_requests)
         self.metrics.resolve(self.workload.max_output_tokens())

@@ -16,6 +16,9 @@ class Request:
     arrival_t: float  # s
     context_tokens: int
     output_tokens: int  # tokens it decodes
+    # ids of its prompt's blocks of prefix_cache.block_tokens tokens, in order (equal ids:
+    # the same prefix; kvsim.sim.prefix_cache); empty: the workload names none
+    prefix_blocks: tuple[int, ...] = ()
 
 
 def requests(cfg: WorkloadConfig, rng: np.random.Generator) -> list[Request]:
@@ -24,17 +27,21 @@ def requests(cfg: WorkloadConfig, rng: np.random.Generator) -> list[Request]:
     if cfg.kind == "single":
         return [Request(0, 0.0, cfg.context_tokens, out)]
     if cfg.kind == "trace" and cfg.trace_path:
-        from kvsim.scenario.request_trace import cached_request_trace
+        from kvsim.scenario.request_trace import workload_trace
 
-        tr = cached_request_trace(cfg.trace_path, cfg.trace_max_requests, cfg.trace_time_scale)
-        return [Request(i, float(t), int(c), int(o)) for i, (t, c, o) in enumerate(zip(
-            tr.arrival_s, tr.context_tokens, tr.output_tokens, strict=True))]
+        tr = workload_trace(cfg)
+        blocks = tr.prefix_blocks or ((),) * len(tr.arrival_s)
+        return [Request(i, float(t), int(c), int(o), b) for i, (t, c, o, b) in enumerate(zip(
+            tr.arrival_s.tolist(), tr.context_tokens.tolist(), tr.output_tokens.tolist(),
+            blocks, strict=True))]
     if cfg.kind == "trace":
         times = np.asarray(cfg.arrivals_t, dtype=float)
         if np.any(np.diff(times) < 0) or times[0] < 0:
             raise ValueError("workload.arrivals_t must be non-negative and non-decreasing")
-        return [Request(i, float(t), int(c), out) for i, (t, c) in
-                enumerate(zip(times, cfg.arrivals_context_tokens, strict=True))]
+        blocks = [tuple(int(h) for h in b) for b in cfg.arrivals_prefix_blocks] or \
+            [()] * len(times)
+        return [Request(i, float(t), int(c), out, b) for i, (t, c, b) in
+                enumerate(zip(times, cfg.arrivals_context_tokens, blocks, strict=True))]
     if cfg.rate_per_s <= 0:
         raise ValueError(f"workload.rate_per_s must be > 0, got {cfg.rate_per_s}")
     if cfg.kind == "azure":

@@ -30,6 +30,7 @@ from kvsim.scenario.timing_model import TimingModel
 from kvsim.sim.batch import DecodeBatch
 from kvsim.sim.link import Flow, Link
 from kvsim.sim.prefill_batch import ChunkedPrefill
+from kvsim.sim.prefix_cache import PrefixCache
 from kvsim.sim.timer import Timer, call_later
 
 _NONE = np.empty(0)  # [0] s: no arrival reported yet (read-only use)
@@ -81,6 +82,12 @@ class DecodeNode:
         self.admission = DecodeAdmission(max_batch, self.kv_memory_bytes)
         self.batch = DecodeBatch(env, timing)
         self.deserializer: NodeDeserializer | None = None  # deserializer=node only
+        self.prefix: PrefixCache | None = None  # prefix_cache.enabled only
+
+    def keep_prefix(self, prefix: PrefixCache) -> None:
+        """Hold prefix blocks in this instance's KV memory (its bytes are admission's)."""
+        self.prefix = prefix
+        self.admission.reclaim = prefix.evict
 
 
 class DecodeAdmission:
@@ -88,7 +95,9 @@ class DecodeAdmission:
     the batch (`max_batch`), then the request's KV bytes out of `kv_memory_bytes` (memory
     beside the weights). A request holding a slot whose cache does not fit waits, and the
     ones behind it wait too. Callbacks, not simpy events: admission changes only when a
-    request asks (`request`) or leaves (`release`), and the admitted one starts then."""
+    request asks (`request`) or leaves (`release`), and the admitted one starts then.
+    `reclaim(bytes)`, when set, frees up to that many bytes held for reuse (a prefix cache's
+    idle blocks) and returns what it freed: admission asks it before a request waits."""
 
     def __init__(self, max_batch: int, kv_memory_bytes: float) -> None:
         if max_batch < 1:
@@ -99,6 +108,7 @@ class DecodeAdmission:
         self._slot_queue: deque[tuple[float, Callable[[float], None]]] = deque()
         # holding a slot, waiting for memory: (KV bytes, slot time s, admitted callback)
         self._memory_queue: deque[tuple[float, float, Callable[[float], None]]] = deque()
+        self.reclaim: Callable[[float], float] | None = None
 
     def request(self, kv_bytes: float, now: float, admitted: Callable[[float], None]) -> None:
         """Queue a request for `kv_bytes` of cache; admitted(t_slot) is called (now or at a
@@ -106,10 +116,11 @@ class DecodeAdmission:
         self._slot_queue.append((kv_bytes, admitted))
         self._grant(now)
 
-    def release(self, kv_bytes: float, now: float) -> None:
-        """A request finished now: its slot and its bytes return; admit who fits."""
+    def release(self, kv_bytes: float, now: float, slot: bool = True) -> None:
+        """A request finished now: its slot and its bytes return; admit who fits. (slot
+        False: only bytes return, freed by a prefix cache's eviction.)"""
         self.free_bytes += kv_bytes
-        self.free_slots += 1
+        self.free_slots += slot
         self._grant(now)
 
     def _grant(self, now: float) -> None:
@@ -117,7 +128,13 @@ class DecodeAdmission:
             kv_bytes, admitted = self._slot_queue.popleft()
             self.free_slots -= 1
             self._memory_queue.append((kv_bytes, now, admitted))
-        while self._memory_queue and self._memory_queue[0][0] <= self.free_bytes:
+        while self._memory_queue:
+            if self._memory_queue[0][0] > self.free_bytes:
+                if self.reclaim is None:
+                    break
+                self.free_bytes += self.reclaim(self._memory_queue[0][0] - self.free_bytes)
+                if self._memory_queue[0][0] > self.free_bytes:
+                    break
             kv_bytes, t_slot, admitted = self._memory_queue.popleft()
             self.free_bytes -= kv_bytes
             admitted(t_slot)

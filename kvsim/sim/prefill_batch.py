@@ -50,8 +50,10 @@ class ChunkedPrefill:
         self.steps = 0
         env.process(self._run())
 
-    def submit(self, seq: int, tokens: int) -> PrefillJob:
-        job = PrefillJob(seq, int(tokens), self.env.event())
+    def submit(self, seq: int, tokens: int, cached_tokens: int = 0) -> PrefillJob:
+        """Queue a prompt of `tokens`, the first `cached_tokens` of them already computed
+        (a prefix cache's hit: prefilled as if by earlier chunks)."""
+        job = PrefillJob(seq, int(tokens), self.env.event(), done_tokens=int(cached_tokens))
         self.queue.append(job)
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()

@@ -17,6 +17,10 @@ PHASES = ("arrival_t", "prefill_start_t", "prefill_end_t", "encode_end_t",
           "decode_start_t")
 
 
+# tokens whose KV was sent, of the prompt its decode / prefill instance held
+PREFIX_KEYS = ("sent_tokens", "prefix_hit_tokens", "prefill_hit_tokens")
+
+
 def request_rows(records: list[RequestRecord], ks: list[int], scenario: dict[str, Any]
                  ) -> list[dict[str, Any]]:
     """Flat rows (scenario keys first) for the records of one run."""
@@ -43,6 +47,9 @@ def request_rows(records: list[RequestRecord], ks: list[int], scenario: dict[str
         })
         for i, b in enumerate(rec.stream_bytes):
             row[f"stream{i}_bytes"] = int(b)
+        for key in PREFIX_KEYS:  # prefix reuse (prefix_cache.enabled) only
+            if key in rec.extra:
+                row[key] = int(rec.extra[key])
         tokens = len(tl.token_t)
         row["output_tokens"] = tokens
         for k in ks:  # NaN: this request decodes fewer than k tokens (trace files)

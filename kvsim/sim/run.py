@@ -60,6 +60,7 @@ from kvsim.sim.nodes import (
     when_all_ready,
 )
 from kvsim.sim.prefill_batch import ChunkedPrefill
+from kvsim.sim.prefix_reuse import PrefixReuse, Reuse
 from kvsim.sim.request_log import request_rows, write_request_log
 from kvsim.sim.spread import spread_of
 from kvsim.sim.timer import Timer, call_later
@@ -85,7 +86,7 @@ class Passage:
 
     __slots__ = ("sim", "req", "plan", "p", "d", "t_p0", "t_pe", "receivers", "needed",
                  "encode_end_t", "t_need", "drafting", "load_all_s", "kv_bytes", "t_slot",
-                 "t_start", "prefill_s", "member")
+                 "t_start", "prefill_s", "member", "reuse", "sent_tokens")
 
     def __init__(self, sim: Scenario, req: Request, plan: TransferPlan, p: int, d: int) -> None:
         self.sim = sim
@@ -99,6 +100,8 @@ class Passage:
         self.kv_bytes = 0.0  # its bf16 cache in decode memory
         self.prefill_s = math.nan  # its prefill's length (one prefill at a time)
         self.member: Member | None = None  # in its decode batch, while drafting
+        self.reuse: Reuse | None = None  # prefix_cache.enabled: what it reuses
+        self.sent_tokens = req.context_tokens  # tokens whose KV crosses the link
 
     # The callbacks of its steps: bound methods, not a closure (and its cells) per step and
     # request, which would live from the step's start to its end and be freed cold. (Nothing
@@ -117,6 +120,8 @@ class Passage:
     def full_in(self) -> None:
         """Every stream is ready (now): the drafting member has its full cache."""
         member, self.member = self.member, None  # (no ps <-> member cycle left behind)
+        if self.reuse is not None:
+            self.sim._keep_prefix(self)
         self.sim.decode[self.d].batch.full_ready(member, self.load_all_s)  # type: ignore[arg-type]
 
     def left(self, member: Member) -> None:
@@ -233,6 +238,14 @@ class Scenario:
             for i, node in enumerate(self.decode):  # flushes every link its flows cross
                 node.deserializer = NodeDeserializer(
                     self.links + ([self.ingress[i]] if self.ingress else []))
+        self.prefix: PrefixReuse | None = None
+        if cfg.prefix_cache.enabled:  # kvsim.sim.prefix_reuse
+            self.prefix = PrefixReuse(
+                cfg.prefix_cache, w.routing, w.routing_load_slack,
+                float(self.model.kv_bytes_bf16(cfg.prefix_cache.block_tokens)), kv_memory,
+                self.decode, w.prefill_nodes)
+            self.prefix.check(reqs)
+        self._routed = 0  # requests routed (workload.routing=round_robin)
         self.finished = 0
         self.all_done = env.event()
         self.n_requests = len(reqs)
@@ -268,25 +281,46 @@ class Scenario:
         in callbacks (kvsim.sim.run.Passage), each run when what it waits for is done."""
         env = self.env
         now = env.now
-        plan = self.plan(req.context_tokens)
         # requests whose prefill ended by now no longer count as queued on their instance
         ends, queued, assigned = self._prefill_ends, self.prefill_queued, self.decode_assigned
+        prefix = self.prefix
         while ends and ends[0][0] <= now:
-            queued[heapq.heappop(ends)[2]] -= 1
-        # the least loaded instances (the first of equals), by builtin min over int lists
-        p, d = queued.index(min(queued)), assigned.index(min(assigned))
+            _, seq, p = heapq.heappop(ends)
+            queued[p] -= 1
+            if prefix is not None:
+                prefix.prefill_ended(seq)
+        routing = self.cfg.workload.routing
+        if routing == "round_robin":
+            p, d = self._routed % len(queued), self._routed % len(assigned)
+        else:  # the least loaded instances (the first of equals), by builtin min
+            p, d = queued.index(min(queued)), assigned.index(min(assigned))
+        self._routed += 1
+        reuse, cached_tokens = None, 0
+        if prefix is not None:  # kv_aware routing, and what the request reuses
+            p, d, reuse = prefix.route(req, queued, assigned, p, d)
+            cached_tokens = reuse.prefill_hit * prefix.block_tokens
         pnode = self.prefill[p]
         queued[p] += 1
         assigned[d] += 1
-        ps = Passage(self, req, plan, p, d)
+        if reuse is None:
+            ps = Passage(self, req, self.plan(req.context_tokens), p, d)
+        else:  # only the KV its decode instance lacks crosses the link
+            sent = prefix.sent_tokens(req, reuse)  # type: ignore[union-attr]
+            ps = Passage(self, req, self.plan(sent), p, d)
+            ps.reuse, ps.sent_tokens = reuse, sent
+            prefix.wire_bytes(self.plan(req.context_tokens).total_bytes,  # type: ignore
+                              ps.plan.total_bytes)
+            prefix.prefill_started(req, p, reuse)  # type: ignore[union-attr]
         if pnode.chunked is not None:  # chunked prefill batching (kvsim.sim.prefill_batch)
-            job = pnode.chunked.submit(req.seq, req.context_tokens)
+            job = pnode.chunked.submit(req.seq, req.context_tokens, cached_tokens)
             # the step with its last chunk starts when last_step succeeds
             job.last_step.callbacks.append(
                 lambda _ev: self._prefill(ps, job.first_step_t, env.now, job.last_step_s))
             return
         # one prefill at a time, first come first served: it starts when the one before ends
-        prefill_s = self.timing.prefill_s(req.context_tokens)
+        prefill_s = self.timing.prefill_step_s(
+            [(req.context_tokens - cached_tokens, cached_tokens)]) if cached_tokens else \
+            self.timing.prefill_s(req.context_tokens)
         t_p0 = pnode.free_t if pnode.free_t > now else now
         pnode.free_t = t_p0 + prefill_s
         if t_p0 > now:
@@ -349,7 +383,7 @@ class Scenario:
         start), ps.drafting and ps.load_all_s (the full cache's load s once drafting
         stops)."""
         env, receivers = self.env, ps.receivers
-        bf16 = float(self.model.kv_bytes_bf16(ps.req.context_tokens))
+        bf16 = float(self.model.kv_bytes_bf16(ps.sent_tokens))  # the bytes it was sent
         devices = self.hw.devices
         extra_s = self.timing.first_step_extra_s(ps.req.context_tokens)
         load_all_s = self.codec_timing.decode_s(bf16, devices)  # verification's pass, a
@@ -384,6 +418,8 @@ class Scenario:
         tokens = req.output_tokens
         # the request's cache in decode memory (bf16, its context and the tokens it decodes)
         ps.kv_bytes = float(self.model.kv_bytes_bf16(req.context_tokens + tokens))
+        if ps.reuse is not None:  # its reused blocks are in memory already
+            ps.kv_bytes -= ps.reuse.decode_hit * self.prefix.block_bytes  # type: ignore
         if ps.kv_bytes > dnode.kv_memory_bytes:
             raise ValueError(
                 f"request {req.seq}: its bf16 KV cache ({req.context_tokens} + {tokens} tokens, "
@@ -403,7 +439,7 @@ class Scenario:
         drafting = ps.drafting if self.deserializer == "on_demand" else \
             plan.speculative and not all(rx.is_ready for rx in receivers)
         overhead_s = draft_overhead_s(spec.draft_overhead_s, self.codec_timing,
-                                      self.model.kv_bytes_bf16(req.context_tokens),
+                                      self.model.kv_bytes_bf16(ps.sent_tokens),
                                       plan.stream_bytes[0], plan.total_bytes, self.hw.devices,
                                       receiver_draft_s(self.deserializer, self.timing,
                                                        req.context_tokens))
@@ -433,6 +469,12 @@ class Scenario:
         if drafting:
             ps.member = member
             when_all_ready(receivers, ps.full_in)
+        elif ps.reuse is not None:
+            self._keep_prefix(ps)
+
+    def _keep_prefix(self, ps: Passage) -> None:
+        """Admitted with every stream in (now): its blocks may serve later requests."""
+        self.prefix.keep(ps.req, ps.d, ps.reuse, self.env.now)  # type: ignore[union-attr]
 
     def _sample_accepted(self, proposed: int) -> int:
         """Drafts accepted of `proposed` (the acceptance model, on this sample's rng)."""
@@ -443,7 +485,14 @@ class Scenario:
         req, receivers, plan = ps.req, ps.receivers, ps.plan
         pnode, dnode = self.prefill[ps.p], self.decode[ps.d]
         timeline = member.timeline
-        dnode.admission.release(ps.kv_bytes, self.env.now)
+        reuse = ps.reuse
+        if reuse is None:
+            dnode.admission.release(ps.kv_bytes, self.env.now)
+        else:  # the blocks it kept for reuse stay, idle, in the instance's memory
+            self.prefix.release(req, ps.d, reuse)  # type: ignore[union-attr]
+            dnode.admission.release(
+                ps.kv_bytes - len(reuse.kept) * self.prefix.block_bytes,  # type: ignore
+                self.env.now)
         self.decode_assigned[ps.d] -= 1
         needed = ps.needed
         last_needed = max(needed, key=lambda rx: rx.last_arrival_t)
@@ -455,7 +504,12 @@ class Scenario:
             max(rx.ready_t for rx in receivers),
             ps.t_start, timeline, plan.stream_bytes, sum(rx.received_bytes for rx in receivers),
             plan.policy == "monolithic",
-            {"memory_wait_s": ps.t_start - ps.t_slot, "decode_kv_bytes": ps.kv_bytes})
+            {"memory_wait_s": ps.t_start - ps.t_slot, "decode_kv_bytes": ps.kv_bytes}
+            if reuse is None else
+            {"memory_wait_s": ps.t_start - ps.t_slot, "decode_kv_bytes": ps.kv_bytes,
+             "sent_tokens": ps.sent_tokens,
+             "prefix_hit_tokens": reuse.decode_hit * self.cfg.prefix_cache.block_tokens,
+             "prefill_hit_tokens": reuse.prefill_hit * self.cfg.prefix_cache.block_tokens})
         # bytes conserved: what arrived = the codec's wire bytes + per-message framing
         framing = pnode.link.message_overhead_bytes * sum(len(f.sizes_bytes) for f in plan.flows)
         if abs(rec.received_bytes - plan.total_bytes - framing) > 1e-9 * plan.total_bytes:
@@ -557,6 +611,9 @@ class Scenario:
             "messages": self.messages,
             "events_per_s": self.env.scheduled / wall_s if wall_s > 0 else math.nan,
         }
+        if self.prefix is not None:  # prefix reuse: hit rates, bytes not sent
+            row.update(self.prefix.row())
+            row["routing"] = cfg.workload.routing
         if len(recs) == 1:
             row.update(request_row(recs[0], ks, cfg.metrics.breakdown_k))
             return row
@@ -569,6 +626,8 @@ class Scenario:
         row["stream_bytes"] = {name: float(np.mean(cols.stream_bytes[:, i]))
                                for i, name in enumerate(plan.stream_names)}
         row["total_bytes"] = float(np.mean(col["total_bytes"]))
+        if self.prefix is not None:  # bits per element of the KV sent (the prefix delta)
+            context = np.array([r.extra["sent_tokens"] for r in recs], dtype=np.int64)
         contexts, which = np.unique(context, return_inverse=True)  # [c] distinct, [n] index
         numel = np.array([float(self.model.kv_shape(int(ctx)).numel) for ctx in contexts])[which]
         row["bits_per_element"] = float(np.mean(8.0 * col["total_bytes"] / numel))
@@ -585,7 +644,7 @@ def mean_rows(rows: list[dict]) -> dict:
     out = dict(rows[0])
     for key, value in rows[0].items():
         if isinstance(value, bool) or key in ("requests", "streams", "context_tokens",
-                                              "breakdown_k", "messages"):
+                                              "breakdown_k", "messages", "prefix_block_tokens"):
             continue
         if isinstance(value, (int, float)):
             out[key] = float(np.mean([r[key] for r in rows]))

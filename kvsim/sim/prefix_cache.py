@@ -1,0 +1,125 @@
+"""A block-granular prefix cache of one instance: the KV blocks of prompts it has held, by
+block id, kept after their requests end until the room is needed (least recently used
+first).
+
+A block is `block_tokens` tokens of one prompt's KV, named by an id that stands for the
+block and every token before it (the Mooncake traces' `hash_ids`: equal ids at the same
+position mean the same prefix). A request reuses the leading run of its blocks that the
+cache holds (`match`); the run stops at the first block missing, as a radix tree's walk
+does. Blocks in use by a request are pinned (a count per block) and never evicted; the
+others are kept in least-recently-used order, and a request's blocks go back to it deepest
+first, so that a prompt's tail is evicted before its head (a radix cache evicts leaves).
+
+Sizes are bytes of the instance's memory per block (`block_bytes`: the bf16 KV of
+block_tokens tokens, as the decoder holds it); `capacity_bytes` bounds what the cache holds,
+pinned blocks included (a block that cannot get room is not kept).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+class PrefixCache:
+    __slots__ = ("block_bytes", "capacity_bytes", "_pins", "_idle", "evicted_blocks",
+                 "inserted_blocks")
+
+    def __init__(self, block_bytes: float, capacity_bytes: float) -> None:
+        if not block_bytes > 0:
+            raise ValueError(f"prefix cache block_bytes must be > 0, got {block_bytes!r}")
+        if not capacity_bytes >= 0:
+            raise ValueError(f"prefix cache capacity_bytes must be >= 0, got "
+                             f"{capacity_bytes!r}")
+        self.block_bytes = float(block_bytes)
+        self.capacity_bytes = float(capacity_bytes)
+        self._pins: dict[int, int] = {}  # every block held -> requests using it (0: idle)
+        self._idle: OrderedDict[int, None] = OrderedDict()  # unpinned blocks, LRU first
+        self.evicted_blocks = 0
+        self.inserted_blocks = 0
+
+    def __len__(self) -> int:
+        return len(self._pins)
+
+    def __contains__(self, block: int) -> bool:
+        return block in self._pins
+
+    @property
+    def held_bytes(self) -> float:
+        return len(self._pins) * self.block_bytes
+
+    @property
+    def idle_blocks(self) -> int:
+        return len(self._idle)
+
+    def match(self, blocks: Sequence[int], limit: int) -> int:
+        """How many of blocks[:limit] lead the prompt and are held (the run stops at the
+        first one missing)."""
+        pins = self._pins
+        n = 0
+        for block in blocks[:limit]:
+            if block not in pins:
+                break
+            n += 1
+        return n
+
+    def pin(self, blocks: Sequence[int]) -> None:
+        """Blocks (all held) are in use by one more request: not evictable until unpinned."""
+        pins, idle = self._pins, self._idle
+        for block in blocks:
+            count = pins[block]
+            if count == 0:
+                del idle[block]
+            pins[block] = count + 1
+
+    def unpin(self, blocks: Sequence[int]) -> None:
+        """A request is done with blocks (pinned by it): the last user makes a block idle,
+        the most recently used; deepest first, so the head of a prompt outlives its tail."""
+        pins, idle = self._pins, self._idle
+        for block in reversed(blocks):
+            count = pins[block] - 1
+            pins[block] = count
+            if count == 0:
+                idle[block] = None
+
+    def insert(self, blocks: Sequence[int], pinned: bool) -> tuple[list[int], float]:
+        """Keep the blocks not held yet, in order, evicting idle blocks for room (a block
+        that finds none is not kept, nor are the blocks after it: the cache keeps prefixes).
+        Each kept block is pinned once if `pinned`, else idle (the most recently used, head
+        last). Returns (the blocks it now holds for this call, bytes freed by evictions)."""
+        pins = self._pins
+        kept: list[int] = []
+        freed = 0.0
+        for block in blocks:
+            if block in pins:
+                continue
+            if self.held_bytes + self.block_bytes > self.capacity_bytes:
+                freed += self.evict(self.held_bytes + self.block_bytes - self.capacity_bytes)
+                if self.held_bytes + self.block_bytes > self.capacity_bytes:
+                    break
+            pins[block] = 1 if pinned else 0
+            kept.append(block)
+        if not pinned:
+            for block in reversed(kept):
+                self._idle[block] = None
+        self.inserted_blocks += len(kept)
+        return kept, freed
+
+    def touch(self, blocks: Sequence[int]) -> None:
+        """Idle blocks (held, unpinned) were used now: the most recently used, head last."""
+        idle = self._idle
+        for block in reversed(blocks):
+            if block in idle:
+                idle.move_to_end(block)
+
+    def evict(self, needed_bytes: float) -> float:
+        """Drop idle blocks, least recently used first, until `needed_bytes` are freed or
+        none is left; returns the bytes freed."""
+        freed = 0.0
+        pins, idle = self._pins, self._idle
+        while freed < needed_bytes and idle:
+            block, _ = idle.popitem(last=False)
+            del pins[block]
+            freed += self.block_bytes
+            self.evicted_blocks += 1
+        return freed

@@ -1,0 +1,275 @@
+"""Prefix reuse: the block cache (hits, misses, pins, eviction order), routing, traces with
+prefix block ids, and the simulator's prefix delta, hand-computed on a tiny model."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import replace
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from kvsim.kernels.codec import make_codec
+from kvsim.model.hardware import HardwareSpec
+from kvsim.model.spec import ModelSpec
+from kvsim.scenario.config import SimConfig
+from kvsim.scenario.request_trace import load_request_trace, read_trace, replay, trace_file
+from kvsim.scenario.timing_model import TimingModel
+from kvsim.sim.prefix_cache import PrefixCache
+from kvsim.sim.routing import kv_aware
+from kvsim.sim.run import run_all
+
+BLOCK = 512
+BLOCK_BYTES = 2048 * BLOCK  # the tiny model's bf16 KV: 2 x 2 heads x 64 x 4 layers x 2 B
+
+
+# ---- the cache ---------------------------------------------------------------------------
+def test_match_stops_at_the_first_missing_block_and_pins_hold_blocks():
+    c = PrefixCache(1.0, 10.0)
+    kept, freed = c.insert([1, 2, 3], pinned=False)
+    assert kept == [1, 2, 3] and freed == 0.0 and c.held_bytes == 3.0
+    assert c.match([1, 2, 3, 4], 4) == 3
+    assert c.match([1, 9, 3], 3) == 1  # 3 is held, but the prefix breaks at 9
+    assert c.match([1, 2, 3], 2) == 2  # at most `limit`
+    assert c.match([7, 1], 2) == 0
+    c.pin([1, 2])
+    assert c.evict(10.0) == 1.0  # only 3 was idle
+    assert 3 not in c and 1 in c and 2 in c and c.evicted_blocks == 1
+    c.unpin([1, 2])
+    assert c.idle_blocks == 2
+
+
+def test_eviction_is_least_recently_used_and_a_prompts_tail_first():
+    c = PrefixCache(1.0, 3.0)
+    c.insert([1, 2, 3], pinned=False)  # one prompt: 3 (its tail) is the first to go
+    c.insert([4], pinned=False)  # room for 4: evicts 3
+    assert sorted(c._pins) == [1, 2, 4] and c.evicted_blocks == 1
+    c.touch([1, 2])  # the first prompt used again: 4 is now the least recently used
+    c.insert([5], pinned=False)
+    assert sorted(c._pins) == [1, 2, 5]
+    # a pinned cache keeps what it holds: a block that finds no room is not kept, nor
+    # those after it
+    c.pin([1, 2, 5])
+    kept, freed = c.insert([6, 7], pinned=True)
+    assert kept == [] and freed == 0.0 and sorted(c._pins) == [1, 2, 5]
+    with pytest.raises(ValueError, match="block_bytes"):
+        PrefixCache(0.0, 1.0)
+
+
+def test_kv_aware_routing_takes_the_longest_prefix_within_the_load_bound():
+    assert kv_aware([3, 1, 2], [5, 0, 2], load_slack=4) == 0
+    assert kv_aware([3, 1, 2], [5, 0, 2], load_slack=1) == 2  # 0 is 2 above the least
+    assert kv_aware([3, 1, 2], [0, 0, 0], load_slack=4) == 1  # no match: least loaded
+    assert kv_aware([2, 1, 1], [4, 4, 4], load_slack=4) == 1  # equal matches: least loaded
+
+
+# ---- traces ------------------------------------------------------------------------------
+def _mooncake(path, rows, gz=False):
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    if gz:
+        with gzip.open(path, "wt") as f:
+            f.write(text)
+    else:
+        path.write_text(text)
+    return path
+
+
+ROWS = [{"timestamp": 1000, "input_length": 1000, "output_length": 5, "hash_ids": [0, 1]},
+        {"timestamp": 1500, "input_length": 1200, "output_length": 7, "hash_ids": [0, 2, 3]},
+        {"timestamp": 4000, "input_length": 600, "output_length": 9, "hash_ids": [0, 4]}]
+
+
+def test_mooncake_jsonl_is_read_windowed_and_scaled(tmp_path):
+    for gz in (False, True):
+        path = _mooncake(tmp_path / ("t.jsonl.gz" if gz else "t.jsonl"), ROWS, gz)
+        tr = read_trace(path)
+        assert tr.arrival_s.tolist() == [0.0, 0.5, 3.0]  # ms, from the first request
+        assert tr.context_tokens.tolist() == [1000, 1200, 600]
+        assert tr.output_tokens.tolist() == [5, 7, 9]
+        assert tr.prefix_blocks == ((0, 1), (0, 2, 3), (0, 4))
+    window = replay(tr, start_s=0.4, duration_s=3.0)  # [0.4, 3.4): the last two
+    assert window.arrival_s.tolist() == [0.0, 2.5]
+    assert window.prefix_blocks == ((0, 2, 3), (0, 4))
+    assert replay(tr, max_requests=2, time_scale=2.0).arrival_s.tolist() == [0.0, 1.0]
+    assert load_request_trace(path, 1).prefix_blocks == ((0, 1),)
+    with pytest.raises(ValueError, match="no request arrives"):
+        replay(tr, start_s=10.0)
+
+
+@pytest.mark.parametrize("line, match", [
+    ("{not json", "not JSON"),
+    ('{"timestamp": 0, "input_length": 5}', "needs the keys"),
+    ('{"timestamp": 2000, "input_length": 0, "output_length": 1, "hash_ids": [0]}',
+     "input_length 0"),
+    ('{"timestamp": -1, "input_length": 5, "output_length": 1, "hash_ids": [0]}', "timestamp"),
+    ('{"timestamp": 2000, "input_length": 5, "output_length": 1, "hash_ids": ["a"]}',
+     "hash_ids"),
+])
+def test_bad_mooncake_lines_are_refused_with_the_line(tmp_path, line, match):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(ROWS[0]) + "\n" + line + "\n")
+    with pytest.raises(ValueError, match=f"line 2.*{match}|line 2: {match}"):
+        read_trace(path)
+    path.write_text(json.dumps(ROWS[1]) + "\n" + json.dumps(ROWS[0]) + "\n")
+    with pytest.raises(ValueError, match="line 2: timestamp goes back"):
+        read_trace(path)
+
+
+def test_the_shipped_traces_load_by_name_with_a_block_id_per_512_tokens():
+    for name, n in (("mooncake-conversation", 12031), ("mooncake-synthetic", 3993)):
+        tr = read_trace(name)
+        assert len(tr.arrival_s) == n and tr.prefix_blocks is not None
+        assert all(len(b) == -(-c // BLOCK) for b, c in
+                   zip(tr.prefix_blocks, tr.context_tokens.tolist(), strict=True))
+    assert trace_file("mooncake-synthetic").name == "mooncake-synthetic.jsonl.gz"
+    with pytest.raises(ValueError, match="mooncake-conversation"):
+        trace_file("mooncake-conversatoin")
+
+
+# ---- the simulator -----------------------------------------------------------------------
+def _cfg(tmp_path, arrivals, contexts, blocks, codecs=("bf16",), **prefix) -> SimConfig:
+    model = ModelSpec(name="tiny", layers=4, attention_heads=4, kv_heads=2, head_dim=64,
+                      hidden_size=256, params_total=1e8, params_active=1e8)
+    hw = HardwareSpec(name="test", hbm_gb_per_s=100.0, bf16_tflops=10.0, memory_gb=100.0,
+                      step_overhead_s=0.001)
+    timing = tmp_path / "timing.json"
+    timing.write_text(json.dumps({"version": 1, "hardware": "test", "default": {
+        "encode_gb_per_s": 50.0, "decode_gb_per_s": 25.0, "source": "assumed",
+        "assumption": "test"}}))
+    cfg = SimConfig(model=model, hardware=hw, codecs=list(codecs), transfer="seeds",
+                    codec_timing=str(timing), requests_path=str(tmp_path / "r.csv"),
+                    min_samples=1)
+    cfg.link = replace(cfg.link, bandwidth_gbps=1.0, latency_s=0.002)
+    cfg.workload = replace(cfg.workload, kind="trace", output_tokens=130,
+                           arrivals_t=list(arrivals), arrivals_context_tokens=list(contexts),
+                           arrivals_prefix_blocks=[list(b) for b in blocks])
+    cfg.prefix_cache = replace(cfg.prefix_cache, enabled=True, **prefix)
+    return cfg
+
+
+def _log(tmp_path) -> pd.DataFrame:
+    return pd.read_csv(tmp_path / "r.csv").sort_values("request").reset_index(drop=True)
+
+
+def _wire(tokens: int, model) -> int:
+    return make_codec("bf16", {"page_tokens": 256}).size_table(model.kv_shape(tokens)).total_bytes
+
+
+def test_a_held_prefix_sends_only_the_delta_and_prefills_only_the_rest(tmp_path):
+    # r1 shares r0's 4 blocks (all 2048 of its tokens); r2 is r0 again: its hit stops at 3
+    # blocks, since at least one token is prefilled and sent
+    cfg = _cfg(tmp_path, [0.0, 10.0, 20.0], [2048, 2560, 2048],
+               [[1, 2, 3, 4], [1, 2, 3, 4, 9], [1, 2, 3, 4]])
+    (row,), _ = run_all(cfg)
+    log = _log(tmp_path)
+    assert log["sent_tokens"].tolist() == [2048, 512, 512]
+    assert log["prefix_hit_tokens"].tolist() == [0, 2048, 1536]
+    assert log["prefill_hit_tokens"].tolist() == [0, 2048, 1536]
+    m = cfg.model
+    assert log["total_bytes"].tolist() == [_wire(2048, m), _wire(512, m), _wire(512, m)]
+    tm = TimingModel(m, cfg.hardware)
+    prefill = (log["prefill_end_t"] - log["prefill_start_t"]).tolist()
+    assert prefill[0] == pytest.approx(tm.prefill_s(2048), rel=1e-12)
+    assert prefill[1] == pytest.approx(tm.prefill_step_s([(512, 2048)]), rel=1e-12)
+    assert prefill[2] == pytest.approx(tm.prefill_step_s([(512, 1536)]), rel=1e-12)
+    # memory asked on the decode instance: the tokens not held (context + output - hit)
+    assert log["decode_kv_bytes"].tolist() == [2048 * (2048 + 130), 2048 * (2560 + 130 - 2048),
+                                               2048 * (2048 + 130 - 1536)]
+    assert row["prefix_eligible_blocks"] == 3 + 4 + 3
+    assert row["prefix_hit_rate"] == pytest.approx(7 / 10)
+    assert row["prefix_prefill_hit_rate"] == pytest.approx(7 / 10)
+    saved = _wire(2560, m) - _wire(512, m) + _wire(2048, m) - _wire(512, m)
+    assert row["prefix_bytes_not_sent"] == saved
+    full = 2 * _wire(2048, m) + _wire(2560, m)
+    assert row["prefix_bytes_saved_fraction"] == pytest.approx(saved / full)
+    # the decode side's reuse alone: a prefill side without a cache prefills it all
+    cfg.prefix_cache = replace(cfg.prefix_cache, prefill_capacity_gb=0.0)
+    run_all(cfg)
+    log = _log(tmp_path)
+    assert log["prefix_hit_tokens"].tolist() == [0, 2048, 1536]
+    assert log["prefill_hit_tokens"].tolist() == [0, 0, 0]
+    assert (log["prefill_end_t"] - log["prefill_start_t"])[1] == \
+        pytest.approx(tm.prefill_s(2560), rel=1e-12)
+
+
+def test_a_bounded_decode_cache_evicts_the_least_recent_tail_first(tmp_path):
+    # room for 3 blocks: r0 keeps blocks 1, 2, 3 (4 finds none); r1 needs 2 more: 3, then 2
+    # go (r0's tail first), so r2 (r0's prompt) finds block 1 alone
+    cfg = _cfg(tmp_path, [0.0, 10.0, 20.0], [2048, 1024, 2048],
+               [[1, 2, 3, 4], [5, 6], [1, 2, 3, 4]],
+               decode_capacity_gb=3 * BLOCK_BYTES / 1e9, prefill_capacity_gb=0.0)
+    (row,), _ = run_all(cfg)
+    assert _log(tmp_path)["prefix_hit_tokens"].tolist() == [0, 0, 512]
+    # r2 keeps 2, 3 and 4 after its hit on 1: 5 and 6 go, then 4 finds no room
+    assert row["prefix_evicted_blocks"] == 2 + 2
+
+
+def test_admission_evicts_idle_blocks_when_a_request_needs_the_room(tmp_path):
+    # decode memory beside the weights: 6 MB. r0 leaves its 4 blocks (4.19 MB) behind; r1
+    # (another prompt) needs 4.46 MB: 3 idle blocks give way, and it waits for nothing
+    cfg = _cfg(tmp_path, [0.0, 10.0], [2048, 2048], [[1, 2, 3, 4], [5, 6, 7, 8]],
+               prefill_capacity_gb=0.0)
+    cfg.hardware = replace(cfg.hardware, memory_gb=(cfg.model.weight_bytes + 6e6) / 1e9)
+    (row,), _ = run_all(cfg)
+    assert _log(tmp_path)["memory_wait_s"].tolist() == [0.0, 0.0]
+    assert row["prefix_evicted_blocks"] == 3
+
+
+def test_kv_aware_routing_finds_the_instance_holding_the_prefix(tmp_path):
+    # r0 and r1 overlap in time: r0 to decode 0, r1 to decode 1; r2 repeats r1's prompt
+    cfg = _cfg(tmp_path, [0.0, 0.0, 10.0], [2048, 2048, 2048],
+               [[1, 2, 3, 4], [5, 6, 7, 8], [5, 6, 7, 8]], prefill_capacity_gb=0.0)
+    cfg.workload = replace(cfg.workload, decode_nodes=2)
+    hits = {}
+    for routing in ("least_loaded", "kv_aware"):
+        cfg.workload = replace(cfg.workload, routing=routing)
+        run_all(cfg)
+        hits[routing] = _log(tmp_path)["prefix_hit_tokens"].tolist()
+    assert hits == {"least_loaded": [0, 0, 0], "kv_aware": [0, 0, 1536]}
+
+
+def test_without_repeated_blocks_reuse_changes_nothing(tmp_path):
+    """Every block id distinct: every number is today's, whatever the routing reads."""
+    rng = np.random.default_rng(3)
+    n = 24
+    arrivals = np.cumsum(rng.exponential(0.02, n)).tolist()
+    contexts = rng.integers(600, 4000, n).tolist()
+    blocks, next_id = [], 0
+    for c in contexts:
+        k = -(-c // BLOCK)
+        blocks.append(list(range(next_id, next_id + k)))
+        next_id += k
+    lynx = {"name": "lynx", "label": "lynx"}
+    rows = {}
+    for enabled, routing in ((False, "least_loaded"), (True, "least_loaded"), (True, "kv_aware")):
+        cfg = _cfg(tmp_path, arrivals, contexts, blocks, codecs=("bf16", lynx))
+        cfg.workload = replace(cfg.workload, prefill_nodes=2, decode_nodes=3, routing=routing)
+        cfg.prefix_cache = replace(cfg.prefix_cache, enabled=enabled)
+        cfg.link = replace(cfg.link, bandwidth_gbps=0.2)  # queues on the links
+        rows[enabled, routing], _ = run_all(cfg)
+    volatile = ("wall_s", "events_per_s")
+    for reuse in (rows[True, "least_loaded"], rows[True, "kv_aware"]):
+        for off, on in zip(rows[False, "least_loaded"], reuse, strict=True):
+            assert on["prefix_hit_rate"] == 0.0 and on["prefix_bytes_not_sent"] == 0.0
+            for key, value in off.items():
+                if key not in volatile:
+                    assert on[key] == value or value != value and on[key] != on[key], key
+
+
+def test_reuse_settings_are_checked_before_a_run(tmp_path):
+    cfg = _cfg(tmp_path, [0.0], [1000], [[1, 2]])
+    cfg.prefix_cache = replace(cfg.prefix_cache, enabled=False)
+    cfg.workload = replace(cfg.workload, routing="kv_aware")
+    with pytest.raises(ValueError, match="prefix_cache.enabled=true"):
+        cfg.validate()
+    cfg = _cfg(tmp_path, [0.0], [1000], [[1, 2, 3]])
+    with pytest.raises(ValueError, match="3 prefix block ids for 1000 tokens"):
+        run_all(cfg)
+    cfg = _cfg(tmp_path, [0.0], [1000], [])
+    with pytest.raises(ValueError, match="names no prefix blocks"):
+        run_all(cfg)
+    cfg = _cfg(tmp_path, [0.0, 1.0], [1000, 1000], [[1, 2]])
+    with pytest.raises(ValueError, match="one list per request"):
+        cfg.validate()
