@@ -330,7 +330,7 @@ def test_reuse_plots_ttft_and_hit_rate_against_the_cache_capacity(tmp_path):
         part = table[table["config.workload.routing"] == s["routing"]].sort_values(
             "config.prefix_cache.decode_capacity_gb")
         assert s["capacity_gb"] == [0.0, 2.0, 30.0]
-        assert s["ttft_p50_s"] == part["ttft_pct_s.p50"].tolist()
+        assert s["ttft_p50_s"] == part["ttft_committed_pct_s.p50"].tolist()
         assert s["hit_rate"] == part["prefix_hit_rate"].tolist()
         assert s["hit_rate"][0] == 0.0 and s["hit_rate"][2] >= s["hit_rate"][1] > 0.0
     _render(tmp_path, kind="reuse", input=str(sweep))

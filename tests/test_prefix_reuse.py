@@ -28,7 +28,7 @@ BLOCK_BYTES = 2048 * BLOCK  # the tiny model's bf16 KV: 2 x 2 heads x 64 x 4 lay
 # ---- the cache ---------------------------------------------------------------------------
 def test_match_stops_at_the_first_missing_block_and_pins_hold_blocks():
     c = PrefixCache(1.0, 10.0)
-    kept, freed = c.insert([1, 2, 3], pinned=False)
+    kept, freed = c.insert([1, 2, 3])
     assert kept == [1, 2, 3] and freed == 0.0 and c.held_bytes == 3.0
     assert c.match([1, 2, 3, 4], 4) == 3
     assert c.match([1, 9, 3], 3) == 1  # 3 is held, but the prefix breaks at 9
@@ -43,17 +43,22 @@ def test_match_stops_at_the_first_missing_block_and_pins_hold_blocks():
 
 def test_eviction_is_least_recently_used_and_a_prompts_tail_first():
     c = PrefixCache(1.0, 3.0)
-    c.insert([1, 2, 3], pinned=False)  # one prompt: 3 (its tail) is the first to go
-    c.insert([4], pinned=False)  # room for 4: evicts 3
+    c.insert([1, 2, 3])  # one prompt: 3 (its tail) is the first to go
+    c.insert([4])  # room for 4: evicts 3
     assert sorted(c._pins) == [1, 2, 4] and c.evicted_blocks == 1
     c.touch([1, 2])  # the first prompt used again: 4 is now the least recently used
-    c.insert([5], pinned=False)
+    c.insert([5])
     assert sorted(c._pins) == [1, 2, 5]
     # a pinned cache keeps what it holds: a block that finds no room is not kept, nor
     # those after it
     c.pin([1, 2, 5])
-    kept, freed = c.insert([6, 7], pinned=True)
+    kept, freed = c.insert([6, 7])
     assert kept == [] and freed == 0.0 and sorted(c._pins) == [1, 2, 5]
+    # adopt: a held block is pinned for the adopter, a new one kept pinned while room lasts
+    c.unpin([5])
+    adopted, shared, freed = c.adopt([2, 8, 9])
+    assert adopted == [2, 8] and shared == 1 and freed == 1.0  # 5 made room for 8; 9: none
+    assert c._pins == {1: 1, 2: 2, 8: 1}
     with pytest.raises(ValueError, match="block_bytes"):
         PrefixCache(0.0, 1.0)
 
@@ -230,10 +235,14 @@ def test_kv_aware_routing_finds_the_instance_holding_the_prefix(tmp_path):
     assert hits == {"least_loaded": [0, 0, 0], "kv_aware": [0, 0, 1536]}
 
 
-def test_without_repeated_blocks_reuse_changes_nothing(tmp_path):
-    """Every block id distinct: every number is today's, whatever the routing reads."""
+@pytest.mark.parametrize("deserializer, chunk_tokens, ingress_gbps", [
+    ("shared", 0, 0.0), ("on_demand", 700, 0.0), ("on_arrival", 0, 0.3), ("node", 700, 0.3)])
+def test_without_repeated_blocks_reuse_changes_nothing(tmp_path, deserializer, chunk_tokens,
+                                                       ingress_gbps):
+    """Every block id distinct: every number is today's, whatever the routing reads, with
+    requests waiting for decode memory that idle blocks hold (evicted for them)."""
     rng = np.random.default_rng(3)
-    n = 24
+    n = 40
     arrivals = np.cumsum(rng.exponential(0.02, n)).tolist()
     contexts = rng.integers(600, 4000, n).tolist()
     blocks, next_id = [], 0
@@ -245,10 +254,15 @@ def test_without_repeated_blocks_reuse_changes_nothing(tmp_path):
     rows = {}
     for enabled, routing in ((False, "least_loaded"), (True, "least_loaded"), (True, "kv_aware")):
         cfg = _cfg(tmp_path, arrivals, contexts, blocks, codecs=("bf16", lynx))
-        cfg.workload = replace(cfg.workload, prefill_nodes=2, decode_nodes=3, routing=routing)
+        cfg.deserializer = deserializer
+        cfg.workload = replace(cfg.workload, prefill_nodes=2, decode_nodes=2, routing=routing,
+                               prefill_chunk_tokens=chunk_tokens, decode_max_batch=6)
         cfg.prefix_cache = replace(cfg.prefix_cache, enabled=enabled)
-        cfg.link = replace(cfg.link, bandwidth_gbps=0.2)  # queues on the links
+        cfg.link = replace(cfg.link, bandwidth_gbps=0.2, decode_ingress_gbps=ingress_gbps)
+        cfg.hardware = replace(cfg.hardware, memory_gb=(cfg.model.weight_bytes + 20e6) / 1e9)
         rows[enabled, routing], _ = run_all(cfg)
+    assert rows[False, "least_loaded"][0]["memory_wait_pct_s"]["p99"] > 0  # memory is tight
+    assert rows[True, "least_loaded"][0]["prefix_evicted_blocks"] > 0
     volatile = ("wall_s", "events_per_s")
     for reuse in (rows[True, "least_loaded"], rows[True, "kv_aware"]):
         for off, on in zip(rows[False, "least_loaded"], reuse, strict=True):
@@ -256,6 +270,44 @@ def test_without_repeated_blocks_reuse_changes_nothing(tmp_path):
             for key, value in off.items():
                 if key not in volatile:
                     assert on[key] == value or value != value and on[key] != on[key], key
+
+
+def test_requests_waiting_on_pinned_blocks_do_not_stall_the_instance(tmp_path):
+    # 6 MB of decode memory. r0 leaves blocks 1-4 (4.19 MB) idle; r1 (another prompt) needs
+    # 4.46 MB; r2 (r0's prompt + 1 block) arrives right after it and pins 1-4 at its arrival,
+    # then waits for memory behind r1, which can only fit once r2 has run and unpinned them:
+    # r2 goes first
+    cfg = _cfg(tmp_path, [0.0, 10.0, 10.001], [2048, 2048, 2560],
+               [[1, 2, 3, 4], [5, 6, 7, 8], [1, 2, 3, 4, 9]], prefill_capacity_gb=0.0)
+    cfg.hardware = replace(cfg.hardware, memory_gb=(cfg.model.weight_bytes + 6e6) / 1e9)
+    (row,), _ = run_all(cfg)
+    log = _log(tmp_path)
+    assert log["prefix_hit_tokens"].tolist() == [0, 0, 2048]
+    assert log["decode_start_t"][2] < log["decode_start_t"][1]
+    assert log["memory_wait_s"][1] > 0
+    # r2 longer: it needs 2.01 MB beside the 4.19 MB it pins (1.8 MB are free), and r1
+    # waits for those blocks; nothing runs to free memory: a clear error, not a hang
+    cfg.workload = replace(cfg.workload, arrivals_context_tokens=[2048, 2048, 2900],
+                           arrivals_prefix_blocks=[[1, 2, 3, 4], [5, 6, 7, 8],
+                                                   [1, 2, 3, 4, 9, 10]])
+    with pytest.raises(ValueError, match=r"stalled with 2 of 3 requests unfinished.*decode0: "
+                                         r"2 waiting.*0\.004 GB of prefix blocks pinned"):
+        run_all(cfg)
+
+
+def test_a_reused_head_outlives_its_tail_on_both_sides(tmp_path):
+    """A second turn extends the first ([1, 2] then [1, 2, 3, 4]); an unrelated prompt then
+    needs room in a 4-block cache: the tail (4) goes, not the head, so the third turn finds
+    1, 2, 3 on the prefill instance and on the decode instance. A block another request
+    gave the decode cache meanwhile is shared, not held twice."""
+    blocks = [[1, 2, 9], [1, 2, 3, 4, 9], [7, 9], [1, 2, 3, 4, 5, 9]]
+    cfg = _cfg(tmp_path, [0.0, 10.0, 20.0, 30.0], [1100, 2100, 1000, 3000], blocks,
+               decode_capacity_gb=4 * BLOCK_BYTES / 1e9,
+               prefill_capacity_gb=4 * BLOCK_BYTES / 1e9)
+    run_all(cfg)
+    log = _log(tmp_path)
+    assert log["prefill_hit_tokens"].tolist() == [0, 1024, 0, 1536]
+    assert log["prefix_hit_tokens"].tolist() == [0, 1024, 0, 1536]
 
 
 def test_reuse_settings_are_checked_before_a_run(tmp_path):

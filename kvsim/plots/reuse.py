@@ -1,6 +1,7 @@
 """TTFT against the decode instances' prefix cache capacity, per codec (and routing), from a
 `kvsim sweep` table over `prefix_cache.decode_capacity_gb` on a trace with prefix blocks.
-Left: TTFT p50 and p99 (s, from arrival); right: the block hit rate. A point with the cache
+Left: committed TTFT p50 and p99 (s, from arrival: the first token once verified); right:
+the decode-side block hit rate. A point with the cache
 off (`prefix_cache.enabled=false`) is drawn at capacity 0 as what it is: no reuse."""
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from kvsim.plots.style import (
 CAPACITY = "config.prefix_cache.decode_capacity_gb"
 ENABLED = "config.prefix_cache.enabled"
 ROUTING = "config.workload.routing"
-_NEEDED = ("codec", "transfer", "model", "hardware", "ttft_pct_s.p50", "ttft_pct_s.p99",
-           ENABLED, CAPACITY)
+P50, P99 = "ttft_committed_pct_s.p50", "ttft_committed_pct_s.p99"
+_NEEDED = ("codec", "transfer", "model", "hardware", P50, P99, ENABLED, CAPACITY)
 _ROUTING_STYLE = {"least_loaded": "-", "round_robin": ":", "kv_aware": "--"}
 
 
@@ -87,7 +88,7 @@ def make(opts: PlotOptions) -> tuple[Figure, dict]:
         codec = str(part["codec"].iloc[0])
         style = {"color": codec_color(codec), "linestyle": _ROUTING_STYLE.get(route, "-")}
         x = part["capacity_gb"].tolist()
-        p50, p99 = part["ttft_pct_s.p50"].tolist(), part["ttft_pct_s.p99"].tolist()
+        p50, p99 = part[P50].tolist(), part[P99].tolist()
         hit = hit_of[(name, route)].iloc[order].tolist()
         label = f"{name}, {route}"
         _line(ax_t, drawn_t, 0.0, x, p50, f"{label}: p50", marker="o", **style)
@@ -98,8 +99,8 @@ def make(opts: PlotOptions) -> tuple[Figure, dict]:
                        "ttft_p99_s": p99, "hit_rate": hit})
     ax_t.set_yscale("log")
     ax_t.set_xlabel("prefix cache per decode instance (GB)")
-    ax_t.set_ylabel("TTFT from arrival (s, log scale)")
-    ax_t.set_title("(a) TTFT p50 (o) and p99 (^)", fontsize=10)
+    ax_t.set_ylabel("committed TTFT from arrival (s, log scale)")
+    ax_t.set_title("(a) committed TTFT p50 (o) and p99 (^)", fontsize=10)
     ax_h.set_xlabel("prefix cache per decode instance (GB)")
     ax_h.set_ylabel("blocks reused on the decode side (%)")
     ax_h.set_title("(b) decode-side block hit rate", fontsize=10)
@@ -114,9 +115,15 @@ def make(opts: PlotOptions) -> tuple[Figure, dict]:
                                            else "?")
     date = run_date(sidecar)
     bw = sorted(table["bandwidth_gbps"].unique()) if "bandwidth_gbps" in table else []
+    shared = "config.link.sharing" in table and (table["config.link.sharing"] == "shared").all()
+    nodes = ""
+    if {"config.workload.prefill_nodes", "config.workload.decode_nodes"} <= set(table.columns):
+        nodes = (f", {table['config.workload.prefill_nodes'].iloc[0]} prefill + "
+                 f"{table['config.workload.decode_nodes'].iloc[0]} decode instances")
     fig.suptitle(fitted_title(opts.title or (
-        f"Prefix reuse on {trace}: {table['model'].iloc[0]} on {table['hardware'].iloc[0]}, "
-        f"{', '.join(f'{b:g}' for b in bw)} Gbps" + (f" ({date})" if date else "")), fig),
+        f"Prefix reuse on {trace}: {table['model'].iloc[0]} on {table['hardware'].iloc[0]}"
+        f"{nodes}, {', '.join(f'{b:g}' for b in bw)} Gbps"
+        f"{' (one link shared)' if shared else ''}" + (f" ({date})" if date else "")), fig),
         fontsize=11)
     fig.tight_layout()
     return fig, {"series": series}

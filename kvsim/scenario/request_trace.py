@@ -47,10 +47,10 @@ def trace_file(name_or_path: str) -> Path:
     given = Path(name_or_path).expanduser()
     if given.is_file():
         return given
-    if "/" not in name_or_path and not given.suffix:
-        for suffix in _SUFFIXES:
+    if "/" not in name_or_path:
+        for suffix in ("", *_SUFFIXES):
             shipped = TRACE_DIR / f"{name_or_path}{suffix}"
-            if shipped.is_file():
+            if shipped.is_file() and shipped.name.endswith(_SUFFIXES):
                 return shipped
     have = sorted({p.name.split(".")[0] for p in TRACE_DIR.glob("*")
                    if p.name.endswith(_SUFFIXES)})

@@ -87,7 +87,7 @@ class DecodeNode:
     def keep_prefix(self, prefix: PrefixCache) -> None:
         """Hold prefix blocks in this instance's KV memory (its bytes are admission's)."""
         self.prefix = prefix
-        self.admission.reclaim = prefix.evict
+        self.admission.prefix = prefix
 
 
 class DecodeAdmission:
@@ -96,8 +96,12 @@ class DecodeAdmission:
     beside the weights). A request holding a slot whose cache does not fit waits, and the
     ones behind it wait too. Callbacks, not simpy events: admission changes only when a
     request asks (`request`) or leaves (`release`), and the admitted one starts then.
-    `reclaim(bytes)`, when set, frees up to that many bytes held for reuse (a prefix cache's
-    idle blocks) and returns what it freed: admission asks it before a request waits."""
+
+    With a prefix cache (`prefix`) in the same memory, its idle blocks give way to the first
+    waiting request when that makes it fit (and only then). Its pinned blocks belong to
+    requests running or waiting here: when the first waiting request cannot fit and none is
+    running (so no release would ever come), the first later one that fits goes ahead,
+    since only its finish can unpin the blocks the first one waits for."""
 
     def __init__(self, max_batch: int, kv_memory_bytes: float) -> None:
         if max_batch < 1:
@@ -108,7 +112,8 @@ class DecodeAdmission:
         self._slot_queue: deque[tuple[float, Callable[[float], None]]] = deque()
         # holding a slot, waiting for memory: (KV bytes, slot time s, admitted callback)
         self._memory_queue: deque[tuple[float, float, Callable[[float], None]]] = deque()
-        self.reclaim: Callable[[float], float] | None = None
+        self.prefix: PrefixCache | None = None
+        self.running = 0  # admitted and not released
 
     def request(self, kv_bytes: float, now: float, admitted: Callable[[float], None]) -> None:
         """Queue a request for `kv_bytes` of cache; admitted(t_slot) is called (now or at a
@@ -121,6 +126,7 @@ class DecodeAdmission:
         False: only bytes return, freed by a prefix cache's eviction.)"""
         self.free_bytes += kv_bytes
         self.free_slots += slot
+        self.running -= slot
         self._grant(now)
 
     def _grant(self, now: float) -> None:
@@ -128,16 +134,40 @@ class DecodeAdmission:
             kv_bytes, admitted = self._slot_queue.popleft()
             self.free_slots -= 1
             self._memory_queue.append((kv_bytes, now, admitted))
-        while self._memory_queue:
-            if self._memory_queue[0][0] > self.free_bytes:
-                if self.reclaim is None:
+        queue = self._memory_queue
+        while queue:
+            need = queue[0][0]
+            if need > self.free_bytes:
+                prefix = self.prefix
+                if prefix is None:
                     break
-                self.free_bytes += self.reclaim(self._memory_queue[0][0] - self.free_bytes)
-                if self._memory_queue[0][0] > self.free_bytes:
+                if self.free_bytes + prefix.idle_bytes >= need:
+                    self.free_bytes += prefix.evict(need - self.free_bytes)
+                elif self.running == 0:  # stalled behind blocks pinned by waiting requests
+                    self._admit_fitting(now)
                     break
-            kv_bytes, t_slot, admitted = self._memory_queue.popleft()
+                else:
+                    break
+            kv_bytes, t_slot, admitted = queue.popleft()
             self.free_bytes -= kv_bytes
+            self.running += 1
             admitted(t_slot)
+
+    def _admit_fitting(self, now: float) -> None:
+        """Admit the first waiting request (after the head) that fits, idle blocks evicted
+        for it if need be (prefix reuse only: see the class)."""
+        prefix = self.prefix
+        for i, (kv_bytes, t_slot, admitted) in enumerate(self._memory_queue):
+            if i and self.free_bytes + prefix.idle_bytes >= kv_bytes:  # type: ignore[union-attr]
+                if kv_bytes > self.free_bytes:
+                    self.free_bytes += prefix.evict(kv_bytes - self.free_bytes)  # type: ignore
+                del self._memory_queue[i]
+                self.free_bytes -= kv_bytes
+                self.running += 1
+                admitted(t_slot)
+                return
+        # none fits now: a request that joins the queue later may (Scenario.run names the
+        # stall if none ever does)
 
 
 class Carried(Protocol):

@@ -52,6 +52,11 @@ class PrefixCache:
     def idle_blocks(self) -> int:
         return len(self._idle)
 
+    @property
+    def idle_bytes(self) -> float:
+        """Bytes evict() could free now (idle blocks)."""
+        return len(self._idle) * self.block_bytes
+
     def match(self, blocks: Sequence[int], limit: int) -> int:
         """How many of blocks[:limit] lead the prompt and are held (the run stops at the
         first one missing)."""
@@ -82,11 +87,11 @@ class PrefixCache:
             if count == 0:
                 idle[block] = None
 
-    def insert(self, blocks: Sequence[int], pinned: bool) -> tuple[list[int], float]:
-        """Keep the blocks not held yet, in order, evicting idle blocks for room (a block
-        that finds none is not kept, nor are the blocks after it: the cache keeps prefixes).
-        Each kept block is pinned once if `pinned`, else idle (the most recently used, head
-        last). Returns (the blocks it now holds for this call, bytes freed by evictions)."""
+    def insert(self, blocks: Sequence[int]) -> tuple[list[int], float]:
+        """Keep the blocks not held yet, idle, in order, evicting idle blocks for room (a
+        block that finds none is not kept, nor are the blocks after it: the cache keeps
+        prefixes); the kept ones are the most recently used, head last. Returns (the blocks
+        kept, bytes freed by evictions)."""
         pins = self._pins
         kept: list[int] = []
         freed = 0.0
@@ -97,13 +102,40 @@ class PrefixCache:
                 freed += self.evict(self.held_bytes + self.block_bytes - self.capacity_bytes)
                 if self.held_bytes + self.block_bytes > self.capacity_bytes:
                     break
-            pins[block] = 1 if pinned else 0
+            pins[block] = 0
             kept.append(block)
-        if not pinned:
-            for block in reversed(kept):
-                self._idle[block] = None
+        for block in reversed(kept):
+            self._idle[block] = None
         self.inserted_blocks += len(kept)
         return kept, freed
+
+    def adopt(self, blocks: Sequence[int]) -> tuple[list[int], int, float]:
+        """A request holds `blocks` (a run of its prompt, in order) and gives them to the
+        cache: a block held already is pinned for it (its own copy is redundant), one not
+        held is kept pinned if room can be made (evicting idle blocks), and the run stops at
+        the first that finds none (the cache keeps prefixes). Returns (the blocks now pinned
+        for it, in order; how many of them were held already; bytes freed by evictions)."""
+        pins, idle = self._pins, self._idle
+        adopted: list[int] = []
+        shared = 0
+        freed = 0.0
+        for block in blocks:
+            count = pins.get(block)
+            if count is not None:
+                if count == 0:
+                    del idle[block]
+                pins[block] = count + 1
+                shared += 1
+            else:
+                if self.held_bytes + self.block_bytes > self.capacity_bytes:
+                    freed += self.evict(self.held_bytes + self.block_bytes -
+                                        self.capacity_bytes)
+                    if self.held_bytes + self.block_bytes > self.capacity_bytes:
+                        break
+                pins[block] = 1
+                self.inserted_blocks += 1
+            adopted.append(block)
+        return adopted, shared, freed
 
     def touch(self, blocks: Sequence[int]) -> None:
         """Idle blocks (held, unpinned) were used now: the most recently used, head last."""

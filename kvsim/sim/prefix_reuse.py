@@ -42,7 +42,9 @@ class Reuse:
     decode_hit: int  # leading blocks its decode instance holds (pinned there)
     prefill_hit: int  # leading blocks its prefill instance holds (pinned until its prefill)
     eligible: int  # the most either could be: (context - 1) // block_tokens
-    kept: tuple[int, ...] = ()  # blocks it added to its decode instance's cache (pinned)
+    # blocks after the hit it gave its decode instance's cache (pinned for it; their bytes
+    # are the cache's, no longer its own)
+    kept: tuple[int, ...] = ()
 
 
 class PrefixReuse:
@@ -126,18 +128,21 @@ class PrefixReuse:
             return
         p, blocks, full, hit = entry
         cache = self.prefill[p]
+        # the new blocks first, while the reused head is pinned: the head ends up the most
+        # recently used, the tail is evicted before it
+        cache.insert(blocks[hit:full])
         cache.unpin(blocks[:hit])
-        cache.insert(blocks[hit:full], pinned=False)
 
     def keep(self, req: Request, d: int, reuse: Reuse, now: float) -> None:
-        """All its streams are in and it is admitted (now): its full blocks it does not
-        reuse enter its decode instance's cache, pinned (reuse.kept: their bytes are the
-        cache's from now on, no longer the request's)."""
+        """All its streams are in and it is admitted (now): its full blocks after the hit go
+        to its decode instance's cache, pinned for it (reuse.kept); a block the cache got
+        meanwhile from another request is shared, and the request's copy of it freed."""
         node = self.decode[d]
         full = req.prefix_blocks[: req.context_tokens // self.block_tokens]
-        kept, freed = node.prefix.insert(full[reuse.decode_hit:],  # type: ignore[union-attr]
-                                         pinned=True)
+        kept, shared, freed = node.prefix.adopt(  # type: ignore[union-attr]
+            full[reuse.decode_hit:])
         reuse.kept = tuple(kept)
+        freed += shared * self.block_bytes
         if freed:
             node.admission.release(freed, now, slot=False)
 

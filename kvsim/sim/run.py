@@ -252,9 +252,25 @@ class Scenario:
         started = time.perf_counter()
         with gc_paused():  # kvsim.sim.gc_pause: the collector's cost grows with the run
             self.arrivals(reqs)
-            env.run(until=self.all_done)
+            try:
+                env.run(until=self.all_done)
+            except RuntimeError as exc:
+                if "No scheduled events left" not in str(exc):
+                    raise
+                raise ValueError(self._stalled()) from None
             wall_s = time.perf_counter() - started
             return self.row(wall_s)
+
+    def _stalled(self) -> str:
+        """What a run that stopped with requests unfinished waits for."""
+        waiting = [(node.name, len(node.admission._memory_queue), node.admission.free_bytes,
+                    node.prefix.held_bytes - node.prefix.idle_bytes if node.prefix else 0.0)
+                   for node in self.decode if node.admission._memory_queue]
+        where = "; ".join(f"{name}: {n} waiting, {free / 1e9:.3f} GB free, {pinned / 1e9:.3f} "
+                          "GB of prefix blocks pinned" for name, n, free, pinned in waiting)
+        return (f"the run stalled with {self.n_requests - self.finished} of {self.n_requests} "
+                f"requests unfinished: no decode admission can ever fit ({where or 'none'}); "
+                "give the decode instances more memory (hardware.memory_gb, hardware.devices)")
 
     def arrivals(self, reqs: list[Request]) -> None:
         """Start each request at its arrival time: one timer per distinct arrival time."""
@@ -360,7 +376,7 @@ class Scenario:
         stops is ps.load_all_s (its verification pass is measured on a fresh cache: no
         extra)."""
         env, ctx = self.env, ps.req.context_tokens
-        build_s = self.timing.cache_build_s(ctx)
+        build_s = self.timing.cache_build_s(ps.sent_tokens)  # (a reused prefix is in place)
         all_in_before = all(rx.is_ready for rx in ps.receivers)
         ps.load_all_s = build_s
 
