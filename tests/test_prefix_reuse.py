@@ -199,6 +199,32 @@ def test_a_held_prefix_sends_only_the_delta_and_prefills_only_the_rest(tmp_path)
         pytest.approx(tm.prefill_s(2560), rel=1e-12)
 
 
+def test_a_shared_store_serves_the_blocks_the_decode_instance_lacks(tmp_path):
+    # no decode cache, no prefill cache: r0's prefill writes blocks 1-4 to the store; r1
+    # (r0's prompt + one block) fetches them over the store's 0.1 Gbps link from its
+    # arrival (4 x 1 MiB + 1 ms: 0.336 s, longer than its prefill and its 512 tokens' transfer)
+    # and decodes once they are in; r2 finds 1-4 in the store again
+    cfg = _cfg(tmp_path, [0.0, 10.0, 20.0], [2048, 2560, 2560],
+               [[1, 2, 3, 4], [1, 2, 3, 4, 9], [1, 2, 3, 4, 7]], decode_capacity_gb=0.0,
+               prefill_capacity_gb=0.0, store_capacity_gb=10 * BLOCK_BYTES / 1e9,
+               store_gbps=0.1, store_latency_s=0.001)
+    (row,), _ = run_all(cfg)
+    log = _log(tmp_path)
+    assert log["store_hit_tokens"].tolist() == [0, 2048, 2048]
+    assert log["prefix_hit_tokens"].tolist() == [0, 0, 0]
+    assert log["sent_tokens"].tolist() == [2048, 512, 512]
+    fetch_s = 0.001 + 4 * BLOCK_BYTES * 8 / 0.1e9
+    assert log["decode_start_t"][1] == pytest.approx(10.0 + fetch_s, rel=1e-12)
+    assert log["decode_kv_bytes"][1] == 2048 * (2560 + 130)  # fetched blocks need memory
+    assert row["prefix_store_hit_rate"] == pytest.approx(8 / 11)
+    assert row["prefix_store_fetched_bytes"] == 8 * BLOCK_BYTES
+    assert row["prefix_bytes_not_sent"] == 2 * (_wire(2560, cfg.model) - _wire(512, cfg.model))
+    # a store of 2 blocks: r0's prefill keeps 1 and 2 (3 finds no room), so r1 fetches 2
+    cfg.prefix_cache = replace(cfg.prefix_cache, store_capacity_gb=2 * BLOCK_BYTES / 1e9)
+    run_all(cfg)
+    assert _log(tmp_path)["store_hit_tokens"].tolist() == [0, 1024, 1024]
+
+
 def test_a_bounded_decode_cache_evicts_the_least_recent_tail_first(tmp_path):
     # room for 3 blocks: r0 keeps blocks 1, 2, 3 (4 finds none); r1 needs 2 more: 3, then 2
     # go (r0's tail first), so r2 (r0's prompt) finds block 1 alone

@@ -247,6 +247,12 @@ class PrefixCacheConfig:
     # the same on each prefill instance (its prefill skips the blocks held); 0: none
     prefill_capacity_gb: float | None = None
     eviction: str = "lru"  # least recently used idle block first, a prompt's tail first
+    # a shared KV store (as Mooncake Store, LMCache's remote tier): GB (1e9 bytes) of bf16
+    # blocks, written by every prefill as it ends; a decode instance fetches the blocks it
+    # lacks that the store holds over the store's link, and is sent only the rest; 0: none
+    store_capacity_gb: float = 0.0
+    store_gbps: float = 100.0  # the store's link to the decode instances (one, shared)
+    store_latency_s: float = 0.0  # added to every block fetched
 
     def validate(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -259,6 +265,9 @@ class PrefixCacheConfig:
         for key in ("decode_capacity_gb", "prefill_capacity_gb"):
             if getattr(self, key) is not None:
                 check_number(f"prefix_cache.{key}", getattr(self, key), strict=False)
+        check_number("prefix_cache.store_capacity_gb", self.store_capacity_gb, strict=False)
+        check_number("prefix_cache.store_gbps", self.store_gbps)
+        check_number("prefix_cache.store_latency_s", self.store_latency_s, strict=False)
         check_choice("prefix_cache.eviction", self.eviction, EVICTIONS)
 
 

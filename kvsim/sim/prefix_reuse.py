@@ -18,6 +18,12 @@ What is modelled (kvsim.sim.prefix_cache holds the cache itself):
   prefills the rest after them (TimingModel.prefill_step_s of the new tokens after
   h' x block_tokens cached ones). Its KV still crosses the link unless the decode instance
   holds it: the prefill instance does not fetch from the decode side, nor the reverse.
+- With a shared store (`store_capacity_gb` > 0): every prefill writes its full blocks to one
+  store (as Mooncake Store does), least recently used evicted first. A request whose
+  decode instance lacks blocks the store holds fetches them (bf16, one message per block)
+  over the store's link (`store_gbps`, `store_latency_s`, shared by every fetch), from its
+  arrival; decoding waits for them as for the anchor, and the prefill sends the rest only.
+  Prefill instances do not fetch from the store (their prefill skips their own blocks only).
 - At least one token of each prompt is prefilled and sent (the first token needs the
   last position's forward): a hit covers at most (context - 1) // block_tokens blocks.
 The speculative draft on a partial cache is the codec's (the reused prefix, already full,
@@ -42,6 +48,7 @@ class Reuse:
     decode_hit: int  # leading blocks its decode instance holds (pinned there)
     prefill_hit: int  # leading blocks its prefill instance holds (pinned until its prefill)
     eligible: int  # the most either could be: (context - 1) // block_tokens
+    fetched: int = 0  # blocks after decode_hit its decode instance fetches from the store
     # blocks after the hit it gave its decode instance's cache (pinned for it; their bytes
     # are the cache's, no longer its own)
     kept: tuple[int, ...] = ()
@@ -63,11 +70,13 @@ class PrefixReuse:
             cfg.prefill_capacity_gb * 1e9
         self.prefill = [PrefixCache(block_bytes, prefill_cap)
                         for _ in range(prefill_nodes)] if prefill_cap > 0 else []
+        self.store = PrefixCache(block_bytes, cfg.store_capacity_gb * 1e9) \
+            if cfg.store_capacity_gb > 0 else None
         # prefilled requests whose blocks enter their prefill cache at their prefill end:
         # seq -> (prefill instance, blocks, its full blocks, leading blocks pinned)
         self._prefilling: dict[int, tuple[int, tuple[int, ...], int, int]] = {}
         self.requests = self.eligible_blocks = 0
-        self.decode_hit_blocks = self.prefill_hit_blocks = 0
+        self.decode_hit_blocks = self.prefill_hit_blocks = self.fetched_blocks = 0
         self.wire_bytes_full = self.wire_bytes_sent = 0.0
 
     def check(self, reqs: list[Request]) -> None:
@@ -97,18 +106,22 @@ class PrefixReuse:
         cache = self.decode[d].prefix
         hit = cache.match(blocks, limit)  # type: ignore[union-attr]
         cache.pin(blocks[:hit])  # type: ignore[union-attr]
-        prefill_hit = 0
+        prefill_hit = fetched = 0
         if self.prefill:
             prefill_hit = self.prefill[p].match(blocks, limit)
             self.prefill[p].pin(blocks[:prefill_hit])
+        if self.store is not None:  # the store's blocks beyond the hit, pinned till it ends
+            fetched = max(0, self.store.match(blocks, limit) - hit)
+            self.store.pin(blocks[hit:hit + fetched])
         self.requests += 1
         self.eligible_blocks += limit
         self.decode_hit_blocks += hit
         self.prefill_hit_blocks += prefill_hit
-        return p, d, Reuse(hit, prefill_hit, limit)
+        self.fetched_blocks += fetched
+        return p, d, Reuse(hit, prefill_hit, limit, fetched)
 
     def sent_tokens(self, req: Request, reuse: Reuse) -> int:
-        return req.context_tokens - reuse.decode_hit * self.block_tokens
+        return req.context_tokens - (reuse.decode_hit + reuse.fetched) * self.block_tokens
 
     def wire_bytes(self, full_bytes: float, sent_bytes: float) -> None:
         """A request's codec wire bytes without reuse and as sent."""
@@ -116,7 +129,7 @@ class PrefixReuse:
         self.wire_bytes_sent += sent_bytes
 
     def prefill_started(self, req: Request, p: int, reuse: Reuse) -> None:
-        if self.prefill:
+        if self.prefill or self.store is not None:
             self._prefilling[req.seq] = (p, req.prefix_blocks,
                                          req.context_tokens // self.block_tokens,
                                          reuse.prefill_hit)
@@ -127,11 +140,17 @@ class PrefixReuse:
         if entry is None:
             return
         p, blocks, full, hit = entry
-        cache = self.prefill[p]
-        # the new blocks first, while the reused head is pinned: the head ends up the most
-        # recently used, the tail is evicted before it
-        cache.insert(blocks[hit:full])
-        cache.unpin(blocks[:hit])
+        if self.prefill:
+            cache = self.prefill[p]
+            # the new blocks first, while the reused head is pinned: the head ends up the
+            # most recently used, the tail is evicted before it
+            cache.insert(blocks[hit:full])
+            cache.unpin(blocks[:hit])
+        if self.store is not None:  # the prefill writes its blocks to the store, the same way
+            held = self.store.match(blocks, full)
+            self.store.pin(blocks[:held])
+            self.store.insert(blocks[held:full])
+            self.store.unpin(blocks[:held])
 
     def keep(self, req: Request, d: int, reuse: Reuse, now: float) -> None:
         """All its streams are in and it is admitted (now): its full blocks after the hit go
@@ -150,6 +169,9 @@ class PrefixReuse:
         """It finished: the blocks it used go idle (its bytes return by admission)."""
         self.decode[d].prefix.unpin(  # type: ignore[union-attr]
             req.prefix_blocks[: reuse.decode_hit] + reuse.kept)
+        if reuse.fetched:
+            self.store.unpin(  # type: ignore[union-attr]
+                req.prefix_blocks[reuse.decode_hit: reuse.decode_hit + reuse.fetched])
 
     def row(self) -> dict:
         """The run's reuse figures (blocks of block_tokens tokens; bytes of the codec)."""
@@ -166,4 +188,8 @@ class PrefixReuse:
             "prefix_bytes_saved_fraction": 1.0 - self.wire_bytes_sent / self.wire_bytes_full
             if self.wire_bytes_full else 0.0,
             "prefix_evicted_blocks": sum(c.evicted_blocks for c in decode),  # type: ignore
+            # fetched from the shared store (0 without one): share of the eligible blocks
+            "prefix_store_hit_rate": self.fetched_blocks / self.eligible_blocks
+            if self.eligible_blocks else 0.0,
+            "prefix_store_fetched_bytes": self.fetched_blocks * self.block_bytes,
         }

@@ -17,8 +17,9 @@ PHASES = ("arrival_t", "prefill_start_t", "prefill_end_t", "encode_end_t",
           "decode_start_t")
 
 
-# tokens whose KV was sent, of the prompt its decode / prefill instance held
-PREFIX_KEYS = ("sent_tokens", "prefix_hit_tokens", "prefill_hit_tokens")
+# tokens whose KV was sent, of the prompt its decode / prefill instance held, fetched from
+# the shared store
+PREFIX_KEYS = ("sent_tokens", "prefix_hit_tokens", "prefill_hit_tokens", "store_hit_tokens")
 
 
 def request_rows(records: list[RequestRecord], ks: list[int], scenario: dict[str, Any]

@@ -34,7 +34,7 @@ from kvsim.scenario.codec_timing import CodecTiming, load_codec_timing
 from kvsim.scenario.config import SimConfig
 from kvsim.scenario.link_profile import draft_step_for, load_link_profile, profiled_link_settings
 from kvsim.scenario.metrics import RequestRecord, aggregate_records, record_columns, request_row
-from kvsim.scenario.policy import TransferPlan, build_plan, release_times
+from kvsim.scenario.policy import FlowPlan, TransferPlan, build_plan, release_times
 from kvsim.scenario.size_calibration import calibrate_sizes
 from kvsim.scenario.speculative import (
     busy_share_overhead_s,
@@ -86,7 +86,7 @@ class Passage:
 
     __slots__ = ("sim", "req", "plan", "p", "d", "t_p0", "t_pe", "receivers", "needed",
                  "encode_end_t", "t_need", "drafting", "load_all_s", "kv_bytes", "t_slot",
-                 "t_start", "prefill_s", "member", "reuse", "sent_tokens")
+                 "t_start", "prefill_s", "member", "reuse", "sent_tokens", "fetch")
 
     def __init__(self, sim: Scenario, req: Request, plan: TransferPlan, p: int, d: int) -> None:
         self.sim = sim
@@ -102,6 +102,7 @@ class Passage:
         self.member: Member | None = None  # in its decode batch, while drafting
         self.reuse: Reuse | None = None  # prefix_cache.enabled: what it reuses
         self.sent_tokens = req.context_tokens  # tokens whose KV crosses the link
+        self.fetch: Receiver | None = None  # blocks fetched from the shared store, if any
 
     # The callbacks of its steps: bound methods, not a closure (and its cells) per step and
     # request, which would live from the step's start to its end and be freed cold. (Nothing
@@ -245,6 +246,9 @@ class Scenario:
                 float(self.model.kv_bytes_bf16(cfg.prefix_cache.block_tokens)), kv_memory,
                 self.decode, w.prefill_nodes)
             self.prefix.check(reqs)
+            pc = cfg.prefix_cache
+            self.store_link = Link(env, pc.store_gbps, pc.store_latency_s, name="store") \
+                if self.prefix.store is not None else None
         self._routed = 0  # requests routed (workload.routing=round_robin)
         self.finished = 0
         self.all_done = env.event()
@@ -324,6 +328,8 @@ class Scenario:
             sent = prefix.sent_tokens(req, reuse)  # type: ignore[union-attr]
             ps = Passage(self, req, self.plan(sent), p, d)
             ps.reuse, ps.sent_tokens = reuse, sent
+            if reuse.fetched:
+                ps.fetch = self._fetch(req, reuse.fetched)
             prefix.wire_bytes(self.plan(req.context_tokens).total_bytes,  # type: ignore
                               ps.plan.total_bytes)
             prefix.prefill_started(req, p, reuse)  # type: ignore[union-attr]
@@ -356,6 +362,8 @@ class Scenario:
         ps.receivers, ps.encode_end_t = self._send(
             ps.req, ps.plan, self.prefill[ps.p], self.decode[ps.d], layers_start_t, layers_s)
         ps.needed = ps.receivers[:1] if ps.plan.speculative else ps.receivers
+        if ps.fetch is not None:  # decoding needs the prefix fetched from the store too
+            ps.needed = [*ps.needed, ps.fetch]
         when_all_ready(ps.needed, ps.needed_in)
 
     def _needed_in(self, ps: Passage) -> None:
@@ -525,7 +533,8 @@ class Scenario:
             {"memory_wait_s": ps.t_start - ps.t_slot, "decode_kv_bytes": ps.kv_bytes,
              "sent_tokens": ps.sent_tokens,
              "prefix_hit_tokens": reuse.decode_hit * self.cfg.prefix_cache.block_tokens,
-             "prefill_hit_tokens": reuse.prefill_hit * self.cfg.prefix_cache.block_tokens})
+             "prefill_hit_tokens": reuse.prefill_hit * self.cfg.prefix_cache.block_tokens,
+             "store_hit_tokens": reuse.fetched * self.cfg.prefix_cache.block_tokens})
         # bytes conserved: what arrived = the codec's wire bytes + per-message framing
         framing = pnode.link.message_overhead_bytes * sum(len(f.sizes_bytes) for f in plan.flows)
         if abs(rec.received_bytes - plan.total_bytes - framing) > 1e-9 * plan.total_bytes:
@@ -536,9 +545,23 @@ class Scenario:
             self._trace(rec, pnode, dnode, receivers)
         for rx in receivers:
             rx.release()
+        if ps.fetch is not None:
+            ps.fetch.release()
         self.finished += 1
         if self.finished == self.n_requests:
             self.all_done.succeed()
+
+    def _fetch(self, req: Request, blocks: int) -> Receiver:
+        """The request's decode instance fetches `blocks` prefix blocks from the shared store
+        (bf16, one message each, all available now) over the store's link."""
+        n = int(blocks)
+        fp = FlowPlan(0, "store", np.full(n, self.prefix.block_bytes),  # type: ignore
+                      np.zeros(n, dtype=np.int64), np.zeros(n))
+        rx = Deserializer(self.env, [fp], True, "per_stream").receivers[0]
+        rx.carriers = [self.store_link.submit(  # type: ignore[union-attr]
+            fp.sizes_bytes, np.full(n, self.env.now), (0,), rx.delivered, rx.done,
+            name=f"r{req.seq}.store", tag=req.seq)]
+        return rx
 
     def _send(self, req: Request, plan: TransferPlan, pnode: PrefillNode, dnode: DecodeNode,
               layers_start_t: float, layers_s: float) -> tuple[list[Receiver], float]:
@@ -630,6 +653,8 @@ class Scenario:
         if self.prefix is not None:  # prefix reuse: hit rates, bytes not sent
             row.update(self.prefix.row())
             row["routing"] = cfg.workload.routing
+            if self.store_link is not None:
+                row["prefix_store_link_utilisation"] = self.store_link.utilisation(end_t)
         if len(recs) == 1:
             row.update(request_row(recs[0], ks, cfg.metrics.breakdown_k))
             return row
