@@ -15,9 +15,9 @@ from kvsim.kernels.codec import make_codec
 from kvsim.model.hardware import HardwareSpec
 from kvsim.model.spec import ModelSpec
 from kvsim.scenario.config import SimConfig
+from kvsim.scenario.prefix_cache import PrefixCache
 from kvsim.scenario.request_trace import load_request_trace, read_trace, replay, trace_file
 from kvsim.scenario.timing_model import TimingModel
-from kvsim.sim.prefix_cache import PrefixCache
 from kvsim.sim.routing import kv_aware
 from kvsim.sim.run import run_all
 
@@ -351,3 +351,44 @@ def test_reuse_settings_are_checked_before_a_run(tmp_path):
     cfg = _cfg(tmp_path, [0.0, 1.0], [1000, 1000], [[1, 2]])
     with pytest.raises(ValueError, match="one list per request"):
         cfg.validate()
+
+
+# ---- the emulator's prefix delta ---------------------------------------------------------
+PAGE_LOCAL = ["bf16", "int8", "int4", "lynx", "lynx-2+2+4", "lynx-int8", "lynx-oscar"]
+
+
+@pytest.mark.parametrize("preset", PAGE_LOCAL)
+@pytest.mark.parametrize("prefix_pages", [2, 4])
+def test_codecs_that_say_their_pages_encode_alone_do(preset, prefix_pages):
+    """pages_encode_alone() lets a decode node reuse an earlier request's chunks of a shared
+    prefix and a sender encode only the rest: the chunks of the pages after a page boundary
+    must be the same bytes with or without the cache before them (here a suffix of 588 and
+    of 76 tokens)."""
+    import torch
+
+    from kvsim.core.layout import KVShape
+    from kvsim.kernels.presets import resolve_codec
+
+    codec = resolve_codec(preset).build()
+    assert codec.pages_encode_alone()
+    pt = codec.page_tokens(KVShape(layers=2, tokens=1100, kv_heads=2, head_dim=64))
+    kv = torch.randn(2, 2, 2, 1100, 64, generator=torch.Generator().manual_seed(1)) \
+        .to(torch.bfloat16)
+    whole = codec.encode(kv)
+    tail = codec.encode(kv[:, :, :, prefix_pages * pt:, :].contiguous())
+    for a, b in zip(whole.streams, tail.streams, strict=True):
+        later = {(c.layer, c.page): np.asarray(c.payload) for c in a if c.page >= prefix_pages}
+        assert len(later) == len(b)
+        for c in b:
+            assert np.array_equal(later[(c.layer, c.page + prefix_pages)],
+                                  np.asarray(c.payload)), (c.layer, c.page)
+
+
+def test_codecs_whose_pages_depend_on_the_rest_do_not_say_so():
+    """Per-tensor scales, KIVI's windows and groups along tokens, GEAR's low rank, CacheGen's
+    coding across the cache: their chunks of a page can change with what else the cache
+    holds, so the emulator refuses prefix reuse with them."""
+    from kvsim.kernels.presets import resolve_codec
+
+    for preset in ("int8-tensor", "kivi-2", "kcvt-4", "gear", "oscar", "cachegen"):
+        assert not resolve_codec(preset).build().pages_encode_alone(), preset

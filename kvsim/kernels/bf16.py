@@ -41,6 +41,9 @@ class BF16Codec(Codec):
     def stream_names(self) -> list[str]:
         return ["full"]
 
+    def pages_encode_alone(self) -> bool:
+        return True
+
     def page_tokens(self, shape: KVShape) -> int:
         return self.params.page_tokens
 

@@ -64,6 +64,14 @@ class Codec(ABC):
     # a sender may encode layer by layer; False where a layer's coding depends on its depth
     layer_independent: ClassVar[bool] = True
 
+    def pages_encode_alone(self) -> bool:
+        """Each (layer, page) chunk depends on that page's tokens only, wherever the page
+        sits: encoding a cache's later tokens alone (from a page boundary) gives the whole
+        encode's chunks of those pages, and an earlier cache's chunks of a shared prefix are
+        this cache's. What prefix reuse in the emulator needs (tests/test_prefix_reuse.py
+        checks every codec that says so); False unless a codec says so."""
+        return False
+
     def __init__(self, params: Any = None, **overrides: Any) -> None:
         if params is None or isinstance(params, dict):
             merged = {**(params or {}), **overrides}

@@ -232,7 +232,7 @@ class SpeculativeConfig:
 
 @dataclass
 class PrefixCacheConfig:
-    """Prefix reuse (kvsim.sim.prefix_cache): instances keep the KV blocks of the prompts
+    """Prefix reuse (kvsim.scenario.prefix_cache): instances keep the KV blocks of the prompts
     they held, by the workload's prefix block ids (a trace's hash_ids), and a request reuses
     the leading blocks held. Off: no cache, today's results exactly."""
 

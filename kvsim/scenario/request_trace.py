@@ -5,7 +5,7 @@ Two formats:
   GeneratedTokens). TIMESTAMP is a date-time (as in those traces) or a number of seconds.
 - Mooncake JSONL (`.jsonl`, or gzipped `.jsonl.gz`), one request per line: `timestamp` (ms),
   `input_length` and `output_length` (tokens) and `hash_ids` (the ids of its prefix blocks,
-  equal ids at the same position meaning the same prefix: kvsim.sim.prefix_cache).
+  equal ids at the same position meaning the same prefix: kvsim.scenario.prefix_cache).
 
 Arrivals are taken relative to the first request replayed. Requests must be in time order
 (the traces are); an unsorted, empty or malformed file is refused with the row that is wrong.

@@ -17,7 +17,7 @@ class Request:
     context_tokens: int
     output_tokens: int  # tokens it decodes
     # ids of its prompt's blocks of prefix_cache.block_tokens tokens, in order (equal ids:
-    # the same prefix; kvsim.sim.prefix_cache); empty: the workload names none
+    # the same prefix; kvsim.scenario.prefix_cache); empty: the workload names none
     prefix_blocks: tuple[int, ...] = ()
 
 

@@ -26,11 +26,11 @@ import numpy as np
 import simpy
 
 from kvsim.scenario.policy import FlowPlan, serial_pipeline
+from kvsim.scenario.prefix_cache import PrefixCache
 from kvsim.scenario.timing_model import TimingModel
 from kvsim.sim.batch import DecodeBatch
 from kvsim.sim.link import Flow, Link
 from kvsim.sim.prefill_batch import ChunkedPrefill
-from kvsim.sim.prefix_cache import PrefixCache
 from kvsim.sim.timer import Timer, call_later
 
 _NONE = np.empty(0)  # [0] s: no arrival reported yet (read-only use)

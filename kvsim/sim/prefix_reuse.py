@@ -1,7 +1,7 @@
 """Prefix reuse in a run (`prefix_cache.enabled`): the prefix caches of the instances, the
 routing that reads them, and what a request saves.
 
-What is modelled (kvsim.sim.prefix_cache holds the cache itself):
+What is modelled (kvsim.scenario.prefix_cache holds the cache itself):
 - Each decode instance keeps the blocks of the prompts it held, as its decoder holds them
   (bf16 KV, the precision they arrived in: a lossy codec's blocks are reused as decoded),
   in the memory beside the weights that the running requests' caches use too: idle blocks
@@ -35,9 +35,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvsim.scenario.config import PrefixCacheConfig
+from kvsim.scenario.prefix_cache import PrefixCache
 from kvsim.scenario.workload import Request
 from kvsim.sim.nodes import DecodeNode
-from kvsim.sim.prefix_cache import PrefixCache
 from kvsim.sim.routing import kv_aware, least_loaded
 
 

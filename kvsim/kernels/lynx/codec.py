@@ -78,6 +78,9 @@ class LynxCodec(Codec):
     def page_tokens(self, shape: KVShape) -> int:
         return self.params.page_tokens
 
+    def pages_encode_alone(self) -> bool:
+        return True  # per-token groups; oscar's rotation is along head_dim
+
     @property
     def tables(self) -> LynxTables:
         return lynx_tables(self.params.alpha, self.params.split)

@@ -115,6 +115,9 @@ class UniformCodec(Codec):
     def per_tensor(self) -> bool:
         return self.params.scope == "tensor"
 
+    def pages_encode_alone(self) -> bool:
+        return not self.per_tensor  # scope 'group': per token
+
     def group_of(self, shape: KVShape) -> int:
         """Channels per group: `group` capped at head_dim (0 = head_dim); scope 'tensor' packs
         whole rows (head_dim)."""

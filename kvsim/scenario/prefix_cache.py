@@ -1,4 +1,5 @@
-"""A block-granular prefix cache of one instance: the KV blocks of prompts it has held, by
+"""A block-granular prefix cache of one instance (a decode or prefill instance of the
+simulator, a shared store, the emulator's decode node): the KV blocks of prompts it has held, by
 block id, kept after their requests end until the room is needed (least recently used
 first).
 
