@@ -392,3 +392,84 @@ def test_codecs_whose_pages_depend_on_the_rest_do_not_say_so():
 
     for preset in ("int8-tensor", "kivi-2", "kcvt-4", "gear", "oscar", "cachegen"):
         assert not resolve_codec(preset).build().pages_encode_alone(), preset
+
+
+def _emulated(*overrides: str):
+    from test_transport import config  # the transport tests' base: synthetic KV, timing decode
+
+    return config("codecs=[int8]", "transfer=layerwise", "workload.kind=trace",
+                  "workload.arrivals_t=[0,6,12]",
+                  "workload.arrivals_context_tokens=[1024,1536,1024]",
+                  "workload.arrivals_prefix_blocks=[[1,2],[1,2,3],[1,2]]",
+                  "prefix_cache.enabled=true", "prefix_cache.prefill_capacity_gb=0", *overrides)
+
+
+def test_the_emulator_sends_only_the_blocks_its_decode_node_lacks(tmp_path):
+    """Three requests over loopback: the second repeats the first's two blocks, the third
+    the first's prompt (a hit stops one block short of it). The decode node preloads the
+    blocks it holds, the sender encodes and sends only the pages after them: the same hits
+    and the same wire bytes as the simulator's prefix delta."""
+    from test_transport import send
+    from transport_harness import RunningReceiver
+
+    from kvsim.kernels.presets import resolve_codec
+    from kvsim.transport import protocol as P
+    from kvsim.transport.rate_limiter import TokenBucket
+
+    cfg = _emulated()
+    with RunningReceiver(cfg) as rx:
+        results = send(cfg, rx.endpoint, TokenBucket(0.5))
+        assert rx.prefix_store is not None and rx.prefix_store.held_bytes > 0
+    assert [r.status for r in results] == ["done"] * 3, [r.error for r in results]
+    assert [r.row["prefix_hit_tokens"] for r in results] == [0, 1024, 512]
+    assert [r.prefix_tokens for r in results] == [0, 1024, 512]
+    assert all(r.row["chunks_received"] == r.row["chunks_expected"] for r in results)
+    cfg.requests_path, cfg.min_samples = str(tmp_path / "r.csv"), 1
+    run_all(cfg)
+    log = _log(tmp_path)
+    assert log["prefix_hit_tokens"].tolist() == [0, 1024, 512]
+    codec = resolve_codec("int8").build()
+    for res, sent in zip(results, log["sent_tokens"].tolist(), strict=True):
+        table = codec.size_table(cfg.model.kv_shape(sent))
+        chunks = int((table.chunk_bytes > 0).sum())
+        # the simulator's delta (chunk frames + preamble) = what the sender sent (chunk
+        # frames, each behind its control frame)
+        assert res.sent_bytes == table.total_bytes - table.header_bytes + \
+            chunks * P.CONTROL_BYTES
+        assert log["total_bytes"][res.row["seq"]] == table.total_bytes
+
+
+def test_the_decode_node_checks_a_hellos_prefix():
+    from kvsim.core.layout import KVShape
+    from kvsim.kernels.presets import resolve_codec
+    from kvsim.transport.prefix_store import prefix_of
+
+    shape = KVShape(layers=2, tokens=1100, kv_heads=2, head_dim=64)
+    int8 = resolve_codec("int8").build()
+    table = int8.size_table(shape)
+    ok = {"blocks": [4, 5, 6], "block_tokens": 512}
+    use = prefix_of({"prefix": ok}, int8, shape, table, 256)
+    assert use.blocks == (4, 5, 6) and use.pages_per_block == 2
+    assert use.block_bytes == float((table.chunk_bytes[:, :, 0] - 20).sum() * 2)
+    assert prefix_of({}, int8, shape, table, 256) is None
+    for bad, match in ((dict(ok, blocks=[4, 5]), "3 integer ids"),
+                       (dict(ok, blocks=[4, 5, "x"]), "integer ids"),
+                       (dict(ok, block_tokens=384), "multiple"),
+                       (dict(ok, block_tokens=True), "block_tokens"),
+                       ({"blocks": [1]}, "object of blocks")):
+        with pytest.raises(ValueError, match=match):
+            prefix_of({"prefix": bad}, int8, shape, table, 256)
+    kivi = resolve_codec("kivi-2").build()
+    with pytest.raises(ValueError, match="pages encode alone"):
+        prefix_of({"prefix": ok}, kivi, shape, kivi.size_table(shape), 256)
+
+
+@pytest.mark.parametrize("override, match", [
+    ("transport.decode=auto", "transport.decode=timing"),
+    ("prefix_cache.prefill_capacity_gb=1", "prefill_capacity_gb=0"),
+    ("prefix_cache.store_capacity_gb=1", "store_capacity_gb=0"),
+    ("codecs=[kivi-2]", "pages encode alone"),
+])
+def test_the_transport_refuses_reuse_it_does_not_emulate(override, match):
+    with pytest.raises(ValueError, match=match):
+        _emulated(override)

@@ -19,14 +19,15 @@ pinned blocks included (a block that cannot get room is not kept).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 class PrefixCache:
     __slots__ = ("block_bytes", "capacity_bytes", "_pins", "_idle", "evicted_blocks",
-                 "inserted_blocks")
+                 "inserted_blocks", "on_evict")
 
-    def __init__(self, block_bytes: float, capacity_bytes: float) -> None:
+    def __init__(self, block_bytes: float, capacity_bytes: float,
+                 on_evict: Callable[[int], None] | None = None) -> None:
         if not block_bytes > 0:
             raise ValueError(f"prefix cache block_bytes must be > 0, got {block_bytes!r}")
         if not capacity_bytes >= 0:
@@ -38,6 +39,7 @@ class PrefixCache:
         self._idle: OrderedDict[int, None] = OrderedDict()  # unpinned blocks, LRU first
         self.evicted_blocks = 0
         self.inserted_blocks = 0
+        self.on_evict = on_evict  # called with each evicted block (what it held goes too)
 
     def __len__(self) -> int:
         return len(self._pins)
@@ -155,4 +157,6 @@ class PrefixCache:
             del pins[block]
             freed += self.block_bytes
             self.evicted_blocks += 1
+            if self.on_evict is not None:
+                self.on_evict(block)
         return freed

@@ -71,6 +71,7 @@ class Assembly:
     # alone; others fall back to on_demand): the whole cache when the decoder starts on it
     dequantize: str = "on_demand"
     anchor_needed: bool = False  # the decoder drafts on stream 0 alone (split-stream, cap > 0)
+    prefix: Any = None  # its part in the decode node's prefix store (PrefixUse), if any
 
     def __post_init__(self) -> None:
         self._cv = threading.Condition()
@@ -139,6 +140,26 @@ class Assembly:
                 st.complete_t = now
                 self._cv.notify_all()
         return "ok"
+
+    def preload(self, chunks: list[Chunk]) -> None:
+        """Chunks this decode node holds already (a reused prefix: kvsim.transport.
+        prefix_store) count as received before any arrives: never sent, not in the
+        received bytes or arrival times; dequantized with their layers as any other."""
+        seqs = [{lp: i for i, lp in enumerate(st.expected)} for st in self.streams]
+        with self._cv:
+            for c in chunks:
+                st = self.streams[c.stream]
+                seq = seqs[c.stream][(c.layer, c.page)]
+                if st.received[seq]:
+                    continue
+                st.received[seq] = True
+                st.count += 1
+                self.chunks[c.stream].append(c)
+                if self.dequantizer is not None:
+                    self.dequantizer.chunk_arrived(c)
+            for st in self.streams:
+                while st.contiguous < len(st.expected) and st.received[st.contiguous]:
+                    st.contiguous += 1
 
     def start(self, new_builder: Any = None) -> None:
         """Start the on-arrival dequantization worker (no-op on demand). new_builder: makes

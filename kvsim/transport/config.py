@@ -135,6 +135,30 @@ class EmulateConfig(SimConfig):
             raise ValueError(f"transport.reuse_prefill books a reused prefill's time without "
                              f"waiting it, which only a lone request can (workload.kind="
                              f"single), not workload.kind={self.workload.kind}")
+        pc = self.prefix_cache
+        if pc.enabled:  # the decode node's prefix store (kvsim.transport.prefix_store)
+            if self.transport.decode != "timing" or self.transport.kv_source == "live":
+                raise ValueError(
+                    "prefix_cache.enabled in the transport reuses an earlier request's chunks "
+                    "for a prompt's held blocks, which a real model would read as another "
+                    "prompt's: set transport.decode=timing (and kv_source synthetic or "
+                    "capture)")
+            if pc.prefill_capacity_gb != 0 or pc.store_capacity_gb:
+                raise ValueError(
+                    "the transport emulates the decode side's reuse only: set "
+                    "prefix_cache.prefill_capacity_gb=0 and prefix_cache.store_capacity_gb=0 "
+                    "(the simulator models prefill-side caches and a shared store)")
+            from kvsim.scenario.variants import variants
+
+            for v in variants(self):
+                codec = v.spec.build()
+                page = codec.page_tokens(self.model.kv_shape(pc.block_tokens))
+                if not codec.pages_encode_alone() or pc.block_tokens % page:
+                    raise ValueError(
+                        f"prefix reuse in the transport needs whole pages per block of a codec "
+                        f"whose pages encode alone (Codec.pages_encode_alone: bf16, int8/int4 "
+                        f"per group, lynx); {v.spec.label} with {page}-token pages and "
+                        f"prefix_cache.block_tokens={pc.block_tokens} is not")
         if self.speculative.dequant_contention:
             raise ValueError("speculative.dequant_contention is the simulator's model of a "
                              "device that dequantizes while it drafts; the transport's "

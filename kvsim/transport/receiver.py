@@ -52,6 +52,7 @@ from kvsim.scenario.policy import POLICIES
 from kvsim.transport import auth
 from kvsim.transport import protocol as P
 from kvsim.transport.assembly import Assembly
+from kvsim.transport.prefix_store import PrefixStore, chunks_by_block, prefix_of
 
 MAX_LAYERS = 4096
 MAX_TOKENS = 1 << 22  # 4M tokens: a larger claim is refused before any table is built
@@ -92,6 +93,9 @@ class ReceiverSettings:
     dequantize: str = "on_arrival"
     keys: str = ""  # CURVE keys directory (kvsim.transport.auth); "": plain TCP
     insecure: bool = False  # a non-loopback bind without keys
+    # prefix reuse (kvsim.transport.prefix_store): payload bytes of reused prompt blocks kept
+    # here, within the memory budget; 0: no store (a HELLO's prefix is sent whole)
+    prefix_store_bytes: int = 0
 
     def memory_limit_bytes(self) -> int:
         return self.max_memory_bytes or physical_memory_bytes() // 2
@@ -168,10 +172,14 @@ class Receiver:
         self.bound = threading.Event()
         self.endpoint = ""
         self._touched: set[int] = set()
+        self.prefix_store = PrefixStore(settings.prefix_store_bytes) \
+            if settings.prefix_store_bytes > 0 else None
 
     @property
     def reserved_bytes(self) -> int:
-        return sum(self.reserved.values())
+        """Bytes reserved by the requests in progress and held by the prefix store."""
+        held = self.prefix_store.held_bytes if self.prefix_store is not None else 0
+        return sum(self.reserved.values()) + int(held)
 
     # ---- main loop -------------------------------------------------------------------
     def serve(self) -> list[dict]:
@@ -308,6 +316,14 @@ class Receiver:
         except P.ProtocolError as exc:
             self._count("bad chunk", str(exc), asm)
         self._touched.add(asm.request_id)
+        use = asm.prefix
+        if use is not None and not use.given and asm.arrived_streams() == asm.num_streams:
+            # every chunk is in: its full blocks after the reused ones go to the store
+            use.given = True
+            full = asm.shape.tokens // use.block_tokens
+            use.kept = self.prefix_store.adopt(  # type: ignore[union-attr]
+                use.key, use.block_bytes, use.blocks[use.hit:full],
+                chunks_by_block(asm.chunks, use.hit, full, use.pages_per_block))
 
     def _count(self, code: str, detail: str, asm: Assembly | None = None,
                log: bool = True) -> None:
@@ -391,9 +407,16 @@ class Receiver:
             made: tuple[Any, dict] | Exception = self.make_decoder(hello, asm)
         except Exception as exc:  # reported in the request's row, as a decode failure
             made = exc
+        accept: dict = {"window_bytes": self.s.window_bytes, "held": {}}
+        use = asm.prefix
+        if use is not None:  # the leading blocks held here: counted in, not sent
+            use.hit, chunks = self.prefix_store.lookup(  # type: ignore[union-attr]
+                use.key, use.block_bytes, use.blocks,
+                (asm.shape.tokens - 1) // use.block_tokens)
+            asm.preload(chunks)
+            accept["held"], accept["prefix_tokens"] = asm.held_ranges(), use.hit_tokens
         asm.start(getattr(made[0], "cache_builder", None) if isinstance(made, tuple) else None)
-        self._send(sock, peer.routing_id, P.json_message(P.MsgType.ACCEPT, rid, {
-            "window_bytes": self.s.window_bytes, "held": {}}))
+        self._send(sock, peer.routing_id, P.json_message(P.MsgType.ACCEPT, rid, accept))
         threading.Thread(target=self._decode, args=(asm, made), daemon=True,
                          name=f"kvsim-decode-{P.id_hex(rid)[:8]}").start()
 
@@ -462,16 +485,24 @@ class Receiver:
         if int(table.chunk_bytes.max(initial=0)) > self.s.window_bytes:
             raise Refused("incompatible", f"a chunk of {int(table.chunk_bytes.max())} bytes "
                           f"exceeds the credit window {self.s.window_bytes}")
+        try:
+            use = prefix_of(hello, codec, shape, table, page_tokens) \
+                if self.prefix_store is not None else None
+        except ValueError as exc:
+            raise Refused("incompatible", str(exc)) from None
         anchor = str(policy).startswith("split_stream") and int(hello.get("cap_tokens") or 0) > 0
         fp32_bytes = 2 * bf16_bytes
         need = int(table.total_bytes) + fp32_bytes * self.s.cache_copies * (2 if anchor else 1)
         limit = self.memory_limit_bytes
+        over = self.reserved_bytes + need - limit
+        if over > 0 and self.prefix_store is not None and self.prefix_store.idle_bytes >= over:
+            self.prefix_store.evict(over)  # idle prefix blocks give way to a request
         if self.reserved_bytes + need > limit:
             raise Refused("busy: memory", f"the request needs {need / 2**20:.0f} MiB, "
                           f"{(limit - self.reserved_bytes) / 2**20:.0f} MiB of "
                           f"max_memory_bytes {limit / 2**20:.0f} MiB are free")
         return Assembly(rid, codec, shape, table, hello, dequantize=self.s.dequantize,
-                        anchor_needed=anchor), need
+                        anchor_needed=anchor, prefix=use), need
 
     def _send_acks(self, sock: zmq.Socket) -> None:
         for rid in self._touched:
@@ -506,6 +537,12 @@ class Receiver:
         self._done.put((asm.request_id, row))
 
     def _finish(self, sock: zmq.Socket, rid: int, row: dict) -> None:
+        asm = self.requests.get(rid)
+        use = asm.prefix if asm is not None else None
+        if use is not None:  # what it reused, and the blocks it used go idle
+            row["prefix_hit_tokens"] = use.hit_tokens
+            self.prefix_store.release(use.key,  # type: ignore[union-attr]
+                                      [*use.blocks[:use.hit], *use.kept])
         owner = self.owners.pop(rid, None)
         if owner is not None:  # answer first, then free the request's buffers
             self._send(sock, owner.routing_id, P.json_message(P.MsgType.DONE, rid, row))

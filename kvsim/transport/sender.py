@@ -70,6 +70,7 @@ class SendResult:
     sent_bytes: int = 0
     resent_chunks: int = 0
     skipped_chunks: int = 0  # already held by the receiver (resume)
+    prefix_tokens: int = 0  # leading tokens the receiver held (prefix reuse): not encoded
     times: dict = field(default_factory=dict)  # Unix s: arrival, prefill, hello, encode end
     events: list[tuple[str, float, float]] = field(default_factory=list)  # encode spans
     sends: list[tuple[int, int, int, float]] = field(default_factory=list)  # (s, l, p, t)
@@ -86,6 +87,7 @@ class _Req:
         self.held: dict[int, set[int]] = {}
         self.plan: list[list[tuple[int, int]]] = []  # per stream: (layer, page) of seq i
         self.table: Any = None  # the codec's SizeTable for this request's shape
+        self.tokens = 0  # its cache's tokens
         self.window_bytes = 0
         self.unacked: dict[tuple[int, int], QueuedChunk] = {}
         self.sent_bytes = 0
@@ -219,7 +221,7 @@ class Sender:
         meta = preamble_meta(codec.name, codec.params_dict(), source.shape,
                              codec.page_tokens(source.shape), codec.stream_names())
         req.plan = P.stream_order(table.chunk_bytes)
-        req.table = table
+        req.table, req.tokens = table, source.shape.tokens
         req.result.chunks = [len(p) for p in req.plan]
         doc = {"wire_version": wire.WIRE_VERSION, "preamble": meta, "policy": out.policy,
                "codec_label": out.codec_label, "first_token": source.first_token,
@@ -248,17 +250,23 @@ class Sender:
                 if self.scheduler.peek() is item:  # the link loop only waits on its head:
                     self._wake()  # a chunk queued behind it changes nothing there
 
-        def queued(enc_streams: list, layer_offset: int) -> list[QueuedChunk]:
+        # a reused prefix (whole pages, of a codec whose pages encode alone): the tokens
+        # after it are encoded alone, their pages numbered from its end
+        skip_tokens = res.prefix_tokens
+        page_offset = skip_tokens // req.table.page_tokens
+
+        def queued(enc_streams: list, layer_offset: int, page_offset: int = 0
+                   ) -> list[QueuedChunk]:
             items = []
             for chunks in enc_streams:
                 for c in chunks:
-                    layer = c.layer + layer_offset
-                    seq = seq_of[c.stream][(layer, c.page)]
+                    layer, page = c.layer + layer_offset, c.page + page_offset
+                    seq = seq_of[c.stream][(layer, page)]
                     size = P.CONTROL_BYTES + P.CHUNK_HEADER_BYTES + c.payload.nbytes
-                    expected = int(req.table.chunk_bytes[c.stream, layer, c.page]) - \
+                    expected = int(req.table.chunk_bytes[c.stream, layer, page]) - \
                         wire.CHUNK_HEADER_BYTES
                     if codec.exact_sizes and c.payload.nbytes != expected:
-                        raise RuntimeError(f"{codec.name}: chunk ({c.stream}, {layer}, {c.page}) "
+                        raise RuntimeError(f"{codec.name}: chunk ({c.stream}, {layer}, {page}) "
                                            f"has {c.payload.nbytes} bytes, its size table "
                                            f"{expected}")
                     if seq in held.get(c.stream, ()):
@@ -267,7 +275,7 @@ class Sender:
                     prio = self.scheduler.priority(out.arrival_seq, c.stream,
                                                    out.arrival_offset_s)
                     payload = np.ascontiguousarray(c.payload)
-                    items.append(QueuedChunk(prio, out.request_id, c.stream, layer, c.page, seq,
+                    items.append(QueuedChunk(prio, out.request_id, c.stream, layer, page, seq,
                                              payload, size,
                                              payload_crc=P.payload_crc(payload)))
             return items
@@ -285,8 +293,11 @@ class Sender:
                     if wait > 0:
                         time.sleep(wait)
                 t0 = time.time()
-                enc = codec.encode(source.layer(layer))
-                items = queued(enc.streams, layer)
+                kv = source.layer(layer)
+                if skip_tokens:
+                    kv = kv[:, :, :, skip_tokens:, :].contiguous()
+                enc = codec.encode(kv)
+                items = queued(enc.streams, layer, page_offset)
                 res.events.append((f"encode layer {layer}", t0, time.time()))
                 if out.policy in PIPELINED:
                     release(items)
@@ -495,12 +506,24 @@ class Sender:
                                               f"{n} chunks")
                     seqs.update(range(a, b))
                 parsed[stream] = seqs
+            prefix = body.get("prefix_tokens", 0)
+            pt = req.table.page_tokens
+            if isinstance(prefix, bool) or not isinstance(prefix, int) or \
+                    not 0 <= prefix < req.tokens or prefix % pt or \
+                    (prefix and not req.out.codec.pages_encode_alone()):
+                raise P.ProtocolError(f"prefix_tokens must be whole {pt}-token pages before "
+                                      f"the last of {req.tokens} tokens, of a codec whose "
+                                      "pages encode alone")
         except (P.ProtocolError, TypeError, ValueError) as exc:
             self._fail(req, "error", f"malformed ACCEPT: {str(exc)[:P.MAX_REASON_CHARS]}")
             return
         with self._lock:
             req.window_bytes, req.held = window, parsed
-        if parsed:
+            req.result.prefix_tokens = prefix
+        if prefix:
+            self.log(f"request {P.id_hex(req.out.request_id)}: the receiver holds its first "
+                     f"{prefix} tokens; encoding and sending the rest")
+        elif parsed:
             self.log(f"request {P.id_hex(req.out.request_id)}: the receiver holds "
                      f"{sum(map(len, parsed.values()))} chunk(s); sending the rest")
         req.accepted.set()

@@ -227,6 +227,9 @@ def outgoing_requests(cfg: EmulateConfig, lm: Any | None, resume: ResumePlan | N
                      "bandwidth_gbps": cfg.link.bandwidth_gbps,
                      "link_emulation": cfg.transport.emulation,
                      "time_scale": cfg.transport.time_scale}
+            if cfg.prefix_cache.enabled:  # the decode node may hold its leading blocks
+                hello["prefix"] = {"blocks": list(r.prefix_blocks),
+                                   "block_tokens": cfg.prefix_cache.block_tokens}
             batch.append(OutgoingRequest(rid, r.seq, r.arrival_t, codec, v.spec.label, v.policy,
                                          _source_maker(cfg, kind, lm, timing, r.context_tokens,
                                                        r.seq), hello))
@@ -264,7 +267,21 @@ def receiver_settings(cfg: EmulateConfig, bind: str) -> ReceiverSettings:
                             cache_copies=2 if decode_mode(cfg) == "real" else 1,
                             request_deadline_s=t.request_deadline_s,
                             max_requests=t.max_requests, idle_exit_s=t.idle_exit_s,
-                            dequantize=t.dequantize, keys=t.keys, insecure=t.insecure)
+                            dequantize=t.dequantize, keys=t.keys, insecure=t.insecure,
+                            prefix_store_bytes=_prefix_store_bytes(cfg))
+
+
+def _prefix_store_bytes(cfg: EmulateConfig) -> int:
+    """The decode node's prefix store (0: none): prefix_cache.decode_capacity_gb, or (null)
+    the receiver's whole memory budget, which it shares with the requests in progress."""
+    pc = cfg.prefix_cache
+    if not pc.enabled:
+        return 0
+    if pc.decode_capacity_gb is not None:
+        return int(pc.decode_capacity_gb * 1e9)
+    from kvsim.transport.receiver import physical_memory_bytes
+
+    return cfg.transport.max_memory_bytes or physical_memory_bytes() // 2
 
 
 def inline_acceptance(name_or_path: str) -> dict:
