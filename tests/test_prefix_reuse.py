@@ -473,3 +473,29 @@ def test_the_decode_node_checks_a_hellos_prefix():
 def test_the_transport_refuses_reuse_it_does_not_emulate(override, match):
     with pytest.raises(ValueError, match=match):
         _emulated(override)
+
+
+def test_validates_prefix_case_replays_conversations_whose_turns_reuse_their_prompt(tmp_path):
+    """kvsim validate prefix.enabled=true: 3 conversations x 3 turns; every later turn finds
+    the earlier turn's whole prompt on the decode instance (the simulator's side of the
+    comparison, run here), and the engines must agree on every request's reuse."""
+    from kvsim.core.compose import compose
+    from kvsim.fidelity.validation import PrefixCaseConfig, _prefix_rows, _prefix_workload
+
+    p = PrefixCaseConfig()
+    keys = [k for k in _prefix_workload(p) if not k.startswith("transport.")]
+    cfg, _ = compose("sim", ["scenario=none", "model=smollm2-135m", "hardware=local-cpu",
+                             "codecs=[int8]", "link.bandwidth_gbps=0.2", "min_samples=1",
+                             f"requests_path={tmp_path / 'r.csv'}", *keys], SimConfig)
+    (row,), _ = run_all(cfg)
+    log = _log(tmp_path)
+    assert log["arrival_t"].tolist() == [0, 4, 8, 20, 24, 28, 40, 44, 48]
+    assert log["context_tokens"].tolist() == [768] * 3 + [1024] * 3 + [1280] * 3
+    hits = log["prefix_hit_tokens"].tolist()
+    assert hits[0] == 0 and set(hits[1:3]) <= {0, 256}  # the shared first block, if in
+    assert hits[3:] == [768] * 3 + [1024] * 3  # the previous turn's whole prompt
+    measured = {"int8": {"per_request": [{"seq": q, "prefix_hit_tokens": h}
+                                         for q, h in enumerate(hits)]}}
+    measured["int8"]["per_request"][4]["prefix_hit_tokens"] = 0
+    with pytest.raises(ValueError, match="reused different prompt tokens"):
+        _prefix_rows(p, measured, {"int8": row}, tmp_path / "r.csv", 9)

@@ -56,6 +56,28 @@ HELDOUT_MULTI_UNBATCHED = {"bandwidth_gbps": 0.6, "context_tokens": 1536,
                            "rates_per_s": [0.2, 0.4]}
 
 
+@dataclass
+class PrefixCaseConfig:
+    """The prefix-reuse case: multi-turn conversations whose turns repeat the earlier turns'
+    prompt (and every conversation the same first block, a system prompt), replayed by both
+    engines with prefix reuse on the decode side (kvsim.transport.prefix_store,
+    kvsim.sim.prefix_reuse); timing-model decode, one link, one decode instance."""
+
+    enabled: bool = False  # run it (kvsim validate prefix.enabled=true)
+    emulation: str = "token_bucket"
+    bandwidth_gbps: float = 0.2  # 1e9 bit/s, one link shared by every request
+    conversations: int = 3
+    turns: int = 3  # per conversation
+    first_tokens: int = 768  # a conversation's first prompt
+    turn_tokens: int = 256  # what each later turn adds (the answer, the next question)
+    block_tokens: int = 256  # prefix block size: a multiple of the codecs' pages
+    gap_s: float = 20.0  # between a conversation's turns (its answer decodes in between)
+    stagger_s: float = 4.0  # between the conversations' first turns
+    output_tokens: int = 32  # decoded per request
+    codecs: list[Any] = field(default_factory=lambda: ["int8", "lynx"])
+    max_batch: int = 8  # the decode instance's batch
+
+
 class TargetMissed(ValueError):
     """fail_on_target=true and the mean or the worst error is above its target."""
 
@@ -118,6 +140,7 @@ class Config:
     acceptance: str = "smollm2-135m-lynx-s1-greedy"  # the simulator's acceptance curve
     samples: int = 16  # simulator runs averaged per single-request row (acceptance draws)
     multi: MultiConfig = field(default_factory=MultiConfig)
+    prefix: PrefixCaseConfig = field(default_factory=PrefixCaseConfig)
     # this host against the hardware profile's, probed before anything is compared
     # (kvsim.model.host): rescale the profile's model times | refuse | off
     drift: DriftConfig = field(default_factory=DriftConfig)
@@ -217,7 +240,8 @@ def _emulations(cfg: Config) -> tuple[list[str], list[str]]:
     from kvsim.transport.netns import netns_available
 
     want = list(dict.fromkeys([*cfg.emulations] +
-                              ([cfg.multi.emulation] if cfg.multi.enabled else [])))
+                              ([cfg.multi.emulation] if cfg.multi.enabled else []) +
+                              ([cfg.prefix.emulation] if cfg.prefix.enabled else [])))
     notes = []
     if "tc" in want:
         ok, why = netns_available()
@@ -308,6 +332,10 @@ def validate(cfg: Config) -> dict:
     if cfg.multi.enabled and cfg.multi.emulation in emulations:
         multi_rows, distributions = _multi(cfg, profiles, started, run_dir)
         rows += [{**r, **_drift_keys(cfg, drift)} for r in multi_rows]
+    if cfg.prefix.enabled and cfg.prefix.emulation in emulations:
+        prefix_rows, prefix_distributions = _prefix(cfg, profiles, started, run_dir)
+        rows += [{**r, **_drift_keys(cfg, drift)} for r in prefix_rows]
+        distributions += prefix_distributions
     return _conclude(cfg, rows, run_dir, profiles,
                      {"notes": notes, "drift": drift.as_dict() if drift else None},
                      started, distributions)
@@ -439,6 +467,15 @@ def _resimulate(cfg: Config) -> dict:
                                       probe_s, run_dir, scenario,
                                       f"the saved step ({source})", source=source)
             metrics = single
+        elif case == "prefix":
+            p = saved.prefix
+            scenario = PREFIX_CASE
+            common = scenario_overrides(saved.model.name, emulation, rate, p.codecs,
+                                        _prefix_workload(p), [], profiles)
+            sim, requests_path = _with_request_log(
+                sim_overrides(common, profiles, cfg.acceptance, 1), run_dir, scenario)
+            compared = {r["metric"] for r in saved_rows}
+            metrics = [m for m in errors.MULTI_METRICS if m.name in compared]
         else:
             m = saved.multi
             scenario = _multi_name(emulation, per_s)
@@ -456,7 +493,7 @@ def _resimulate(cfg: Config) -> dict:
             metrics = [m for m in errors.MULTI_METRICS if m.name in compared]
         _say(f"{scenario} ({time.time() - started:.0f} s so far)")
         simulated = {str(r["codec"]): r for r in simulate(sim)}
-        if case == "multi":  # the per-request comparisons the saved run measured for
+        if case in ("multi", "prefix"):  # the per-request comparisons the saved run measured
             logged: dict[tuple, dict[str, list[float]]] = {}  # the log read once per codec
             for d in saved_distributions.get((emulation, rate, ctx, per_s), []):
                 seqs = d.get("seq") or list(range(len(d["measured_s"])))
@@ -540,7 +577,7 @@ def _saved_run(where: str) -> tuple[Path, dict, Config]:
     bad = [i for i, r in enumerate(rows) if not _comparison_row(r)]
     if bad:
         raise ValueError(f"measured_from={where}: rows {bad[:5]} of {path} are not comparison "
-                         f"rows (case single|multi, emulation, codec and metric names, "
+                         f"rows (case single|multi|prefix, emulation, codec and metric names, "
                          f"bandwidth_gbps, context_tokens, a multi row's rate_per_s, "
                          f"measured_s)")
     seen: dict[tuple, int] = {}
@@ -573,11 +610,11 @@ def _comparison_row(r: Any) -> bool:
     def number(v: Any) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool)
 
-    return (isinstance(r, dict) and r.get("case") in ("single", "multi")
+    return (isinstance(r, dict) and r.get("case") in ("single", "multi", "prefix")
             and isinstance(r.get("emulation"), str) and isinstance(r.get("codec"), str)
             and isinstance(r.get("metric"), str) and number(r.get("bandwidth_gbps"))
             and isinstance(r.get("context_tokens"), int) and "measured_s" in r
-            and (r["case"] == "single" or number(r.get("rate_per_s"))))
+            and (r["case"] != "multi" or number(r.get("rate_per_s"))))
 
 
 def _conclude(cfg: Config, rows: list[dict], run_dir: Path, profiles: Any, extra: dict,
@@ -750,6 +787,87 @@ def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path
                 distributions += _distribution_rows(
                     {**scenario, "seq": seqs}, requests,
                     _simulated_requests(requests_path, codec, seqs))
+    return rows, distributions
+
+
+PREFIX_CASE = "prefix-reuse"  # the prefix-reuse case's scenario name
+
+
+def _prefix_workload(p: PrefixCaseConfig) -> list[str]:
+    """The prefix-reuse case's workload keys (both engines): every turn of every
+    conversation, in arrival order, with its prompt's block ids (block 0 shared by all)."""
+    bt = p.block_tokens
+    turns = []
+    for c in range(p.conversations):
+        for t in range(p.turns):
+            tokens = p.first_tokens + t * p.turn_tokens
+            blocks = [0] + [1000 * (c + 1) + j for j in range(1, -(-tokens // bt))]
+            turns.append((c * p.stagger_s + t * p.gap_s, tokens, blocks))
+    turns.sort(key=lambda x: x[0])
+    return ["workload.kind=trace", f"workload.arrivals_t={_list([a for a, _, _ in turns])}",
+            f"workload.arrivals_context_tokens={_list([n for _, n, _ in turns])}",
+            "workload.arrivals_prefix_blocks=[" +
+            ",".join(_list(b) for _, _, b in turns) + "]",
+            f"workload.output_tokens={p.output_tokens}", "workload.prefill_nodes=1",
+            "workload.decode_nodes=1", f"workload.decode_max_batch={p.max_batch}",
+            "prefix_cache.enabled=true", "prefix_cache.prefill_capacity_gb=0",
+            f"prefix_cache.block_tokens={bt}", "transport.decode=timing",
+            "transport.kv_source=synthetic"]
+
+
+def _list(items: list[Any]) -> str:
+    return "[" + ",".join(str(x) for x in items) + "]"
+
+
+def _prefix(cfg: Config, profiles: Any, started: float, run_dir: Path
+            ) -> tuple[list[dict], list[dict]]:
+    """The prefix-reuse case: the emulated decode node's prefix store against the
+    simulator's decode-side prefix delta, per codec (MULTI_METRICS) and per request."""
+    from kvsim.fidelity.runner import by_codec, run_pair, scenario_overrides, sim_overrides
+
+    p = cfg.prefix
+    n = p.conversations * p.turns
+    _say(f"prefix reuse: {p.conversations} conversations x {p.turns} turns over "
+         f"{p.bandwidth_gbps:g} Gbps ({p.emulation}), timing-model decode "
+         f"({time.time() - started:.0f} s so far)")
+    common = scenario_overrides(cfg.model.name, p.emulation, p.bandwidth_gbps, p.codecs,
+                                _prefix_workload(p), [], profiles, cfg.split_cpus)
+    sim, requests_path = _with_request_log(
+        sim_overrides(common, profiles, cfg.acceptance, 1), run_dir, PREFIX_CASE)
+    measured, simulated = run_pair(common, sim)
+    _keep(run_dir, PREFIX_CASE, {"measured": measured, "simulated": simulated})
+    return _prefix_rows(p, by_codec(measured), by_codec(simulated), requests_path, n)
+
+
+def _prefix_rows(p: PrefixCaseConfig, measured: dict[str, dict], simulated: dict[str, dict],
+                 requests_path: Path, n: int) -> tuple[list[dict], list[dict]]:
+    """Comparison rows and per-request distributions of the prefix-reuse case; the two
+    engines must have reused the same tokens request by request (else refused: the times
+    would not be of the same transfers)."""
+    import pandas as pd
+
+    from kvsim.fidelity import errors
+
+    rows, distributions = [], []
+    log = pd.read_csv(requests_path)
+    for codec, row in measured.items():
+        scenario = {"case": "prefix", "emulation": p.emulation, "rate_per_s": None,
+                    "bandwidth_gbps": p.bandwidth_gbps, "context_tokens": p.first_tokens,
+                    "codec": codec, "requests": n}
+        per = row.get("per_request") if isinstance(row.get("per_request"), list) else []
+        hits = {r.get("seq"): r.get("prefix_hit_tokens") for r in per}
+        mine = log[log["codec"].astype(str) == codec].set_index("request")
+        sim_hits = {int(q): int(mine.at[q, "prefix_hit_tokens"]) for q in mine.index}
+        if hits != sim_hits:
+            raise ValueError(f"prefix reuse: the engines reused different prompt tokens for "
+                             f"{codec} (emulated {hits}, simulated {sim_hits})")
+        scenario["reused_tokens"] = sum(sim_hits.values())
+        rows += errors.compare(scenario, row, simulated[codec], errors.MULTI_METRICS)
+        requests = _measured_requests(row)
+        if requests is not None:
+            seqs = requests.pop("seq")
+            distributions += _distribution_rows({**scenario, "seq": seqs}, requests,
+                                                _simulated_requests(requests_path, codec, seqs))
     return rows, distributions
 
 
