@@ -499,3 +499,13 @@ def test_validates_prefix_case_replays_conversations_whose_turns_reuse_their_pro
     measured["int8"]["per_request"][4]["prefix_hit_tokens"] = 0
     with pytest.raises(ValueError, match="reused different prompt tokens"):
         _prefix_rows(p, measured, {"int8": row}, tmp_path / "r.csv", 9)
+
+
+def test_a_prefix_cases_rows_have_no_rate_and_print():
+    from kvsim.fidelity import errors
+
+    row = {"emulation": "token_bucket", "bandwidth_gbps": 0.2, "context_tokens": 768,
+           "rate_per_s": None, "codec": "int8", "metric": "ttft", "pairs": 9,
+           "mape_pct": 0.2, "pearson_r": 1.0, "ks_statistic": 0.3, "ks_p": 0.7}
+    assert "| token_bucket | 0.2 | 768 | - | int8 | ttft | 9 | 0.20 |" in \
+        errors.distributions_table([row])

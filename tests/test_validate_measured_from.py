@@ -58,6 +58,23 @@ def test_the_shipped_run_simulated_again_meets_the_targets(tmp_path, no_emulatio
     assert len(list((run_dir / "scenarios").glob("*.json"))) == 14  # 12 single + 2 multi
 
 
+def test_the_shipped_prefix_reuse_run_simulated_again(tmp_path, no_emulation):
+    """data/fidelity/2026-11-28-prefix: the prefix-reuse case measured with the shipped
+    profiles; simulated again, the same 12 comparisons and the per-request pairs, within
+    the targets, the engines reusing the same tokens."""
+    shipped = DATA_DIR / "fidelity" / "2026-11-28-prefix"
+    run_dir = tmp_path / "run"
+    assert main(["validate", f"measured_from={shipped}", "fail_on_target=true",
+                 f"hydra.run.dir={run_dir}"]) == 0
+    saved = json.loads((shipped / "report.json").read_text())
+    doc = json.loads((run_dir / "fidelity.json").read_text())
+    assert sorted(map(_key, doc["rows"])) == sorted(map(_key, saved["rows"]))
+    assert {r["case"] for r in doc["rows"]} == {"prefix"}
+    s = doc["summary"]
+    assert s["compared"] == 12 and s["mean_abs_pct_error"] <= 1.0
+    assert [d["pairs"] for d in doc["distributions"]] == [9] * 4
+
+
 def _one_scenario_copy(tmp_path: Path, scale_first: float = 1.0) -> Path:
     """The shipped report cut to one single-request scenario (token bucket, 0.1 Gbps, 1024
     tokens), alone in a directory (no profiles beside it); the first row's measurement

@@ -211,7 +211,7 @@ def markdown_table(rows: list[dict]) -> str:
                  "|" + "---|" * (5 + multi + step + len(metrics))]
         for (link, gbps, ctx, rate, codec), rs in groups.items():
             by = {r["metric"]: r for r in rs}
-            head = by.get("ttft_p50", rs[0]) if multi else rs[-1]
+            head = by.get("ttft_p50", rs[0]) if multi or case == "prefix" else rs[-1]
             errs = [f"{by[m]['error_pct']:+.1f}" if m in by and
                     math.isfinite(number(by[m]["error_pct"])) else "" for m in metrics]
             steps = ""
@@ -228,8 +228,9 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def distributions_table(rows: list[dict]) -> str:
-    """The multi-request case's per-request comparisons (one line per arrival rate, codec
-    and metric): MAPE, Pearson r and the two-sample KS test (kvsim.fidelity.statistics)."""
+    """The multi-request and prefix-reuse cases' per-request comparisons (one line per
+    arrival rate, codec and metric; the prefix case has no rate: "-"): MAPE, Pearson r and
+    the two-sample KS test (kvsim.fidelity.statistics)."""
     lines = ["| link | Gbps | ctx | req/s | codec | metric | pairs | MAPE % | Pearson r | "
              "KS D | KS p |", "|" + "---|" * 11]
     for r in rows:
@@ -237,6 +238,7 @@ def distributions_table(rows: list[dict]) -> str:
             ("mape_pct", ".2f"), ("pearson_r", ".3f"), ("ks_statistic", ".3f"),
             ("ks_p", ".3g"))]
         lines.append(f"| {r['emulation']} | {r['bandwidth_gbps']:g} | {r['context_tokens']} | "
-                     f"{r['rate_per_s']:g} | {r['codec']} | {r['metric']} | {r['pairs']} | "
+                     f"{'-' if r.get('rate_per_s') is None else format(r['rate_per_s'], 'g')} | "
+                     f"{r['codec']} | {r['metric']} | {r['pairs']} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

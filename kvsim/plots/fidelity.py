@@ -1,8 +1,8 @@
 """Simulated against measured, from a `kvsim validate` report: one point per (scenario,
 codec, metric), log-log, with the y = x line and the +-10% band; colour: the codec; circles:
-single-request scenarios (times from prefill end), squares: the multi-request case (TTFT
-percentiles, from arrival). The title names when the run ended (the report's provenance) and
-its error summary."""
+single-request scenarios (times from prefill end), squares: the multi-request case, diamonds:
+the prefix-reuse case (both TTFT and TPOT percentiles, TTFT from arrival). The title names
+when the run ended (the report's provenance) and its error summary."""
 
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ from kvsim.plots.style import codec_color, new_figure
 
 # per case: (marker, marker area in points^2, edge colour, where its times are measured
 # from); the few multi-request squares larger and dark-edged, so they show among the
-# single-request circles
+# single-request circles; the prefix-reuse case's diamonds likewise
 CASES = {"single": ("o", 18.0, "white", "prefill end"),
-         "multi": ("s", 30.0, "black", "arrival")}
+         "multi": ("s", 30.0, "black", "arrival"),
+         "prefix": ("D", 30.0, "black", "arrival")}
 DATED_DIRECTORY = re.compile(r"(\d{4}-\d{2}-\d{2})\b")  # "2026-11-25", "2026-11-25-additive"
 
 
@@ -80,7 +81,7 @@ def draw(rows: list[dict], summary: dict, stamp: str | None = None, model: str =
                 ax.scatter([r["measured_s"] for r in sel], [r["simulated_s"] for r in sel],
                            s=area_pt2, marker=marker, facecolors=codec_color(codec),
                            edgecolors=edge, linewidths=0.5, alpha=0.9,
-                           zorder=4 if case == "multi" else 3, label=f"{codec} ({case})")
+                           zorder=3 if case == "single" else 4, label=f"{codec} ({case})")
     others = sorted({str(r.get("case")) for r in pts} - set(CASES))
     for case in others:  # a case this figure has no marker for: drawn, and said so
         sel = [r for r in pts if str(r.get("case")) == case]
