@@ -509,3 +509,22 @@ def test_a_prefix_cases_rows_have_no_rate_and_print():
            "mape_pct": 0.2, "pearson_r": 1.0, "ks_statistic": 0.3, "ks_p": 0.7}
     assert "| token_bucket | 0.2 | 768 | - | int8 | ttft | 9 | 0.20 |" in \
         errors.distributions_table([row])
+
+
+def test_burstgpt_csv_is_read_without_its_failed_requests(tmp_path):
+    """BurstGPT's columns (Timestamp s, Request tokens, Response tokens, and three not read);
+    a failed request (Response tokens 0) is left out, an error names the file's row."""
+    path = tmp_path / "burst.csv"
+    pd.DataFrame({"Timestamp": [5.0, 6.5, 7.0, 9.0], "Model": ["ChatGPT"] * 4,
+                  "Request tokens": [300, 1200, 40, 700],
+                  "Response tokens": [20, 0, 310, 55], "Total tokens": [320, 1200, 350, 755],
+                  "Log Type": ["Conversation log"] * 4}).to_csv(path, index=False)
+    tr = read_trace(path)
+    assert tr.arrival_s.tolist() == [0.0, 2.0, 4.0]
+    assert tr.context_tokens.tolist() == [300, 40, 700]
+    assert tr.output_tokens.tolist() == [20, 310, 55] and tr.prefix_blocks is None
+    bad = pd.read_csv(path)
+    bad.loc[3, "Request tokens"] = 0
+    bad.to_csv(path, index=False)
+    with pytest.raises(ValueError, match="Request tokens row 3 is '0', not an integer"):
+        read_trace(path)

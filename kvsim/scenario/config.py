@@ -106,7 +106,8 @@ class WorkloadConfig:
     arrivals_prefix_blocks: list[list[int]] = field(default_factory=list)
     # trace from a file instead, by path or by the name of a shipped trace (data/traces/:
     # mooncake-conversation, mooncake-synthetic): a CSV of the Azure LLM inference trace
-    # columns (TIMESTAMP, ContextTokens, GeneratedTokens), or Mooncake JSONL (.jsonl or
+    # columns (TIMESTAMP, ContextTokens, GeneratedTokens) or of BurstGPT's (Timestamp,
+    # Request tokens, Response tokens; failed requests left out), or Mooncake JSONL (.jsonl or
     # .jsonl.gz: timestamp ms, input_length, output_length, hash_ids); each request decodes
     # its own output length (kvsim.scenario.request_trace)
     trace_path: str = ""

@@ -1,8 +1,11 @@
 """Workloads from request traces, by path or by the name of a shipped trace (data/traces/).
 
-Two formats:
+Three formats:
 - CSV with the columns of the public Azure LLM inference traces (TIMESTAMP, ContextTokens,
   GeneratedTokens). TIMESTAMP is a date-time (as in those traces) or a number of seconds.
+- CSV with BurstGPT's columns (Timestamp in seconds, Request tokens, Response tokens; Model,
+  Total tokens and Log Type are not read). Its failed requests (Response tokens 0) are left
+  out, as the trace's `without_fails` files leave them out.
 - Mooncake JSONL (`.jsonl`, or gzipped `.jsonl.gz`), one request per line: `timestamp` (ms),
   `input_length` and `output_length` (tokens) and `hash_ids` (the ids of its prefix blocks,
   equal ids at the same position meaning the same prefix: kvsim.scenario.prefix_cache).
@@ -27,6 +30,7 @@ import numpy as np
 from kvsim.core.paths import DATA_DIR
 
 COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+BURSTGPT_COLUMNS = ("Timestamp", "Request tokens", "Response tokens")  # -> COLUMNS
 MOONCAKE_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
 TRACE_DIR = DATA_DIR / "traces"  # shipped traces, by name: <name>.jsonl.gz | .jsonl | .csv
 _SUFFIXES = (".jsonl.gz", ".jsonl", ".csv")
@@ -178,12 +182,20 @@ def _read_csv(path: Path) -> RequestTrace:
         table = pd.read_csv(path)
     except (OSError, ValueError) as exc:
         raise ValueError(f"workload trace {path}: cannot read it as CSV ({exc})") from exc
+    named = dict(zip(COLUMNS, COLUMNS, strict=True))  # ours -> the file's, for messages
+    if all(c in table.columns for c in BURSTGPT_COLUMNS) and \
+            not any(c in table.columns for c in COLUMNS):  # BurstGPT: its failures left out
+        table = table.rename(columns=dict(zip(BURSTGPT_COLUMNS, COLUMNS, strict=True)))
+        table = table[pd.to_numeric(table["GeneratedTokens"], errors="coerce") != 0]
+        named = dict(zip(COLUMNS, BURSTGPT_COLUMNS, strict=True))
     missing = [c for c in COLUMNS if c not in table.columns]
     if missing:
         raise ValueError(f"workload trace {path}: missing column(s) {missing}; expected "
-                         f"{list(COLUMNS)} (the Azure LLM inference trace format)")
+                         f"{list(COLUMNS)} (the Azure LLM inference trace format) or "
+                         f"{list(BURSTGPT_COLUMNS)} (BurstGPT's)")
     if table.empty:
         raise ValueError(f"workload trace {path}: no requests")
+    row = table.index.to_numpy()  # [n] the data rows' numbers in the file (0: the first)
     stamps = table["TIMESTAMP"]
     if pd.api.types.is_numeric_dtype(stamps):
         t = stamps.to_numpy(dtype=float)
@@ -195,19 +207,19 @@ def _read_csv(path: Path) -> RequestTrace:
             raise ValueError(f"workload trace {path}: TIMESTAMP is neither seconds nor a "
                              f"date-time ({exc})") from exc
     if not np.isfinite(t).all():
-        raise ValueError(f"workload trace {path}: TIMESTAMP row {int(np.argmin(np.isfinite(t)))}"
-                         " is not a finite time")
+        raise ValueError(f"workload trace {path}: {named['TIMESTAMP']} row "
+                         f"{int(row[np.argmin(np.isfinite(t))])} is not a finite time")
     back = np.nonzero(np.diff(t) < 0)[0]
     if back.size:
-        raise ValueError(f"workload trace {path}: TIMESTAMP goes back in time at row "
-                         f"{int(back[0]) + 1}; sort the file by time")
+        raise ValueError(f"workload trace {path}: {named['TIMESTAMP']} goes back in time at row "
+                         f"{int(row[back[0] + 1])}; sort the file by time")
     counts = {}
     for col in COLUMNS[1:]:
         v = pd.to_numeric(table[col], errors="coerce").to_numpy(dtype=float)
         bad = np.nonzero(~np.isfinite(v) | (v < 1) | (v != np.round(v)))[0]
         if bad.size:
-            raise ValueError(f"workload trace {path}: {col} row {int(bad[0])} is "
-                             f"{table[col].iloc[int(bad[0])]!r}, not an integer >= 1")
+            raise ValueError(f"workload trace {path}: {named[col]} row {int(row[bad[0]])} is "
+                             f"{str(table[col].iloc[int(bad[0])])!r}, not an integer >= 1")
         counts[col] = v.astype(np.int64)
     return RequestTrace(t - t[0], counts["ContextTokens"], counts["GeneratedTokens"],
                         str(path))
