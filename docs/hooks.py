@@ -44,6 +44,11 @@ def shipped_runs() -> list[tuple[str, dict]]:
 
 
 def _grid(report: dict) -> str:
+    """The run's `grid=`; a run of no single-request scenario is named by its cases instead
+    (`kvsim validate 'rates_gbps=[]' multi.enabled=false prefix.enabled=true`: `prefix`)."""
+    cases = {r.get("case") for r in report.get("rows") or []}
+    if "single" not in cases and cases:
+        return "+".join(sorted(str(c) for c in cases))
     return (report.get("config") or {}).get("grid", "full")
 
 
