@@ -177,9 +177,18 @@ class _InterruptInFinalizer:
         signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
 
 
+@pytest.fixture
+def python_sigint():
+    """SIGINT handled by Python's default handler during the test, as in a terminal (a shell
+    starts a background job with SIGINT ignored), and put back after it."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_an_interrupt_a_point_swallowed_stops_the_sweep_at_the_next(tmp_path, monkeypatch,
-                                                                   capsys):
+                                                                   capsys, python_sigint):
     from kvsim.commands import sim
 
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
