@@ -60,7 +60,7 @@ def test_the_shipped_run_simulated_again_meets_the_targets(tmp_path, no_emulatio
 
 def test_the_shipped_prefix_reuse_run_simulated_again(tmp_path, no_emulation):
     """data/fidelity/2026-11-28-prefix: the prefix-reuse case measured with the shipped
-    profiles; simulated again, the same 12 comparisons and the per-request pairs, within
+    profiles; simulated again, the same 14 comparisons and the per-request pairs, within
     the targets, the engines reusing the same tokens."""
     shipped = DATA_DIR / "fidelity" / "2026-11-28-prefix"
     run_dir = tmp_path / "run"
@@ -71,8 +71,9 @@ def test_the_shipped_prefix_reuse_run_simulated_again(tmp_path, no_emulation):
     assert sorted(map(_key, doc["rows"])) == sorted(map(_key, saved["rows"]))
     assert {r["case"] for r in doc["rows"]} == {"prefix"}
     s = doc["summary"]
-    assert s["compared"] == 12 and s["mean_abs_pct_error"] <= 1.0
-    assert [d["pairs"] for d in doc["distributions"]] == [9] * 4
+    assert s["compared"] == 14 and s["mean_abs_pct_error"] <= 1.0
+    assert [d["pairs"] for d in doc["distributions"]] == [9] * 6
+    assert {r["metric"] for r in doc["rows"]} >= {"ttft_pe", "ttft_c_p99", "tpot_p50"}
 
 
 def _one_scenario_copy(tmp_path: Path, scale_first: float = 1.0) -> Path:

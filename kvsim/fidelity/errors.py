@@ -4,7 +4,8 @@ A single-request scenario compares times from prefill end (the prefill itself is
 real work for every codec and is reported on its own as `prefill_s`): TTFT and TT{k}T,
 drafted (the seeds' count: an accepted draft counts when drafted) and committed (when
 verified). A multi-request scenario compares TTFT percentiles from arrival (queueing
-included). error_pct = 100 * (simulated - measured) / measured.
+included); the prefix-reuse case those and the mean TTFT from prefill end.
+error_pct = 100 * (simulated - measured) / measured.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ MULTI_METRICS = [Metric("ttft_p50", "ttft_pct_s", "p50"), Metric("ttft_p99", "tt
                  Metric("ttft_c_p50", "ttft_committed_pct_s", "p50"),
                  Metric("ttft_c_p99", "ttft_committed_pct_s", "p99"),
                  Metric("tpot_p50", "tpot_pct_s", "p50"), Metric("tpot_p99", "tpot_pct_s", "p99")]
+
+# the prefix-reuse case: the multi-request case's, and the mean TTFT from prefill end (the
+# part reuse changes; both engines take the prefill from the same profile)
+PREFIX_METRICS = [*MULTI_METRICS, Metric("ttft_pe", "ttft_from_prefill_end_s")]
 
 
 def number(v: Any) -> float:

@@ -475,7 +475,7 @@ def _resimulate(cfg: Config) -> dict:
             sim, requests_path = _with_request_log(
                 sim_overrides(common, profiles, cfg.acceptance, 1), run_dir, scenario)
             compared = {r["metric"] for r in saved_rows}
-            metrics = [m for m in errors.MULTI_METRICS if m.name in compared]
+            metrics = [m for m in errors.PREFIX_METRICS if m.name in compared]
         else:
             m = saved.multi
             scenario = _multi_name(emulation, per_s)
@@ -499,7 +499,9 @@ def _resimulate(cfg: Config) -> dict:
                 seqs = d.get("seq") or list(range(len(d["measured_s"])))
                 key = (str(d["codec"]), tuple(seqs))
                 if key not in logged:
-                    logged[key] = _simulated_requests(requests_path, key[0], seqs)
+                    logged[key] = _simulated_requests(
+                        requests_path, key[0], seqs,
+                        PREFIX_PER_REQUEST_METRICS if case == "prefix" else PER_REQUEST_METRICS)
                 again = logged[key]
                 measured_requests = {d["metric"]: [errors.number(v) for v in d["measured_s"]]}
                 distributions += _distribution_rows(
@@ -822,7 +824,8 @@ def _list(items: list[Any]) -> str:
 def _prefix(cfg: Config, profiles: Any, started: float, run_dir: Path
             ) -> tuple[list[dict], list[dict]]:
     """The prefix-reuse case: the emulated decode node's prefix store against the
-    simulator's decode-side prefix delta, per codec (MULTI_METRICS) and per request."""
+    simulator's decode-side prefix delta, per codec (errors.PREFIX_METRICS) and per request
+    (PREFIX_PER_REQUEST_METRICS)."""
     from kvsim.fidelity.runner import by_codec, run_pair, scenario_overrides, sim_overrides
 
     p = cfg.prefix
@@ -862,17 +865,23 @@ def _prefix_rows(p: PrefixCaseConfig, measured: dict[str, dict], simulated: dict
             raise ValueError(f"prefix reuse: the engines reused different prompt tokens for "
                              f"{codec} (emulated {hits}, simulated {sim_hits})")
         scenario["reused_tokens"] = sum(sim_hits.values())
-        rows += errors.compare(scenario, row, simulated[codec], errors.MULTI_METRICS)
-        requests = _measured_requests(row)
+        # (its requests are different requests, not repeats: no spread among them)
+        rows += errors.compare(scenario, {k: v for k, v in row.items() if k != "per_request"},
+                               simulated[codec], errors.PREFIX_METRICS)
+        requests = _measured_requests(row, PREFIX_PER_REQUEST_METRICS)
         if requests is not None:
             seqs = requests.pop("seq")
-            distributions += _distribution_rows({**scenario, "seq": seqs}, requests,
-                                                _simulated_requests(requests_path, codec, seqs))
+            distributions += _distribution_rows(
+                {**scenario, "seq": seqs}, requests,
+                _simulated_requests(requests_path, codec, seqs, PREFIX_PER_REQUEST_METRICS))
     return rows, distributions
 
 
 # per-request times compared in a multi-request run: (metric, request row key), from arrival
 PER_REQUEST_METRICS = (("ttft", "ttft_s"), ("ttft_c", "ttft_committed_s"))
+# ... and in the prefix-reuse case also from prefill end (the part the reuse changes: both
+# engines take the prefill from the same profile)
+PREFIX_PER_REQUEST_METRICS = (*PER_REQUEST_METRICS, ("ttft_pe", "ttft_from_prefill_end_s"))
 
 
 def _with_request_log(sim: list[str], run_dir: Path, name: str) -> tuple[list[str], Path]:
@@ -881,7 +890,8 @@ def _with_request_log(sim: list[str], run_dir: Path, name: str) -> tuple[list[st
     return [*sim, f"requests_path={path}"], path
 
 
-def _measured_requests(row: dict) -> dict[str, list[float]] | None:
+def _measured_requests(row: dict, metrics: tuple = PER_REQUEST_METRICS
+                       ) -> dict[str, list[float]] | None:
     """metric -> the emulated requests' values (s) by arrival number (`seq`: request i of
     the workload's arrivals, as the simulator numbers them); None for a row that keeps no
     requests of its own (`per_request`). Refused when a request has no number or two
@@ -897,10 +907,11 @@ def _measured_requests(row: dict) -> dict[str, list[float]] | None:
                          f"numbers (seq) to be paired with the simulator's, got {seqs}")
     order = sorted(range(len(seqs)), key=lambda i: seqs[i])
     return {metric: [number(row["per_request"][i].get(key)) for i in order]
-            for metric, key in PER_REQUEST_METRICS} | {"seq": [seqs[i] for i in order]}
+            for metric, key in metrics} | {"seq": [seqs[i] for i in order]}
 
 
-def _simulated_requests(path: Path, codec: str, seqs: list[int]) -> dict[str, list[float]]:
+def _simulated_requests(path: Path, codec: str, seqs: list[int],
+                        metrics: tuple = PER_REQUEST_METRICS) -> dict[str, list[float]]:
     """metric -> the simulated requests' values (s) of one codec for the arrival numbers
     `seqs` (the request log kvsim sim wrote at `path`: one sample, requests numbered by
     arrival); refused when the two engines' requests differ."""
@@ -912,7 +923,7 @@ def _simulated_requests(path: Path, codec: str, seqs: list[int]) -> dict[str, li
         raise ValueError(f"{path}: the simulator's requests of {codec!r} "
                          f"({sorted(int(q) for q in mine.index)}) are not the emulated ones "
                          f"({sorted(seqs)})")
-    return {metric: [float(mine.at[q, key]) for q in seqs] for metric, key in PER_REQUEST_METRICS}
+    return {metric: [float(mine.at[q, key]) for q in seqs] for metric, key in metrics}
 
 
 def _distribution_rows(scenario: dict, measured: dict[str, list[float]],
