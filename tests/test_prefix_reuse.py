@@ -38,7 +38,7 @@ def test_match_stops_at_the_first_missing_block_and_pins_hold_blocks():
     assert c.evict(10.0) == 1.0  # only 3 was idle
     assert 3 not in c and 1 in c and 2 in c and c.evicted_blocks == 1
     c.unpin([1, 2])
-    assert c.idle_blocks == 2
+    assert c.idle_bytes == 2.0
 
 
 def test_eviction_is_least_recently_used_and_a_prompts_tail_first():
@@ -46,7 +46,8 @@ def test_eviction_is_least_recently_used_and_a_prompts_tail_first():
     c.insert([1, 2, 3])  # one prompt: 3 (its tail) is the first to go
     c.insert([4])  # room for 4: evicts 3
     assert sorted(c._pins) == [1, 2, 4] and c.evicted_blocks == 1
-    c.touch([1, 2])  # the first prompt used again: 4 is now the least recently used
+    c.pin([1, 2])  # the first prompt used again: 4 is now the least recently used
+    c.unpin([1, 2])
     c.insert([5])
     assert sorted(c._pins) == [1, 2, 5]
     # a pinned cache keeps what it holds: a block that finds no room is not kept, nor

@@ -47,7 +47,8 @@ def find_profiles(root: Path, name: str, emulations: list[str]) -> Profiles:
     return Profiles(hw, ct, links, mode)
 
 
-def _list(items: list[Any]) -> str:
+def override_list(items: list[Any]) -> str:
+    """A Hydra override's list value: [a,b,...] (nested lists as they print)."""
     return "[" + ",".join(str(x) for x in items) + "]"
 
 
@@ -63,8 +64,8 @@ def scenario_overrides(model: str, emulation: str, bandwidth_gbps: float, codecs
             "transfer=seeds",
             f"codec_timing={profiles.codec_timing}", "link=emulated",
             f"link.bandwidth_gbps={bandwidth_gbps}", f"link.profile={profiles.links[emulation]}",
-            f"codecs={_list(codecs)}",
-            f"metrics.ks={_list(sorted({1, *ks}))}",
+            f"codecs={override_list(codecs)}",
+            f"metrics.ks={override_list(sorted({1, *ks}))}",
             f"transport.emulation={emulation}", f"transport.dequantize={profiles.dequantize}",
             f"transport.split_cpus={split_cpus}", *workload]
 

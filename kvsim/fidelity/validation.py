@@ -798,6 +798,8 @@ PREFIX_CASE = "prefix-reuse"  # the prefix-reuse case's scenario name
 def _prefix_workload(p: PrefixCaseConfig) -> list[str]:
     """The prefix-reuse case's workload keys (both engines): every turn of every
     conversation, in arrival order, with its prompt's block ids (block 0 shared by all)."""
+    from kvsim.fidelity.runner import override_list as _list
+
     bt = p.block_tokens
     turns = []
     for c in range(p.conversations):
@@ -815,10 +817,6 @@ def _prefix_workload(p: PrefixCaseConfig) -> list[str]:
             "prefix_cache.enabled=true", "prefix_cache.prefill_capacity_gb=0",
             f"prefix_cache.block_tokens={bt}", "transport.decode=timing",
             "transport.kv_source=synthetic"]
-
-
-def _list(items: list[Any]) -> str:
-    return "[" + ",".join(str(x) for x in items) + "]"
 
 
 def _prefix(cfg: Config, profiles: Any, started: float, run_dir: Path

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 class PrefixCache:
     __slots__ = ("block_bytes", "capacity_bytes", "_pins", "_idle", "evicted_blocks",
-                 "inserted_blocks", "on_evict")
+                 "on_evict")
 
     def __init__(self, block_bytes: float, capacity_bytes: float,
                  on_evict: Callable[[int], None] | None = None) -> None:
@@ -38,7 +38,6 @@ class PrefixCache:
         self._pins: dict[int, int] = {}  # every block held -> requests using it (0: idle)
         self._idle: OrderedDict[int, None] = OrderedDict()  # unpinned blocks, LRU first
         self.evicted_blocks = 0
-        self.inserted_blocks = 0
         self.on_evict = on_evict  # called with each evicted block (what it held goes too)
 
     def __len__(self) -> int:
@@ -50,10 +49,6 @@ class PrefixCache:
     @property
     def held_bytes(self) -> float:
         return len(self._pins) * self.block_bytes
-
-    @property
-    def idle_blocks(self) -> int:
-        return len(self._idle)
 
     @property
     def idle_bytes(self) -> float:
@@ -101,15 +96,14 @@ class PrefixCache:
         for block in blocks:
             if block in pins:
                 continue
-            if self.held_bytes + self.block_bytes > self.capacity_bytes:
-                freed += self.evict(self.held_bytes + self.block_bytes - self.capacity_bytes)
-                if self.held_bytes + self.block_bytes > self.capacity_bytes:
-                    break
+            room, evicted = self._room()
+            freed += evicted
+            if not room:
+                break
             pins[block] = 0
             kept.append(block)
         for block in reversed(kept):
             self._idle[block] = None
-        self.inserted_blocks += len(kept)
         return kept, freed
 
     def adopt(self, blocks: Sequence[int]) -> tuple[list[int], int, float]:
@@ -130,22 +124,22 @@ class PrefixCache:
                 pins[block] = count + 1
                 shared += 1
             else:
-                if self.held_bytes + self.block_bytes > self.capacity_bytes:
-                    freed += self.evict(self.held_bytes + self.block_bytes -
-                                        self.capacity_bytes)
-                    if self.held_bytes + self.block_bytes > self.capacity_bytes:
-                        break
+                room, evicted = self._room()
+                freed += evicted
+                if not room:
+                    break
                 pins[block] = 1
-                self.inserted_blocks += 1
             adopted.append(block)
         return adopted, shared, freed
 
-    def touch(self, blocks: Sequence[int]) -> None:
-        """Idle blocks (held, unpinned) were used now: the most recently used, head last."""
-        idle = self._idle
-        for block in reversed(blocks):
-            if block in idle:
-                idle.move_to_end(block)
+    def _room(self) -> tuple[bool, float]:
+        """Room for one more block, idle ones evicted for it if need be: (whether there is,
+        bytes freed)."""
+        over = self.held_bytes + self.block_bytes - self.capacity_bytes
+        if over <= 0:
+            return True, 0.0
+        freed = self.evict(over)
+        return self.held_bytes + self.block_bytes <= self.capacity_bytes, freed
 
     def evict(self, needed_bytes: float) -> float:
         """Drop idle blocks, least recently used first, until `needed_bytes` are freed or

@@ -47,7 +47,6 @@ class Reuse:
 
     decode_hit: int  # leading blocks its decode instance holds (pinned there)
     prefill_hit: int  # leading blocks its prefill instance holds (pinned until its prefill)
-    eligible: int  # the most either could be: (context - 1) // block_tokens
     fetched: int = 0  # blocks after decode_hit its decode instance fetches from the store
     # blocks after the hit it gave its decode instance's cache (pinned for it; their bytes
     # are the cache's, no longer its own)
@@ -118,7 +117,7 @@ class PrefixReuse:
         self.decode_hit_blocks += hit
         self.prefill_hit_blocks += prefill_hit
         self.fetched_blocks += fetched
-        return p, d, Reuse(hit, prefill_hit, limit, fetched)
+        return p, d, Reuse(hit, prefill_hit, fetched)
 
     def sent_tokens(self, req: Request, reuse: Reuse) -> int:
         return req.context_tokens - (reuse.decode_hit + reuse.fetched) * self.block_tokens

@@ -22,9 +22,13 @@ admission needs the room.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
+from kvsim.kernels import wire
 from kvsim.kernels.encoded import Chunk
 from kvsim.scenario.prefix_cache import PrefixCache
 
@@ -125,10 +129,6 @@ def prefix_of(hello: dict, codec, shape, table, page_tokens: int) -> PrefixUse |
     """The HELLO's `prefix` ({"blocks": [int, ...], "block_tokens": int}; absent: None),
     checked against its cache (untrusted: every field bounded). Raises ValueError naming
     what is wrong."""
-    import json
-
-    import numpy as np
-
     doc = hello.get("prefix")
     if doc is None:
         return None
@@ -152,19 +152,13 @@ def prefix_of(hello: dict, codec, shape, table, page_tokens: int) -> PrefixUse |
     ppb = bt // page_tokens
     # payload bytes of one full block: its pages' chunks, every stream and layer (a full
     # page's chunks are the same size wherever it sits: pages_encode_alone)
-    per_page = (np.asarray(table.chunk_bytes)[:, :, 0] - wire_header_bytes()).sum()
+    per_page = (np.asarray(table.chunk_bytes)[:, :, 0] - wire.CHUNK_HEADER_BYTES).sum()
     key = json.dumps({"codec": codec.name, "params": codec.params_dict(),
                       "layers": shape.layers, "kv_heads": shape.kv_heads,
                       "head_dim": shape.head_dim, "page_tokens": page_tokens,
                       "block_tokens": bt, "variant": hello.get("variant")},
                      sort_keys=True, default=str)
     return PrefixUse(key, tuple(blocks), bt, float(per_page * ppb), ppb)
-
-
-def wire_header_bytes() -> int:
-    from kvsim.kernels import wire
-
-    return wire.CHUNK_HEADER_BYTES
 
 
 def chunks_by_block(chunks: list[list[Chunk]], first: int, end: int,
