@@ -216,6 +216,12 @@ class Link:
             self._reschedule()
         return flow
 
+    def expect(self, now: float) -> None:
+        """A flow set up later will be submitted (prefix reuse defers a monolithic transfer's
+        plan to its prefill's end): `utilisation` counts from now, as a submit now would."""
+        if math.isnan(self.first_t):
+            self.first_t = now
+
     def messages(self, sizes_bytes: np.ndarray) -> Messages:
         """The link's Messages for payload sizes [n] (bytes), checked (1-D, non-empty, > 0)
         and prepared once per array: a simulation submits the same plan's sizes array for

@@ -9,10 +9,13 @@ What is modelled (kvsim.scenario.prefix_cache holds the cache itself):
   `decode_capacity_gb` are kept. A request's blocks enter the cache once all its streams
   are in and it is admitted (a split-stream request's blocks count once its residual
   arrived) and stay pinned until it finishes.
-- A request routed to a decode instance holding the leading h blocks of its prompt
-  (pinned from its arrival) is sent the KV of the other tokens only: the codec's wire bytes
-  of a cache of context - h x block_tokens tokens (the prefix delta), deserialized as such,
-  and its admission asks memory for those tokens and its output only.
+- A request is routed at its arrival (kv_aware: by the caches then), and its decode
+  instance looks its prompt up when the transfer is set up, as the transport's decode node
+  does at the request's HELLO: at the prefill's start for the layer-wise policies
+  (kvsim.scenario.policy.WITH_PREFILL), at its end for the others. Holding the leading h
+  blocks then (pinned from that moment), it is sent the KV of the other tokens only: the
+  codec's wire bytes of a cache of context - h x block_tokens tokens (the prefix delta),
+  deserialized as such, and its admission asks memory for those tokens and its output only.
 - Each prefill instance keeps the blocks it prefilled (at most `prefill_capacity_gb`;
   a block enters when its prefill ends); a request whose leading h' blocks it holds
   prefills the rest after them (TimingModel.prefill_step_s of the new tokens after
@@ -20,9 +23,10 @@ What is modelled (kvsim.scenario.prefix_cache holds the cache itself):
   holds it: the prefill instance does not fetch from the decode side, nor the reverse.
 - With a shared store (`store_capacity_gb` > 0): every prefill writes its full blocks to one
   store (as Mooncake Store does), least recently used evicted first. A request whose
-  decode instance lacks blocks the store holds fetches them (bf16, one message per block)
-  over the store's link (`store_gbps`, `store_latency_s`, shared by every fetch), from its
-  arrival; decoding waits for them as for the anchor, and the prefill sends the rest only.
+  decode instance lacks blocks the store holds (at the look-up) fetches them (bf16, one
+  message per block) over the store's link (`store_gbps`, `store_latency_s`, shared by every
+  fetch), from then on; decoding waits for them as for the anchor, and the prefill sends
+  the rest only.
   Prefill instances do not fetch from the store (their prefill skips their own blocks only).
 - At least one token of each prompt is prefilled and sent (the first token needs the
   last position's forward): a hit covers at most (context - 1) // block_tokens blocks.
@@ -94,30 +98,38 @@ class PrefixReuse:
 
     def route(self, req: Request, queued: list[int], assigned: list[int],
               p: int, d: int) -> tuple[int, int, Reuse]:
-        """The instances the request goes to (kv_aware: by the caches; else p, d as routed)
-        and what it reuses there, pinned."""
+        """At its arrival: the instances the request goes to (kv_aware: by the caches as they
+        are now; else p, d as routed) and what its prefill instance holds, pinned."""
         blocks, limit = req.prefix_blocks, (req.context_tokens - 1) // self.block_tokens
         if self.kv_aware:
             d = kv_aware(assigned, [n.prefix.match(blocks, limit)  # type: ignore[union-attr]
                                     for n in self.decode], self.load_slack)
             p = kv_aware(queued, [c.match(blocks, limit) for c in self.prefill],
                          self.load_slack) if self.prefill else least_loaded(queued)
-        cache = self.decode[d].prefix
-        hit = cache.match(blocks, limit)  # type: ignore[union-attr]
-        cache.pin(blocks[:hit])  # type: ignore[union-attr]
-        prefill_hit = fetched = 0
+        prefill_hit = 0
         if self.prefill:
             prefill_hit = self.prefill[p].match(blocks, limit)
             self.prefill[p].pin(blocks[:prefill_hit])
-        if self.store is not None:  # the store's blocks beyond the hit, pinned till it ends
-            fetched = max(0, self.store.match(blocks, limit) - hit)
-            self.store.pin(blocks[hit:hit + fetched])
         self.requests += 1
         self.eligible_blocks += limit
-        self.decode_hit_blocks += hit
         self.prefill_hit_blocks += prefill_hit
+        return p, d, Reuse(0, prefill_hit)
+
+    def look_up(self, req: Request, d: int, reuse: Reuse) -> None:
+        """At its transfer's set-up (when its decode instance learns of it: the transport's
+        HELLO): the leading blocks decode instance d holds (reuse.decode_hit) and those after
+        them the store holds (reuse.fetched), pinned till it finishes."""
+        blocks, limit = req.prefix_blocks, (req.context_tokens - 1) // self.block_tokens
+        cache = self.decode[d].prefix
+        hit = cache.match(blocks, limit)  # type: ignore[union-attr]
+        cache.pin(blocks[:hit])  # type: ignore[union-attr]
+        fetched = 0
+        if self.store is not None:
+            fetched = max(0, self.store.match(blocks, limit) - hit)
+            self.store.pin(blocks[hit:hit + fetched])
+        reuse.decode_hit, reuse.fetched = hit, fetched
+        self.decode_hit_blocks += hit
         self.fetched_blocks += fetched
-        return p, d, Reuse(hit, prefill_hit, fetched)
 
     def sent_tokens(self, req: Request, reuse: Reuse) -> int:
         return req.context_tokens - (reuse.decode_hit + reuse.fetched) * self.block_tokens

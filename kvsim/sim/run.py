@@ -34,7 +34,13 @@ from kvsim.scenario.codec_timing import CodecTiming, load_codec_timing
 from kvsim.scenario.config import SimConfig
 from kvsim.scenario.link_profile import draft_step_for, load_link_profile, profiled_link_settings
 from kvsim.scenario.metrics import RequestRecord, aggregate_records, record_columns, request_row
-from kvsim.scenario.policy import FlowPlan, TransferPlan, build_plan, release_times
+from kvsim.scenario.policy import (
+    WITH_PREFILL,
+    FlowPlan,
+    TransferPlan,
+    build_plan,
+    release_times,
+)
 from kvsim.scenario.size_calibration import calibrate_sizes
 from kvsim.scenario.speculative import (
     busy_share_overhead_s,
@@ -322,16 +328,10 @@ class Scenario:
         pnode = self.prefill[p]
         queued[p] += 1
         assigned[d] += 1
-        if reuse is None:
-            ps = Passage(self, req, self.plan(req.context_tokens), p, d)
-        else:  # only the KV its decode instance lacks crosses the link
-            sent = prefix.sent_tokens(req, reuse)  # type: ignore[union-attr]
-            ps = Passage(self, req, self.plan(sent), p, d)
-            ps.reuse, ps.sent_tokens = reuse, sent
-            if reuse.fetched:
-                ps.fetch = self._fetch(req, reuse.fetched)
-            prefix.wire_bytes(self.plan(req.context_tokens).total_bytes,  # type: ignore
-                              ps.plan.total_bytes)
+        # (with reuse, the plan of what crosses the link is made at the transfer's set-up)
+        ps = Passage(self, req, self.plan(req.context_tokens), p, d)
+        if reuse is not None:
+            ps.reuse = reuse
             prefix.prefill_started(req, p, reuse)  # type: ignore[union-attr]
         if pnode.chunked is not None:  # chunked prefill batching (kvsim.sim.prefill_batch)
             job = pnode.chunked.submit(req.seq, req.context_tokens, cached_tokens)
@@ -359,6 +359,34 @@ class Scenario:
         ps.t_p0 = t_p0
         ps.t_pe = layers_start_t + layers_s
         heapq.heappush(self._prefill_ends, (ps.t_pe, ps.req.seq, ps.p))
+        if ps.reuse is not None:
+            if self.variant.policy not in WITH_PREFILL:  # set up once the prefill ends
+                self.prefill[ps.p].link.expect(self.env.now)
+                if self.ingress:
+                    self.ingress[ps.d].expect(self.env.now)
+                call_later(self.env, ps.t_pe - self.env.now,
+                           lambda _timer: self._reused_send(ps, layers_start_t, layers_s))
+            else:
+                self._reused_send(ps, layers_start_t, layers_s)
+            return
+        self._release(ps, layers_start_t, layers_s)
+
+    def _reused_send(self, ps: Passage, layers_start_t: float, layers_s: float) -> None:
+        """Prefix reuse: the transfer is set up now (kvsim.sim.prefix_reuse): its decode
+        instance looks the prompt up, and only the KV it lacks crosses the link."""
+        prefix, req = self.prefix, ps.req
+        prefix.look_up(req, ps.d, ps.reuse)  # type: ignore[union-attr, arg-type]
+        full_bytes = ps.plan.total_bytes
+        ps.sent_tokens = prefix.sent_tokens(req, ps.reuse)  # type: ignore[union-attr, arg-type]
+        ps.plan = self.plan(ps.sent_tokens)
+        if ps.reuse.fetched:  # type: ignore[union-attr]
+            ps.fetch = self._fetch(req, ps.reuse.fetched)  # type: ignore[union-attr]
+        prefix.wire_bytes(full_bytes, ps.plan.total_bytes)  # type: ignore[union-attr]
+        self._release(ps, layers_start_t, layers_s)
+
+    def _release(self, ps: Passage, layers_start_t: float, layers_s: float) -> None:
+        """The request's flows to the link as their layers complete; decoding waits for the
+        flows the policy needs."""
         ps.receivers, ps.encode_end_t = self._send(
             ps.req, ps.plan, self.prefill[ps.p], self.decode[ps.d], layers_start_t, layers_s)
         ps.needed = ps.receivers[:1] if ps.plan.speculative else ps.receivers
