@@ -27,6 +27,7 @@ from kvsim.kernels.encoded import Chunk, Encoded, SizeTable
 from kvsim.transport import protocol as P
 from kvsim.transport.config import DEQUANTIZE_MODES
 from kvsim.transport.layer_dequantizer import LayerDequantizer
+from kvsim.transport.prefix_store import HeldPrefix
 
 
 class RequestCancelled(RuntimeError):
@@ -72,6 +73,9 @@ class Assembly:
     dequantize: str = "on_demand"
     anchor_needed: bool = False  # the decoder drafts on stream 0 alone (split-stream, cap > 0)
     prefix: Any = None  # its part in the decode node's prefix store (PrefixUse), if any
+    # each layer of the cache dequantized with every stream, as it is (layer, [2, kv_heads,
+    # tokens, head_dim] fp32; from the dequantizing thread): the prefix store's feed
+    on_full_layer: Any = None
 
     def __post_init__(self) -> None:
         self._cv = threading.Condition()
@@ -82,6 +86,7 @@ class Assembly:
             raise ValueError(f"dequantize must be one of {DEQUANTIZE_MODES}, got "
                              f"{self.dequantize!r}")
         self._closed = False
+        self.held: HeldPrefix | None = None  # leading blocks its decode node holds (preload)
         self.dequantizer: LayerDequantizer | None = None
         if self.dequantize == "on_arrival" and not self.codec.layer_independent:
             self.dequantize = "on_demand"  # its layers do not decode alone
@@ -141,25 +146,35 @@ class Assembly:
                 self._cv.notify_all()
         return "ok"
 
-    def preload(self, chunks: list[Chunk]) -> None:
-        """Chunks this decode node holds already (a reused prefix: kvsim.transport.
-        prefix_store) count as received before any arrives: never sent, not in the
-        received bytes or arrival times; dequantized with their layers as any other."""
-        seqs = [{lp: i for i, lp in enumerate(st.expected)} for st in self.streams]
+    def preload(self, held: HeldPrefix) -> None:
+        """The leading blocks this decode node holds already, dequantized (a reused prefix:
+        kvsim.transport.prefix_store): their pages count as received before any chunk
+        arrives (never sent, not in the received bytes or arrival times) and are not
+        dequantized; the cache's layers are the held tokens, then the rest's. Before any
+        chunk and before start()."""
+        if held.tokens <= 0 or held.tokens >= self.shape.tokens or \
+                held.tokens % self.table.page_tokens:
+            raise ValueError(f"a held prefix of {held.tokens} tokens is not whole pages of a "
+                             f"{self.shape.tokens}-token cache")
+        held_pages = []  # [streams] of [layers]: chunks of held pages
         with self._cv:
-            for c in chunks:
-                st = self.streams[c.stream]
-                seq = seqs[c.stream][(c.layer, c.page)]
-                if st.received[seq]:
-                    continue
-                st.received[seq] = True
-                st.count += 1
-                self.chunks[c.stream].append(c)
-                if self.dequantizer is not None:
-                    self.dequantizer.chunk_arrived(c)
+            self.held = held
             for st in self.streams:
+                layers = [layer for layer, page in st.expected if page < held.pages]
+                held_pages.append(np.bincount(layers, minlength=self.shape.layers))
+                for seq, (_, page) in enumerate(st.expected):
+                    if page < held.pages and not st.received[seq]:
+                        st.received[seq] = True
+                        st.count += 1
                 while st.contiguous < len(st.expected) and st.received[st.contiguous]:
                     st.contiguous += 1
+            if self.dequantizer is not None:
+                self.dequantizer.hold(held, held_pages)
+
+    @property
+    def held_tokens(self) -> int:
+        """Leading tokens of the cache its decode node held already (0: none)."""
+        return 0 if self.held is None else self.held.tokens
 
     def start(self, new_builder: Any = None) -> None:
         """Start the on-arrival dequantization worker (no-op on demand). new_builder: makes
@@ -167,6 +182,7 @@ class Assembly:
         `cache_builder`); None: fp32 buffers, read with kv()."""
         if self.dequantizer is not None:
             self.dequantizer.new_builder = new_builder
+            self.dequantizer.on_full_layer = self.on_full_layer
             threading.Thread(target=self.dequantizer.run, daemon=True,
                              name=f"kvsim-dequantize-{self.request_id:032x}").start()
 
@@ -295,13 +311,21 @@ class Assembly:
         t0 = time.time()
         with self._cv:
             snapshot = [list(c) for c in self.chunks[:n]]
-        enc = Encoded(self.codec.name, self.codec.params_dict(), self.shape,
+        held, shape = self.held, self.shape
+        if held is not None:  # only the pages after the held ones were sent
+            shape, snapshot = held.rest_shape(shape), held.rest_chunks(snapshot)
+        enc = Encoded(self.codec.name, self.codec.params_dict(), shape,
                       self.table.page_tokens, self.codec.stream_names(), snapshot)
         kv = self.codec.decode(enc, streams=n, dtype=torch.float32)
         if not all_finite(kv):
             raise wire.WireError(f"request {self.request_id:032x}: streams 0..{n - 1} decode to "
                                  "non-finite values")
+        if held is not None:
+            kv = held.whole(kv)
         self.events.append((f"dequantize streams 0..{n - 1}", t0, time.time()))
+        if n == self.num_streams and self.on_full_layer is not None:
+            for layer in range(self.shape.layers):
+                self.on_full_layer(layer, kv[layer])
         return kv
 
     def received_summary(self) -> dict:

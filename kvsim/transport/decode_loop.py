@@ -493,8 +493,10 @@ class TimingDecodeLoop(_DecodeLoop):
             view.kv(n)  # real dequantization cost; the tensor itself is not needed
         if getattr(view, "dequantize", "on_demand") == "on_arrival":
             # the layers were dequantized as they arrived: what is left is building the
-            # modelled model's cache from them (a measured profile's cache_build)
-            build_s = self.timing.cache_build_s(self.context) * self.time_scale
+            # modelled model's cache from them (a measured profile's cache_build); a prefix
+            # the decode node held is in place already (kvsim.transport.prefix_store)
+            built = self.context - int(getattr(view, "held_tokens", 0))
+            build_s = self.timing.cache_build_s(built) * self.time_scale
             if build_s > 0:
                 self.sleep(build_s)
             if self.busy_draft_step_s is not None:  # drafts slow while its worker works

@@ -26,6 +26,7 @@ def send_all(cfg: EmulateConfig, metrics_port: int | None = None) -> list[dict]:
     metrics_port: where the sender's metrics are served (None: transport.metrics_port)."""
     import torch
 
+    from kvsim.core.gc_freeze import frozen_heap
     from kvsim.transport import protocol as P
     from kvsim.transport import session
     from kvsim.transport.memory import retain_freed_memory
@@ -47,23 +48,26 @@ def send_all(cfg: EmulateConfig, metrics_port: int | None = None) -> list[dict]:
         print(f"kvsim send: metrics on http://{t.metrics_addr}:{port}/metrics",
               file=sys.stderr)
     try:
-        for variant, batch in enumerate(session.outgoing_requests(cfg, lm, resume)):
-            sender = Sender(t.connect, session.limiter_for(cfg), cfg.link.scheduling,
-                            t.timeout_s, t.heartbeat_s, t.max_queued_bytes,
-                            identity=resume.identities.get(variant) if resume else None,
-                            max_in_flight_bytes=session.max_in_flight_bytes(cfg),
-                            residual_weight=cfg.link.residual_weight,
-                            residual_age_s=cfg.link.residual_age_s, keys=t.keys,
-                            insecure=t.insecure, metrics=metrics)
-            for out, res in zip(batch, sender.run(batch), strict=True):
-                rows.append(res.row if res.row is not None else {
-                    "request_id": P.id_hex(res.request_id), "variant": variant,
-                    "seq": out.arrival_seq, "codec": res.codec, "status": res.status,
-                    "error": res.error, "chunks": res.chunks, "acked": res.acked,
-                    "sent_bytes": res.sent_bytes, "skipped_chunks": res.skipped_chunks,
-                    # the routing id its requests belong to on the decode host: what
-                    # `kvsim send resume=<this report>` presents again
-                    "sender_id": sender.identity.hex()})
+        # this process's objects out of the collector's passes while it sends
+        # (kvsim.core.gc_freeze)
+        with frozen_heap():
+            for variant, batch in enumerate(session.outgoing_requests(cfg, lm, resume)):
+                sender = Sender(t.connect, session.limiter_for(cfg), cfg.link.scheduling,
+                                t.timeout_s, t.heartbeat_s, t.max_queued_bytes,
+                                identity=resume.identities.get(variant) if resume else None,
+                                max_in_flight_bytes=session.max_in_flight_bytes(cfg),
+                                residual_weight=cfg.link.residual_weight,
+                                residual_age_s=cfg.link.residual_age_s, keys=t.keys,
+                                insecure=t.insecure, metrics=metrics)
+                for out, res in zip(batch, sender.run(batch), strict=True):
+                    rows.append(res.row if res.row is not None else {
+                        "request_id": P.id_hex(res.request_id), "variant": variant,
+                        "seq": out.arrival_seq, "codec": res.codec, "status": res.status,
+                        "error": res.error, "chunks": res.chunks, "acked": res.acked,
+                        "sent_bytes": res.sent_bytes, "skipped_chunks": res.skipped_chunks,
+                        # the routing id its requests belong to on the decode host: what
+                        # `kvsim send resume=<this report>` presents again
+                        "sender_id": sender.identity.hex()})
     finally:
         metrics.close()
         forget_prefills()  # reuse_prefill spans this run's requests only

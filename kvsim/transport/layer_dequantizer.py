@@ -34,6 +34,7 @@ from kvsim.core.layout import KVShape, all_finite
 from kvsim.kernels import wire
 from kvsim.kernels.codec import Codec
 from kvsim.kernels.encoded import Chunk
+from kvsim.transport.prefix_store import HeldPrefix
 
 ANCHOR, FULL = 0, 1  # job kinds, also their priority (lower first)
 Span = tuple[str, float, float]
@@ -64,6 +65,10 @@ class LayerDequantizer:
         self._buffers: dict[int, torch.Tensor] = {}
         # set before the worker starts: the decoder's caches are built here, layer by layer
         self.new_builder: Callable[[], CacheBuilder] | None = None
+        # ... and each layer of every stream is handed here once dequantized (the prefix
+        # store's feed: kvsim.transport.prefix_store.PrefixUse.give_layer)
+        self.on_full_layer: Callable[[int, torch.Tensor], None] | None = None
+        self._held: HeldPrefix | None = None  # leading blocks held dequantized (hold)
         self._builders: dict[int, CacheBuilder] = {}
         self._taken: set[int] = set()
         self._cv, self._failed = lock, failed
@@ -74,14 +79,29 @@ class LayerDequantizer:
         self.working = False
 
     # ---- I/O thread side (lock held) ------------------------------------------------------
+    def hold(self, held: HeldPrefix, held_pages: list[np.ndarray]) -> None:
+        """The leading pages are held dequantized (held_pages[s][layer] of stream s's chunks
+        of each layer): their chunks never come, and each layer is decoded from the rest.
+        Before any chunk arrives."""
+        self._held = held
+        self._pages = [p - h for p, h in zip(self._pages, held_pages, strict=True)]
+        for layer in range(self.shape.layers):  # a layer with nothing left to come
+            for s in range(len(self._pages)):
+                if self._pages[s][layer] == 0:
+                    self._complete(s, layer)
+
     def chunk_arrived(self, chunk: Chunk) -> None:
         s, layer = chunk.stream, chunk.layer
         self._chunks[s][layer].append(chunk)
-        if len(self._chunks[s][layer]) != self._pages[s][layer]:
-            return
+        if len(self._chunks[s][layer]) == self._pages[s][layer]:
+            self._complete(s, layer)
+
+    def _complete(self, s: int, layer: int) -> None:
+        """Stream s's chunks of `layer` are all in: queue the jobs they complete."""
         if s == 0 and self.anchor:
             heapq.heappush(self._jobs, (ANCHOR, layer))
-        if all(len(c[layer]) == p[layer] for c, p in zip(self._chunks, self._pages, strict=True)):
+        if all(len(c[layer]) == p[layer] for c, p in zip(self._chunks, self._pages, strict=True)) \
+                and (FULL, layer) not in self._jobs:
             heapq.heappush(self._jobs, (FULL, layer))
         self._cv.notify_all()
 
@@ -155,10 +175,19 @@ class LayerDequantizer:
             t0 = time.time()
             self.working = True
             try:
-                out = self.codec.decode_layer(self.shape, layer, chunks, dtype=torch.float32)
+                held = self._held
+                if held is None:
+                    out = self.codec.decode_layer(self.shape, layer, chunks, dtype=torch.float32)
+                else:  # the pages after the held ones, a cache of their own
+                    out = self.codec.decode_layer(held.rest_shape(self.shape), layer,
+                                                  held.rest_chunks(chunks), dtype=torch.float32)
                 if not all_finite(out):
                     raise wire.WireError(f"request {self.request_id:032x}: layer {layer} "
                                          "decodes to non-finite values")
+                if held is not None:
+                    out = held.layer(layer, out)
+                if kind == FULL and self.on_full_layer is not None:
+                    self.on_full_layer(layer, out)
                 if self.new_builder is not None:
                     builder = self._builders.get(kind)
                     if builder is None:

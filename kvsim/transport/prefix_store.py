@@ -1,38 +1,44 @@
-"""The decode node's prefix store (`kvsim serve` with prefix reuse): the chunks of the prompt
-blocks its requests brought, kept by block id, so that a later request whose prompt starts
-with them is sent only the rest.
+"""The decode node's prefix store (`kvsim serve` with prefix reuse): the KV of the prompt
+blocks its requests brought, as its decoder holds it (bf16, dequantized), kept by block id,
+so that a later request whose prompt starts with them is sent, and dequantizes, only the
+rest.
 
 A HELLO may name its prompt's blocks (`prefix`: ids of `block_tokens`-token blocks, as a
 Mooncake trace's hash_ids: equal ids, equal prefix). The receiver looks up the leading run
 the store holds (at most (tokens - 1) // block_tokens blocks: one token at least is sent),
-puts those blocks' chunks into the request's assembly as if received, and tells the sender
-in its ACCEPT (`prefix_tokens`; the chunks also as held), which encodes and sends only the
-tokens after them. Once all of a request's chunks are in, its full blocks go to the store,
-pinned until the request ends (kvsim.scenario.prefix_cache: least recently used idle blocks
-give way, a prompt's tail before its head), as the simulator's decode instances do.
+counts those blocks' pages as received in the request's assembly (`HeldPrefix`: they are
+neither sent nor dequantized; each layer the decoder gets is the held tokens, then the
+decoded rest) and tells the sender in its ACCEPT (`prefix_tokens`; the pages also as held),
+which encodes and sends only the tokens after them. Once a request's cache is dequantized
+whole (every stream, every layer: on arrival, or when its decoder loads it on demand), its
+full blocks go to the store, pinned until the request ends (kvsim.scenario.prefix_cache:
+least recently used idle blocks give way, a prompt's tail before its head), as the
+simulator's decode instances keep a request's blocks once it is in and admitted.
 
-Chunks are reusable only where a page's chunk depends on that page alone
-(`Codec.pages_encode_alone`), and only between requests of one format: the codec with its
-parameters, the per-token shape (layers, kv_heads, head_dim), page and block tokens, and the
-sender's variant (each (codec, transfer) variant of an emulation starts from an empty store,
-as each of the simulator's runs does). The store's bytes (the chunks' payloads) count
-against the receiver's memory budget; its idle blocks are evicted when a request's
-admission needs the room.
+Reuse needs a codec whose pages decode alone (`Codec.pages_encode_alone`: the pages after a
+prefix are a cache of their own), and stays between requests of one format: the codec with
+its parameters, the per-token shape (layers, kv_heads, head_dim), page and block tokens, and
+the sender's variant (each (codec, transfer) variant of an emulation starts from an empty
+store, as each of the simulator's runs does). The store's bytes (bf16 KV: those the
+simulator's decode cache counts) count against the receiver's memory budget; its idle blocks
+are evicted when a request's admission needs the room.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Sequence
 
-import numpy as np
+import torch
 
-from kvsim.kernels import wire
+from kvsim.core.layout import KVShape
 from kvsim.kernels.encoded import Chunk
 from kvsim.scenario.prefix_cache import PrefixCache
 
 Key = str  # a format (see the module doc), as canonical JSON
+HELD_DTYPE = torch.bfloat16  # a stored block's KV, as a decoder holds it
 
 
 class PrefixStore:
@@ -41,7 +47,8 @@ class PrefixStore:
             raise ValueError(f"prefix store capacity must be > 0 bytes, got {capacity_bytes!r}")
         self.capacity_bytes = float(capacity_bytes)
         self._caches: dict[Key, PrefixCache] = {}
-        self._chunks: dict[Key, dict[int, list[Chunk]]] = {}
+        # block -> its KV [layers, 2, kv_heads, block_tokens, head_dim] (HELD_DTYPE)
+        self._kv: dict[Key, dict[int, torch.Tensor]] = {}
 
     @property
     def held_bytes(self) -> float:
@@ -54,10 +61,10 @@ class PrefixStore:
     def _cache(self, key: Key, block_bytes: float) -> PrefixCache:
         cache = self._caches.get(key)
         if cache is None:
-            chunks: dict[int, list[Chunk]] = {}
+            kv: dict[int, torch.Tensor] = {}
             # the store bounds the bytes of every format together (_room), not each cache
-            cache = PrefixCache(block_bytes, math.inf, on_evict=chunks.__delitem__)
-            self._caches[key], self._chunks[key] = cache, chunks
+            cache = PrefixCache(block_bytes, math.inf, on_evict=kv.__delitem__)
+            self._caches[key], self._kv[key] = cache, kv
         return cache
 
     def evict(self, needed_bytes: float, key: Key | None = None) -> float:
@@ -71,28 +78,29 @@ class PrefixStore:
         return freed
 
     def lookup(self, key: Key, block_bytes: float, blocks: Sequence[int], limit: int
-               ) -> tuple[int, list[Chunk]]:
+               ) -> tuple[int, list[torch.Tensor]]:
         """The leading blocks (at most `limit`) held for this format, pinned for the caller,
-        and their chunks."""
+        and their KV."""
         cache = self._cache(key, block_bytes)
         hit = cache.match(blocks, limit)
         cache.pin(blocks[:hit])
-        chunks = self._chunks[key]
-        return hit, [c for b in blocks[:hit] for c in chunks[b]]
+        kv = self._kv[key]
+        return hit, [kv[b] for b in blocks[:hit]]
 
     def adopt(self, key: Key, block_bytes: float, blocks: Sequence[int],
-              chunks_of: Sequence[list[Chunk]]) -> list[int]:
-        """A request's blocks (a run of its prompt, in order; chunks_of[i]: block i's chunks)
-        are in: each is pinned for it, stored first where not held yet (idle blocks evicted
-        for room; the run stops at one that finds none). Returns the blocks pinned for it."""
-        cache, chunks = self._cache(key, block_bytes), self._chunks[key]
+              kv_of: Sequence[torch.Tensor]) -> list[int]:
+        """A request's blocks (a run of its prompt, in order; kv_of[i]: block i's KV) are
+        dequantized: each is pinned for it, stored first where not held yet (idle blocks
+        evicted for room; the run stops at one that finds none). Returns the blocks pinned
+        for it."""
+        cache, kv = self._cache(key, block_bytes), self._kv[key]
         adopted = []
-        for block, its_chunks in zip(blocks, chunks_of, strict=True):
+        for block, its_kv in zip(blocks, kv_of, strict=True):
             if block not in cache:
                 over = self.held_bytes + block_bytes - self.capacity_bytes
                 if over > 0 and self.evict(over, key) < over:
                     break
-                chunks[block] = its_chunks
+                kv[block] = its_kv
             cache.adopt([block])
             adopted.append(block)
         return adopted
@@ -102,30 +110,87 @@ class PrefixStore:
         self._caches[key].unpin(blocks)
 
 
+class HeldPrefix:
+    """The leading blocks of a request's prompt its decode node holds (their KV, each
+    [layers, 2, kv_heads, block_tokens, head_dim]): their pages are not sent and not
+    dequantized; the pages after them, renumbered from 0, are a cache of their own
+    (`rest_shape`, `rest_chunks`: pages that decode alone), and each layer of the request's
+    cache is the held tokens, then that cache's."""
+
+    def __init__(self, blocks: list[torch.Tensor], block_tokens: int, page_tokens: int) -> None:
+        self.blocks, self.block_tokens = blocks, block_tokens
+        self.tokens = len(blocks) * block_tokens
+        self.pages = self.tokens // page_tokens
+
+    def rest_shape(self, shape: KVShape) -> KVShape:
+        return dataclasses.replace(shape, tokens=shape.tokens - self.tokens)
+
+    def rest_chunks(self, chunks: list[list[Chunk]]) -> list[list[Chunk]]:
+        """chunks[s]: stream s's chunks of the pages after the held ones, renumbered."""
+        return [[Chunk(c.stream, c.layer, c.page - self.pages, c.payload) for c in stream]
+                for stream in chunks]
+
+    def layer(self, layer: int, rest: torch.Tensor) -> torch.Tensor:
+        """Layer `layer` [2, kv_heads, tokens, head_dim] of the request's cache, in rest's
+        dtype, from its decoded rest [2, kv_heads, tokens - held, head_dim]."""
+        out = rest.new_empty(rest.shape[0], rest.shape[1], self.tokens + rest.shape[2],
+                             rest.shape[3])
+        bt = self.block_tokens
+        for i, block in enumerate(self.blocks):
+            out[:, :, i * bt:(i + 1) * bt].copy_(block[layer])
+        out[:, :, self.tokens:].copy_(rest)
+        return out
+
+    def whole(self, rest: torch.Tensor) -> torch.Tensor:
+        """The request's cache [layers, 2, kv_heads, tokens, head_dim] from its decoded rest
+        [layers, 2, kv_heads, tokens - held, head_dim]."""
+        return torch.stack([self.layer(layer, rest[layer]) for layer in range(rest.shape[0])])
+
+
 MAX_PREFIX_BLOCKS = 1 << 16  # block ids a HELLO may name (1M tokens in 16-token blocks)
 
 
 class PrefixUse:
     """One request's part in the store: its format, block ids and block size, the leading
-    blocks it reused (pinned), the blocks it gave (pinned) once all its chunks were in."""
+    blocks it reused (pinned), and the blocks it gives (pinned) once its cache is
+    dequantized whole."""
 
-    __slots__ = ("key", "blocks", "block_tokens", "block_bytes", "pages_per_block", "hit",
-                 "kept", "given")
+    __slots__ = ("key", "blocks", "block_tokens", "block_bytes", "layers", "hit", "kept",
+                 "ended", "full", "given", "_giving")
 
     def __init__(self, key: Key, blocks: tuple[int, ...], block_tokens: int,
-                 block_bytes: float, pages_per_block: int) -> None:
+                 block_bytes: float, layers: int, tokens: int) -> None:
         self.key, self.blocks, self.block_tokens = key, blocks, block_tokens
-        self.block_bytes, self.pages_per_block = block_bytes, pages_per_block
+        self.block_bytes, self.layers = block_bytes, layers
         self.hit = 0
         self.kept: list[int] = []
-        self.given = False  # its blocks went to the store
+        self.ended = False  # the request ended: what it gives after that is not kept
+        self.given = False  # every layer was given (once: a later load gives nothing)
+        self.full = tokens // block_tokens  # its full blocks (a partial last one is not kept)
+        self._giving: dict[int, torch.Tensor] = {}  # layer -> its blocks after the hit
 
     @property
     def hit_tokens(self) -> int:
         return self.hit * self.block_tokens
 
+    def give_layer(self, layer: int, kv_layer: torch.Tensor) -> list[torch.Tensor] | None:
+        """One layer [2, kv_heads, tokens, head_dim] of the request's cache dequantized with
+        every stream (called once per layer, from its dequantizer's thread): the KV of its full
+        blocks after the hit, each [layers, 2, kv_heads, block_tokens, head_dim], once every
+        layer was given; None before that (and for a request with no block to give)."""
+        bt, first = self.block_tokens, self.hit * self.block_tokens
+        if self.given or self.full <= self.hit or layer in self._giving:
+            return None
+        self._giving[layer] = kv_layer[:, :, first:self.full * bt].to(HELD_DTYPE)
+        if len(self._giving) < self.layers:
+            return None
+        giving, self._giving, self.given = self._giving, {}, True
+        return [torch.stack([giving[layer][:, :, i * bt:(i + 1) * bt]
+                             for layer in range(self.layers)])
+                for i in range(self.full - self.hit)]
 
-def prefix_of(hello: dict, codec, shape, table, page_tokens: int) -> PrefixUse | None:
+
+def prefix_of(hello: dict, codec, shape, page_tokens: int) -> PrefixUse | None:
     """The HELLO's `prefix` ({"blocks": [int, ...], "block_tokens": int}; absent: None),
     checked against its cache (untrusted: every field bounded). Raises ValueError naming
     what is wrong."""
@@ -149,25 +214,13 @@ def prefix_of(hello: dict, codec, shape, table, page_tokens: int) -> PrefixUse |
     if not codec.pages_encode_alone():
         raise ValueError(f"prefix reuse needs a codec whose pages encode alone; "
                          f"{codec.name} {codec.params_dict()} does not")
-    ppb = bt // page_tokens
-    # payload bytes of one full block: its pages' chunks, every stream and layer (a full
-    # page's chunks are the same size wherever it sits: pages_encode_alone)
-    per_page = (np.asarray(table.chunk_bytes)[:, :, 0] - wire.CHUNK_HEADER_BYTES).sum()
+    # one block's KV as the store holds it (HELD_DTYPE)
+    block_bytes = shape.layers * 2 * shape.kv_heads * bt * shape.head_dim * \
+        HELD_DTYPE.itemsize
     key = json.dumps({"codec": codec.name, "params": codec.params_dict(),
                       "layers": shape.layers, "kv_heads": shape.kv_heads,
                       "head_dim": shape.head_dim, "page_tokens": page_tokens,
                       "block_tokens": bt, "variant": hello.get("variant")},
                      sort_keys=True, default=str)
-    return PrefixUse(key, tuple(blocks), bt, float(per_page * ppb), ppb)
+    return PrefixUse(key, tuple(blocks), bt, float(block_bytes), shape.layers, shape.tokens)
 
-
-def chunks_by_block(chunks: list[list[Chunk]], first: int, end: int,
-                    pages_per_block: int) -> list[list[Chunk]]:
-    """[i]: the chunks (every stream) of block first + i, for blocks first..end-1."""
-    out: list[list[Chunk]] = [[] for _ in range(first, end)]
-    for stream in chunks:
-        for c in stream:
-            b = c.page // pages_per_block
-            if first <= b < end:
-                out[b - first].append(c)
-    return out

@@ -52,7 +52,7 @@ from kvsim.scenario.policy import POLICIES
 from kvsim.transport import auth
 from kvsim.transport import protocol as P
 from kvsim.transport.assembly import Assembly
-from kvsim.transport.prefix_store import PrefixStore, chunks_by_block, prefix_of
+from kvsim.transport.prefix_store import HeldPrefix, PrefixStore, PrefixUse, prefix_of
 
 MAX_LAYERS = 4096
 MAX_TOKENS = 1 << 22  # 4M tokens: a larger claim is refused before any table is built
@@ -93,8 +93,8 @@ class ReceiverSettings:
     dequantize: str = "on_arrival"
     keys: str = ""  # CURVE keys directory (kvsim.transport.auth); "": plain TCP
     insecure: bool = False  # a non-loopback bind without keys
-    # prefix reuse (kvsim.transport.prefix_store): payload bytes of reused prompt blocks kept
-    # here, within the memory budget; 0: no store (a HELLO's prefix is sent whole)
+    # prefix reuse (kvsim.transport.prefix_store): bytes of reused prompt blocks kept here
+    # (bf16 KV), within the memory budget; 0: no store (a HELLO's prefix is sent whole)
     prefix_store_bytes: int = 0
 
     def memory_limit_bytes(self) -> int:
@@ -168,6 +168,9 @@ class Receiver:
         self.refused: Counter[str] = Counter()
         self.dropped_replies: Counter[bytes] = Counter()  # per routing id
         self._done: queue.SimpleQueue[tuple[int, dict]] = queue.SimpleQueue()
+        # blocks a request's dequantization produced for the prefix store (the I/O thread
+        # keeps them: _keep_given): (request, its use, each block's KV)
+        self._given: queue.SimpleQueue[tuple[int, PrefixUse, list]] = queue.SimpleQueue()
         self.stop = threading.Event()
         self.bound = threading.Event()
         self.endpoint = ""
@@ -219,6 +222,7 @@ class Receiver:
                     budget -= 1
                 last_event = time.monotonic()
             self._send_acks(sock)
+            self._keep_given()
             while not self._done.empty():
                 self._finish(sock, *self._done.get())
                 last_event = time.monotonic()
@@ -316,14 +320,22 @@ class Receiver:
         except P.ProtocolError as exc:
             self._count("bad chunk", str(exc), asm)
         self._touched.add(asm.request_id)
-        use = asm.prefix
-        if use is not None and not use.given and asm.arrived_streams() == asm.num_streams:
-            # every chunk is in: its full blocks after the reused ones go to the store
-            use.given = True
-            full = asm.shape.tokens // use.block_tokens
-            use.kept = self.prefix_store.adopt(  # type: ignore[union-attr]
-                use.key, use.block_bytes, use.blocks[use.hit:full],
-                chunks_by_block(asm.chunks, use.hit, full, use.pages_per_block))
+
+    def _give(self, rid: int, use: PrefixUse, layer: int, kv_layer: Any) -> None:
+        """A layer of a request's cache, dequantized with every stream (its dequantizing
+        thread): once every layer is, its blocks wait for the I/O thread (_keep_given)."""
+        blocks = use.give_layer(layer, kv_layer)
+        if blocks:
+            self._given.put((rid, use, blocks))
+
+    def _keep_given(self) -> None:
+        """The blocks requests' dequantization produced go to the prefix store, pinned for
+        their request (unless it ended meanwhile)."""
+        while not self._given.empty():
+            rid, use, kv = self._given.get()
+            if not use.ended and self.requests.get(rid) is not None:
+                use.kept = self.prefix_store.adopt(  # type: ignore[union-attr]
+                    use.key, use.block_bytes, use.blocks[use.hit:use.full], kv)
 
     def _count(self, code: str, detail: str, asm: Assembly | None = None,
                log: bool = True) -> None:
@@ -410,11 +422,15 @@ class Receiver:
         accept: dict = {"window_bytes": self.s.window_bytes, "held": {}}
         use = asm.prefix
         if use is not None:  # the leading blocks held here: counted in, not sent
-            use.hit, chunks = self.prefix_store.lookup(  # type: ignore[union-attr]
+            self._keep_given()  # (what finished dequantizing by now is held)
+            use.hit, kv = self.prefix_store.lookup(  # type: ignore[union-attr]
                 use.key, use.block_bytes, use.blocks,
                 (asm.shape.tokens - 1) // use.block_tokens)
-            asm.preload(chunks)
+            if use.hit:
+                asm.preload(HeldPrefix(kv, use.block_tokens, asm.table.page_tokens))
             accept["held"], accept["prefix_tokens"] = asm.held_ranges(), use.hit_tokens
+            rid_ = asm.request_id
+            asm.on_full_layer = lambda layer, kv_layer: self._give(rid_, use, layer, kv_layer)
         asm.start(getattr(made[0], "cache_builder", None) if isinstance(made, tuple) else None)
         self._send(sock, peer.routing_id, P.json_message(P.MsgType.ACCEPT, rid, accept))
         threading.Thread(target=self._decode, args=(asm, made), daemon=True,
@@ -486,7 +502,7 @@ class Receiver:
             raise Refused("incompatible", f"a chunk of {int(table.chunk_bytes.max())} bytes "
                           f"exceeds the credit window {self.s.window_bytes}")
         try:
-            use = prefix_of(hello, codec, shape, table, page_tokens) \
+            use = prefix_of(hello, codec, shape, page_tokens) \
                 if self.prefix_store is not None else None
         except ValueError as exc:
             raise Refused("incompatible", str(exc)) from None
@@ -540,6 +556,8 @@ class Receiver:
         asm = self.requests.get(rid)
         use = asm.prefix if asm is not None else None
         if use is not None:  # what it reused, and the blocks it used go idle
+            self._keep_given()  # (its own blocks, if they are waiting)
+            use.ended = True
             row["prefix_hit_tokens"] = use.hit_tokens
             self.prefix_store.release(use.key,  # type: ignore[union-attr]
                                       [*use.blocks[:use.hit], *use.kept])
