@@ -24,7 +24,8 @@ The price, and where the move is not made:
 - objects a caller froze (`gc.freeze()`) are back in the oldest generation after a large
   run: the interpreter's own frozen objects cannot be told from a caller's (CPython 3.12
   parks immortal objects there at every full collection, and parks them again at the next
-  one). Nothing in kvsim freezes objects;
+  one). kvsim freezes objects only while its emulator's sender sends
+  (kvsim.core.gc_freeze), and unfreezes them before a simulation can run;
 - on a free-threaded build (no generations; freeze and unfreeze each walk the whole heap)
   there is nothing to gain, and the collector is only paused.
 """
