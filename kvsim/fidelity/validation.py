@@ -57,6 +57,25 @@ HELDOUT_MULTI_UNBATCHED = {"bandwidth_gbps": 0.6, "context_tokens": 1536,
 
 
 @dataclass
+class PrefixTraceConfig:
+    """The prefix-reuse case on a trace with prefix blocks instead of the hand-made
+    conversations: whole conversations of a window, each prompt scaled with its blocks
+    (kvsim.scenario.trace_sample), arrival gaps scaled."""
+
+    name: str = ""  # "": the hand-made conversations; a shipped trace's name, or a path
+    start_s: float = 600.0  # the window of the trace's time the conversations come from
+    duration_s: float = 600.0
+    conversations: int = 4  # the first ones with >= min_turns requests, prompts short enough
+    min_turns: int = 2
+    trace_block_tokens: int = 512  # the trace's blocks (Mooncake's: 512 tokens)
+    # a block in the replay, and the codecs' page (kvsim.transport.config: whole pages per
+    # block): 64 replays Mooncake's prompts at 1/8 of their length (12,035 -> ~1,500 tokens)
+    block_tokens: int = 64
+    max_context_tokens: int = 2048  # after scaling: the longest prompt a conversation may have
+    time_scale: float = 0.1  # arrival gaps x this (0.1: 10 minutes replayed in one)
+
+
+@dataclass
 class PrefixCaseConfig:
     """The prefix-reuse case: multi-turn conversations whose turns repeat the earlier turns'
     prompt (and every conversation the same first block, a system prompt), replayed by both
@@ -76,6 +95,7 @@ class PrefixCaseConfig:
     output_tokens: int = 32  # decoded per request
     codecs: list[Any] = field(default_factory=lambda: ["int8", "lynx"])
     max_batch: int = 8  # the decode instance's batch
+    trace: PrefixTraceConfig = field(default_factory=PrefixTraceConfig)
 
 
 class TargetMissed(ValueError):
@@ -468,10 +488,9 @@ def _resimulate(cfg: Config) -> dict:
                                       f"the saved step ({source})", source=source)
             metrics = single
         elif case == "prefix":
-            p = saved.prefix
-            scenario = PREFIX_CASE
-            common = scenario_overrides(saved.model.name, emulation, rate, p.codecs,
-                                        _prefix_workload(p), [], profiles)
+            scenario, codecs, workload = _prefix_scenario(saved.prefix)
+            common = scenario_overrides(saved.model.name, emulation, rate, codecs, workload,
+                                        [], profiles)
             sim, requests_path = _with_request_log(
                 sim_overrides(common, profiles, cfg.acceptance, 1), run_dir, scenario)
             compared = {r["metric"] for r in saved_rows}
@@ -793,30 +812,54 @@ def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path
 
 
 PREFIX_CASE = "prefix-reuse"  # the prefix-reuse case's scenario name
+PREFIX_TRACE_CASE = "prefix-trace"  # ... replaying a trace's conversations (prefix.trace)
 
 
-def _prefix_workload(p: PrefixCaseConfig) -> list[str]:
-    """The prefix-reuse case's workload keys (both engines): every turn of every
-    conversation, in arrival order, with its prompt's block ids (block 0 shared by all)."""
-    from kvsim.fidelity.runner import override_list as _list
+def _prefix_turns(p: PrefixCaseConfig) -> list[tuple[float, int, tuple[int, ...]]]:
+    """(arrival s, prompt tokens, block ids) of every request of the prefix-reuse case, in
+    arrival order: the hand-made conversations (block 0 shared by all), or prefix.trace's."""
+    tr = p.trace
+    if tr.name:
+        from kvsim.scenario.request_trace import read_trace, replay
+        from kvsim.scenario.trace_sample import sample_conversations, scale_blocks
 
+        window = replay(read_trace(tr.name), tr.start_s, tr.duration_s)
+        sample = sample_conversations(
+            scale_blocks(window, tr.trace_block_tokens, tr.block_tokens), tr.conversations,
+            tr.min_turns, tr.max_context_tokens)
+        return [(round(float(t) * tr.time_scale, 6), int(n), b) for t, n, b in zip(
+            sample.arrival_s, sample.context_tokens, sample.prefix_blocks or (), strict=True)]
     bt = p.block_tokens
     turns = []
     for c in range(p.conversations):
         for t in range(p.turns):
             tokens = p.first_tokens + t * p.turn_tokens
-            blocks = [0] + [1000 * (c + 1) + j for j in range(1, -(-tokens // bt))]
+            blocks = (0, *(1000 * (c + 1) + j for j in range(1, -(-tokens // bt))))
             turns.append((c * p.stagger_s + t * p.gap_s, tokens, blocks))
-    turns.sort(key=lambda x: x[0])
-    return ["workload.kind=trace", f"workload.arrivals_t={_list([a for a, _, _ in turns])}",
-            f"workload.arrivals_context_tokens={_list([n for _, n, _ in turns])}",
-            "workload.arrivals_prefix_blocks=[" +
-            ",".join(_list(b) for _, _, b in turns) + "]",
-            f"workload.output_tokens={p.output_tokens}", "workload.prefill_nodes=1",
-            "workload.decode_nodes=1", f"workload.decode_max_batch={p.max_batch}",
-            "prefix_cache.enabled=true", "prefix_cache.prefill_capacity_gb=0",
-            f"prefix_cache.block_tokens={bt}", "transport.decode=timing",
-            "transport.kv_source=synthetic"]
+    return sorted(turns, key=lambda x: x[0])
+
+
+def _prefix_scenario(p: PrefixCaseConfig) -> tuple[str, list[Any], list[str]]:
+    """The prefix-reuse case's scenario name, codecs and workload keys (both engines). On a
+    trace, the codecs' pages are its blocks (a preset name becomes the preset with
+    page_tokens = the replay's block, keeping its label; a mapping is taken as given)."""
+    from kvsim.fidelity.runner import override_list as _list
+
+    turns = _prefix_turns(p)
+    bt, name, codecs = p.block_tokens, PREFIX_CASE, list(p.codecs)
+    if p.trace.name:
+        bt, name = p.trace.block_tokens, PREFIX_TRACE_CASE
+        codecs = [f"{{preset:{c},label:{c},params:{{page_tokens:{bt}}}}}"
+                  if isinstance(c, str) else c for c in codecs]
+    return name, codecs, [
+        "workload.kind=trace", f"workload.arrivals_t={_list([a for a, _, _ in turns])}",
+        f"workload.arrivals_context_tokens={_list([n for _, n, _ in turns])}",
+        "workload.arrivals_prefix_blocks=[" + ",".join(_list(b) for _, _, b in turns) + "]",
+        f"workload.output_tokens={p.output_tokens}", "workload.prefill_nodes=1",
+        "workload.decode_nodes=1", f"workload.decode_max_batch={p.max_batch}",
+        "prefix_cache.enabled=true", "prefix_cache.prefill_capacity_gb=0",
+        f"prefix_cache.block_tokens={bt}", "transport.decode=timing",
+        "transport.kv_source=synthetic"]
 
 
 def _prefix(cfg: Config, profiles: Any, started: float, run_dir: Path
@@ -827,16 +870,19 @@ def _prefix(cfg: Config, profiles: Any, started: float, run_dir: Path
     from kvsim.fidelity.runner import by_codec, run_pair, scenario_overrides, sim_overrides
 
     p = cfg.prefix
-    n = p.conversations * p.turns
-    _say(f"prefix reuse: {p.conversations} conversations x {p.turns} turns over "
-         f"{p.bandwidth_gbps:g} Gbps ({p.emulation}), timing-model decode "
-         f"({time.time() - started:.0f} s so far)")
-    common = scenario_overrides(cfg.model.name, p.emulation, p.bandwidth_gbps, p.codecs,
-                                _prefix_workload(p), [], profiles, cfg.split_cpus)
+    name, codecs, workload = _prefix_scenario(p)
+    n = len(_prefix_turns(p))
+    what = (f"{n} requests of {p.trace.conversations} conversations of {p.trace.name} "
+            f"(blocks of {p.trace.block_tokens} tokens)") if p.trace.name else \
+        f"{p.conversations} conversations x {p.turns} turns"
+    _say(f"prefix reuse: {what} over {p.bandwidth_gbps:g} Gbps ({p.emulation}), timing-model "
+         f"decode ({time.time() - started:.0f} s so far)")
+    common = scenario_overrides(cfg.model.name, p.emulation, p.bandwidth_gbps, codecs,
+                                workload, [], profiles, cfg.split_cpus)
     sim, requests_path = _with_request_log(
-        sim_overrides(common, profiles, cfg.acceptance, 1), run_dir, PREFIX_CASE)
+        sim_overrides(common, profiles, cfg.acceptance, 1), run_dir, name)
     measured, simulated = run_pair(common, sim)
-    _keep(run_dir, PREFIX_CASE, {"measured": measured, "simulated": simulated})
+    _keep(run_dir, name, {"measured": measured, "simulated": simulated})
     return _prefix_rows(p, by_codec(measured), by_codec(simulated), requests_path, n)
 
 
@@ -851,10 +897,14 @@ def _prefix_rows(p: PrefixCaseConfig, measured: dict[str, dict], simulated: dict
 
     rows, distributions = [], []
     log = pd.read_csv(requests_path)
+    # the first prompt of the hand-made case; a trace's mean prompt (both labels only)
+    prompts = [tokens for _, tokens, _ in _prefix_turns(p)]
+    context = round(sum(prompts) / len(prompts)) if p.trace.name else p.first_tokens
+    trace = {"trace": p.trace.name} if p.trace.name else {}
     for codec, row in measured.items():
         scenario = {"case": "prefix", "emulation": p.emulation, "rate_per_s": None,
-                    "bandwidth_gbps": p.bandwidth_gbps, "context_tokens": p.first_tokens,
-                    "codec": codec, "requests": n}
+                    "bandwidth_gbps": p.bandwidth_gbps, "context_tokens": context,
+                    "codec": codec, "requests": n, **trace}
         per = row.get("per_request") if isinstance(row.get("per_request"), list) else []
         hits = {r.get("seq"): r.get("prefix_hit_tokens") for r in per}
         mine = log[log["codec"].astype(str) == codec].set_index("request")
