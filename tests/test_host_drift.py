@@ -242,7 +242,8 @@ def test_validate_probes_only_profiles_it_did_not_calibrate(tmp_path, monkeypatc
     path, _ = _profile(tmp_path, {**fingerprint(), "decode_step_probe": {
         "context_tokens": 100, "steps": 16, "s": 0.1}})
     probe = FakeProbe(0.2)
-    monkeypatch.setattr(host_probe, "StepProbe", lambda model, steps, threads: probe)
+    # (validate probes in a process of its own: SubprocessStepProbe)
+    monkeypatch.setattr(host_probe, "SubprocessStepProbe", lambda model, steps, threads: probe)
     cfg = validation.Config(model=MODEL, calibrate=calibrate, drift=DriftConfig(action=action))
     profiles = Profiles(hardware=path, codec_timing=tmp_path / "codecs.json", links={})
     used, drift = validation._drift(cfg, profiles, tmp_path / "run")
@@ -250,3 +251,17 @@ def test_validate_probes_only_profiles_it_did_not_calibrate(tmp_path, monkeypatc
     assert validation._drift_keys(cfg, drift)["hardware_drift"] == recorded
     assert used.hardware == (tmp_path / "run" / "profiles-rescaled" / "hw.json" if probed
                              else path)
+
+
+def test_a_subprocess_probe_times_the_step_in_a_process_of_its_own():
+    """kvsim validate probes in a process of its own (SubprocessStepProbe): the step comes
+    back from it; a failing or overlong probe is an error naming why."""
+    from kvsim.calibrate.host_probe import SubprocessStepProbe
+    from kvsim.model.presets import load_model_preset
+
+    tiny = load_model_preset("tiny-random")
+    assert 0 < SubprocessStepProbe(tiny, steps=3).step_s(32) < 5
+    with pytest.raises(RuntimeError, match=r"(?s)probe failed \(exit 1\).*ValueError"):
+        SubprocessStepProbe(tiny, steps="x").step_s(32)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="took over 0.01 s"):
+        SubprocessStepProbe(tiny, steps=3, timeout_s=0.01).step_s(32)

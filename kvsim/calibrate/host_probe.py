@@ -2,7 +2,8 @@
 run does with a profile measured elsewhere or on another day (kvsim.model.host says why).
 
 The probe: `PROBE_STEPS` greedy decode steps of the real model at the calibration's shortest
-context (256 tokens by default), in this process with the profile's thread count, on a cache
+context (256 tokens by default), with the profile's thread count (in this process, or for a
+process that emulates next in a process of its own: SubprocessStepProbe), on a cache
 built as the receiver builds it from the calibration prompt of that length (StepProbe);
 beside it the fingerprint and a memory-copy bandwidth
 (kvsim.model.host). About 5 s with the model load.
@@ -62,6 +63,51 @@ class StepProbe:
         cache = kv_to_cache(kv.float(), lm.model.config, dtype)
         _first, later = _steps_s(lm, cache, token, self.steps)
         return float(statistics.median(later))
+
+
+@dataclass
+class SubprocessStepProbe:
+    """A StepProbe run by a Python process of its own (`python -m kvsim.calibrate.host_probe`,
+    the request as JSON on stdin, the step on stdout), for a process that emulates next
+    (`kvsim validate`). Probed in the emulating process, or in a multiprocessing child of it,
+    the emulated decode host then stalled for 10-120 ms at a time in its layer
+    dequantization on a 2-core host (7 runs of the prefix trace case); probed by a process
+    of its own, it did not (3 runs; CHANGELOG.md, 2026-11-28)."""
+
+    model: Any
+    steps: int = 24
+    threads: int = 1
+    timeout_s: float = 600.0  # model load + steps; the process is killed beyond it
+
+    def step_s(self, context_tokens: int) -> float:
+        import subprocess
+        import sys
+
+        doc = {"model": dataclasses.asdict(self.model), "steps": self.steps,
+               "threads": self.threads, "context_tokens": int(context_tokens)}
+        try:
+            proc = subprocess.run([sys.executable, "-m", "kvsim.calibrate.host_probe"],
+                                  input=json.dumps(doc), capture_output=True, text=True,
+                                  timeout=self.timeout_s)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"the decode-step probe took over {self.timeout_s:g} s"
+                               ) from None
+        if proc.returncode != 0:
+            raise RuntimeError(f"the decode-step probe failed (exit {proc.returncode}): "
+                               f"{proc.stderr.strip()[-2000:]}")
+        lines = proc.stdout.strip().splitlines()
+        return float(json.loads(lines[-1])["step_s"])
+
+
+def _probe_main() -> None:
+    """python -m kvsim.calibrate.host_probe: SubprocessStepProbe's process."""
+    import sys
+
+    from kvsim.model.spec import model_from_dict
+
+    doc = json.load(sys.stdin)
+    probe = StepProbe(model_from_dict(doc["model"]), int(doc["steps"]), int(doc["threads"]))
+    print(json.dumps({"step_s": probe.step_s(int(doc["context_tokens"]))}))
 
 
 def host_record(probe: Any, context_tokens: int) -> dict:
@@ -132,13 +178,15 @@ class Drift:
 
 
 def check_drift(profile_path: str | Path, model: Any, cfg: DriftConfig, out_dir: Path,
-                probe: Any = None, force: bool = False) -> Drift | None:
+                probe: Any = None, force: bool = False, own_process: bool = False
+                ) -> Drift | None:
     """Probe this host against the hardware profile at profile_path (of `model`, a
     ModelSpec) and act by cfg: None when not probed (action off, or `kvsim sim`'s when=
     other_host and the profile names this kind of host or none: force=True probes anyway,
     as validate does). Beyond the tolerance, rescale writes the profile with its model times
     x the factor to out_dir/<name> (Drift.profile) and refuse raises DriftRefused. probe: a
-    StepProbe (one is made for `model`)."""
+    StepProbe (one is made for `model`; own_process=True: a SubprocessStepProbe, for a
+    process that emulates next)."""
     from kvsim.model.hardware_profile import load_profile
     from kvsim.model.host import rescaled_profile
 
@@ -150,7 +198,9 @@ def check_drift(profile_path: str | Path, model: Any, cfg: DriftConfig, out_dir:
     here = fingerprint()
     if not force and (cfg.when == "other_host" and not other_host(recorded, here)):
         return None
-    probe = probe if probe is not None else StepProbe(model, PROBE_STEPS, probe_threads(doc))
+    if probe is None:
+        probe = (SubprocessStepProbe if own_process else StepProbe)(
+            model, PROBE_STEPS, probe_threads(doc))
     context_tokens, profile_s, reference = profile_step(doc)
     try:
         probe_s = probe.step_s(context_tokens)
@@ -195,3 +245,7 @@ def check_host(cfg: Any, who: str) -> Drift | None:
         print(f"{who}: host: {drift.words()}", file=sys.stderr)
         cfg.hardware.profile = drift.profile
     return drift
+
+
+if __name__ == "__main__":
+    _probe_main()

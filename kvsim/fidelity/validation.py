@@ -379,8 +379,8 @@ def _drift(cfg: Config, profiles: Any, run_dir: Path) -> tuple[Any, Any]:
         # landed 11.7% apart, and rescaling by that made every decode-bound metric late)
         _say("host: profiles calibrated in this run, on this host: no drift probe")
         return profiles, None
-    drift = check_drift(profiles.hardware, cfg.model, cfg.drift,
-                        run_dir / "profiles-rescaled", force=True)
+    drift = check_drift(profiles.hardware, cfg.model, cfg.drift,  # (this process then
+                        run_dir / "profiles-rescaled", force=True, own_process=True)  # emulates)
     assert drift is not None  # force: always probed unless off
     _say(f"host: {drift.words()}")
     if drift.outcome == "rescaled":
