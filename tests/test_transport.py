@@ -226,7 +226,8 @@ def test_anchor_goes_first_on_the_wire():
 
 
 def test_poisson_arrivals_share_one_link():
-    cfg = config("codecs=[lynx]", "workload=poisson", "workload.requests=3",
+    cfg = config("codecs=[lynx]", "workload=poisson", "workload.prefill_nodes=1",
+                 "workload.requests=3",
                  "workload.rate_per_s=4", "workload.context_dist=fixed",
                  "workload.context_tokens=512", "workload.output_tokens=8")
     with RunningReceiver(cfg) as rx:
@@ -271,7 +272,8 @@ def test_refuses_a_request_for_another_model():
 
 
 def test_a_busy_receiver_refuses_more_requests():
-    cfg = config("codecs=[int8]", "workload=poisson", "workload.requests=2",
+    cfg = config("codecs=[int8]", "workload=poisson", "workload.prefill_nodes=1",
+                 "workload.requests=2",
                  "workload.rate_per_s=1000", "workload.context_dist=fixed",
                  "transport.max_active_requests=1", "workload.context_tokens=512")
     with RunningReceiver(cfg) as rx:
@@ -473,7 +475,8 @@ def test_emulate_aggregates_a_multi_request_workload(tmp_path):
     (means and percentiles over requests), the request rows kept beside it."""
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, "-m", "kvsim", "emulate", *BASE, "codecs=[int8]",
-                           "workload=poisson", "workload.requests=3", "workload.rate_per_s=2",
+                           "workload=poisson", "link.sharing=shared",  # 4 prefill instances
+                           "workload.requests=3", "workload.rate_per_s=2",
                            "workload.context_dist=fixed", "workload.context_tokens=512",
                            "workload.output_tokens=8", f"report={out}"],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
@@ -599,3 +602,46 @@ def test_the_hello_busy_draft_overhead_is_checked():
     assert check({**base, "ingest_s_per_byte": 2e-8}, shape) == ""
     for bad in (True, None, "1e-8", -1e-9, math.nan, 1.0):
         assert "ingest_s_per_byte" in check({**base, "ingest_s_per_byte": bad}, shape)
+
+
+def test_the_workloads_instances_queue_prefills_and_decode_slots():
+    """Two requests arriving together: one prefill instance prefills them one after the
+    other, two side by side (over a shared link); one decode instance of one slot decodes
+    the second only once the first has ended, a batch of two decodes them together."""
+    def run(*overrides: str) -> list:
+        cfg = config("codecs=[int8]", "workload=poisson", "workload.requests=2",
+                     "workload.rate_per_s=1000", "workload.context_dist=fixed",
+                     "workload.output_tokens=16", "link.sharing=shared",
+                     "workload.decode_nodes=1", *overrides)
+        with RunningReceiver(cfg) as rx:
+            results = send(cfg, rx.endpoint, TokenBucket(2.0),
+                           prefill=session.prefill_instances(cfg))
+        assert [r.status for r in results] == ["done"] * 2
+        return sorted(results, key=lambda r: r.times["arrival_t"])
+
+    def first_last(res) -> tuple[float, float]:  # Unix s of its first and 16th token
+        t = res.times["arrival_t"]
+        return t + res.row["ttft_s"], t + res.row["ttkt_s"]["16"]
+
+    first, second = run("workload.prefill_nodes=1", "workload.decode_max_batch=64")
+    assert second.times["prefill_start_t"] >= first.times["prefill_end_t"] - 1e-3
+    first, second = run("workload.prefill_nodes=2", "workload.decode_max_batch=1")
+    # side by side: both started at arrival (1.29 s prefills, the second's 2 ms later)
+    assert second.times["prefill_start_t"] < first.times["prefill_end_t"] - 1.0
+    # 16 steps of ~25 ms: the second's first token after the first's last
+    assert first_last(second)[0] > first_last(first)[1]
+    first, second = run("workload.prefill_nodes=2", "workload.decode_max_batch=2")
+    assert first_last(second)[0] < first_last(first)[1]  # the two steps together
+
+
+def test_the_transport_refuses_instances_it_cannot_run_as_the_simulator_does():
+    with pytest.raises(ValueError, match="link.sharing=shared"):
+        config("workload.prefill_nodes=2")
+    with pytest.raises(ValueError, match="kv_aware"):
+        config("workload.routing=kv_aware", "prefix_cache.enabled=true",
+               "workload.decode_nodes=2")
+    with pytest.raises(ValueError, match="prefill_chunk_tokens"):
+        config("workload.prefill_chunk_tokens=256")
+    with pytest.raises(ValueError, match="one prefix store"):
+        config("prefix_cache.enabled=true", "workload.decode_nodes=2",
+               "prefix_cache.prefill_capacity_gb=0", "prefix_cache.block_tokens=256")

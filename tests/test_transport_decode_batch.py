@@ -156,6 +156,15 @@ def test_instances_take_the_least_assigned_first_of_equals():
         DecodeInstances(LinearTiming(), 0, 4)
 
 
+def test_round_robin_instances_go_by_assignment_order_whatever_the_load():
+    hosts = DecodeInstances(LinearTiming(), 3, 4, routing="round_robin")
+    got = [hosts.assign() for _ in range(2)]
+    hosts.done(got[0])
+    assert [hosts.batches.index(hosts.assign()) for _ in range(3)] == [2, 0, 1]
+    with pytest.raises(ValueError, match="round_robin"):
+        DecodeInstances(LinearTiming(), 2, 4, routing="kv_aware")
+
+
 # ---- batched timing loops -------------------------------------------------------------------
 
 class ReadyView:

@@ -128,6 +128,27 @@ class EmulateConfig(SimConfig):
     # request id (32 hex digits)
     resume: str = ""
 
+    def _check_instances(self) -> None:
+        """The workload's instances as the transport runs them (prefill: PrefillInstances,
+        decode: DecodeInstances), or a refusal where it cannot run them as the simulator
+        does."""
+        w = self.workload
+        if w.prefill_nodes > 1 and self.link.sharing != "shared":
+            raise ValueError(
+                f"the transport sends over one link: workload.prefill_nodes="
+                f"{w.prefill_nodes} needs link.sharing=shared (with per_prefill the "
+                f"simulator gives each prefill instance a link of its own)")
+        if w.routing == "kv_aware" and (w.prefill_nodes > 1 or w.decode_nodes > 1):
+            raise ValueError(
+                "workload.routing=kv_aware reads the simulator's per-instance prefix caches, "
+                "which the transport does not keep: use least_loaded or round_robin, or one "
+                "prefill and one decode instance")
+        if w.prefill_chunk_tokens:
+            raise ValueError(
+                f"workload.prefill_chunk_tokens={w.prefill_chunk_tokens}: the transport's "
+                f"prefill instances prefill one whole prompt at a time (chunked prefill "
+                f"batching is the simulator's, kvsim.sim.prefill_batch): set it to 0")
+
     def validate(self) -> None:
         super().validate()
         self.transport.validate()
@@ -135,6 +156,7 @@ class EmulateConfig(SimConfig):
             raise ValueError(f"transport.reuse_prefill books a reused prefill's time without "
                              f"waiting it, which only a lone request can (workload.kind="
                              f"single), not workload.kind={self.workload.kind}")
+        self._check_instances()
         pc = self.prefix_cache
         if pc.enabled:  # the decode node's prefix store (kvsim.transport.prefix_store)
             if self.transport.decode != "timing" or self.transport.kv_source == "live":
@@ -159,6 +181,11 @@ class EmulateConfig(SimConfig):
                         f"whose pages encode alone (Codec.pages_encode_alone: bf16, int8/int4 "
                         f"per group, lynx); {v.spec.label} with {page}-token pages and "
                         f"prefix_cache.block_tokens={pc.block_tokens} is not")
+        if pc.enabled and self.workload.decode_nodes > 1:
+            raise ValueError(
+                f"the transport's decode host keeps one prefix store for all its instances, "
+                f"the simulator one per instance: prefix_cache.enabled needs "
+                f"workload.decode_nodes=1 here, got {self.workload.decode_nodes}")
         if self.speculative.dequant_contention:
             raise ValueError("speculative.dequant_contention is the simulator's model of a "
                              "device that dequantizes while it drafts; the transport's "

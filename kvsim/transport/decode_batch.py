@@ -12,9 +12,11 @@ done leaves. So joins and leaves happen between steps, as iteration-level schedu
 and as the simulator's batch admits its members (kvsim.sim.batch: at the step boundary).
 
 Instances: a decode host runs `workload.decode_nodes` batches (`DecodeInstances`); a request
-goes to the one with the fewest requests assigned (the first of equals), as the simulator
-routes at arrival, here when the decode host admits the request's HELLO (after its prefill:
-an assignment can differ from the simulator's where a request ends in between).
+goes to one by `workload.routing` (least_loaded: the fewest requests assigned, the first of
+equals; round_robin), as the simulator routes at arrival, here when the decode host admits
+the request's HELLO (after its prefill: an assignment can differ from the simulator's where
+a request ends in between). `decode_max_batch=1` is an instance that decodes one request
+at a time: the others assigned to it wait for its slot, as in the simulator.
 
 Slots: at most `max_batch` requests hold a place in the batch (first come, first served,
 from their first step to their end), as `workload.decode_max_batch` bounds the simulator's.
@@ -307,17 +309,28 @@ class StepBatch:
 class DecodeInstances:
     """A decode host's decode instances, one StepBatch each (see the module docstring)."""
 
-    def __init__(self, timing: TimingModel, nodes: int, max_batch: int, **batch_kw) -> None:
+    def __init__(self, timing: TimingModel, nodes: int, max_batch: int,
+                 routing: str = "least_loaded", **batch_kw) -> None:
         if int(nodes) < 1:
             raise ValueError(f"a decode host needs decode_nodes >= 1, got {nodes}")
+        if routing not in ("least_loaded", "round_robin"):
+            raise ValueError(f"the transport routes decodes least_loaded or round_robin, "
+                             f"got {routing!r}")
         self.batches = [StepBatch(timing, max_batch, **batch_kw) for _ in range(int(nodes))]
+        self.routing = routing
+        self._routed = 0
         self._lock = threading.Lock()
 
     def assign(self) -> StepBatch:
-        """The instance with the fewest requests assigned (the first of equals), its count
-        raised; `done` lowers it when the request ends."""
+        """The request's instance: least_loaded, the one with the fewest requests assigned
+        (the first of equals); round_robin, by the order requests are assigned. Its count
+        is raised; `done` lowers it when the request ends."""
         with self._lock:
-            batch = min(self.batches, key=lambda b: b.assigned)
+            if self.routing == "round_robin":
+                batch = self.batches[self._routed % len(self.batches)]
+            else:
+                batch = min(self.batches, key=lambda b: b.assigned)
+            self._routed += 1
             batch.assigned += 1
             return batch
 

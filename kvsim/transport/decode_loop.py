@@ -399,7 +399,9 @@ class TimingDecodeLoop(_DecodeLoop):
     state, read while the step runs) and returns when the batch's step ends; the first step
     after a load sleeps the fresh cache's extra alone before it joins (as the simulator
     admits a request after it); the request holds a batch slot from its first step to its
-    end; and tpot_s, draft_tpot_s and verify_s are reported as measured.
+    end; and tpot_s, draft_tpot_s and verify_s are reported as measured. With `slots`
+    instead (an instance of one slot, decode_max_batch=1), the request waits for that slot
+    before its first step and holds it to its end, stepping by itself meanwhile.
     Reported times are raw clock readings: the caller divides
     durations by time_scale to get modelled seconds; tpot_s, draft_tpot_s and verify_s are
     the modelled ones times time_scale (clock seconds, like everything else)."""
@@ -412,7 +414,8 @@ class TimingDecodeLoop(_DecodeLoop):
                  dequantize: bool = True, sleep: Callable[[float], None] = time.sleep,
                  busy_draft_overhead_s: float | None = None, poll_s: float = 0.005,
                  ingest_s_per_byte: float = 0.0, batch: StepBatch | None = None,
-                 on_done: Callable[[], None] | None = None) -> None:
+                 on_done: Callable[[], None] | None = None,
+                 slots: StepBatch | None = None) -> None:
         if int(context_tokens) < 1:
             raise ValueError(f"context_tokens must be >= 1, got {context_tokens}")
         self.timing, self.context = timing, int(context_tokens)
@@ -448,6 +451,9 @@ class TimingDecodeLoop(_DecodeLoop):
         self._busy_overhead_model_s = None if busy_draft_overhead_s is None else \
             float(busy_draft_overhead_s)
         self.batch = batch
+        # whose slot the request holds from its first step to its end: the batch's, or an
+        # instance of one slot (decode_max_batch=1) whose lone member steps by itself
+        self.slots = batch if batch is not None else slots
         self._has_slot = False
         # batched: clock time of the current phase's first post, and of the drafts' first
         self._steps_t: float | None = None
@@ -461,9 +467,9 @@ class TimingDecodeLoop(_DecodeLoop):
         finally:
             if self.batch is not None:  # out of the batch, whatever happened
                 self.batch.pause(self)
-                if self._has_slot:
-                    self._has_slot = False
-                    self.batch.give_slot()
+            if self._has_slot and self.slots is not None:
+                self._has_slot = False
+                self.slots.give_slot()
             if self._on_done is not None:
                 done, self._on_done = self._on_done, None
                 done()
@@ -471,8 +477,8 @@ class TimingDecodeLoop(_DecodeLoop):
     def _begin_phase(self, t: float) -> None:
         self._planned = t
         self._steps_t = None
-        if self.batch is not None and not self._has_slot:  # first steps: a place in the batch
-            if not self.batch.take_slot(self._cancelled):  # dropped while it queued
+        if self.slots is not None and not self._has_slot:  # first steps: a place in the batch
+            if not self.slots.take_slot(self._cancelled):  # dropped while it queued
                 raise DecodeCancelled(self._cancelled())
             self._has_slot = True
 

@@ -58,7 +58,8 @@ def send_all(cfg: EmulateConfig, metrics_port: int | None = None) -> list[dict]:
                                 max_in_flight_bytes=session.max_in_flight_bytes(cfg),
                                 residual_weight=cfg.link.residual_weight,
                                 residual_age_s=cfg.link.residual_age_s, keys=t.keys,
-                                insecure=t.insecure, metrics=metrics)
+                                insecure=t.insecure, metrics=metrics,
+                                prefill=session.prefill_instances(cfg))
                 for out, res in zip(batch, sender.run(batch), strict=True):
                     rows.append(res.row if res.row is not None else {
                         "request_id": P.id_hex(res.request_id), "variant": variant,

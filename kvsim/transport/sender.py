@@ -1,6 +1,7 @@
 """Prefill side: encode each request's KV layer by layer and send its chunks over one link.
 
-    producer thread per request:  arrival -> prefill (real, timed; or modelled) -> HELLO ->
+    producer thread per request:  arrival -> its prefill instance's turn (PrefillInstances)
+        -> prefill (real, timed; or modelled) -> HELLO ->
         encode layer l (codec) -> scheduler.put(chunks)       [bounded queue: backpressure]
     link loop (the thread that owns the ZeroMQ DEALER socket):
         highest-priority released chunk -> credit window -> rate limiter -> send (zero-copy)
@@ -34,6 +35,7 @@ from kvsim.kernels.encoded import preamble_meta
 from kvsim.scenario.policy import PIPELINED, WITH_PREFILL
 from kvsim.transport import auth
 from kvsim.transport import protocol as P
+from kvsim.transport.prefill_instances import PrefillInstances
 from kvsim.transport.scheduler import ChunkScheduler, QueuedChunk
 from kvsim.transport.source import KVSource
 
@@ -106,10 +108,11 @@ class Sender:
                  log: Callable[[str], None] | None = None,
                  max_in_flight_bytes: int = 64 << 20, residual_weight: float = 0.25,
                  residual_age_s: float = 1.0, keys: str = "", insecure: bool = False,
-                 metrics: Any = None) -> None:
+                 metrics: Any = None, prefill: PrefillInstances | None = None) -> None:
         """max_in_flight_bytes caps the receiver's credit window: bytes in socket buffers
         and a shaper's queue are beyond the scheduler's reach, so on a shaped link keep it
-        near the link's rate x a few ms or the priority order is lost on the wire."""
+        near the link's rate x a few ms or the priority order is lost on the wire.
+        prefill: the prefill instances requests queue for (default: one)."""
         if timeout_s <= 0 or heartbeat_s <= 0:
             raise ValueError("timeout_s and heartbeat_s must be > 0")
         self.address, self.limiter, self.timeout_s = address, limiter, float(timeout_s)
@@ -129,7 +132,7 @@ class Sender:
         self._wake_r = self._wake_w = -1  # a pipe while run() runs
         self._reqs: dict[int, _Req] = {}
         self._lock = threading.Lock()
-        self._prefill_lock = threading.Lock()  # one prefill instance: requests queue for it
+        self.prefill = prefill or PrefillInstances(1)
         self.protocol_errors = 0
 
     # ---- public ----------------------------------------------------------------------
@@ -189,7 +192,7 @@ class Sender:
             if delay > 0:
                 time.sleep(delay)
             res.times["arrival_t"] = time.time()
-            with self._prefill_lock:
+            with self.prefill.turn():  # routed now, its prefill when its instance frees
                 res.times["prefill_start_t"] = time.time()
                 source = out.make_source()  # a live prefill runs (and is timed) here
                 if source.prefill_measured:  # its KV is in hand now: prefill ends here

@@ -27,6 +27,7 @@ from kvsim.transport import protocol as P
 from kvsim.transport.assembly import Assembly
 from kvsim.transport.config import EmulateConfig
 from kvsim.transport.decode_batch import DecodeInstances
+from kvsim.transport.prefill_instances import PrefillInstances
 from kvsim.transport.rate_limiter import TokenBucket, Unlimited
 from kvsim.transport.receiver import ReceiverSettings
 from kvsim.transport.record import emulated_row
@@ -377,7 +378,8 @@ def decoder_factory(cfg: EmulateConfig, mode: str, lm: Any | None):
                                 draft_overhead_s=overhead, clock=time.time, sleep=asm.sleep,
                                 busy_draft_overhead_s=hello.get("busy_draft_overhead_s"),
                                 ingest_s_per_byte=float(hello.get("ingest_s_per_byte") or 0.0),
-                                batch=batch,
+                                batch=batch if batch is None or batch.max_batch > 1 else None,
+                                slots=batch,
                                 on_done=None if batch is None else lambda: instances.done(batch)
                                 ), {}
     return make
@@ -386,16 +388,30 @@ def decoder_factory(cfg: EmulateConfig, mode: str, lm: Any | None):
 def decode_instances(cfg: EmulateConfig, mode: str, timing: TimingModel
                      ) -> DecodeInstances | None:
     """The decode host's continuous batches (kvsim.transport.decode_batch): timing-model
-    decoding with workload.decode_max_batch > 1 runs workload.decode_nodes instances of up
-    to decode_max_batch requests each, every member stepping with the others; None for
-    real decoding (each request's forwards on its own thread) and for decode_max_batch=1
-    (each request decodes alone, as on an instance of its own)."""
+    decoding runs workload.decode_nodes instances of up to workload.decode_max_batch
+    requests each (routed by workload.routing), every member stepping with the others, a
+    request beyond an instance's slots waiting for one, as the simulator's decode
+    instances do; None for real decoding (each request's forwards on its own thread)."""
     w = cfg.workload
-    if mode != "timing" or int(w.decode_max_batch) <= 1:
+    if mode != "timing":
         return None
     return DecodeInstances(timing, int(w.decode_nodes), int(w.decode_max_batch),
-                           clock=time.time, wait_timeout_s=cfg.transport.request_deadline_s,
+                           routing=_instance_routing(w.routing), clock=time.time,
+                           wait_timeout_s=cfg.transport.request_deadline_s,
                            log=lambda msg: print(f"kvsim serve: {msg}", file=sys.stderr))
+
+
+def prefill_instances(cfg: EmulateConfig) -> PrefillInstances:
+    """The prefill host's instances (kvsim.transport.prefill_instances): one sender run's
+    requests queue for workload.prefill_nodes of them, routed by workload.routing."""
+    w = cfg.workload
+    return PrefillInstances(int(w.prefill_nodes), _instance_routing(w.routing),
+                            wait_timeout_s=cfg.transport.request_deadline_s)
+
+
+def _instance_routing(routing: str) -> str:
+    """kv_aware with one instance (all EmulateConfig allows) routes as least_loaded."""
+    return "least_loaded" if routing == "kv_aware" else routing
 
 
 def hello_checker(cfg: EmulateConfig, mode: str):
