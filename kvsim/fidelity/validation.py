@@ -119,6 +119,9 @@ class MultiConfig:
     # request on a decode instance of its own, decoding alone (how runs before batching
     # were measured)
     max_batch: int = 8
+    # prefill instances the arrivals are routed over (least loaded), each one prompt at a
+    # time; more than one shares the link (link.sharing=shared: the emulator's one link)
+    prefill_nodes: int = 1
 
 
 @dataclass
@@ -768,12 +771,13 @@ def _multi_workload(m: MultiConfig, rate_per_s: float) -> list[str]:
     """The multi-request case's workload keys at one arrival rate (both engines)."""
     # max_batch 1: an instance per request, each decoding alone
     nodes, batch = (m.requests, 1) if m.max_batch <= 1 else (1, m.max_batch)
+    shared = ["link.sharing=shared"] if m.prefill_nodes > 1 else []
     return ["workload=poisson", f"workload.requests={m.requests}",
             f"workload.rate_per_s={rate_per_s}", f"workload.context_tokens={m.context_tokens}",
             "workload.context_dist=fixed", f"workload.output_tokens={m.output_tokens}",
-            "workload.prefill_nodes=1", f"workload.decode_nodes={nodes}",
+            f"workload.prefill_nodes={m.prefill_nodes}", f"workload.decode_nodes={nodes}",
             f"workload.decode_max_batch={batch}", "transport.decode=timing",
-            "transport.kv_source=synthetic"]
+            "transport.kv_source=synthetic", *shared]
 
 
 def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path
@@ -784,7 +788,8 @@ def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path
     m = cfg.multi
     rows, distributions = [], []
     for rate in m.rates_per_s:
-        _say(f"multi-request: {m.requests} Poisson arrivals at {rate:g}/s over "
+        _say(f"multi-request: {m.requests} Poisson arrivals at {rate:g}/s on "
+             f"{m.prefill_nodes} prefill instance(s) over "
              f"{m.bandwidth_gbps:g} Gbps ({m.emulation}), timing-model decode "
              f"({time.time() - started:.0f} s so far)")
         name = _multi_name(m.emulation, rate)
@@ -800,7 +805,8 @@ def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path
         for codec, row in by_codec(measured).items():
             scenario = {"case": "multi", "emulation": m.emulation,
                         "bandwidth_gbps": m.bandwidth_gbps, "context_tokens": m.context_tokens,
-                        "codec": codec, "rate_per_s": rate, "requests": m.requests}
+                        "codec": codec, "rate_per_s": rate, "requests": m.requests,
+                        **({"prefill_nodes": m.prefill_nodes} if m.prefill_nodes > 1 else {})}
             rows += errors.compare(scenario, row, sim_by[codec], errors.MULTI_METRICS)
             requests = _measured_requests(row)
             if requests is not None:

@@ -1,0 +1,36 @@
+"""The multi-request case's workload (kvsim.fidelity.validation._multi_workload): the
+instances it names are ones both engines run, and one prefill instance keeps the keys the
+shipped runs were measured with."""
+
+from __future__ import annotations
+
+from kvsim.core.compose import compose
+from kvsim.fidelity.validation import MultiConfig, _multi_workload
+from kvsim.scenario.config import SimConfig
+from kvsim.transport.config import EmulateConfig
+
+
+def _configs(keys: list[str]) -> tuple[EmulateConfig, SimConfig]:
+    base = ["model=smollm2-135m", "hardware=local-cpu", "link=emulated", "codecs=[int8]"]
+    ecfg, _ = compose("transport", [*base, *keys], EmulateConfig)
+    scfg, _ = compose("sim", [*base, *(k for k in keys if not k.startswith("transport."))],
+                      SimConfig)  # (as kvsim.fidelity.runner.sim_overrides keeps them)
+    ecfg.validate()
+    scfg.validate()
+    return ecfg, scfg
+
+
+def test_two_prefill_instances_share_the_one_link_in_both_engines():
+    ecfg, scfg = _configs(_multi_workload(MultiConfig(prefill_nodes=2), 0.5))
+    for cfg in (ecfg, scfg):
+        assert cfg.workload.prefill_nodes == 2 and cfg.link.sharing == "shared"
+        assert (cfg.workload.decode_nodes, cfg.workload.decode_max_batch) == (1, 8)
+
+
+def test_one_prefill_instance_keeps_the_measured_runs_keys():
+    keys = _multi_workload(MultiConfig(), 0.35)
+    assert "workload.prefill_nodes=1" in keys and not any("sharing" in k for k in keys)
+    ecfg, _ = _configs(keys)
+    assert ecfg.link.sharing == "per_prefill"  # one prefill instance: one link either way
+    alone = _multi_workload(MultiConfig(max_batch=1, requests=6), 0.35)
+    assert {"workload.decode_nodes=6", "workload.decode_max_batch=1"} <= set(alone)
