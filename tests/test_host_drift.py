@@ -265,3 +265,36 @@ def test_a_subprocess_probe_times_the_step_in_a_process_of_its_own():
         SubprocessStepProbe(tiny, steps="x").step_s(32)  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="took over 0.01 s"):
         SubprocessStepProbe(tiny, steps=3, timeout_s=0.01).step_s(32)
+
+
+def test_kvsim_emulate_rescales_a_profile_from_another_host(tmp_path, monkeypatch, capsys):
+    """kvsim emulate checks the host as kvsim sim does, probing in a process of its own: the
+    modelled prefill of a profile read on a host that decodes twice as slowly takes twice
+    as long on both ends, the rows say so; refuse exits before anything is emulated."""
+    path, _ = _profile(tmp_path, {**fingerprint(), "cpu_model": "Some Other CPU"},
+                       model="tiny-random")
+    probe = FakeProbe(0.2)
+    monkeypatch.setattr(host_probe, "SubprocessStepProbe", lambda model, steps, threads: probe)
+    monkeypatch.setattr(host_probe, "StepProbe", None)  # never in the emulating process
+
+    def emulate(*extra: str) -> dict:
+        report = tmp_path / f"{len(extra)}-{extra[-1] if extra else ''}.json"
+        assert main(["emulate", "model=tiny-random", "hardware=local-cpu",
+                     f"hardware.profile={path}", "codecs=[int8]",
+                     "workload.context_tokens=100", "workload.output_tokens=2",
+                     "transport.kv_source=synthetic", "transport.decode=timing",
+                     f"report={report}", f"hydra.run.dir={tmp_path}/run", *extra]) == 0
+        return json.loads(report.read_text())["rows"][0]
+
+    off, on = emulate("drift.action=off"), emulate()
+    assert probe.asked == [100]  # once, at the profile's probe context
+    assert "hardware_drift" not in off
+    assert (on["hardware_drift"], on["hardware_drift_factor"]) == ("rescaled", 2.0)
+    # the modelled prefill: 1.0 s in the profile at 100 tokens, slept for real
+    assert off["prefill_s"] == pytest.approx(1.0, abs=0.1)
+    assert on["prefill_s"] == pytest.approx(2.0, abs=0.1)
+    assert "profile times x 2.000" in " ".join(capsys.readouterr().out.split())
+    assert main(["emulate", "model=tiny-random", "hardware=local-cpu",
+                 f"hardware.profile={path}", "drift.action=refuse",
+                 f"hydra.run.dir={tmp_path}/refused"]) != 0
+    assert "beyond drift.tolerance_pct=10%" in capsys.readouterr().err

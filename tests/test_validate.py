@@ -11,8 +11,8 @@ scenario's own: the gate takes each scenario's step level from its own measured 
 (step_from_scenario), so it gates the model (transfer, dequantization, first step, drafting,
 verification, batching) and not the host's speed that minute. The calibrated step's own
 error is still checked, loosely: beyond 40% the calibration is broken, not noisy. A run that
-misses the mean target is repeated once, with a fresh calibration; the gate fails only if
-both miss."""
+misses the mean target or that limit is repeated once, with a fresh calibration; the gate
+fails only if both miss."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ import pytest
 from kvsim.cli.main import main
 from kvsim.model.presets import load_model_preset
 from kvsim.transport.session import weights_available
+
+STEP_BROKEN_PCT = 40.0  # a calibrated step this far from the scenario's: broken, not noisy
 
 
 def _quick_validation(run_dir: Path) -> tuple[int, dict]:
@@ -41,8 +43,6 @@ def _quick_validation(run_dir: Path) -> tuple[int, dict]:
     assert not (run_dir / "profiles-rescaled").exists()
     single = [r for r in doc["rows"] if r["case"] == "single"]
     assert {r["step_level_from"] for r in single} == {"scenario"}
-    # the calibrated step against the scenario's (seen: 4-27% on this host)
-    assert s["step_max_abs_pct_error"] < 40.0, s["step_max_abs_pct_error"]
     assert (rc == 0) == (s["mean_abs_pct_error"] <= s["target_mean_abs_pct"])
     assert (run_dir / "fidelity.png").is_file() and (run_dir / "fidelity.md").is_file()
     report = json.loads((run_dir / "report.json").read_text()) if rc == 0 else None
@@ -55,11 +55,14 @@ def _quick_validation(run_dir: Path) -> tuple[int, dict]:
 def test_quick_validation_meets_the_mean_error_target(tmp_path):
     if not weights_available(load_model_preset("smollm2-135m")):
         pytest.skip("SmolLM2-135M weights not fetched (kvsim model fetch)")
-    means = []
+    tries = []
     for attempt in range(2):
         rc, summary = _quick_validation(tmp_path / f"run{attempt}")
-        means.append(summary["mean_abs_pct_error"])
-        if rc == 0:
+        # the calibrated step against the scenario's (seen: 4-27% on this host)
+        step_ok = summary["step_max_abs_pct_error"] < STEP_BROKEN_PCT
+        tries.append(f"mean |error| {summary['mean_abs_pct_error']:.2f}% (target "
+                     f"{summary['target_mean_abs_pct']}%), calibrated step up to "
+                     f"{summary['step_max_abs_pct_error']:.1f}% off (limit {STEP_BROKEN_PCT}%)")
+        if rc == 0 and step_ok:
             return
-    pytest.fail(f"mean |error| {means[0]:.2f}% then {means[1]:.2f}% > "
-                f"{summary['target_mean_abs_pct']}% (fidelity.json in {tmp_path})")
+    pytest.fail(f"{tries[0]}; then {tries[1]} (fidelity.json in {tmp_path})")

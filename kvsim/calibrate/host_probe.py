@@ -228,10 +228,12 @@ def check_drift(profile_path: str | Path, model: Any, cfg: DriftConfig, out_dir:
     return drift
 
 
-def check_host(cfg: Any, who: str) -> Drift | None:
-    """The check a simulation runs (kvsim sim, kvsim advise) with a measured hardware profile
-    (cfg: a SimConfig): the Drift, its rescaled profile now cfg's (written to the run
-    directory), or None when not probed; `who` names the command on stderr."""
+def check_host(cfg: Any, who: str, own_process: bool = False) -> Drift | None:
+    """The check a run makes (kvsim sim, advise, emulate) with a measured hardware profile
+    (cfg: a SimConfig or EmulateConfig): the Drift, its rescaled profile now cfg's (written
+    to the run directory), or None when not probed; `who` names the command on stderr.
+    own_process: probe in a process of its own (SubprocessStepProbe), for a process that
+    emulates next."""
     if not cfg.hardware.profile or cfg.drift.action == "off":
         return None
     import sys
@@ -240,7 +242,7 @@ def check_host(cfg: Any, who: str) -> Drift | None:
     from kvsim.core.profiles import profile_path
 
     drift = check_drift(profile_path("hardware", cfg.hardware.profile), cfg.model, cfg.drift,
-                        out_root(None) / "profiles-rescaled")
+                        out_root(None) / "profiles-rescaled", own_process=own_process)
     if drift is not None:
         print(f"{who}: host: {drift.words()}", file=sys.stderr)
         cfg.hardware.profile = drift.profile

@@ -18,13 +18,23 @@ Config = EmulateConfig
 
 
 def run(cfg: EmulateConfig) -> list[dict]:
+    from kvsim.calibrate.host_probe import check_host
     from kvsim.transport import session
     from kvsim.transport.emulate import emulate
     from kvsim.transport.record import aggregate_rows
 
+    cfg.validate()  # a bad config fails before the probe's ~5 s
+    # a measured profile from another host: its modelled times (prefill, timing-model
+    # decode) rescaled to this host's step first, both ends then reading the rescaled copy
+    drift = check_host(cfg, "kvsim emulate", own_process=True)
     per_request = emulate(cfg)
     rows = aggregate_rows(per_request)
+    if drift is not None:
+        for r in rows:
+            r.update(drift.row_keys())
     session.print_rows(rows)
+    if drift is not None:
+        print(f"host: {drift.words()}")
     if cfg.trace_path:
         trace = session.trace_of(per_request)
         trace.write(cfg.trace_path)
