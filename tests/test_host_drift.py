@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -298,3 +299,77 @@ def test_kvsim_emulate_rescales_a_profile_from_another_host(tmp_path, monkeypatc
                  f"hardware.profile={path}", "drift.action=refuse",
                  f"hydra.run.dir={tmp_path}/refused"]) != 0
     assert "beyond drift.tolerance_pct=10%" in capsys.readouterr().err
+
+
+def test_processes_sharing_checks_probe_once_and_share_the_outcome(tmp_path, monkeypatch):
+    """check_host inside shared_checks: the first of several concurrent checks of one
+    profile probes, the others read its result (the same factor, the same rescaled copy);
+    another profile is checked apart; a refusal is every sharer's."""
+    import threading
+
+    from kvsim.calibrate.host_probe import DriftRefused, check_host, shared_checks
+    from kvsim.core.compose import compose
+    from kvsim.scenario.config import SimConfig
+
+    path, _ = _profile(tmp_path, {**fingerprint(), "cpu_model": "Some Other CPU"},
+                       model="tiny-random")
+    probes: list[FakeProbe] = []
+    started = threading.Barrier(4, timeout=10)
+
+    def make(model, steps, threads):
+        probes.append(FakeProbe(0.2))
+        return probes[-1]
+
+    monkeypatch.setattr(host_probe, "StepProbe", make)
+
+    def config(*extra: str) -> SimConfig:
+        cfg, _ = compose("sim", ["scenario=none", "model=tiny-random", "hardware=local-cpu",
+                                 f"hardware.profile={path}", *extra], SimConfig)
+        return cfg
+
+    got: list = []
+
+    def job(cfg: SimConfig) -> None:
+        started.wait()
+        with shared_checks(tmp_path / "shared"):
+            got.append((check_host(cfg, "test"), cfg.hardware.profile))
+
+    threads = [threading.Thread(target=job, args=(config(),)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(probes) == 1 and len(got) == 4
+    assert {(d.outcome, d.factor, profile) for d, profile in got} == \
+        {("rescaled", 2.0, got[0][0].profile)}
+    assert Path(got[0][1]).is_file() and str(tmp_path / "shared") in got[0][1]
+    with shared_checks(tmp_path / "shared"):  # other settings: a check of their own
+        assert check_host(config("drift.tolerance_pct=150"), "test").outcome == "within"
+        assert len(probes) == 2
+        for _ in range(2):
+            with pytest.raises(DriftRefused, match="beyond"):
+                check_host(config("drift.action=refuse"), "test")
+        assert len(probes) == 3
+    check_host(config(), "test")  # outside the block: a check of its own again
+    assert len(probes) == 4
+
+
+def test_a_sweep_probes_once_for_all_its_points(tmp_path, monkeypatch):
+    path, _ = _profile(tmp_path, {**fingerprint(), "cpu_model": "Some Other CPU"},
+                       model="tiny-random")
+    probes: list[FakeProbe] = []
+
+    def make(model, steps, threads):
+        probes.append(FakeProbe(0.2))
+        return probes[-1]
+
+    monkeypatch.setattr(host_probe, "StepProbe", make)
+    sweep_dir = tmp_path / "sweep"
+    assert main(["sweep", *_sim(tmp_path, path)[1:-1], "link.bandwidth_gbps=10,25",
+                 "hydra/launcher=basic", f"hydra.sweep.dir={sweep_dir}"]) == 0
+    assert len(probes) == 1
+    rows = [row for p in sorted((sweep_dir / "points").glob("*.json"))
+            for row in json.loads(p.read_text())["rows"]]
+    assert len(rows) == 2
+    assert {(r["hardware_drift"], r["hardware_drift_factor"]) for r in rows} == \
+        {("rescaled", 2.0)}

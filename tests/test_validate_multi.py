@@ -34,3 +34,25 @@ def test_one_prefill_instance_keeps_the_measured_runs_keys():
     assert ecfg.link.sharing == "per_prefill"  # one prefill instance: one link either way
     alone = _multi_workload(MultiConfig(max_batch=1, requests=6), 0.35)
     assert {"workload.decode_nodes=6", "workload.decode_max_batch=1"} <= set(alone)
+
+
+def test_a_grid_refuses_a_key_it_sets_that_was_given_too():
+    """grid=quick / heldout set their scenarios: a key of theirs given on the command line
+    is refused, not silently replaced; a saved run's config (the grid's values already
+    in it) is taken as it is."""
+    import pytest
+
+    from kvsim.fidelity.validation import Config
+
+    with pytest.raises(ValueError, match=r"grid=heldout sets contexts itself"):
+        Config(model=None, grid="heldout", contexts=[4096]).apply_grid()
+    with pytest.raises(ValueError, match=r"grid=quick sets codecs, multi.requests itself"):
+        Config(model=None, grid="quick", codecs=["bf16"],
+               multi=MultiConfig(requests=3)).apply_grid()
+    held = Config(model=None, grid="heldout")
+    held.apply_grid()
+    held.apply_grid(refuse_given=False)  # (as measured_from= reads it back)
+    assert held.contexts == [1536]
+    full = Config(model=None, contexts=[4096])
+    full.apply_grid()
+    assert full.contexts == [4096]

@@ -16,6 +16,8 @@ import json
 import socket
 import statistics
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -228,6 +230,71 @@ def check_drift(profile_path: str | Path, model: Any, cfg: DriftConfig, out_dir:
     return drift
 
 
+# where check_host shares its checks between processes (shared_checks), else None
+_shared_dir: Path | None = None
+_SHARED_LOCK_TIMEOUT_S = 600.0  # waiting for another process's check (a probe: ~5 s)
+
+
+@contextmanager
+def shared_checks(folder: Path) -> Iterator[None]:
+    """Within the block, check_host shares its checks through `folder`: the first process
+    to check a (hardware profile, model, drift settings, host) probes and leaves its result
+    there, and every later check of the same reads it. kvsim sweep's jobs run inside one:
+    one probe per sweep rather than per job, so that its points share one factor (jobs
+    probing side by side would each measure the others' load)."""
+    global _shared_dir
+    before, _shared_dir = _shared_dir, Path(folder)
+    try:
+        yield
+    finally:
+        _shared_dir = before
+
+
+def _shared_check(path: Path, cfg: Any, check: Callable[[Path], Drift | None]
+                  ) -> Drift | None:
+    """check(out_dir) once per key among the processes sharing _shared_dir (see
+    shared_checks): its Drift, None, or its refusal, kept as JSON under a file lock."""
+    import fcntl
+    import hashlib
+
+    assert _shared_dir is not None
+    folder = _shared_dir
+    key = hashlib.sha256(json.dumps(
+        [hashlib.sha256(path.read_bytes()).hexdigest(), cfg.model.name,
+         dataclasses.asdict(cfg.drift), fingerprint()], sort_keys=True).encode()).hexdigest()
+    key = key[:16]
+    folder.mkdir(parents=True, exist_ok=True)
+    record = folder / f"{key}.json"
+    with open(folder / ".lock", "a") as lock:
+        deadline = time.monotonic() + _SHARED_LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process held the host checks in {folder} "
+                                       f"for over {_SHARED_LOCK_TIMEOUT_S:g} s") from None
+                time.sleep(0.05)
+        try:
+            if record.is_file():
+                doc = json.loads(record.read_text())
+            else:
+                try:
+                    drift = check(folder / key)
+                    doc = {"drift": None if drift is None else dataclasses.asdict(drift)}
+                except DriftRefused as exc:
+                    doc = {"refused": str(exc)}
+                part = record.with_suffix(".part")
+                part.write_text(json.dumps(doc, indent=1) + "\n")
+                part.replace(record)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    if "refused" in doc:
+        raise DriftRefused(doc["refused"])
+    return None if doc["drift"] is None else Drift(**doc["drift"])
+
+
 def check_host(cfg: Any, who: str, own_process: bool = False) -> Drift | None:
     """The check a run makes (kvsim sim, advise, emulate) with a measured hardware profile
     (cfg: a SimConfig or EmulateConfig): the Drift, its rescaled profile now cfg's (written
@@ -241,8 +308,13 @@ def check_host(cfg: Any, who: str, own_process: bool = False) -> Drift | None:
     from kvsim.core.outputs import out_root
     from kvsim.core.profiles import profile_path
 
-    drift = check_drift(profile_path("hardware", cfg.hardware.profile), cfg.model, cfg.drift,
-                        out_root(None) / "profiles-rescaled", own_process=own_process)
+    path = Path(profile_path("hardware", cfg.hardware.profile))
+
+    def check(out_dir: Path) -> Drift | None:
+        return check_drift(path, cfg.model, cfg.drift, out_dir, own_process=own_process)
+
+    drift = check(out_root(None) / "profiles-rescaled") if _shared_dir is None else \
+        _shared_check(path, cfg, check)
     if drift is not None:
         print(f"{who}: host: {drift.words()}", file=sys.stderr)
         cfg.hardware.profile = drift.profile

@@ -26,6 +26,9 @@ resolved config, not the command line, decides).
 Sweep directory layout:
     points/<key>.json    one finished point: overrides, resolved config, rows, wall time
     jobs/<job id>.json   a job's marker: its overrides, point key and fingerprint
+    host-checks/         the host check of a measured profile read on another host, made
+                         by the first job that needs it and read by the rest (one probe
+                         and one factor per sweep: kvsim.calibrate.host_probe.shared_checks)
     <job number>/        Hydra's job directory (.hydra/, report.json, output.txt)
     sweep.csv, sweep.parquet
                          one row per (job, codec, transfer): `point`, `overrides`,
@@ -54,6 +57,7 @@ from hydra.errors import CompactHydraException
 from kvsim.core.report import json_safe
 
 POINTS_DIR = "points"
+HOST_CHECKS_DIR = "host-checks"  # the sweep's one check per measured profile (host_probe)
 JOBS_DIR = "jobs"
 TABLE_EVERY_S = 10.0  # a finishing job rewrites the merged table when it is older than this
 TABLE_STEM = "sweep"
@@ -328,11 +332,13 @@ def run_point(run: Callable[[Any], list[dict]], typed: Any, plain: dict,
         write_marker(sweep_dir, overrides, key, manifest["fingerprint"])
         how = "reused"
     else:
+        from kvsim.calibrate.host_probe import shared_checks
         from kvsim.core.data_files import loaded_files
 
         job_dir.mkdir(parents=True, exist_ok=True)
+        # a host check (a measured profile on another host) made once for the sweep
         with open(job_dir / "output.txt", "w") as out, contextlib.redirect_stdout(out), \
-                contextlib.redirect_stderr(out):
+                contextlib.redirect_stderr(out), shared_checks(sweep_dir / HOST_CHECKS_DIR):
             rows = run(typed) or []
         doc = {"key": key, "overrides": overrides, "config": plain, "rows": rows,
                "wall_s": time.perf_counter() - started, "job_dir": str(job_dir),

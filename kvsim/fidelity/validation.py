@@ -22,6 +22,7 @@ simulator's rows only (the measured ones are the saved run's).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -54,6 +55,26 @@ HELDOUT_MULTI = {"bandwidth_gbps": 0.6, "context_tokens": 768,
 # multi.max_batch): kept so that measured_from= simulates their scenarios again
 HELDOUT_MULTI_UNBATCHED = {"bandwidth_gbps": 0.6, "context_tokens": 1536,
                            "rates_per_s": [0.2, 0.4]}
+
+
+# the keys each grid sets (Config.apply_grid)
+GRID_KEYS = {
+    "quick": ("emulations", "rates_gbps", "contexts", "codecs", "multi.rates_per_s",
+              "multi.requests"),
+    "heldout": ("rates_gbps", "contexts", "codecs",
+                *sorted({f"multi.{k}" for k in (*HELDOUT_MULTI, *HELDOUT_MULTI_UNBATCHED)})),
+}
+
+
+def _config_value(cfg: Any, dotted: str) -> Any:
+    """A Config's value at `dotted` (cfg None: the default)."""
+    first, _, rest = dotted.partition(".")
+    if cfg is None:
+        f = next(f for f in dataclasses.fields(Config) if f.name == first)
+        value = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    else:
+        value = getattr(cfg, first)
+    return getattr(value, rest) if rest else value
 
 
 @dataclass
@@ -195,9 +216,19 @@ class Config:
             raise ValueError("step_probe_steps and step_from_scenario=true both set the "
                              "simulator's step level: choose one")
 
-    def apply_grid(self) -> None:
+    def apply_grid(self, refuse_given: bool = True) -> None:
         """grid=quick: CI's few scenarios (about 4 minutes with calibration); grid=heldout:
-        HELDOUT_* (HELDOUT_MULTI_UNBATCHED for a saved run measured unbatched)."""
+        HELDOUT_* (HELDOUT_MULTI_UNBATCHED for a saved run measured unbatched).
+        refuse_given: a key the grid sets that the command line set too (off its default)
+        is refused rather than silently replaced (False for a saved run's config, which
+        holds the grid's values already)."""
+        if refuse_given and self.grid in GRID_KEYS:
+            given = [k for k in GRID_KEYS[self.grid]
+                     if _config_value(self, k) != _config_value(None, k)]
+            if given:
+                raise ValueError(f"grid={self.grid} sets {', '.join(given)} itself: leave "
+                                 f"{'it' if len(given) == 1 else 'them'} out, or give your "
+                                 f"own grid with grid=full")
         if self.grid == "quick":
             # 0.1 Gbps: lynx's residual is still on the wire when its anchor is loaded, so
             # it drafts in both engines (at 0.3 Gbps the two race, and a flip between
@@ -625,7 +656,7 @@ def _saved_run(where: str) -> tuple[Path, dict, Config]:
         raise ValueError(f"measured_from={where}: the config in {path} is not one of this "
                          f"kvsim validate's ({e})") from e
     assert isinstance(saved, Config)
-    saved.apply_grid()
+    saved.apply_grid(refuse_given=False)
     return path, report, saved
 
 

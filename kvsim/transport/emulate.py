@@ -20,10 +20,12 @@ from kvsim.transport.children import popen, stop
 from kvsim.transport.config import EmulateConfig
 
 
-def send_all(cfg: EmulateConfig, metrics_port: int | None = None) -> list[dict]:
+def send_all(cfg: EmulateConfig, metrics_port: int | None = None, kernel_threads: int = 0
+             ) -> list[dict]:
     """Every request of the scenario, one sender per (codec, transfer) variant; the decode
     host's row of each, or the sender's own where none came (with its status and why).
-    metrics_port: where the sender's metrics are served (None: transport.metrics_port)."""
+    metrics_port: where the sender's metrics are served (None: transport.metrics_port);
+    kernel_threads: the threads the encoders' parallel kernels use (Sender; 0: all)."""
     import torch
 
     from kvsim.core.gc_freeze import frozen_heap
@@ -59,7 +61,8 @@ def send_all(cfg: EmulateConfig, metrics_port: int | None = None) -> list[dict]:
                                 residual_weight=cfg.link.residual_weight,
                                 residual_age_s=cfg.link.residual_age_s, keys=t.keys,
                                 insecure=t.insecure, metrics=metrics,
-                                prefill=session.prefill_instances(cfg))
+                                prefill=session.prefill_instances(cfg),
+                                kernel_threads=kernel_threads)
                 for out, res in zip(batch, sender.run(batch), strict=True):
                     rows.append(res.row if res.row is not None else {
                         "request_id": P.id_hex(res.request_id), "variant": variant,
@@ -158,11 +161,14 @@ def emulate(cfg: EmulateConfig) -> list[dict]:
                       stdout=subprocess.DEVNULL, env=_env(rx_cpus))
         try:
             _wait_listening(serve, endpoint_file, t.start_timeout_s)
-            from kvsim.transport.cpus import pinned
+            from kvsim.transport.cpus import parse_cpus, pinned
 
             with pinned(tx_cpus):  # this process sends: pinned for the transfer only
-                # the decode host's metrics on metrics_port, the sender's on the next port
-                sent = send_all(tx_cfg, t.metrics_port + 1 if t.metrics_port else 0)
+                # the decode host's metrics on metrics_port, the sender's on the next port;
+                # its encoders' kernels as wide as its share (numba's pool is this
+                # process's, sized for every CPU)
+                sent = send_all(tx_cfg, t.metrics_port + 1 if t.metrics_port else 0,
+                                kernel_threads=len(parse_cpus(tx_cpus)))
             _wait_or_stop(serve, t.timeout_s + 10)
         finally:
             stop(serve)

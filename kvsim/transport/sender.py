@@ -108,11 +108,14 @@ class Sender:
                  log: Callable[[str], None] | None = None,
                  max_in_flight_bytes: int = 64 << 20, residual_weight: float = 0.25,
                  residual_age_s: float = 1.0, keys: str = "", insecure: bool = False,
-                 metrics: Any = None, prefill: PrefillInstances | None = None) -> None:
+                 metrics: Any = None, prefill: PrefillInstances | None = None,
+                 kernel_threads: int = 0) -> None:
         """max_in_flight_bytes caps the receiver's credit window: bytes in socket buffers
         and a shaper's queue are beyond the scheduler's reach, so on a shaped link keep it
         near the link's rate x a few ms or the priority order is lost on the wire.
-        prefill: the prefill instances requests queue for (default: one)."""
+        prefill: the prefill instances requests queue for (default: one). kernel_threads:
+        the threads each request's parallel codec kernels use (numba's count is per
+        launching thread; 0: numba's pool size), e.g. the CPUs a pinned sender has."""
         if timeout_s <= 0 or heartbeat_s <= 0:
             raise ValueError("timeout_s and heartbeat_s must be > 0")
         self.address, self.limiter, self.timeout_s = address, limiter, float(timeout_s)
@@ -133,6 +136,9 @@ class Sender:
         self._reqs: dict[int, _Req] = {}
         self._lock = threading.Lock()
         self.prefill = prefill or PrefillInstances(1)
+        if isinstance(kernel_threads, bool) or int(kernel_threads) < 0:
+            raise ValueError(f"kernel_threads must be >= 0, got {kernel_threads!r}")
+        self.kernel_threads = int(kernel_threads)
         self.protocol_errors = 0
 
     # ---- public ----------------------------------------------------------------------
@@ -188,6 +194,10 @@ class Sender:
     def _producer(self, req: _Req) -> None:
         out, res = req.out, req.result
         try:
+            if self.kernel_threads:  # this thread's parallel kernels (encode) on that many
+                import numba
+
+                numba.set_num_threads(min(self.kernel_threads, numba.config.NUMBA_NUM_THREADS))
             delay = self.t0 + out.arrival_offset_s - time.time()
             if delay > 0:
                 time.sleep(delay)
