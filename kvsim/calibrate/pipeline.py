@@ -17,6 +17,7 @@ ship with the repository and load by name.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -382,7 +383,9 @@ def _link_draft_step(cfg: Config, emulation: str, say, hw_doc: dict, main_rows: 
                                 "drafts on their worker spans and arrivals "
                                 "(kvsim.calibrate.draft_ingest); `busy_ratio` before the "
                                 "fit: the median of per-request ratios",
-                    "median_busy_ratio": draft.get("busy_ratio")}}
+                    "median_busy_ratio": draft.get("busy_ratio"),
+                    # what was fitted, to be inspected or fitted again (Unix s)
+                    "windows": [dataclasses.asdict(w) for w in windows]}}
 
 
 def _print(rows: list[dict], paths: dict[str, Path], root: Path, dequantize: str) -> None:
