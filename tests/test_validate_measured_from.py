@@ -343,3 +343,16 @@ def test_the_step_level_taken_from_the_scenario(tmp_path, monkeypatch, no_emulat
     with pytest.raises(ValueError, match="choose one"):
         from kvsim.fidelity.validation import Config
         Config(model=None, step_probe_steps=24, step_from_scenario=True)
+
+
+def test_the_shipped_calibrated_full_grid_run_simulated_again(tmp_path, no_emulation):
+    """data/fidelity/2026-11-28-full (calibrate=true, the full grid): this simulator gives
+    its figures again from the measurements and profiles it saved."""
+    shipped = DATA_DIR / "fidelity" / "2026-11-28-full"
+    saved = json.loads((shipped / "report.json").read_text())
+    assert main(["validate", f"measured_from={shipped}", f"hydra.run.dir={tmp_path}"]) == 0
+    s = json.loads((tmp_path / "fidelity.json").read_text())["summary"]
+    assert s["compared"] == saved["fidelity"]["compared"] == 324
+    assert s["mean_abs_pct_error"] == pytest.approx(saved["mean_abs_pct_error"], abs=0.05)
+    assert s["max_abs_pct_error"] == pytest.approx(saved["max_abs_pct_error"], abs=0.5)
+    assert s["profiles"]["hardware"].startswith(str(shipped / "profiles"))
