@@ -599,6 +599,7 @@ def test_calibrate_fits_each_links_draft_slowdown_on_its_drafted_rows(tmp_path, 
     import kvsim.calibrate.receiver_timing as rt
     import kvsim.transport.netns as netns
     from kvsim.calibrate.draft_ingest import DraftWindow, replay_end_s
+    from kvsim.calibrate.draft_ingest import fit as draft_fit
     from kvsim.calibrate.pipeline import Config as CalConfig
     from kvsim.scenario.link_profile import load_link_profile
 
@@ -672,5 +673,13 @@ def test_calibrate_fits_each_links_draft_slowdown_on_its_drafted_rows(tmp_path, 
         assert fit["requests"] == 6 and fit["rms_s"] < 0.003 and not fit["saturated"]
         assert fit["rates_gbps"] == [0.3, 0.8]
         assert fit["median_busy_ratio"] == pytest.approx(median)
+        assert not fit["poor"] and fit["median_window_s"] > 0
+        # the windows it replayed are kept: fitted again, they give the same values
+        windows = [DraftWindow(**{**w, "worker_spans": tuple(map(tuple, w["worker_spans"])),
+                                  "later_arrival": tuple(w["later_arrival"])})
+                   for w in fit["windows"]]
+        again = draft_fit(windows, extra_s)
+        assert (again.busy_ratio, again.ingest_s_per_byte) == \
+            (draft["busy_ratio"], draft["ingest_s_per_byte"])
     with pytest.raises(ValueError, match="draft_fit_rate_gbps"):
         CalConfig(draft_fit_rate_gbps=0.3)

@@ -36,6 +36,10 @@ from kvsim.model.spec import ModelSpec
 from kvsim.transport.config import DEQUANTIZE_MODES
 
 LINK_EMULATIONS = ("token_bucket", "tc", "none")
+# a draft-step fit whose rms miss exceeds this share of its median draft window is said to
+# be poor: busy_ratio 9.85 (rms 53 ms over ~250 ms windows) and 2.25 (6 ms) came out of two
+# calibrations of one day (CHANGELOG.md, 2026-11-28)
+FIT_RMS_WARN = 0.15
 
 
 @dataclass
@@ -376,8 +380,17 @@ def _link_draft_step(cfg: Config, emulation: str, say, hw_doc: dict, main_rows: 
     if not windows:
         return draft
     fit = draft_ingest.fit(windows, extra_s or 0.0)
+    window_s = float(np.median([w.end_s - w.start_s for w in windows]))
+    if fit.rms_s > FIT_RMS_WARN * window_s:
+        say(f"the draft step's fit on {emulation} misses its requests' last drafts by "
+            f"{fit.rms_s * 1e3:.0f} ms (rms) over windows of {window_s * 1e3:.0f} ms "
+            f"(median): busy_ratio {fit.busy_ratio:g} is poorly determined (a disturbed "
+            f"transfer?); its windows are in the profile (draft_step.fit.windows); "
+            f"calibrating again may give another")
     return {**draft, "busy_ratio": fit.busy_ratio, "ingest_s_per_byte": fit.ingest_s_per_byte,
             "fit": {"requests": fit.requests, "rms_s": fit.rms_s, "saturated": fit.saturated,
+                    "median_window_s": window_s,
+                    "poor": fit.rms_s > FIT_RMS_WARN * window_s,
                     "rates_gbps": [CALIBRATION_RATE_GBPS, cfg.draft_fit_rate_gbps],
                     "measured": "busy_ratio and ingest_s_per_byte replay these requests' "
                                 "drafts on their worker spans and arrivals "
