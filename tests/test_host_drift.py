@@ -311,6 +311,7 @@ def test_processes_sharing_checks_probe_once_and_share_the_outcome(tmp_path, mon
     from kvsim.core.compose import compose
     from kvsim.scenario.config import SimConfig
 
+    monkeypatch.chdir(tmp_path)  # a check outside the block writes into the current directory
     path, _ = _profile(tmp_path, {**fingerprint(), "cpu_model": "Some Other CPU"},
                        model="tiny-random")
     probes: list[FakeProbe] = []
@@ -331,14 +332,16 @@ def test_processes_sharing_checks_probe_once_and_share_the_outcome(tmp_path, mon
 
     def job(cfg: SimConfig) -> None:
         started.wait()
-        with shared_checks(tmp_path / "shared"):
-            got.append((check_host(cfg, "test"), cfg.hardware.profile))
+        got.append((check_host(cfg, "test"), cfg.hardware.profile))
 
-    threads = [threading.Thread(target=job, args=(config(),)) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    # (the block is this process's: its threads check side by side, each taking the lock
+    # through a file of its own, as the sweep's job processes do)
+    with shared_checks(tmp_path / "shared"):
+        threads = [threading.Thread(target=job, args=(config(),)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
     assert len(probes) == 1 and len(got) == 4
     assert {(d.outcome, d.factor, profile) for d, profile in got} == \
         {("rescaled", 2.0, got[0][0].profile)}
@@ -350,8 +353,9 @@ def test_processes_sharing_checks_probe_once_and_share_the_outcome(tmp_path, mon
             with pytest.raises(DriftRefused, match="beyond"):
                 check_host(config("drift.action=refuse"), "test")
         assert len(probes) == 3
-    check_host(config(), "test")  # outside the block: a check of its own again
+    alone = check_host(config(), "test")  # outside the block: a check of its own again
     assert len(probes) == 4
+    assert alone.profile == str(tmp_path / "profiles-rescaled" / "hw.json")
 
 
 def test_a_sweep_probes_once_for_all_its_points(tmp_path, monkeypatch):

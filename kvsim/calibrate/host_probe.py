@@ -241,7 +241,8 @@ def shared_checks(folder: Path) -> Iterator[None]:
     to check a (hardware profile, model, drift settings, host) probes and leaves its result
     there, and every later check of the same reads it. kvsim sweep's jobs run inside one:
     one probe per sweep rather than per job, so that its points share one factor (jobs
-    probing side by side would each measure the others' load)."""
+    probing side by side would each measure the others' load). The setting is the whole
+    process's: enter it from one thread (a job), not from several at once."""
     global _shared_dir
     before, _shared_dir = _shared_dir, Path(folder)
     try:

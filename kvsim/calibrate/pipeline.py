@@ -37,8 +37,8 @@ from kvsim.transport.config import DEQUANTIZE_MODES
 
 LINK_EMULATIONS = ("token_bucket", "tc", "none")
 # a draft-step fit whose rms miss exceeds this share of its median draft window is said to
-# be poor: busy_ratio 9.85 (rms 53 ms over ~250 ms windows) and 2.25 (6 ms) came out of two
-# calibrations of one day (CHANGELOG.md, 2026-11-28)
+# be poor: busy_ratio 9.85 (rms 53 ms) and 2.25 (6 ms, over windows of 253 ms median) came
+# out of two calibrations of one day (CHANGELOG.md, 2026-11-28)
 FIT_RMS_WARN = 0.15
 
 
