@@ -36,6 +36,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from kvsim.scenario.timing_model import TimingModel
+from kvsim.transport.routing import check_routing, route_index
 
 Clock = Callable[[], float]
 
@@ -313,11 +314,8 @@ class DecodeInstances:
                  routing: str = "least_loaded", **batch_kw) -> None:
         if int(nodes) < 1:
             raise ValueError(f"a decode host needs decode_nodes >= 1, got {nodes}")
-        if routing not in ("least_loaded", "round_robin"):
-            raise ValueError(f"the transport routes decodes least_loaded or round_robin, "
-                             f"got {routing!r}")
         self.batches = [StepBatch(timing, max_batch, **batch_kw) for _ in range(int(nodes))]
-        self.routing = routing
+        self.routing = check_routing(routing, "decodes")
         self._routed = 0
         self._lock = threading.Lock()
 
@@ -326,10 +324,8 @@ class DecodeInstances:
         (the first of equals); round_robin, by the order requests are assigned. Its count
         is raised; `done` lowers it when the request ends."""
         with self._lock:
-            if self.routing == "round_robin":
-                batch = self.batches[self._routed % len(self.batches)]
-            else:
-                batch = min(self.batches, key=lambda b: b.assigned)
+            batch = self.batches[route_index([b.assigned for b in self.batches],
+                                             self.routing, self._routed)]
             self._routed += 1
             batch.assigned += 1
             return batch

@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-ROUTINGS = ("least_loaded", "round_robin")
+from kvsim.transport.routing import check_routing, route_index
 
 
 class PrefillInstances:
@@ -30,12 +30,10 @@ class PrefillInstances:
                  wait_timeout_s: float = 3600.0) -> None:
         if isinstance(nodes, bool) or int(nodes) != nodes or nodes < 1:
             raise ValueError(f"a prefill host needs prefill_nodes >= 1, got {nodes!r}")
-        if routing not in ROUTINGS:
-            raise ValueError(f"the transport routes prefills {' or '.join(ROUTINGS)}, "
-                             f"got {routing!r}")
         if not wait_timeout_s > 0:
             raise ValueError(f"wait_timeout_s must be > 0, got {wait_timeout_s}")
-        self.routing, self.wait_timeout_s = routing, float(wait_timeout_s)
+        self.routing = check_routing(routing, "prefills")
+        self.wait_timeout_s = float(wait_timeout_s)
         # [i]: the requests routed to instance i and not through their prefill, the one
         # prefilling first (each an object of its own, compared by identity)
         self.queues: list[deque[object]] = [deque() for _ in range(int(nodes))]
@@ -45,11 +43,7 @@ class PrefillInstances:
     def route(self) -> tuple[int, object]:
         """Route a request arriving now: its instance and its place in that queue."""
         with self._cond:
-            lengths = [len(q) for q in self.queues]
-            if self.routing == "round_robin":
-                i = self._routed % len(lengths)
-            else:  # the first of the least loaded, as builtin min picks it
-                i = lengths.index(min(lengths))
+            i = route_index([len(q) for q in self.queues], self.routing, self._routed)
             self._routed += 1
             ticket = object()
             self.queues[i].append(ticket)
@@ -75,4 +69,4 @@ class PrefillInstances:
                 self._cond.notify_all()
 
 
-__all__ = ["ROUTINGS", "PrefillInstances"]
+__all__ = ["PrefillInstances"]

@@ -31,6 +31,7 @@ from kvsim.transport.prefill_instances import PrefillInstances
 from kvsim.transport.rate_limiter import TokenBucket, Unlimited
 from kvsim.transport.receiver import ReceiverSettings
 from kvsim.transport.record import emulated_row
+from kvsim.transport.routing import instance_routing
 from kvsim.transport.sender import OutgoingRequest
 from kvsim.transport.source import (
     capture_source,
@@ -396,7 +397,7 @@ def decode_instances(cfg: EmulateConfig, mode: str, timing: TimingModel
     if mode != "timing":
         return None
     return DecodeInstances(timing, int(w.decode_nodes), int(w.decode_max_batch),
-                           routing=_instance_routing(w.routing), clock=time.time,
+                           routing=instance_routing(w.routing), clock=time.time,
                            wait_timeout_s=cfg.transport.request_deadline_s,
                            log=lambda msg: print(f"kvsim serve: {msg}", file=sys.stderr))
 
@@ -405,13 +406,8 @@ def prefill_instances(cfg: EmulateConfig) -> PrefillInstances:
     """The prefill host's instances (kvsim.transport.prefill_instances): one sender run's
     requests queue for workload.prefill_nodes of them, routed by workload.routing."""
     w = cfg.workload
-    return PrefillInstances(int(w.prefill_nodes), _instance_routing(w.routing),
+    return PrefillInstances(int(w.prefill_nodes), instance_routing(w.routing),
                             wait_timeout_s=cfg.transport.request_deadline_s)
-
-
-def _instance_routing(routing: str) -> str:
-    """kv_aware with one instance (all EmulateConfig allows) routes as least_loaded."""
-    return "least_loaded" if routing == "kv_aware" else routing
 
 
 def hello_checker(cfg: EmulateConfig, mode: str):
