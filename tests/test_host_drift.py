@@ -77,6 +77,24 @@ def test_rescale_multiplies_every_model_time_and_says_so(tmp_path):
     assert profile_step(probed) == (256, pytest.approx(0.12), "its host's probe")
 
 
+def test_one_way_moves_a_profiles_level(tmp_path):
+    """scaled_profile scales the named curves it has and nothing else (the step probe's step
+    curves, the drift's every time); write_rescaled_profile writes what rescaled_profile
+    gives, into a folder it makes."""
+    from kvsim.model.hardware_profile import STEP_CURVES, scaled_profile
+    from kvsim.model.host import write_rescaled_profile
+
+    _, doc = _profile(tmp_path, None)
+    steps = scaled_profile(doc, STEP_CURVES, 2.0)
+    assert steps["tpot"]["s"] == pytest.approx([0.22, 0.44])
+    assert steps["verify"]["s"] == [pytest.approx([0.6]), pytest.approx([0.8])]
+    assert steps["prefill"] == doc["prefill"]  # not a step: left alone
+    assert "absent" not in scaled_profile(doc, ("absent",), 2.0)
+    assert doc["tpot"]["s"] == [0.11, 0.22]
+    out = write_rescaled_profile(doc, tmp_path / "new" / "hw.json", 1.5, {"from_profile": "x"})
+    assert json.loads(out.read_text()) == rescaled_profile(doc, 1.5, {"from_profile": "x"})
+
+
 def test_the_profiles_step_is_its_hosts_probe_else_its_in_process_curve(tmp_path):
     _, old = _profile(tmp_path, "a-hostname")  # older profiles name the host only
     assert profile_step(old) == (100, 0.1, "its in-process step curve")

@@ -190,7 +190,7 @@ def check_drift(profile_path: str | Path, model: Any, cfg: DriftConfig, out_dir:
     StepProbe (one is made for `model`; own_process=True: a SubprocessStepProbe, for a
     process that emulates next)."""
     from kvsim.model.hardware_profile import load_profile
-    from kvsim.model.host import rescaled_profile
+    from kvsim.model.host import write_rescaled_profile
 
     if cfg.action == "off":
         return None
@@ -221,12 +221,9 @@ def check_drift(profile_path: str | Path, model: Any, cfg: DriftConfig, out_dir:
                            f"drift.tolerance_pct={cfg.tolerance_pct:g}% (drift.action=rescale "
                            f"scales it; kvsim calibrate measures this host)")
     if outcome == "rescaled":
-        out = Path(out_dir) / path.name
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(rescaled_profile(doc, factor, {
+        drift.profile = str(write_rescaled_profile(doc, Path(out_dir) / path.name, factor, {
             "from_profile": str(path), "probe_s": probe_s, "profile_s": profile_s,
-            "context_tokens": context_tokens, "host": drift.host}), indent=1) + "\n")
-        drift.profile = str(out)
+            "context_tokens": context_tokens, "host": drift.host}))
     return drift
 
 

@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from kvsim.calibrate.step_fit import fitted_curve
-from kvsim.model.hardware_profile import scaled_curve
+from kvsim.model.hardware_profile import STEP_CURVES, scaled_profile
 
 DECODE_STEPS = 16  # decode steps per request of the calibration transfer
 # the calibration transfer's link rate: slow enough that a split-stream codec's residual is
@@ -295,8 +295,8 @@ def apply_receiver_timing(measured: dict[str, dict[str, float]], hw_doc: dict, t
     hw_doc["tpot_inprocess"] = dict(hw_doc["tpot"])
     hw_doc["receiver_step_ratio"] = {"context_tokens": contexts, "ratio": ratios,
                                      "receiver_tpot_s": receiver_steps}
-    for key in ("tpot", "tpot_batch", "verify"):
-        hw_doc[key] = scaled_curve(hw_doc[key], lambda c: float(np.interp(c, contexts, ratios)))
+    hw_doc.update(scaled_profile(hw_doc, STEP_CURVES,
+                                 lambda c: float(np.interp(c, contexts, ratios))))
     # the ratio, interpolated between two noisy medians, can bend the fitted line: the
     # scaled step curves are fitted again (kvsim.calibrate.step_fit), so the simulator's
     # step stays a non-decreasing line in context

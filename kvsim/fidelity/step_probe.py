@@ -18,10 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvsim.model.hardware_profile import scaled_curve
-
-# the hardware profile's curves that are times of a decode-sized forward step (scaled)
-STEP_CURVES = ("tpot", "tpot_batch", "verify")
+from kvsim.model.hardware_profile import STEP_CURVES, scaled_profile
 
 
 def probed_profile(hw_path: Path, context_tokens: int, probe_s: float, out_path: Path
@@ -34,9 +31,7 @@ def probed_profile(hw_path: Path, context_tokens: int, probe_s: float, out_path:
     doc = json.loads(Path(hw_path).read_text())
     tpot = doc["tpot"]
     scale = probe_s / float(np.interp(context_tokens, tpot["context_tokens"], tpot["s"]))
-    for key in STEP_CURVES:
-        if key in doc:
-            doc[key] = scaled_curve(doc[key], scale)
+    doc = scaled_profile(doc, STEP_CURVES, scale)
     doc["step_probe"] = {"from_profile": str(hw_path), "context_tokens": context_tokens,
                          "probe_s": probe_s, "scale": scale,
                          "what": "step curves scaled to a decode-step probe taken just "

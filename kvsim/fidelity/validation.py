@@ -584,7 +584,7 @@ def _saved_drift(report: dict, profiles: Any, run_dir: Path, other: bool = False
     to other profiles (`other`: profile_dir= given), whose level the factor says nothing of."""
     from dataclasses import replace
 
-    from kvsim.model.host import rescaled_profile
+    from kvsim.model.host import write_rescaled_profile
 
     drift = (report.get("fidelity") or {}).get("drift")
     if not isinstance(drift, dict) or drift.get("outcome") != "rescaled":
@@ -594,12 +594,10 @@ def _saved_drift(report: dict, profiles: Any, run_dir: Path, other: bool = False
              "profile_dir= gives others: not applied to them")
         return profiles
     factor = float(drift["factor"])
-    path = run_dir / "profiles-rescaled" / profiles.hardware.name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    doc = json.loads(profiles.hardware.read_text())
-    path.write_text(json.dumps(rescaled_profile(doc, factor, {
-        "from_profile": str(profiles.hardware), "from_report": "the measured run's rescale"}),
-        indent=1) + "\n")
+    path = write_rescaled_profile(
+        json.loads(profiles.hardware.read_text()),
+        run_dir / "profiles-rescaled" / profiles.hardware.name, factor,
+        {"from_profile": str(profiles.hardware), "from_report": "the measured run's rescale"})
     _say(f"the measured run rescaled its hardware profile x {factor:.3f} (its host probe): "
          "applied again")
     return replace(profiles, hardware=path)

@@ -38,6 +38,9 @@ from pathlib import Path
 
 from kvsim.core.data_files import record_loaded
 
+# the curves that are times of a decode-sized forward step: what a step's level moves
+STEP_CURVES = ("tpot", "tpot_batch", "verify")
+
 
 def _scaled_fit(fit: dict | list, factor: float) -> dict | list:
     """A step fit's line(s) x factor (its residuals are relative: unchanged)."""
@@ -67,6 +70,16 @@ def scaled_curve(curve: dict, factor: float | Callable[[float], float]) -> dict:
                          f"{len(at)} contexts and {len(s)} rows")
     return {**curve, "s": [[v * factor(float(c)) for v in row] if isinstance(row, list)
                            else row * factor(float(c)) for c, row in zip(at, s, strict=True)]}
+
+
+def scaled_profile(doc: dict, keys: tuple[str, ...],
+                   factor: float | Callable[[float], float]) -> dict:
+    """A copy of the hardware profile document `doc` with each of its curves named in `keys`
+    scaled by `factor` (scaled_curve); the curves it lacks stay absent, the rest as they are.
+    The one way a profile's level is moved: a host's drift (kvsim.model.host), a
+    scenario's step probe (kvsim.fidelity.step_probe), the receiver's step ratio
+    (kvsim.calibrate.receiver_timing)."""
+    return {**doc, **{k: scaled_curve(doc[k], factor) for k in keys if k in doc}}
 
 
 def _check_verify(path: Path, doc: dict) -> None:

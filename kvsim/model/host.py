@@ -13,6 +13,7 @@ profile's times by the step's factor or refuse, by `drift.action`
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import time
@@ -103,14 +104,11 @@ def other_host(recorded: dict | None, now: dict) -> bool | None:
 def rescaled_profile(doc: dict, factor: float, drift: dict) -> dict:
     """A hardware profile document with every model time (TIME_CURVES) x factor and the
     drift that led to it recorded under `drift`."""
-    from kvsim.model.hardware_profile import scaled_curve
+    from kvsim.model.hardware_profile import scaled_profile
 
     if not factor > 0:
         raise ValueError(f"a rescale factor must be > 0, got {factor}")
-    out = dict(doc)
-    for key in TIME_CURVES:
-        if key in out:
-            out[key] = scaled_curve(out[key], factor)
+    out = scaled_profile(doc, TIME_CURVES, factor)
     host = out.get("host")
     probe = host.get("decode_step_probe") if isinstance(host, dict) else None
     if isinstance(probe, dict) and isinstance(probe.get("s"), (int, float)):
@@ -120,3 +118,12 @@ def rescaled_profile(doc: dict, factor: float, drift: dict) -> dict:
                     "what": f"{', '.join(k for k in TIME_CURVES if k in doc)} x {factor:.4g}: "
                             "this host's decode step over the profile's"}
     return out
+
+
+def write_rescaled_profile(doc: dict, out_path: Path, factor: float, drift: dict) -> Path:
+    """Write rescaled_profile(doc, factor, drift) to out_path (its folder made); returns
+    out_path. drift names where doc came from (from_profile) and why it moves."""
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(rescaled_profile(doc, factor, drift), indent=1) + "\n")
+    return out_path
