@@ -356,3 +356,21 @@ def test_the_shipped_calibrated_full_grid_run_simulated_again(tmp_path, no_emula
     assert s["mean_abs_pct_error"] == pytest.approx(saved["mean_abs_pct_error"], abs=0.05)
     assert s["max_abs_pct_error"] == pytest.approx(saved["max_abs_pct_error"], abs=0.5)
     assert s["profiles"]["hardware"].startswith(str(shipped / "profiles"))
+
+
+def test_the_shipped_calibrated_heldout_run_simulated_again(tmp_path, no_emulation):
+    """data/fidelity/2026-11-28-heldout (grid=heldout calibrate=true): this simulator gives
+    its figures again, and with each scenario's step level the single rows' errors shrink."""
+    shipped = DATA_DIR / "fidelity" / "2026-11-28-heldout"
+    saved = json.loads((shipped / "report.json").read_text())
+    assert main(["validate", f"measured_from={shipped}", f"hydra.run.dir={tmp_path / 'a'}"]) == 0
+    s = json.loads((tmp_path / "a" / "fidelity.json").read_text())["summary"]
+    assert s["compared"] == saved["fidelity"]["compared"] == 108
+    assert s["mean_abs_pct_error"] == pytest.approx(saved["mean_abs_pct_error"], abs=0.05)
+    assert s["max_abs_pct_error"] == pytest.approx(saved["max_abs_pct_error"], abs=0.5)
+    assert s["profiles"]["hardware"].startswith(str(shipped / "profiles"))
+    assert main(["validate", f"measured_from={shipped}", "step_from_scenario=true",
+                 f"hydra.run.dir={tmp_path / 'b'}"]) == 0
+    level = json.loads((tmp_path / "b" / "fidelity.json").read_text())["summary"]
+    assert level["by_case"]["single"]["mean_abs_pct_error"] < \
+        s["by_case"]["single"]["mean_abs_pct_error"] / 2
