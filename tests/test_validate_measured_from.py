@@ -345,32 +345,33 @@ def test_the_step_level_taken_from_the_scenario(tmp_path, monkeypatch, no_emulat
         Config(model=None, step_probe_steps=24, step_from_scenario=True)
 
 
-def test_the_shipped_calibrated_full_grid_run_simulated_again(tmp_path, no_emulation):
-    """data/fidelity/2026-11-28-full (calibrate=true, the full grid): this simulator gives
-    its figures again from the measurements and profiles it saved."""
-    shipped = DATA_DIR / "fidelity" / "2026-11-28-full"
+def _shipped_simulated_again(name: str, compared: int, run_dir: Path) -> dict:
+    """The summary of `kvsim validate measured_from=data/fidelity/<name>` in run_dir, checked
+    against the shipped report: the same comparisons, its mean and worst |error| again, on
+    the profiles it shipped."""
+    shipped = DATA_DIR / "fidelity" / name
     saved = json.loads((shipped / "report.json").read_text())
-    assert main(["validate", f"measured_from={shipped}", f"hydra.run.dir={tmp_path}"]) == 0
-    s = json.loads((tmp_path / "fidelity.json").read_text())["summary"]
-    assert s["compared"] == saved["fidelity"]["compared"] == 324
+    assert main(["validate", f"measured_from={shipped}", f"hydra.run.dir={run_dir}"]) == 0
+    s = json.loads((run_dir / "fidelity.json").read_text())["summary"]
+    assert s["compared"] == saved["fidelity"]["compared"] == compared
     assert s["mean_abs_pct_error"] == pytest.approx(saved["mean_abs_pct_error"], abs=0.05)
     assert s["max_abs_pct_error"] == pytest.approx(saved["max_abs_pct_error"], abs=0.5)
     assert s["profiles"]["hardware"].startswith(str(shipped / "profiles"))
+    return s
+
+
+def test_the_shipped_calibrated_full_grid_run_simulated_again(tmp_path, no_emulation):
+    """data/fidelity/2026-11-28-full (calibrate=true, the full grid): this simulator gives
+    its figures again from the measurements and profiles it saved."""
+    _shipped_simulated_again("2026-11-28-full", 324, tmp_path)
 
 
 def test_the_shipped_calibrated_heldout_run_simulated_again(tmp_path, no_emulation):
     """data/fidelity/2026-11-28-heldout (grid=heldout calibrate=true): this simulator gives
     its figures again, and with each scenario's step level the single rows' errors shrink."""
-    shipped = DATA_DIR / "fidelity" / "2026-11-28-heldout"
-    saved = json.loads((shipped / "report.json").read_text())
-    assert main(["validate", f"measured_from={shipped}", f"hydra.run.dir={tmp_path / 'a'}"]) == 0
-    s = json.loads((tmp_path / "a" / "fidelity.json").read_text())["summary"]
-    assert s["compared"] == saved["fidelity"]["compared"] == 108
-    assert s["mean_abs_pct_error"] == pytest.approx(saved["mean_abs_pct_error"], abs=0.05)
-    assert s["max_abs_pct_error"] == pytest.approx(saved["max_abs_pct_error"], abs=0.5)
-    assert s["profiles"]["hardware"].startswith(str(shipped / "profiles"))
-    assert main(["validate", f"measured_from={shipped}", "step_from_scenario=true",
-                 f"hydra.run.dir={tmp_path / 'b'}"]) == 0
+    s = _shipped_simulated_again("2026-11-28-heldout", 108, tmp_path / "a")
+    assert main(["validate", f"measured_from={DATA_DIR / 'fidelity' / '2026-11-28-heldout'}",
+                 "step_from_scenario=true", f"hydra.run.dir={tmp_path / 'b'}"]) == 0
     level = json.loads((tmp_path / "b" / "fidelity.json").read_text())["summary"]
     assert level["by_case"]["single"]["mean_abs_pct_error"] < \
         s["by_case"]["single"]["mean_abs_pct_error"] / 2
