@@ -368,20 +368,50 @@ def _link_draft_step(cfg: Config, emulation: str, say, hw_doc: dict, main_rows: 
     draft = {**draft, "model": cfg.model.name}
     if cfg.dequantize != "on_arrival":  # no worker beside the drafts: nothing to fit
         return draft
-    say(f"calibration transfer over {emulation} at {cfg.draft_fit_rate_gbps:g} Gbps "
-        f"({cfg.receiver_repeats} x {len(split)} split-stream codecs) for the draft step's "
-        "slowdown with the arrival rate")
-    receiver_loads(cfg.model.name, split, cfg.receiver_context_tokens, cfg.seed + 30_000,
-                   cfg.text_source, bandwidth_gbps=cfg.draft_fit_rate_gbps,
-                   repeats=cfg.receiver_repeats, threads=cfg.threads, split_cpus=cfg.split_cpus,
-                   dequantize=cfg.dequantize, emulation=emulation,
-                   first_step_extra_s=extra_s, keep_rows=rows)
-    windows = draft_ingest.windows_from_rows(rows)
-    if not windows:
+
+    def fit_rate_transfer(seed: int, what: str) -> list[dict]:
+        say(f"calibration transfer over {emulation} at {cfg.draft_fit_rate_gbps:g} Gbps "
+            f"({cfg.receiver_repeats} x {len(split)} split-stream codecs) {what}")
+        got: list[dict] = []
+        receiver_loads(cfg.model.name, split, cfg.receiver_context_tokens, seed,
+                       cfg.text_source, bandwidth_gbps=cfg.draft_fit_rate_gbps,
+                       repeats=cfg.receiver_repeats, threads=cfg.threads,
+                       split_cpus=cfg.split_cpus, dequantize=cfg.dequantize,
+                       emulation=emulation, first_step_extra_s=extra_s, keep_rows=got)
+        return got
+
+    def fitted(of: list[dict]) -> tuple[Any, float, list[Any]] | None:
+        """(fit, median window s, windows) of these rows' drafts; None without any."""
+        windows = draft_ingest.windows_from_rows(of)
+        if not windows:
+            return None
+        return (draft_ingest.fit(windows, extra_s or 0.0),
+                float(np.median([w.end_s - w.start_s for w in windows])), windows)
+
+    first_rows = fit_rate_transfer(cfg.seed + 30_000,
+                                   "for the draft step's slowdown with the arrival rate")
+    made = fitted(rows + first_rows)
+    if made is None:
         return draft
-    fit = draft_ingest.fit(windows, extra_s or 0.0)
-    window_s = float(np.median([w.end_s - w.start_s for w in windows]))
+    fit, window_s, windows = made
+    first_fit: dict | None = None
     if fit.rms_s > FIT_RMS_WARN * window_s:
+        # a poor fit rests on a few windows, some disturbed (the per-request step alone varies
+        # as much as the fit's miss: CHANGELOG.md, 2026-11-28), and least squares follows the
+        # disturbed ones: once, one more transfer at the fit rate is made, and the fit that
+        # misses least (relative to its windows) of: with it in place of the first, with both
+        say(f"the draft step's fit on {emulation} misses its requests' last drafts by "
+            f"{fit.rms_s * 1e3:.0f} ms (rms) over windows of {window_s * 1e3:.0f} ms "
+            f"(median, busy_ratio {fit.busy_ratio:g}): one more transfer, to fit again")
+        first_fit = {"busy_ratio": fit.busy_ratio, "ingest_s_per_byte": fit.ingest_s_per_byte,
+                     "rms_s": fit.rms_s, "requests": fit.requests,
+                     "median_window_s": window_s}
+        second_rows = fit_rate_transfer(cfg.seed + 40_000, "more, to fit the draft step again")
+        candidates = [m for m in (fitted(rows + second_rows),
+                                  fitted(rows + first_rows + second_rows)) if m is not None]
+        fit, window_s, windows = min(candidates, key=lambda m: m[0].rms_s / m[1])
+    poor = fit.rms_s > FIT_RMS_WARN * window_s
+    if poor:
         say(f"the draft step's fit on {emulation} misses its requests' last drafts by "
             f"{fit.rms_s * 1e3:.0f} ms (rms) over windows of {window_s * 1e3:.0f} ms "
             f"(median): busy_ratio {fit.busy_ratio:g} is poorly determined (a disturbed "
@@ -389,8 +419,9 @@ def _link_draft_step(cfg: Config, emulation: str, say, hw_doc: dict, main_rows: 
             f"calibrating again may give another")
     return {**draft, "busy_ratio": fit.busy_ratio, "ingest_s_per_byte": fit.ingest_s_per_byte,
             "fit": {"requests": fit.requests, "rms_s": fit.rms_s, "saturated": fit.saturated,
-                    "median_window_s": window_s,
-                    "poor": fit.rms_s > FIT_RMS_WARN * window_s,
+                    "median_window_s": window_s, "poor": poor,
+                    # the poor first fit that one more transfer replaced (None: none was)
+                    "first_fit": first_fit,
                     "rates_gbps": [CALIBRATION_RATE_GBPS, cfg.draft_fit_rate_gbps],
                     "measured": "busy_ratio and ingest_s_per_byte replay these requests' "
                                 "drafts on their worker spans and arrivals "

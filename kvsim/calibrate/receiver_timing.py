@@ -99,7 +99,8 @@ def receiver_loads(model: str, codecs: list[Any], context_tokens: int, seed: int
     it on demand, and its rates are that mode's)}:
     medians over `repeats` requests per codec of one calibration transfer (a load's time
     varies by tens of percent from one request to the next, so one request is not a
-    measurement). `emulation`: the transfer's link (transport.emulation; tc needs root).
+    measurement), and "tpot_mean_s", the mean of its requests' steps (the step level: see
+    apply_receiver_timing). `emulation`: the transfer's link (transport.emulation; tc needs root).
     `first_step_extra_s`: the first step's extra on a fresh cache (s) to take out of the
     drafting windows when no request of this transfer decoded plainly (a transfer of
     split-stream codecs only: their requests all draft); with plain requests, theirs.
@@ -195,8 +196,11 @@ def receiver_loads(model: str, codecs: list[Any], context_tokens: int, seed: int
         busy_ratio = draft_busy_ratio(window, busy, extra, proposed, tpot)
         if busy_ratio is not None:
             samples[codec].setdefault("draft_busy_ratio", []).append(busy_ratio)
-    return {codec: {k: float(statistics.median(v)) for k, v in got.items()}
-            for codec, got in samples.items()}
+    out = {codec: {k: float(statistics.median(v)) for k, v in got.items()}
+           for codec, got in samples.items()}
+    for codec, got in samples.items():  # the step's mean as well: a run's decode time sums
+        out[codec]["tpot_mean_s"] = float(statistics.fmean(got["tpot_s"]))  # its steps
+    return out
 
 
 def _draft_window(row: dict) -> tuple[float, float]:
@@ -248,7 +252,7 @@ def apply_receiver_timing(measured: dict[str, dict[str, float]], hw_doc: dict, t
     median over codecs), the draft step's ratio to a decode step (hardware `draft_step`, when
     a request drafted; `busy_ratio` with the worker busy, where measured), and the
     decode-step curves (tpot, tpot_batch, verify) are scaled by
-    the receiver's median step over the in-process step at the transfer's context (kept as
+    the receiver's mean step over the in-process step at the transfer's context (kept as
     tpot_inprocess / receiver_step_ratio): the receiver's process runs the same step at its
     own speed. With the second (layer-job fit) transfer's figures (`fit`, at
     `fit_context_tokens`), the ratio is measured at both contexts and interpolated between
@@ -283,14 +287,19 @@ def apply_receiver_timing(measured: dict[str, dict[str, float]], hw_doc: dict, t
         transfers.insert(0, (fit_context_tokens, fit))
     contexts, ratios, receiver_steps = [], [], []
     for ctx, got in transfers:
-        steps = [m["tpot_s"] for m in got.values() if m.get("tpot_s", 0) > 0]
+        steps = [m.get("tpot_mean_s", m["tpot_s"]) for m in got.values()
+                 if m.get("tpot_s", 0) > 0]
         if not steps:
             raise RuntimeError(f"calibration transfer at {ctx} tokens: no decode step time in "
                                "its rows")
         inprocess = float(np.interp(ctx, hw_doc["tpot"]["context_tokens"],
                                     hw_doc["tpot"]["s"]))
         contexts.append(ctx)
-        ratios.append(statistics.median(steps) / inprocess)
+        # the mean, not the median: the host's step runs in spells (~80 and ~105 ms at 1536
+        # tokens on the 2-core host, seconds each), a scenario's decode time sums every step
+        # through them, and the median of a few requests drops the slow spells
+        # (CHANGELOG.md, 2026-11-29)
+        ratios.append(statistics.fmean(steps) / inprocess)
         receiver_steps.append(steps)
     hw_doc["tpot_inprocess"] = dict(hw_doc["tpot"])
     hw_doc["receiver_step_ratio"] = {"context_tokens": contexts, "ratio": ratios,
