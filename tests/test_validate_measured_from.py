@@ -195,8 +195,9 @@ def test_the_simulator_gets_the_measured_runs_overrides(tmp_path, monkeypatch, n
             return 0.05  # s: a decode step unlike the calibrated one
 
     monkeypatch.setattr(runner, "run_pair", pair)
-    # validate probes in a process of its own (SubprocessStepProbe); the stub is either
-    monkeypatch.setattr(host_probe, "StepProbe", Probe)
+    # validate probes in a process of its own (SubprocessStepProbe), the host and each
+    # scenario's step alike: never in the emulating process
+    monkeypatch.setattr(host_probe, "StepProbe", None)
     monkeypatch.setattr(host_probe, "SubprocessStepProbe", Probe)
     first, again = tmp_path / "first", tmp_path / "again"
     assert main(["validate", "grid=quick", "step_probe_steps=24", "samples=2",

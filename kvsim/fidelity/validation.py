@@ -306,7 +306,7 @@ def _emulations(cfg: Config) -> tuple[list[str], list[str]]:
 
 
 def validate(cfg: Config) -> dict:
-    from kvsim.calibrate.host_probe import StepProbe
+    from kvsim.calibrate.host_probe import SubprocessStepProbe
     from kvsim.core.outputs import out_root
     from kvsim.core.paths import DATA_DIR
     from kvsim.fidelity import errors
@@ -339,7 +339,10 @@ def validate(cfg: Config) -> dict:
     single = errors.single_metrics(list(cfg.ks))
     grid = [(e, r, c) for e in cfg.emulations if e in emulations for r in cfg.rates_gbps
             for c in cfg.contexts]
-    probe = StepProbe(cfg.model, cfg.step_probe_steps) if cfg.step_probe_steps else None
+    # each probe in a process of its own: probed in the emulating process, the emulation
+    # after it stalled (kvsim.calibrate.host_probe.SubprocessStepProbe)
+    probe = SubprocessStepProbe(cfg.model, cfg.step_probe_steps) \
+        if cfg.step_probe_steps else None
     for i, (emulation, rate, ctx) in enumerate(grid):
         _say(f"[{i + 1}/{len(grid)}] {emulation} {rate:g} Gbps, {ctx} tokens, "
              f"{len(cfg.codecs)} codecs ({time.time() - started:.0f} s so far)")
