@@ -361,17 +361,20 @@ def _shipped_simulated_again(name: str, compared: int, run_dir: Path) -> dict:
     return s
 
 
-def test_the_shipped_calibrated_full_grid_run_simulated_again(tmp_path, no_emulation):
-    """data/fidelity/2026-11-28-full (calibrate=true, the full grid): this simulator gives
-    its figures again from the measurements and profiles it saved."""
-    _shipped_simulated_again("2026-11-28-full", 324, tmp_path)
+@pytest.mark.parametrize("name", ["2026-11-28-full", "2026-11-29-full"])
+def test_the_shipped_calibrated_full_grid_runs_simulated_again(name, tmp_path, no_emulation):
+    """data/fidelity/<name> (calibrate=true, the full grid): this simulator gives its figures
+    again from the measurements and profiles it saved."""
+    _shipped_simulated_again(name, 324, tmp_path)
 
 
-def test_the_shipped_calibrated_heldout_run_simulated_again(tmp_path, no_emulation):
-    """data/fidelity/2026-11-28-heldout (grid=heldout calibrate=true): this simulator gives
-    its figures again, and with each scenario's step level the single rows' errors shrink."""
-    s = _shipped_simulated_again("2026-11-28-heldout", 108, tmp_path / "a")
-    assert main(["validate", f"measured_from={DATA_DIR / 'fidelity' / '2026-11-28-heldout'}",
+@pytest.mark.parametrize("name", ["2026-11-28-heldout", "2026-11-29-heldout"])
+def test_the_shipped_calibrated_heldout_runs_simulated_again(name, tmp_path, no_emulation):
+    """data/fidelity/<name> (grid=heldout calibrate=true; the calibrated step long on one day,
+    short on the next): this simulator gives its figures again, and with each scenario's step
+    level the single rows' errors shrink by more than half."""
+    s = _shipped_simulated_again(name, 108, tmp_path / "a")
+    assert main(["validate", f"measured_from={DATA_DIR / 'fidelity' / name}",
                  "step_from_scenario=true", f"hydra.run.dir={tmp_path / 'b'}"]) == 0
     level = json.loads((tmp_path / "b" / "fidelity.json").read_text())["summary"]
     assert level["by_case"]["single"]["mean_abs_pct_error"] < \
