@@ -12,7 +12,9 @@ TTFT p50 / p99 from arrival.
 Writes fidelity.json (mean_abs_pct_error, max_abs_pct_error, targets, per-scenario rows),
 fidelity.md (one line per scenario and codec, the signed error of every metric),
 fidelity.png (simulated vs measured) and scenarios/<scenario>.json (both engines' full rows)
-in the run directory; the rows are the report's too.
+in the run directory; the rows are the report's too. What else ran on the host meanwhile
+(kvsim.core.host_load) is measured over the calibration, the comparisons and each scenario:
+its rows carry `background_cores`, the summary `host_load`.
 
 `measured_from=<report.json or run dir>` simulates a saved run's scenarios again against
 the measurements it saved, with no emulation (seconds): how a change to the simulator moves
@@ -32,11 +34,15 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from kvsim.core.host_load import HostLoadMeter
 from kvsim.core.report import format_table
 from kvsim.model.host import DriftConfig
 from kvsim.model.spec import ModelSpec
 
 GRIDS = ("full", "quick", "heldout")
+# other work keeping more CPUs than this busy on average (over the calibration, the
+# comparisons or one scenario) makes a run's figures a shared host's, said beside them
+SHARED_HOST_BACKGROUND_CORES = 0.25
 
 # grid=heldout: contexts and link rates that neither the full grid nor the calibration
 # (kvsim.calibrate.pipeline: link_rates_gbps 0.1 / 0.5 / 1.0, its transfers at 0.3 and 0.8
@@ -329,12 +335,16 @@ def validate(cfg: Config) -> dict:
         _say(note)
     name = cfg.profile_name or f"local-{cfg.model.name}"
     root = Path(cfg.profile_dir) if cfg.profile_dir else DATA_DIR / "profiles"
+    host_load: dict[str, Any] = {}  # what else ran here meanwhile (kvsim.core.host_load)
     if cfg.calibrate:
         root = run_dir / "profiles"
+        meter = HostLoadMeter()
         _calibrate(cfg, root, name, emulations)
+        host_load["calibration"] = _load_dict(meter)
     profiles = find_profiles(root, name, emulations)
     profiles, drift = _drift(cfg, profiles, run_dir)
     started = time.time()
+    comparisons = HostLoadMeter()
     rows: list[dict] = []
     single = errors.single_metrics(list(cfg.ks))
     grid = [(e, r, c) for e in cfg.emulations if e in emulations for r in cfg.rates_gbps
@@ -359,6 +369,7 @@ def validate(cfg: Config) -> dict:
         sim = sim_overrides(common, profiles, cfg.acceptance, cfg.samples)
         probed: dict[str, Any] = {}
         calibrated: dict[str, dict] | None = None  # the unscaled simulation, where scaled
+        meter = HostLoadMeter()
         if probe is not None:  # the step's speed now (kvsim.fidelity.step_probe)
             sim, probed = _probed(sim, profiles, ctx, probe.step_s(ctx), run_dir, name)
         if cfg.step_from_scenario:
@@ -370,6 +381,7 @@ def validate(cfg: Config) -> dict:
             simulated = simulate(sim)
         else:
             measured, simulated = run_pair(emulated, sim)
+        background = _background_keys(meter)
         _keep(run_dir, name, {"measured": measured, "simulated": simulated})
         sim_by = by_codec(simulated)
         for codec, m in by_codec(measured).items():
@@ -383,7 +395,7 @@ def validate(cfg: Config) -> dict:
                         # the decode step after the first (s/token): errors.step_error_pct
                         "tpot_measured_s": m.get("tpot_s"),
                         **_single_keys(s, probed, calibrated, codec),
-                        **_drift_keys(cfg, drift)}
+                        **_drift_keys(cfg, drift), **background}
             rows += errors.compare(scenario, m, s, single)
     distributions: list[dict] = []
     if cfg.multi.enabled and cfg.multi.emulation in emulations:
@@ -393,9 +405,53 @@ def validate(cfg: Config) -> dict:
         prefix_rows, prefix_distributions = _prefix(cfg, profiles, started, run_dir)
         rows += [{**r, **_drift_keys(cfg, drift)} for r in prefix_rows]
         distributions += prefix_distributions
+    host_load["comparisons"] = _load_dict(comparisons)
     return _conclude(cfg, rows, run_dir, profiles,
-                     {"notes": notes, "drift": drift.as_dict() if drift else None},
+                     {"notes": notes, "drift": drift.as_dict() if drift else None,
+                      "host_load": _host_load_summary(host_load, rows)},
                      started, distributions)
+
+
+def _load_dict(meter: HostLoadMeter) -> dict | None:
+    """The meter's interval so far (kvsim.core.host_load.HostLoad.as_dict), None where the
+    host's times cannot be read."""
+    load = meter.read()
+    return load.as_dict() if load is not None else None
+
+
+def _background_keys(meter: HostLoadMeter) -> dict:
+    """A scenario's row keys: the CPUs other work kept busy while it ran (none unmeasured)."""
+    load = meter.read()
+    return {"background_cores": round(load.background_cores, 3)} if load is not None else {}
+
+
+def _host_load_summary(loads: dict[str, dict | None], rows: list[dict]) -> dict:
+    """The summary's host_load: the calibration's and the comparisons' intervals, the most
+    any one scenario had beside it, and whether the host was shared (some interval above
+    SHARED_HOST_BACKGROUND_CORES); `measured` False where nothing could be read."""
+    scenarios = [r["background_cores"] for r in rows
+                 if isinstance(r.get("background_cores"), (int, float))]
+    seen = [v["background_cores"] for v in loads.values() if v] + scenarios
+    return {**loads, "max_scenario_background_cores": max(scenarios, default=None),
+            "measured": bool(seen),
+            "shared": bool(seen) and max(seen) > SHARED_HOST_BACKGROUND_CORES}
+
+
+def _host_load_line(load: Any, measured_by: str = "this run") -> str:
+    """One line on what else ran beside the measurements (a summary's host_load)."""
+    if not isinstance(load, dict) or not load.get("measured"):
+        return f"host: other work beside {measured_by} not measured"
+    parts = []
+    for phase in ("calibration", "comparisons"):
+        v = load.get(phase)
+        if isinstance(v, dict):
+            parts.append(f"{v['background_cores']:.2f} of {v['cpus']} CPUs during the {phase}")
+    most = load.get("max_scenario_background_cores")
+    if isinstance(most, (int, float)):
+        parts.append(f"at most {most:.2f} in one scenario")
+    verdict = ("a shared host: these figures hold for a host this busy" if load.get("shared")
+               else "a quiet host")
+    return f"host: other work beside {measured_by} kept busy {', '.join(parts)}: {verdict}"
 
 
 def _drift(cfg: Config, profiles: Any, run_dir: Path) -> tuple[Any, Any]:
@@ -576,9 +632,11 @@ def _resimulate(cfg: Config) -> dict:
             rows += errors.recompare(codec_rows, s, metrics,
                                      _single_keys(s, probed, calibrated, codec)
                                      if case == "single" else {})
+    saved_summary = report.get("fidelity") if isinstance(report.get("fidelity"), dict) else {}
     return _conclude(cfg, rows, run_dir, profiles, {
         "notes": notes, "measured_from": str(report_path),
-        "measured_provenance": provenance}, started, distributions)
+        "measured_provenance": provenance,
+        "measured_host_load": saved_summary.get("host_load")}, started, distributions)
 
 
 def _saved_drift(report: dict, profiles: Any, run_dir: Path, other: bool = False) -> Any:
@@ -831,14 +889,17 @@ def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path
         # (percentiles of other arrival draws are not the same quantity)
         sim, requests_path = _with_request_log(
             sim_overrides(common, profiles, cfg.acceptance, 1), run_dir, name)
+        meter = HostLoadMeter()
         measured, simulated = run_pair(common, sim)
+        background = _background_keys(meter)
         _keep(run_dir, name, {"measured": measured, "simulated": simulated})
         sim_by = by_codec(simulated)
         for codec, row in by_codec(measured).items():
             scenario = {"case": "multi", "emulation": m.emulation,
                         "bandwidth_gbps": m.bandwidth_gbps, "context_tokens": m.context_tokens,
                         "codec": codec, "rate_per_s": rate, "requests": m.requests,
-                        **({"prefill_nodes": m.prefill_nodes} if m.prefill_nodes > 1 else {})}
+                        **({"prefill_nodes": m.prefill_nodes} if m.prefill_nodes > 1 else {}),
+                        **background}
             rows += errors.compare(scenario, row, sim_by[codec], errors.MULTI_METRICS)
             requests = _measured_requests(row)
             if requests is not None:
@@ -919,9 +980,13 @@ def _prefix(cfg: Config, profiles: Any, started: float, run_dir: Path
                                 workload, [], profiles, cfg.split_cpus)
     sim, requests_path = _with_request_log(
         sim_overrides(common, profiles, cfg.acceptance, 1), run_dir, name)
+    meter = HostLoadMeter()
     measured, simulated = run_pair(common, sim)
+    background = _background_keys(meter)
     _keep(run_dir, name, {"measured": measured, "simulated": simulated})
-    return _prefix_rows(p, by_codec(measured), by_codec(simulated), requests_path, n)
+    rows, distributions = _prefix_rows(p, by_codec(measured), by_codec(simulated),
+                                       requests_path, n)
+    return [{**r, **background} for r in rows], distributions
 
 
 def _prefix_rows(p: PrefixCaseConfig, measured: dict[str, dict], simulated: dict[str, dict],
@@ -1064,6 +1129,10 @@ def _print(rows: list[dict], summary: dict, distributions: list[dict]) -> None:
     if step == step:  # the host's step against its calibration: what TT<k>T errors inherit
         print(f"decode step, simulated (calibrated) vs measured in the scenario: mean |error| "
               f"{step:.1f}%, worst {summary['step_max_abs_pct_error']:.1f}%")
+    if "host_load" in summary:
+        print(_host_load_line(summary["host_load"]))
+    elif "measured_host_load" in summary:
+        print(_host_load_line(summary["measured_host_load"], "the measured run"))
     cases = summary.get("by_case") or {}
     if len(cases) > 1:
         print("by case: " + "; ".join(
