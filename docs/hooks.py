@@ -57,9 +57,24 @@ def runs_of(grid: str) -> list[tuple[str, dict]]:
     return [r for r in shipped_runs() if _grid(r[1]) == grid]
 
 
+def _host_load(report: dict) -> dict:
+    """The run's summary `host_load` (what else ran on the host; {} before it was measured)."""
+    load = (report.get("fidelity") or {}).get("host_load")
+    return load if isinstance(load, dict) and load.get("measured") else {}
+
+
+def headline_run(grid: str) -> tuple[str, dict] | None:
+    """The latest shipped run of a grid measured on a quiet host: a run beside other work
+    (its host_load `shared`) is listed with the others but heads a page only when no quiet
+    run of its grid is shipped."""
+    runs = runs_of(grid)
+    quiet = [r for r in runs if not _host_load(r[1]).get("shared")]
+    return (quiet or runs)[-1] if runs else None
+
+
 def latest_run() -> tuple[str, dict]:
-    """The latest shipped full-grid run: the page's headline and the performance pages'."""
-    return runs_of("full")[-1]
+    """The headline full-grid run: the page's and the performance pages'."""
+    return headline_run("full")
 
 
 def _profile(kind: str) -> dict | list[dict]:
@@ -72,10 +87,10 @@ def _profile(kind: str) -> dict | list[dict]:
 # ---------------------------------------------------------------- formatting
 
 def _table(header: list[str], rows: list[list[object]]) -> str:
-    def cell(v: object) -> str:
-        return "-" if v is None else str(v)
+    def cell(v: object) -> str:  # a "|" in a cell ("mean |error|") would split it
+        return "-" if v is None else str(v).replace("|", "\\|")
 
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = ["| " + " | ".join(cell(h) for h in header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
 
@@ -108,10 +123,10 @@ def _mean_abs(values: list[float]) -> str:
 # ---------------------------------------------------------------- fidelity sections
 
 def fidelity_summary(grid: str = "full") -> str:
-    runs = runs_of(grid)
-    if not runs:
+    run = headline_run(grid)
+    if run is None:
         return f"No `grid={grid}` run is shipped yet."
-    name, report = runs[-1]
+    name, report = run
     fid, prov, cfg = report["fidelity"], report["provenance"], report["config"]
     single = [r for r in report["rows"] if r.get("case") == "single"]
     overrides = " ".join(report.get("overrides") or [])
@@ -159,6 +174,9 @@ def fidelity_summary(grid: str = "full") -> str:
     drift = fid.get("drift")
     if isinstance(drift, dict):
         lines.append(f"- **Host check**: {drift['words']}.")
+    load = _host_load(report)
+    if load:
+        lines.append(f"- **Other work on the host**: {_host_words(load)}.")
     worst = fid.get("worst")
     if worst:
         lines.append(
@@ -238,17 +256,36 @@ def fidelity_table() -> str:
     return out
 
 
+def _host_words(load: dict) -> str:
+    """What else ran beside a run, in words (its summary's host_load)."""
+    parts = [f"{v['background_cores']:.2f} of {v['cpus']} CPUs {when}"
+             for key, when in (("before", "before it"), ("calibration", "during the calibration"),
+                               ("profile", "while its profile was calibrated"),
+                               ("comparisons", "during the comparisons"))
+             if isinstance(v := load.get(key), dict)]
+    most = load.get("max_scenario_background_cores")
+    if isinstance(most, (int, float)):
+        parts.append(f"at most {most:.2f} in one scenario")
+    return ("a shared host: " if load.get("shared") else "a quiet host: ") + ", ".join(parts)
+
+
 def fidelity_runs() -> str:
     rows = []
     for name, report in shipped_runs():
         fid, prov = report["fidelity"], report["provenance"]
         figure = PLOTS_DIR / f"fidelity-{name}.png"
+        load = _host_load(report)
+        busiest = max([v["background_cores"] for v in load.values() if isinstance(v, dict)]
+                      + [load.get("max_scenario_background_cores") or 0.0], default=0.0)
+        host = "not measured" if not load else (
+            f"shared (up to {busiest:.2f} CPUs of other work)" if load.get("shared")
+            else "quiet")
         rows.append([f"`{name}`", f"`{_grid(report)}`", _utc(prov["created_unix_s"]),
-                     f"`{prov['git_describe']}`", fid["compared"],
+                     f"`{prov['git_describe']}`", host, fid["compared"],
                      f"{fid['mean_abs_pct_error']:.2f}%", f"{fid['max_abs_pct_error']:.2f}%",
                      f"[figure](../plots/{figure.name})" if figure.is_file() else "-"])
-    return _table(["run (data/fidelity/)", "grid", "report written", "commit", "comparisons",
-                   "mean |error|", "worst |error|", "figure"], rows)
+    return _table(["run (data/fidelity/)", "grid", "report written", "commit", "host",
+                   "comparisons", "mean |error|", "worst |error|", "figure"], rows)
 
 
 # ---------------------------------------------------------------- performance sections

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -126,6 +127,10 @@ def test_calibrate_command_writes_profiles_and_keeps_them(tmp_path, capsys):
     hw = tmp_path / "hardware" / "local-tiny-random.json"
     ct = tmp_path / "codec_timing" / "local-tiny-random.json"
     assert hw.is_file() and ct.is_file()
+    # the profile says what else ran on the host while it was measured (Linux: /proc/stat)
+    if Path("/proc/stat").is_file():
+        load = json.loads(hw.read_text())["host"]["background"]
+        assert load["cpus"] >= 1 and load["wall_s"] > 0 and load["background_cores"] >= 0
     out = capsys.readouterr().out
     assert f"hardware.profile={hw}" in out and f"codec_timing={ct}" in out
     assert main(args) != 0  # an existing profile is kept without overwrite=true
@@ -495,6 +500,10 @@ def test_calibrate_measures_the_draft_step_on_each_link(tmp_path, monkeypatch):
     assert tc.draft_step["busy_ratio"] == pytest.approx(3.5)
     assert tc.draft_step["model"] == "tiny-random"
     assert "over tc" in tc.draft_step["measured"]
+    if Path("/proc/stat").is_file():  # each link's own measurement's neighbours
+        for e in ("token-bucket", "tc"):
+            doc = json.loads((tmp_path / "link" / f"local-tiny-random-{e}.json").read_text())
+            assert doc["background"]["background_cores"] >= 0
     # tc unavailable: skipped, no transfer over it; without receiver timing no draft step
     calls.clear()
     available[0] = (False, "no root")

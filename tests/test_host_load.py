@@ -3,6 +3,7 @@ a validation reports it."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -14,8 +15,10 @@ from kvsim.core import host_load
 from kvsim.core.host_load import HostLoad, HostLoadMeter
 from kvsim.fidelity.validation import (
     SHARED_HOST_BACKGROUND_CORES,
+    _host_before,
     _host_load_line,
     _host_load_summary,
+    _profile_background,
 )
 
 _TICK_S = 0.01  # a /proc/stat written here counts in ticks of this length (SC_CLK_TCK 100)
@@ -102,3 +105,29 @@ def test_a_validation_says_whether_its_host_was_shared():
     assert _host_load_line(nothing) == "host: other work beside this run not measured"
     assert _host_load_line(None, "the measured run") == \
         "host: other work beside the measured run not measured"
+
+
+@pytest.mark.skipif(not Path("/proc/stat").is_file(), reason="no /proc/stat (not Linux)")
+def test_the_host_is_watched_idle_before_a_validation(capsys):
+    assert _host_before(0.0) is None  # host_check_s=0: no look
+    before = _host_before(0.3)
+    assert before["wall_s"] == pytest.approx(0.3, abs=0.2) and before["own_cores"] < 0.5
+    assert "CPUs busy with other work" in capsys.readouterr().err
+
+
+def test_a_validation_on_a_saved_profile_says_what_ran_beside_its_calibration(tmp_path):
+    recorded = {"background_cores": 0.6, "cpus": 2, "wall_s": 300.0, "own_cores": 1.0,
+                "steal_cores": 0.0}
+    hw = tmp_path / "hw.json"
+    hw.write_text(json.dumps({"host": {"cpu_model": "x", "background": recorded}}))
+    assert _profile_background(hw) == recorded
+    s = _host_load_summary({"profile": recorded, "comparisons": {**recorded,
+                                                                 "background_cores": 0.0}}, [])
+    assert s["shared"]  # a busy calibration makes the figures a busy host's too
+    assert "0.60 of 2 CPUs while its profile was calibrated" in _host_load_line(s)
+    # a profile from before it was recorded, or none readable: nothing said
+    hw.write_text(json.dumps({"host": {"cpu_model": "x"}}))
+    assert _profile_background(hw) is None
+    hw.write_text(json.dumps({"host": "an older host name"}))
+    assert _profile_background(hw) is None
+    assert _profile_background(tmp_path / "missing.json") is None

@@ -31,6 +31,7 @@ from typing import Any
 from omegaconf import MISSING
 
 from kvsim.core.checks import check_choice
+from kvsim.core.host_load import HostLoadMeter
 from kvsim.core.report import format_table
 from kvsim.model.spec import ModelSpec
 from kvsim.transport.config import DEQUANTIZE_MODES
@@ -156,6 +157,16 @@ def _write(path: Path, doc: dict) -> None:
     path.write_text(json.dumps(doc, indent=1) + "\n")
 
 
+def _record_background(doc: dict, meter: HostLoadMeter, what: str, say) -> None:
+    """doc["background"]: the CPUs other work kept busy on this host while `what` (the
+    meter's interval so far; kvsim.core.host_load), said; nothing where unreadable."""
+    load = meter.read()
+    if load is None:
+        return
+    doc["background"] = load.as_dict()
+    say(f"host: {load.describe()} while {what}")
+
+
 def calibrate(cfg: Config) -> list[dict]:
     import torch
 
@@ -168,6 +179,7 @@ def calibrate(cfg: Config) -> list[dict]:
     root = out_root(cfg.out_dir or None)
     paths = output_paths(cfg, root)
     check_new(paths.values(), cfg.overwrite)  # before anything is measured
+    meter = HostLoadMeter()  # other work on the host while this measures (recorded)
     say = (lambda msg: print(f"calibrate: {msg}", file=sys.stderr, flush=True)) \
         if cfg.progress else (lambda msg: None)
     specs = [resolve_codec(c) for c in cfg.codecs]
@@ -251,6 +263,7 @@ def calibrate(cfg: Config) -> list[dict]:
                     ("fitted" if label in fitted else "no fit (a bigger layer was not "
                      "slower, or the line's fixed part is negative): jobs in proportion to "
                      "their bytes"))
+    _record_background(hw_doc["host"], meter, "the model, codecs and receiver were timed", say)
     _write(paths["hardware"], hw_doc)
     _write(paths["codec_timing"], timing_doc)
     for ctx, p, t, x in zip(hw_doc["prefill"]["tokens"], hw_doc["prefill"]["s"],
@@ -288,13 +301,15 @@ def _link(cfg: Config, emulation: str, path: Path, prov: dict, say, hw_doc: dict
             say(f"link tc skipped: {why}")
             return {"what": "link", "item": emulation, "status": f"skipped: {why}"}
     name = path.stem
+    meter = HostLoadMeter()
     doc = measure_link_profile(emulation, list(cfg.link_rates_gbps), name=name)
     doc.update({k: v for k, v in prov.items() if k not in doc})
     _write(path, doc)  # the link's fit is kept even if its draft-step transfer fails
     draft = _link_draft_step(cfg, emulation, say, hw_doc, main_rows)
     if draft is not None:
         doc["draft_step"] = draft
-        _write(path, doc)
+    _record_background(doc, meter, f"link {emulation} was measured", say)
+    _write(path, doc)
     say(f"link {emulation}: efficiency {doc['efficiency']:.4f}, latency "
         f"{doc['latency_s'] * 1e3:.2f} ms, {doc['message_overhead_bytes']:.0f} B/message "
         f"(fit within {doc['fit_max_abs_pct_error']:.2f}%)" +

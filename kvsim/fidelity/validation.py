@@ -194,6 +194,10 @@ class Config:
     # this host against the hardware profile's, probed before anything is compared
     # (kvsim.model.host): rescale the profile's model times | refuse | off
     drift: DriftConfig = field(default_factory=DriftConfig)
+    # s watching the host with this process idle before anything is measured: other work
+    # above SHARED_HOST_BACKGROUND_CORES is warned of at once (0: no look; the calibration's,
+    # the comparisons' and each scenario's background are measured anyway)
+    host_check_s: float = 2.0
     target_mean_abs_pct: float = 5.0  # % mean absolute error over every comparison
     target_max_abs_pct: float = 10.0  # % worst absolute error
     fail_on_target: bool = False  # true: exit non-zero when the mean is above its target
@@ -211,6 +215,8 @@ class Config:
         if not self.measured_from and any(k > self.output_tokens or k < 2 for k in self.ks):
             raise ValueError(f"ks must be in 2..output_tokens ({self.output_tokens}), "
                              f"got {self.ks}")
+        if not self.host_check_s >= 0:
+            raise ValueError(f"host_check_s must be >= 0 s, got {self.host_check_s}")
         if self.samples < 1:
             raise ValueError(f"samples must be >= 1, got {self.samples}")
         if self.repeats < 1:
@@ -335,13 +341,16 @@ def validate(cfg: Config) -> dict:
         _say(note)
     name = cfg.profile_name or f"local-{cfg.model.name}"
     root = Path(cfg.profile_dir) if cfg.profile_dir else DATA_DIR / "profiles"
-    host_load: dict[str, Any] = {}  # what else ran here meanwhile (kvsim.core.host_load)
+    # what else ran here: first alone, then meanwhile (kvsim.core.host_load)
+    host_load: dict[str, Any] = {"before": _host_before(cfg.host_check_s)}
     if cfg.calibrate:
         root = run_dir / "profiles"
         meter = HostLoadMeter()
         _calibrate(cfg, root, name, emulations)
         host_load["calibration"] = _load_dict(meter)
     profiles = find_profiles(root, name, emulations)
+    if not cfg.calibrate:  # what ran beside the profile's own measurement, where it says
+        host_load["profile"] = _profile_background(profiles.hardware)
     profiles, drift = _drift(cfg, profiles, run_dir)
     started = time.time()
     comparisons = HostLoadMeter()
@@ -419,6 +428,36 @@ def _load_dict(meter: HostLoadMeter) -> dict | None:
     return load.as_dict() if load is not None else None
 
 
+def _host_before(check_s: float) -> dict | None:
+    """The host's other work over check_s with this process idle, before anything is
+    measured; said at once, with a warning where it is above SHARED_HOST_BACKGROUND_CORES
+    (None: check_s 0, or the host's times unreadable)."""
+    meter = HostLoadMeter()
+    if not check_s or not meter.available:
+        return None
+    time.sleep(check_s)
+    load = meter.read()
+    if load is None:
+        return None
+    shared = load.background_cores > SHARED_HOST_BACKGROUND_CORES
+    _say(f"host: {load.describe()} before this run" + (
+        ": a shared host; the figures will hold for a host this busy (the summary says "
+        "how busy it was during each part)" if shared else ""))
+    return load.as_dict()
+
+
+def _profile_background(hardware_profile: Any) -> dict | None:
+    """The other work a hardware profile recorded beside its calibration (`host.background`,
+    kvsim.calibrate.pipeline), None for a profile that recorded none."""
+    try:
+        host = json.loads(Path(hardware_profile).read_text()).get("host")
+    except (OSError, ValueError, AttributeError):
+        return None
+    load = host.get("background") if isinstance(host, dict) else None
+    return load if isinstance(load, dict) and isinstance(
+        load.get("background_cores"), (int, float)) and "cpus" in load else None
+
+
 def _background_keys(meter: HostLoadMeter) -> dict:
     """A scenario's row keys: the CPUs other work kept busy while it ran (none unmeasured)."""
     load = meter.read()
@@ -426,9 +465,11 @@ def _background_keys(meter: HostLoadMeter) -> dict:
 
 
 def _host_load_summary(loads: dict[str, dict | None], rows: list[dict]) -> dict:
-    """The summary's host_load: the calibration's and the comparisons' intervals, the most
-    any one scenario had beside it, and whether the host was shared (some interval above
-    SHARED_HOST_BACKGROUND_CORES); `measured` False where nothing could be read."""
+    """The summary's host_load: the intervals before the run (this process idle), of the
+    calibration (or what the profile recorded of its own: `profile`) and of the
+    comparisons, the most any one scenario had beside it, and whether the host was shared
+    (some interval above SHARED_HOST_BACKGROUND_CORES); `measured` False where nothing
+    could be read."""
     scenarios = [r["background_cores"] for r in rows
                  if isinstance(r.get("background_cores"), (int, float))]
     seen = [v["background_cores"] for v in loads.values() if v] + scenarios
@@ -442,10 +483,12 @@ def _host_load_line(load: Any, measured_by: str = "this run") -> str:
     if not isinstance(load, dict) or not load.get("measured"):
         return f"host: other work beside {measured_by} not measured"
     parts = []
-    for phase in ("calibration", "comparisons"):
+    for phase, when in (("profile", "while its profile was calibrated"),
+                        ("before", "before it"), ("calibration", "during the calibration"),
+                        ("comparisons", "during the comparisons")):
         v = load.get(phase)
         if isinstance(v, dict):
-            parts.append(f"{v['background_cores']:.2f} of {v['cpus']} CPUs during the {phase}")
+            parts.append(f"{v['background_cores']:.2f} of {v['cpus']} CPUs {when}")
     most = load.get("max_scenario_background_cores")
     if isinstance(most, (int, float)):
         parts.append(f"at most {most:.2f} in one scenario")
