@@ -44,6 +44,13 @@ CASES = [
               "backend": "triton"}, {"backend": "torch"}),
     ("kivi", {"bits": 4, "group": 16, "value_group": 0, "residual": 32, "page_tokens": 64,
               "window": "kivi", "backend": "triton"}, {"backend": "torch"}),
+    # kcvt: each key channel's scale over every quantized token, across pages (150 - 22 =
+    # 128 quantized: 2-bit rows fill their bytes); 4-bit with no window; 8-bit, any count
+    ("kcvt", {"bits": 2, "residual": 22, "page_tokens": 64, "backend": "triton"},
+     {"backend": "torch"}),
+    ("kcvt", {"bits": 4, "page_tokens": 64, "backend": "triton"}, {"backend": "torch"}),
+    ("kcvt", {"bits": 8, "residual": 7, "page_tokens": 64, "backend": "triton"},
+     {"backend": "torch"}),
     ("lynx", {"page_tokens": 64, "backend": "triton"}, {"backend": "torch"}),
     ("lynx", {"page_tokens": 64, "split": [2, 2, 4], "backend": "triton"},
      {"backend": "torch"}),
@@ -76,7 +83,8 @@ def test_device_path_gives_the_reference_bytes(name, params, ref_params, kernel_
 @pytest.mark.parametrize("name,params,ref_params", CASES)
 def test_compiled_device_path_gives_the_reference_bytes(name, params, ref_params):
     """The same on a GPU, compiled (bf16 read directly; decode written in bf16 directly)."""
-    kv = kv_sample((2, 4, 300, 128))
+    # (kcvt: 302 - 22 = 280 quantized tokens, whole bytes of 2-bit codes per key row)
+    kv = kv_sample((2, 4, 302 if name == "kcvt" else 300, 128))
     shape = KVShape.of(kv)
     codec = make_codec(name, params)
     ref = make_codec(name, {**params, **ref_params}) if ref_params else codec
@@ -115,6 +123,20 @@ def test_decode_device_refuses_a_buffer_of_the_wrong_size(kernel_device):
     buf = codec.encode_device(kv.to(kernel_device)).buffers[0]
     with pytest.raises(CodecError, match="stream 0 buffer must be 1-D uint8 of"):
         codec.decode_device([buf[:-1]], KVShape.of(kv))
+
+
+def test_kcvt_triton_falls_back_where_key_rows_do_not_fill_bytes():
+    """bits 4 packs 2 codes a byte: 21 quantized tokens leave each key channel's row half a
+    byte short, so there is no device path and 'triton' runs the reference (the bytes of
+    backend 'torch')."""
+    params = {"bits": 4, "residual": 3, "page_tokens": 8}
+    kv = kv_sample((1, 2, 24, 8))
+    tri = make_codec("kcvt", {**params, "backend": "triton"})
+    assert not tri.has_device_path(kv.device, KVShape.of(kv))
+    assert tri.has_device_path(kv.device, KVShape.of(kv[:, :, :, :23]))  # 20 quantized
+    assert payloads(tri.encode(kv)) == payloads(make_codec("kcvt", {**params,
+                                                                    "backend": "torch"})
+                                                 .encode(kv))
 
 
 def test_kivi_triton_falls_back_where_groups_do_not_fill_bytes():

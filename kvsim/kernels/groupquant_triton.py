@@ -23,15 +23,22 @@ def quantize_tile(x, valid, AXIS: tl.constexpr, QMAX: tl.constexpr):
     mx = tl.max(tl.where(valid, x, float("-inf")), axis=AXIS) + 0.0
     scale16 = tl.math.div_rn(mx - mn, tl.full(mn.shape, QMAX, tl.float32)).to(tl.float16)
     zero16 = mn.to(tl.float16)
-    s = scale16.to(tl.float32)
-    z = zero16.to(tl.float32)
+    q = quantize_given(x, scale16.to(tl.float32), zero16.to(tl.float32), AXIS, QMAX)
+    return q, scale16, zero16
+
+
+@triton.jit
+def quantize_given(x, s, z, AXIS: tl.constexpr, QMAX: tl.constexpr):
+    """x: 2-D fp32 tile, one group per line along AXIS, whose groups' scale and zero point
+    (the fp16 values, as fp32; AXIS reduced) are given -> codes int32 like x (0 where the
+    scale is 0). quantize_tile's second half: a group that spans tiles (kcvt: a key
+    channel over every token) is quantized tile by tile with its stats found first."""
     live = s > 0
     safe = tl.where(live, s, 1.0)
     v = tl.math.div_rn(x - tl.expand_dims(z, AXIS),
                        tl.broadcast_to(tl.expand_dims(safe, AXIS), x.shape))
     q = tl.minimum(tl.maximum(tl.floor(v + 0.5), 0.0), QMAX * 1.0)
-    q = tl.where(tl.expand_dims(live, AXIS), q, 0.0).to(tl.int32)
-    return q, scale16, zero16
+    return tl.where(tl.expand_dims(live, AXIS), q, 0.0).to(tl.int32)
 
 
 @triton.jit

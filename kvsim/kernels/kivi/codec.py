@@ -36,9 +36,10 @@ k_* fields as above with qk, v_* with qv, then instead of resid:
 backend (param of kivi / kcvt / oscar / gear; default auto):
 'torch' = the torch reference (groupquant.quantize_groups, bitpack), 'cpu' = the numba
 kernels of kivi/cpu.py (same bytes, same decoded bits), 'auto' = cpu kernels for CPU tensors.
-kivi alone also takes 'triton', its device path (Codec.encode_device: the Triton kernels of
-kivi/triton.py write every chunk into one wire buffer on the GPU, same bytes), which 'auto'
-takes for CUDA tensors (the others run the torch reference there).
+kivi and kcvt also take 'triton', their device path (Codec.encode_device: the Triton kernels
+of kivi/triton.py write every chunk into one wire buffer on the GPU, same bytes; kcvt's key
+stats found first by torch on the device), which 'auto' takes for CUDA tensors where it
+applies (the others run the torch reference there).
 """
 
 from __future__ import annotations
@@ -68,7 +69,9 @@ from kvsim.kernels.kivi.geometry import (
     G_BASE,
     G_KK,
     G_KR,
+    G_KS,
     G_KV,
+    G_KZ,
     G_QK,
     G_QV,
     G_RANK,
@@ -89,7 +92,7 @@ else:
     kivi_cpu = lazy_module("kvsim.kernels.kivi.cpu")
 
 BACKENDS = ("auto", "torch", "cpu")
-# kivi alone has a device path (Triton kernels of kivi/triton.py; 'auto' takes it on CUDA)
+# kivi and kcvt have a device path (Triton kernels of kivi/triton.py; 'auto' takes it on CUDA)
 KIVI_BACKENDS = (*BACKENDS, "triton")
 WINDOWS = ("shared", "kivi")
 
@@ -293,6 +296,43 @@ class BackboneCodec(Codec):
         for c in enc.streams[0]:
             layouts[c.page].check(c.payload, f"{self.name}: chunk (stream 0, layer {c.layer}, "
                                              f"page {c.page})")
+
+    # ---- the device path's shared parts (kivi and kcvt) --------------------------------
+    def _device_geometry(self, shape: KVShape, device: torch.device
+                         ) -> tuple[np.ndarray, torch.Tensor, int]:
+        """(geometry, the same on `device`, bytes per layer), built once per shape and
+        device: the host work is not repeated in front of every launch."""
+        cache = self.__dict__.setdefault("_device_geometries", {})
+        key = (shape, str(device))
+        if key not in cache:
+            geo, layer_bytes, _ = self.geometry(shape)
+            cache.clear()  # one shape at a time is what a sender encodes
+            cache[key] = (geo, torch.from_numpy(geo).to(device), layer_bytes)
+        return cache[key]
+
+    def _window_copy(self, buf: torch.Tensor, cache: torch.Tensor, geo: np.ndarray,
+                     layer_bytes: int, to_wire: bool) -> None:
+        """Copy the bf16 tokens of every page between the cache (the input when to_wire, else
+        the decode's output) and the k_resid / v_resid bytes of the wire buffer: one copy per K / V
+        plane of each page that has such tokens (the last one or two)."""
+        layers, _, heads, _, dim = cache.shape
+        for p in range(geo.shape[0]):
+            t0 = int(geo[p, G_T0])
+            for plane, q, r, col in ((0, geo[p, G_QK], geo[p, G_RK], G_KR),
+                                     (1, geo[p, G_QV], geo[p, G_RV], G_VR)):
+                q, r = int(q), int(r)
+                if not r:
+                    continue
+                wire = buf.as_strided((layers, heads, r, 2 * dim),
+                                      (layer_bytes, r * 2 * dim, 2 * dim, 1),
+                                      int(geo[p, G_BASE] + geo[p, col]))
+                tokens = cache[:, plane, :, t0 + q:t0 + q + r]  # [L, H, r, D]
+                if to_wire:  # the window alone rounded to bf16
+                    wire.copy_(tokens.to(torch.bfloat16).view(torch.uint8))
+                else:
+                    values = torch.empty(tokens.shape, dtype=torch.bfloat16, device=buf.device)
+                    values.view(torch.uint8).copy_(wire)
+                    tokens.copy_(values)
 
     # ---- the fused CPU path: kivi_cpu.encode_fused / decode_fused -----------------------
     def fused(self, device: torch.device, shape: KVShape) -> bool:
@@ -552,42 +592,6 @@ class KiviCodec(BackboneCodec):
         bytes) runs the torch / cpu paths as 'auto'."""
         return "auto" if self.params.backend == "triton" else self.params.backend
 
-    def _device_geometry(self, shape: KVShape, device: torch.device
-                         ) -> tuple[np.ndarray, torch.Tensor, int]:
-        """(geometry, the same on `device`, bytes per layer), built once per shape and
-        device: the host work is not repeated in front of every launch."""
-        cache = self.__dict__.setdefault("_device_geometries", {})
-        key = (shape, str(device))
-        if key not in cache:
-            geo, layer_bytes, _ = self.geometry(shape)
-            cache.clear()  # one shape at a time is what a sender encodes
-            cache[key] = (geo, torch.from_numpy(geo).to(device), layer_bytes)
-        return cache[key]
-
-    def _window_copy(self, buf: torch.Tensor, cache: torch.Tensor, geo: np.ndarray,
-                     layer_bytes: int, to_wire: bool) -> None:
-        """Copy the bf16 tokens of every page between the cache (the input when to_wire, else
-        the decode's output) and the k_resid / v_resid bytes of the wire buffer: one copy per K / V
-        plane of each page that has such tokens (the last one or two)."""
-        layers, _, heads, _, dim = cache.shape
-        for p in range(geo.shape[0]):
-            t0 = int(geo[p, G_T0])
-            for plane, q, r, col in ((0, geo[p, G_QK], geo[p, G_RK], G_KR),
-                                     (1, geo[p, G_QV], geo[p, G_RV], G_VR)):
-                q, r = int(q), int(r)
-                if not r:
-                    continue
-                wire = buf.as_strided((layers, heads, r, 2 * dim),
-                                      (layer_bytes, r * 2 * dim, 2 * dim, 1),
-                                      int(geo[p, G_BASE] + geo[p, col]))
-                tokens = cache[:, plane, :, t0 + q:t0 + q + r]  # [L, H, r, D]
-                if to_wire:  # the window alone rounded to bf16
-                    wire.copy_(tokens.to(torch.bfloat16).view(torch.uint8))
-                else:
-                    values = torch.empty(tokens.shape, dtype=torch.bfloat16, device=buf.device)
-                    values.view(torch.uint8).copy_(wire)
-                    tokens.copy_(values)
-
     def _encode_device(self, kv: torch.Tensor, shape: KVShape
                        ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         from kvsim.kernels.kivi import triton as kivi_triton
@@ -679,11 +683,13 @@ class KcvtParams:
     bits: int = 4
     residual: int = 0  # most recent tokens kept in bf16 (any count: no token groups)
     page_tokens: int = 256
-    backend: str = "auto"  # auto (numba kernels for CPU tensors) | torch | cpu; same bytes
+    # auto (numba kernels for CPU tensors, the device path for CUDA ones) | torch | cpu |
+    # triton (the device path); same bytes
+    backend: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}")
+        if self.backend not in KIVI_BACKENDS:
+            raise ValueError(f"backend must be one of {KIVI_BACKENDS}")
         if self.bits not in QUANT_BITS:
             raise ValueError(f"bits must be one of {QUANT_BITS}")
         if self.residual < 0 or self.page_tokens < 1:
@@ -698,3 +704,86 @@ class KcvtCodec(BackboneCodec):
 
     def backbone(self) -> Backbone:
         return Backbone(self.params.bits, 0, 0, self.params.residual)
+
+    # ---- the device path (kivi/triton.py's kernels, the keys' stats given) -------------
+    def has_device_path(self, device: torch.device, shape: KVShape) -> bool:
+        p = self.params
+        if not (p.backend == "triton" or (p.backend == "auto" and device.type == "cuda")):
+            return False
+        # each page's key rows (a channel's codes along its quantized tokens) and each
+        # token's value row fill whole bytes, as the kernels write them
+        per = 8 // p.bits
+        quantized = self.backbone().quantized_tokens(shape.tokens)
+        return p.page_tokens % per == 0 and quantized % per == 0 and shape.head_dim % per == 0
+
+    def quant_backend(self) -> str:
+        """'triton' where the device path does not apply runs the torch / cpu paths as
+        'auto'."""
+        return "auto" if self.params.backend == "triton" else self.params.backend
+
+    def _key_stats(self, kv: torch.Tensor, tq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale16, zero16) fp16 [layers, heads, head_dim] of each key channel over the
+        first tq tokens: groupquant.quantize_groups's op sequence, on kv's device."""
+        kt = kv[:, 0, :, :tq].to(torch.float32)  # [L, H, tq, D]
+        mn = kt.amin(dim=2) + 0.0  # -0.0 -> +0.0, as the reference
+        mx = kt.amax(dim=2) + 0.0
+        return (((mx - mn) / float((1 << self.params.bits) - 1)).to(torch.float16),
+                mn.to(torch.float16))
+
+    def _page0_fields(self, buf: torch.Tensor, shape: KVShape, geo: np.ndarray,
+                      layer_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of every layer's k_scale / k_zero bytes (uint8 [layers, heads * head_dim * 2],
+        in page 0's chunk) inside the wire buffer."""
+        n = shape.kv_heads * shape.head_dim * 2
+        return tuple(buf.as_strided((shape.layers, n), (layer_bytes, 1),
+                                    int(geo[0, G_BASE] + geo[0, col])) for col in (G_KS, G_KZ))
+
+    def _encode_device(self, kv: torch.Tensor, shape: KVShape
+                       ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        from kvsim.kernels.kivi import triton as kivi_triton
+        from kvsim.kernels.triton_support import require_kernel_device
+
+        require_kernel_device(kv.device, "kcvt triton backend", "use backend 'cpu' or 'auto'")
+        p, bb = self.params, self.backbone()
+        status = nonfinite_status(kv, fp16_range=True)
+        if status is None:  # on the CPU (interpreter): checked now, as the reference does
+            check_fp16_range(kv, self.name)
+        geo, geo_dev, layer_bytes = self._device_geometry(shape, kv.device)
+        buf = torch.empty(shape.layers * layer_bytes, dtype=torch.uint8, device=kv.device)
+        x = kv.detach()
+        tq = bb.quantized_tokens(shape.tokens)
+        # fp32 [2, L, H, D]: the keys' scales and zero points (none quantized: unused zeros)
+        given = torch.zeros(2, shape.layers, shape.kv_heads, shape.head_dim, device=x.device)
+        if tq:  # the keys' stats, stored once per layer in page 0
+            scale16, zero16 = self._key_stats(x, tq)
+            for view, v in zip(self._page0_fields(buf, shape, geo, layer_bytes),
+                               (scale16, zero16), strict=True):
+                view.copy_(v.contiguous().view(torch.uint8).reshape(view.shape))
+            given = torch.stack((scale16, zero16)).to(torch.float32).contiguous()
+        kivi_triton.encode_quantized(x, buf, geo_dev, layer_bytes, p.page_tokens,
+                                     kivi_triton.KCVT_TOKENS_PER_K_PROGRAM, bb.vgroup(shape),
+                                     p.bits, given)
+        self._window_copy(buf, x, geo, layer_bytes, True)
+        return [buf], status
+
+    def _decode_device(self, buffers: list[torch.Tensor], shape: KVShape,
+                       dtype: torch.dtype) -> torch.Tensor:
+        from kvsim.kernels.kivi import triton as kivi_triton
+        from kvsim.kernels.triton_support import interpreting
+
+        p, bb, buf = self.params, self.backbone(), buffers[0]
+        direct = (dtype if dtype in (torch.bfloat16, torch.float32) and not interpreting()
+                  else torch.float32)
+        out = torch.empty(shape.dims, dtype=direct, device=buf.device)
+        geo, geo_dev, layer_bytes = self._device_geometry(shape, buf.device)
+        given = torch.zeros(2, shape.layers, shape.kv_heads, shape.head_dim,
+                            device=buf.device)
+        if bb.quantized_tokens(shape.tokens):
+            for plane, view in enumerate(self._page0_fields(buf, shape, geo, layer_bytes)):
+                given[plane] = view.contiguous().view(torch.float16).reshape(
+                    given.shape[1:]).to(torch.float32)
+        kivi_triton.decode_quantized(buf, out, geo_dev, layer_bytes, p.page_tokens,
+                                     kivi_triton.KCVT_TOKENS_PER_K_PROGRAM, bb.vgroup(shape),
+                                     p.bits, given)
+        self._window_copy(buf, out, geo, layer_bytes, False)
+        return out
