@@ -368,6 +368,17 @@ def test_the_shipped_calibrated_full_grid_runs_simulated_again(name, tmp_path, n
     _shipped_simulated_again(name, 324, tmp_path)
 
 
+def test_the_shipped_heldout_run_beside_a_neighbour_simulated_again(tmp_path, no_emulation,
+                                                                   capsys):
+    """data/fidelity/2026-11-29-heldout-busy (a memory-copy loop on one of the 2 CPUs
+    throughout): its figures again, and the neighbour it measured carried with them."""
+    s = _shipped_simulated_again("2026-11-29-heldout-busy", 108, tmp_path)
+    load = s["measured_host_load"]
+    assert load["shared"] and 0.9 < load["comparisons"]["background_cores"] <= 1.05
+    assert 0.9 < load["calibration"]["background_cores"] <= 1.05
+    assert "a shared host" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("name", ["2026-11-28-heldout", "2026-11-29-heldout"])
 def test_the_shipped_calibrated_heldout_runs_simulated_again(name, tmp_path, no_emulation):
     """data/fidelity/<name> (grid=heldout calibrate=true; the calibrated step long on one day,
