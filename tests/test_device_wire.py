@@ -51,6 +51,11 @@ CASES = [
     ("kcvt", {"bits": 4, "page_tokens": 64, "backend": "triton"}, {"backend": "torch"}),
     ("kcvt", {"bits": 8, "residual": 7, "page_tokens": 64, "backend": "triton"},
      {"backend": "torch"}),
+    # oscar: kivi's kernels on the rotated, norm-scaled tokens (112 of 150 quantized)
+    ("oscar", {"bits": 2, "group": 16, "value_group": 16, "residual": 32, "page_tokens": 64,
+               "backend": "triton"}, {"backend": "torch"}),
+    ("oscar", {"bits": 4, "group": 16, "residual": 32, "page_tokens": 64,
+               "scale_values": True, "backend": "triton"}, {"backend": "torch"}),
     ("lynx", {"page_tokens": 64, "backend": "triton"}, {"backend": "torch"}),
     ("lynx", {"page_tokens": 64, "split": [2, 2, 4], "backend": "triton"},
      {"backend": "torch"}),
@@ -94,7 +99,8 @@ def test_compiled_device_path_gives_the_reference_bytes(name, params, ref_params
     for dtype in (torch.float32, torch.bfloat16):
         expect = ref.decode(want, dtype=dtype)
         got = codec.decode_device(dw.buffers, shape, dtype).cpu()
-        if name == "lynx":  # as tests/test_lynx_triton.py: fp32 within 1e-6, bf16 one ulp
+        if name in ("lynx", "oscar"):  # as tests/test_lynx_triton.py: fp32 within 1e-6,
+            # bf16 one ulp (oscar: the FWHT kernel rotates back, the reference on the host)
             rtol = 8e-3 if dtype == torch.bfloat16 else 1e-6
             torch.testing.assert_close(got.float(), expect.float(), rtol=rtol, atol=1e-6)
         else:
@@ -123,6 +129,18 @@ def test_decode_device_refuses_a_buffer_of_the_wrong_size(kernel_device):
     buf = codec.encode_device(kv.to(kernel_device)).buffers[0]
     with pytest.raises(CodecError, match="stream 0 buffer must be 1-D uint8 of"):
         codec.decode_device([buf[:-1]], KVShape.of(kv))
+
+
+def test_oscar_device_path_refuses_rotated_values_beyond_fp16(kernel_device):
+    """A value token within fp16 whose rotation is not (x 8 at head_dim 64): refused before
+    any byte is written, as the reference refuses it."""
+    codec = make_codec("oscar", {"bits": 2, "group": 16, "value_group": 16, "residual": 32,
+                                 "page_tokens": 64, "backend": "triton"})
+    kv = kv_sample((1, 1, 80, 64), torch.float32)
+    kv[0, 1, 0, 3] = 60000.0
+    assert codec.has_device_path(torch.device(kernel_device), KVShape.of(kv))
+    with pytest.raises(ValueError, match="rotated values reach"):
+        codec.encode_device(kv.to(kernel_device))
 
 
 def test_kcvt_triton_falls_back_where_key_rows_do_not_fill_bytes():

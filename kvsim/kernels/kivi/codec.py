@@ -36,10 +36,11 @@ k_* fields as above with qk, v_* with qv, then instead of resid:
 backend (param of kivi / kcvt / oscar / gear; default auto):
 'torch' = the torch reference (groupquant.quantize_groups, bitpack), 'cpu' = the numba
 kernels of kivi/cpu.py (same bytes, same decoded bits), 'auto' = cpu kernels for CPU tensors.
-kivi and kcvt also take 'triton', their device path (Codec.encode_device: the Triton kernels
-of kivi/triton.py write every chunk into one wire buffer on the GPU, same bytes; kcvt's key
-stats found first by torch on the device), which 'auto' takes for CUDA tensors where it
-applies (the others run the torch reference there).
+kivi, kcvt and oscar also take 'triton', their device path (Codec.encode_device: the Triton
+kernels of kivi/triton.py write every chunk into one wire buffer on the GPU, same bytes;
+kcvt's key stats found first by torch on the device, oscar's tokens rotated and scaled
+first), which 'auto' takes for CUDA tensors where it applies (gear runs the torch reference
+there).
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ else:
     kivi_cpu = lazy_module("kvsim.kernels.kivi.cpu")
 
 BACKENDS = ("auto", "torch", "cpu")
-# kivi and kcvt have a device path (Triton kernels of kivi/triton.py; 'auto' takes it on CUDA)
+# kivi, kcvt and oscar have a device path (Triton kernels of kivi/triton.py; 'auto' takes it
+# on CUDA)
 KIVI_BACKENDS = (*BACKENDS, "triton")
 WINDOWS = ("shared", "kivi")
 
@@ -234,8 +236,10 @@ class BackboneCodec(Codec):
         raise NotImplementedError
 
     def quant_backend(self) -> str:
-        """auto | torch | cpu: the `backend` param where the codec has one, else auto."""
-        return getattr(self.params, "backend", "auto")
+        """auto | torch | cpu: the `backend` param where the codec has one, else auto;
+        'triton' (a device path) runs as 'auto' where the device path does not apply."""
+        backend = getattr(self.params, "backend", "auto")
+        return "auto" if backend == "triton" else backend
 
     def tuned_backbone(self) -> Backbone:
         """backbone() with this codec's backend (subclasses may build it without one)."""
@@ -297,7 +301,34 @@ class BackboneCodec(Codec):
             layouts[c.page].check(c.payload, f"{self.name}: chunk (stream 0, layer {c.layer}, "
                                              f"page {c.page})")
 
-    # ---- the device path's shared parts (kivi and kcvt) --------------------------------
+    # ---- the device path's shared parts (kivi, kcvt, oscar) ----------------------------
+    def _takes_device_path(self, device: torch.device) -> bool:
+        """backend 'triton', or 'auto' on CUDA (whether the shape suits the kernels is each
+        codec's has_device_path)."""
+        backend = self.params.backend
+        return backend == "triton" or (backend == "auto" and device.type == "cuda")
+
+    def _groups_fill_bytes(self, shape: KVShape) -> bool:
+        """kivi's kernels pack whole key groups and value groups into whole bytes."""
+        per = 8 // self.params.bits
+        return self.params.group % per == 0 and self.backbone().vgroup(shape) % per == 0
+
+    def _device_wire(self, kv: torch.Tensor, shape: KVShape
+                     ) -> tuple[torch.Tensor | None, np.ndarray, torch.Tensor, int, torch.Tensor]:
+        """The start of a device encode: (the input's check status, the page geometry, the
+        same on the device, bytes per layer, the wire buffer to fill). kv's NaN / Inf and
+        fp16 range are checked on the device (nonfinite_status), or now on the CPU."""
+        from kvsim.kernels.triton_support import require_kernel_device
+
+        require_kernel_device(kv.device, f"{self.name} triton backend",
+                              "use backend 'cpu' or 'auto'")
+        status = nonfinite_status(kv, fp16_range=True)
+        if status is None:  # on the CPU (interpreter): checked now, as the reference does
+            check_fp16_range(kv, self.name)
+        geo, geo_dev, layer_bytes = self._device_geometry(shape, kv.device)
+        buf = torch.empty(shape.layers * layer_bytes, dtype=torch.uint8, device=kv.device)
+        return status, geo, geo_dev, layer_bytes, buf
+
     def _device_geometry(self, shape: KVShape, device: torch.device
                          ) -> tuple[np.ndarray, torch.Tensor, int]:
         """(geometry, the same on `device`, bytes per layer), built once per shape and
@@ -581,29 +612,14 @@ class KiviCodec(BackboneCodec):
 
     # ---- the device path (kivi/triton.py; the bf16 window copied by torch) ------------
     def has_device_path(self, device: torch.device, shape: KVShape) -> bool:
-        p = self.params
-        if not (p.backend == "triton" or (p.backend == "auto" and device.type == "cuda")):
-            return False
-        per = 8 // p.bits  # the kernels pack whole groups into whole bytes
-        return p.group % per == 0 and self.backbone().vgroup(shape) % per == 0
-
-    def quant_backend(self) -> str:
-        """'triton' where the device path does not apply (groups that do not fill whole
-        bytes) runs the torch / cpu paths as 'auto'."""
-        return "auto" if self.params.backend == "triton" else self.params.backend
+        return self._takes_device_path(device) and self._groups_fill_bytes(shape)
 
     def _encode_device(self, kv: torch.Tensor, shape: KVShape
                        ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         from kvsim.kernels.kivi import triton as kivi_triton
-        from kvsim.kernels.triton_support import require_kernel_device
 
-        require_kernel_device(kv.device, "kivi triton backend", "use backend 'cpu' or 'auto'")
         p = self.params
-        status = nonfinite_status(kv, fp16_range=True)
-        if status is None:  # on the CPU (interpreter): checked now, as the reference does
-            check_fp16_range(kv, self.name)
-        geo, geo_dev, layer_bytes = self._device_geometry(shape, kv.device)
-        buf = torch.empty(shape.layers * layer_bytes, dtype=torch.uint8, device=kv.device)
+        status, geo, geo_dev, layer_bytes, buf = self._device_wire(kv, shape)
         kivi_triton.encode_quantized(kv.detach(), buf, geo_dev, layer_bytes, p.page_tokens,
                                      p.group, self.backbone().vgroup(shape), p.bits)
         self._window_copy(buf, kv.detach(), geo, layer_bytes, True)
@@ -708,18 +724,13 @@ class KcvtCodec(BackboneCodec):
     # ---- the device path (kivi/triton.py's kernels, the keys' stats given) -------------
     def has_device_path(self, device: torch.device, shape: KVShape) -> bool:
         p = self.params
-        if not (p.backend == "triton" or (p.backend == "auto" and device.type == "cuda")):
+        if not self._takes_device_path(device):
             return False
         # each page's key rows (a channel's codes along its quantized tokens) and each
         # token's value row fill whole bytes, as the kernels write them
         per = 8 // p.bits
         quantized = self.backbone().quantized_tokens(shape.tokens)
         return p.page_tokens % per == 0 and quantized % per == 0 and shape.head_dim % per == 0
-
-    def quant_backend(self) -> str:
-        """'triton' where the device path does not apply runs the torch / cpu paths as
-        'auto'."""
-        return "auto" if self.params.backend == "triton" else self.params.backend
 
     def _key_stats(self, kv: torch.Tensor, tq: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale16, zero16) fp16 [layers, heads, head_dim] of each key channel over the
@@ -741,15 +752,9 @@ class KcvtCodec(BackboneCodec):
     def _encode_device(self, kv: torch.Tensor, shape: KVShape
                        ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         from kvsim.kernels.kivi import triton as kivi_triton
-        from kvsim.kernels.triton_support import require_kernel_device
 
-        require_kernel_device(kv.device, "kcvt triton backend", "use backend 'cpu' or 'auto'")
         p, bb = self.params, self.backbone()
-        status = nonfinite_status(kv, fp16_range=True)
-        if status is None:  # on the CPU (interpreter): checked now, as the reference does
-            check_fp16_range(kv, self.name)
-        geo, geo_dev, layer_bytes = self._device_geometry(shape, kv.device)
-        buf = torch.empty(shape.layers * layer_bytes, dtype=torch.uint8, device=kv.device)
+        status, geo, geo_dev, layer_bytes, buf = self._device_wire(kv, shape)
         x = kv.detach()
         tq = bb.quantized_tokens(shape.tokens)
         # fp32 [2, L, H, D]: the keys' scales and zero points (none quantized: unused zeros)

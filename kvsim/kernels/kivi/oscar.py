@@ -25,6 +25,12 @@ Rotation runs through the Triton FWHT kernel for CUDA tensors, the torch referen
 with backend 'torch'; the fused CPU path (backend auto / cpu) rotates and scales in numba,
 bit for bit as the reference (kivi_cpu._fwht_rows, _token_norms: the norm is a sum of
 squares in index order, fp32, then a sqrt rounded to nearest).
+
+The device path (backend 'triton', or 'auto' on CUDA, where kivi's would apply): the
+quantized tokens are rotated and scaled by pre_quantize on the device (the FWHT kernel, the
+norms in torch), kivi's Triton kernels write the backbone fields of every chunk into the wire
+buffer, the norms and the unrotated bf16 window are strided copies; decode mirrors it (kivi's
+kernels, then the norms and the rotation back on the quantized tokens).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from kvsim.kernels.groupquant import FP16_MAX, Field
 from kvsim.kernels.hadamard import check_hadamard_dim, hadamard
 from kvsim.kernels.kivi.codec import Backbone, BackboneCodec, FusedInput, KiviParams
 from kvsim.kernels.kivi.gear import seq_sum, sqrt_rn
+from kvsim.kernels.kivi.geometry import G_BASE, G_KN, G_QK, G_T0, G_VN
 
 if TYPE_CHECKING:
     import torch
@@ -140,6 +147,71 @@ class OscarCodec(BackboneCodec):
 
     def fused_rotation(self) -> tuple[bool, bool]:
         return True, self.params.rotate_values
+
+    # ---- the device path (kivi/triton.py's kernels on the rotated, scaled tokens) ------
+    def has_device_path(self, device: torch.device, shape: KVShape) -> bool:
+        return self._takes_device_path(device) and self._groups_fill_bytes(shape)
+
+    def _norm_views(self, buf: torch.Tensor, shape: KVShape, geo: np.ndarray,
+                    layer_bytes: int) -> list[tuple[int, int, int, torch.Tensor]]:
+        """(plane, t0, q, view) of every page's k_norm (and v_norm) bytes in the wire buffer:
+        uint8 [layers, heads, 2 q], the fp16 norms of its q quantized tokens per head."""
+        views = []
+        planes = ((0, G_KN), (1, G_VN)) if self.params.scale_values else ((0, G_KN),)
+        for p in range(geo.shape[0]):
+            t0, q = int(geo[p, G_T0]), int(geo[p, G_QK])
+            for plane, col in planes:
+                if q:
+                    views.append((plane, t0, q, buf.as_strided(
+                        (shape.layers, shape.kv_heads, 2 * q), (layer_bytes, 2 * q, 1),
+                        int(geo[p, G_BASE] + geo[p, col]))))
+        return views
+
+    def _encode_device(self, kv: torch.Tensor, shape: KVShape
+                       ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        from kvsim.kernels.kivi import triton as kivi_triton
+
+        p, bb = self.params, self.backbone()
+        status, geo, geo_dev, layer_bytes, buf = self._device_wire(kv, shape)
+        x = kv.detach().to(torch.float32, copy=True)  # [L, 2, H, T, D]; rotated in place
+        tq = bb.quantized_tokens(shape.tokens)
+        if tq:  # the quantized tokens rotated and scaled (refusing rotated V beyond fp16)
+            pre, norms = self.pre_quantize(x[:, :, :, :tq], shape)
+            for plane, t0, q, view in self._norm_views(buf, shape, geo, layer_bytes):
+                view.copy_(norms[:, plane, :, t0:t0 + q].contiguous().view(torch.uint8))
+            x[:, :, :, :tq] = pre
+        kivi_triton.encode_quantized(x, buf, geo_dev, layer_bytes, p.page_tokens, p.group,
+                                     bb.vgroup(shape), p.bits)
+        self._window_copy(buf, x, geo, layer_bytes, True)  # past tq: the tokens as given
+        return [buf], status
+
+    def _decode_device(self, buffers: list[torch.Tensor], shape: KVShape,
+                       dtype: torch.dtype) -> torch.Tensor:
+        from kvsim.kernels.kivi import triton as kivi_triton
+
+        p, bb, buf = self.params, self.backbone(), buffers[0]
+        # fp32 whatever dtype is asked: the norms and the rotation back run on it, as the
+        # reference's post_dequantize does (Codec.decode_device casts at the end)
+        out = torch.empty(shape.dims, dtype=torch.float32, device=buf.device)
+        geo, geo_dev, layer_bytes = self._device_geometry(shape, buf.device)
+        kivi_triton.decode_quantized(buf, out, geo_dev, layer_bytes, p.page_tokens, p.group,
+                                     bb.vgroup(shape), p.bits)
+        self._window_copy(buf, out, geo, layer_bytes, False)
+        tq = bb.quantized_tokens(shape.tokens)
+        if tq:
+            norms = torch.ones(shape.layers, 2, shape.kv_heads, tq, device=buf.device)
+            for plane, t0, q, view in self._norm_views(buf, shape, geo, layer_bytes):
+                norms[:, plane, :, t0:t0 + q] = view.contiguous().view(torch.float16).to(
+                    torch.float32)
+            k = out[:, 0, :, :tq] * norms[:, 0].unsqueeze(-1)
+            v = out[:, 1, :, :tq]
+            if p.scale_values:
+                v = v * norms[:, 1].unsqueeze(-1)
+            if p.rotate_values:
+                v = rotate(v)
+            out[:, 0, :, :tq] = rotate(k)
+            out[:, 1, :, :tq] = v
+        return out
 
     def page_extras(self, state: Any, layer: int, t0: int, q: int, x_page: torch.Tensor,
                     xhat_page: torch.Tensor) -> dict[str, torch.Tensor]:
