@@ -129,6 +129,19 @@ def test_check_drift_acts_on_the_probe(tmp_path, step_s, action, outcome):
         assert f"x {drift.factor:.3f}" in drift.words()
 
 
+def test_the_drift_says_what_ran_beside_the_profiles_calibration(tmp_path):
+    busy = {**fingerprint(), "cpu_model": "Some Other CPU",
+            "background": {"background_cores": 0.98, "cpus": 2, "wall_s": 300.0}}
+    path, _ = _profile(tmp_path, busy)
+    drift = check_drift(path, MODEL, DriftConfig(), tmp_path / "out", FakeProbe(0.2))
+    assert drift.words().endswith("(the profile was calibrated beside 0.98 of 2 CPUs of "
+                                  "other work)")
+    (tmp_path / "b").mkdir()
+    path, _ = _profile(tmp_path / "b", {**fingerprint(), "cpu_model": "Some Other CPU"})
+    assert "calibrated beside" not in check_drift(path, MODEL, DriftConfig(),
+                                                  tmp_path / "out2", FakeProbe(0.2)).words()
+
+
 def test_sim_probes_only_another_host_unless_asked(tmp_path):
     here = fingerprint()
     same, _ = _profile(tmp_path, {**here})

@@ -169,7 +169,18 @@ class Drift:
                 "refused": "refused"}[self.outcome]
         return (f"decode step here {self.probe_s * 1e3:.1f} ms at {self.context_tokens} "
                 f"tokens vs {self.profile_s * 1e3:.1f} ms in the profile ({self.reference}): "
-                f"x {self.factor:.3f}, {what}")
+                f"x {self.factor:.3f}, {what}{self._calibrated_beside()}")
+
+    def _calibrated_beside(self) -> str:
+        """What ran beside the profile's calibration, where it recorded it (kvsim.core.
+        host_load: its host.background): a factor taken against a busy calibration."""
+        load = self.profile_host.get("background") if isinstance(self.profile_host, dict) \
+            else None
+        if not isinstance(load, dict) or not isinstance(load.get("background_cores"),
+                                                        (int, float)):
+            return ""
+        return (f" (the profile was calibrated beside {load['background_cores']:.2f} of "
+                f"{load.get('cpus', '?')} CPUs of other work)")
 
     def row_keys(self) -> dict:
         """What a result row records of the check (kvsim sim, advise, validate)."""
