@@ -143,7 +143,7 @@ def test_a_failing_timing_model_fails_every_member():
 
 
 def test_instances_take_the_least_assigned_first_of_equals():
-    hosts = DecodeInstances(LinearTiming(), 3, 4)
+    hosts = DecodeInstances(lambda: StepBatch(LinearTiming(), 4), 3)
     got = [hosts.assign() for _ in range(4)]
     idx = [hosts.batches.index(b) for b in got]
     assert idx == [0, 1, 2, 0]
@@ -153,16 +153,16 @@ def test_instances_take_the_least_assigned_first_of_equals():
     with pytest.raises(RuntimeError, match="twice"):
         hosts.done(hosts.batches[2])
     with pytest.raises(ValueError, match="decode_nodes"):
-        DecodeInstances(LinearTiming(), 0, 4)
+        DecodeInstances(lambda: StepBatch(LinearTiming(), 4), 0)
 
 
 def test_round_robin_instances_go_by_assignment_order_whatever_the_load():
-    hosts = DecodeInstances(LinearTiming(), 3, 4, routing="round_robin")
+    hosts = DecodeInstances(lambda: StepBatch(LinearTiming(), 4), 3, routing="round_robin")
     got = [hosts.assign() for _ in range(2)]
     hosts.done(got[0])
     assert [hosts.batches.index(hosts.assign()) for _ in range(3)] == [2, 0, 1]
     with pytest.raises(ValueError, match="round_robin"):
-        DecodeInstances(LinearTiming(), 2, 4, routing="kv_aware")
+        DecodeInstances(lambda: StepBatch(LinearTiming(), 4), 2, routing="kv_aware")
 
 
 # ---- batched timing loops -------------------------------------------------------------------

@@ -27,6 +27,7 @@ from kvsim.transport.decode_loop import (
     RealDecodeLoop,
     TimingDecodeLoop,
 )
+from kvsim.transport.model_batch import ModelBatch
 
 CONTEXT = 300  # tokens: two lynx pages (256 + 44), the last one short
 TIMEOUT_S = 20.0  # generous: waits end when the Timer fires, long before this
@@ -267,6 +268,56 @@ def test_bad_arguments_are_refused(tiny):
                       ((True, 4, 4, 0.0), "timeout_s")):
         with pytest.raises(ValueError, match=msg):
             loop.run(view, *args)
+
+
+def test_real_loops_on_one_batch_share_forwards_and_commit_their_own_greedy_tokens(tiny):
+    """Three requests on one decode instance's ModelBatch, at once: one drafts on a useless
+    anchor (its verification rejects, crops and decodes on), one drafts on lynx's anchor,
+    one decodes plainly on a shorter prompt. Each commits the tokens of plain greedy
+    decoding on its own full cache, and they shared forwards."""
+    model, kv, first = tiny
+    tokens = 24
+    short = kv[:, :, :, :CONTEXT - 113].contiguous()
+    lynx_streams, lynx = codec_levels(kv, "lynx")
+    noisy_streams, noisy = noisy_anchor_levels(kv)
+    cases = [  # (streams, levels, speculative, delays)
+        (noisy_streams, noisy, True, [0.0, 0.3]),
+        (lynx_streams, lynx, True, [0.0, 0.2]),
+        (1, lambda n: short, False, [0.0]),
+    ]
+    refs = [greedy_reference(model, levels, n, first, tokens) for n, levels, _, _ in cases]
+    batch = ModelBatch(model, max_batch=4, wait_timeout_s=TIMEOUT_S)
+    done: list[int] = []
+    results: dict[int, DecodeResult] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        n, levels, speculative, delays = cases[i]
+        view = DelayedView(n, levels, delays, after_anchor=speculative)
+        loop = RealDecodeLoop(model, first, batch=batch, on_done=lambda: done.append(i))
+        try:
+            with running(view):
+                results[i] = loop.run(view, speculative, tokens, 10_000, TIMEOUT_S)
+        except BaseException as exc:  # reported below, not lost in the thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(2 * TIMEOUT_S)
+    assert not errors and sorted(done) == [0, 1, 2]
+    for i, ref in enumerate(refs):
+        check_timeline(results[i], tokens)
+        assert results[i].token_ids == ref, i
+    assert results[0].accepted < results[0].proposed  # the crop path ran in the batch
+    assert results[1].proposed >= 1
+    assert batch.widest >= 2  # they shared forwards ...
+    steps_alone = sum(r.proposed + (1 if r.proposed else 0) + tokens - r.accepted - 1
+                      if r.proposed else tokens for r in results.values())
+    assert batch.steps < steps_alone  # ... so fewer forwards ran than their own steps
+    with batch._cond:  # every slot given back, no member left computing
+        assert batch._holders == 0 and not batch._computing
 
 
 # ---- timing loop ----------------------------------------------------------------------------

@@ -56,3 +56,21 @@ def test_a_grid_refuses_a_key_it_sets_that_was_given_too():
     full = Config(model=None, contexts=[4096])
     full.apply_grid()
     assert full.contexts == [4096]
+
+
+def test_real_decode_batches_the_models_forwards_on_a_live_prefill():
+    """multi.decode=real: the emulator decodes with the model on live KV, one batch of up
+    to max_batch requests; the simulator's keys are the timing case's."""
+    import pytest
+
+    from kvsim.fidelity.validation import Config
+
+    real = _multi_workload(MultiConfig(decode="real"), 0.35)
+    assert {"transport.decode=real", "transport.kv_source=live"} <= set(real)
+    ecfg, scfg = _configs(real)
+    assert (ecfg.transport.decode, ecfg.workload.decode_max_batch) == ("real", 8)
+    timing = _multi_workload(MultiConfig(), 0.35)
+    assert [k for k in real if not k.startswith("transport.")] == \
+        [k for k in timing if not k.startswith("transport.")]
+    with pytest.raises(ValueError, match="multi.decode must be one of"):
+        Config(model=None, multi=MultiConfig(decode="batched"))

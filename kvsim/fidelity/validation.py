@@ -129,6 +129,9 @@ class TargetMissed(ValueError):
     """fail_on_target=true and the mean or the worst error is above its target."""
 
 
+MULTI_DECODES = ("timing", "real")
+
+
 @dataclass
 class MultiConfig:
     enabled: bool = True  # run the multi-request case
@@ -139,8 +142,13 @@ class MultiConfig:
     rates_per_s: list[float] = field(default_factory=lambda: [0.2, 0.35, 0.5])
     requests: int = 8  # per rate and codec
     context_tokens: int = 512  # every request's prompt
-    output_tokens: int = 32  # decoded per request (timing-model decode)
+    output_tokens: int = 32  # decoded per request
     codecs: list[Any] = field(default_factory=lambda: ["int8", "lynx"])
+    # the decode side: timing (the profile's modelled steps slept and a synthetic KV source:
+    # checks who shares which steps, each step's cost the profile's) | real (the real model's
+    # batched forwards on a live prefill's KV, kvsim.transport.model_batch: the batched
+    # steps' cost is measured too, the prefill and the decode sharing the host's cores)
+    decode: str = "timing"
     # one decode instance batching up to this many requests, every member stepping with the
     # others in both engines (kvsim.transport.decode_batch, kvsim.sim.batch); 1: every
     # request on a decode instance of its own, decoding alone (how runs before batching
@@ -224,6 +232,9 @@ class Config:
         if self.step_probe_steps < 0:
             raise ValueError(f"step_probe_steps must be >= 0 (0: no probe), got "
                              f"{self.step_probe_steps}")
+        if self.multi.decode not in MULTI_DECODES:
+            raise ValueError(f"multi.decode must be one of {MULTI_DECODES}, got "
+                             f"{self.multi.decode!r}")
         if self.step_probe_steps and self.step_from_scenario:
             raise ValueError("step_probe_steps and step_from_scenario=true both set the "
                              "simulator's step level: choose one")
@@ -909,8 +920,8 @@ def _multi_workload(m: MultiConfig, rate_per_s: float) -> list[str]:
             f"workload.rate_per_s={rate_per_s}", f"workload.context_tokens={m.context_tokens}",
             "workload.context_dist=fixed", f"workload.output_tokens={m.output_tokens}",
             f"workload.prefill_nodes={m.prefill_nodes}", f"workload.decode_nodes={nodes}",
-            f"workload.decode_max_batch={batch}", "transport.decode=timing",
-            "transport.kv_source=synthetic", *shared]
+            f"workload.decode_max_batch={batch}", f"transport.decode={m.decode}",
+            f"transport.kv_source={'synthetic' if m.decode == 'timing' else 'live'}", *shared]
 
 
 def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path
@@ -923,7 +934,8 @@ def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path
     for rate in m.rates_per_s:
         _say(f"multi-request: {m.requests} Poisson arrivals at {rate:g}/s on "
              f"{m.prefill_nodes} prefill instance(s) over "
-             f"{m.bandwidth_gbps:g} Gbps ({m.emulation}), timing-model decode "
+             f"{m.bandwidth_gbps:g} Gbps ({m.emulation}), "
+             f"{'timing-model' if m.decode == 'timing' else 'real batched'} decode "
              f"({time.time() - started:.0f} s so far)")
         name = _multi_name(m.emulation, rate)
         common = scenario_overrides(cfg.model.name, m.emulation, m.bandwidth_gbps, m.codecs,
@@ -942,6 +954,7 @@ def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path
                         "bandwidth_gbps": m.bandwidth_gbps, "context_tokens": m.context_tokens,
                         "codec": codec, "rate_per_s": rate, "requests": m.requests,
                         **({"prefill_nodes": m.prefill_nodes} if m.prefill_nodes > 1 else {}),
+                        **({"decode": m.decode} if m.decode != "timing" else {}),
                         **background}
             rows += errors.compare(scenario, row, sim_by[codec], errors.MULTI_METRICS)
             requests = _measured_requests(row)

@@ -1,11 +1,20 @@
-"""One decode host's continuous batch, for timing-model decode loops (`transport.decode=timing`).
+"""One decode host's continuous batch: the members' steps, their slots, the host's instances.
 
 The simulator's decode instance (kvsim.sim.batch) advances every member of its batch one
 token per forward step, the step's length set by the whole batch. Here the same happens in
-real time: each request's `TimingDecodeLoop` posts its share of the next step (`StepWork`)
-and blocks; a stepping thread starts a step once every computing member has posted, sleeps
-its length (`TimingModel.batch_pass_s` over the members' summed work, plus each drafting
-member's overhead, times the time scale) and releases them all at its end. A request that
+real time: each request's decode loop posts its share of the next step and blocks; a
+stepping thread starts a step once every computing member has posted, runs it and releases
+them all at its end. `ContinuousBatch` is that machinery; what a step is differs:
+
+  StepBatch   timing-model decode (`transport.decode=timing`): a `TimingDecodeLoop` posts a
+              `StepWork`; the step sleeps its length (`TimingModel.batch_pass_s` over the
+              members' summed work, plus each drafting member's overhead, times the time
+              scale).
+  ModelBatch  real decode (`transport.decode=real`, kvsim.transport.model_batch): a
+              `RealDecodeLoop` posts the tokens it feeds; the step is one forward of the
+              model over every member's cache.
+
+A request that
 becomes ready while a step runs joins at the next one; one that waits for streams or
 dequantizes pauses (it computes nothing and the batch does not wait for it); one that is
 done leaves. So joins and leaves happen between steps, as iteration-level scheduling does
@@ -21,19 +30,21 @@ at a time: the others assigned to it wait for its slot, as in the simulator.
 Slots: at most `max_batch` requests hold a place in the batch (first come, first served,
 from their first step to their end), as `workload.decode_max_batch` bounds the simulator's.
 
-Back-to-back steps (some member of the new step was in the previous one and has not paused
-since) are planned from the previous step's planned end, so the threads' wake-up delays
-(a receiver busy dequantizing holds the interpreter) do not add up from step to step; any
-other step (the batch was idle, or its members come back from a load) starts now.
+Back-to-back timed steps (some member of the new step was in the previous one and has not
+paused since) are planned from the previous step's planned end, so the threads' wake-up
+delays (a receiver busy dequantizing holds the interpreter) do not add up from step to
+step; any other step (the batch was idle, or its members come back from a load) starts now.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Any
 
 from kvsim.scenario.timing_model import TimingModel
 from kvsim.transport.routing import check_routing, route_index
@@ -70,26 +81,27 @@ class StepWork:
     overhead_now: Callable[[], float] | None = None
 
 
-class StepBatch:
-    """See the module docstring. Thread-safe; one per decode host (its decoder factory)."""
+class ContinuousBatch(ABC):
+    """See the module docstring: the members, their slots and the stepping thread; a
+    subclass says what one step is (`_begin_step` with the lock held, `_run_step` without).
+    Thread-safe; one per decode instance."""
 
-    def __init__(self, timing: TimingModel, max_batch: int, clock: Clock = time.time,
+    def __init__(self, max_batch: int, clock: Clock = time.time,
                  sleep: Callable[[float], None] = time.sleep, wait_timeout_s: float = 600.0,
                  stall_s: float = 30.0, log: Callable[[str], None] | None = None) -> None:
         if int(max_batch) < 1:
             raise ValueError(f"a decode batch needs max_batch >= 1, got {max_batch}")
-        self.timing, self.max_batch = timing, int(max_batch)
+        self.max_batch = int(max_batch)
         self.clock, self.sleep = clock, sleep
         self.wait_timeout_s, self.stall_s = float(wait_timeout_s), float(stall_s)
         self.log = log or (lambda msg: None)
+        # reentrant (Condition's default), so a subclass may extend a locked method
         self._cond = threading.Condition()
         self._computing: set[Hashable] = set()  # members that take part in the next step
-        self._posted: dict[Hashable, StepWork] = {}  # their work for it, as they post
+        self._posted: dict[Hashable, Any] = {}  # their work for it, as they post
         self._released_t: dict[Hashable, float] = {}  # when each was last released (clock)
         self._started = 0  # steps started ...
         self._finished = 0  # ... and finished
-        self._planned_end = -float("inf")  # the last step's planned end (clock s)
-        self._scale = 0.0  # clock s per modelled s (the members' HELLOs; 0: none yet)
         self._error = ""  # the stepping thread's last failure ...
         self._failed_step = 0  # ... in this step: its members fail with it, later ones not
         # the members of the last step that have not paused since (their next post is
@@ -148,25 +160,14 @@ class StepBatch:
             if self._holders <= 0:
                 raise RuntimeError("a decode batch slot given back that no one held")
             self._holders -= 1
-            if self._holders == 0 and not self._computing:
-                self._scale = 0.0  # the next request may bring another time scale
             self._cond.notify_all()
 
     # ---- steps ---------------------------------------------------------------------------
-    def step(self, member: Hashable, work: StepWork, time_scale: float,
-             cancelled: Callable[[], str] = str) -> bool:
+    def _post(self, member: Hashable, work: Any, cancelled: Callable[[], str]) -> bool:
         """Take part in the next step with `work`: True when that step has ended; False
         when cancelled() says the request was dropped first (the member is out of the
-        batch; a step it was in goes on for the others). time_scale: clock s per modelled
-        s (one per batch: the first member's)."""
-        if work.new_tokens < 1:
-            raise ValueError(f"a step member needs new_tokens >= 1, got {work.new_tokens}")
+        batch; a step it was in goes on for the others)."""
         with self._cond:
-            if self._scale == 0.0:
-                self._scale = float(time_scale)
-            elif float(time_scale) != self._scale:
-                raise ValueError(f"a decode batch runs at one time scale: this request's "
-                                 f"{time_scale:g}, the batch's {self._scale:g}")
             self._computing.add(member)
             self._posted[member] = work
             target = self._started + 1  # the step that will take this post
@@ -227,6 +228,7 @@ class StepBatch:
             try:
                 self._step_loop()
             except BaseException as exc:
+                self._idle()  # what the step left half done is not used again
                 self._error = f"{type(exc).__name__}: {exc}"
                 self._failed_step = self._started  # its members leave (see step)
                 self._thread = None
@@ -244,24 +246,19 @@ class StepBatch:
                 if not self._computing and not self._posted and \
                         self.clock() - idle_since > _IDLE_EXIT_S:
                     self._thread = None
+                    self._idle()
                     return
                 cond.wait(_POLL_S)
                 self._drop_stalled()
             works, self._posted = self._posted, {}
             self._started += 1
-            base_s = self._step_model_s(list(works.values()))  # modelled s
-            dynamic = [w.overhead_now for w in works.values() if w.overhead_now is not None]
-            now = self.clock()
-            back_to_back = not self._last_members.isdisjoint(works) and \
-                now - self._planned_end < _CATCH_UP_S
-            t0 = self._planned_end if back_to_back else now
+            plan = self._begin_step(works)
             self._running = set(works)
             cond.release()
             try:
-                end = self._sleep_step(t0, base_s, dynamic)
+                self._run_step(plan)
             finally:
                 cond.acquire()
-            self._planned_end = end
             self._finished = self._started
             self.steps += 1
             self.widest = max(self.widest, len(works))
@@ -271,6 +268,61 @@ class StepBatch:
                 self._released_t[member] = idle_since
             self._last_members = set(works)
             cond.notify_all()
+
+    @abstractmethod
+    def _begin_step(self, works: dict[Hashable, Any]) -> Any:
+        """What the step over `works` (member -> its post) needs, read with the lock held."""
+
+    @abstractmethod
+    def _run_step(self, plan: Any) -> None:
+        """Run the step `_begin_step` planned (the lock is released meanwhile)."""
+
+    def _idle(self) -> None:  # noqa: B027 (optional hook)
+        """The stepping thread ends (no member for a while, or a step failed): state kept
+        between steps may go."""
+
+
+class StepBatch(ContinuousBatch):
+    """The timing-model batch (see the module docstring): a step sleeps its modelled length."""
+
+    def __init__(self, timing: TimingModel, max_batch: int, **batch_kw) -> None:
+        super().__init__(max_batch, **batch_kw)
+        self.timing = timing
+        self._planned_end = -float("inf")  # the last step's planned end (clock s)
+        self._scale = 0.0  # clock s per modelled s (the members' HELLOs; 0: none yet)
+
+    def give_slot(self) -> None:
+        with self._cond:
+            super().give_slot()
+            if self._holders == 0 and not self._computing:
+                self._scale = 0.0  # the next request may bring another time scale
+
+    def step(self, member: Hashable, work: StepWork, time_scale: float,
+             cancelled: Callable[[], str] = str) -> bool:
+        """Take part in the next step with `work` (see `_post`). time_scale: clock s per
+        modelled s (one per batch: the first member's)."""
+        if work.new_tokens < 1:
+            raise ValueError(f"a step member needs new_tokens >= 1, got {work.new_tokens}")
+        with self._cond:
+            if self._scale == 0.0:
+                self._scale = float(time_scale)
+            elif float(time_scale) != self._scale:
+                raise ValueError(f"a decode batch runs at one time scale: this request's "
+                                 f"{time_scale:g}, the batch's {self._scale:g}")
+        return self._post(member, work, cancelled)
+
+    def _begin_step(self, works: dict[Hashable, Any]) -> tuple[float, float, list]:
+        base_s = self._step_model_s(list(works.values()))  # modelled s
+        dynamic = [w.overhead_now for w in works.values() if w.overhead_now is not None]
+        now = self.clock()
+        back_to_back = not self._last_members.isdisjoint(works) and \
+            now - self._planned_end < _CATCH_UP_S
+        return (self._planned_end if back_to_back else now), base_s, dynamic
+
+    def _run_step(self, plan: tuple[float, float, list]) -> None:
+        end = self._sleep_step(*plan)
+        with self._cond:
+            self._planned_end = end
 
     def _sleep_step(self, t0: float, base_s: float,
                     dynamic: list[Callable[[], float]]) -> float:
@@ -308,18 +360,19 @@ class StepBatch:
 
 
 class DecodeInstances:
-    """A decode host's decode instances, one StepBatch each (see the module docstring)."""
+    """A decode host's decode instances, one batch each (see the module docstring), made by
+    `make_batch()`: StepBatch for timing-model decoding, ModelBatch for real."""
 
-    def __init__(self, timing: TimingModel, nodes: int, max_batch: int,
-                 routing: str = "least_loaded", **batch_kw) -> None:
+    def __init__(self, make_batch: Callable[[], ContinuousBatch], nodes: int,
+                 routing: str = "least_loaded") -> None:
         if int(nodes) < 1:
             raise ValueError(f"a decode host needs decode_nodes >= 1, got {nodes}")
-        self.batches = [StepBatch(timing, max_batch, **batch_kw) for _ in range(int(nodes))]
+        self.batches = [make_batch() for _ in range(int(nodes))]
         self.routing = check_routing(routing, "decodes")
         self._routed = 0
         self._lock = threading.Lock()
 
-    def assign(self) -> StepBatch:
+    def assign(self) -> ContinuousBatch:
         """The request's instance: least_loaded, the one with the fewest requests assigned
         (the first of equals); round_robin, by the order requests are assigned. Its count
         is raised; `done` lowers it when the request ends."""
@@ -330,11 +383,11 @@ class DecodeInstances:
             batch.assigned += 1
             return batch
 
-    def done(self, batch: StepBatch) -> None:
+    def done(self, batch: ContinuousBatch) -> None:
         with self._lock:
             if batch.assigned <= 0:
                 raise RuntimeError("a request reported done on a decode instance twice")
             batch.assigned -= 1
 
 
-__all__ = ["DecodeInstances", "StepBatch", "StepWork"]
+__all__ = ["ContinuousBatch", "DecodeInstances", "StepBatch", "StepWork"]

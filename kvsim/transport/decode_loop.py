@@ -46,7 +46,8 @@ from kvsim.kv.draft_verify import accept_greedy
 from kvsim.scenario.acceptance import AcceptanceModel
 from kvsim.scenario.speculative import busy_share_overhead_s
 from kvsim.scenario.timing_model import TimingModel
-from kvsim.transport.decode_batch import StepBatch, StepWork
+from kvsim.transport.decode_batch import ContinuousBatch, StepBatch, StepWork
+from kvsim.transport.model_batch import ModelBatch, crop_cache
 
 Clock = Callable[[], float]
 Span = tuple[str, float, float]  # (name or kind, t0 s, t1 s) on the loop's clock
@@ -110,11 +111,26 @@ def _wait(view: CacheView, n: int, timeout_s: float) -> None:
 
 
 class _DecodeLoop(ABC):
-    """The shared control flow; subclasses provide the steps (`_load`, `_step`, `_verify`)."""
+    """The shared control flow; subclasses provide the steps (`_load`, `_step`, `_verify`).
+
+    A loop on a decode instance's batch (kvsim.transport.decode_batch) holds one of its
+    slots from its first step to its end (`slots`: a batch of max_batch > 1 it steps with,
+    or an instance of one slot whose lone member steps by itself), is out of the batch's
+    steps while it waits or loads (`batch.pause`), and calls `on_done` once when it ends."""
 
     mode: str
     first_token: int
     clock: Clock
+    batch: ContinuousBatch | None = None  # the batch whose steps this loop's steps are
+    slots: ContinuousBatch | None = None  # whose slot it holds (the batch, or one slot)
+    _has_slot = False
+    _on_done: Callable[[], None] | None = None
+
+    def _on_batch(self, batch: ContinuousBatch | None, slots: ContinuousBatch | None,
+                  on_done: Callable[[], None] | None) -> None:
+        self.batch = batch
+        self.slots = batch if batch is not None else slots
+        self._on_done = on_done
 
     # ---- steps ------------------------------------------------------------------------
     @abstractmethod
@@ -130,11 +146,29 @@ class _DecodeLoop(ABC):
         """One pass of [first_token, *drafts] on the full cache; leaves it holding
         context + 1 + accepted entries. Returns (accepted, token accepted + 1)."""
 
-    def _begin_phase(self, t: float) -> None:  # noqa: B027 (optional hook)
-        """Back-to-back steps start at clock time `t` (the timing loop plans sleeps from it)."""
+    def _begin_phase(self, t: float) -> None:
+        """Back-to-back steps start at clock time `t` (the timing loop plans sleeps from
+        it); the first ones take a place in the batch."""
+        if self.slots is not None and not self._has_slot:
+            if not self.slots.take_slot(self._cancelled):  # dropped while it queued
+                raise DecodeCancelled(self._cancelled())
+            self._has_slot = True
 
-    def _end_phase(self) -> None:  # noqa: B027 (optional hook)
+    def _end_phase(self) -> None:
         """Back-to-back steps are over for now (drafting stopped: the loop waits or loads)."""
+        if self.batch is not None:
+            self.batch.pause(self)
+
+    def _leave(self) -> None:
+        """The run ended, whatever happened: out of the batch, its slot given back."""
+        if self.batch is not None:
+            self.batch.pause(self)
+        if self._has_slot and self.slots is not None:
+            self._has_slot = False
+            self.slots.give_slot()
+        if self._on_done is not None:
+            done, self._on_done = self._on_done, None
+            done()
 
     def _steps_from(self, t: float, drafting: bool = False) -> float:
         """Where a phase's mean step is measured from: `t`, where it began (a batched timing
@@ -162,6 +196,13 @@ class _DecodeLoop(ABC):
 
         timeout_s: the longest any one wait for streams may block (TimeoutError after).
         Times are raw clock readings (s); a caller that slowed time down divides them."""
+        try:
+            return self._run(view, speculative, output_tokens, cap_tokens, timeout_s)
+        finally:
+            self._leave()
+
+    def _run(self, view: CacheView, speculative: bool, output_tokens: int, cap_tokens: int,
+             timeout_s: float) -> DecodeResult:
         if int(output_tokens) < 1:
             raise ValueError(f"output_tokens must be >= 1, got {output_tokens}")
         if int(cap_tokens) < 0:
@@ -296,35 +337,29 @@ class _DecodeLoop(ABC):
         return list(tokens) if self.mode == "real" else []
 
 
-def _crop(cache: Any, keep: int) -> None:
-    """Drop a DynamicCache's entries past the first `keep` (every layer). transformers 5
-    takes a negative count of entries to remove; 4.x a negative count too (or the new
-    absolute length), so the negative form works with both."""
-    have = int(cache.get_seq_length())
-    if keep > have:
-        raise ValueError(f"cannot crop a {have}-entry cache to {keep}")
-    if keep < have:
-        cache.crop(-(have - keep))
-    if int(cache.get_seq_length()) != keep:
-        raise RuntimeError(f"cache crop kept {cache.get_seq_length()} entries, wanted {keep}")
-
-
 class RealDecodeLoop(_DecodeLoop):
-    """Greedy decoding with a real transformers causal LM (batch 1) on its own device.
+    """Greedy decoding with a real transformers causal LM on its own device.
 
     first_token: the token the prefill node generated (fed by decode step 1). The committed
     tokens equal plain greedy decoding on the view's full cache (the verification pass
     scores every draft on it), up to ties broken differently by batched vs one-token
-    forwards."""
+    forwards. Alone, each step is a batch-1 forward of this loop's own; with `batch` (a
+    decode instance's ModelBatch, kvsim.transport.model_batch) each step is this request's
+    share of the instance's batched forward, and with `slots` instead (an instance of one
+    slot) the request waits for that slot before its first step and holds it to its end."""
 
     mode = "real"
 
-    def __init__(self, model: Any, first_token: int, clock: Clock = time.perf_counter) -> None:
+    def __init__(self, model: Any, first_token: int, clock: Clock = time.perf_counter,
+                 batch: ModelBatch | None = None, slots: ContinuousBatch | None = None,
+                 on_done: Callable[[], None] | None = None) -> None:
         self.model = model
         self.first_token = int(first_token)
         self.clock = clock
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self.model_batch = batch
+        self._on_batch(batch, slots, on_done)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -340,6 +375,8 @@ class RealDecodeLoop(_DecodeLoop):
 
     @torch.no_grad()
     def _load(self, view: CacheView, n: int) -> Any:
+        if self.batch is not None:
+            self.batch.pause(self)  # loading takes no part in the batch's forwards
         built = getattr(view, "built_cache", None)
         cache = built(n) if built is not None else None
         if cache is None:
@@ -351,21 +388,38 @@ class RealDecodeLoop(_DecodeLoop):
     def _context_tokens(self, cache: Any) -> int:
         return int(cache.get_seq_length())
 
+    def _batched(self, cache: Any, ids: list[int]) -> list[int]:
+        """This request's share of the batch's next forward: the greedy token after each id."""
+        assert self.model_batch is not None
+        got = self.model_batch.forward(self, cache, ids, self._cancelled)
+        if got is None:
+            raise DecodeCancelled(self._cancelled())  # dropped while its step ran
+        return got
+
     @torch.no_grad()
     def _step(self, cache: Any, token: int, drafting: bool) -> int:
+        if self.model_batch is not None:
+            return self._batched(cache, [token])[0]
         out = self.model(input_ids=self._ids_tensor([token]), past_key_values=cache,
                          use_cache=True)
         return int(out.logits[0, -1].argmax())  # int() waits for the device
 
     @torch.no_grad()
     def _verify(self, cache: Any, drafts: list[int]) -> tuple[int, int]:
-        context = int(cache.get_seq_length())
-        ids = self._ids_tensor([self.first_token, *drafts])  # [1, n + 1]
-        logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0]
-        target = logits.argmax(dim=-1).tolist()  # [n + 1]: the target's token after each
+        context = int(cache.get_seq_length())  # a freshly loaded cache: the prompt's
+        fed = [self.first_token, *drafts]
+        if self.model_batch is not None:
+            target = self._batched(cache, fed)
+        else:
+            ids = self._ids_tensor(fed)  # [1, n + 1]
+            logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0]
+            target = logits.argmax(dim=-1).tolist()  # [n + 1]: the target's token after each
         accepted, emitted = accept_greedy(drafts, target)
         # keep first_token and d_1..d_a; token a+1 is fed by the next step
-        _crop(cache, context + 1 + accepted)
+        if self.model_batch is not None:
+            self.model_batch.crop(self, context + 1 + accepted)
+        else:
+            crop_cache(cache, context + 1 + accepted)
         return accepted, emitted[-1]
 
 
@@ -450,41 +504,16 @@ class TimingDecodeLoop(_DecodeLoop):
         # modelled busy draft overhead (s), for batched steps
         self._busy_overhead_model_s = None if busy_draft_overhead_s is None else \
             float(busy_draft_overhead_s)
-        self.batch = batch
-        # whose slot the request holds from its first step to its end: the batch's, or an
-        # instance of one slot (decode_max_batch=1) whose lone member steps by itself
-        self.slots = batch if batch is not None else slots
-        self._has_slot = False
+        self.step_batch = batch
+        self._on_batch(batch, slots, on_done)
         # batched: clock time of the current phase's first post, and of the drafts' first
         self._steps_t: float | None = None
         self._draft_steps_t: float | None = None
-        self._on_done = on_done  # called once when run() ends (the instance's assignment)
-
-    def run(self, view: CacheView, speculative: bool, output_tokens: int, cap_tokens: int,
-            timeout_s: float) -> DecodeResult:
-        try:
-            return super().run(view, speculative, output_tokens, cap_tokens, timeout_s)
-        finally:
-            if self.batch is not None:  # out of the batch, whatever happened
-                self.batch.pause(self)
-            if self._has_slot and self.slots is not None:
-                self._has_slot = False
-                self.slots.give_slot()
-            if self._on_done is not None:
-                done, self._on_done = self._on_done, None
-                done()
 
     def _begin_phase(self, t: float) -> None:
         self._planned = t
         self._steps_t = None
-        if self.slots is not None and not self._has_slot:  # first steps: a place in the batch
-            if not self.slots.take_slot(self._cancelled):  # dropped while it queued
-                raise DecodeCancelled(self._cancelled())
-            self._has_slot = True
-
-    def _end_phase(self) -> None:
-        if self.batch is not None:
-            self.batch.pause(self)
+        super()._begin_phase(t)
 
     def _sleep_for(self, s: float) -> None:
         self._planned += s
@@ -519,7 +548,7 @@ class TimingDecodeLoop(_DecodeLoop):
 
     def _step(self, cache: Any, token: int, drafting: bool) -> int:
         extra, self._fresh_extra_s = self._fresh_extra_s, 0.0
-        if self.batch is not None:
+        if self.step_batch is not None:
             if extra > 0:  # the fresh cache's first step costs this request alone
                 self.sleep(extra)
             if self._steps_t is None:
@@ -534,7 +563,7 @@ class TimingDecodeLoop(_DecodeLoop):
             else:
                 work = StepWork(1, flops, kv, self.context,
                                 self.draft_overhead_s if drafting else 0.0)
-            if not self.batch.step(self, work, self.time_scale, self._cancelled):
+            if not self.step_batch.step(self, work, self.time_scale, self._cancelled):
                 raise DecodeCancelled(self._cancelled())  # dropped while its step ran
             return -1
         if drafting and self._worker_busy is not None:
@@ -590,10 +619,10 @@ class TimingDecodeLoop(_DecodeLoop):
     def _verify(self, cache: Any, drafts: list[int]) -> tuple[int, int]:
         self._fresh_extra_s = 0.0
         n = len(drafts)
-        if self.batch is not None:
+        if self.step_batch is not None:
             flops, kv = self.timing.member_work(n, self.context)
-            if not self.batch.step(self, StepWork(n, flops, kv, self.context, verifying=True),
-                                   self.time_scale, self._cancelled):
+            work = StepWork(n, flops, kv, self.context, verifying=True)
+            if not self.step_batch.step(self, work, self.time_scale, self._cancelled):
                 raise DecodeCancelled(self._cancelled())
             return int(self.acceptance.sample_accepted(n, self.rng)), -1
         self._sleep_for(self.timing.verify_s(n, self.context) * self.time_scale)

@@ -26,7 +26,7 @@ from kvsim.scenario.workload import requests as workload_requests
 from kvsim.transport import protocol as P
 from kvsim.transport.assembly import Assembly
 from kvsim.transport.config import EmulateConfig
-from kvsim.transport.decode_batch import DecodeInstances
+from kvsim.transport.decode_batch import ContinuousBatch, DecodeInstances, StepBatch
 from kvsim.transport.prefill_instances import PrefillInstances
 from kvsim.transport.rate_limiter import TokenBucket, Unlimited
 from kvsim.transport.receiver import ReceiverSettings
@@ -363,43 +363,52 @@ def decoder_factory(cfg: EmulateConfig, mode: str, lm: Any | None):
     timing = TimingModel(cfg.model, cfg.hardware)
     # a HELLO without a curve: this decode host's own configuration's
     own_acceptance = load_acceptance(cfg.speculative.acceptance)
-    instances = decode_instances(cfg, mode, timing)
+    instances = decode_instances(cfg, mode, timing, lm)
 
     def make(hello: dict, asm: Assembly):
         if mode == "real":
-            return RealDecodeLoop(lm.model, int(hello["first_token"]), clock=time.time), {}
+            batch = instances.assign()
+            return RealDecodeLoop(lm.model, int(hello["first_token"]), clock=time.time,
+                                  batch=batch if batch.max_batch > 1 else None, slots=batch,
+                                  on_done=lambda: instances.done(batch)), {}
         acceptance = acceptance_from_hello(hello.get("acceptance")) \
             if hello.get("acceptance") is not None else own_acceptance
         rng = np.random.default_rng([cfg.seed, int(hello.get("seq", 0))])
         overhead = float(hello.get("draft_overhead_s") or 0.0)
         # routed last: a HELLO that fails above holds no instance
-        batch = instances.assign() if instances is not None else None
+        batch = instances.assign()
         return TimingDecodeLoop(timing, asm.shape.tokens, acceptance, rng,
                                 time_scale=float(hello.get("time_scale") or 1.0),
                                 draft_overhead_s=overhead, clock=time.time, sleep=asm.sleep,
                                 busy_draft_overhead_s=hello.get("busy_draft_overhead_s"),
                                 ingest_s_per_byte=float(hello.get("ingest_s_per_byte") or 0.0),
-                                batch=batch if batch is None or batch.max_batch > 1 else None,
-                                slots=batch,
-                                on_done=None if batch is None else lambda: instances.done(batch)
-                                ), {}
+                                batch=batch if batch.max_batch > 1 else None, slots=batch,
+                                on_done=lambda: instances.done(batch)), {}
     return make
 
 
-def decode_instances(cfg: EmulateConfig, mode: str, timing: TimingModel
-                     ) -> DecodeInstances | None:
-    """The decode host's continuous batches (kvsim.transport.decode_batch): timing-model
-    decoding runs workload.decode_nodes instances of up to workload.decode_max_batch
-    requests each (routed by workload.routing), every member stepping with the others, a
-    request beyond an instance's slots waiting for one, as the simulator's decode
-    instances do; None for real decoding (each request's forwards on its own thread)."""
+def decode_instances(cfg: EmulateConfig, mode: str, timing: TimingModel,
+                     lm: Any | None = None) -> DecodeInstances:
+    """The decode host's continuous batches (kvsim.transport.decode_batch):
+    workload.decode_nodes instances of up to workload.decode_max_batch requests each (routed
+    by workload.routing), every member stepping with the others, a request beyond an
+    instance's slots waiting for one, as the simulator's decode instances do. Timing-model
+    decoding sleeps each batched step's modelled length (StepBatch); real decoding runs one
+    forward of `lm`'s model over the batch per step (ModelBatch)."""
     w = cfg.workload
-    if mode != "timing":
-        return None
-    return DecodeInstances(timing, int(w.decode_nodes), int(w.decode_max_batch),
-                           routing=instance_routing(w.routing), clock=time.time,
-                           wait_timeout_s=cfg.transport.request_deadline_s,
-                           log=lambda msg: print(f"kvsim serve: {msg}", file=sys.stderr))
+    batch_kw = dict(clock=time.time, wait_timeout_s=cfg.transport.request_deadline_s,
+                    log=lambda msg: print(f"kvsim serve: {msg}", file=sys.stderr))
+    if mode == "timing":
+        def make_batch() -> ContinuousBatch:
+            return StepBatch(timing, int(w.decode_max_batch), **batch_kw)
+    else:
+        if lm is None:
+            raise ValueError("real decoding needs the model (transport.decode=real)")
+        from kvsim.transport.model_batch import ModelBatch  # torch: only where it decodes
+
+        def make_batch() -> ContinuousBatch:
+            return ModelBatch(lm.model, int(w.decode_max_batch), **batch_kw)
+    return DecodeInstances(make_batch, int(w.decode_nodes), routing=instance_routing(w.routing))
 
 
 def prefill_instances(cfg: EmulateConfig) -> PrefillInstances:
