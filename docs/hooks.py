@@ -308,7 +308,12 @@ def perf_model() -> str:
                                                            strict=True)]
     out = _table(["context tokens", "prefill s", "decode step ms"], rows)
     batch = hw.get("tpot_batch")
-    if batch:
+    if batch and isinstance(batch["context_tokens"], list):  # measured at every context
+        header = ["context tokens", *[f"batch {b}" for b in batch["batch"]]]
+        rows = [[c, *[_f(s * 1e3, 1) for s in row]]
+                for c, row in zip(batch["context_tokens"], batch["s"], strict=True)]
+        out += "\n\nDecode step (ms) by batch size:\n\n" + _table(header, rows)
+    elif batch:
         out += (f"\n\nDecode step at {batch['context_tokens']} tokens by batch size:\n\n"
                 + _table(["batch", "step ms"], [[b, _f(s * 1e3, 1)]
                                                 for b, s in zip(batch["batch"], batch["s"],

@@ -47,7 +47,9 @@ def test_model_profile_has_every_curve_and_loads(measured):
     _lm, doc, kvs, path = measured
     assert doc["prefill"]["tokens"] == [32, 64] and len(doc["prefill"]["s"]) == 2
     assert all(s > 0 for s in doc["tpot"]["s"])
-    assert doc["tpot_batch"]["batch"] == [1, 2] and doc["tpot_batch"]["context_tokens"] == 64
+    assert doc["tpot_batch"]["batch"] == [1, 2]
+    assert doc["tpot_batch"]["context_tokens"] == [32, 64]  # measured at every context
+    assert [len(row) for row in doc["tpot_batch"]["s"]] == [2, 2]
     assert doc["verify"]["drafted_tokens"] == [1, 2, 4]
     assert doc["verify"]["context_tokens"] == [32, 64]  # measured at every context
     assert [len(row) for row in doc["verify"]["s"]] == [3, 3]
@@ -60,10 +62,15 @@ def test_timing_model_applies_the_measured_curves(measured):
     _lm, doc, _kvs, path = measured
     tm = TimingModel(TINY, replace(HW, profile=str(path)))
     t1 = doc["tpot"]["s"][1]
-    b = doc["tpot_batch"]["s"]
+    b32, b64 = doc["tpot_batch"]["s"]
     assert tm.tpot_s(64) == pytest.approx(t1)
-    assert tm.tpot_s(64, 2) == pytest.approx(t1 * b[1] / b[0])
+    assert tm.tpot_s(64, 2) == pytest.approx(t1 * b64[1] / b64[0])
     t0 = doc["tpot"]["s"][0]
+    assert tm.tpot_s(32, 2) == pytest.approx(t0 * b32[1] / b32[0])
+    # between: the batch ratios interpolated over context; beyond: the nearest's
+    between = (b32[1] / b32[0] + b64[1] / b64[0]) / 2
+    assert tm.tpot_s(48, 2) == pytest.approx(tm.tpot_s(48) * between)
+    assert tm.tpot_s(4096, 2) == pytest.approx(tm.tpot_s(4096) * b64[1] / b64[0])
     v32, v64 = doc["verify"]["s"]
     assert tm.verify_s(2, 64) == pytest.approx(v64[1])  # measured there: exactly the curve
     assert tm.verify_s(2, 32) == pytest.approx(v32[1])
@@ -96,6 +103,15 @@ def test_profile_errors_name_the_curve(tmp_path, measured):
     bad["verify"]["s"] = bad["verify"]["s"][:1]  # one row for two contexts
     p.write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="one list per context"):
+        load_profile(str(p), TINY.name)
+    bad = json.loads(json.dumps(doc))
+    bad["tpot_batch"]["s"][0] = [0.1]  # two batch sizes, one time
+    p.write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="tpot_batch at 32 lists differ in length"):
+        load_profile(str(p), TINY.name)
+    bad["tpot_batch"]["s"] = bad["tpot_batch"]["s"][1:]
+    p.write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="tpot_batch.s needs one list per context"):
         load_profile(str(p), TINY.name)
     with pytest.raises(ValueError, match="no hardware profile named 'nope'"):
         load_profile("nope", TINY.name)

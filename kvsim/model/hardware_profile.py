@@ -7,6 +7,7 @@ The format (JSON):
    "tpot": {"context_tokens": [...], "s": [...]}, "source": "..."}
 and optionally (written by `kvsim calibrate`)
   "tpot_batch": {"context_tokens": c, "batch": [...], "s": [...]}    decode step vs batch
+      (or at several contexts, as verify below: its ratio to batch 1 interpolated)
   "verify": {"context_tokens": c, "drafted_tokens": [...], "s": [...]}  verification pass
       (or "context_tokens": [c1, ...] and "s": [[...], ...]: measured at several contexts,
       its ratio to the TPOT there interpolated between them)
@@ -82,27 +83,27 @@ def scaled_profile(doc: dict, keys: tuple[str, ...],
     return {**doc, **{k: scaled_curve(doc[k], factor) for k in keys if k in doc}}
 
 
-def _check_verify(path: Path, doc: dict) -> None:
-    """verify: measured at one context (context_tokens a number, s a list over
-    drafted_tokens) or at several (context_tokens an increasing list, s one such list per
-    context)."""
-    curve = doc["verify"]
+def _check_at_contexts(path: Path, doc: dict, key: str, xs: str) -> None:
+    """doc[key] (verify over drafted_tokens, tpot_batch over batch): measured at one context
+    (context_tokens a number, s a list over xs) or at several (context_tokens an increasing
+    list, s one such list per context)."""
+    curve = doc[key]
     at = curve.get("context_tokens") if isinstance(curve, dict) else None
     if not isinstance(at, list):
-        _check_curve(path, doc, "verify", "drafted_tokens", "context_tokens")
+        _check_curve(path, doc, key, xs, "context_tokens")
         return
     rows = curve.get("s")
     if not at or not isinstance(rows, list) or len(rows) != len(at):
-        raise ValueError(f"hardware profile {path}: verify.s needs one list per context of "
-                         f"verify.context_tokens")
+        raise ValueError(f"hardware profile {path}: {key}.s needs one list per context of "
+                         f"{key}.context_tokens")
     # the contexts alone: numbers, increasing (as a curve's x with placeholder times)
-    _check_curve(path, {"verify": {"context_tokens": at, "s": [1.0] * len(at)}}, "verify",
+    _check_curve(path, {key: {"context_tokens": at, "s": [1.0] * len(at)}}, key,
                  "context_tokens")
     if min(at) <= 0:
-        raise ValueError(f"hardware profile {path}: verify.context_tokens must be > 0")
+        raise ValueError(f"hardware profile {path}: {key}.context_tokens must be > 0")
     for c, row in zip(at, rows, strict=True):
-        _check_curve(path, {f"verify at {c}": {"drafted_tokens": curve.get("drafted_tokens"),
-                                               "s": row}}, f"verify at {c}", "drafted_tokens")
+        _check_curve(path, {f"{key} at {c}": {xs: curve.get(xs), "s": row}}, f"{key} at {c}",
+                     xs)
 
 
 def _check_curve(path: Path, doc: dict, key: str, xs: str, scalar_x: str = "") -> None:
@@ -141,12 +142,11 @@ def load_profile(name_or_path: str, model_name: str) -> dict:
                          f"not {model_name!r}")
     for key, xs in (("prefill", "tokens"), ("tpot", "context_tokens")):
         _check_curve(p, doc, key, xs)
-    for key, xs, at in (("tpot_batch", "batch", "context_tokens"),
-                        ("first_step_extra", "context_tokens", "")):
+    if "first_step_extra" in doc:
+        _check_curve(p, doc, "first_step_extra", "context_tokens")
+    for key, xs in (("tpot_batch", "batch"), ("verify", "drafted_tokens")):
         if key in doc:
-            _check_curve(p, doc, key, xs, at)
-    if "verify" in doc:
-        _check_verify(p, doc)
+            _check_at_contexts(p, doc, key, xs)
     # (key, field, required in key, bound, test): a rate > 0; a ratio to a decode step >= 1
     for key, field, required, bound, ok in (
             ("cache_build", "gb_per_s", True, "> 0", lambda v: v > 0),

@@ -111,11 +111,17 @@ class TimingModel:
 
     def _batch_ratio(self, batch: int, roof: float, context_tokens: int) -> float:
         """A batch-B step over a batch-1 step: the profile's measured curve when it has
-        one, else the roofline's ratio (roof: the batch-B roofline at this context)."""
+        one (measured at several contexts: the ratio interpolated between them, held
+        beyond), else the roofline's ratio (roof: the batch-B roofline at this context)."""
         curve = self._profile.get("tpot_batch") if self._profile else None
         if curve:
-            return float(np.interp(batch, curve["batch"], curve["s"]) /
-                         np.interp(1, curve["batch"], curve["s"]))
+            at, sizes = curve["context_tokens"], curve["batch"]
+            if isinstance(at, list):
+                ratios = [float(np.interp(batch, sizes, s_c) / np.interp(1, sizes, s_c))
+                          for s_c in curve["s"]]
+                return float(np.interp(context_tokens, at, ratios))
+            return float(np.interp(batch, sizes, curve["s"]) /
+                         np.interp(1, sizes, curve["s"]))
         return roof / self._forward_s(1, context_tokens, 1, self.hw.prefill_mfu,
                                       self.hw.decode_mbu)
 
