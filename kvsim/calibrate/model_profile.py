@@ -32,7 +32,7 @@ class ModelCalibration:
     contexts: list[int]  # prompt lengths (tokens) for prefill, decode steps and codecs
     steps: int = 12  # decode steps timed per context (after the first)
     repeats: int = 3  # prefill repeats at the shortest context (1 at the longest)
-    batches: tuple[int, ...] = (1, 2, 4)  # decode batch sizes, at the longest context
+    batches: tuple[int, ...] = (1, 2, 4)  # decode batch sizes, at every context
     drafted: tuple[int, ...] = (1, 2, 4, 8, 16)  # drafted tokens per verification pass
     codec_repeats: int = 3
     text_source: str = "stdlib-docs"
@@ -72,23 +72,30 @@ def _steps_s(lm: Any, cache: Any, token: int, steps: int) -> tuple[float, list[f
 
 
 @torch.no_grad()
-def _batch_step_s(lm: Any, kv: torch.Tensor, batch: int, steps: int) -> float:
-    """Median decode step (s) of `batch` copies of the cache kv [layers, 2, h, t, d]."""
+def _batch_steps_s(lm: Any, kv: torch.Tensor, batches: tuple[int, ...], steps: int
+                   ) -> list[float]:
+    """Median decode step (s) of each batch size B in `batches`, B copies of the cache kv
+    [layers, 2, h, t, d]; the sizes' steps interleaved (one step of each in turn), so that
+    the host's speed drifting during the measurement moves them alike and their ratios,
+    which the simulator uses, hold."""
     from transformers import DynamicCache
 
     dtype = _dtype(lm)
-    data = [(kv[layer, 0][None].expand(batch, -1, -1, -1).to(dtype).contiguous(),
-             kv[layer, 1][None].expand(batch, -1, -1, -1).to(dtype).contiguous())
-            for layer in range(kv.shape[0])]
-    cache = DynamicCache(data, config=lm.model.config)
-    ids = torch.ones((batch, 1), dtype=torch.long)
-    lm.model(input_ids=ids, past_key_values=cache, use_cache=True)  # the first (slower) step
-    times = []
+    caches, ids = [], []
+    for b in batches:
+        data = [(kv[layer, 0][None].expand(b, -1, -1, -1).to(dtype).contiguous(),
+                 kv[layer, 1][None].expand(b, -1, -1, -1).to(dtype).contiguous())
+                for layer in range(kv.shape[0])]
+        caches.append(DynamicCache(data, config=lm.model.config))
+        ids.append(torch.ones((b, 1), dtype=torch.long))
+        lm.model(input_ids=ids[-1], past_key_values=caches[-1], use_cache=True)  # first: slower
+    times: list[list[float]] = [[] for _ in batches]
     for _ in range(steps):
-        t0 = time.perf_counter()
-        lm.model(input_ids=ids, past_key_values=cache, use_cache=True)
-        times.append(time.perf_counter() - t0)
-    return float(statistics.median(times))
+        for i in range(len(batches)):
+            t0 = time.perf_counter()
+            lm.model(input_ids=ids[i], past_key_values=caches[i], use_cache=True)
+            times[i].append(time.perf_counter() - t0)
+    return [float(statistics.median(t)) for t in times]
 
 
 @torch.no_grad()
@@ -145,8 +152,7 @@ def measure_model(lm: Any, model_name: str, cal: ModelCalibration,
     # weights, read once per step, weigh less against the members' KV and attention)
     batch_s = []
     for ctx in contexts:
-        batch_s.append([_batch_step_s(lm, kvs[ctx], b, max(4, cal.steps // 2))
-                        for b in cal.batches])
+        batch_s.append(_batch_steps_s(lm, kvs[ctx], tuple(cal.batches), max(4, cal.steps)))
         progress(f"batch {list(cal.batches)} at {ctx}: " +
                  ", ".join(f"{s * 1e3:.1f}" for s in batch_s[-1]) + " ms per step")
     # the verification pass at every context: its ratio to a step changes with the context

@@ -51,7 +51,7 @@ class Config:
     contexts: list[int] = field(default_factory=lambda: [256, 1024, 2048, 4096])
     steps: int = 12  # decode steps timed per context (median)
     repeats: int = 3  # prefill / codec / verification repeats (median)
-    batches: list[int] = field(default_factory=lambda: [1, 2, 4])  # at the longest context
+    batches: list[int] = field(default_factory=lambda: [1, 2, 4])  # at every context
     # drafted tokens per verification pass, timed at every context
     drafted: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
     codecs: list[Any] = field(default_factory=lambda: ["bf16", "int8", "int4", "lynx"])
