@@ -258,6 +258,16 @@ def _source_maker(cfg: EmulateConfig, kind: str, lm: Any, timing: TimingModel,
 
 
 # ---- receiver side ------------------------------------------------------------------------
+def _cache_copies(cfg: EmulateConfig) -> int:
+    """fp32 copies of a request's cache its decoding holds at its peak: the dequantized
+    one (timing-model decode: that alone); real decoding, the model's cache built from it
+    too; batched real decoding, its row of the batch's cache besides
+    (kvsim.transport.model_batch: a copy, padded to the batch's longest member)."""
+    if decode_mode(cfg) != "real":
+        return 1
+    return 3 if cfg.workload.decode_max_batch > 1 else 2
+
+
 def receiver_settings(cfg: EmulateConfig, bind: str) -> ReceiverSettings:
     t = cfg.transport
     return ReceiverSettings(bind=bind, model=cfg.model.name, timeout_s=t.timeout_s,
@@ -266,7 +276,7 @@ def receiver_settings(cfg: EmulateConfig, bind: str) -> ReceiverSettings:
                             max_active_requests=t.max_active_requests,
                             max_requests_per_peer=t.max_requests_per_peer,
                             max_memory_bytes=t.max_memory_bytes,
-                            cache_copies=2 if decode_mode(cfg) == "real" else 1,
+                            cache_copies=_cache_copies(cfg),
                             request_deadline_s=t.request_deadline_s,
                             max_requests=t.max_requests, idle_exit_s=t.idle_exit_s,
                             dequantize=t.dequantize, keys=t.keys, insecure=t.insecure,
