@@ -71,6 +71,8 @@ def test_timing_model_applies_the_measured_curves(measured):
     between = (b32[1] / b32[0] + b64[1] / b64[0]) / 2
     assert tm.tpot_s(48, 2) == pytest.approx(tm.tpot_s(48) * between)
     assert tm.tpot_s(4096, 2) == pytest.approx(tm.tpot_s(4096) * b64[1] / b64[0])
+    # beyond the largest batch measured: held at its ratio
+    assert tm.tpot_s(64, 4) == pytest.approx(t1 * b64[1] / b64[0])
     v32, v64 = doc["verify"]["s"]
     assert tm.verify_s(2, 64) == pytest.approx(v64[1])  # measured there: exactly the curve
     assert tm.verify_s(2, 32) == pytest.approx(v32[1])

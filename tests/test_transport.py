@@ -604,6 +604,28 @@ def test_the_hello_busy_draft_overhead_is_checked():
         assert "ingest_s_per_byte" in check({**base, "ingest_s_per_byte": bad}, shape)
 
 
+def test_a_real_decode_node_refuses_a_first_token_beyond_its_vocabulary():
+    """A real decode node's batch feeds every member in one forward: a first token its
+    model cannot embed is refused at HELLO, not left to fail the batch's step."""
+    cfg = config()
+    check = session.hello_checker(cfg, "real", vocab_size=49152)
+    shape = cfg.model.kv_shape(512)
+    base = {"output_tokens": 8, "cap_tokens": 4}
+    assert check({**base, "first_token": 49151}, shape) == ""
+    assert "beyond the model's vocabulary (49152)" in check({**base, "first_token": 49152},
+                                                            shape)
+
+
+def test_batched_real_decoding_reserves_the_batch_row_too():
+    """Copies of a request's cache reserved at admission: the dequantized one; a real
+    decode's model cache too; in a batch of more than one, its row of the batch's."""
+    assert session._cache_copies(config("transport.decode=timing")) == 1
+    assert session._cache_copies(config("transport.decode=real",
+                                        "workload.decode_max_batch=1")) == 2
+    assert session._cache_copies(config("transport.decode=real",
+                                        "workload.decode_max_batch=8")) == 3
+
+
 def test_the_workloads_instances_queue_prefills_and_decode_slots():
     """Two requests arriving together: one prefill instance prefills them one after the
     other, two side by side (over a shared link); one decode instance of one slot decodes

@@ -317,3 +317,25 @@ def test_a_dropped_request_leaves_a_long_step_and_the_slot_queue_at_once():
     threading.Timer(0.2, lambda: why.append("peer gone")).start()
     assert batch.take_slot(cancelled) is False  # queued behind the held slot, then dropped
     batch.give_slot()
+
+
+def test_a_loop_that_waited_for_its_slot_steps_from_when_it_had_it():
+    """One slot, two requests ready at once: the second waits for the first's end, then
+    steps a step apart from when it held the slot (planned from when it was ready, its
+    first steps would bunch up at once to catch up with the wait)."""
+    timing, context = llama8b_h100_timing(), 4096
+    step_s = 0.08
+    scale = step_s / timing.tpot_s(context, 1)
+    slot = StepBatch(timing, max_batch=1, wait_timeout_s=WAIT_S)
+    results = {}
+
+    def run(i: int) -> None:
+        loop = TimingDecodeLoop(timing, context, geometric(0.9), np.random.default_rng(i),
+                                time_scale=scale, dequantize=False, slots=slot)
+        results[i] = loop.run(ReadyView(), False, 4, 0, WAIT_S)
+
+    for t in [_thread(lambda i=i: run(i)) for i in range(2)]:
+        t.join(WAIT_S)
+    first, second = sorted(results.values(), key=lambda r: r.committed_t[-1])
+    assert second.committed_t[0] >= first.committed_t[-1] + step_s - TOL_S
+    assert np.diff(second.committed_t) == pytest.approx([step_s] * 3, abs=TOL_S)

@@ -553,3 +553,33 @@ def test_smollm2_speculative_decoding_is_lossless():
     assert res.token_ids == plain.token_ids
     assert res.proposed >= 1 and res.accepted <= res.proposed
     assert all(t < res.full_t for t in res.drafted_t[:res.accepted])
+
+
+def test_a_real_loop_that_waited_for_its_slot_reports_its_steps_alone(tiny):
+    """One slot (decode_max_batch=1): the second request decodes once the first has ended;
+    its TPOT is its own steps' (from when it held the slot), not the wait's."""
+    from kvsim.transport.decode_batch import StepBatch
+
+    model, kv, first = tiny
+    tokens = 48
+    slot = StepBatch(None, max_batch=1, wait_timeout_s=TIMEOUT_S)  # (slots only)
+    results: dict[int, DecodeResult] = {}
+
+    def run(i: int) -> None:
+        view = DelayedView(1, lambda n: kv, [0.0])
+        with running(view):
+            results[i] = RealDecodeLoop(model, first, slots=slot).run(
+                view, False, tokens, 0, TIMEOUT_S)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT_S)
+    done_first, done_second = sorted(results.values(), key=lambda r: r.committed_t[-1])
+    assert done_second.committed_t[0] >= done_first.committed_t[-1]  # it waited
+    waited_s = done_first.committed_t[-1] - done_second.full_t
+    assert waited_s > 0
+    own_s = done_second.committed_t[-1] - done_first.committed_t[-1]
+    assert done_second.tpot_s * tokens <= own_s + 0.01
+    assert done_second.token_ids == done_first.token_ids  # the same prompt, alone each

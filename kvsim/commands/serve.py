@@ -40,7 +40,9 @@ def run(cfg: EmulateConfig) -> list[dict]:
     metrics = TransportMetrics("serve")
     rx = Receiver(session.receiver_settings(cfg, cfg.transport.bind),
                   session.decoder_factory(cfg, mode, lm), session.row_builder(mode),
-                  check_hello=session.hello_checker(cfg, mode), metrics=metrics)
+                  check_hello=session.hello_checker(
+                      cfg, mode, None if lm is None else int(lm.model.config.vocab_size)),
+                  metrics=metrics)
     if metrics.start_server(cfg.transport.metrics_port, cfg.transport.metrics_addr):
         print(f"kvsim serve: metrics on http://{cfg.transport.metrics_addr}:"
               f"{cfg.transport.metrics_port}/metrics", file=sys.stderr)

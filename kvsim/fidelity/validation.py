@@ -6,8 +6,9 @@ simulated (`kvsim sim` with the profiles `kvsim calibrate` measured; see
 kvsim.fidelity.runner for what the simulator is given; before each single-request scenario
 a decode-step probe sets the level of its step curves, kvsim.fidelity.step_probe).
 Metrics: TTFT and TT{k}T from prefill end, drafted and committed (kvsim.fidelity.errors).
-The multi-request case (Poisson arrivals, timing-model decode, one shared link) compares
-TTFT p50 / p99 from arrival.
+The multi-request case (Poisson arrivals, one shared link; timing-model decode, or with
+multi.decode=real the real model's batched forwards) compares TTFT p50 / p99 from arrival
+and TPOT p50 / p99.
 
 Writes fidelity.json (mean_abs_pct_error, max_abs_pct_error, targets, per-scenario rows),
 fidelity.md (one line per scenario and codec, the signed error of every metric),

@@ -28,6 +28,13 @@ from kvsim.model.hardware_profile import load_profile
 from kvsim.model.spec import ModelSpec
 
 
+def _measured_batch_ratio(batch: int, sizes: list[int], step_s: list[float]) -> float:
+    """A batch-`batch` step over a lone step from steps measured at batch `sizes`,
+    interpolated between them and held beyond the largest (the timing-model emulator's
+    batch steps by the same ratio, so the shipped multi-request runs were measured so)."""
+    return float(np.interp(batch, sizes, step_s) / np.interp(1, sizes, step_s))
+
+
 class TimingModel:
     """Prefill / decode-step / verification times of one model on one hardware preset."""
 
@@ -117,11 +124,9 @@ class TimingModel:
         if curve:
             at, sizes = curve["context_tokens"], curve["batch"]
             if isinstance(at, list):
-                ratios = [float(np.interp(batch, sizes, s_c) / np.interp(1, sizes, s_c))
-                          for s_c in curve["s"]]
+                ratios = [_measured_batch_ratio(batch, sizes, s_c) for s_c in curve["s"]]
                 return float(np.interp(context_tokens, at, ratios))
-            return float(np.interp(batch, sizes, curve["s"]) /
-                         np.interp(1, sizes, curve["s"]))
+            return _measured_batch_ratio(batch, sizes, curve["s"])
         return roof / self._forward_s(1, context_tokens, 1, self.hw.prefill_mfu,
                                       self.hw.decode_mbu)
 

@@ -263,9 +263,11 @@ class ContinuousBatch(ABC):
             self.steps += 1
             self.widest = max(self.widest, len(works))
             idle_since = self.clock()
-            # released now (the stall guard counts from here, whoever wakes first)
+            # released now (the stall guard counts from here, whoever wakes first); a
+            # member dropped during the step has left
             for member in works:
-                self._released_t[member] = idle_since
+                if member in self._running:
+                    self._released_t[member] = idle_since
             self._last_members = set(works)
             cond.notify_all()
 

@@ -124,6 +124,8 @@ class _DecodeLoop(ABC):
     batch: ContinuousBatch | None = None  # the batch whose steps this loop's steps are
     slots: ContinuousBatch | None = None  # whose slot it holds (the batch, or one slot)
     _has_slot = False
+    # (the phase's start t, clock s once its slot was held): steps are measured from there
+    _slot_at: tuple[float, float] | None = None
     _on_done: Callable[[], None] | None = None
 
     def _on_batch(self, batch: ContinuousBatch | None, slots: ContinuousBatch | None,
@@ -153,6 +155,7 @@ class _DecodeLoop(ABC):
             if not self.slots.take_slot(self._cancelled):  # dropped while it queued
                 raise DecodeCancelled(self._cancelled())
             self._has_slot = True
+            self._slot_at = (t, self.clock())
 
     def _end_phase(self) -> None:
         """Back-to-back steps are over for now (drafting stopped: the loop waits or loads)."""
@@ -171,9 +174,12 @@ class _DecodeLoop(ABC):
             done()
 
     def _steps_from(self, t: float, drafting: bool = False) -> float:
-        """Where a phase's mean step is measured from: `t`, where it began (a batched timing
-        loop: its first step's post, after its slot and the fresh cache's extra, as the
-        simulator's batch starts its member's clock at admission)."""
+        """Where a phase's mean step is measured from: `t`, where it began, or once it held
+        its slot where it waited for one (a batched timing loop: its first step's post,
+        after its slot and the fresh cache's extra), as the simulator's batch starts its
+        member's clock at admission."""
+        if self._slot_at is not None and self._slot_at[0] == t:
+            return self._slot_at[1]
         return t
 
     @abstractmethod
@@ -514,6 +520,8 @@ class TimingDecodeLoop(_DecodeLoop):
         self._planned = t
         self._steps_t = None
         super()._begin_phase(t)
+        if self._slot_at is not None and self._slot_at[0] == t:
+            self._planned = self._slot_at[1]  # steps are planned from when it had its slot
 
     def _sleep_for(self, s: float) -> None:
         self._planned += s
@@ -588,7 +596,7 @@ class TimingDecodeLoop(_DecodeLoop):
 
     def _steps_from(self, t: float, drafting: bool = False) -> float:
         if self.batch is None:
-            return t
+            return super()._steps_from(t, drafting)
         began = self._draft_steps_t if drafting else self._steps_t
         return t if began is None else began
 

@@ -22,10 +22,16 @@ position ids from each member's own length, and the attention mask [members, S +
 Membership changes (a member joins with a fresh cache, leaves, or comes back with another
 cache: drafting ends on the anchor-only cache, verification begins on the full one) rebuild
 the rows between steps: each kept row's valid entries packed to the left, the new ones
-added, everyone padded to the longest (one copy of the batch's caches per change). A
-verification's rejected drafts are masked out of its row (`crop`). A member alone in the
-batch steps on its own cache object with no mask, cropped for real: exactly the batch-1
-forwards of an unbatched decode loop.
+added, everyone padded to the longest, layer by layer into the new batch's tensors (the old
+batch and the new one are both alive while it is made, once per change; each step's
+forward also extends every row by concatenation, as a transformers cache always does). A
+verification's rejected drafts are masked out of its row (`crop`). A member that joins an
+empty batch steps on its own cache object with no mask, cropped for real: exactly the
+batch-1 forwards of an unbatched decode loop, for as long as it stays alone.
+
+A member whose row went while it still decoded on that cache (the stall guard dropped it,
+kvsim.transport.decode_batch) is refused when it posts that cache again: its row held
+entries its own cache object lacks.
 
 Greedy tokens from a padded batched forward equal the member's unbatched ones up to float
 rounding (the same sums in another order), so near-ties may break differently; the tests
@@ -34,6 +40,7 @@ hold the logits to 1e-4 of the unbatched forward's.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -72,44 +79,58 @@ class _Rows:
     def _layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(layer.keys, layer.values) for layer in self.cache.layers]
 
-    def arrange(self, works: dict[Hashable, ModelWork]) -> None:
-        """Rows for exactly `works`' members on their posted caches, in post order."""
+    def arrange(self, works: dict[Hashable, ModelWork]) -> list[_Row]:
+        """Rows for exactly `works`' members on their posted caches, in post order; returns
+        the rows that went."""
         kept = [r for r in self.rows if r.member in works and works[r.member].cache is r.source]
         if len(kept) == len(self.rows) == len(works):
-            return
+            return []
+        gone = [r for r in self.rows if r not in kept]
         held = {r.member for r in kept}
         fresh = [_Row(m, w.cache) for m, w in works.items() if m not in held]
         if not kept and len(fresh) == 1:  # alone on its own cache: batch-1 forwards
             self.rows, self.cache, self.valid = fresh, fresh[0].source, None
-            return
+            return gone
         self._rebuild(kept, fresh)
+        return gone
 
     def _rebuild(self, kept: list[_Row], fresh: list[_Row]) -> None:
         """One batched cache of the kept rows (valid entries packed left) and the fresh
-        members' caches, each row padded to the longest."""
+        members' caches, each row padded to the longest, made layer by layer (the old
+        batch's layers freed as they are copied, unless the old batch is a lone member's
+        own cache)."""
         from transformers import DynamicCache
 
+        old = self.cache
+        owned = old is not None and all(old is not r.source for r in self.rows)
         index = {id(r): i for i, r in enumerate(self.rows)}
-        parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # [row][layer] (k, v)
-        if kept:
-            old = self._layers()
-            valid = self._valid_now()
-            for r in kept:
-                i = index[id(r)]
-                at = valid[i].nonzero().squeeze(1)  # [entries] slots of the row's cache
-                parts.append([(k[i:i + 1, :, at], v[i:i + 1, :, at]) for k, v in old])
-        for r in fresh:
-            parts.append([(layer.keys, layer.values) for layer in r.source.layers])
-        lengths = [int(p[0][0].shape[2]) for p in parts]
+        valid = self._valid_now() if kept else None
+        # kept rows: (their index in the old batch, their valid slots [entries])
+        picks = [(index[id(r)], valid[index[id(r)]].nonzero().squeeze(1)) for r in kept] \
+            if valid is not None else []
+        lengths = [int(at.numel()) for _, at in picks] + \
+            [int(r.source.get_seq_length()) for r in fresh]
         slots = max(lengths)
-        data = []
-        for layer in range(len(parts[0])):
-            data.append(tuple(torch.cat([_pad_entries(p[layer][kv], slots) for p in parts])
-                              for kv in (0, 1)))
-        self.rows = kept + fresh
-        self.cache = DynamicCache(data, config=self.model.config)
-        device = data[0][0].device
-        self.valid = None if len(parts) == 1 else \
+        first = old if kept else fresh[0].source
+        new = DynamicCache(config=self.model.config)
+        for layer in range(len(first.layers)):
+            pair = []
+            for kv in ("keys", "values"):
+                like = getattr(first.layers[layer], kv)  # [rows, kv_heads, entries, head_dim]
+                out = like.new_zeros((len(lengths), like.shape[1], slots, like.shape[3]))
+                for j, (i, at) in enumerate(picks):
+                    out[j, :, :at.numel()] = getattr(old.layers[layer], kv)[i, :, at]
+                for j, r in enumerate(fresh, start=len(picks)):
+                    t = getattr(r.source.layers[layer], kv)  # [1, kv_heads, entries, head_dim]
+                    out[j, :, :t.shape[2]] = t[0]
+                pair.append(out)
+            new.layers[layer].update(*pair)  # (a layer's first update copies it in)
+            del pair
+            if owned:  # the old batch's layer is copied: free it now
+                old.layers[layer].keys = old.layers[layer].values = None
+        self.rows, self.cache = kept + fresh, new
+        device = new.layers[0].keys.device
+        self.valid = None if len(lengths) == 1 else \
             torch.arange(slots, device=device)[None] < torch.tensor(lengths, device=device)[:, None]
 
     def _valid_now(self) -> torch.Tensor:
@@ -157,11 +178,6 @@ class _Rows:
         return {r.member: logits[i, :len(ids[i])] for i, r in enumerate(self.rows)}
 
 
-def _pad_entries(t: torch.Tensor, slots: int) -> torch.Tensor:
-    """[1, kv_heads, entries, head_dim] -> [1, kv_heads, slots, head_dim] (zeros after)."""
-    return torch.nn.functional.pad(t, (0, 0, 0, slots - int(t.shape[2])))
-
-
 def crop_cache(cache: Any, keep: int) -> None:
     """Drop a DynamicCache's entries past the first `keep` (every layer). transformers 5
     takes a negative count of entries to remove; 4.x a negative count too (or the new
@@ -182,9 +198,13 @@ class ModelBatch(ContinuousBatch):
     def __init__(self, model: Any, max_batch: int, **batch_kw) -> None:
         super().__init__(max_batch, **batch_kw)
         self.model = model
+        self.vocab_size = int(model.config.vocab_size)
         self._rows = _Rows(model)
         self._results: dict[Hashable, list[int]] = {}
         self._crops: list[tuple[Hashable, int]] = []  # asked between steps, done before one
+        # rows that went, by member: the cache each was on (weakly: a cache its decode
+        # loop let go of is not kept); that member posting that cache again is refused
+        self._dropped: dict[Hashable, weakref.ref] = {}
 
     def forward(self, member: Hashable, cache: Any, token_ids: list[int],
                 cancelled: Callable[[], str] = str) -> list[int] | None:
@@ -192,8 +212,16 @@ class ModelBatch(ContinuousBatch):
         None when cancelled() says the request was dropped first."""
         if not token_ids:
             raise ValueError("a step member feeds at least one token")
-        work = ModelWork(cache, tuple(int(t) for t in token_ids))
-        if not self._post(member, work, cancelled):
+        ids = tuple(int(t) for t in token_ids)
+        if not all(0 <= t < self.vocab_size for t in ids):  # (it would fail every member)
+            raise ValueError(f"token ids must be in 0..{self.vocab_size - 1}, got {list(ids)}")
+        with self._cond:
+            gone = self._dropped.pop(member, None)
+            if gone is not None and gone() is cache:
+                raise RuntimeError(
+                    f"{member!r} was dropped from the batch while it decoded on this cache "
+                    f"(its row held entries the cache lacks): it cannot step on it again")
+        if not self._post(member, ModelWork(cache, ids), cancelled):
             return None
         with self._cond:
             return self._results.pop(member)
@@ -216,18 +244,33 @@ class ModelBatch(ContinuousBatch):
 
     def _run_step(self, plan: tuple[dict, list]) -> None:
         works, crops = plan
-        for member, keep in crops:  # rows as the last step left them: its member is there
-            self._rows.crop(member, keep)
-        self._rows.arrange(works)
+        held = {r.member for r in self._rows.rows}
+        for member, keep in crops:
+            if member in held:  # (a member whose row went has nothing to crop)
+                self._rows.crop(member, keep)
+            else:
+                self.log(f"decode batch: a crop for {member!r}, which has no row; skipped")
+        gone = self._rows.arrange(works)
         logits = self._rows.forward(works)
         # greedy tokens; tolist() waits for the device
         tokens = {m: x.argmax(dim=-1).tolist() for m, x in logits.items()}
         with self._cond:
-            self._results.update(tokens)
+            # only for members still in the step (one dropped meanwhile takes none)
+            self._results.update({m: t for m, t in tokens.items() if m in self._running})
+            self._remember(gone)
+
+    def _remember(self, rows: list[_Row]) -> None:
+        """Note the rows that went (lock held); forget notes on caches let go of."""
+        for r in rows:
+            self._dropped[r.member] = weakref.ref(r.source)
+        for m in [m for m, ref in self._dropped.items() if ref() is None]:
+            del self._dropped[m]
 
     def _idle(self) -> None:
+        self._remember(self._rows.rows)
         self._rows = _Rows(self.model)  # the batched cache goes with its members
         self._results.clear()
+        self._crops.clear()
 
 
 __all__ = ["ModelBatch", "ModelWork", "crop_cache"]

@@ -262,7 +262,8 @@ def _cache_copies(cfg: EmulateConfig) -> int:
     """fp32 copies of a request's cache its decoding holds at its peak: the dequantized
     one (timing-model decode: that alone); real decoding, the model's cache built from it
     too; batched real decoding, its row of the batch's cache besides
-    (kvsim.transport.model_batch: a copy, padded to the batch's longest member)."""
+    (kvsim.transport.model_batch: a copy; its padding to the batch's longest member is not
+    reserved, nor the old batch beside the new one while the rows are rebuilt)."""
     if decode_mode(cfg) != "real":
         return 1
     return 3 if cfg.workload.decode_max_batch > 1 else 2
@@ -429,9 +430,10 @@ def prefill_instances(cfg: EmulateConfig) -> PrefillInstances:
                             wait_timeout_s=cfg.transport.request_deadline_s)
 
 
-def hello_checker(cfg: EmulateConfig, mode: str):
+def hello_checker(cfg: EmulateConfig, mode: str, vocab_size: int | None = None):
     """What this decode node needs of a request beyond the codec: a real decode needs the
-    model's KV shape and the prefill's first token; output / cap within bounds."""
+    model's KV shape and the prefill's first token (within vocab_size, the model's, where
+    given); output / cap within bounds."""
     want = cfg.model.kv_shape(8)
 
     def check(hello: dict, shape: KVShape) -> str:
@@ -450,6 +452,9 @@ def hello_checker(cfg: EmulateConfig, mode: str):
             first = hello.get("first_token")
             if isinstance(first, bool) or not isinstance(first, int) or first < 0:
                 return "a real decode needs the prefill's first_token (a live or captured KV)"
+            if vocab_size is not None and first >= vocab_size:
+                # (fed to a forward its batch shares: it would fail every member's step)
+                return f"first_token {first} is beyond the model's vocabulary ({vocab_size})"
         out_tokens = hello.get("output_tokens")
         if isinstance(out_tokens, bool) or not isinstance(out_tokens, int) or \
                 not 1 <= out_tokens <= 65536:
