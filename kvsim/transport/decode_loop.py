@@ -164,8 +164,7 @@ class _DecodeLoop(ABC):
 
     def _leave(self) -> None:
         """The run ended, whatever happened: out of the batch, its slot given back."""
-        if self.batch is not None:
-            self.batch.pause(self)
+        self._end_phase()
         if self._has_slot and self.slots is not None:
             self._has_slot = False
             self.slots.give_slot()
@@ -381,8 +380,7 @@ class RealDecodeLoop(_DecodeLoop):
 
     @torch.no_grad()
     def _load(self, view: CacheView, n: int) -> Any:
-        if self.batch is not None:
-            self.batch.pause(self)  # loading takes no part in the batch's forwards
+        self._end_phase()  # loading takes no part in the batch's steps
         built = getattr(view, "built_cache", None)
         cache = built(n) if built is not None else None
         if cache is None:
@@ -530,8 +528,7 @@ class TimingDecodeLoop(_DecodeLoop):
             self.sleep(left)
 
     def _load(self, view: CacheView, n: int) -> Any:
-        if self.batch is not None:
-            self.batch.pause(self)  # loading computes no batched step
+        self._end_phase()  # loading takes no part in the batch's steps
         if self.dequantize:
             view.kv(n)  # real dequantization cost; the tensor itself is not needed
         if getattr(view, "dequantize", "on_demand") == "on_arrival":

@@ -72,6 +72,7 @@ class _Rows:
 
     def __init__(self, model: Any) -> None:
         self.model = model
+        self.device = next(model.parameters()).device  # where the fed ids go
         self.rows: list[_Row] = []
         self.cache: Any = None  # batched DynamicCache, or a lone member's own cache
         self.valid: torch.Tensor | None = None  # [members, S] bool; None: all valid
@@ -160,7 +161,7 @@ class _Rows:
         """One forward over every row (arranged for `works`): each member's logits
         [its fed ids, vocab]."""
         ids = [list(works[r.member].token_ids) for r in self.rows]
-        device = next(self.model.parameters()).device
+        device = self.device
         if self.valid is None:  # one row, every entry its own
             logits = self.model(input_ids=torch.tensor(ids, device=device),
                                 past_key_values=self.cache, use_cache=True).logits
