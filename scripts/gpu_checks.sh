@@ -30,7 +30,7 @@ timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu $TESTS 2>&1 \
     | tee "$OUT/gpu-tests.log" | tail -15
 tests_rc=${PIPESTATUS[0]}
 
-CODECS=${CODECS:-'[bf16,int8,int4,kivi-2,kivi-4,kcvt-4,oscar,lynx,lynx-int4,lynx-int8,lynx-2+6,lynx-2+2+4,lynx-oscar]'}
+CODECS=${CODECS:-'[bf16,int8,int4,kivi-2,kivi-4,kcvt-4,gear,gear-l,oscar,lynx,lynx-int4,lynx-int8,lynx-2+6,lynx-2+2+4,lynx-oscar]'}
 timeout 420 python3 -m kvsim bench codecs device=cuda kv_source=synthetic "codecs=$CODECS" \
     shape.layers=32 shape.kv_heads=8 shape.tokens=8192 shape.head_dim=128 \
     repeats=10 warmup=2 progress=false write_timing="$HARDWARE" out_dir="$OUT" \

@@ -56,6 +56,14 @@ CASES = [
                "backend": "triton"}, {"backend": "torch"}),
     ("oscar", {"bits": 4, "group": 16, "residual": 32, "page_tokens": 64,
                "scale_values": True, "backend": "triton"}, {"backend": "torch"}),
+    # gear: outliers and per-page fits batched on the device around the backbone's kernels
+    # (kivi: 112 quantized tokens, a full page and a 48-token one; kcvt: 130, 64 + 64 + 2)
+    ("gear", {"bits": 2, "group": 16, "value_group": 16, "residual": 32, "page_tokens": 64,
+              "rank": 3, "backend": "triton"}, {"backend": "torch"}),
+    ("gear", {"backbone": "kcvt", "bits": 4, "residual": 20, "page_tokens": 64, "rank": 2,
+              "outlier_pct": 5.0, "backend": "triton"}, {"backend": "torch"}),
+    ("gear-l", {"bits": 4, "group": 16, "value_group": 0, "residual": 16, "page_tokens": 32,
+                "rank": 4, "backend": "triton"}, {"backend": "torch"}),
     ("lynx", {"page_tokens": 64, "backend": "triton"}, {"backend": "torch"}),
     ("lynx", {"page_tokens": 64, "split": [2, 2, 4], "backend": "triton"},
      {"backend": "torch"}),
@@ -170,8 +178,84 @@ def test_kivi_triton_falls_back_where_groups_do_not_fill_bytes():
                                                  .encode(kv))
 
 
+def test_gear_device_path_with_wide_pages_stores_u16_indices(kernel_device):
+    """Pages of more than 256 tokens index their key outliers in u16 (a full 288-token page,
+    then a 96-token one): the device path writes and reads them as the reference does."""
+    params = {"bits": 4, "group": 16, "value_group": 16, "residual": 16, "page_tokens": 288,
+              "rank": 2, "outlier_pct": 1.0}
+    kv = kv_sample((1, 1, 400, 32))
+    shape = KVShape.of(kv)
+    codec = make_codec("gear", {**params, "backend": "triton"})
+    assert codec.has_device_path(torch.device(kernel_device), shape)
+    assert [f.kind for f in codec.layout(shape, 0).fields if f.name == "ko_idx"] == ["u16"]
+    dw = codec.encode_device(kv.to(kernel_device))
+    ref = make_codec("gear", {**params, "backend": "torch"})
+    want = ref.encode(kv)
+    assert payloads(dw.to_encoded()) == payloads(want)
+    got = codec.decode_device(dw.buffers, shape, torch.float32)
+    assert torch.equal(got.cpu(), ref.decode(want, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("params", [{"lowrank": "sequence"}, {"outlier_count": "exact"}])
+def test_gear_triton_runs_the_reference_where_it_has_no_device_path(params):
+    """Sequence-wide fits and 'exact' outlier counts have no device path: backend 'triton'
+    gives the reference's bytes through it."""
+    small = {"group": 8, "value_group": 8, "residual": 8, "page_tokens": 16, "rank": 2}
+    kv = kv_sample((1, 1, 40, 16))
+    tri = make_codec("gear", {**small, **params, "backend": "triton"})
+    assert not tri.has_device_path(kv.device, KVShape.of(kv))
+    assert payloads(tri.encode(kv)) == payloads(
+        make_codec("gear", {**small, **params, "backend": "torch"}).encode(kv))
+
+
+def test_gear_page_runs_group_pages_of_one_layout():
+    """kcvt's page 0 carries the keys' scales (a layout of its own), the full pages after it
+    form one evenly spaced run, the short page another; pages with no quantized tokens none."""
+    from kvsim.kernels.kivi.page_runs import page_runs
+
+    codec = make_codec("gear", {"backbone": "kcvt", "bits": 4, "residual": 40,
+                                "page_tokens": 32})
+    shape = KVShape.of(kv_sample((1, 1, 180, 16)))  # 140 quantized: 32 x 4 + 12
+    geo, _, _ = codec.geometry(shape)
+    runs = page_runs(geo)
+    assert [(r.first, r.count, r.t0, r.q) for r in runs] == [(0, 1, 0, 32), (1, 3, 32, 32),
+                                                             (4, 1, 128, 12)]
+    assert runs[1].stride == codec.layout(shape, 1).nbytes
+
+
+@pytest.mark.parametrize("name,params", [
+    ("gear", {"group": 8, "value_group": 8, "rank": 2}),
+    ("oscar", {"group": 8, "value_group": 8, "scale_values": True}),
+    ("kcvt", {}),
+])
+def test_device_path_launches_do_not_grow_with_the_pages(name, params, kernel_device):
+    """The torch ops of a device path (gear's outliers, fits and fields, oscar's norms,
+    kcvt's key stats) are batched over the pages: a cache of 6 full pages runs as many as
+    one of 2."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for tokens in (32, 96):
+        kv = kv_sample((1, 1, tokens, 16)).to(kernel_device)
+        codec = make_codec(name, {**params, "bits": 4, "residual": 0, "page_tokens": 16,
+                                  "backend": "triton"})
+        codec.encode_device(kv)  # the shape's geometry built once, as a sender's is
+        Count.ops = 0
+        with Count():
+            codec.encode_device(kv)
+        counts.append(Count.ops)
+    assert counts[0] == counts[1] > 0
+
+
 def test_encode_device_refused_where_there_is_no_device_path():
-    gear = make_codec("gear", {})
+    gear = make_codec("gear", {"lowrank": "sequence", "backend": "triton"})
     kv = kv_sample((1, 1, 64, 32))
     assert not gear.has_device_path(kv.device, KVShape.of(kv))
     with pytest.raises(CodecError, match="no device path"):
@@ -203,4 +287,4 @@ def test_pinned_staging_round_trip_and_device_timing():
         assert row[key] > 0, key
     # the copy of the wire bytes to the host cannot be slower than encode + that copy by much
     assert row["encode_with_copy_s"] > 0.5 * row["pinned_d2h_s"]
-    assert device_timing(make_codec("gear", {}), kv, 1, 0) is None
+    assert device_timing(make_codec("cachegen", {}), kv, 1, 0) is None

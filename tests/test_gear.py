@@ -8,7 +8,8 @@ from codec_checks import wire_round_trip
 
 from kvsim.core.layout import KVShape
 from kvsim.kernels.codec import CodecError, make_codec
-from kvsim.kernels.kivi.gear import fit_fp16, low_rank, outliers_per_side, split_outliers
+from kvsim.kernels.kivi.lowrank import fit_fp16, low_rank
+from kvsim.kernels.kivi.outliers import outliers_per_side, split_outliers
 
 
 def structured_kv(shape: KVShape, seed: int = 0) -> torch.Tensor:
@@ -202,7 +203,7 @@ def test_lowrank_scope_checked():
 
 # ---- outlier_count 'exact': s % of the entries of each head-page ----------------------------
 def test_exact_schedule_keeps_s_percent():
-    from kvsim.kernels.kivi.gear import outlier_schedule
+    from kvsim.kernels.kivi.outliers import outlier_schedule
 
     # 2 % of a 256-token page x 64 channels: 163.84 per side -> 163 (ceil keeps 3 x 64 = 192)
     assert int(outlier_schedule(256, 64, 2.0, True).sum()) == 163
@@ -236,7 +237,7 @@ def test_exact_outliers_restored_and_sized(backend):
     f = codec.layout(shape, 0).parse(enc.payloads(0)[(0, 0)], torch.device("cpu"))
     # 15 % of 16 x 16 entries of K (and of V) of each head: floor(19.2) per side
     assert f["ko_idx"].shape == (2, 38) and f["vo_idx"].shape == (2, 38)
-    from kvsim.kernels.kivi.gear import outlier_schedule, ragged_vectors
+    from kvsim.kernels.kivi.outliers import outlier_schedule, ragged_vectors
 
     vec = ragged_vectors(outlier_schedule(16, 16, 15.0, True))
     k = out[0, 0, :, :16].transpose(-1, -2)  # [heads, d, q] of page 0

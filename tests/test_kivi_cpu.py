@@ -19,7 +19,8 @@ from kvsim.kernels.groupquant import dequantize_groups, quantize_groups
 from kvsim.kernels.hadamard import hadamard
 from kvsim.kernels.kivi import cpu as kivi_cpu
 from kvsim.kernels.kivi.codec import use_cpu_kernels
-from kvsim.kernels.kivi.gear import low_rank, low_rank_start, split_outliers, sqrt_rn
+from kvsim.kernels.kivi.lowrank import low_rank, low_rank_start, sqrt_rn
+from kvsim.kernels.kivi.outliers import split_outliers
 
 # values that stress the quantizer: signed zeros, fp16 subnormal ranges, near the fp16 max
 # (65280 is exact in bf16 as well), a constant

@@ -36,11 +36,13 @@ k_* fields as above with qk, v_* with qv, then instead of resid:
 backend (param of kivi / kcvt / oscar / gear; default auto):
 'torch' = the torch reference (groupquant.quantize_groups, bitpack), 'cpu' = the numba
 kernels of kivi/cpu.py (same bytes, same decoded bits), 'auto' = cpu kernels for CPU tensors.
-kivi, kcvt and oscar also take 'triton', their device path (Codec.encode_device: the Triton
-kernels of kivi/triton.py write every chunk into one wire buffer on the GPU, same bytes;
-kcvt's key stats found first by torch on the device, oscar's tokens rotated and scaled
-first), which 'auto' takes for CUDA tensors where it applies (gear runs the torch reference
-there).
+kivi, kcvt, oscar and gear also take 'triton', their device path (Codec.encode_device: the
+Triton kernels of kivi/triton.py write every chunk into one wire buffer on the GPU, same
+bytes; kcvt's key stats found first by torch on the device, oscar's tokens rotated and
+scaled first, gear's outliers and low-rank fits made by torch around the kernels, batched
+over the pages), which 'auto' takes for CUDA tensors where it applies (the codes must fill
+whole bytes; gear: per-page fits and 'ceil' outliers), else the torch reference runs
+there.
 """
 
 from __future__ import annotations
@@ -93,8 +95,8 @@ else:
     kivi_cpu = lazy_module("kvsim.kernels.kivi.cpu")
 
 BACKENDS = ("auto", "torch", "cpu")
-# kivi, kcvt and oscar have a device path (Triton kernels of kivi/triton.py; 'auto' takes it
-# on CUDA)
+# kivi, kcvt, oscar and gear have a device path (Triton kernels of kivi/triton.py; 'auto'
+# takes it on CUDA)
 KIVI_BACKENDS = (*BACKENDS, "triton")
 WINDOWS = ("shared", "kivi")
 
@@ -308,10 +310,21 @@ class BackboneCodec(Codec):
         backend = self.params.backend
         return backend == "triton" or (backend == "auto" and device.type == "cuda")
 
-    def _groups_fill_bytes(self, shape: KVShape) -> bool:
-        """kivi's kernels pack whole key groups and value groups into whole bytes."""
-        per = 8 // self.params.bits
-        return self.params.group % per == 0 and self.backbone().vgroup(shape) % per == 0
+    def has_device_path(self, device: torch.device, shape: KVShape) -> bool:
+        """backend 'triton' (or 'auto' on CUDA) and a shape whose codes fill whole bytes as
+        the backbone's kernels write them (subclasses add their own conditions)."""
+        return self._takes_device_path(device) and self._backbone_fills_bytes(shape)
+
+    def _backbone_fills_bytes(self, shape: KVShape) -> bool:
+        """kivi: whole key groups and value groups pack into whole bytes; kcvt: each page's
+        key rows (a channel's codes along its quantized tokens) and each token's value row
+        do."""
+        bb = self.backbone()
+        per = 8 // bb.bits
+        if bb.kcvt:
+            return (self.params.page_tokens % per == 0 and shape.head_dim % per == 0
+                    and bb.quantized_tokens(shape.tokens) % per == 0)
+        return bb.key_group % per == 0 and bb.vgroup(shape) % per == 0
 
     def _device_wire(self, kv: torch.Tensor, shape: KVShape
                      ) -> tuple[torch.Tensor | None, np.ndarray, torch.Tensor, int, torch.Tensor]:
@@ -364,6 +377,86 @@ class BackboneCodec(Codec):
                     values = torch.empty(tokens.shape, dtype=torch.bfloat16, device=buf.device)
                     values.view(torch.uint8).copy_(wire)
                     tokens.copy_(values)
+
+    def _key_stats(self, x: torch.Tensor, tq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """kcvt: (scale16, zero16) fp16 [layers, heads, head_dim] of each key channel over the
+        first tq tokens of x [layers, 2, heads, tokens, head_dim]: groupquant.quantize_groups's
+        op sequence, on x's device."""
+        kt = x[:, 0, :, :tq].to(torch.float32)  # [L, H, tq, D]
+        mn = kt.amin(dim=2) + 0.0  # -0.0 -> +0.0, as the reference
+        mx = kt.amax(dim=2) + 0.0
+        return (((mx - mn) / float((1 << self.backbone().bits) - 1)).to(torch.float16),
+                mn.to(torch.float16))
+
+    def _page0_fields(self, buf: torch.Tensor, shape: KVShape, geo: np.ndarray,
+                      layer_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """kcvt: views of every layer's k_scale / k_zero bytes (uint8 [layers, heads *
+        head_dim * 2], in page 0's chunk) inside the wire buffer."""
+        n = shape.kv_heads * shape.head_dim * 2
+        return tuple(buf.as_strided((shape.layers, n), (layer_bytes, 1),
+                                    int(geo[0, G_BASE] + geo[0, col])) for col in (G_KS, G_KZ))
+
+    def _backbone_kernels(self, x: torch.Tensor, buf: torch.Tensor, shape: KVShape,
+                          decode: bool) -> None:
+        """The backbone's fields of every chunk of the wire buffer: written from x [layers,
+        2, heads, tokens, head_dim] (its first Tq tokens quantized; decode False), or
+        dequantized into x (decode True; the bf16 window is _window_copy's). kivi: two
+        launches of kivi/triton.py's kernels; kcvt: the keys' per-channel stats found first
+        (torch on the device) and given to them, and stored in page 0 / read from it."""
+        from kvsim.kernels.kivi import triton as kivi_triton
+
+        bb, pt = self.backbone(), self.params.page_tokens
+        geo, geo_dev, layer_bytes = self._device_geometry(shape, buf.device)
+        def run(group: int, given: torch.Tensor | None = None) -> None:
+            if decode:
+                kivi_triton.decode_quantized(buf, x, geo_dev, layer_bytes, pt, group,
+                                             bb.vgroup(shape), bb.bits, given)
+            else:
+                kivi_triton.encode_quantized(x, buf, geo_dev, layer_bytes, pt, group,
+                                             bb.vgroup(shape), bb.bits, given)
+
+        if not bb.kcvt:
+            run(bb.key_group)
+            return
+        tq = bb.quantized_tokens(shape.tokens)
+        # fp32 [2, L, H, D]: the keys' scales and zero points (none quantized: unused zeros)
+        given = torch.zeros(2, shape.layers, shape.kv_heads, shape.head_dim, device=buf.device)
+        if tq:
+            views = self._page0_fields(buf, shape, geo, layer_bytes)
+            if decode:
+                for plane, view in enumerate(views):
+                    given[plane] = view.contiguous().view(torch.float16).reshape(
+                        given.shape[1:]).to(torch.float32)
+            else:  # the keys' stats, stored once per layer in page 0
+                stats = self._key_stats(x, tq)
+                for view, v in zip(views, stats, strict=True):
+                    view.copy_(v.contiguous().view(torch.uint8).reshape(view.shape))
+                given = torch.stack(stats).to(torch.float32).contiguous()
+        run(kivi_triton.KCVT_TOKENS_PER_K_PROGRAM, given)
+
+    def _encode_device(self, kv: torch.Tensor, shape: KVShape
+                       ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """kivi, kcvt: the backbone's kernels, then the bf16 window copied by torch."""
+        status, geo, _, layer_bytes, buf = self._device_wire(kv, shape)
+        x = kv.detach()
+        self._backbone_kernels(x, buf, shape, decode=False)
+        self._window_copy(buf, x, geo, layer_bytes, True)
+        return [buf], status
+
+    def _decode_device(self, buffers: list[torch.Tensor], shape: KVShape,
+                       dtype: torch.dtype) -> torch.Tensor:
+        from kvsim.kernels.triton_support import interpreting
+
+        buf = buffers[0]
+        # bf16 / fp32 straight from the kernels (fp16, and anything interpreted: fp32, then
+        # cast by decode_device)
+        direct = (dtype if dtype in (torch.bfloat16, torch.float32) and not interpreting()
+                  else torch.float32)
+        out = torch.empty(shape.dims, dtype=direct, device=buf.device)
+        geo, _, layer_bytes = self._device_geometry(shape, buf.device)
+        self._backbone_kernels(out, buf, shape, decode=True)
+        self._window_copy(buf, out, geo, layer_bytes, False)
+        return out
 
     # ---- the fused CPU path: kivi_cpu.encode_fused / decode_fused -----------------------
     def fused(self, device: torch.device, shape: KVShape) -> bool:
@@ -610,36 +703,6 @@ class KiviCodec(BackboneCodec):
             return super().page_split(shape, page)
         return self.kivi_split(shape, page)
 
-    # ---- the device path (kivi/triton.py; the bf16 window copied by torch) ------------
-    def has_device_path(self, device: torch.device, shape: KVShape) -> bool:
-        return self._takes_device_path(device) and self._groups_fill_bytes(shape)
-
-    def _encode_device(self, kv: torch.Tensor, shape: KVShape
-                       ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        from kvsim.kernels.kivi import triton as kivi_triton
-
-        p = self.params
-        status, geo, geo_dev, layer_bytes, buf = self._device_wire(kv, shape)
-        kivi_triton.encode_quantized(kv.detach(), buf, geo_dev, layer_bytes, p.page_tokens,
-                                     p.group, self.backbone().vgroup(shape), p.bits)
-        self._window_copy(buf, kv.detach(), geo, layer_bytes, True)
-        return [buf], status
-
-    def _decode_device(self, buffers: list[torch.Tensor], shape: KVShape,
-                       dtype: torch.dtype) -> torch.Tensor:
-        from kvsim.kernels.kivi import triton as kivi_triton
-        from kvsim.kernels.triton_support import interpreting
-
-        p, buf = self.params, buffers[0]
-        direct = (dtype if dtype in (torch.bfloat16, torch.float32) and not interpreting()
-                  else torch.float32)
-        out = torch.empty(shape.dims, dtype=direct, device=buf.device)
-        geo, geo_dev, layer_bytes = self._device_geometry(shape, buf.device)
-        kivi_triton.decode_quantized(buf, out, geo_dev, layer_bytes, p.page_tokens, p.group,
-                                     self.backbone().vgroup(shape), p.bits)
-        self._window_copy(buf, out, geo, layer_bytes, False)
-        return out
-
     def _encode(self, kv: torch.Tensor, shape: KVShape) -> list[list[Chunk]]:
         if not self.kivi_window or self.fused(kv.device, shape):
             return super()._encode(kv, shape)
@@ -721,74 +784,3 @@ class KcvtCodec(BackboneCodec):
     def backbone(self) -> Backbone:
         return Backbone(self.params.bits, 0, 0, self.params.residual)
 
-    # ---- the device path (kivi/triton.py's kernels, the keys' stats given) -------------
-    def has_device_path(self, device: torch.device, shape: KVShape) -> bool:
-        p = self.params
-        if not self._takes_device_path(device):
-            return False
-        # each page's key rows (a channel's codes along its quantized tokens) and each
-        # token's value row fill whole bytes, as the kernels write them
-        per = 8 // p.bits
-        quantized = self.backbone().quantized_tokens(shape.tokens)
-        return p.page_tokens % per == 0 and quantized % per == 0 and shape.head_dim % per == 0
-
-    def _key_stats(self, kv: torch.Tensor, tq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scale16, zero16) fp16 [layers, heads, head_dim] of each key channel over the
-        first tq tokens: groupquant.quantize_groups's op sequence, on kv's device."""
-        kt = kv[:, 0, :, :tq].to(torch.float32)  # [L, H, tq, D]
-        mn = kt.amin(dim=2) + 0.0  # -0.0 -> +0.0, as the reference
-        mx = kt.amax(dim=2) + 0.0
-        return (((mx - mn) / float((1 << self.params.bits) - 1)).to(torch.float16),
-                mn.to(torch.float16))
-
-    def _page0_fields(self, buf: torch.Tensor, shape: KVShape, geo: np.ndarray,
-                      layer_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of every layer's k_scale / k_zero bytes (uint8 [layers, heads * head_dim * 2],
-        in page 0's chunk) inside the wire buffer."""
-        n = shape.kv_heads * shape.head_dim * 2
-        return tuple(buf.as_strided((shape.layers, n), (layer_bytes, 1),
-                                    int(geo[0, G_BASE] + geo[0, col])) for col in (G_KS, G_KZ))
-
-    def _encode_device(self, kv: torch.Tensor, shape: KVShape
-                       ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        from kvsim.kernels.kivi import triton as kivi_triton
-
-        p, bb = self.params, self.backbone()
-        status, geo, geo_dev, layer_bytes, buf = self._device_wire(kv, shape)
-        x = kv.detach()
-        tq = bb.quantized_tokens(shape.tokens)
-        # fp32 [2, L, H, D]: the keys' scales and zero points (none quantized: unused zeros)
-        given = torch.zeros(2, shape.layers, shape.kv_heads, shape.head_dim, device=x.device)
-        if tq:  # the keys' stats, stored once per layer in page 0
-            scale16, zero16 = self._key_stats(x, tq)
-            for view, v in zip(self._page0_fields(buf, shape, geo, layer_bytes),
-                               (scale16, zero16), strict=True):
-                view.copy_(v.contiguous().view(torch.uint8).reshape(view.shape))
-            given = torch.stack((scale16, zero16)).to(torch.float32).contiguous()
-        kivi_triton.encode_quantized(x, buf, geo_dev, layer_bytes, p.page_tokens,
-                                     kivi_triton.KCVT_TOKENS_PER_K_PROGRAM, bb.vgroup(shape),
-                                     p.bits, given)
-        self._window_copy(buf, x, geo, layer_bytes, True)
-        return [buf], status
-
-    def _decode_device(self, buffers: list[torch.Tensor], shape: KVShape,
-                       dtype: torch.dtype) -> torch.Tensor:
-        from kvsim.kernels.kivi import triton as kivi_triton
-        from kvsim.kernels.triton_support import interpreting
-
-        p, bb, buf = self.params, self.backbone(), buffers[0]
-        direct = (dtype if dtype in (torch.bfloat16, torch.float32) and not interpreting()
-                  else torch.float32)
-        out = torch.empty(shape.dims, dtype=direct, device=buf.device)
-        geo, geo_dev, layer_bytes = self._device_geometry(shape, buf.device)
-        given = torch.zeros(2, shape.layers, shape.kv_heads, shape.head_dim,
-                            device=buf.device)
-        if bb.quantized_tokens(shape.tokens):
-            for plane, view in enumerate(self._page0_fields(buf, shape, geo, layer_bytes)):
-                given[plane] = view.contiguous().view(torch.float16).reshape(
-                    given.shape[1:]).to(torch.float32)
-        kivi_triton.decode_quantized(buf, out, geo_dev, layer_bytes, p.page_tokens,
-                                     kivi_triton.KCVT_TOKENS_PER_K_PROGRAM, bb.vgroup(shape),
-                                     p.bits, given)
-        self._window_copy(buf, out, geo, layer_bytes, False)
-        return out

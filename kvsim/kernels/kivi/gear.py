@@ -40,14 +40,18 @@ Extra fields of chunk (layer, page), after the backbone's (kivi.py):
     ('exact': [heads, 2 sum_i k_i], vector by vector: its k_i top entries, then its k_i
     bottom ones; with equal k_i these are the bytes of the 'ceil' layout)
 The bf16 recent-token window of the backbone is stored as is (no low rank, no outliers).
+
+Device path (backend 'triton', or 'auto' on CUDA; lowrank 'page' and outlier_count 'ceil',
+where the backbone's kernels apply): a whole cache encoded into its wire buffer on its
+device with torch (outliers, fits) and the backbone's Triton kernels, batched over runs of
+pages so that the launches do not grow with the cache (GearCodec._encode_device); the same
+bytes and decoded bits. The other settings run this torch reference on the device.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from fractions import Fraction
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -55,8 +59,39 @@ from kvsim.core.layout import KVShape
 from kvsim.core.lazy_module import lazy_module
 from kvsim.kernels.codec import register
 from kvsim.kernels.groupquant import QUANT_BITS, Field
-from kvsim.kernels.kivi.codec import BACKENDS, Backbone, BackboneCodec, FusedInput
-from kvsim.kernels.kivi.geometry import G_BASE, G_LA, G_LB, G_QK, G_RANK
+from kvsim.kernels.kivi.codec import KIVI_BACKENDS, Backbone, BackboneCodec, FusedInput
+from kvsim.kernels.kivi.geometry import (
+    G_BASE,
+    G_KOI,
+    G_KOV,
+    G_LA,
+    G_LB,
+    G_QK,
+    G_RANK,
+    G_VOI,
+    G_VOV,
+)
+from kvsim.kernels.kivi.lowrank import fit_fp16, low_rank, low_rank_start
+from kvsim.kernels.kivi.outliers import (
+    index_dtype,
+    index_kind,
+    loaded_index,
+    outlier_schedule,
+    outlier_side_counts,
+    outliers_per_side,
+    ragged_vectors,
+    scatter_ragged,
+    split_outliers,
+    split_outliers_ragged,
+    stored_index,
+)
+from kvsim.kernels.kivi.page_runs import (
+    chunk_major,
+    page_runs,
+    read_field,
+    run_tokens,
+    write_field,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -71,193 +106,6 @@ LOWRANK_SCOPES = ("page", "sequence")
 OUTLIER_COUNTS = ("ceil", "exact")
 
 
-def outliers_per_side(n: int, pct: float) -> int:
-    """k entries kept at each end of a vector of n entries (exact rational ceil)."""
-    if n <= 1 or pct <= 0:
-        return 0
-    return min(math.ceil(Fraction(str(pct)) * n / 200), (n - 1) // 2)
-
-
-def outlier_side_counts(n: int, m: int, pct: float, exact: bool) -> list[int]:
-    """Per-side outlier counts of m vectors of n entries. exact: vector i keeps
-    floor((i+1)c) - floor(ic) per side, c = pct% of n / 2 (so m vectors keep pct% of their
-    entries in all), capped at (n - 1) // 2; else ceil(c) each."""
-    if not exact:
-        return [outliers_per_side(n, pct)] * m
-    if n <= 1 or pct <= 0:
-        return [0] * m
-    c = Fraction(str(pct)) * n / 200
-    cap = (n - 1) // 2
-    return [min(math.floor((i + 1) * c) - math.floor(i * c), cap) for i in range(m)]
-
-
-def outlier_schedule(n: int, m: int, pct: float, exact: bool) -> torch.Tensor:
-    """`outlier_side_counts` as int64 [m]."""
-    return torch.tensor(outlier_side_counts(n, m, pct, exact), dtype=torch.int64)
-
-
-class Extremes(NamedTuple):
-    values: torch.Tensor
-    indices: torch.Tensor
-
-
-def extremes(x: torch.Tensor, m: int) -> tuple[Extremes, Extremes]:
-    """The m largest entries of each vector of x [..., n] (largest first) and the m smallest
-    (smallest first), values and indices [..., m]. Equal values come in index order (a
-    stable sort): a defined choice among ties, which torch.topk does not promise, and the
-    one kivi_cpu's outlier kernel makes."""
-    top = torch.sort(x, dim=-1, descending=True, stable=True)
-    bot = torch.sort(x, dim=-1, stable=True)
-    return (Extremes(top.values[..., :m], top.indices[..., :m]),
-            Extremes(bot.values[..., :m], bot.indices[..., :m]))
-
-
-def ragged_vectors(counts: torch.Tensor) -> torch.Tensor:
-    """counts [m] -> the vector of each stored outlier [2 S] (k_i top, then k_i bottom)."""
-    return torch.repeat_interleave(torch.arange(counts.numel()), 2 * counts)
-
-
-def scatter_ragged(x: torch.Tensor, idx: torch.Tensor, vec: torch.Tensor,
-                   values: torch.Tensor | float) -> torch.Tensor:
-    """x [..., m, n] with x[..., vec[j], idx[..., j]] = values[..., j] (a new tensor)."""
-    m, n = x.shape[-2:]
-    out = x.reshape(*x.shape[:-2], m * n).clone()
-    pos = vec.to(idx.device) * n + idx.long()
-    if isinstance(values, float):
-        out.scatter_(-1, pos, values)
-    else:
-        out.scatter_(-1, pos, values.to(out.dtype))
-    return out.reshape(x.shape)
-
-
-def split_outliers_ragged(x: torch.Tensor, counts: torch.Tensor
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [..., m, n], counts [m] -> (filled x, idx [..., 2 S] int64, values [..., 2 S]):
-    split_outliers with k_i per vector i (stored vector by vector: k_i top, k_i bottom)."""
-    kmax = int(counts.max()) if counts.numel() else 0
-    if kmax == 0:
-        empty = x.new_zeros((*x.shape[:-2], 0))
-        return x, empty.long(), empty
-    top, bot = extremes(x, kmax + 1)
-    keep = torch.arange(kmax) < counts.unsqueeze(-1)  # [m, kmax]
-    mask = torch.cat((keep, keep), dim=-1).to(x.device)  # [m, 2 kmax]
-    cand = torch.cat((top.indices[..., :kmax], bot.indices[..., :kmax]), dim=-1)
-    idx = cand[..., mask]  # [..., 2 S], vector-major
-    vec = ragged_vectors(counts)
-    at = counts.to(x.device).view(-1, 1).expand(*x.shape[:-1], 1)
-    fill = torch.clamp(torch.zeros_like(x[..., :1]), bot.values.gather(-1, at),
-                       top.values.gather(-1, at)).squeeze(-1)  # [..., m]
-    vals = x.reshape(*x.shape[:-2], -1).gather(-1, vec.to(x.device) * x.shape[-1] + idx)
-    filled = scatter_ragged(x, idx, vec, fill[..., vec.to(x.device)])
-    return filled, idx, vals
-
-
-def index_kind(extent: int) -> str:
-    return "u8" if extent <= 256 else "u16"
-
-
-def split_outliers(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x: [..., n] -> (filled x, idx [..., 2k] int64, values [..., 2k]): the k largest and k
-    smallest entries of each vector, replaced by clamp(0, remaining min, remaining max)."""
-    if k == 0:
-        empty = x.new_zeros((*x.shape[:-1], 0))
-        return x, empty.long(), empty
-    top, bot = extremes(x, k + 1)
-    idx = torch.cat((top.indices[..., :k], bot.indices[..., :k]), dim=-1)
-    vals = torch.gather(x, -1, idx)
-    fill = torch.clamp(torch.zeros_like(top.values[..., k]), bot.values[..., k],
-                       top.values[..., k])
-    filled = x.scatter(-1, idx, fill.unsqueeze(-1).expand_as(vals))
-    return filled, idx, vals
-
-
-FP16_ROUNDS_TO_INF = 65520.0  # fp32 values >= this become inf in fp16
-BALANCED_B_MAX = 32768.0  # where fit_fp16 brings an overflowing column of B
-
-
-def fit_fp16(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """a [batch, q, r] (orthonormal columns, |a| <= 1), b [batch, d, r]: where a column of
-    b would overflow fp16, move a power of two 2^k from b to a (a 2^k, b 2^-k: exact, same
-    product) so that |b| <= 32768 and |a| <= 2^k; columns that fit are left as they are, so
-    the bytes of every cache whose factors fit fp16 are unchanged. |b| <= sqrt(q) max|E|,
-    i.e. <= 2^8 * 2^17 for pages up to 65536 tokens: 2^k <= 2^10, a stays inside fp16."""
-    peak = b.abs().amax(dim=1, keepdim=True)  # [batch, 1, r]
-    over = peak >= FP16_ROUNDS_TO_INF
-    if not bool(over.any()):
-        return a, b
-    k = torch.ceil(torch.log2(peak / BALANCED_B_MAX))
-    c = torch.where(over, torch.exp2(k), torch.ones_like(peak))
-    return a * c, b / c
-
-
-def seq_sum(p: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sum over `dim`, one term at a time in index order (every partial sum rounded to fp32):
-    a defined order that kivi_cpu's numba kernels repeat bit for bit (torch.sum's and a
-    BLAS matmul's orders are their own)."""
-    acc = p.select(dim, 0)
-    for i in range(1, p.shape[dim]):
-        acc = acc + p.select(dim, i)
-    return acc
-
-
-def matmul_seq(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """x [..., m, k] @ y [..., k, n] with every dot product summed in k order (seq_sum)."""
-    acc = x[..., :, 0:1] * y[..., 0:1, :]
-    for c in range(1, x.shape[-1]):
-        acc = acc + x[..., :, c:c + 1] * y[..., c:c + 1, :]
-    return acc
-
-
-def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
-    """fp32 sqrt rounded to nearest, as IEEE (and numba's sqrtf) define it: torch.sqrt on CPU
-    may be an ulp off (a vectorized approximation). Of torch.sqrt's result and its two fp32
-    neighbours, the one whose square is nearest x (squares and differences exact in fp64)."""
-    s = torch.sqrt(x)
-    c = torch.stack((torch.nextafter(s, torch.full_like(s, -math.inf)), s,
-                     torch.nextafter(s, torch.full_like(s, math.inf))))
-    miss = (c.double() * c.double() - x.double()).abs()
-    return c.gather(0, miss.argmin(dim=0, keepdim=True)).squeeze(0)
-
-
-def orthonormalize(m: torch.Tensor) -> torch.Tensor:
-    """m [..., n, r] -> Q [..., n, r] with orthonormal columns spanning m's: modified
-    Gram-Schmidt, column by column, dot products by seq_sum (a zero column stays zero)."""
-    cols: list[torch.Tensor] = []
-    for j in range(m.shape[-1]):
-        v = m[..., j]
-        for qi in cols:
-            v = v - seq_sum(qi * v, -1).unsqueeze(-1) * qi
-        nrm = sqrt_rn(seq_sum(v * v, -1)).unsqueeze(-1)
-        live = nrm > 0
-        cols.append(torch.where(live, v / torch.where(live, nrm, torch.ones_like(nrm)),
-                                torch.zeros_like(v)))
-    return torch.stack(cols, dim=-1)
-
-
-def low_rank_start(d: int, r: int, seed: int) -> torch.Tensor:
-    """B0 [d, r] ~ N(0, 1) from a generator seeded with `seed`."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    return torch.randn(d, r, generator=gen, dtype=torch.float32)
-
-
-def low_rank(e: torch.Tensor, rank: int, iters: int, seed: int
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """e: [batch, q, d] fp32 -> A [batch, q, r], B [batch, d, r] with e ~ A B^T: subspace
-    iteration, `iters` times B = orth(B); A = orth(E B); B = E^T A, with orthonormalize and
-    matmul_seq: elementwise fp32 ops in one defined order, so that the numba kernel
-    (kivi_cpu._low_rank) gives the same bits."""
-    n, q, d = e.shape
-    r = min(rank, q, d)
-    b = low_rank_start(d, r, seed).to(e.device).expand(n, d, r)
-    a = e.new_zeros(n, q, r)
-    et = e.transpose(-1, -2)
-    for _ in range(iters):
-        b = orthonormalize(b)
-        a = orthonormalize(matmul_seq(e, b))
-        b = matmul_seq(et, a)
-    return a, b
-
-
 @dataclass(frozen=True)
 class GearParams:
     backbone: str = "kivi"  # kivi | kcvt
@@ -270,13 +118,15 @@ class GearParams:
     outlier_pct: float = 2.0  # s: % of each vector kept as outliers (s/2 at each end)
     seed: int = 0
     page_tokens: int = 256
-    backend: str = "auto"  # auto | torch | cpu: the backbone quantizer's kernels (same bytes)
+    # auto | torch | cpu: the backbone quantizer's kernels | triton: the device path
+    # (GearCodec._encode_device; 'auto' takes it on CUDA where it applies); same bytes
+    backend: str = "auto"
     lowrank: str = "page"  # low-rank fit per 'page' (A, B per page) | 'sequence' (the paper)
     outlier_count: str = "ceil"  # per vector: 'ceil' of s% of n | 'exact' s% per head-page
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}")
+        if self.backend not in KIVI_BACKENDS:
+            raise ValueError(f"backend must be one of {KIVI_BACKENDS}")
         if self.lowrank not in LOWRANK_SCOPES:
             raise ValueError(f"lowrank must be one of {LOWRANK_SCOPES}")
         if self.outlier_count not in OUTLIER_COUNTS:
@@ -450,6 +300,105 @@ class GearCodec(BackboneCodec):
             out["lr_a"], out["lr_b"] = a[layer, :, :, t0:t0 + q], b[layer]
         else:
             out["lr_a"], out["lr_b"] = state[("lowrank", layer, t0)]
+        return out
+
+    # ---- the device path: outliers, fits and fields batched over runs of pages ---------
+    def has_device_path(self, device: torch.device, shape: KVShape) -> bool:
+        """Per-page fits and 'ceil' outliers (the 'sequence' fits and 'exact' counts run the
+        torch reference on the device) on a shape the backbone's kernels pack."""
+        return (self.params.lowrank == "page" and not self.exact_outliers
+                and super().has_device_path(device, shape))
+
+    def _encode_device(self, kv: torch.Tensor, shape: KVShape
+                       ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """The wire buffer of kv (one stream) and the input's check status (DeviceWire):
+        1. every page's outliers picked and their slots filled (pre_quantize's ops, batched
+           over a run of pages: page_runs gives the full pages, then at most one shorter);
+        2. the backbone's Triton kernels quantize the filled cache into the buffer (kcvt: its
+           keys' stats first); torch copies the bf16 window;
+        3. the same kernels dequantize the buffer (the reference's dequantization, op for
+           op), and the error, zero on the outlier slots, is fitted by low_rank and fit_fp16,
+           one batched call per run, as post_quantize does per page length;
+        4. lr_a, lr_b, ko_* and vo_* written through strided views of the buffer, one copy
+           per field and run.
+        The fits' elementwise ops grow with rank x iters x (page tokens + head_dim), not
+        with the pages."""
+        p = self.params
+        status, geo, _, layer_bytes, buf = self._device_wire(kv, shape)
+        layers = shape.layers
+        x = kv.detach().to(torch.float32, copy=True)  # outlier slots filled in place
+        runs = page_runs(geo)
+        ik, iv = index_kind(p.page_tokens), index_kind(shape.head_dim)
+        slots: list[tuple[torch.Tensor, torch.Tensor]] = []  # each run's outlier indices
+        for run in runs if self.sparse else []:
+            page = run_tokens(x, run)  # [L, 2, H, n, q, D]
+            kk, kvn = self.outlier_counts(shape, run.q)
+            # keys per channel over the page's tokens, values per token over head_dim
+            kf, ki, kval = split_outliers(page[:, 0].transpose(-1, -2), kk)  # [L, H, n, D, .]
+            vf, vi, vval = split_outliers(page[:, 1], kvn)  # [L, H, n, q, .]
+            page[:, 0] = kf.transpose(-1, -2)
+            page[:, 1] = vf
+            write_field(buf, geo, run, G_KOI, layer_bytes, chunk_major(stored_index(ki, ik), 2))
+            write_field(buf, geo, run, G_KOV, layer_bytes, chunk_major(kval.to(torch.float16), 2))
+            write_field(buf, geo, run, G_VOI, layer_bytes, chunk_major(stored_index(vi, iv), 2))
+            write_field(buf, geo, run, G_VOV, layer_bytes, chunk_major(vval.to(torch.float16), 2))
+            slots.append((ki, vi))
+        self._backbone_kernels(x, buf, shape, decode=False)
+        self._window_copy(buf, x, geo, layer_bytes, True)  # past the quantized tokens: as given
+        if not runs:
+            return [buf], status
+        xhat = torch.empty(shape.dims, dtype=torch.float32, device=buf.device)
+        self._backbone_kernels(xhat, buf, shape, decode=True)  # the window's tokens: unused
+        for i, run in enumerate(runs):
+            err = run_tokens(x, run) - run_tokens(xhat, run)  # [L, 2, H, n, q, D]
+            if self.sparse:  # zero on the outlier slots (written back at decode)
+                ki, vi = slots[i]
+                err[:, 0].transpose(-1, -2).scatter_(-1, ki, 0.0)
+                err[:, 1].scatter_(-1, vi, 0.0)
+            a, b = fit_fp16(*low_rank(err.reshape(-1, run.q, shape.head_dim), p.rank, p.iters,
+                                      p.seed))  # rows (layer, K|V, head, page)
+            a = a.reshape(layers, 2, shape.kv_heads, run.count, run.q, -1)
+            b = b.reshape(layers, 2, shape.kv_heads, run.count, shape.head_dim, -1)
+            write_field(buf, geo, run, G_LA, layer_bytes, chunk_major(a.to(torch.float16), 3))
+            write_field(buf, geo, run, G_LB, layer_bytes, chunk_major(b.to(torch.float16), 3))
+        return [buf], status
+
+    def _decode_device(self, buffers: list[torch.Tensor], shape: KVShape,
+                       dtype: torch.dtype) -> torch.Tensor:
+        """Mirror of _encode_device: fp32 (decode_device casts) [layers, 2, kv_heads, tokens,
+        head_dim] from the wire buffer."""
+        p, buf = self.params, buffers[0]
+        layers, h, d = shape.layers, shape.kv_heads, shape.head_dim
+        out = torch.empty(shape.dims, dtype=torch.float32, device=buf.device)
+        geo, _, layer_bytes = self._device_geometry(shape, buf.device)
+        self._backbone_kernels(out, buf, shape, decode=True)
+        self._window_copy(buf, out, geo, layer_bytes, False)
+        ik, iv = index_kind(p.page_tokens), index_kind(d)
+        for run in page_runs(geo):
+            q, r = run.q, self.rank_of(shape, run.q)
+            a = read_field(buf, geo, run, G_LA, layer_bytes, layers, torch.float16, (2, h, q, r))
+            b = read_field(buf, geo, run, G_LB, layer_bytes, layers, torch.float16, (2, h, d, r))
+            a, b = a.to(torch.float32), b.to(torch.float32).transpose(-1, -2)  # b: [.., r, D]
+            # A B^T as rank-one terms summed in rank order (GearCodec.post_dequantize's order)
+            lr = a[..., 0:1] * b[..., 0:1, :]
+            for j in range(1, r):
+                lr = lr + a[..., j:j + 1] * b[..., j:j + 1, :]
+            view = chunk_major(run_tokens(out, run), 3)  # [L, n, 2, H, q, D], a view into out
+            x = view + lr
+            if self.sparse:
+                kk, kvn = self.outlier_counts(shape, q)
+                for plane, col_idx, col_val, kind, k, n in (
+                        (0, G_KOI, G_KOV, ik, kk, d),  # per channel, over the page's tokens
+                        (1, G_VOI, G_VOV, iv, kvn, q)):  # per token, over head_dim
+                    if not k:
+                        continue
+                    idx = read_field(buf, geo, run, col_idx, layer_bytes, layers,
+                                     index_dtype(kind), (h, n, 2 * k))
+                    val = read_field(buf, geo, run, col_val, layer_bytes, layers, torch.float16,
+                                     (h, n, 2 * k))
+                    vectors = x[:, :, plane].transpose(-1, -2) if plane == 0 else x[:, :, plane]
+                    vectors.scatter_(-1, loaded_index(idx, kind), val.to(torch.float32))
+            view.copy_(x)
         return out
 
     # ---- fused CPU path (kivi_cpu): outliers, backbone and error in numba, fits in torch --

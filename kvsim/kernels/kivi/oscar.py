@@ -46,8 +46,9 @@ from kvsim.kernels.codec import register
 from kvsim.kernels.groupquant import FP16_MAX, Field
 from kvsim.kernels.hadamard import check_hadamard_dim, hadamard
 from kvsim.kernels.kivi.codec import Backbone, BackboneCodec, FusedInput, KiviParams
-from kvsim.kernels.kivi.gear import seq_sum, sqrt_rn
-from kvsim.kernels.kivi.geometry import G_BASE, G_KN, G_QK, G_T0, G_VN
+from kvsim.kernels.kivi.geometry import G_KN, G_VN
+from kvsim.kernels.kivi.lowrank import seq_sum, sqrt_rn
+from kvsim.kernels.kivi.page_runs import chunk_major, page_runs, read_field, run_tokens, write_field
 
 if TYPE_CHECKING:
     import torch
@@ -149,60 +150,44 @@ class OscarCodec(BackboneCodec):
         return True, self.params.rotate_values
 
     # ---- the device path (kivi/triton.py's kernels on the rotated, scaled tokens) ------
-    def has_device_path(self, device: torch.device, shape: KVShape) -> bool:
-        return self._takes_device_path(device) and self._groups_fill_bytes(shape)
-
-    def _norm_views(self, buf: torch.Tensor, shape: KVShape, geo: np.ndarray,
-                    layer_bytes: int) -> list[tuple[int, int, int, torch.Tensor]]:
-        """(plane, t0, q, view) of every page's k_norm (and v_norm) bytes in the wire buffer:
-        uint8 [layers, heads, 2 q], the fp16 norms of its q quantized tokens per head."""
-        views = []
-        planes = ((0, G_KN), (1, G_VN)) if self.params.scale_values else ((0, G_KN),)
-        for p in range(geo.shape[0]):
-            t0, q = int(geo[p, G_T0]), int(geo[p, G_QK])
-            for plane, col in planes:
-                if q:
-                    views.append((plane, t0, q, buf.as_strided(
-                        (shape.layers, shape.kv_heads, 2 * q), (layer_bytes, 2 * q, 1),
-                        int(geo[p, G_BASE] + geo[p, col]))))
-        return views
+    def _norm_columns(self) -> tuple[tuple[int, int], ...]:
+        """(plane, geometry column) of the norms a chunk stores: k_norm (and v_norm)."""
+        return ((0, G_KN), (1, G_VN)) if self.params.scale_values else ((0, G_KN),)
 
     def _encode_device(self, kv: torch.Tensor, shape: KVShape
                        ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        from kvsim.kernels.kivi import triton as kivi_triton
-
-        p, bb = self.params, self.backbone()
-        status, geo, geo_dev, layer_bytes, buf = self._device_wire(kv, shape)
+        bb = self.backbone()
+        status, geo, _, layer_bytes, buf = self._device_wire(kv, shape)
         x = kv.detach().to(torch.float32, copy=True)  # [L, 2, H, T, D]; rotated in place
         tq = bb.quantized_tokens(shape.tokens)
         if tq:  # the quantized tokens rotated and scaled (refusing rotated V beyond fp16)
-            pre, norms = self.pre_quantize(x[:, :, :, :tq], shape)
-            for plane, t0, q, view in self._norm_views(buf, shape, geo, layer_bytes):
-                view.copy_(norms[:, plane, :, t0:t0 + q].contiguous().view(torch.uint8))
+            pre, norms = self.pre_quantize(x[:, :, :, :tq], shape)  # norms [L, 2, H, Tq]
+            for run in page_runs(geo):  # one copy per field and run of pages
+                for plane, col in self._norm_columns():
+                    write_field(buf, geo, run, col, layer_bytes,
+                                chunk_major(run_tokens(norms, run)[:, plane], 2))
             x[:, :, :, :tq] = pre
-        kivi_triton.encode_quantized(x, buf, geo_dev, layer_bytes, p.page_tokens, p.group,
-                                     bb.vgroup(shape), p.bits)
+        self._backbone_kernels(x, buf, shape, decode=False)
         self._window_copy(buf, x, geo, layer_bytes, True)  # past tq: the tokens as given
         return [buf], status
 
     def _decode_device(self, buffers: list[torch.Tensor], shape: KVShape,
                        dtype: torch.dtype) -> torch.Tensor:
-        from kvsim.kernels.kivi import triton as kivi_triton
-
         p, bb, buf = self.params, self.backbone(), buffers[0]
         # fp32 whatever dtype is asked: the norms and the rotation back run on it, as the
         # reference's post_dequantize does (Codec.decode_device casts at the end)
         out = torch.empty(shape.dims, dtype=torch.float32, device=buf.device)
-        geo, geo_dev, layer_bytes = self._device_geometry(shape, buf.device)
-        kivi_triton.decode_quantized(buf, out, geo_dev, layer_bytes, p.page_tokens, p.group,
-                                     bb.vgroup(shape), p.bits)
+        geo, _, layer_bytes = self._device_geometry(shape, buf.device)
+        self._backbone_kernels(out, buf, shape, decode=True)
         self._window_copy(buf, out, geo, layer_bytes, False)
         tq = bb.quantized_tokens(shape.tokens)
         if tq:
             norms = torch.ones(shape.layers, 2, shape.kv_heads, tq, device=buf.device)
-            for plane, t0, q, view in self._norm_views(buf, shape, geo, layer_bytes):
-                norms[:, plane, :, t0:t0 + q] = view.contiguous().view(torch.float16).to(
-                    torch.float32)
+            for run in page_runs(geo):
+                for plane, col in self._norm_columns():
+                    got = read_field(buf, geo, run, col, layer_bytes, shape.layers,
+                                     torch.float16, (shape.kv_heads, run.q))  # [L, n, H, q]
+                    run_tokens(norms, run)[:, plane].copy_(got.transpose(1, 2))
             k = out[:, 0, :, :tq] * norms[:, 0].unsqueeze(-1)
             v = out[:, 1, :, :tq]
             if p.scale_values:
