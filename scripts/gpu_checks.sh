@@ -24,7 +24,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
 TESTS=${TESTS:-tests/test_device_wire.py tests/test_uniform.py tests/test_lynx_triton.py \
-tests/test_hadamard.py}
+tests/test_hadamard.py tests/test_lowrank_triton.py}
 # shellcheck disable=SC2086  # TESTS is a list of paths
 timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu $TESTS 2>&1 \
     | tee "$OUT/gpu-tests.log" | tail -15

@@ -13,7 +13,8 @@ from triton_checks import needs_ptxas, run_compiled
 
 # module -> its compile_for_cuda() (default tile parameters)
 MODULES = ["kvsim.kernels.hadamard_triton", "kvsim.kernels.uniform.triton",
-           "kvsim.kernels.kivi.triton", "kvsim.kernels.lynx.triton"]
+           "kvsim.kernels.kivi.triton", "kvsim.kernels.kivi.lowrank_triton",
+           "kvsim.kernels.lynx.triton"]
 
 
 @needs_ptxas

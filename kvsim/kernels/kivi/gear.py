@@ -43,9 +43,10 @@ The bf16 recent-token window of the backbone is stored as is (no low rank, no ou
 
 Device path (backend 'triton', or 'auto' on CUDA; lowrank 'page' and outlier_count 'ceil',
 where the backbone's kernels apply): a whole cache encoded into its wire buffer on its
-device with torch (outliers, fits) and the backbone's Triton kernels, batched over runs of
-pages so that the launches do not grow with the cache (GearCodec._encode_device); the same
-bytes and decoded bits. The other settings run this torch reference on the device.
+device by torch (outliers, fields) and Triton kernels (the backbone's; the fit's,
+lowrank_triton), batched over runs of pages so that the launches do not grow with the cache
+(GearCodec._encode_device); the same bytes and decoded bits. The other settings run this
+torch reference on the device.
 """
 
 from __future__ import annotations
@@ -317,12 +318,13 @@ class GearCodec(BackboneCodec):
         2. the backbone's Triton kernels quantize the filled cache into the buffer (kcvt: its
            keys' stats first); torch copies the bf16 window;
         3. the same kernels dequantize the buffer (the reference's dequantization, op for
-           op), and the error, zero on the outlier slots, is fitted by low_rank and fit_fp16,
-           one batched call per run, as post_quantize does per page length;
+           op), and the error, zero on the outlier slots, is fitted by the Triton twin of
+           low_rank (lowrank_triton, the same bits) and fit_fp16, one launch per run;
         4. lr_a, lr_b, ko_* and vo_* written through strided views of the buffer, one copy
            per field and run.
-        The fits' elementwise ops grow with rank x iters x (page tokens + head_dim), not
-        with the pages."""
+        A fixed number of launches, whatever the pages."""
+        from kvsim.kernels.kivi.lowrank_triton import low_rank_device
+
         p = self.params
         status, geo, _, layer_bytes, buf = self._device_wire(kv, shape)
         layers = shape.layers
@@ -355,8 +357,9 @@ class GearCodec(BackboneCodec):
                 ki, vi = slots[i]
                 err[:, 0].transpose(-1, -2).scatter_(-1, ki, 0.0)
                 err[:, 1].scatter_(-1, vi, 0.0)
-            a, b = fit_fp16(*low_rank(err.reshape(-1, run.q, shape.head_dim), p.rank, p.iters,
-                                      p.seed))  # rows (layer, K|V, head, page)
+            start = low_rank_start(shape.head_dim, self.rank_of(shape, run.q), p.seed)
+            a, b = fit_fp16(*low_rank_device(err.reshape(-1, run.q, shape.head_dim), p.rank,
+                                             p.iters, start))  # rows (layer, K|V, head, page)
             a = a.reshape(layers, 2, shape.kv_heads, run.count, run.q, -1)
             b = b.reshape(layers, 2, shape.kv_heads, run.count, shape.head_dim, -1)
             write_field(buf, geo, run, G_LA, layer_bytes, chunk_major(a.to(torch.float16), 3))
