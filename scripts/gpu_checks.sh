@@ -6,7 +6,8 @@
 # gpu-tests.log, bench.log, bench-report.json, codec_timing/<hardware>.json.
 #   OUT=/tmp/x bash scripts/gpu_checks.sh [hardware name, default h100]
 # Packages the GPU machine lacks may sit as wheels in .whl/ (installed into /tmp/site).
-# TESTS= and CODECS= (a bench list, e.g. '[int8,kivi-2]') narrow a rerun.
+# TESTS=, CODECS= (a bench list, e.g. '[int8,kivi-2]') and HOST_CODECS= ('[]': none) narrow a
+# rerun.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 HARDWARE=${1:-h100}
@@ -24,7 +25,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
 TESTS=${TESTS:-tests/test_device_wire.py tests/test_uniform.py tests/test_lynx_triton.py \
-tests/test_hadamard.py tests/test_lowrank_triton.py}
+tests/test_hadamard.py tests/test_lowrank_triton.py tests/test_bench_codecs.py}
 # shellcheck disable=SC2086  # TESTS is a list of paths
 timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu $TESTS 2>&1 \
     | tee "$OUT/gpu-tests.log" | tail -15
@@ -38,6 +39,18 @@ timeout 420 python3 -m kvsim bench codecs device=cuda kv_source=synthetic "codec
 bench_rc=${PIPESTATUS[0]}
 report=$(find "$KVSIM_OUTPUT_ROOT" -name '*.json' -path '*bench*' | head -1)
 [ -n "$report" ] && cp "$report" "$OUT/bench-report.json"
+# CacheGen (its rANS coder on the host's CPUs) on its own, added to the same timing file: a
+# slow coder cannot cost the device paths' file above
+HOST_CODECS=${HOST_CODECS:-'[cachegen]'}
+if [ "$HOST_CODECS" != "[]" ]; then
+    timeout 240 python3 -m kvsim bench codecs device=cuda kv_source=synthetic \
+        "codecs=$HOST_CODECS" shape.layers=32 shape.kv_heads=8 shape.tokens=8192 \
+        shape.head_dim=128 repeats=3 warmup=1 progress=false write_timing="$HARDWARE" \
+        out_dir="$OUT" overwrite=true 2>&1 | tee "$OUT/bench-host-coder.log"
+    host_rc=${PIPESTATUS[0]}
+else
+    host_rc=0
+fi
 ls -R "$OUT"
-echo "gpu tests exit $tests_rc, bench exit $bench_rc"
-[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]
+echo "gpu tests exit $tests_rc, bench exit $bench_rc, host-coder bench exit $host_rc"
+[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$host_rc" = 0 ]
