@@ -124,6 +124,8 @@ def _entry(doc: dict, where: str) -> CodecTiming:
             anchor <= 0 or math.isinf(anchor):
         raise ValueError(f"{where}: throughputs must be finite and > 0 GB/s")
     note = doc.get("assumption") or f"{doc.get('command')} on {doc.get('device')}"
+    if doc.get("timing"):  # how it was timed (device path kernels, a host coder)
+        note += f"; {doc['timing']}"
     return CodecTiming(enc, dec, doc["source"], note, anchor,
                        **_layer_job_fields(doc, where))
 
