@@ -64,6 +64,12 @@ CASES = [
               "outlier_pct": 5.0, "backend": "triton"}, {"backend": "torch"}),
     ("gear-l", {"bits": 4, "group": 16, "value_group": 0, "residual": 16, "page_tokens": 32,
                 "rank": 4, "backend": "triton"}, {"backend": "torch"}),
+    # rank-1 factors (a one-page run's field with a last dimension of one); kcvt at 8 bits
+    # with a page of one quantized token (150 - 21 = 129 = 2 x 64 + 1)
+    ("gear", {"bits": 2, "group": 16, "value_group": 16, "residual": 32, "page_tokens": 64,
+              "rank": 1, "backend": "triton"}, {"backend": "torch"}),
+    ("gear", {"backbone": "kcvt", "bits": 8, "residual": 21, "page_tokens": 64, "rank": 3,
+              "backend": "triton"}, {"backend": "torch"}),
     ("lynx", {"page_tokens": 64, "backend": "triton"}, {"backend": "torch"}),
     ("lynx", {"page_tokens": 64, "split": [2, 2, 4], "backend": "triton"},
      {"backend": "torch"}),

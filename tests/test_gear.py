@@ -146,14 +146,28 @@ def test_low_rank_factors_fit_fp16_on_extreme_inputs():
 def test_fit_fp16_leaves_fitting_factors_alone():
     a = torch.randn(3, 20, 2)
     b = torch.randn(3, 8, 2) * 1000
-    a2, b2 = fit_fp16(a, b)
-    assert a2 is a and b2 is b
+    a[0, 0, 0] = -0.0
+    a2, b2 = fit_fp16(a, b)  # the same bits (x 1 and / 1)
+    assert torch.equal(a2.view(torch.int32), a.view(torch.int32))
+    assert torch.equal(b2.view(torch.int32), b.view(torch.int32))
     b[1, 3, 0] = 1e6  # one column overflows: only that column moves, by a power of two
     a2, b2 = fit_fp16(a, b)
     c = a2[1, 0, 0] / a[1, 0, 0]
     assert float(torch.log2(c)) == int(torch.log2(c)) and float(b2.abs().max()) <= 32768
     assert torch.equal(a2[:, :, 1], a[:, :, 1]) and torch.equal(a2[0], a[0])
     torch.testing.assert_close(a2 @ b2.transpose(-1, -2), a @ b.transpose(-1, -2))
+
+
+def test_fit_fp16_finds_its_power_of_two_exactly():
+    """k = ceil(log2(peak / 32768)) from the exponent bits: a peak a few ulps above 2^19 needs
+    k = 5 (a log2 rounded to 4.0 gave k = 4 and |b| just above 32768), a power of two itself
+    k one less."""
+    for peak, k in ((2.0 ** 19, 4), (float(torch.nextafter(torch.tensor(2.0 ** 19),
+                                                           torch.tensor(2.0 ** 20))), 5),
+                    (65520.0, 1), (1e6, 5)):
+        a, b = torch.ones(1, 2, 1), torch.full((1, 3, 1), peak)
+        a2, b2 = fit_fp16(a, b)
+        assert float(a2[0, 0, 0]) == 2.0 ** k and float(b2.abs().max()) <= 32768
 
 
 # ---- lowrank 'sequence': one fit per (layer, K|V, head) over every quantized token -----------

@@ -39,10 +39,10 @@ kernels of kivi/cpu.py (same bytes, same decoded bits), 'auto' = cpu kernels for
 kivi, kcvt, oscar and gear also take 'triton', their device path (Codec.encode_device: the
 Triton kernels of kivi/triton.py write every chunk into one wire buffer on the GPU, same
 bytes; kcvt's key stats found first by torch on the device, oscar's tokens rotated and
-scaled first, gear's outliers and low-rank fits made by torch around the kernels, batched
-over the pages), which 'auto' takes for CUDA tensors where it applies (the codes must fill
-whole bytes; gear: per-page fits and 'ceil' outliers), else the torch reference runs
-there.
+scaled first, gear's outliers picked by torch and its low-rank fits made by a Triton kernel
+(lowrank_triton) around them, batched over runs of pages), which 'auto' takes for CUDA
+tensors where it applies (the codes must fill whole bytes; gear: per-page fits and 'ceil'
+outliers), else the torch reference runs there.
 """
 
 from __future__ import annotations

@@ -357,7 +357,7 @@ class GearCodec(BackboneCodec):
                 ki, vi = slots[i]
                 err[:, 0].transpose(-1, -2).scatter_(-1, ki, 0.0)
                 err[:, 1].scatter_(-1, vi, 0.0)
-            start = low_rank_start(shape.head_dim, self.rank_of(shape, run.q), p.seed)
+            start = self._device_start(shape.head_dim, self.rank_of(shape, run.q), buf.device)
             a, b = fit_fp16(*low_rank_device(err.reshape(-1, run.q, shape.head_dim), p.rank,
                                              p.iters, start))  # rows (layer, K|V, head, page)
             a = a.reshape(layers, 2, shape.kv_heads, run.count, run.q, -1)
@@ -365,6 +365,15 @@ class GearCodec(BackboneCodec):
             write_field(buf, geo, run, G_LA, layer_bytes, chunk_major(a.to(torch.float16), 3))
             write_field(buf, geo, run, G_LB, layer_bytes, chunk_major(b.to(torch.float16), 3))
         return [buf], status
+
+    def _device_start(self, d: int, r: int, device: torch.device) -> torch.Tensor:
+        """low_rank_start(d, r, seed) on `device`, copied there once (a copy from the host
+        in every encode would wait for the device's queue)."""
+        starts = self.__dict__.setdefault("_device_starts", {})
+        key = (d, r, str(device))
+        if key not in starts:
+            starts[key] = low_rank_start(d, r, self.params.seed).to(device)
+        return starts[key]
 
     def _decode_device(self, buffers: list[torch.Tensor], shape: KVShape,
                        dtype: torch.dtype) -> torch.Tensor:

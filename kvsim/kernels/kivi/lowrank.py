@@ -26,13 +26,18 @@ def fit_fp16(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     b would overflow fp16, move a power of two 2^k from b to a (a 2^k, b 2^-k: exact, same
     product) so that |b| <= 32768 and |a| <= 2^k; columns that fit are left as they are, so
     the bytes of every cache whose factors fit fp16 are unchanged. |b| <= sqrt(q) max|E|,
-    i.e. <= 2^8 * 2^17 for pages up to 65536 tokens: 2^k <= 2^10, a stays inside fp16."""
+    i.e. <= 2^8 * 2^17 for pages up to 65536 tokens: 2^k <= 2^10, a stays inside fp16.
+    k = ceil(log2(peak / 32768)) is found from the exponent bits (frexp) and 2^k built from
+    them, so that every device gives the same k (a log2 may be an ulp off); no branch on the
+    data, so nothing waits for a device."""
     peak = b.abs().amax(dim=1, keepdim=True)  # [batch, 1, r]
     over = peak >= FP16_ROUNDS_TO_INF
-    if not bool(over.any()):
-        return a, b
-    k = torch.ceil(torch.log2(peak / BALANCED_B_MAX))
-    c = torch.where(over, torch.exp2(k), torch.ones_like(peak))
+    # peak / 32768 = m 2^e, m in [0.5, 1): the smallest k with 2^k >= it is e, or e - 1
+    # when m is 0.5 (a power of two)
+    m, e = torch.frexp(peak / BALANCED_B_MAX)
+    k = (e - (m == 0.5).to(e.dtype)).clamp(-126, 127)
+    c = ((k + 127) << 23).to(torch.int32).view(torch.float32)  # 2^k, exactly
+    c = torch.where(over, c, torch.ones_like(peak))
     return a * c, b / c
 
 

@@ -78,7 +78,9 @@ def write_field(buf: torch.Tensor, geo: np.ndarray, run: PageRun, col: int, laye
     """values [layers, pages, ...]: each chunk's field in its stored dtype -> the buffer."""
     if values.numel() == 0:
         return
-    raw = values.contiguous().view(torch.uint8).reshape(values.shape[0], values.shape[1], -1)
+    # flattened first: a field whose last dimension has one entry (a rank-1 factor) may be
+    # "contiguous" with a stride that view() refuses
+    raw = values.reshape(values.shape[0], values.shape[1], -1).contiguous().view(torch.uint8)
     field_bytes(buf, geo, run, col, layer_bytes, raw.shape[0], raw.shape[2]).copy_(raw)
 
 
