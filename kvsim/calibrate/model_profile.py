@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from kvsim.core.layout import KVShape
+from kvsim.model.forward import lm_forward
 
 PROFILE_VERSION = 1
 
@@ -65,7 +66,7 @@ def _steps_s(lm: Any, cache: Any, token: int, steps: int) -> tuple[float, list[f
     times = []
     for _ in range(steps + 1):
         t0 = time.perf_counter()
-        out = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+        out = lm_forward(model, torch.tensor([[token]]), cache)
         token = int(out.logits[0, -1].argmax())
         times.append(time.perf_counter() - t0)
     return times[0], times[1:]
@@ -88,12 +89,12 @@ def _batch_steps_s(lm: Any, kv: torch.Tensor, batches: tuple[int, ...], steps: i
                 for layer in range(kv.shape[0])]
         caches.append(DynamicCache(data, config=lm.model.config))
         ids.append(torch.ones((b, 1), dtype=torch.long))
-        lm.model(input_ids=ids[-1], past_key_values=caches[-1], use_cache=True)  # first: slower
+        lm_forward(lm.model, ids[-1], caches[-1])  # first: slower
     times: list[list[float]] = [[] for _ in batches]
     for _ in range(steps):
         for i in range(len(batches)):
             t0 = time.perf_counter()
-            lm.model(input_ids=ids[i], past_key_values=caches[i], use_cache=True)
+            lm_forward(lm.model, ids[i], caches[i])
             times[i].append(time.perf_counter() - t0)
     return [float(statistics.median(t)) for t in times]
 
@@ -110,7 +111,7 @@ def _verify_s(lm: Any, kv: torch.Tensor, drafted: int, repeats: int) -> float:
     for _ in range(max(1, repeats)):
         cache = kv_to_cache(kv, lm.model.config, dtype)
         t0 = time.perf_counter()
-        lm.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        lm_forward(lm.model, ids, cache)
         times.append(time.perf_counter() - t0)
     return float(statistics.median(times))
 

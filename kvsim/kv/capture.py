@@ -20,6 +20,7 @@ import torch
 
 from kvsim.core.layout import K, KVShape, V
 from kvsim.kv.capture_file import Capture
+from kvsim.model.forward import lm_forward
 
 
 def _as_batch(ids: torch.Tensor | list[int]) -> torch.Tensor:
@@ -96,8 +97,7 @@ def prefill(model: Any, ids: torch.Tensor | list[int]) -> tuple[Any, torch.Tenso
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    out = model(input_ids=_as_batch(ids), past_key_values=cache, use_cache=True,
-                logits_to_keep=1)
+    out = lm_forward(model, _as_batch(ids), cache, logits_to_keep=1)
     return cache, out.logits[0, -1].float()
 
 
@@ -138,10 +138,10 @@ def forward_with_kv(model: Any, kv: torch.Tensor, ids: torch.Tensor | list[int],
     cache = kv_to_cache(kv, model.config, next(model.parameters()).dtype)
     ids = _as_batch(ids)
     if not record_queries:
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        out = lm_forward(model, ids, cache)
         return None, out.logits[0].float()
     with _recording_queries(model) as recorded:
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        out = lm_forward(model, ids, cache)
     layers = model.config.num_hidden_layers
     if sorted(recorded) != list(range(layers)):
         raise RuntimeError(f"recorded queries of layers {sorted(recorded)}, "

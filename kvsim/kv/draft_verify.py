@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from kvsim.kv.capture import kv_to_cache
+from kvsim.model.forward import lm_forward
 
 DECODINGS = ("greedy", "sampling")
 
@@ -55,7 +56,7 @@ def decode(model: Any, kv: torch.Tensor, first_token: int, n: int, decoding: str
     cache = kv_to_cache(kv, model.config, next(model.parameters()).dtype)
     token, tokens, dists = first_token, [], []
     for _ in range(n):
-        out = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+        out = lm_forward(model, torch.tensor([[token]]), cache)
         token, dist = _pick(out.logits[0, -1].float(), decoding, temperature, gen)
         tokens.append(token)
         if dist is not None:
@@ -108,7 +109,7 @@ def speculative_round(model: Any, kv_draft: torch.Tensor, kv_target: torch.Tenso
     # verification: one forward pass of [first_token, d_1..d_n] on the target cache
     cache = kv_to_cache(kv_target, model.config, next(model.parameters()).dtype)
     ids = torch.tensor([[first_token, *draft]])
-    logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0].float()
+    logits = lm_forward(model, ids, cache).logits[0].float()
     if decoding == "greedy":
         accepted, emitted = accept_greedy(draft, logits.argmax(dim=-1).tolist())
     else:

@@ -43,6 +43,7 @@ import torch
 from kvsim.core.checks import check_number
 from kvsim.kv.capture import CacheFromLayers, kv_to_cache
 from kvsim.kv.draft_verify import accept_greedy
+from kvsim.model.forward import lm_forward
 from kvsim.scenario.acceptance import AcceptanceModel
 from kvsim.scenario.speculative import busy_share_overhead_s
 from kvsim.scenario.timing_model import TimingModel
@@ -404,8 +405,7 @@ class RealDecodeLoop(_DecodeLoop):
     def _step(self, cache: Any, token: int, drafting: bool) -> int:
         if self.model_batch is not None:
             return self._batched(cache, [token])[0]
-        out = self.model(input_ids=self._ids_tensor([token]), past_key_values=cache,
-                         use_cache=True)
+        out = lm_forward(self.model, self._ids_tensor([token]), cache)
         return int(out.logits[0, -1].argmax())  # int() waits for the device
 
     @torch.no_grad()
@@ -416,7 +416,7 @@ class RealDecodeLoop(_DecodeLoop):
             target = self._batched(cache, fed)
         else:
             ids = self._ids_tensor(fed)  # [1, n + 1]
-            logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0]
+            logits = lm_forward(self.model, ids, cache).logits[0]
             target = logits.argmax(dim=-1).tolist()  # [n + 1]: the target's token after each
         accepted, emitted = accept_greedy(drafts, target)
         # keep first_token and d_1..d_a; token a+1 is fed by the next step

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from kvsim.model.forward import lm_forward
 from kvsim.transport.decode_batch import ContinuousBatch
 
 
@@ -163,8 +164,7 @@ class _Rows:
         ids = [list(works[r.member].token_ids) for r in self.rows]
         device = self.device
         if self.valid is None:  # one row, every entry its own
-            logits = self.model(input_ids=torch.tensor(ids, device=device),
-                                past_key_values=self.cache, use_cache=True).logits
+            logits = lm_forward(self.model, torch.tensor(ids, device=device), self.cache).logits
             return {self.rows[0].member: logits[0]}
         widest = max(len(x) for x in ids)
         fed = torch.tensor([x + [x[-1]] * (widest - len(x)) for x in ids], device=device)
@@ -173,8 +173,8 @@ class _Rows:
         lengths = self.valid.sum(dim=1)  # [members] each request's own entries
         positions = lengths[:, None] + torch.arange(widest, device=device)[None]
         mask = torch.cat([self.valid, new_valid], dim=1)
-        logits = self.model(input_ids=fed, attention_mask=mask.long(), position_ids=positions,
-                            past_key_values=self.cache, use_cache=True).logits
+        logits = lm_forward(self.model, fed, self.cache, attention_mask=mask.long(),
+                            position_ids=positions).logits
         self.valid = mask
         return {r.member: logits[i, :len(ids[i])] for i, r in enumerate(self.rows)}
 

@@ -15,6 +15,7 @@ import numpy as np
 from kvsim.core.layout import KVShape
 from kvsim.core.report import format_table
 from kvsim.kernels import wire
+from kvsim.model.forward import lm_forward
 from kvsim.model.hardware_profile import INGEST_S_PER_BYTE_MAX
 from kvsim.model.spec import ModelSpec
 from kvsim.scenario.codec_timing import load_codec_timing
@@ -150,8 +151,8 @@ def _reach_peak_memory(cfg: EmulateConfig, lm: Any | None) -> None:
             held.append(builder.cache())
             with torch.no_grad():
                 for _ in range(2):
-                    lm.model(input_ids=torch.ones(1, 1, dtype=torch.long, device=param.device),
-                             past_key_values=held[-1], use_cache=True)
+                    lm_forward(lm.model, torch.ones(1, 1, dtype=torch.long,
+                                                    device=param.device), held[-1])
     del layers, held
 
 
