@@ -202,6 +202,21 @@ def test_gear_device_path_with_wide_pages_stores_u16_indices(kernel_device):
     assert torch.equal(got.cpu(), ref.decode(want, dtype=torch.float32))
 
 
+@pytest.mark.gpu
+def test_compiled_gear_picks_tied_outliers_as_the_reference():
+    """Ties, +0.0 beside -0.0 among them, are picked lower index first (a stable sort) by
+    the CPU reference; the device's sort must pick the same."""
+    kv = kv_sample((1, 2, 300, 128))
+    kv[:, 0, :, :, 3] = 0.0  # a key channel of zeros, a quarter of them -0.0
+    kv[:, 0, :, ::4, 3] = -0.0
+    kv[:, 1, :, 7] = 1.0  # a value token of ties
+    params = {"bits": 2, "group": 32, "value_group": 32, "residual": 32, "page_tokens": 128,
+              "rank": 2}
+    want = make_codec("gear", {**params, "backend": "torch"}).encode(kv)
+    dw = make_codec("gear", {**params, "backend": "triton"}).encode_device(kv.cuda())
+    assert payloads(dw.to_encoded()) == payloads(want)
+
+
 @pytest.mark.parametrize("params", [{"lowrank": "sequence"}, {"outlier_count": "exact"}])
 def test_gear_triton_runs_the_reference_where_it_has_no_device_path(params):
     """Sequence-wide fits and 'exact' outlier counts have no device path: backend 'triton'
