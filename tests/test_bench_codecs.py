@@ -197,30 +197,31 @@ def test_write_timing_feeds_the_simulator(tmp_path, monkeypatch, capsys):
     assert timing.encode_s(1e9) == pytest.approx(1.0 / rows["int4"]["encode_gbps"])
 
 
-def test_cachegen_host_coder_timing_is_labelled_in_a_timing_file():
-    """CacheGen on a GPU keeps its rANS coder on the host: its split (device quantizer, host
-    coder) goes into the timing file beside its whole calls' speed, labelled so; on a CPU
-    cache there is nothing to split."""
-    from kvsim.bench.device_codecs import HOST_CODER_TIMING, host_coder_timing
-    from kvsim.kernels.codec import make_codec
+def test_cachegen_is_split_into_quantizer_and_coder(tmp_path, capsys):
+    """CacheGen's calls are timed whole and split into the quantizer and the rANS coder
+    (kvsim.bench.coder_split); a timing file keeps the split beside the whole calls' speed,
+    labelled with how it was timed."""
+    from kvsim.bench.coder_split import CPU_CODER_TIMING
     from kvsim.scenario.codec_timing import timing_doc_from_rows
 
-    kv = torch.zeros(1, 2, 1, 32, 16)
-    assert host_coder_timing(make_codec("cachegen", {}), kv, 1, 0, 1.0, 1.0) is None
-    row = {"codec": "cachegen", "encode_gbps": 2.0, "decode_gbps": 4.0, "device": "cuda:0",
-           "timing": HOST_CODER_TIMING, "device_quantize_gbps": 50.0,
-           "device_quantize_s": 0.02, "host_encode_coder_s": 0.48,
-           "host_coder_share_encode": 0.96, "kernel_decode_vs_d2d": 9.0}
-    entry = timing_doc_from_rows([row], "h100", "cmd")["codecs"]["cachegen"]
-    assert entry["source"] == "measured" and entry["timing"] == HOST_CODER_TIMING
-    assert entry["encode_gb_per_s"] == 2.0 and entry["host_coder_share_encode"] == 0.96
-    assert "kernel_decode_vs_d2d" not in entry  # device-path keys only for a device path
+    doc = _run(tmp_path, "codecs=[int8,cachegen]")
+    rows = {r["codec"]: r for r in doc["rows"]}
+    assert "quantize_s" not in rows["int8"]
+    row = rows["cachegen"]
+    assert row["timing"] == CPU_CODER_TIMING and row["quantize_s"] > 0
+    assert row["decode_coder_s"] > 0 and 0 <= row["coder_share_decode"] <= 1
+    assert row["encode_coder_s"] == pytest.approx(max(row["encode_s"] - row["quantize_s"], 0))
+    assert row["coder_share_encode"] == pytest.approx(row["encode_coder_s"] / row["encode_s"])
+    out = capsys.readouterr().out
+    assert "cachegen: encode" in out and "rANS coder" in out and "on the device" not in out
+    entry = timing_doc_from_rows([row], "local-cpu", "cmd")["codecs"]["cachegen"]
+    assert entry["source"] == "measured" and entry["timing"] == CPU_CODER_TIMING
+    assert entry["quantize_s"] == row["quantize_s"] and "kernel_encode_vs_d2d" not in entry
 
 
 @pytest.mark.gpu
-def test_cachegen_host_coder_timing_on_a_gpu():
-    from kvsim.bench.codecs import median_seconds
-    from kvsim.bench.device_codecs import host_coder_timing
+def test_cachegen_split_on_a_gpu():
+    from kvsim.bench.coder_split import HOST_CODER_TIMING, coder_split
     from kvsim.kernels.codec import make_codec
 
     kv = (torch.randn(4, 2, 4, 1024, 64) * 2).to(torch.bfloat16).cuda()
@@ -228,6 +229,7 @@ def test_cachegen_host_coder_timing_on_a_gpu():
     enc = codec.encode(kv)
     encode_s = median_seconds(lambda: codec.encode(kv), 3, 1, kv.device)
     decode_s = median_seconds(lambda: codec.decode(enc, device=kv.device), 3, 1, kv.device)
-    row = host_coder_timing(codec, kv, 3, 1, encode_s, decode_s)
-    assert 0 < row["device_quantize_s"] and 0 < row["host_decode_coder_s"]
-    assert 0 <= row["host_coder_share_encode"] <= 1 and 0 <= row["host_coder_share_decode"] <= 1
+    row = coder_split(codec, kv, 3, 1, encode_s, decode_s)
+    assert row["timing"] == HOST_CODER_TIMING and row["device_name"]
+    assert 0 < row["quantize_s"] and 0 < row["decode_coder_s"]
+    assert 0 <= row["coder_share_encode"] <= 1 and 0 <= row["coder_share_decode"] <= 1

@@ -13,9 +13,8 @@ the current stream (median of `repeats` after `warmup`):
 Ratios compare times of the same bytes: kernel vs the input's device copy (both read the
 cache once), with host copy vs the pinned copy of the wire bytes alone.
 
-CacheGen has no device path: its quantizer runs on the device (the torch reference) and its
-rANS coder on the host's CPUs. `host_coder_timing` splits its encode and decode (wall clock)
-into the two: the quantizer with its symbols reaching host memory, and the coder.
+CacheGen has no device path: its split into quantizer and host coder is
+kvsim.bench.coder_split's.
 """
 
 from __future__ import annotations
@@ -25,15 +24,9 @@ from collections.abc import Callable
 
 import torch
 
-from kvsim.bench.codecs import median_seconds
 from kvsim.core.layout import KVShape
-from kvsim.kernels.cachegen.codec import CacheGenCodec
 from kvsim.kernels.codec import Codec
 from kvsim.kernels.device_wire import PinnedStaging
-
-# the timing label of a codec whose coder runs on the host (its entry in a timing file)
-HOST_CODER_TIMING = ("host coder: encode() / decode() wall clock on a CUDA cache, the "
-                     "quantizer on the device (torch), the rANS coder on the host's CPUs")
 
 
 def cuda_times_s(fn: Callable[[], object], repeats: int, warmup: int) -> list[float]:
@@ -117,36 +110,3 @@ def device_timing(codec: Codec, kv: torch.Tensor, repeats: int, warmup: int) -> 
         "device_name": torch.cuda.get_device_name(kv.device),
     })
     return row
-
-
-def host_coder_timing(codec: Codec, kv: torch.Tensor, repeats: int, warmup: int,
-                      encode_s: float, decode_s: float) -> dict | None:
-    """CacheGen on a CUDA cache: the device's and the host's shares of its encode / decode
-    (encode_s, decode_s: the whole calls' median wall seconds, timed in the same run), or
-    None for any other codec or device. Encode: every layer quantized on the device, its
-    symbols copied into host memory (CacheGenCodec.layer_symbols), timed alone; the rest of
-    the encode is the host's coder. Decode: the host's rANS decode of every chunk
-    (_decode_symbols), timed alone; the rest is the device's reconstruction."""
-    if kv.device.type != "cuda" or not isinstance(codec, CacheGenCodec):
-        return None
-    shape = KVShape.of(kv)
-    enc = codec.encode(kv)
-
-    def quantize() -> None:
-        for layer in range(shape.layers):
-            codec.layer_symbols(kv[layer], layer, shape.layers)
-
-    quantize_s = median_seconds(quantize, repeats, warmup, kv.device)
-    symbols_s = median_seconds(lambda: codec._decode_symbols(enc), repeats, warmup, kv.device)
-    gb = shape.bf16_bytes / 1e9
-    return {
-        "timing": HOST_CODER_TIMING,
-        "device_quantize_s": quantize_s,
-        "host_encode_coder_s": max(encode_s - quantize_s, 0.0),
-        "host_decode_coder_s": symbols_s,
-        "device_reconstruct_s": max(decode_s - symbols_s, 0.0),
-        "device_quantize_gbps": gb / quantize_s,
-        "host_coder_share_encode": max(encode_s - quantize_s, 0.0) / encode_s,
-        "host_coder_share_decode": min(symbols_s / decode_s, 1.0),
-        "device_name": torch.cuda.get_device_name(kv.device),
-    }

@@ -19,7 +19,8 @@ from kvsim.bench.codecs import (
     resolve_device,
     synthetic_source,
 )
-from kvsim.bench.device_codecs import device_timing, host_coder_timing
+from kvsim.bench.coder_split import coder_split
+from kvsim.bench.device_codecs import device_timing
 from kvsim.core.layout import KVShape
 from kvsim.core.outputs import check_new, out_root
 from kvsim.core.paths import DATA_DIR
@@ -142,8 +143,8 @@ def run(cfg: Config) -> list[dict]:
         row.update({"kv_source": source.description["kind"], "shape": shape.to_dict(),
                     "q_heads": int(queries.shape[1]), "q_tokens": int(queries.shape[2])})
         row.update(device_timing(spec.build(), kv, cfg.repeats, cfg.warmup) or {})
-        row.update(host_coder_timing(spec.build(), kv, cfg.repeats, cfg.warmup, row["encode_s"],
-                                     row["decode_s"]) or {})
+        row.update(coder_split(spec.build(), kv, cfg.repeats, cfg.warmup, row["encode_s"],
+                               row["decode_s"]) or {})
         rows.append(row)
     print(f"KV {source.description['kind']} {shape.to_dict()}, queries "
           f"{tuple(queries.shape)} ({source.description['queries']}), device {device}, "
@@ -156,16 +157,17 @@ def run(cfg: Config) -> list[dict]:
               "bf16-equivalent input; vs d2d: the input's device copy time / the kernel's; "
               "vs pinned: the wire bytes' pinned copy time / kernel + that copy)")
         print(format_table(on_device, DEVICE_COLUMNS))
-    host_coder = [r for r in rows if "device_quantize_gbps" in r]
-    for r in host_coder:
-        print(f"{r['codec']}: no device path, its rANS coder runs on the host's CPUs: encode "
-              f"{r['encode_s']:.3f} s = quantize on the device (symbols to the host) "
-              f"{r['device_quantize_s']:.3f} s + host coder {r['host_encode_coder_s']:.3f} s "
-              f"({r['host_coder_share_encode']:.0%}); decode {r['decode_s']:.3f} s = host "
-              f"coder {r['host_decode_coder_s']:.3f} s ({r['host_coder_share_decode']:.0%}) + "
-              f"reconstruct on the device {r['device_reconstruct_s']:.3f} s")
+    split = [r for r in rows if "quantize_gbps" in r]
+    where = (" (quantizer on the device, coder on the host's CPUs: no device path)"
+             if device.type == "cuda" else "")
+    for r in split:
+        print(f"{r['codec']}{where}: encode {r['encode_s']:.3f} s = quantizer (symbols in "
+              f"host memory) {r['quantize_s']:.3f} s + rANS coder {r['encode_coder_s']:.3f} s "
+              f"({r['coder_share_encode']:.0%}); decode {r['decode_s']:.3f} s = rANS decoder "
+              f"{r['decode_coder_s']:.3f} s ({r['coder_share_decode']:.0%}) + reconstruction "
+              f"{r['reconstruct_s']:.3f} s")
     host_only = [r["codec"] for r in rows
-                 if "kernel_encode_gbps" not in r and "device_quantize_gbps" not in r]
+                 if "kernel_encode_gbps" not in r and "quantize_gbps" not in r]
     if device.type == "cuda" and host_only:
         print("no device path (their GB/s above is the host-bound encode / decode): "
               + ", ".join(host_only), file=sys.stderr)
@@ -189,7 +191,7 @@ def run(cfg: Config) -> list[dict]:
             # a GPU timing file holds the device paths, and CacheGen's host-coder speed
             # (labelled so: it is this host's CPUs' coder); any other codec without a device
             # path keeps the entry it had (its speed above is a torch reference's)
-            written = on_device + host_coder
+            written = on_device + split
             command += " (device path: kernels alone, CUDA events; host coder: wall clock)"
         doc = timing_doc_from_rows(written, cfg.write_timing, command)
         # keep the other entries and the default of the file replaced (overwrite=true), else of

@@ -194,9 +194,9 @@ def timing_doc_from_rows(rows: list[dict], hardware: str, command: str,
                 "timing": "device path, kernels alone (CUDA events)",
                 "device_name": row.get("device_name"),
                 **{key: row[key] for key in DEVICE_KEYS if key in row}})
-        elif "device_quantize_gbps" in row:  # CacheGen's coder on the host (device_codecs)
-            entry.update({"timing": row["timing"], "device_name": row.get("device_name"),
-                          **{key: row[key] for key in HOST_CODER_KEYS if key in row}})
+        elif "quantize_gbps" in row:  # CacheGen's quantizer and coder (bench/coder_split.py)
+            entry.update({"timing": row["timing"],
+                          **{key: row[key] for key in CODER_SPLIT_KEYS if key in row}})
         codecs[row["codec"]] = entry
     stack = measuring_stack()
     for entry in codecs.values():  # per entry: a file may gather entries of several runs
@@ -204,10 +204,9 @@ def timing_doc_from_rows(rows: list[dict], hardware: str, command: str,
     return {"version": FORMAT_VERSION, "hardware": hardware, "codecs": codecs}
 
 
-# what a host-coder timing entry keeps beside its whole calls' GB/s
-HOST_CODER_KEYS = ("device_quantize_s", "host_encode_coder_s", "host_decode_coder_s",
-                   "device_reconstruct_s", "device_quantize_gbps", "host_coder_share_encode",
-                   "host_coder_share_decode")
+# what a quantizer / coder split entry keeps beside its whole calls' GB/s
+CODER_SPLIT_KEYS = ("quantize_s", "encode_coder_s", "decode_coder_s", "reconstruct_s",
+                    "quantize_gbps", "coder_share_encode", "coder_share_decode", "device_name")
 
 # what a device-path timing entry keeps beside its kernel GB/s
 DEVICE_KEYS = ("encode_with_copy_gbps", "decode_with_copy_gbps", "d2d_copy_gbps",
