@@ -96,3 +96,15 @@ def test_without_glibc_the_allocator_is_left_as_it_is_and_the_node_says_so(monke
     assert retain_freed_memory("serve") is False
     assert capsys.readouterr().err.startswith(
         "kvsim serve: freed memory goes back to the system (no C library found)")
+
+
+def test_the_warm_up_builds_a_batched_requests_row_too():
+    """Batched real decoding holds a request's row of the batch's cache beside its own two
+    caches: the warm-up touches three caches then, two unbatched."""
+    from kvsim.core.compose import compose
+    from kvsim.transport import session
+    from kvsim.transport.config import EmulateConfig
+
+    for batch, caches in ((1, 2), (8, 3)):
+        cfg, _ = compose("transport", [f"workload.decode_max_batch={batch}"], EmulateConfig)
+        assert session._warm_caches(cfg) == caches
