@@ -98,13 +98,19 @@ def test_without_glibc_the_allocator_is_left_as_it_is_and_the_node_says_so(monke
         "kvsim serve: freed memory goes back to the system (no C library found)")
 
 
-def test_the_warm_up_builds_a_batched_requests_row_too():
-    """Batched real decoding holds a request's row of the batch's cache beside its own two
-    caches: the warm-up touches three caches then, two unbatched."""
+def test_the_warm_up_builds_a_batched_requests_row_too(monkeypatch, capsys):
+    """With a real model the warm-up builds the anchor's and the full cache of the largest
+    request, and batched its row of the batch's cache besides: 1 + 2 x 2 fp32 copies of its
+    cache unbatched, 1 + 2 x 3 batched (each cache stepped twice: two copies). Read from the
+    size it names when that is past PEAK_WARM_UP_MAX_BYTES (nothing is built then)."""
     from kvsim.core.compose import compose
     from kvsim.transport import session
     from kvsim.transport.config import EmulateConfig
 
-    for batch, caches in ((1, 2), (8, 3)):
-        cfg, _ = compose("transport", [f"workload.decode_max_batch={batch}"], EmulateConfig)
-        assert session._warm_caches(cfg) == caches
+    monkeypatch.setattr(session, "PEAK_WARM_UP_MAX_BYTES", 1 << 20)
+    for batch, copies in ((1, 5), (8, 7)):
+        cfg, _ = compose("transport", ["transport.decode=real", "workload.context_tokens=2048",
+                                       f"workload.decode_max_batch={batch}"], EmulateConfig)
+        session._reach_peak_memory(cfg, lm=object())
+        gib = copies * 2 * cfg.model.kv_bytes_bf16(2048) / 2**30  # fp32: twice bf16's bytes
+        assert f"({gib:.1f} GiB > " in capsys.readouterr().err

@@ -118,11 +118,13 @@ def warm_up(cfg: EmulateConfig, lm: Any | None, decode_side: bool = False) -> No
 def _reach_peak_memory(cfg: EmulateConfig, lm: Any | None) -> None:
     """Allocate, touch and free what the workload's largest request needs at its peak on
     the decode side: its dequantized fp32 layers and, with a real model, the model's caches
-    built from them (_warm_caches) after two decode steps each (a step copies the whole
-    cache one entry longer). With the
-    allocator keeping freed memory (`retain_freed_memory`), the timed requests then reuse
-    these pages instead of page-faulting fresh ones, as a serving engine's preallocated KV
-    pool would (why: kvsim.transport.memory).
+    built from them after two decode steps each (a step copies the whole cache one entry
+    longer): a split-stream request holds the anchor's and the full one, and batched, its
+    row of the batch's cache besides (as many as _cache_copies reserves: the dequantized
+    copy it counts is the layers here). With the allocator keeping freed memory
+    (`retain_freed_memory`), the timed requests then reuse these pages instead of
+    page-faulting fresh ones, as a serving engine's preallocated KV pool would (why:
+    kvsim.transport.memory).
     Skipped, with a note, when that is more than PEAK_WARM_UP_MAX_BYTES."""
     import torch
 
@@ -131,7 +133,7 @@ def _reach_peak_memory(cfg: EmulateConfig, lm: Any | None) -> None:
     shape = cfg.model.kv_shape(tokens)
     layer_shape = (2, shape.kv_heads, tokens, shape.head_dim)  # [K/V, heads, tokens, D]
     fp32_bytes = 4 * shape.layers * int(np.prod(layer_shape))
-    caches = _warm_caches(cfg) if lm is not None else 0
+    caches = _cache_copies(cfg) if lm is not None else 0
     peak_bytes = (1 + 2 * caches) * fp32_bytes
     if peak_bytes > PEAK_WARM_UP_MAX_BYTES:
         print(f"kvsim: warm-up leaves the memory of {tokens}-token caches untouched "
@@ -154,14 +156,6 @@ def _reach_peak_memory(cfg: EmulateConfig, lm: Any | None) -> None:
                     lm_forward(lm.model, torch.ones(1, 1, dtype=torch.long,
                                                     device=param.device), held[-1])
     del layers, held
-
-
-def _warm_caches(cfg: EmulateConfig) -> int:
-    """The model's caches of one request the decode side's warm-up builds: a split-stream
-    request holds the anchor's and the full one; batched (decode_max_batch > 1), its row of
-    the batch's cache besides (kvsim.transport.model_batch), so the first rebuild of a
-    batch reuses touched memory instead of faulting inside a timed step."""
-    return 3 if cfg.workload.decode_max_batch > 1 else 2
 
 
 def max_in_flight_bytes(cfg: EmulateConfig) -> int:

@@ -72,7 +72,7 @@ from kvsim.kernels.kivi.geometry import (
     G_VOI,
     G_VOV,
 )
-from kvsim.kernels.kivi.lowrank import fit_fp16, low_rank, low_rank_start
+from kvsim.kernels.kivi.lowrank import fit_fp16, low_rank, low_rank_product, low_rank_start
 from kvsim.kernels.kivi.outliers import (
     index_dtype,
     index_kind,
@@ -81,6 +81,7 @@ from kvsim.kernels.kivi.outliers import (
     outlier_side_counts,
     outliers_per_side,
     ragged_vectors,
+    restore_outliers,
     scatter_ragged,
     split_outliers,
     split_outliers_ragged,
@@ -390,26 +391,19 @@ class GearCodec(BackboneCodec):
             q, r = run.q, self.rank_of(shape, run.q)
             a = read_field(buf, geo, run, G_LA, layer_bytes, layers, torch.float16, (2, h, q, r))
             b = read_field(buf, geo, run, G_LB, layer_bytes, layers, torch.float16, (2, h, d, r))
-            a, b = a.to(torch.float32), b.to(torch.float32).transpose(-1, -2)  # b: [.., r, D]
-            # A B^T as rank-one terms summed in rank order (GearCodec.post_dequantize's order)
-            lr = a[..., 0:1] * b[..., 0:1, :]
-            for j in range(1, r):
-                lr = lr + a[..., j:j + 1] * b[..., j:j + 1, :]
             view = chunk_major(run_tokens(out, run), 3)  # [L, n, 2, H, q, D], a view into out
-            x = view + lr
+            x = view + low_rank_product(a.to(torch.float32), b.to(torch.float32))
             if self.sparse:
                 kk, kvn = self.outlier_counts(shape, q)
-                for plane, col_idx, col_val, kind, k, n in (
-                        (0, G_KOI, G_KOV, ik, kk, d),  # per channel, over the page's tokens
-                        (1, G_VOI, G_VOV, iv, kvn, q)):  # per token, over head_dim
-                    if not k:
-                        continue
+                fields = []  # (indices int64, values) of K, then V: [L, n, H, vectors, 2k]
+                for col_idx, col_val, kind, k, n in ((G_KOI, G_KOV, ik, kk, d),
+                                                     (G_VOI, G_VOV, iv, kvn, q)):
                     idx = read_field(buf, geo, run, col_idx, layer_bytes, layers,
                                      index_dtype(kind), (h, n, 2 * k))
-                    val = read_field(buf, geo, run, col_val, layer_bytes, layers, torch.float16,
-                                     (h, n, 2 * k))
-                    vectors = x[:, :, plane].transpose(-1, -2) if plane == 0 else x[:, :, plane]
-                    vectors.scatter_(-1, loaded_index(idx, kind), val.to(torch.float32))
+                    fields += [loaded_index(idx, kind),
+                               read_field(buf, geo, run, col_val, layer_bytes, layers,
+                                          torch.float16, (h, n, 2 * k))]
+                restore_outliers(x, *fields)
             view.copy_(x)
         return out
 
@@ -465,24 +459,17 @@ class GearCodec(BackboneCodec):
 
     def post_dequantize(self, f: dict[str, torch.Tensor], xhat_page: torch.Tensor
                         ) -> torch.Tensor:
-        a = f["lr_a"].to(torch.float32)  # [2, heads, q, r]
-        b = f["lr_b"].to(torch.float32).transpose(-1, -2)  # [2, heads, r, d]
-        # A B^T as a sum of rank-one terms in rank order (elementwise products and sums, each
-        # rounded to fp32): one defined order of operations, so that the fused CPU decode
-        # (kivi_cpu._decode_kernel) gives the same bits; a matmul's order is the BLAS's own
-        lr = a[..., 0:1] * b[..., 0:1, :]
-        for j in range(1, a.shape[-1]):
-            lr = lr + a[..., j:j + 1] * b[..., j:j + 1, :]
-        x = xhat_page + lr
+        # lr_a [2, heads, q, r], lr_b [2, heads, d, r]
+        x = xhat_page + low_rank_product(f["lr_a"].to(torch.float32),
+                                         f["lr_b"].to(torch.float32))
         if self.exact_outliers:
             ck, cv = self.schedules(x.shape[3], x.shape[2])
             x[0] = scatter_ragged(x[0].transpose(-1, -2), f["ko_idx"], ragged_vectors(ck),
                                   f["ko_val"]).transpose(-1, -2)
             x[1] = scatter_ragged(x[1], f["vo_idx"], ragged_vectors(cv), f["vo_val"])
         elif self.sparse:
-            k = x[0].transpose(-1, -2)  # [heads, d, q] view into x
-            k.scatter_(-1, f["ko_idx"].long(), f["ko_val"].to(torch.float32))
-            x[1].scatter_(-1, f["vo_idx"].long(), f["vo_val"].to(torch.float32))
+            restore_outliers(x, f["ko_idx"].long(), f["ko_val"], f["vo_idx"].long(),
+                             f["vo_val"])
         return x
 
 

@@ -109,3 +109,13 @@ def low_rank(e: torch.Tensor, rank: int, iters: int, seed: int
     return a, b
 
 
+def low_rank_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [..., q, r], b [..., d, r] (fp32) -> A B^T [..., q, d] as a sum of rank-one terms in
+    rank order (elementwise products and sums, each rounded to fp32): one defined order of
+    operations, which the fused CPU decode (kivi_cpu._decode_kernel) repeats bit for bit; a
+    matmul's order is the BLAS's own."""
+    bt = b.transpose(-1, -2)  # [..., r, d]
+    out = a[..., 0:1] * bt[..., 0:1, :]
+    for j in range(1, a.shape[-1]):
+        out = out + a[..., j:j + 1] * bt[..., j:j + 1, :]
+    return out

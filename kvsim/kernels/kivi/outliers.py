@@ -130,3 +130,13 @@ def split_outliers(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor,
                        top.values[..., k])
     filled = x.scatter(-1, idx, fill.unsqueeze(-1).expand_as(vals))
     return filled, idx, vals
+
+
+def restore_outliers(x: torch.Tensor, k_idx: torch.Tensor, k_val: torch.Tensor,
+                     v_idx: torch.Tensor, v_val: torch.Tensor) -> None:
+    """In place: the stored outliers ('ceil' layout) back over their slots of pages
+    x [..., 2 (K, V), heads, q, head_dim]: k_idx / k_val [..., heads, head_dim, 2 kK] (token
+    in the page, per key channel), v_idx / v_val [..., heads, q, 2 kV] (channel, per value
+    token); indices int64, values any float dtype."""
+    x[..., 0, :, :, :].transpose(-1, -2).scatter_(-1, k_idx, k_val.to(x.dtype))
+    x[..., 1, :, :, :].scatter_(-1, v_idx, v_val.to(x.dtype))
