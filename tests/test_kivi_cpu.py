@@ -172,6 +172,21 @@ def test_cpu_path_u16_indices_and_strided_input(monkeypatch):
                 == payloads(ref.encode(wide[:, :, ::2, :, ::2].contiguous())))
 
 
+@pytest.mark.parametrize("name", ["kivi", "kcvt", "gear", "oscar"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_path_reads_a_layer_sliced_from_a_whole_cache(name, dtype):
+    """A layer the sender takes from a cache held whole (kv[l:l + 1]: contiguous, but starting
+    inside the storage) encodes to its copy's bytes. The kernels' flat view once ran from the
+    storage's start to its end past the offset, and every layer but the first failed."""
+    g = torch.Generator().manual_seed(5)
+    cache = torch.randn(3, 2, 2, 300, 32, generator=g).to(dtype)
+    codec = make_codec(name, {"backend": "cpu"})
+    for layer in (1, 2):
+        sliced = cache[layer:layer + 1]
+        assert sliced.is_contiguous() and sliced.storage_offset() > 0
+        assert payloads(codec.encode(sliced)) == payloads(codec.encode(sliced.clone()))
+
+
 @given(n=st.integers(1, 20), log_d=st.integers(0, 8), seed=st.integers(0, 2**31),
        scale=st.sampled_from([1e-30, 1.0, 3e4]))
 @settings(max_examples=40, deadline=None)

@@ -1293,9 +1293,12 @@ class Source:
         else:
             b = t if t.dtype == torch.float32 else t.to(torch.float32)
             dt = np.float32
-        if b.stride(-1) != 1 or b.storage_offset() != 0:
+        if b.stride(-1) != 1:
             b = b.contiguous()
-        flat = torch.as_strided(b, (b.untyped_storage().nbytes() // b.element_size(),), (1,))
+        # every element from b's first (its storage offset: a layer sliced from a whole
+        # cache starts inside the storage) to the storage's end; the strides count from there
+        flat = torch.as_strided(b, (b.untyped_storage().nbytes() // b.element_size()
+                                    - b.storage_offset(),), (1,))
         arr = flat.numpy()
         return cls(arr.view(np.uint16) if dt == np.uint16 else arr,
                    tuple(int(s) for s in b.stride()[:4]))
