@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The device checks of the GPU codecs, as one short run on a machine with one CUDA GPU
-# (minutes): the `gpu` tests of the device path, then `kvsim bench codecs device=cuda` on a
-# Llama-3.1-8B-shaped cache (32 layers x 8 KV heads x 8,192 tokens x 128, bf16: 1.07 GB),
+# (minutes): the `gpu` tests of the device path and of the emulator on the GPU (`kvsim
+# emulate device=cuda`, tests/test_transport_device.py), then `kvsim bench codecs
+# device=cuda` on a Llama-3.1-8B-shaped cache (32 layers x 8 KV heads x 8,192 tokens x 128, bf16: 1.07 GB),
 # writing a measured timing file. Results go to $OUT (default /tmp/kvsim-gpu-checks):
 # gpu-tests.log, bench.log, bench-report.json, codec_timing/<hardware>.json.
 #   OUT=/tmp/x bash scripts/gpu_checks.sh [hardware name, default h100]
@@ -25,7 +26,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
 TESTS=${TESTS:-tests/test_device_wire.py tests/test_uniform.py tests/test_lynx_triton.py \
-tests/test_hadamard.py tests/test_lowrank_triton.py tests/test_bench_codecs.py}
+tests/test_hadamard.py tests/test_lowrank_triton.py tests/test_bench_codecs.py \
+tests/test_transport_device.py}
 # shellcheck disable=SC2086  # TESTS is a list of paths
 timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu $TESTS 2>&1 \
     | tee "$OUT/gpu-tests.log" | tail -15

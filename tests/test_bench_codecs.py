@@ -8,9 +8,10 @@ import pytest
 import torch
 import yaml
 
-from kvsim.bench.codecs import bench_codec, median_seconds, resolve_device, spread, timed_seconds
+from kvsim.bench.codecs import bench_codec, median_seconds, spread, timed_seconds
 from kvsim.cli.main import CONF_DIR, main
 from kvsim.commands.bench_codecs import DEFAULT_CODECS
+from kvsim.core.device import resolve_device
 from kvsim.core.layout import KVShape
 from kvsim.kernels.bf16 import BF16Codec
 from kvsim.kernels.encoded import Chunk, Encoded

@@ -50,7 +50,7 @@ RSS_SLACK_BYTES = 128 * MIB  # after a flood and a good request, RSS is within t
 MAX_LOG_CHARS = 320  # "at most ~300 characters" a log line
 GOOD_REQUEST_S = 60.0  # a good request's Sender, joined with this timeout
 # the codes an admission failure may carry (a HELLO the receiver cannot or will not serve)
-ADMISSION_CODES = {"incompatible", "admission error", "busy: memory"}
+ADMISSION_CODES = {"incompatible", "admission error", "busy: memory", "busy: device memory"}
 
 
 def config(*overrides: str) -> EmulateConfig:
@@ -411,6 +411,33 @@ def test_memory_budget_refuses_what_does_not_fit(serve, kit):
         for c in peers:
             c.close()
     h.assert_healthy(before)  # the budget was given back: the good request fits again
+
+
+def test_caches_on_a_device_are_reserved_against_the_devices_budget(serve, kit):
+    """A decode node whose caches go to a CUDA device (device=cuda) reserves their bytes
+    against that device's budget and only the wire bytes against the host's; a request whose
+    caches do not fit the device is refused "busy: device memory" though the host has room.
+    (No kernel runs here: the requests are aborted before any chunk arrives, so this holds
+    on a host without CUDA too.)"""
+    h = serve(device="cuda", max_device_memory_bytes=int(1.5 * kit.fp32_bytes),
+              max_memory_bytes=10 * kit.reserved_bytes, max_requests_per_peer=64)
+    assert h.rx.device_memory_limit_bytes == int(1.5 * kit.fp32_bytes)
+    peers = [HostileClient(h.endpoint) for _ in range(2)]
+    try:
+        rids = [P.new_request_id() for _ in peers]
+        first, second = (open_request(c, kit, rid) for c, rid in zip(peers, rids, strict=True))
+        assert first.type == P.MsgType.ACCEPT, refusal(first)
+        code, reason = refusal(second)
+        assert code == "busy: device memory" and "cuda" in reason, (code, reason)
+        assert h.rx.reserved[rids[0]] == kit.wire_bytes  # the host holds the wire bytes only
+        assert h.rx.device_reserved[rids[0]] == kit.fp32_bytes
+        assert h.rx.requests[rids[0]].device == "cuda"  # where its layers would be decoded
+        peers[0].send(P.json_message(P.MsgType.ABORT, rids[0], {"reason": "test"}))
+        assert wait_until(lambda: not h.rx.requests, 10), "the aborted request was not freed"
+        assert not h.rx.device_reserved  # given back with the request
+    finally:
+        for c in peers:
+            c.close()
 
 
 def test_chunks_beyond_credit_are_dropped(serve, kit):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvsim.core.device import synchronize
 from kvsim.core.layout import KVShape
 from kvsim.kernels.codec import Codec
 from kvsim.kv.attention_error import attention_output, relative_mse, vnmse_from_outputs
@@ -27,17 +28,6 @@ class KVSource:
     kv: torch.Tensor  # [layers, 2, kv_heads, tokens, head_dim]
     queries: torch.Tensor  # [layers, q_heads, q_tokens, head_dim]
     description: dict  # where the KV and the queries came from
-
-
-def resolve_device(device: str) -> torch.device:
-    """'cpu' | 'cuda' | 'auto' (cuda when available) -> torch.device."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {device!r}")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("device=cuda requested but torch sees no CUDA device")
-    return torch.device(device)
 
 
 def synthetic_source(shape: KVShape, q_heads: int, q_tokens: int, seed: int,
@@ -69,11 +59,6 @@ def capture_source(name: str, q_heads: int, q_tokens: int, seed: int) -> KVSourc
     return KVSource(cap.kv, queries, desc)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed_seconds(fn: Callable[[], object], repeats: int, warmup: int,
                   device: torch.device) -> list[float]:
     """Wall seconds of each of `repeats` runs of fn() after `warmup` untimed runs."""
@@ -81,12 +66,12 @@ def timed_seconds(fn: Callable[[], object], repeats: int, warmup: int,
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
     for _ in range(warmup):
         fn()
-    _sync(device)
+    synchronize(device)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - t0)
     return times
 

@@ -16,11 +16,11 @@ from kvsim.bench.codecs import (
     bench_codec,
     capture_source,
     copy_baseline_s,
-    resolve_device,
     synthetic_source,
 )
 from kvsim.bench.coder_split import coder_split
 from kvsim.bench.device_codecs import device_timing
+from kvsim.core.device import resolve_device
 from kvsim.core.layout import KVShape
 from kvsim.core.outputs import check_new, out_root
 from kvsim.core.paths import DATA_DIR

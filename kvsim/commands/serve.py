@@ -39,7 +39,8 @@ def run(cfg: EmulateConfig) -> list[dict]:
 
     metrics = TransportMetrics("serve")
     rx = Receiver(session.receiver_settings(cfg, cfg.transport.bind),
-                  session.decoder_factory(cfg, mode, lm), session.row_builder(mode),
+                  session.decoder_factory(cfg, mode, lm),
+                  session.row_builder(mode, session.kv_device(cfg)),
                   check_hello=session.hello_checker(
                       cfg, mode, None if lm is None else int(lm.model.config.vocab_size)),
                   metrics=metrics)
@@ -51,7 +52,7 @@ def run(cfg: EmulateConfig) -> list[dict]:
         rx.bound.wait()
         if rx.endpoint:
             print(f"kvsim serve: listening on {rx.endpoint} (model {cfg.model.name}, "
-                  f"{mode} decode)", file=sys.stderr, flush=True)
+                  f"{mode} decode on {session.kv_device(cfg)})", file=sys.stderr, flush=True)
             if cfg.transport.endpoint_file:
                 Path(cfg.transport.endpoint_file).write_text(rx.endpoint + "\n")
 

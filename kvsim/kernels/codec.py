@@ -242,12 +242,14 @@ class Codec(ABC):
         raise NotImplementedError(f"{self.name} has no device path")
 
     def decode_layer(self, shape: KVShape, layer: int, chunks: list[list[Chunk]],
-                     dtype: torch.dtype | None = None) -> torch.Tensor:
+                     dtype: torch.dtype | None = None,
+                     device: torch.device | str | None = None) -> torch.Tensor:
         """Reconstruct layer `layer` [2, kv_heads, tokens, head_dim] of a cache of `shape` from
         that layer's chunks of streams 0..n-1 (chunks[s]: every page of stream s, n =
         len(chunks)); equal to decode(whole cache, streams=n)[layer]. Only for
-        layer_independent codecs (a receiver dequantizes each layer as it arrives). The
-        chunks are validated as decode() validates a whole cache (CodecError)."""
+        layer_independent codecs (a receiver dequantizes each layer as it arrives). On
+        `device` (default: the CPU), as decode(). The chunks are validated as decode()
+        validates a whole cache (CodecError)."""
         if not self.layer_independent:
             raise CodecError(f"{self.name}: a layer's coding depends on its depth; decode the "
                              "whole cache")
@@ -268,7 +270,7 @@ class Codec(ABC):
         one = dataclasses.replace(shape, layers=1)
         enc = Encoded(self.name, self.params_dict(), one, self.page_tokens(one),
                       self.stream_names(), relabelled)
-        return self.decode(enc, streams=len(chunks), dtype=dtype)[0]
+        return self.decode(enc, streams=len(chunks), dtype=dtype, device=device)[0]
 
     def _kernel_checks_finite(self, kv: torch.Tensor) -> bool:
         """True where _encode's kernel finds NaN / Inf in `kv` itself (saving encode() a pass

@@ -23,8 +23,9 @@ from kvsim.kv.capture_file import Capture
 from kvsim.model.forward import lm_forward
 
 
-def _as_batch(ids: torch.Tensor | list[int]) -> torch.Tensor:
-    ids = torch.as_tensor(ids, dtype=torch.long)
+def _as_batch(ids: torch.Tensor | list[int], model: Any) -> torch.Tensor:
+    """ids as [1, tokens] on the device of `model`'s weights."""
+    ids = torch.as_tensor(ids, dtype=torch.long, device=next(model.parameters()).device)
     if ids.dim() == 1:
         ids = ids[None]
     if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 1:
@@ -97,7 +98,7 @@ def prefill(model: Any, ids: torch.Tensor | list[int]) -> tuple[Any, torch.Tenso
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    out = lm_forward(model, _as_batch(ids), cache, logits_to_keep=1)
+    out = lm_forward(model, _as_batch(ids, model), cache, logits_to_keep=1)
     return cache, out.logits[0, -1].float()
 
 
@@ -135,8 +136,9 @@ def forward_with_kv(model: Any, kv: torch.Tensor, ids: torch.Tensor | list[int],
                     record_queries: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Run `ids` (teacher-forced) after a cache holding `kv`. Returns (queries
     [layers, q_heads, tokens, head_dim] or None, logits [tokens, vocab] float32)."""
-    cache = kv_to_cache(kv, model.config, next(model.parameters()).dtype)
-    ids = _as_batch(ids)
+    param = next(model.parameters())
+    cache = kv_to_cache(kv.to(param.device), model.config, param.dtype)
+    ids = _as_batch(ids, model)
     if not record_queries:
         out = lm_forward(model, ids, cache)
         return None, out.logits[0].float()

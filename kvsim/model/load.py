@@ -87,8 +87,9 @@ def locate_weights(spec: str | ModelSpec, cache: str | Path | None = None) -> We
 
 
 def load_lm(spec: str | ModelSpec, cache: str | Path | None = None, dtype: str = "float32",
-            threads: int | None = None, seed: int = 0) -> LoadedLM:
-    """Load model + tokenizer offline (a random_init preset: a tiny random Llama)."""
+            threads: int | None = None, seed: int = 0, device: Any = "cpu") -> LoadedLM:
+    """Load model + tokenizer offline (a random_init preset: a tiny random Llama), the
+    model's weights on `device` (a torch.device or its name)."""
     if dtype not in _DTYPES:
         raise ValueError(f"model dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     os.environ["HF_HUB_OFFLINE"] = "1"
@@ -103,7 +104,7 @@ def load_lm(spec: str | ModelSpec, cache: str | Path | None = None, dtype: str =
         from kvsim.model.tiny import ByteTokenizer, tiny_llama
 
         model = tiny_llama(seed, spec.layers, spec.attention_heads * spec.head_dim,
-                           spec.attention_heads, spec.kv_heads)
+                           spec.attention_heads, spec.kv_heads).to(device)
         meta = {"model": spec.name, "weights": "random init", "dtype": "float32",
                 "layers": spec.layers, "attention_heads": spec.attention_heads,
                 "kv_heads": spec.kv_heads, "head_dim": spec.head_dim}
@@ -141,6 +142,7 @@ def load_lm(spec: str | ModelSpec, cache: str | Path | None = None, dtype: str =
             loc.directory, **({"gguf_file": loc.gguf_file} if loc.gguf_file else {}))
         if convertible:
             conversion = converted.write(model, tokenizer, gguf, gguf_sha256)
+    model = model.to(device)
     load_s = time.perf_counter() - started
     cfg = model.config
     meta = {"model": loc.name, "weights": str(loc.directory / (loc.gguf_file or "")),

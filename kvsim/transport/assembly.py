@@ -76,6 +76,9 @@ class Assembly:
     # each layer of the cache dequantized with every stream, as it is (layer, [2, kv_heads,
     # tokens, head_dim] fp32; from the dequantizing thread): the prefix store's feed
     on_full_layer: Any = None
+    # where its caches are dequantized to: "cpu" or a CUDA device (the decode node's device;
+    # a codec with a device path copies each layer's chunks there once, then runs kernels)
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         self._cv = threading.Condition()
@@ -95,7 +98,7 @@ class Assembly:
                                  minlength=self.shape.layers) for st in self.streams]
             self.dequantizer = LayerDequantizer(
                 self.request_id, self.codec, self.shape, pages, self.anchor_needed, self._cv,
-                lambda: self.failed or self._closed)
+                lambda: self.failed or self._closed, device=self.device)
         # bound for entropy-coded chunks: the raw bf16 bytes of the chunk, doubled, + 64 KiB
         self._max_payload = 2 * 2 * 2 * self.shape.kv_heads * self.table.page_tokens * \
             self.shape.head_dim + (64 << 10)
@@ -316,7 +319,7 @@ class Assembly:
             shape, snapshot = held.rest_shape(shape), held.rest_chunks(snapshot)
         enc = Encoded(self.codec.name, self.codec.params_dict(), shape,
                       self.table.page_tokens, self.codec.stream_names(), snapshot)
-        kv = self.codec.decode(enc, streams=n, dtype=torch.float32)
+        kv = self.codec.decode(enc, streams=n, dtype=torch.float32, device=self.device)
         if not all_finite(kv):
             raise wire.WireError(f"request {self.request_id:032x}: streams 0..{n - 1} decode to "
                                  "non-finite values")

@@ -41,6 +41,11 @@ class TransportConfig:
     # kvsim serve: every request's held chunks and dequantized cache are reserved against
     # this at admission ("busy: memory" beyond it); 0: half of this host's physical memory
     max_memory_bytes: int = 0
+    # kvsim serve with device=cuda: the device memory its requests' dequantized caches (then
+    # on the device, not in max_memory_bytes) are reserved against ("busy: device memory"
+    # beyond it); 0: the device's free memory once the model is loaded and warmed up, less
+    # 10% (kvsim.transport.receiver.DEVICE_MEMORY_HEADROOM)
+    max_device_memory_bytes: int = 0
     # kvsim serve: a request still running this long after its HELLO is ended and freed
     # (wall-clock s, whatever its time_scale)
     request_deadline_s: float = 3600.0
@@ -106,6 +111,9 @@ class TransportConfig:
         from kvsim.transport.cpus import parse_cpus
 
         parse_cpus(self.cpus)  # a malformed list fails here, before anything starts
+        if self.max_device_memory_bytes < 0:
+            raise ValueError(f"transport.max_device_memory_bytes must be >= 0 (0: the "
+                             f"device's free memory), got {self.max_device_memory_bytes}")
         if self.max_memory_bytes < 0:
             raise ValueError(f"transport.max_memory_bytes must be >= 0 (0: half of this host's "
                              f"memory), got {self.max_memory_bytes}")
@@ -127,6 +135,12 @@ class EmulateConfig(SimConfig):
     # sending only what it lacks: that run's report (report=PATH of kvsim send) or one
     # request id (32 hex digits)
     resume: str = ""
+    # where the KV cache lives and the real model runs: cpu | cuda | cuda:N | auto (cuda
+    # where torch sees one). On a CUDA device the sender prefills there (a live source; a
+    # synthetic or captured cache is moved there before its encode) and encodes there (the
+    # codecs' device paths where they have one, kvsim.kernels.device_wire), and the decode
+    # host dequantizes into that device's memory and decodes there
+    device: str = "cpu"
 
     def _check_instances(self) -> None:
         """The workload's instances as the transport runs them (prefill: PrefillInstances,
@@ -152,6 +166,9 @@ class EmulateConfig(SimConfig):
     def validate(self) -> None:
         super().validate()
         self.transport.validate()
+        from kvsim.core.device import check_device_name
+
+        check_device_name(self.device)
         if self.transport.reuse_prefill and self.workload.kind != "single":
             raise ValueError(f"transport.reuse_prefill books a reused prefill's time without "
                              f"waiting it, which only a lone request can (workload.kind="

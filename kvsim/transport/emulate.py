@@ -141,6 +141,9 @@ def emulate(cfg: EmulateConfig) -> list[dict]:
         raise ValueError(f"transport.cpus={t.cpus!r} pins kvsim serve or kvsim send alone; "
                          "kvsim emulate runs both ends: use transport.split_cpus=true to "
                          "give each its half of the CPUs")
+    from kvsim.transport import session
+
+    session.kv_device(cfg)  # a device this host lacks is refused here, before either end starts
     import numpy as np
 
     n_requests = len(variants(cfg)) * len(workload_requests(cfg.workload,

@@ -53,8 +53,10 @@ class LayerDequantizer:
 
     def __init__(self, request_id: int, codec: Codec, shape: KVShape,
                  pages_per_layer: list[np.ndarray], anchor: bool,
-                 lock: threading.Condition, failed: Callable[[], str]) -> None:
+                 lock: threading.Condition, failed: Callable[[], str],
+                 device: torch.device | str = "cpu") -> None:
         self.request_id, self.codec, self.shape = request_id, codec, shape
+        self.device = torch.device(device)  # where the layers are dequantized to
         self.num_streams = codec.num_streams
         self.anchor = anchor and self.num_streams > 1  # the decoder drafts on stream 0 alone
         self._pages = pages_per_layer  # [streams] of [layers]: chunks of each (stream, layer)
@@ -177,11 +179,13 @@ class LayerDequantizer:
             try:
                 held = self._held
                 if held is None:
-                    out = self.codec.decode_layer(self.shape, layer, chunks, dtype=torch.float32)
+                    out = self.codec.decode_layer(self.shape, layer, chunks,
+                                                  dtype=torch.float32, device=self.device)
                 else:  # the pages after the held ones, a cache of their own
                     out = self.codec.decode_layer(held.rest_shape(self.shape), layer,
-                                                  held.rest_chunks(chunks), dtype=torch.float32)
-                if not all_finite(out):
+                                                  held.rest_chunks(chunks), dtype=torch.float32,
+                                                  device=self.device)
+                if not all_finite(out):  # (reads the device's answer: its kernels have run)
                     raise wire.WireError(f"request {self.request_id:032x}: layer {layer} "
                                          "decodes to non-finite values")
                 if held is not None:
@@ -196,7 +200,8 @@ class LayerDequantizer:
                 else:
                     buf = self._buffers.get(kind)
                     if buf is None:  # pages are committed as layers are written
-                        buf = torch.empty(self.shape.layers, *out.shape, dtype=torch.float32)
+                        buf = torch.empty(self.shape.layers, *out.shape, dtype=torch.float32,
+                                          device=self.device)
                         self._buffers[kind] = buf
                     buf[layer].copy_(out)
             except Exception as exc:  # CodecError / WireError: bytes the codec refuses

@@ -69,6 +69,7 @@ REFUSAL_CODES = (
     "busy: requests",  # max_active_requests in progress
     "busy: peer",  # max_requests_per_peer from this peer in progress
     "busy: memory",  # the request's bytes do not fit the memory budget
+    "busy: device memory",  # its caches do not fit the device's (a decode node on a GPU)
     "admission error",  # admission failed unexpectedly (a bug: the request is refused)
     "slow reader",  # replies to a peer that does not read them were dropped
     "deadline",  # a request outlived request_deadline_s

@@ -16,7 +16,9 @@ Nothing a peer sends can end or stall the server:
 - admission is total: every HELLO field is bounded before anything is built, and anything
   admission raises refuses that request;
 - one memory budget (`max_memory_bytes`): a request's held chunks and dequantized caches are
-  reserved at admission; beyond it, "busy: memory"; per-peer and total request limits;
+  reserved at admission; beyond it, "busy: memory" (on a CUDA device the caches are
+  reserved against the device's budget instead, "busy: device memory"); per-peer and total
+  request limits;
 - the credit window is enforced on receipt; socket high-water marks and a maximum frame size
   bound what is buffered;
 - replies never block: a peer that does not read them has them dropped, and after
@@ -96,9 +98,43 @@ class ReceiverSettings:
     # prefix reuse (kvsim.transport.prefix_store): bytes of reused prompt blocks kept here
     # (bf16 KV), within the memory budget; 0: no store (a HELLO's prefix is sent whole)
     prefix_store_bytes: int = 0
+    # where the requests' caches are dequantized to and decoded: "cpu", or a CUDA device
+    # ("cuda", "cuda:N"), whose memory then holds them: they are reserved against
+    # max_device_memory_bytes, and only the wire bytes against max_memory_bytes
+    device: str = "cpu"
+    # 0: what the device has free when the receiver starts (its model loaded and warmed up:
+    # the driver's free memory and torch's cached blocks), less DEVICE_MEMORY_HEADROOM
+    max_device_memory_bytes: int = 0
 
     def memory_limit_bytes(self) -> int:
         return self.max_memory_bytes or physical_memory_bytes() // 2
+
+    def on_device(self) -> bool:
+        """The caches live in a CUDA device's memory, not the host's."""
+        return self.device.startswith("cuda")
+
+    def device_memory_limit_bytes(self) -> int:
+        """The device memory the requests' caches may take (0: not on a device)."""
+        if not self.on_device():
+            return 0
+        return self.max_device_memory_bytes or device_free_bytes(self.device)
+
+
+# of a device's free memory, the share its requests' caches may not take: the activations
+# of a decode step and the transient copies of a batch's rebuild live there too
+DEVICE_MEMORY_HEADROOM = 0.1
+
+
+def device_free_bytes(device: str) -> int:
+    """What a CUDA device has free for this process's caches: the driver's free memory plus
+    the blocks torch's allocator keeps cached (its warm-up's, reused by requests), less
+    DEVICE_MEMORY_HEADROOM."""
+    import torch
+
+    dev = torch.device(device)
+    free, _total = torch.cuda.mem_get_info(dev)
+    cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+    return int((free + cached) * (1 - DEVICE_MEMORY_HEADROOM))
 
 
 def outcome_of(row: dict) -> str:
@@ -163,6 +199,9 @@ class Receiver:
         self.owners: dict[int, Peer] = {}
         self.reserved: dict[int, int] = {}  # request -> bytes reserved at admission
         self.memory_limit_bytes = settings.memory_limit_bytes()
+        # ... and of the device's memory, where its caches go to a device (0: none)
+        self.device_reserved: dict[int, int] = {}
+        self.device_memory_limit_bytes = settings.device_memory_limit_bytes()
         self.finished_ids: OrderedDict[int, None] = OrderedDict()
         self.rows: list[dict] = []
         self.refused: Counter[str] = Counter()
@@ -404,7 +443,7 @@ class Receiver:
                          f"(max_requests_per_peer {self.s.max_requests_per_peer})")
             return
         try:
-            asm, need = self._admit(rid, hello)
+            asm, need, device_need = self._admit(rid, hello)
         except Refused as exc:
             self._refuse(sock, peer, rid, exc.code, str(exc))
             return
@@ -415,6 +454,8 @@ class Receiver:
         self.requests[rid] = asm
         self.owners[rid] = peer
         self.reserved[rid] = need
+        if device_need:
+            self.device_reserved[rid] = device_need
         try:  # the decode loop first: its cache builder receives layers as they arrive
             made: tuple[Any, dict] | Exception = self.make_decoder(hello, asm)
         except Exception as exc:  # reported in the request's row, as a decode failure
@@ -436,10 +477,10 @@ class Receiver:
         threading.Thread(target=self._decode, args=(asm, made), daemon=True,
                          name=f"kvsim-decode-{P.id_hex(rid)[:8]}").start()
 
-    def _admit(self, rid: int, hello: dict) -> tuple[Assembly, int]:
+    def _admit(self, rid: int, hello: dict) -> tuple[Assembly, int, int]:
         """Validate a HELLO (untrusted: every field bounded before anything is built) and
-        build its assembler; returns it and the bytes it reserves. Raises Refused naming what
-        differs."""
+        build its assembler; returns it, the host bytes it reserves and the device bytes
+        (0: its caches are not on a device). Raises Refused naming what differs."""
         version = hello.get("wire_version")
         if version != wire.WIRE_VERSION:
             raise Refused("incompatible", f"wire version {str(version)[:20]} differs: this "
@@ -508,7 +549,16 @@ class Receiver:
             raise Refused("incompatible", str(exc)) from None
         anchor = str(policy).startswith("split_stream") and int(hello.get("cap_tokens") or 0) > 0
         fp32_bytes = 2 * bf16_bytes
-        need = int(table.total_bytes) + fp32_bytes * self.s.cache_copies * (2 if anchor else 1)
+        caches = fp32_bytes * self.s.cache_copies * (2 if anchor else 1)
+        device_need = caches if self.device_memory_limit_bytes else 0
+        if device_need:
+            free = self.device_memory_limit_bytes - sum(self.device_reserved.values())
+            if device_need > free:
+                raise Refused("busy: device memory", f"the request's caches need "
+                              f"{device_need / 2**20:.0f} MiB of {self.s.device}, "
+                              f"{free / 2**20:.0f} MiB of max_device_memory_bytes "
+                              f"{self.device_memory_limit_bytes / 2**20:.0f} MiB are free")
+        need = int(table.total_bytes) + (0 if device_need else caches)
         limit = self.memory_limit_bytes
         over = self.reserved_bytes + need - limit
         if over > 0 and self.prefix_store is not None and self.prefix_store.idle_bytes >= over:
@@ -518,7 +568,8 @@ class Receiver:
                           f"{(limit - self.reserved_bytes) / 2**20:.0f} MiB of "
                           f"max_memory_bytes {limit / 2**20:.0f} MiB are free")
         return Assembly(rid, codec, shape, table, hello, dequantize=self.s.dequantize,
-                        anchor_needed=anchor, prefix=use), need
+                        anchor_needed=anchor, prefix=use, device=self.s.device), need, \
+            device_need
 
     def _send_acks(self, sock: zmq.Socket) -> None:
         for rid in self._touched:
@@ -569,6 +620,7 @@ class Receiver:
         while len(self.finished_ids) > MAX_FINISHED_IDS:
             self.finished_ids.popitem(last=False)
         self.reserved.pop(rid, None)
+        self.device_reserved.pop(rid, None)
         asm = self.requests.pop(rid, None)
         if asm is not None:
             asm.close()

@@ -73,10 +73,25 @@ def source_kind(cfg: EmulateConfig) -> str:
     return "live" if _real_model_here(cfg) else "synthetic"
 
 
+def kv_device(cfg: EmulateConfig) -> Any:
+    """cfg.device resolved (kvsim.core.device): where this end's KV cache lives and its
+    model runs. ValueError for a device this host lacks, or a setting a device cannot
+    serve yet."""
+    from kvsim.core.device import resolve_device
+
+    device = resolve_device(cfg.device)
+    if device.type == "cuda" and cfg.prefix_cache.enabled:
+        raise ValueError(f"prefix_cache.enabled: the transport's prefix store keeps its "
+                         f"blocks in host memory; it is not built for device={cfg.device} "
+                         f"(use device=cpu)")
+    return device
+
+
 def load_model(cfg: EmulateConfig) -> Any:
     from kvsim.model.load import load_lm
 
-    lm = load_lm(cfg.model, threads=cfg.transport.threads, seed=cfg.seed)
+    lm = load_lm(cfg.model, threads=cfg.transport.threads, seed=cfg.seed,
+                 device=kv_device(cfg))
     shape = cfg.model.kv_shape(8)
     meta = lm.meta
     if (meta["layers"], meta["kv_heads"], meta["head_dim"]) != (shape.layers, shape.kv_heads,
@@ -93,20 +108,24 @@ PEAK_WARM_UP_MAX_BYTES = 4 << 30
 
 def warm_up(cfg: EmulateConfig, lm: Any | None, decode_side: bool = False) -> None:
     """Compile and fault in everything a timed request would otherwise pay for on first use:
-    each codec's JIT kernels (numba) on a small cache of the model's shape, encode and
-    decode, and one forward of the real model; on the decode side also the memory of the
-    largest request's cache (kvsim.transport.memory). Called before listening / sending."""
+    each codec's JIT kernels (numba, or Triton on a CUDA device) on a small cache of the
+    model's shape, encode and decode on cfg.device, and one forward of the real model; on
+    the decode side also the memory of the largest request's cache
+    (kvsim.transport.memory). Called before listening / sending."""
     import torch
 
+    from kvsim.core.device import synchronize
     from kvsim.kv.synthetic import generate_kv
 
+    device = kv_device(cfg)
     shape = cfg.model.kv_shape(min(cfg.workload.context_tokens, 512))
-    kv = generate_kv(replace(shape, layers=1))
+    kv = generate_kv(replace(shape, layers=1)).to(device)
     for v in variants(cfg):
         codec = v.spec.build()
-        codec.decode(codec.encode(kv), dtype=torch.float32)
+        codec.decode(codec.encode(kv), dtype=torch.float32, device=device)
         if codec.num_streams > 1:
-            codec.decode(codec.encode(kv), streams=1, dtype=torch.float32)
+            codec.decode(codec.encode(kv), streams=1, dtype=torch.float32, device=device)
+    synchronize(device)
     if lm is not None:
         from kvsim.kv.capture import prefill
 
@@ -125,6 +144,8 @@ def _reach_peak_memory(cfg: EmulateConfig, lm: Any | None) -> None:
     (`retain_freed_memory`), the timed requests then reuse these pages instead of
     page-faulting fresh ones, as a serving engine's preallocated KV pool would (why:
     kvsim.transport.memory).
+    On a CUDA device the same caches are made there: torch's allocator keeps the freed
+    blocks for the requests.
     Skipped, with a note, when that is more than PEAK_WARM_UP_MAX_BYTES."""
     import torch
 
@@ -140,7 +161,9 @@ def _reach_peak_memory(cfg: EmulateConfig, lm: Any | None) -> None:
               f"({peak_bytes / 2**30:.1f} GiB > {PEAK_WARM_UP_MAX_BYTES / 2**30:.0f} GiB); "
               "the first requests pay its page faults", file=sys.stderr)
         return
-    layers = [torch.zeros(layer_shape) for _ in range(shape.layers)]  # zeroing touches pages
+    device = kv_device(cfg)
+    # zeroing touches pages
+    layers = [torch.zeros(layer_shape, device=device) for _ in range(shape.layers)]
     held = []
     if lm is not None:
         from kvsim.kv.capture import CacheFromLayers
@@ -195,6 +218,7 @@ def outgoing_requests(cfg: EmulateConfig, lm: Any | None, resume: ResumePlan | N
     if resume is None and cfg.resume:
         resume = resume_plan(cfg.resume)
     resumed = dict(resume.ids) if resume is not None else {}
+    device = kv_device(cfg)
     out = []
     timing_table = load_codec_timing(cfg.hardware.name, cfg.codec_timing or None)
     for vi, v in enumerate(variants(cfg)):
@@ -237,13 +261,15 @@ def outgoing_requests(cfg: EmulateConfig, lm: Any | None, resume: ResumePlan | N
                                    "block_tokens": cfg.prefix_cache.block_tokens}
             batch.append(OutgoingRequest(rid, r.seq, r.arrival_t, codec, v.spec.label, v.policy,
                                          _source_maker(cfg, kind, lm, timing, r.context_tokens,
-                                                       r.seq), hello))
+                                                       r.seq, device), hello))
         out.append(batch)
     return out
 
 
 def _source_maker(cfg: EmulateConfig, kind: str, lm: Any, timing: TimingModel,
-                  context_tokens: int, seq: int):
+                  context_tokens: int, seq: int, device: Any):
+    """The request's KV source, made when it arrives (a live one on the model's device; a
+    capture or synthetic KV moved to `device`)."""
     seed = cfg.seed + seq
     if kind == "live":
         from kvsim.kv.text import assemble
@@ -255,9 +281,9 @@ def _source_maker(cfg: EmulateConfig, kind: str, lm: Any, timing: TimingModel,
         return lambda: source(lm, sample.ids, {"text_sha256": sample.sha256})
     modelled_s = timing.prefill_s(context_tokens) * cfg.transport.time_scale
     if kind == "capture":
-        return lambda: capture_source(cfg.transport.capture, modelled_s)
+        return lambda: capture_source(cfg.transport.capture, modelled_s, device)
     shape = cfg.model.kv_shape(context_tokens)
-    return lambda: synthetic_source(shape, modelled_s, seed)
+    return lambda: synthetic_source(shape, modelled_s, seed, device)
 
 
 # ---- receiver side ------------------------------------------------------------------------
@@ -284,7 +310,9 @@ def receiver_settings(cfg: EmulateConfig, bind: str) -> ReceiverSettings:
                             request_deadline_s=t.request_deadline_s,
                             max_requests=t.max_requests, idle_exit_s=t.idle_exit_s,
                             dequantize=t.dequantize, keys=t.keys, insecure=t.insecure,
-                            prefix_store_bytes=_prefix_store_bytes(cfg))
+                            prefix_store_bytes=_prefix_store_bytes(cfg),
+                            device=str(kv_device(cfg)),
+                            max_device_memory_bytes=t.max_device_memory_bytes)
 
 
 def _prefix_store_bytes(cfg: EmulateConfig) -> int:
@@ -513,9 +541,16 @@ def hello_checker(cfg: EmulateConfig, mode: str, vocab_size: int | None = None):
     return check
 
 
-def row_builder(mode: str):
+def row_builder(mode: str, device: Any = None):
+    """Each request's row, naming this decode node's host and the device its caches were
+    dequantized to and decoded on (a torch.device; None: the CPU)."""
+    from kvsim.core.device import device_label
+
+    where = device_label(device) if device is not None else "cpu"
+
     def build(asm: Assembly, hello: dict, result: Any, error: str) -> dict:
-        return emulated_row(asm, hello, result, error, {"decode": mode, "host": os.uname()[1]})
+        return emulated_row(asm, hello, result, error, {"decode": mode, "host": os.uname()[1],
+                                                        "decode_device": where})
     return build
 
 

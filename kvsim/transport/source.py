@@ -5,6 +5,10 @@ A source hands out one layer at a time (`layer(l)` -> [1, 2, kv_heads, tokens, h
 the encoder can pipeline with the link, and says how its prefill time was obtained:
 `measured` (the real model ran here) or `modelled` (the hardware preset's roofline; the
 sender waits that long before releasing the layers, as the simulator does).
+
+The layers are on the source's `device`, where the sender encodes them: a live prefill's
+are where the model ran; a capture's or synthetic KV's are made on the host and moved
+there (in `prepare`, while a modelled prefill runs, where the cache is held whole).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any
 
 import torch
 
+from kvsim.core.device import device_label, synchronize
 from kvsim.core.layout import KVShape
 
 
@@ -30,40 +35,51 @@ class KVSource:
     _make_layer: Any = None  # layer index -> [1, 2, kv_heads, tokens, head_dim]
     preparable: bool = False  # _make_layer's layers may be generated ahead (prepare)
     reused: bool = False  # a live prefill's KV reused for the same prompt (reused_live_source)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     def layer(self, index: int) -> torch.Tensor:
         if not 0 <= index < self.shape.layers:
             raise IndexError(f"layer {index} outside 0..{self.shape.layers - 1}")
         if self._kv is not None:
-            return self._kv[index : index + 1]
-        return self._make_layer(index)
+            return self._kv[index : index + 1].to(self.device)
+        return self._make_layer(index).to(self.device)
 
     def prepare(self, budget_bytes: int) -> bool:
-        """Generate a lazily made cache now and hold it whole, if its bf16 bytes fit
-        `budget_bytes` (the sender calls this while a modelled prefill runs, so generating
-        synthetic KV is not counted as encoding). Returns whether the cache is held."""
+        """Generate a lazily made cache now and hold it whole on the source's device, if its
+        bf16 bytes fit `budget_bytes` (the sender calls this while a modelled prefill runs,
+        so generating synthetic KV, or moving it to the device, is not counted as encoding).
+        Returns whether the cache is held."""
         if self._kv is None and self.preparable and self._make_layer is not None and \
                 self.shape.bf16_bytes <= budget_bytes:
             self._kv = torch.cat([self._make_layer(i) for i in range(self.shape.layers)])
+        if self._kv is not None and self._kv.device != self.device and \
+                self.shape.bf16_bytes <= budget_bytes:
+            self._kv = self._kv.to(self.device)
+            synchronize(self.device)  # the copy is the prefill's, not the encode's
         return self._kv is not None
 
     def full(self) -> torch.Tensor:
         """The whole cache (layer-dependent codecs such as CacheGen encode it at once)."""
         if self._kv is not None:
-            return self._kv
+            return self._kv.to(self.device)
         return torch.cat([self.layer(i) for i in range(self.shape.layers)])
 
 
 def live_source(lm: Any, context_ids: list[int], describe: dict | None = None) -> KVSource:
-    """Prefill the real model on `context_ids` here (timed) and keep its post-RoPE KV."""
+    """Prefill the real model on `context_ids` here (timed, on the model's device) and keep
+    its post-RoPE KV there."""
     from kvsim.kv.capture import cache_to_kv, prefill
 
+    device = next(lm.model.parameters()).device
     started = time.perf_counter()
     cache, logits = prefill(lm.model, context_ids)
+    synchronize(device)  # the prefill's kernels have run, not only been queued
     prefill_s = time.perf_counter() - started
     kv = cache_to_kv(cache).to(torch.bfloat16).contiguous()
     return KVSource(KVShape.of(kv), "live", prefill_s, True, int(torch.argmax(logits)),
-                    {"kv_source": "live", "live_model": lm.name, **(describe or {})}, _kv=kv)
+                    {"kv_source": "live", "live_model": lm.name,
+                     "device": device_label(device), **(describe or {})}, _kv=kv,
+                    device=device)
 
 
 # (model name, prompt sha256) -> the first live prefill of that prompt in this sender run
@@ -93,28 +109,36 @@ def reused_live_source(lm: Any, context_ids: list[int], describe: dict | None = 
         return first
     return KVSource(first.shape, "live", first.prefill_s, True, first.first_token,
                     {**first.describe, **(describe or {}), "prefill": "reused"},
-                    _kv=first._kv, reused=True)
+                    _kv=first._kv, reused=True, device=first.device)
 
 
-def capture_source(name_or_path: str, prefill_s: float) -> KVSource:
+def capture_source(name_or_path: str, prefill_s: float, device: torch.device | None = None
+                   ) -> KVSource:
+    """A capture file's KV, moved to `device` (default: the CPU) before its encode."""
     from kvsim.kv.capture_file import load_capture
 
+    device = device or torch.device("cpu")
     cap = load_capture(name_or_path)
     first = cap.meta.get("first_token")
     return KVSource(cap.shape, "capture", prefill_s, False,
                     int(first) if isinstance(first, int) else None,
-                    {"kv_source": "capture", "capture": str(name_or_path)},
-                    _kv=cap.kv.contiguous())
+                    {"kv_source": "capture", "capture": str(name_or_path),
+                     "device": device_label(device)},
+                    _kv=cap.kv.contiguous(), device=device)
 
 
-def synthetic_source(shape: KVShape, prefill_s: float, seed: int = 0) -> KVSource:
+def synthetic_source(shape: KVShape, prefill_s: float, seed: int = 0,
+                     device: torch.device | None = None) -> KVSource:
     """Synthetic KV (calibrated on the real SmolLM2 capture) generated layer by layer on
-    demand, so a 128K-token cache of a large preset never sits in memory whole."""
+    demand, so a 128K-token cache of a large preset never sits in memory whole; its layers
+    are moved to `device` (default: the CPU)."""
     from kvsim.kv.synthetic import generate_layer
+
+    device = device or torch.device("cpu")
 
     def make(index: int) -> torch.Tensor:
         return generate_layer(shape, index, seed=seed)[None]
 
     return KVSource(shape, "synthetic", prefill_s, False, None,
-                    {"kv_source": "synthetic", "seed": seed}, _make_layer=make,
-                    preparable=True)
+                    {"kv_source": "synthetic", "seed": seed, "device": device_label(device)},
+                    _make_layer=make, preparable=True, device=device)
