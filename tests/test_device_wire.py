@@ -309,3 +309,26 @@ def test_pinned_staging_round_trip_and_device_timing():
     # the copy of the wire bytes to the host cannot be slower than encode + that copy by much
     assert row["encode_with_copy_s"] > 0.5 * row["pinned_d2h_s"]
     assert device_timing(make_codec("cachegen", {}), kv, 1, 0) is None
+
+
+def test_per_shape_tables_hold_under_threads_encoding_several_shapes():
+    """A sender's producer threads share one codec per variant and encode requests of
+    several context lengths at once: each thread gets its own shape's table, whatever the
+    others ask for meanwhile, and the codec keeps a bounded number of them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvsim.kernels.codec import SHAPES_REMEMBERED
+
+    codec = make_codec("kivi", {"backend": "triton"})
+    shapes = [KVShape(2, 1, tokens, 64) for tokens in range(40, 40 + 3 * SHAPES_REMEMBERED)]
+
+    def check(shape: KVShape) -> bool:
+        want = np.asarray(codec.payload_bytes(shape), dtype=np.int64)
+        return all(np.array_equal(codec.wire_sizes(shape), want) and
+                   codec._device_geometry(shape, torch.device("cpu"))[2] ==
+                   codec.geometry(shape)[1] for _ in range(20))
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(check, shapes * 2))
+    assert len(codec._wire_sizes) <= SHAPES_REMEMBERED
+    assert len(codec._device_geometries) <= SHAPES_REMEMBERED

@@ -7,6 +7,7 @@ first (a no-op on the CPU)."""
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
 from kvsim.core.lazy_module import lazy_module
@@ -62,5 +63,14 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-__all__ = ["DEVICE_CHOICES", "check_device_name", "device_label", "resolve_device",
-           "synchronize"]
+def current_device(device: torch.device) -> AbstractContextManager:
+    """Make `device` the calling thread's current CUDA device for the block (a no-op
+    elsewhere). Triton launches its kernels on the current device, which a new thread has
+    at cuda:0 whatever the tensors say; torch's own ops follow their tensors."""
+    if device.type != "cuda":
+        return nullcontext()
+    return torch.cuda.device(device)
+
+
+__all__ = ["DEVICE_CHOICES", "check_device_name", "current_device", "device_label",
+           "resolve_device", "synchronize"]

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from kvsim.core.device import current_device
 from kvsim.core.layout import DTYPES, KVShape, check_finite
 from kvsim.core.lazy_module import lazy_module
 from kvsim.kernels import wire
@@ -146,7 +147,9 @@ class Codec(ABC):
         if not self._kernel_checks_finite(kv):
             check_finite(kv)
         self.check_shape(shape)
-        with torch_threads.kept():  # numba's kernels would leave torch on every core
+        # numba's kernels would leave torch on every core; Triton's launch on the thread's
+        # current device
+        with torch_threads.kept(), current_device(kv.device):
             streams = self._encode(kv, shape)
         if len(streams) != self.num_streams:
             raise AssertionError(f"{self.name} produced {len(streams)} streams")
@@ -171,7 +174,9 @@ class Codec(ABC):
         self._check_content(enc, n)
         dtype = dtype or DTYPES[enc.shape.dtype]
         target = torch.device(device) if device else torch.device("cpu")
-        with torch_threads.kept():  # numba's kernels would leave torch on every core
+        # numba's kernels would leave torch on every core; Triton's launch on the thread's
+        # current device
+        with torch_threads.kept(), current_device(target):
             if self.has_device_path(target, enc.shape):  # one copy per stream, then kernels
                 out = self._decode_device(stream_buffers(enc, n, target), enc.shape, dtype)
             else:
@@ -194,7 +199,8 @@ class Codec(ABC):
             raise CodecError(f"{self.label}: no device path for {shape.dims} on {kv.device} "
                              "with these params")
         self.check_shape(shape)
-        buffers, status = self._encode_device(kv, shape)
+        with current_device(kv.device):  # where Triton launches (a thread's is cuda:0)
+            buffers, status = self._encode_device(kv, shape)
         dw = DeviceWire(self.name, self.params_dict(), shape, self.page_tokens(shape),
                         self.stream_names(), buffers, self.wire_sizes(shape), status)
         if verify:
@@ -219,16 +225,18 @@ class Codec(ABC):
                 raise CodecError(f"{self.label}: stream {s} buffer must be 1-D uint8 of {want} "
                                  f"bytes, got {buf.dtype} {tuple(buf.shape)}")
         dtype = dtype or DTYPES[shape.dtype]
-        return cast_finite(self._decode_device(buffers, shape, dtype), dtype)
+        with current_device(buffers[0].device):  # where Triton launches
+            return cast_finite(self._decode_device(buffers, shape, dtype), dtype)
 
     def wire_sizes(self, shape: KVShape) -> np.ndarray:
         """payload_bytes(shape), computed once per shape (the device path asks for it around
         every launch; a page loop in Python would sit in front of the kernels)."""
         cache = self.__dict__.setdefault("_wire_sizes", {})
-        if shape not in cache:
-            cache.clear()  # one shape at a time is what a sender encodes
-            cache[shape] = np.asarray(self.payload_bytes(shape), dtype=np.int64)
-        return cache[shape]
+        sizes = cache.get(shape)
+        if sizes is None:
+            sizes = np.asarray(self.payload_bytes(shape), dtype=np.int64)
+            remember(cache, shape, sizes)
+        return sizes
 
     def _encode_device(self, kv: torch.Tensor, shape: KVShape
                        ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
@@ -454,6 +462,22 @@ def codec_class(name: str) -> type[Codec]:
     except (KeyError, TypeError):
         raise CodecError(
             f"unknown codec {name!r}; registered: {', '.join(sorted(_REGISTRY))}") from None
+
+
+# shapes a codec keeps its per-shape tables for (a sender's concurrent requests of several
+# context lengths share one codec per variant)
+SHAPES_REMEMBERED = 16
+
+
+def remember(cache: dict, key: Any, value: Any) -> None:
+    """cache[key] = value, dropping the oldest entries beyond SHAPES_REMEMBERED. Threads may
+    share `cache`: each uses the value it made or read, never a lookup after this call."""
+    cache[key] = value
+    while len(cache) > SHAPES_REMEMBERED:
+        try:
+            del cache[next(iter(cache))]
+        except (KeyError, RuntimeError, StopIteration):  # another thread dropped it first
+            break
 
 
 def make_codec(name: str, params: dict | None = None) -> Codec:

@@ -143,7 +143,10 @@ def emulate(cfg: EmulateConfig) -> list[dict]:
                          "give each its half of the CPUs")
     from kvsim.transport import session
 
-    session.kv_device(cfg)  # a device this host lacks is refused here, before either end starts
+    device = session.kv_device(cfg)  # one this host lacks is refused before either end starts
+    if device.type == "cuda" and not t.max_device_memory_bytes:
+        t = dataclasses.replace(t, max_device_memory_bytes=_shared_device_budget(cfg, device))
+        cfg = dataclasses.replace(cfg, transport=t)
     import numpy as np
 
     n_requests = len(variants(cfg)) * len(workload_requests(cfg.workload,
@@ -177,6 +180,27 @@ def emulate(cfg: EmulateConfig) -> list[dict]:
             stop(serve)
         rows = _rows(rx_report) if rx_report.is_file() else []
         return _with_send_cpus(_merge(rows, sent), tx_cpus)
+
+
+def _shared_device_budget(cfg: EmulateConfig, device) -> int:
+    """The decode host's device-memory budget for its caches when both ends share one CUDA
+    device: half of what the device has free before either starts (less the receiver's
+    headroom), after each end's fp32 copy of the model where it loads one (a live prefill,
+    real decoding). A decode host alone on its device takes what it finds free instead."""
+    from kvsim.transport import session
+    from kvsim.transport.receiver import device_free_bytes
+
+    free = device_free_bytes(str(device))
+    models = 0.0
+    if cfg.model.params_total:  # the ends load the model in float32
+        ends = (session.source_kind(cfg) == "live") + (session.decode_mode(cfg) == "real")
+        models = ends * 4 * cfg.model.params_total
+    budget = int((free - models) / 2)
+    if budget <= 0:
+        raise ValueError(f"device={cfg.device}: {free / 2**30:.1f} GiB free there do not hold "
+                         f"both ends' fp32 models ({models / 2**30:.1f} GiB) and any cache; "
+                         "set transport.max_device_memory_bytes to override")
+    return budget
 
 
 def _with_send_cpus(rows: list[dict], cpus: str) -> list[dict]:

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from kvsim.core.device import synchronize
 from kvsim.core.layout import KVShape, all_finite
 from kvsim.kernels import wire
 from kvsim.kernels.codec import Codec
@@ -204,6 +205,7 @@ class LayerDequantizer:
                                           device=self.device)
                         self._buffers[kind] = buf
                     buf[layer].copy_(out)
+                synchronize(self.device)  # the span ends when the device has done the layer
             except Exception as exc:  # CodecError / WireError: bytes the codec refuses
                 self.working = False
                 with self._cv:

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from kvsim.core.device import synchronize
 from kvsim.kernels import wire
 from kvsim.kernels.codec import Codec
 from kvsim.kernels.encoded import preamble_meta
@@ -294,8 +295,10 @@ class Sender:
             return items
 
         if not getattr(codec, "layer_independent", True):
+            kv = source.full()
+            synchronize(source.device)  # the span below is the encode's work alone
             t0 = time.time()
-            enc = codec.encode(source.full())
+            enc = codec.encode(kv)
             res.events.append(("encode", t0, time.time()))
             release(queued(enc.streams, 0))
         else:
@@ -305,10 +308,12 @@ class Sender:
                     wait = prefill_start + source.prefill_s * (layer + 1) / layers - time.time()
                     if wait > 0:
                         time.sleep(wait)
-                t0 = time.time()
+                # the layer on its device (a lazily made source makes it now: not encoding)
                 kv = source.layer(layer)
                 if skip_tokens:
                     kv = kv[:, :, :, skip_tokens:, :].contiguous()
+                synchronize(source.device)  # the span below is the encode's work alone
+                t0 = time.time()
                 enc = codec.encode(kv)
                 items = queued(enc.streams, layer, page_offset)
                 res.events.append((f"encode layer {layer}", t0, time.time()))

@@ -156,12 +156,13 @@ def _reach_peak_memory(cfg: EmulateConfig, lm: Any | None) -> None:
     fp32_bytes = 4 * shape.layers * int(np.prod(layer_shape))
     caches = _cache_copies(cfg) if lm is not None else 0
     peak_bytes = (1 + 2 * caches) * fp32_bytes
+    device = kv_device(cfg)
     if peak_bytes > PEAK_WARM_UP_MAX_BYTES:
+        cost = "page faults" if device.type == "cpu" else "allocation"
         print(f"kvsim: warm-up leaves the memory of {tokens}-token caches untouched "
               f"({peak_bytes / 2**30:.1f} GiB > {PEAK_WARM_UP_MAX_BYTES / 2**30:.0f} GiB); "
-              "the first requests pay its page faults", file=sys.stderr)
+              f"the first requests pay its {cost}", file=sys.stderr)
         return
-    device = kv_device(cfg)
     # zeroing touches pages
     layers = [torch.zeros(layer_shape, device=device) for _ in range(shape.layers)]
     held = []

@@ -71,6 +71,7 @@ def live_source(lm: Any, context_ids: list[int], describe: dict | None = None) -
     from kvsim.kv.capture import cache_to_kv, prefill
 
     device = next(lm.model.parameters()).device
+    synchronize(device)  # what other requests queued there is not this prefill's
     started = time.perf_counter()
     cache, logits = prefill(lm.model, context_ids)
     synchronize(device)  # the prefill's kernels have run, not only been queued

@@ -55,7 +55,7 @@ import numpy as np
 
 from kvsim.core.layout import KVShape
 from kvsim.core.lazy_module import lazy_module
-from kvsim.kernels.codec import Codec, register
+from kvsim.kernels.codec import Codec, register, remember
 from kvsim.kernels.device_wire import nonfinite_status
 from kvsim.kernels.encoded import Chunk, Encoded
 from kvsim.kernels.groupquant import (
@@ -348,11 +348,12 @@ class BackboneCodec(Codec):
         device: the host work is not repeated in front of every launch."""
         cache = self.__dict__.setdefault("_device_geometries", {})
         key = (shape, str(device))
-        if key not in cache:
+        entry = cache.get(key)
+        if entry is None:
             geo, layer_bytes, _ = self.geometry(shape)
-            cache.clear()  # one shape at a time is what a sender encodes
-            cache[key] = (geo, torch.from_numpy(geo).to(device), layer_bytes)
-        return cache[key]
+            entry = (geo, torch.from_numpy(geo).to(device), layer_bytes)
+            remember(cache, key, entry)
+        return entry
 
     def _window_copy(self, buf: torch.Tensor, cache: torch.Tensor, geo: np.ndarray,
                      layer_bytes: int, to_wire: bool) -> None:
