@@ -113,6 +113,9 @@ def test_compiled_device_path_gives_the_reference_bytes(name, params, ref_params
     for dtype in (torch.float32, torch.bfloat16):
         expect = ref.decode(want, dtype=dtype)
         got = codec.decode_device(dw.buffers, shape, dtype).cpu()
+        # the receiver's way: the host's chunks joined in pinned memory, copied, decoded
+        assert torch.equal(codec.decode(dw.to_encoded(), dtype=dtype, device="cuda").cpu(),
+                           got)
         if name in ("lynx", "oscar"):  # as tests/test_lynx_triton.py: fp32 within 1e-6,
             # bf16 one ulp (oscar: the FWHT kernel rotates back, the reference on the host)
             rtol = 8e-3 if dtype == torch.bfloat16 else 1e-6

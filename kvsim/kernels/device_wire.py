@@ -9,9 +9,13 @@ starts follows from the size table alone (`stream_offsets`). Nothing is synchron
 the caller asks: the input's checks (NaN / Inf, fp16 range) are flagged on the device in
 `status` and read by `DeviceWire.verify`.
 
-`PinnedStaging` is the host side: page-locked buffers reused from one encode to the next,
-filled by one asynchronous copy per stream on a side CUDA stream (two slots, so the copy of
-one cache overlaps the encode of the next), and the reverse copy for decode.
+`PinnedStaging` is the host side of a timed pipeline (the bench's): page-locked buffers
+reused from one encode to the next, filled by one asynchronous copy per stream on a side
+CUDA stream (two slots, so the copy of one cache overlaps the encode of the next), and the
+reverse copy for decode. `Codec.encode` / `decode` on a CUDA device (the transport's
+sender and receiver, whose chunks outlive any slot) copy through blocks of torch's pinned
+pool instead (`DeviceWire.host_copies`, `pinned_to_device`): page-locked too, each held
+until its last chunk is gone.
 """
 
 from __future__ import annotations
@@ -84,9 +88,9 @@ class DeviceWire:
 
     def to_encoded(self, host: list[np.ndarray] | None = None) -> Encoded:
         """The Encoded whose chunk payloads are views of `host` (host copies of the buffers,
-        uint8; default: one copy of each buffer to the host now)."""
+        uint8; default: one copy of each buffer to the host now, host_copies)."""
         if host is None:
-            host = [b.cpu().numpy() for b in self.buffers]
+            host = self.host_copies()
         streams = []
         for s, (start, size, total) in enumerate(stream_offsets(self.payload_bytes)):
             flat = host[s]
@@ -100,6 +104,24 @@ class DeviceWire:
                             for page in range(start.shape[1]) if present[layer, page]])
         return Encoded(self.codec, self.params, self.shape, self.page_tokens,
                        list(self.stream_names), streams)
+
+
+    def host_copies(self) -> list[np.ndarray]:
+        """Each buffer's bytes on the host. From a CUDA device: one asynchronous copy per
+        stream into page-locked memory from torch's pinned pool (DMA straight from the
+        device, where pageable memory is staged by the driver), waited for together; the
+        pool takes a block back once the last view of it (a queued chunk) is gone. On the
+        CPU: the buffers themselves."""
+        if not self.buffers or self.buffers[0].device.type != "cuda":
+            return [b.cpu().numpy() for b in self.buffers]
+        device = self.buffers[0].device
+        host = []
+        for b in self.buffers:
+            h = torch.empty(b.numel(), dtype=torch.uint8, pin_memory=True)
+            h.copy_(b, non_blocking=True)
+            host.append(h)
+        torch.cuda.current_stream(device).synchronize()
+        return [h.numpy() for h in host]
 
 
 def nonfinite_status(kv: torch.Tensor, fp16_range: bool = False) -> torch.Tensor | None:
@@ -131,10 +153,24 @@ def stream_buffers(enc: Encoded, streams: int, device: torch.device) -> list[tor
     out = []
     for s in range(streams):
         parts = enc.payloads(s)
-        flat = concat_payloads([parts[(layer, page)] for layer in range(enc.shape.layers)
-                                for page in range(pages) if (layer, page) in parts])
-        out.append(torch.from_numpy(flat).to(device))
+        ordered = [parts[(layer, page)] for layer in range(enc.shape.layers)
+                   for page in range(pages) if (layer, page) in parts]
+        if device.type == "cuda":
+            out.append(pinned_to_device(ordered, device))
+        else:
+            out.append(torch.from_numpy(concat_payloads(ordered)).to(device))
     return out
+
+
+def pinned_to_device(parts: list[np.ndarray], device: torch.device) -> torch.Tensor:
+    """Payloads (1-D uint8) -> one buffer of them end to end on a CUDA `device`: joined
+    straight into page-locked memory from torch's pinned pool, then one asynchronous copy
+    (the pool keeps the block until the copy has run)."""
+    total = sum(int(p.size) for p in parts)
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    if total:
+        np.concatenate(parts, out=host.numpy())
+    return host.to(device, non_blocking=True)
 
 
 def concat_payloads(parts: list[np.ndarray]) -> np.ndarray:
