@@ -86,14 +86,14 @@ def test_emulate_splits_one_devices_memory_between_its_two_ends(monkeypatch):
     from kvsim.transport import emulate as em
 
     gib = 1 << 30
-    monkeypatch.setattr("kvsim.transport.receiver.device_free_bytes", lambda device: 100 * gib)
+    monkeypatch.setattr(em, "_device_free_bytes_in_a_child", lambda device: 100 * gib)
     both = config("model=llama-3.1-8b", "transport.kv_source=live", "transport.decode=real")
     fp32_model = 4 * both.model.params_total
     assert em._shared_device_budget(both, torch.device("cuda")) == \
         int((100 * gib - 2 * fp32_model) / 2)
     modelled = config("model=llama-3.1-8b")  # synthetic KV, timing decode: no model loaded
     assert em._shared_device_budget(modelled, torch.device("cuda")) == 50 * gib
-    monkeypatch.setattr("kvsim.transport.receiver.device_free_bytes", lambda device: 40 * gib)
+    monkeypatch.setattr(em, "_device_free_bytes_in_a_child", lambda device: 40 * gib)
     with pytest.raises(ValueError, match="do not hold both ends' fp32 models"):
         em._shared_device_budget(both, torch.device("cuda"))
 

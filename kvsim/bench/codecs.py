@@ -66,12 +66,12 @@ def timed_seconds(fn: Callable[[], object], repeats: int, warmup: int,
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
     for _ in range(warmup):
         fn()
-    synchronize(device)
+    synchronize(device, all_streams=True)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        synchronize(device)
+        synchronize(device, all_streams=True)
         times.append(time.perf_counter() - t0)
     return times
 

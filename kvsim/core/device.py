@@ -57,10 +57,18 @@ def device_label(device: torch.device) -> str:
     return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait for the work queued on `device` (CUDA); nothing to wait for on the CPU."""
+def synchronize(device: torch.device, all_streams: bool = False) -> None:
+    """Wait for the work queued so far on `device`'s current stream (CUDA); nothing to wait
+    for on the CPU. An event recorded now and waited for: what other threads queue while
+    this one waits is not waited for. all_streams: every stream of the device, whatever
+    was queued (a benchmark's timed call, alone on the device)."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        if all_streams:
+            torch.cuda.synchronize(device)
+            return
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(device))
+        done.synchronize()
 
 
 def current_device(device: torch.device) -> AbstractContextManager:

@@ -12,10 +12,10 @@ the caller asks: the input's checks (NaN / Inf, fp16 range) are flagged on the d
 `PinnedStaging` is the host side of a timed pipeline (the bench's): page-locked buffers
 reused from one encode to the next, filled by one asynchronous copy per stream on a side
 CUDA stream (two slots, so the copy of one cache overlaps the encode of the next), and the
-reverse copy for decode. `Codec.encode` / `decode` on a CUDA device (the transport's
-sender and receiver, whose chunks outlive any slot) copy through blocks of torch's pinned
-pool instead (`DeviceWire.host_copies`, `pinned_to_device`): page-locked too, each held
-until its last chunk is gone.
+reverse copy for decode. `Codec.encode` on a CUDA device (the transport's sender, whose
+chunks may wait long for the link) copies each stream once into ordinary host memory;
+`Codec.decode` onto one joins the chunks straight into a block of torch's pinned pool and
+copies it over (`pinned_to_device`; the block goes back to the pool once copied).
 """
 
 from __future__ import annotations
@@ -88,9 +88,10 @@ class DeviceWire:
 
     def to_encoded(self, host: list[np.ndarray] | None = None) -> Encoded:
         """The Encoded whose chunk payloads are views of `host` (host copies of the buffers,
-        uint8; default: one copy of each buffer to the host now, host_copies)."""
+        uint8; default: one copy of each buffer to the host now: ordinary memory, as the
+        chunks viewing it may wait long for the link; the CPU's buffers themselves)."""
         if host is None:
-            host = self.host_copies()
+            host = [b.cpu().numpy() for b in self.buffers]
         streams = []
         for s, (start, size, total) in enumerate(stream_offsets(self.payload_bytes)):
             flat = host[s]
@@ -104,24 +105,6 @@ class DeviceWire:
                             for page in range(start.shape[1]) if present[layer, page]])
         return Encoded(self.codec, self.params, self.shape, self.page_tokens,
                        list(self.stream_names), streams)
-
-
-    def host_copies(self) -> list[np.ndarray]:
-        """Each buffer's bytes on the host. From a CUDA device: one asynchronous copy per
-        stream into page-locked memory from torch's pinned pool (DMA straight from the
-        device, where pageable memory is staged by the driver), waited for together; the
-        pool takes a block back once the last view of it (a queued chunk) is gone. On the
-        CPU: the buffers themselves."""
-        if not self.buffers or self.buffers[0].device.type != "cuda":
-            return [b.cpu().numpy() for b in self.buffers]
-        device = self.buffers[0].device
-        host = []
-        for b in self.buffers:
-            h = torch.empty(b.numel(), dtype=torch.uint8, pin_memory=True)
-            h.copy_(b, non_blocking=True)
-            host.append(h)
-        torch.cuda.current_stream(device).synchronize()
-        return [h.numpy() for h in host]
 
 
 def nonfinite_status(kv: torch.Tensor, fp16_range: bool = False) -> torch.Tensor | None:

@@ -188,9 +188,8 @@ def _shared_device_budget(cfg: EmulateConfig, device) -> int:
     headroom), after each end's fp32 copy of the model where it loads one (a live prefill,
     real decoding). A decode host alone on its device takes what it finds free instead."""
     from kvsim.transport import session
-    from kvsim.transport.receiver import device_free_bytes
 
-    free = device_free_bytes(str(device))
+    free = _device_free_bytes_in_a_child(device)
     models = 0.0
     if cfg.model.params_total:  # the ends load the model in float32
         ends = (session.source_kind(cfg) == "live") + (session.decode_mode(cfg) == "real")
@@ -201,6 +200,19 @@ def _shared_device_budget(cfg: EmulateConfig, device) -> int:
                          f"both ends' fp32 models ({models / 2**30:.1f} GiB) and any cache; "
                          "set transport.max_device_memory_bytes to override")
     return budget
+
+
+def _device_free_bytes_in_a_child(device) -> int:
+    """kvsim.transport.receiver.device_free_bytes, read by a short-lived child: this process
+    opens no CUDA context of its own for it (with tc it runs neither end, and a context held
+    here would take device memory, or the device itself in exclusive-process mode)."""
+    code = ("import sys; from kvsim.transport.receiver import device_free_bytes; "
+            "print(device_free_bytes(sys.argv[1]))")
+    proc = subprocess.run([sys.executable, "-c", code, str(device)], capture_output=True,
+                          text=True, timeout=120, env=_env())
+    if proc.returncode != 0:
+        raise RuntimeError(f"reading {device}'s free memory failed: {proc.stderr[-500:]}")
+    return int(proc.stdout.strip().splitlines()[-1])
 
 
 def _with_send_cpus(rows: list[dict], cpus: str) -> list[dict]:

@@ -32,7 +32,9 @@ class KVSource:
     first_token: int | None = None  # the prefill's greedy next token (live), else None
     describe: dict = field(default_factory=dict)
     _kv: torch.Tensor | None = None  # [layers, 2, kv_heads, tokens, head_dim] when held whole
-    _make_layer: Any = None  # layer index -> [1, 2, kv_heads, tokens, head_dim]
+    # layer index -> [1, 2, kv_heads, tokens, head_dim] (or whatever the request's codec
+    # encodes: the transport bench's pre-encoded codec takes the index itself)
+    _make_layer: Any = None
     preparable: bool = False  # _make_layer's layers may be generated ahead (prepare)
     reused: bool = False  # a live prefill's KV reused for the same prompt (reused_live_source)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -42,7 +44,8 @@ class KVSource:
             raise IndexError(f"layer {index} outside 0..{self.shape.layers - 1}")
         if self._kv is not None:
             return self._kv[index : index + 1].to(self.device)
-        return self._make_layer(index).to(self.device)
+        made = self._make_layer(index)
+        return made.to(self.device) if isinstance(made, torch.Tensor) else made
 
     def prepare(self, budget_bytes: int) -> bool:
         """Generate a lazily made cache now and hold it whole on the source's device, if its
