@@ -62,7 +62,7 @@ def test_event_counters_and_gauges_move_their_own_series():
     m.set_active(3)
     m.set_queue(5, 5000)
     m.set_credit(1 << 20, 4 << 20)
-    m.set_memory(3 << 30, 8 << 30)
+    m.set_memory(3 << 30, 8 << 30, 5 << 30, 70 << 30)
     assert _moved(before, m.values()) == {
         f'{P}nacks_total{{direction="received",role="send"}}': 1.0,
         f'{P}resent_chunks_total{{role="send"}}': 3.0,
@@ -76,6 +76,8 @@ def test_event_counters_and_gauges_move_their_own_series():
         f'{P}window_bytes{{role="send"}}': float(4 << 20),
         f'{P}memory_reserved_bytes{{role="send"}}': float(3 << 30),
         f'{P}memory_limit_bytes{{role="send"}}': float(8 << 30),
+        f'{P}device_memory_reserved_bytes{{role="send"}}': float(5 << 30),
+        f'{P}device_memory_limit_bytes{{role="send"}}': float(70 << 30),
     }
     m.set_queue(0, 0)  # gauges follow the last value set
     assert m.values()[f'{P}queued_chunks{{role="send"}}'] == 0.0

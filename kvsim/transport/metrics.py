@@ -20,6 +20,9 @@ kvsim's rows):
     kvsim_transport_queued_chunks{role}, _queued_bytes     sender: encoded, waiting for the link
     kvsim_transport_in_flight_bytes{role}, _window_bytes   sender: credit used / granted
     kvsim_transport_memory_reserved_bytes{role}, _memory_limit_bytes   receiver: memory budget
+    kvsim_transport_device_memory_reserved_bytes{role}, _device_memory_limit_bytes
+                                                           receiver: its device's (0: caches on
+                                                           the host)
     kvsim_transport_last_goodput_gbps{role}                the last finished request's goodput
     kvsim_transport_request_wire_bytes{role}               histogram: bytes per request
     kvsim_transport_ttft_seconds{role}                     histogram: TTFT from arrival
@@ -167,6 +170,13 @@ class TransportMetrics:
         self._memory_limit = child(Gauge(
             PREFIX + "memory_limit_bytes", "The receiver's memory budget", ["role"],
             registry=reg))
+        self._device_memory_reserved = child(Gauge(
+            PREFIX + "device_memory_reserved_bytes", "Device memory reserved for the "
+            "dequantized caches of the requests in progress (0: caches on the host)", ["role"],
+            registry=reg))
+        self._device_memory_limit = child(Gauge(
+            PREFIX + "device_memory_limit_bytes", "The receiver's device memory budget (0: "
+            "caches on the host)", ["role"], registry=reg))
         self._goodput = child(Gauge(
             PREFIX + "last_goodput_gbps", "Goodput of the last finished request (Gbps: "
             "payload bits over its wire time)", ["role"], registry=reg))
@@ -237,10 +247,14 @@ class TransportMetrics:
         """Requests in progress now."""
         self._active.set(requests)
 
-    def set_memory(self, reserved_bytes: int, limit_bytes: int) -> None:
-        """Receiver: bytes reserved by the requests in progress, and the budget."""
+    def set_memory(self, reserved_bytes: int, limit_bytes: int, device_reserved_bytes: int = 0,
+                   device_limit_bytes: int = 0) -> None:
+        """Receiver: bytes reserved by the requests in progress, and the budget; the same of
+        its device's memory where the caches are dequantized to a device (else 0)."""
         self._memory_reserved.set(reserved_bytes)
         self._memory_limit.set(limit_bytes)
+        self._device_memory_reserved.set(device_reserved_bytes)
+        self._device_memory_limit.set(device_limit_bytes)
 
     def observe_row(self, row: dict) -> None:
         """A finished request's report row (kvsim.transport.record): `ttft_s`, `ttkt_s`

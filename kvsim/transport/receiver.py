@@ -276,7 +276,9 @@ class Receiver:
             self._drop_silent(now)
             if self.metrics is not None:
                 self.metrics.set_active(len(self.requests))
-                self.metrics.set_memory(self.reserved_bytes, self.memory_limit_bytes)
+                self.metrics.set_memory(self.reserved_bytes, self.memory_limit_bytes,
+                                        sum(self.device_reserved.values()),
+                                        self.device_memory_limit_bytes)
             if self.s.max_requests and len(self.rows) >= self.s.max_requests:
                 return
             if self.s.idle_exit_s and not self.requests and \
