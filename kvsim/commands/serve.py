@@ -33,6 +33,7 @@ def run(cfg: EmulateConfig) -> list[dict]:
     retain_freed_memory("serve")  # before threads start: one arena, memory kept
     torch.set_num_threads(cfg.transport.threads)
     mode = session.decode_mode(cfg)
+    device = session.kv_device(cfg)  # refused here if this host lacks it
     lm = session.load_model(cfg) if mode == "real" else None
     session.warm_up(cfg, lm, decode_side=True)
     from kvsim.transport.metrics import TransportMetrics
@@ -40,7 +41,7 @@ def run(cfg: EmulateConfig) -> list[dict]:
     metrics = TransportMetrics("serve")
     rx = Receiver(session.receiver_settings(cfg, cfg.transport.bind),
                   session.decoder_factory(cfg, mode, lm),
-                  session.row_builder(mode, session.kv_device(cfg)),
+                  session.row_builder(mode, device),
                   check_hello=session.hello_checker(
                       cfg, mode, None if lm is None else int(lm.model.config.vocab_size)),
                   metrics=metrics)
@@ -52,7 +53,7 @@ def run(cfg: EmulateConfig) -> list[dict]:
         rx.bound.wait()
         if rx.endpoint:
             print(f"kvsim serve: listening on {rx.endpoint} (model {cfg.model.name}, "
-                  f"{mode} decode on {session.kv_device(cfg)})", file=sys.stderr, flush=True)
+                  f"{mode} decode on {device})", file=sys.stderr, flush=True)
             if cfg.transport.endpoint_file:
                 Path(cfg.transport.endpoint_file).write_text(rx.endpoint + "\n")
 
