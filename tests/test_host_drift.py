@@ -9,10 +9,11 @@ import math
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from kvsim.calibrate import host_probe
-from kvsim.calibrate.host_probe import DriftRefused, check_drift, profile_step
+from kvsim.calibrate.host_probe import DriftRefused, check_drift, profile_steps
 from kvsim.calibrate.step_fit import fit_step_line, fitted_curve
 from kvsim.cli.main import main
 from kvsim.model.hardware_profile import load_profile
@@ -22,16 +23,27 @@ MODEL = SimpleNamespace(name="m")  # the profiles below are of model "m"
 
 
 class FakeProbe:
-    """A decode-step probe that answers a fixed step (s) and records where it was asked."""
+    """A decode-step probe of a host `factor` x as slow as _profile's at its shortest context
+    and `long_factor` x (default: factor) at its longest, linear in context between; it
+    records the contexts it was asked."""
 
     steps = 16
 
-    def __init__(self, step_s: float) -> None:
-        self.step, self.asked = step_s, []
+    def __init__(self, factor: float, long_factor: float | None = None) -> None:
+        self.factor, self.long = factor, factor if long_factor is None else long_factor
+        self.asked: list = []
+
+    def _at(self, c: int) -> float:  # _profile's in-process step: 0.1 s at 100, 0.2 at 300
+        return float(np.interp(c, [100, 300], [0.1, 0.2]) *
+                     np.interp(c, [100, 300], [self.factor, self.long]))
 
     def step_s(self, context_tokens: int) -> float:
         self.asked.append(context_tokens)
-        return self.step
+        return self._at(context_tokens)
+
+    def steps_s(self, contexts: list[int]) -> list[float]:
+        self.asked.append(list(contexts))
+        return [self._at(c) for c in contexts]
 
 
 def _profile(tmp_path, host: dict | None, model: str = "m"):
@@ -71,10 +83,37 @@ def test_rescale_multiplies_every_model_time_and_says_so(tmp_path):
     assert out["drift"]["factor"] == 1.5 and "x 1.5" in out["drift"]["what"]
     assert doc["tpot"]["s"] == [0.11, 0.22]  # the original is left alone
     # checked again, a rescaled profile finds its own level (no second rescale)
-    assert profile_step(out) == (100, pytest.approx(0.15), "its in-process step curve")
+    assert profile_steps(out) == ([100, 300], pytest.approx([0.15, 0.3]),
+                                  "its in-process step curve")
     probed = rescaled_profile({**doc, "host": {"decode_step_probe": {
-        "context_tokens": 256, "s": 0.08}}}, 1.5, {})
-    assert profile_step(probed) == (256, pytest.approx(0.12), "its host's probe")
+        "context_tokens": [100, 300], "s": [0.08, 0.12]}}}, 1.5, {})
+    assert profile_steps(probed) == ([100, 300], pytest.approx([0.12, 0.18]),
+                                     "its host's probe")
+
+
+def test_a_rescale_by_context_moves_the_steps_by_their_context_and_the_prefill_by_the_first(
+        tmp_path):
+    """Two probed contexts: each step curve x the factor at its context (linear between the
+    probed contexts, flat beyond), the prefill x the shortest context's factor."""
+    _, doc = _profile(tmp_path, {"decode_step_probe": {"context_tokens": [100, 300],
+                                                       "s": [0.1, 0.2]}})
+    out = rescaled_profile(doc, [0.8, 0.6], {"probe_s": [0.08, 0.12]}, [100, 300])
+    assert out["prefill"]["s"] == pytest.approx([0.8, 2.4])
+    assert out["tpot"]["s"] == pytest.approx([0.11 * 0.8, 0.22 * 0.6])
+    assert out["tpot_batch"]["s"] == pytest.approx([0.2 * 0.6, 0.3 * 0.6])  # at 300
+    assert out["verify"]["s"] == [pytest.approx([0.3 * 0.8]), pytest.approx([0.4 * 0.6])]
+    assert out["host"]["decode_step_probe"]["s"] == pytest.approx([0.08, 0.12])
+    assert out["drift"]["factor"] == [0.8, 0.6] and out["drift"]["contexts"] == [100, 300]
+    assert "x 0.8 / 0.6 at 100 / 300 tokens" in out["drift"]["what"]
+    assert profile_steps(out) == ([100, 300], pytest.approx([0.08, 0.12]),
+                                  "its host's probe")
+    mid = rescaled_profile({**doc, "tpot": {"context_tokens": [50, 200, 400],
+                                            "s": [1.0, 1.0, 1.0]}}, [0.8, 0.6], {}, [100, 300])
+    assert mid["tpot"]["s"] == pytest.approx([0.8, 0.7, 0.6])
+    with pytest.raises(ValueError, match="one factor per probed context"):
+        rescaled_profile(doc, [0.8, 0.6], {}, [100])
+    with pytest.raises(ValueError, match="must be > 0"):
+        rescaled_profile(doc, [0.8, 0.0], {}, [100, 300])
 
 
 def test_one_way_moves_a_profiles_level(tmp_path):
@@ -95,57 +134,72 @@ def test_one_way_moves_a_profiles_level(tmp_path):
     assert json.loads(out.read_text()) == rescaled_profile(doc, 1.5, {"from_profile": "x"})
 
 
-def test_the_profiles_step_is_its_hosts_probe_else_its_in_process_curve(tmp_path):
+def test_the_profiles_steps_are_its_hosts_probe_else_its_in_process_curve(tmp_path):
     _, old = _profile(tmp_path, "a-hostname")  # older profiles name the host only
-    assert profile_step(old) == (100, 0.1, "its in-process step curve")
-    _, new = _profile(tmp_path, {"decode_step_probe": {"context_tokens": 256, "s": 0.08}})
-    assert profile_step(new) == (256, 0.08, "its host's probe")
+    assert profile_steps(old) == ([100, 300], [0.1, 0.2], "its in-process step curve")
+    _, new = _profile(tmp_path, {"decode_step_probe": {"context_tokens": [256, 4096],
+                                                       "s": [0.08, 0.12]}})
+    assert profile_steps(new) == ([256, 4096], [0.08, 0.12], "its host's probe")
+    # a probe at one context (before 2026-11-30): the curve's shape at that level
+    _, one = _profile(tmp_path, {"decode_step_probe": {"context_tokens": 200, "s": 0.3}})
+    assert profile_steps(one) == ([100, 300], pytest.approx([0.2, 0.4]),
+                                  "its host's probe, its in-process step curve's shape")
 
 
-@pytest.mark.parametrize("step_s, action, outcome", [
-    (0.105, "rescale", "within"),  # 5 % slower: within 10 %
-    (0.2, "rescale", "rescaled"),  # twice as slow
-    (0.05, "rescale", "rescaled"),  # twice as fast
-    (0.2, "refuse", "refused"),
+@pytest.mark.parametrize("factor, long_factor, action, outcome", [
+    (1.05, 1.05, "rescale", "within"),  # 5 % slower: within 10 %
+    (1.05, 0.7, "rescale", "rescaled"),  # as slow at 100 tokens, a third faster at 300
+    (2.0, 2.0, "rescale", "rescaled"),  # twice as slow
+    (0.5, 0.5, "rescale", "rescaled"),  # twice as fast
+    (2.0, 2.0, "refuse", "refused"),
 ])
-def test_check_drift_acts_on_the_probe(tmp_path, step_s, action, outcome):
+def test_check_drift_acts_on_the_probe(tmp_path, factor, long_factor, action, outcome):
     path, doc = _profile(tmp_path, {**fingerprint(), "cpu_model": "Some Other CPU"})
-    probe = FakeProbe(step_s)
+    probe = FakeProbe(factor, long_factor)
     cfg = DriftConfig(action=action)
     if outcome == "refused":
-        with pytest.raises(DriftRefused, match=r"200.0 ms at 100 tokens vs 100.0 ms.*x 2.000"):
+        with pytest.raises(DriftRefused, match=r"200.0 / 400.0 ms at 100 / 300 tokens vs "
+                                               r"100.0 / 200.0 ms.*x 2.000 / 2.000"):
             check_drift(path, MODEL, cfg, tmp_path / "out", probe)
         assert not (tmp_path / "out").exists()
         return
     drift = check_drift(path, MODEL, cfg, tmp_path / "out", probe)
-    assert probe.asked == [100]  # the profile's shortest context (no probe recorded)
-    assert drift.factor == pytest.approx(step_s / 0.1) and drift.outcome == outcome
+    # the profile's shortest and longest context (no probe recorded), in one interleaved probe
+    assert probe.asked == [[100, 300]]
+    assert drift.factors == pytest.approx([factor, long_factor]) and drift.outcome == outcome
+    assert drift.factor == pytest.approx(factor)
+    assert drift.row_keys() == {"hardware_drift": outcome,
+                                "hardware_drift_factor": pytest.approx(factor),
+                                "hardware_drift_factor_long": pytest.approx(long_factor)}
     if outcome == "within":
         assert drift.profile == str(path) and not (tmp_path / "out").exists()
     else:
         got = load_profile(drift.profile, "m")
-        assert got["tpot"]["s"] == pytest.approx([0.11 * drift.factor, 0.22 * drift.factor])
+        assert got["tpot"]["s"] == pytest.approx([0.11 * factor, 0.22 * long_factor])
+        assert got["prefill"]["s"] == pytest.approx([1.0 * factor, 3.0 * factor])
         assert got["drift"]["from_profile"] == str(path)
-        assert f"x {drift.factor:.3f}" in drift.words()
+        assert f"x {factor:.3f} / {long_factor:.3f}" in drift.words()
+        assert f"step times x {factor:.3f} at 100 tokens to x {long_factor:.3f} at 300" in \
+            drift.words()
 
 
 def test_the_drift_says_what_ran_beside_the_profiles_calibration(tmp_path):
     busy = {**fingerprint(), "cpu_model": "Some Other CPU",
             "background": {"background_cores": 0.98, "cpus": 2, "wall_s": 300.0}}
     path, _ = _profile(tmp_path, busy)
-    drift = check_drift(path, MODEL, DriftConfig(), tmp_path / "out", FakeProbe(0.2))
+    drift = check_drift(path, MODEL, DriftConfig(), tmp_path / "out", FakeProbe(2.0))
     assert drift.words().endswith("(the profile was calibrated beside 0.98 of 2 CPUs of "
                                   "other work)")
     (tmp_path / "b").mkdir()
     path, _ = _profile(tmp_path / "b", {**fingerprint(), "cpu_model": "Some Other CPU"})
     assert "calibrated beside" not in check_drift(path, MODEL, DriftConfig(),
-                                                  tmp_path / "out2", FakeProbe(0.2)).words()
+                                                  tmp_path / "out2", FakeProbe(2.0)).words()
 
 
 def test_sim_probes_only_another_host_unless_asked(tmp_path):
     here = fingerprint()
     same, _ = _profile(tmp_path, {**here})
-    probe = FakeProbe(0.5)
+    probe = FakeProbe(5.0)
     assert check_drift(same, MODEL, DriftConfig(), tmp_path / "o", probe) is None
     assert check_drift(same, MODEL, DriftConfig(action="off"), tmp_path / "o", probe,
                        force=True) is None
@@ -171,14 +225,15 @@ def test_kvsim_sim_rescales_a_profile_from_another_host(tmp_path, monkeypatch, c
     non-zero with the figures."""
     path, _ = _profile(tmp_path, {**fingerprint(), "cpu_model": "Some Other CPU"},
                        model="tiny-random")
-    monkeypatch.setattr(host_probe, "StepProbe", lambda model, steps, threads: FakeProbe(0.2))
+    monkeypatch.setattr(host_probe, "StepProbe", lambda model, steps, threads: FakeProbe(2.0))
     report_off, report_on = tmp_path / "off.json", tmp_path / "on.json"
     assert main(_sim(tmp_path, path, "drift.action=off", f"report={report_off}")) == 0
     capsys.readouterr()
     assert main(_sim(tmp_path, path, f"report={report_on}")) == 0
     out = " ".join(capsys.readouterr().out.split())  # (the line wraps at 120 columns)
-    assert "host: decode step here 200.0 ms at 100 tokens vs 100.0 ms" in out
-    assert "profile times x 2.000" in out
+    assert "host: decode step here 200.0 / 400.0 ms at 100 / 300 tokens vs 100.0 / 200.0 ms" \
+        in out
+    assert "step times x 2.000 at 100 tokens to x 2.000 at 300" in out
     off, on = (json.loads(p.read_text())["rows"][0] for p in (report_off, report_on))
     assert "hardware_drift" not in off
     assert (on["hardware_drift"], on["hardware_drift_factor"]) == ("rescaled", 2.0)
@@ -273,7 +328,7 @@ def test_validate_probes_only_profiles_it_did_not_calibrate(tmp_path, monkeypatc
 
     path, _ = _profile(tmp_path, {**fingerprint(), "decode_step_probe": {
         "context_tokens": 100, "steps": 16, "s": 0.1}})
-    probe = FakeProbe(0.2)
+    probe = FakeProbe(2.0)
     # (validate probes in a process of its own: SubprocessStepProbe)
     monkeypatch.setattr(host_probe, "SubprocessStepProbe", lambda model, steps, threads: probe)
     cfg = validation.Config(model=MODEL, calibrate=calibrate, drift=DriftConfig(action=action))
@@ -293,6 +348,8 @@ def test_a_subprocess_probe_times_the_step_in_a_process_of_its_own():
 
     tiny = load_model_preset("tiny-random")
     assert 0 < SubprocessStepProbe(tiny, steps=3).step_s(32) < 5
+    short, long = SubprocessStepProbe(tiny, steps=3).steps_s([32, 96])  # interleaved
+    assert 0 < short < 5 and 0 < long < 5
     with pytest.raises(RuntimeError, match=r"(?s)probe failed \(exit 1\).*ValueError"):
         SubprocessStepProbe(tiny, steps="x").step_s(32)  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="took over 0.01 s"):
@@ -305,7 +362,7 @@ def test_kvsim_emulate_rescales_a_profile_from_another_host(tmp_path, monkeypatc
     as long on both ends, the rows say so; refuse exits before anything is emulated."""
     path, _ = _profile(tmp_path, {**fingerprint(), "cpu_model": "Some Other CPU"},
                        model="tiny-random")
-    probe = FakeProbe(0.2)
+    probe = FakeProbe(2.0)
     monkeypatch.setattr(host_probe, "SubprocessStepProbe", lambda model, steps, threads: probe)
     monkeypatch.setattr(host_probe, "StepProbe", None)  # never in the emulating process
 
@@ -319,13 +376,13 @@ def test_kvsim_emulate_rescales_a_profile_from_another_host(tmp_path, monkeypatc
         return json.loads(report.read_text())["rows"][0]
 
     off, on = emulate("drift.action=off"), emulate()
-    assert probe.asked == [100]  # once, at the profile's probe context
+    assert probe.asked == [[100, 300]]  # once, at the profile's probe contexts
     assert "hardware_drift" not in off
     assert (on["hardware_drift"], on["hardware_drift_factor"]) == ("rescaled", 2.0)
     # the modelled prefill: 1.0 s in the profile at 100 tokens, slept for real
     assert off["prefill_s"] == pytest.approx(1.0, abs=0.1)
     assert on["prefill_s"] == pytest.approx(2.0, abs=0.1)
-    assert "profile times x 2.000" in " ".join(capsys.readouterr().out.split())
+    assert "prefill x 2.000" in " ".join(capsys.readouterr().out.split())
     assert main(["emulate", "model=tiny-random", "hardware=local-cpu",
                  f"hardware.profile={path}", "drift.action=refuse",
                  f"hydra.run.dir={tmp_path}/refused"]) != 0
@@ -349,7 +406,7 @@ def test_processes_sharing_checks_probe_once_and_share_the_outcome(tmp_path, mon
     started = threading.Barrier(4, timeout=10)
 
     def make(model, steps, threads):
-        probes.append(FakeProbe(0.2))
+        probes.append(FakeProbe(2.0))
         return probes[-1]
 
     monkeypatch.setattr(host_probe, "StepProbe", make)
@@ -395,7 +452,7 @@ def test_a_sweep_probes_once_for_all_its_points(tmp_path, monkeypatch):
     probes: list[FakeProbe] = []
 
     def make(model, steps, threads):
-        probes.append(FakeProbe(0.2))
+        probes.append(FakeProbe(2.0))
         return probes[-1]
 
     monkeypatch.setattr(host_probe, "StepProbe", make)

@@ -1,12 +1,18 @@
 """Probe this host the way `kvsim calibrate` probed the host of a profile, and decide what a
 run does with a profile measured elsewhere or on another day (kvsim.model.host says why).
 
-The probe: `PROBE_STEPS` greedy decode steps of the real model at the calibration's shortest
-context (256 tokens by default), with the profile's thread count (in this process, or for a
-process that emulates next in a process of its own: SubprocessStepProbe), on a cache
-built as the receiver builds it from the calibration prompt of that length (StepProbe);
-beside it the fingerprint and a memory-copy bandwidth
-(kvsim.model.host). About 5 s with the model load.
+The probe: `PROBE_STEPS` decode steps of the real model at each of two contexts, the
+profile's shortest and longest (256 and 4096 tokens for a full calibration), one step of each
+in turn so that the host's spells of slow steps fall on both alike (StepProbe.steps_s), with
+the profile's thread count (in this process, or for a process that emulates next in a
+process of its own: SubprocessStepProbe); beside it the fingerprint and a memory-copy
+bandwidth (kvsim.model.host). About 7 s with the model load.
+
+Two contexts because a step has a fixed part (the weights, read once per step) and a part
+that grows with the context (the cache, read by attention), and a host's day moves them
+apart: on 2026-11-29 this host's step was 0.76x the shipped profile's at 256 tokens and
+0.70x at 4096, and a rescale by the 256-token factor alone left the simulated step at
+2,048 tokens 11-25% long (two runs of one scenario).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import numpy as np
 
 from kvsim.model.host import DriftConfig, fingerprint, memory_copy_gb_per_s, other_host
 
-PROBE_STEPS = 16
+PROBE_STEPS = 24  # at each probed context, interleaved
 
 
 class DriftRefused(ValueError):
@@ -66,6 +72,40 @@ class StepProbe:
         _first, later = _steps_s(lm, cache, token, self.steps)
         return float(statistics.median(later))
 
+    def steps_s(self, contexts: list[int]) -> list[float]:
+        """The median decode step (s) at each of `contexts`, their steps interleaved (one of
+        each in turn, `steps` each after a first untimed one), so that a slow spell of the
+        host lands on every context alike. The shortest context's cache is the calibration
+        prompt's (as step_s); a longer one repeats that cache's tokens to its length, since
+        a step's cost is its shapes', not its values' (no prefill of thousands of tokens)."""
+        import torch
+
+        from kvsim.kv.capture import kv_to_cache
+        from kvsim.model.forward import lm_forward
+
+        if not contexts or min(contexts) <= 0:
+            raise ValueError(f"a step probe needs contexts > 0, got {contexts}")
+        shortest = min(contexts)
+        self.step_s(shortest)  # loads the model, prefills the shortest prompt
+        lm = self._lm
+        kv, token = self._kv[shortest]
+        dtype = next(lm.model.parameters()).dtype
+        caches = []
+        for ctx in contexts:  # kv [layers, 2, heads, tokens, head_dim]
+            reps = -(-ctx // kv.shape[3])
+            tiled = kv.repeat(1, 1, 1, reps, 1)[:, :, :, :ctx]
+            caches.append(kv_to_cache(tiled.float(), lm.model.config, dtype))
+        ids = torch.tensor([[token]])
+        times: list[list[float]] = [[] for _ in contexts]
+        with torch.no_grad():
+            for step in range(self.steps + 1):
+                for i, cache in enumerate(caches):
+                    t0 = time.perf_counter()
+                    lm_forward(lm.model, ids, cache)
+                    if step:  # the first on a fresh cache costs more
+                        times[i].append(time.perf_counter() - t0)
+        return [float(statistics.median(t)) for t in times]
+
 
 @dataclass
 class SubprocessStepProbe:
@@ -82,11 +122,17 @@ class SubprocessStepProbe:
     timeout_s: float = 600.0  # model load + steps; the process is killed beyond it
 
     def step_s(self, context_tokens: int) -> float:
+        return float(self._ask({"context_tokens": int(context_tokens)})["step_s"])
+
+    def steps_s(self, contexts: list[int]) -> list[float]:
+        return [float(x) for x in self._ask({"contexts": [int(c) for c in contexts]})["steps_s"]]
+
+    def _ask(self, what: dict) -> dict:
         import subprocess
         import sys
 
         doc = {"model": dataclasses.asdict(self.model), "steps": self.steps,
-               "threads": self.threads, "context_tokens": int(context_tokens)}
+               "threads": self.threads, **what}
         try:
             proc = subprocess.run([sys.executable, "-m", "kvsim.calibrate.host_probe"],
                                   input=json.dumps(doc), capture_output=True, text=True,
@@ -98,7 +144,7 @@ class SubprocessStepProbe:
             raise RuntimeError(f"the decode-step probe failed (exit {proc.returncode}): "
                                f"{proc.stderr.strip()[-2000:]}")
         lines = proc.stdout.strip().splitlines()
-        return float(json.loads(lines[-1])["step_s"])
+        return json.loads(lines[-1])
 
 
 def _probe_main() -> None:
@@ -109,17 +155,22 @@ def _probe_main() -> None:
 
     doc = json.load(sys.stdin)
     probe = StepProbe(model_from_dict(doc["model"]), int(doc["steps"]), int(doc["threads"]))
-    print(json.dumps({"step_s": probe.step_s(int(doc["context_tokens"]))}))
+    if "contexts" in doc:
+        print(json.dumps({"steps_s": probe.steps_s([int(c) for c in doc["contexts"]])}))
+    else:
+        print(json.dumps({"step_s": probe.step_s(int(doc["context_tokens"]))}))
 
 
-def host_record(probe: Any, context_tokens: int) -> dict:
+def host_record(probe: Any, contexts: list[int]) -> dict:
     """This host as a profile records it (`host`): fingerprint, memory-copy GB/s and the
-    decode-step probe at context_tokens (probe: a StepProbe of the profile's model)."""
-    step_s = probe.step_s(context_tokens)
+    decode-step probe at `contexts` (the profile's shortest and longest; probe: a StepProbe
+    of the profile's model)."""
+    contexts = sorted(set(int(c) for c in contexts))
+    steps = probe.steps_s(contexts)
     return {**fingerprint(), "hostname": socket.gethostname(),
             "memory_copy_gb_per_s": memory_copy_gb_per_s(),
-            "decode_step_probe": {"context_tokens": context_tokens,
-                                  "steps": probe.steps, "s": step_s},
+            "decode_step_probe": {"context_tokens": contexts, "steps": probe.steps,
+                                  "s": steps},
             "measured_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
@@ -131,45 +182,86 @@ def probe_threads(doc: dict) -> int:
         and threads >= 1 else 1
 
 
-def profile_step(doc: dict) -> tuple[int, float, str]:
-    """(context (tokens), the profile's in-process decode step there (s), where it comes
-    from): its host's probe where it records one, else its in-process step curve (the
-    curve before the receiver's ratio, `tpot_inprocess`, where the calibration applied one)
-    at its shortest context."""
+def _positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+
+
+def profile_steps(doc: dict) -> tuple[list[int], list[float], str]:
+    """([contexts (tokens)], [the profile's in-process decode step there (s)], where they come
+    from) at the contexts a probe compares: its host's probe where it records one at two
+    contexts; else its in-process step curve (`tpot_inprocess`, the curve before the
+    receiver's ratio, where the calibration applied one) at its shortest and longest
+    context, its level anchored to its host's probe where that records one context only
+    (profiles calibrated before 2026-11-30). One context where the curve has only one."""
     host = doc.get("host") if isinstance(doc.get("host"), dict) else {}  # (older: a name)
-    probe = host.get("decode_step_probe") or {}
-    step = probe.get("s") if isinstance(probe, dict) else None
-    if isinstance(probe.get("context_tokens"), int) and isinstance(step, (int, float)) \
-            and not isinstance(step, bool) and step > 0:
-        return int(probe["context_tokens"]), float(step), "its host's probe"
+    probe = host.get("decode_step_probe") if isinstance(host.get("decode_step_probe"),
+                                                        dict) else {}
+    at, step = probe.get("context_tokens"), probe.get("s")
+    if isinstance(at, list) and isinstance(step, list) and len(at) == len(step) >= 1 and \
+            all(isinstance(c, int) and c > 0 for c in at) and all(map(_positive, step)):
+        return [int(c) for c in at], [float(v) for v in step], "its host's probe"
     curve = doc.get("tpot_inprocess") or doc["tpot"]
-    ctx = int(curve["context_tokens"][0])
-    return ctx, float(np.interp(ctx, curve["context_tokens"], curve["s"])), \
-        "its in-process step curve"
+    xs = [int(curve["context_tokens"][0]), int(curve["context_tokens"][-1])]
+    xs = sorted(set(xs))
+    steps = [float(np.interp(c, curve["context_tokens"], curve["s"])) for c in xs]
+    if isinstance(at, int) and _positive(step):  # one recorded probe: the curve's shape
+        level = float(step) / float(np.interp(at, curve["context_tokens"], curve["s"]))
+        return xs, [v * level for v in steps], \
+            "its host's probe, its in-process step curve's shape"
+    return xs, steps, "its in-process step curve"
 
 
 @dataclass
 class Drift:
     """This host's decode step against a profile's, and what was done about it."""
 
-    factor: float  # step here now / step in the profile
-    probe_s: float
+    factor: float  # step here now / step in the profile, at the shortest probed context
+    probe_s: float  # (at the shortest probed context)
     profile_s: float
-    reference: str  # where the profile's step comes from (profile_step)
-    context_tokens: int
+    reference: str  # where the profile's steps come from (profile_steps)
+    context_tokens: int  # the shortest probed context
     outcome: str  # within | rescaled | refused
     host: dict  # this host (fingerprint, memory-copy GB/s)
     profile_host: dict  # the profile's (empty where it records none)
     profile: str  # the profile used from here on (the rescaled copy when rescaled)
+    # every probed context (tokens, increasing), its step here and in the profile (s), and
+    # their factor; empty in a drift recorded before probes took two contexts (one factor)
+    contexts: list[int] = field(default_factory=list)
+    probes_s: list[float] = field(default_factory=list)
+    profiles_s: list[float] = field(default_factory=list)
+    factors: list[float] = field(default_factory=list)
+
+    def points(self) -> tuple[list[int], list[float]]:
+        """(contexts, factors) of the rescale (kvsim.model.host.rescaled_profile)."""
+        if self.contexts and len(self.factors) == len(self.contexts):
+            return list(self.contexts), list(self.factors)
+        return [self.context_tokens], [self.factor]
 
     def words(self) -> str:
         """One line for the rows and the log."""
+        contexts, factors = self.points()
+        if len(contexts) == 1:
+            what = {"within": "within tolerance, used as it is",
+                    "rescaled": f"profile times x {self.factor:.3f}",
+                    "refused": "refused"}[self.outcome]
+            return (f"decode step here {self.probe_s * 1e3:.1f} ms at {self.context_tokens} "
+                    f"tokens vs {self.profile_s * 1e3:.1f} ms in the profile "
+                    f"({self.reference}): x {self.factor:.3f}, {what}"
+                    f"{self._calibrated_beside()}")
         what = {"within": "within tolerance, used as it is",
-                "rescaled": f"profile times x {self.factor:.3f}",
+                "rescaled": f"step times x {factors[0]:.3f} at {contexts[0]} tokens to x "
+                            f"{factors[-1]:.3f} at {contexts[-1]} (linear in context "
+                            f"between), prefill x {factors[0]:.3f}",
                 "refused": "refused"}[self.outcome]
-        return (f"decode step here {self.probe_s * 1e3:.1f} ms at {self.context_tokens} "
-                f"tokens vs {self.profile_s * 1e3:.1f} ms in the profile ({self.reference}): "
-                f"x {self.factor:.3f}, {what}{self._calibrated_beside()}")
+        return (f"decode step here {self._ms(self.probes_s)} ms at "
+                f"{' / '.join(map(str, contexts))} tokens vs {self._ms(self.profiles_s)} ms "
+                f"in the profile ({self.reference}): x "
+                f"{' / '.join(f'{f:.3f}' for f in factors)}, {what}"
+                f"{self._calibrated_beside()}")
+
+    @staticmethod
+    def _ms(steps_s: list[float]) -> str:
+        return " / ".join(f"{v * 1e3:.1f}" for v in steps_s)
 
     def _calibrated_beside(self) -> str:
         """What ran beside the profile's calibration, where it recorded it (kvsim.core.
@@ -183,8 +275,11 @@ class Drift:
                 f"{load.get('cpus', '?')} CPUs of other work)")
 
     def row_keys(self) -> dict:
-        """What a result row records of the check (kvsim sim, advise, validate)."""
-        return {"hardware_drift": self.outcome, "hardware_drift_factor": self.factor}
+        """What a result row records of the check (kvsim sim, advise, validate): the factor
+        at the shortest probed context (the prefill's) and at the longest."""
+        contexts, factors = self.points()
+        return {"hardware_drift": self.outcome, "hardware_drift_factor": factors[0],
+                "hardware_drift_factor_long": factors[-1]}
 
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self), "words": self.words()}
@@ -196,10 +291,11 @@ def check_drift(profile_path: str | Path, model: Any, cfg: DriftConfig, out_dir:
     """Probe this host against the hardware profile at profile_path (of `model`, a
     ModelSpec) and act by cfg: None when not probed (action off, or `kvsim sim`'s when=
     other_host and the profile names this kind of host or none: force=True probes anyway,
-    as validate does). Beyond the tolerance, rescale writes the profile with its model times
-    x the factor to out_dir/<name> (Drift.profile) and refuse raises DriftRefused. probe: a
-    StepProbe (one is made for `model`; own_process=True: a SubprocessStepProbe, for a
-    process that emulates next)."""
+    as validate does). Beyond the tolerance at any probed context, rescale writes the
+    profile with its model times x the factors to out_dir/<name> (Drift.profile;
+    kvsim.model.host.rescaled_profile) and refuse raises DriftRefused. probe: a StepProbe
+    (one is made for `model`; own_process=True: a SubprocessStepProbe, for a process that
+    emulates next)."""
     from kvsim.model.hardware_profile import load_profile
     from kvsim.model.host import write_rescaled_profile
 
@@ -214,27 +310,27 @@ def check_drift(profile_path: str | Path, model: Any, cfg: DriftConfig, out_dir:
     if probe is None:
         probe = (SubprocessStepProbe if own_process else StepProbe)(
             model, PROBE_STEPS, probe_threads(doc))
-    context_tokens, profile_s, reference = profile_step(doc)
+    contexts, profiles_s, reference = profile_steps(doc)
     try:
-        probe_s = probe.step_s(context_tokens)
+        probes_s = [float(v) for v in probe.steps_s(contexts)]
     except Exception as exc:  # no weights here, out of memory, ...
         raise RuntimeError(f"hardware profile {path}: this host's decode step could not be "
                            f"probed ({type(exc).__name__}: {exc}); drift.action=off uses the "
                            f"profile as it is") from exc
-    factor = probe_s / profile_s
-    within = abs(factor - 1.0) * 100.0 <= cfg.tolerance_pct
+    factors = [p / r for p, r in zip(probes_s, profiles_s, strict=True)]
+    within = all(abs(f - 1.0) * 100.0 <= cfg.tolerance_pct for f in factors)
     outcome = "within" if within else ("rescaled" if cfg.action == "rescale" else "refused")
-    drift = Drift(factor, probe_s, profile_s, reference, context_tokens, outcome,
+    drift = Drift(factors[0], probes_s[0], profiles_s[0], reference, contexts[0], outcome,
                   {**here, "memory_copy_gb_per_s": memory_copy_gb_per_s()}, recorded,
-                  str(path))
+                  str(path), contexts, probes_s, profiles_s, factors)
     if outcome == "refused":
         raise DriftRefused(f"hardware profile {path}: {drift.words()}: beyond "
                            f"drift.tolerance_pct={cfg.tolerance_pct:g}% (drift.action=rescale "
                            f"scales it; kvsim calibrate measures this host)")
     if outcome == "rescaled":
-        drift.profile = str(write_rescaled_profile(doc, Path(out_dir) / path.name, factor, {
-            "from_profile": str(path), "probe_s": probe_s, "profile_s": profile_s,
-            "context_tokens": context_tokens, "host": drift.host}))
+        drift.profile = str(write_rescaled_profile(doc, Path(out_dir) / path.name, factors, {
+            "from_profile": str(path), "probe_s": probes_s, "profile_s": profiles_s,
+            "context_tokens": contexts, "host": drift.host}, contexts))
     return drift
 
 

@@ -197,12 +197,13 @@ def calibrate(cfg: Config) -> list[dict]:
     # the host, probed as `kvsim sim` / `kvsim validate` probe theirs (kvsim.model.host)
     from kvsim.calibrate.host_probe import PROBE_STEPS, StepProbe, host_record
 
-    hw_doc["host"] = host_record(StepProbe(cfg.model, PROBE_STEPS, cfg.threads, _lm=lm),
-                                 min(cfg.contexts))
-    say(f"host: {hw_doc['host']['cpu_model']}, {hw_doc['host']['logical_cpus']} CPUs, "
-        f"memory copy {hw_doc['host']['memory_copy_gb_per_s']:.1f} GB/s, decode step probe "
-        f"{hw_doc['host']['decode_step_probe']['s'] * 1e3:.1f} ms at "
-        f"{hw_doc['host']['decode_step_probe']['context_tokens']} tokens")
+    host = host_record(StepProbe(cfg.model, PROBE_STEPS, cfg.threads, _lm=lm),
+                       [min(cfg.contexts), max(cfg.contexts)])
+    hw_doc["host"], probe = host, host["decode_step_probe"]
+    say(f"host: {host['cpu_model']}, {host['logical_cpus']} CPUs, memory copy "
+        f"{host['memory_copy_gb_per_s']:.1f} GB/s, decode step probe "
+        f"{' / '.join(f'{v * 1e3:.1f}' for v in probe['s'])} ms at "
+        f"{' / '.join(map(str, probe['context_tokens']))} tokens")
     timing_doc = measure_codecs(lm, specs, kvs[cfg.codec_context_tokens], cfg.repeats,
                                 prov["command"], say)
     timing_doc.update(hardware=profile_name(cfg), **{k: v for k, v in prov.items()

@@ -700,21 +700,25 @@ def _saved_drift(report: dict, profiles: Any, run_dir: Path, other: bool = False
     to other profiles (`other`: profile_dir= given), whose level the factor says nothing of."""
     from dataclasses import replace
 
+    from kvsim.calibrate.host_probe import Drift
     from kvsim.model.host import write_rescaled_profile
 
     drift = (report.get("fidelity") or {}).get("drift")
     if not isinstance(drift, dict) or drift.get("outcome") != "rescaled":
         return profiles
+    contexts, factors = Drift(**{k: v for k, v in drift.items() if k != "words"}).points()
+    said = " / ".join(f"{f:.3f}" for f in factors) + \
+        ("" if len(contexts) == 1 else f" at {' / '.join(map(str, contexts))} tokens")
     if other:
-        _say(f"the measured run rescaled its own profile x {float(drift['factor']):.3f}; "
-             "profile_dir= gives others: not applied to them")
+        _say(f"the measured run rescaled its own profile x {said}; profile_dir= gives "
+             "others: not applied to them")
         return profiles
-    factor = float(drift["factor"])
     path = write_rescaled_profile(
         json.loads(profiles.hardware.read_text()),
-        run_dir / "profiles-rescaled" / profiles.hardware.name, factor,
-        {"from_profile": str(profiles.hardware), "from_report": "the measured run's rescale"})
-    _say(f"the measured run rescaled its hardware profile x {factor:.3f} (its host probe): "
+        run_dir / "profiles-rescaled" / profiles.hardware.name, factors,
+        {"from_profile": str(profiles.hardware), "from_report": "the measured run's rescale"},
+        contexts)
+    _say(f"the measured run rescaled its hardware profile x {said} (its host probe): "
          "applied again")
     return replace(profiles, hardware=path)
 

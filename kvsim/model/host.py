@@ -17,8 +17,11 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from kvsim.core.checks import check_choice
 
@@ -80,8 +83,6 @@ def fingerprint() -> dict:
 def memory_copy_gb_per_s(size_bytes: int = 64 << 20, repeats: int = 5) -> float:
     """This host's memory bandwidth as one thread copies `size_bytes` (GB/s of bytes copied,
     read + write counted once; the best of `repeats`: ~0.2 s)."""
-    import numpy as np
-
     src = np.ones(size_bytes // 8, dtype=np.float64)
     dst = np.empty_like(src)
     best = float("inf")
@@ -101,29 +102,62 @@ def other_host(recorded: dict | None, now: dict) -> bool | None:
         (now["cpu_model"], now["logical_cpus"])
 
 
-def rescaled_profile(doc: dict, factor: float, drift: dict) -> dict:
-    """A hardware profile document with every model time (TIME_CURVES) x factor and the
-    drift that led to it recorded under `drift`."""
-    from kvsim.model.hardware_profile import scaled_profile
+def factor_at(contexts: list[int], factors: list[float]) -> Callable[[float], float]:
+    """A rescale's factor as a function of context (tokens): the probed factors, linear in
+    context between the probed contexts and flat beyond them."""
+    xs, ys = [float(c) for c in contexts], [float(f) for f in factors]
+    return lambda c: float(np.interp(c, xs, ys))
 
-    if not factor > 0:
-        raise ValueError(f"a rescale factor must be > 0, got {factor}")
-    out = scaled_profile(doc, TIME_CURVES, factor)
+
+def rescaled_profile(doc: dict, factor: float | list[float], drift: dict,
+                     contexts: list[int] | None = None) -> dict:
+    """A hardware profile document with every model time (TIME_CURVES) rescaled and the
+    drift that led to it recorded under `drift`. factor: one number for every time, or one
+    per probed context (`contexts`, increasing): the step curves (decode, batch,
+    verification, first-step extra) then by factor_at over their contexts, the prefill by
+    the shortest context's factor (a prefill is neither probe's kind of work; its level
+    follows the fixed part of a step, as one factor did)."""
+    from kvsim.model.hardware_profile import scaled_curve
+
+    factors = [float(factor)] if not isinstance(factor, list) else [float(f) for f in factor]
+    at = [0] if contexts is None else [int(c) for c in contexts]
+    if len(at) != len(factors) or not factors:
+        raise ValueError(f"a rescale needs one factor per probed context, got {factors} at "
+                         f"{at}")
+    if not all(f > 0 for f in factors):
+        raise ValueError(f"a rescale factor must be > 0, got {factors}")
+    by_context = factor_at(at, factors)
+    out = dict(doc)
+    for key in TIME_CURVES:
+        if key in doc:
+            out[key] = scaled_curve(doc[key], factors[0] if key == "prefill" or
+                                    len(factors) == 1 else by_context)
     host = out.get("host")
     probe = host.get("decode_step_probe") if isinstance(host, dict) else None
-    if isinstance(probe, dict) and isinstance(probe.get("s"), (int, float)):
-        # the profile now describes this host's level: its probe is the one taken here
-        out["host"] = {**host, "decode_step_probe": {**probe, "s": probe["s"] * factor}}
-    out["drift"] = {**drift, "factor": factor,
-                    "what": f"{', '.join(k for k in TIME_CURVES if k in doc)} x {factor:.4g}: "
+    if isinstance(probe, dict):  # the profile now describes this host's level: its probe
+        step, where = probe.get("s"), probe.get("context_tokens")  # is the one taken here
+        if isinstance(step, list) and isinstance(where, list) and len(step) == len(where):
+            out["host"] = {**host, "decode_step_probe": {
+                **probe, "s": [v * by_context(c) for c, v in zip(where, step, strict=True)]}}
+        elif isinstance(step, (int, float)) and isinstance(where, (int, float)):
+            out["host"] = {**host, "decode_step_probe": {**probe,
+                                                         "s": step * by_context(where)}}
+    what = f"x {factors[0]:.4g}" if len(factors) == 1 else \
+        (f"x {' / '.join(f'{f:.4g}' for f in factors)} at {' / '.join(map(str, at))} tokens "
+         f"(linear in context between; the prefill x {factors[0]:.4g})")
+    out["drift"] = {**drift, "factor": factors[0] if len(factors) == 1 else factors,
+                    **({} if contexts is None else {"contexts": at}),
+                    "what": f"{', '.join(k for k in TIME_CURVES if k in doc)} {what}: "
                             "this host's decode step over the profile's"}
     return out
 
 
-def write_rescaled_profile(doc: dict, out_path: Path, factor: float, drift: dict) -> Path:
-    """Write rescaled_profile(doc, factor, drift) to out_path (its folder made); returns
-    out_path. drift names where doc came from (from_profile) and why it moves."""
+def write_rescaled_profile(doc: dict, out_path: Path, factor: float | list[float],
+                           drift: dict, contexts: list[int] | None = None) -> Path:
+    """Write rescaled_profile(doc, factor, drift, contexts) to out_path (its folder made);
+    returns out_path. drift names where doc came from (from_profile) and why it moves."""
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(rescaled_profile(doc, factor, drift), indent=1) + "\n")
+    out_path.write_text(json.dumps(rescaled_profile(doc, factor, drift, contexts), indent=1)
+                        + "\n")
     return out_path
