@@ -146,6 +146,39 @@ def test_the_profiles_steps_are_its_hosts_probe_else_its_in_process_curve(tmp_pa
                                   "its host's probe, its in-process step curve's shape")
 
 
+def test_a_probe_at_more_contexts_takes_its_factors_from_a_line_through_its_steps(tmp_path):
+    """A profile whose step curve has four contexts is probed at each; the factors come from
+    the least-squares line through the probe's medians (one slow median does not bend the
+    rescaled curve at its context); the calibration records such a probe, which a later
+    check takes as the profile's steps."""
+    from kvsim.calibrate.host_probe import probe_contexts
+
+    doc = {"model": "m", "prefill": {"tokens": [100, 400], "s": [1.0, 4.0]},
+           "tpot": {"context_tokens": [100, 200, 300, 400], "s": [0.1, 0.12, 0.14, 0.16]}}
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps(doc))
+
+    class Probe:
+        asked: list = []
+
+        def steps_s(self, contexts):
+            self.asked.append(list(contexts))
+            # this host: 0.05 + 1e-4 x context, the median at 200 tokens caught a slow spell
+            return [0.05 + 1e-4 * c + (0.03 if c == 200 else 0.0) for c in contexts]
+
+    drift = check_drift(path, MODEL, DriftConfig(), tmp_path / "out", Probe(), force=True)
+    assert Probe.asked == [[100, 200, 300, 400]]
+    line = [0.072, 0.079, 0.086, 0.093]  # least squares through the four medians
+    assert drift.factors == pytest.approx([a / b for a, b in zip(line, [0.1, 0.12, 0.14, 0.16])])
+    assert drift.probes_s[1] == pytest.approx(0.1)  # the medians themselves are kept
+    assert "(the factors from a line through them)" in drift.words()
+    got = load_profile(drift.profile, "m")
+    assert got["tpot"]["s"] == pytest.approx(line)
+    assert got["prefill"]["s"] == pytest.approx([drift.factors[0], 4 * drift.factors[0]])
+    assert probe_contexts([256, 512, 1024, 2048, 4096, 8192, 16384, 32768]) == \
+        [256, 512, 2048, 4096, 16384, 32768]  # evenly over the eight, both ends kept
+
+
 @pytest.mark.parametrize("factor, long_factor, action, outcome", [
     (1.05, 1.05, "rescale", "within"),  # 5 % slower: within 10 %
     (1.05, 0.7, "rescale", "rescaled"),  # as slow at 100 tokens, a third faster at 300
@@ -179,8 +212,8 @@ def test_check_drift_acts_on_the_probe(tmp_path, factor, long_factor, action, ou
         assert got["prefill"]["s"] == pytest.approx([1.0 * factor, 3.0 * factor])
         assert got["drift"]["from_profile"] == str(path)
         assert f"x {factor:.3f} / {long_factor:.3f}" in drift.words()
-        assert f"step times x {factor:.3f} at 100 tokens to x {long_factor:.3f} at 300" in \
-            drift.words()
+        assert f"step times x the factor at their context" in drift.words()
+        assert f"prefill x {factor:.3f}" in drift.words()
 
 
 def test_the_drift_says_what_ran_beside_the_profiles_calibration(tmp_path):
@@ -233,7 +266,7 @@ def test_kvsim_sim_rescales_a_profile_from_another_host(tmp_path, monkeypatch, c
     out = " ".join(capsys.readouterr().out.split())  # (the line wraps at 120 columns)
     assert "host: decode step here 200.0 / 400.0 ms at 100 / 300 tokens vs 100.0 / 200.0 ms" \
         in out
-    assert "step times x 2.000 at 100 tokens to x 2.000 at 300" in out
+    assert "x 2.000 / 2.000, step times x the factor at their context" in out
     off, on = (json.loads(p.read_text())["rows"][0] for p in (report_off, report_on))
     assert "hardware_drift" not in off
     assert (on["hardware_drift"], on["hardware_drift_factor"]) == ("rescaled", 2.0)

@@ -33,6 +33,7 @@ import numpy as np
 from kvsim.model.host import DriftConfig, fingerprint, memory_copy_gb_per_s, other_host
 
 PROBE_STEPS = 24  # at each probed context, interleaved
+PROBE_CONTEXTS = 6  # at most, of a profile's step curve (~1.5 s of steps each here)
 
 
 class DriftRefused(ValueError):
@@ -186,13 +187,22 @@ def _positive(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
 
 
+def probe_contexts(contexts: list) -> list[int]:
+    """The contexts (tokens) a probe times of a step curve measured at `contexts`: all of
+    them, or PROBE_CONTEXTS of them evenly spread, the shortest and longest among them."""
+    xs = sorted(set(int(c) for c in contexts))
+    if len(xs) <= PROBE_CONTEXTS:
+        return xs
+    return [xs[round(i * (len(xs) - 1) / (PROBE_CONTEXTS - 1))] for i in range(PROBE_CONTEXTS)]
+
+
 def profile_steps(doc: dict) -> tuple[list[int], list[float], str]:
     """([contexts (tokens)], [the profile's in-process decode step there (s)], where they come
-    from) at the contexts a probe compares: its host's probe where it records one at two
+    from) at the contexts a probe compares: its host's probe where it records one at several
     contexts; else its in-process step curve (`tpot_inprocess`, the curve before the
-    receiver's ratio, where the calibration applied one) at its shortest and longest
-    context, its level anchored to its host's probe where that records one context only
-    (profiles calibrated before 2026-11-30). One context where the curve has only one."""
+    receiver's ratio, where the calibration applied one) at its contexts (probe_contexts),
+    its level anchored to its host's probe where that records one context only (profiles
+    calibrated before 2026-11-30)."""
     host = doc.get("host") if isinstance(doc.get("host"), dict) else {}  # (older: a name)
     probe = host.get("decode_step_probe") if isinstance(host.get("decode_step_probe"),
                                                         dict) else {}
@@ -201,8 +211,7 @@ def profile_steps(doc: dict) -> tuple[list[int], list[float], str]:
             all(isinstance(c, int) and c > 0 for c in at) and all(map(_positive, step)):
         return [int(c) for c in at], [float(v) for v in step], "its host's probe"
     curve = doc.get("tpot_inprocess") or doc["tpot"]
-    xs = [int(curve["context_tokens"][0]), int(curve["context_tokens"][-1])]
-    xs = sorted(set(xs))
+    xs = probe_contexts(curve["context_tokens"])
     steps = [float(np.interp(c, curve["context_tokens"], curve["s"])) for c in xs]
     if isinstance(at, int) and _positive(step):  # one recorded probe: the curve's shape
         level = float(step) / float(np.interp(at, curve["context_tokens"], curve["s"]))
@@ -249,13 +258,13 @@ class Drift:
                     f"({self.reference}): x {self.factor:.3f}, {what}"
                     f"{self._calibrated_beside()}")
         what = {"within": "within tolerance, used as it is",
-                "rescaled": f"step times x {factors[0]:.3f} at {contexts[0]} tokens to x "
-                            f"{factors[-1]:.3f} at {contexts[-1]} (linear in context "
-                            f"between), prefill x {factors[0]:.3f}",
+                "rescaled": "step times x the factor at their context (linear in context "
+                            f"between, flat beyond), prefill x {factors[0]:.3f}",
                 "refused": "refused"}[self.outcome]
+        line = " (the factors from a line through them)" if len(contexts) > 2 else ""
         return (f"decode step here {self._ms(self.probes_s)} ms at "
-                f"{' / '.join(map(str, contexts))} tokens vs {self._ms(self.profiles_s)} ms "
-                f"in the profile ({self.reference}): x "
+                f"{' / '.join(map(str, contexts))} tokens{line} vs "
+                f"{self._ms(self.profiles_s)} ms in the profile ({self.reference}): x "
                 f"{' / '.join(f'{f:.3f}' for f in factors)}, {what}"
                 f"{self._calibrated_beside()}")
 
@@ -296,6 +305,7 @@ def check_drift(profile_path: str | Path, model: Any, cfg: DriftConfig, out_dir:
     kvsim.model.host.rescaled_profile) and refuse raises DriftRefused. probe: a StepProbe
     (one is made for `model`; own_process=True: a SubprocessStepProbe, for a process that
     emulates next)."""
+    from kvsim.calibrate.step_fit import fit_step_line
     from kvsim.model.hardware_profile import load_profile
     from kvsim.model.host import write_rescaled_profile
 
@@ -317,7 +327,10 @@ def check_drift(profile_path: str | Path, model: Any, cfg: DriftConfig, out_dir:
         raise RuntimeError(f"hardware profile {path}: this host's decode step could not be "
                            f"probed ({type(exc).__name__}: {exc}); drift.action=off uses the "
                            f"profile as it is") from exc
-    factors = [p / r for p, r in zip(probes_s, profiles_s, strict=True)]
+    # the probe's medians as the calibration's are taken: a line over context (step_fit),
+    # so that one noisy median does not bend the rescaled curves at its context
+    line_s = fit_step_line(contexts, probes_s)["s"] if len(contexts) > 2 else probes_s
+    factors = [float(p / r) for p, r in zip(line_s, profiles_s, strict=True)]
     within = all(abs(f - 1.0) * 100.0 <= cfg.tolerance_pct for f in factors)
     outcome = "within" if within else ("rescaled" if cfg.action == "rescale" else "refused")
     drift = Drift(factors[0], probes_s[0], profiles_s[0], reference, contexts[0], outcome,

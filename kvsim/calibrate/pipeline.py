@@ -195,10 +195,10 @@ def calibrate(cfg: Config) -> list[dict]:
     hw_doc, kvs = measure_model(lm, cfg.model.name, cal, say)
     hw_doc.update(name=profile_name(cfg), **prov)
     # the host, probed as `kvsim sim` / `kvsim validate` probe theirs (kvsim.model.host)
-    from kvsim.calibrate.host_probe import PROBE_STEPS, StepProbe, host_record
+    from kvsim.calibrate.host_probe import PROBE_STEPS, StepProbe, host_record, probe_contexts
 
     host = host_record(StepProbe(cfg.model, PROBE_STEPS, cfg.threads, _lm=lm),
-                       [min(cfg.contexts), max(cfg.contexts)])
+                       probe_contexts(list(cfg.contexts)))
     hw_doc["host"], probe = host, host["decode_step_probe"]
     say(f"host: {host['cpu_model']}, {host['logical_cpus']} CPUs, memory copy "
         f"{host['memory_copy_gb_per_s']:.1f} GB/s, decode step probe "
