@@ -140,7 +140,7 @@ def test_the_profiles_steps_are_its_hosts_probe_else_its_in_process_curve(tmp_pa
     _, new = _profile(tmp_path, {"decode_step_probe": {"context_tokens": [256, 4096],
                                                        "s": [0.08, 0.12]}})
     assert profile_steps(new) == ([256, 4096], [0.08, 0.12], "its host's probe")
-    # a probe at one context (before 2026-11-30): the curve's shape at that level
+    # a probe at one context (older profiles): the curve's shape at that level
     _, one = _profile(tmp_path, {"decode_step_probe": {"context_tokens": 200, "s": 0.3}})
     assert profile_steps(one) == ([100, 300], pytest.approx([0.2, 0.4]),
                                   "its host's probe, its in-process step curve's shape")
@@ -169,7 +169,8 @@ def test_a_probe_at_more_contexts_takes_its_factors_from_a_line_through_its_step
     drift = check_drift(path, MODEL, DriftConfig(), tmp_path / "out", Probe(), force=True)
     assert Probe.asked == [[100, 200, 300, 400]]
     line = [0.072, 0.079, 0.086, 0.093]  # least squares through the four medians
-    assert drift.factors == pytest.approx([a / b for a, b in zip(line, [0.1, 0.12, 0.14, 0.16])])
+    profile = [0.1, 0.12, 0.14, 0.16]
+    assert drift.factors == pytest.approx([a / b for a, b in zip(line, profile, strict=True)])
     assert drift.probes_s[1] == pytest.approx(0.1)  # the medians themselves are kept
     assert "(the factors from a line through them)" in drift.words()
     got = load_profile(drift.profile, "m")
@@ -212,7 +213,7 @@ def test_check_drift_acts_on_the_probe(tmp_path, factor, long_factor, action, ou
         assert got["prefill"]["s"] == pytest.approx([1.0 * factor, 3.0 * factor])
         assert got["drift"]["from_profile"] == str(path)
         assert f"x {factor:.3f} / {long_factor:.3f}" in drift.words()
-        assert f"step times x the factor at their context" in drift.words()
+        assert "step times x the factor at their context" in drift.words()
         assert f"prefill x {factor:.3f}" in drift.words()
 
 
@@ -365,12 +366,54 @@ def test_validate_probes_only_profiles_it_did_not_calibrate(tmp_path, monkeypatc
     # (validate probes in a process of its own: SubprocessStepProbe)
     monkeypatch.setattr(host_probe, "SubprocessStepProbe", lambda model, steps, threads: probe)
     cfg = validation.Config(model=MODEL, calibrate=calibrate, drift=DriftConfig(action=action))
-    profiles = Profiles(hardware=path, codec_timing=tmp_path / "codecs.json", links={})
+    timing, link = _companions(tmp_path, "hw")  # calibrated with it (its name: the file's)
+    profiles = Profiles(hardware=path, codec_timing=timing, links={"token_bucket": link})
     used, drift = validation._drift(cfg, profiles, tmp_path / "run")
     assert bool(probe.asked) == probed and (drift is not None) == probed
     assert validation._drift_keys(cfg, drift)["hardware_drift"] == recorded
-    assert used.hardware == (tmp_path / "run" / "profiles-rescaled" / "hw.json" if probed
-                             else path)
+    out = tmp_path / "run" / "profiles-rescaled"
+    assert used.hardware == (out / "hw.json" if probed else path)
+    if not probed:
+        assert (used.codec_timing, used.links) == (timing, {"token_bucket": link})
+        return
+    # rescaled with it, by the shortest context's factor (x 2: rates halve, times double)
+    got = json.loads(used.codec_timing.read_text())["codecs"]["int8"]
+    assert used.codec_timing == out / "codec_timing" / timing.name
+    assert (got["encode_gb_per_s"], got["decode_gb_per_s"], got["layer_job_fixed_s"],
+            got["threads"]) == (pytest.approx(0.5), pytest.approx(0.25), pytest.approx(0.002), 1)
+    assert json.loads(used.links["token_bucket"].read_text())["draft_step"] == \
+        {"ratio": 1.5, "ingest_s_per_byte": pytest.approx(4e-8)}
+    assert drift.companions == ["codec_timing", "link token_bucket"]
+
+
+def _companions(folder: Path, hardware: str, source: str = "measured") -> tuple[Path, Path]:
+    """A codec timing and a link profile as `kvsim calibrate` writes them beside a hardware
+    profile named `hardware`."""
+    timing = folder / "codecs.json"
+    timing.write_text(json.dumps({"version": 1, "hardware": hardware, "source": source,
+                                  "codecs": {"int8": {"encode_gb_per_s": 1.0,
+                                                      "decode_gb_per_s": 0.5,
+                                                      "layer_job_fixed_s": 0.001,
+                                                      "threads": 1}}}))
+    link = folder / "link.json"
+    link.write_text(json.dumps({"name": f"{hardware}-token-bucket", "efficiency": 0.9,
+                                "draft_step": {"ratio": 1.5, "ingest_s_per_byte": 2e-8}}))
+    return timing, link
+
+
+def test_files_not_calibrated_with_the_profile_are_not_rescaled_with_it(tmp_path):
+    """A codec timing of another hardware name or a stated assumption, and a link profile
+    of another profile's name, stay as they are: they say nothing of this host's day."""
+    from kvsim.calibrate.host_probe import rescale_companions
+
+    path, _ = _profile(tmp_path, {**fingerprint(), "cpu_model": "Some Other CPU"})
+    drift = check_drift(path, MODEL, DriftConfig(), tmp_path / "out", FakeProbe(2.0))
+    timing, link = _companions(tmp_path, "another")
+    assert rescale_companions(drift, "hw", timing, {"tc": link}, tmp_path / "o") == \
+        (timing, {"tc": link})
+    timing, _ = _companions(tmp_path, "hw", source="assumed")
+    assert rescale_companions(drift, "hw", timing, {}, tmp_path / "o") == (timing, {})
+    assert drift.companions == [] and not (tmp_path / "o").exists()
 
 
 def test_a_subprocess_probe_times_the_step_in_a_process_of_its_own():

@@ -1,18 +1,18 @@
 """Probe this host the way `kvsim calibrate` probed the host of a profile, and decide what a
 run does with a profile measured elsewhere or on another day (kvsim.model.host says why).
 
-The probe: `PROBE_STEPS` decode steps of the real model at each of two contexts, the
-profile's shortest and longest (256 and 4096 tokens for a full calibration), one step of each
-in turn so that the host's spells of slow steps fall on both alike (StepProbe.steps_s), with
-the profile's thread count (in this process, or for a process that emulates next in a
-process of its own: SubprocessStepProbe); beside it the fingerprint and a memory-copy
-bandwidth (kvsim.model.host). About 7 s with the model load.
+The probe: `PROBE_STEPS` decode steps of the real model at each context of the profile's step
+curve (at most PROBE_CONTEXTS; 256 to 4096 tokens for a full calibration), one step of each in
+turn so that the host's spells of slow steps fall on all alike (StepProbe.steps_s), with the
+profile's thread count (in this process, or for a process that emulates next in a process of
+its own: SubprocessStepProbe); beside it the fingerprint and a memory-copy bandwidth
+(kvsim.model.host). About 12 s with the model load.
 
-Two contexts because a step has a fixed part (the weights, read once per step) and a part
-that grows with the context (the cache, read by attention), and a host's day moves them
-apart: on 2026-11-29 this host's step was 0.76x the shipped profile's at 256 tokens and
-0.70x at 4096, and a rescale by the 256-token factor alone left the simulated step at
-2,048 tokens 11-25% long (two runs of one scenario).
+Every context because a step has a fixed part (the weights, read once per step) and a part
+that grows with the context (the cache, read by attention), and a host's day moves them apart
+and bends the curve: on 2026-11-29 this host's step was 0.73x the shipped profile's at 256
+tokens and 0.66x at 2,048, and a rescale by the 256-token factor alone left the simulated
+step 19% from the full grid's scenarios (4% with every context's factor).
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ def profile_steps(doc: dict) -> tuple[list[int], list[float], str]:
     contexts; else its in-process step curve (`tpot_inprocess`, the curve before the
     receiver's ratio, where the calibration applied one) at its contexts (probe_contexts),
     its level anchored to its host's probe where that records one context only (profiles
-    calibrated before 2026-11-30)."""
+    calibrated before probes took several contexts)."""
     host = doc.get("host") if isinstance(doc.get("host"), dict) else {}  # (older: a name)
     probe = host.get("decode_step_probe") if isinstance(host.get("decode_step_probe"),
                                                         dict) else {}
@@ -239,6 +239,8 @@ class Drift:
     probes_s: list[float] = field(default_factory=list)
     profiles_s: list[float] = field(default_factory=list)
     factors: list[float] = field(default_factory=list)
+    # the profiles calibrated with it that were rescaled with it (rescale_companions)
+    companions: list[str] = field(default_factory=list)
 
     def points(self) -> tuple[list[int], list[float]]:
         """(contexts, factors) of the rescale (kvsim.model.host.rescaled_profile)."""
@@ -347,6 +349,46 @@ def check_drift(profile_path: str | Path, model: Any, cfg: DriftConfig, out_dir:
     return drift
 
 
+def rescale_companions(drift: Drift, hardware_name: str, codec_timing: Path | None,
+                       links: dict[str, Path], out_dir: Path
+                       ) -> tuple[Path | None, dict[str, Path]]:
+    """The codec timing and link profiles calibrated together with a rescaled hardware
+    profile, rescaled with it by the shortest probed context's factor (kvsim.model.host.
+    rescaled_codec_timing, rescaled_link_profile) and written to out_dir: (codec timing,
+    {key: link}) to use, each the given path where nothing was rescaled. Together means
+    what `kvsim calibrate` writes: a measured codec timing whose `hardware` is the
+    profile's name, and link profiles named <profile name>-<emulation>; another file (a
+    preset's assumption, another host's measurement) says nothing of this host's day."""
+    from kvsim.model.host import rescaled_codec_timing, rescaled_link_profile
+
+    if drift.outcome != "rescaled":
+        return codec_timing, dict(links)
+    factor = drift.points()[1][0]
+    record = {"from_hardware_profile": drift.profile, "contexts": drift.points()[0]}
+    out_dir = Path(out_dir)
+    if codec_timing is not None:
+        doc = json.loads(Path(codec_timing).read_text())
+        if doc.get("source") == "measured" and doc.get("hardware") == hardware_name:
+            out = out_dir / "codec_timing" / Path(codec_timing).name
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(rescaled_codec_timing(
+                doc, factor, {**record, "from_profile": str(codec_timing)}), indent=1) + "\n")
+            codec_timing = out
+            drift.companions.append("codec_timing")
+    moved = {}
+    for key, path in links.items():
+        doc = json.loads(Path(path).read_text())
+        if str(doc.get("name", "")).startswith(f"{hardware_name}-"):
+            out = out_dir / "link" / Path(path).name
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(rescaled_link_profile(
+                doc, factor, {**record, "from_profile": str(path)}), indent=1) + "\n")
+            path = out
+            drift.companions.append(f"link {key}")
+        moved[key] = Path(path)
+    return codec_timing, moved
+
+
 # where check_host shares its checks between processes (shared_checks), else None
 _shared_dir: Path | None = None
 _SHARED_LOCK_TIMEOUT_S = 600.0  # waiting for another process's check (a probe: ~5 s)
@@ -436,7 +478,29 @@ def check_host(cfg: Any, who: str, own_process: bool = False) -> Drift | None:
     if drift is not None:
         print(f"{who}: host: {drift.words()}", file=sys.stderr)
         cfg.hardware.profile = drift.profile
+        _rescale_cfg_companions(cfg, path, drift)
     return drift
+
+
+def _rescale_cfg_companions(cfg: Any, hardware_path: Path, drift: Drift) -> None:
+    """cfg's codec timing and link profile, where calibrated together with its rescaled
+    hardware profile (rescale_companions), replaced by their rescaled copies in the run
+    directory."""
+    if drift.outcome != "rescaled":
+        return
+    from kvsim.core.outputs import out_root
+    from kvsim.core.profiles import profile_path
+
+    name = json.loads(hardware_path.read_text()).get("name", hardware_path.stem)
+    timing = profile_path("codec_timing", cfg.codec_timing) if cfg.codec_timing else None
+    link = getattr(cfg.link, "profile", "") or ""
+    links = {"link": profile_path("link", link)} if link else {}
+    timing, links = rescale_companions(drift, str(name), timing, links,
+                                       out_root(None) / "profiles-rescaled")
+    if timing is not None:
+        cfg.codec_timing = str(timing)
+    if links:
+        cfg.link.profile = str(links["link"])
 
 
 if __name__ == "__main__":

@@ -515,8 +515,6 @@ def _drift(cfg: Config, profiles: Any, run_dir: Path) -> tuple[Any, Any]:
     profiles calibrated by this run, calibrate=true). A rescaled profile is written under
     run_dir/profiles-rescaled and used by both engines (it is also the emulator's timing
     model in the multi-request case); refuse raises kvsim.calibrate.host_probe.DriftRefused."""
-    from dataclasses import replace
-
     from kvsim.calibrate.host_probe import check_drift
 
     if cfg.drift.action == "off":
@@ -531,9 +529,24 @@ def _drift(cfg: Config, profiles: Any, run_dir: Path) -> tuple[Any, Any]:
                         run_dir / "profiles-rescaled", force=True, own_process=True)  # emulates)
     assert drift is not None  # force: always probed unless off
     _say(f"host: {drift.words()}")
-    if drift.outcome == "rescaled":
-        profiles = replace(profiles, hardware=Path(drift.profile))
-    return profiles, drift
+    return _with_rescaled(profiles, drift, run_dir), drift
+
+
+def _with_rescaled(profiles: Any, drift: Any, run_dir: Path) -> Any:
+    """The profiles with a rescaled drift's hardware profile and, rescaled with it, the codec
+    timing and link profiles calibrated together with it (host_probe.rescale_companions)."""
+    from dataclasses import replace
+
+    from kvsim.calibrate.host_probe import rescale_companions
+
+    if drift.outcome != "rescaled":
+        return profiles
+    name = json.loads(profiles.hardware.read_text()).get("name", profiles.hardware.stem)
+    timing, links = rescale_companions(drift, str(name), profiles.codec_timing,
+                                       profiles.links, run_dir / "profiles-rescaled")
+    _say(f"host: rescaled with it by x {drift.points()[1][0]:.3f} (rates / it): "
+         f"{', '.join(drift.companions) or 'nothing else (no profile calibrated with it)'}")
+    return replace(profiles, hardware=Path(drift.profile), codec_timing=timing, links=links)
 
 
 def _drift_keys(cfg: Config, drift: Any) -> dict:
@@ -720,7 +733,10 @@ def _saved_drift(report: dict, profiles: Any, run_dir: Path, other: bool = False
         contexts)
     _say(f"the measured run rescaled its hardware profile x {said} (its host probe): "
          "applied again")
-    return replace(profiles, hardware=path)
+    again = Drift(**{k: v for k, v in drift.items() if k != "words"})
+    if not drift.get("companions"):  # a run that rescaled its hardware profile alone
+        return replace(profiles, hardware=path)
+    return _with_rescaled(profiles, replace(again, profile=str(path), companions=[]), run_dir)
 
 
 def _saved_run(where: str) -> tuple[Path, dict, Config]:

@@ -161,3 +161,49 @@ def write_rescaled_profile(doc: dict, out_path: Path, factor: float | list[float
     out_path.write_text(json.dumps(rescaled_profile(doc, factor, drift, contexts), indent=1)
                         + "\n")
     return out_path
+
+
+def rescaled_codec_timing(doc: dict, factor: float, drift: dict) -> dict:
+    """A measured codec timing document (kvsim.scenario.codec_timing) of a host `factor` x
+    as slow: every rate (`*gb_per_s`) / factor and every fixed time (`*fixed_s`) x factor,
+    for each codec; the drift recorded under `drift`. The codecs' kernels are the host's
+    memory-bound work outside the model's step, the kind of work a short-context step's
+    fixed part is (its weights read once): on 2026-11-29 a full grid against a profile
+    calibrated that morning (factor 0.62) gave mean 5.19% / worst 31.75% with the codec
+    timings as measured and 4.00% / 14.54% with them rescaled too."""
+    if not factor > 0:
+        raise ValueError(f"a rescale factor must be > 0, got {factor}")
+
+    def one(entry: dict) -> dict:
+        out = dict(entry)
+        for key, value in entry.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if key.endswith("gb_per_s"):
+                out[key] = value / factor
+            elif key.endswith("fixed_s"):
+                out[key] = value * factor
+        return out
+
+    codecs = doc.get("codecs")
+    if not isinstance(codecs, dict):
+        raise ValueError("a codec timing document needs `codecs` (one entry per codec)")
+    return {**doc, "codecs": {name: one(e) if isinstance(e, dict) else e
+                              for name, e in codecs.items()},
+            "drift": {**drift, "factor": factor,
+                      "what": f"rates / {factor:.4g}, fixed times x {factor:.4g}: this "
+                              "host's decode step over the hardware profile's"}}
+
+
+def rescaled_link_profile(doc: dict, factor: float, drift: dict) -> dict:
+    """A measured link profile with its receiver time per byte taken in
+    (`draft_step.ingest_s_per_byte`, the decode host's CPU) x factor; the link's own terms
+    (rate, goodput, latency, per-message bytes) and the draft step's ratios to a step stay."""
+    step = doc.get("draft_step")
+    if not isinstance(step, dict) or not isinstance(step.get("ingest_s_per_byte"),
+                                                    (int, float)):
+        return {**doc, "drift": {**drift, "factor": factor, "what": "nothing to rescale"}}
+    return {**doc, "draft_step": {**step, "ingest_s_per_byte": step["ingest_s_per_byte"] *
+                                  factor},
+            "drift": {**drift, "factor": factor,
+                      "what": f"draft_step.ingest_s_per_byte x {factor:.4g}"}}
