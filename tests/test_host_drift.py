@@ -47,7 +47,9 @@ class FakeProbe:
 
 
 def _profile(tmp_path, host: dict | None, model: str = "m"):
-    doc = {"model": model, "prefill": {"tokens": [100, 300], "s": [1.0, 3.0]},
+    doc = {"model": model, "name": "hw", "git": {"git_commit": "abc"},
+           "measured_utc": "2026-11-29T03:20:00Z",
+           "prefill": {"tokens": [100, 300], "s": [1.0, 3.0]},
            "tpot": {"context_tokens": [100, 300], "s": [0.11, 0.22]},
            "tpot_inprocess": {"context_tokens": [100, 300], "s": [0.1, 0.2]},
            "tpot_batch": {"context_tokens": 300, "batch": [1, 2], "s": [0.2, 0.3]},
@@ -192,7 +194,8 @@ def test_check_drift_acts_on_the_probe(tmp_path, factor, long_factor, action, ou
     probe = FakeProbe(factor, long_factor)
     cfg = DriftConfig(action=action)
     if outcome == "refused":
-        with pytest.raises(DriftRefused, match=r"200.0 / 400.0 ms at 100 / 300 tokens vs "
+        with pytest.raises(DriftRefused, match=r"200.0 / 400.0 ms at 100 / 300 tokens \(the "
+                                               r"factors from a line through them\) vs "
                                                r"100.0 / 200.0 ms.*x 2.000 / 2.000"):
             check_drift(path, MODEL, cfg, tmp_path / "out", probe)
         assert not (tmp_path / "out").exists()
@@ -265,8 +268,8 @@ def test_kvsim_sim_rescales_a_profile_from_another_host(tmp_path, monkeypatch, c
     capsys.readouterr()
     assert main(_sim(tmp_path, path, f"report={report_on}")) == 0
     out = " ".join(capsys.readouterr().out.split())  # (the line wraps at 120 columns)
-    assert "host: decode step here 200.0 / 400.0 ms at 100 / 300 tokens vs 100.0 / 200.0 ms" \
-        in out
+    assert "host: decode step here 200.0 / 400.0 ms at 100 / 300 tokens (the factors from a " \
+        "line through them) vs 100.0 / 200.0 ms" in out
     assert "x 2.000 / 2.000, step times x the factor at their context" in out
     off, on = (json.loads(p.read_text())["rows"][0] for p in (report_off, report_on))
     assert "hardware_drift" not in off
@@ -386,34 +389,45 @@ def test_validate_probes_only_profiles_it_did_not_calibrate(tmp_path, monkeypatc
     assert drift.companions == ["codec_timing", "link token_bucket"]
 
 
-def _companions(folder: Path, hardware: str, source: str = "measured") -> tuple[Path, Path]:
+def _companions(folder: Path, hardware: str, source: str = "measured",
+                commit: str = "abc") -> tuple[Path, Path]:
     """A codec timing and a link profile as `kvsim calibrate` writes them beside a hardware
-    profile named `hardware`."""
+    profile named `hardware` (_profile's: that run's commit, minutes after it)."""
+    run = {"git": {"git_commit": commit}, "measured_utc": "2026-11-29T03:27:12Z"}
     timing = folder / "codecs.json"
-    timing.write_text(json.dumps({"version": 1, "hardware": hardware, "source": source,
+    timing.write_text(json.dumps({**run, "version": 1, "hardware": hardware, "source": source,
                                   "codecs": {"int8": {"encode_gb_per_s": 1.0,
                                                       "decode_gb_per_s": 0.5,
                                                       "layer_job_fixed_s": 0.001,
                                                       "threads": 1}}}))
     link = folder / "link.json"
-    link.write_text(json.dumps({"name": f"{hardware}-token-bucket", "efficiency": 0.9,
+    link.write_text(json.dumps({**run, "name": f"{hardware}-token-bucket", "efficiency": 0.9,
                                 "draft_step": {"ratio": 1.5, "ingest_s_per_byte": 2e-8}}))
     return timing, link
 
 
 def test_files_not_calibrated_with_the_profile_are_not_rescaled_with_it(tmp_path):
-    """A codec timing of another hardware name or a stated assumption, and a link profile
-    of another profile's name, stay as they are: they say nothing of this host's day."""
+    """A codec timing of another hardware name, a stated assumption or another calibration
+    run (another commit), and a link profile of another profile's name or emulation, stay
+    as they are: they say nothing of this host's day. A re-simulation's `only` rescales what
+    its run did, whatever the files say."""
     from kvsim.calibrate.host_probe import rescale_companions
 
-    path, _ = _profile(tmp_path, {**fingerprint(), "cpu_model": "Some Other CPU"})
+    path, doc = _profile(tmp_path, {**fingerprint(), "cpu_model": "Some Other CPU"})
     drift = check_drift(path, MODEL, DriftConfig(), tmp_path / "out", FakeProbe(2.0))
+    out = tmp_path / "o"
     timing, link = _companions(tmp_path, "another")
-    assert rescale_companions(drift, "hw", timing, {"tc": link}, tmp_path / "o") == \
-        (timing, {"tc": link})
-    timing, _ = _companions(tmp_path, "hw", source="assumed")
-    assert rescale_companions(drift, "hw", timing, {}, tmp_path / "o") == (timing, {})
-    assert drift.companions == [] and not (tmp_path / "o").exists()
+    assert rescale_companions(drift, doc, timing, {"token_bucket": link}, out) == \
+        (timing, {"token_bucket": link})
+    for kind in ({"source": "assumed"}, {"commit": "another run"}):
+        timing, link = _companions(tmp_path, "hw", **kind)
+        assert rescale_companions(drift, doc, timing, {}, out) == (timing, {})
+    _, link = _companions(tmp_path, "hw")
+    assert rescale_companions(drift, doc, None, {"tc": link}, out) == (None, {"tc": link})
+    assert drift.companions == [] and not out.exists()
+    timing, _ = _companions(tmp_path, "hw", commit="another run")
+    got, _ = rescale_companions(drift, doc, timing, {}, out, only=["codec_timing"])
+    assert got == out / "codec_timing" / "codecs.json" and drift.companions == ["codec_timing"]
 
 
 def test_a_subprocess_probe_times_the_step_in_a_process_of_its_own():
@@ -541,3 +555,31 @@ def test_a_sweep_probes_once_for_all_its_points(tmp_path, monkeypatch):
     assert len(rows) == 2
     assert {(r["hardware_drift"], r["hardware_drift_factor"]) for r in rows} == \
         {("rescaled", 2.0)}
+
+
+def test_a_re_simulation_rescales_what_its_run_rescaled(tmp_path):
+    """measured_from= applies the saved run's factors again, and rescales the codec timing
+    and links its run rescaled with them (the saved `companions`), nothing more; a run that
+    rescaled its hardware profile alone (no `companions`) gets that alone."""
+    from kvsim.fidelity import validation
+    from kvsim.fidelity.runner import Profiles
+
+    path, doc = _profile(tmp_path, {**fingerprint(), "cpu_model": "Some Other CPU"})
+    timing, link = _companions(tmp_path, "hw")
+    profiles = Profiles(hardware=path, codec_timing=timing, links={"token_bucket": link})
+    drift = check_drift(path, MODEL, DriftConfig(), tmp_path / "out", FakeProbe(2.0, 1.5))
+    drift.companions = ["codec_timing"]  # what the saved run rescaled
+    report = {"fidelity": {"drift": drift.as_dict()}}
+    again = validation._saved_drift(report, profiles, tmp_path / "again")
+    assert json.loads(again.hardware.read_text())["tpot"]["s"] == \
+        pytest.approx([0.11 * 2.0, 0.22 * 1.5])
+    codec = json.loads(again.codec_timing.read_text())["codecs"]["int8"]
+    assert codec["encode_gb_per_s"] == pytest.approx(0.5)
+    assert again.links == {"token_bucket": link}  # not rescaled by that run: not now either
+    old = {k: v for k, v in drift.as_dict().items()
+           if k not in ("probed_context_tokens", "probes_s", "profiles_s", "factors",
+                        "companions")}
+    again = validation._saved_drift({"fidelity": {"drift": old}}, profiles, tmp_path / "old")
+    assert json.loads(again.hardware.read_text())["tpot"]["s"] == \
+        pytest.approx([0.22, 0.44])  # one factor, its shortest context's
+    assert (again.codec_timing, again.links) == (timing, {"token_bucket": link})

@@ -50,11 +50,13 @@ class StepProbe:
     _lm: Any = None
     _kv: dict[int, Any] = field(default_factory=dict)  # context -> bf16 KV of its prompt
 
-    def step_s(self, context_tokens: int) -> float:
+    def _prepare(self, context_tokens: int) -> tuple[Any, Any, int]:
+        """(the loaded model, the calibration prompt's bf16 KV at context_tokens, its first
+        token): the model loaded and the prompt prefilled once."""
         import torch
 
-        from kvsim.calibrate.model_profile import ModelCalibration, _prompt, _steps_s
-        from kvsim.kv.capture import cache_to_kv, kv_to_cache, prefill
+        from kvsim.calibrate.model_profile import ModelCalibration, _prompt
+        from kvsim.kv.capture import cache_to_kv, prefill
 
         if self._lm is None:
             from kvsim.model.load import load_lm
@@ -68,6 +70,13 @@ class StepProbe:
             self._kv[context_tokens] = (cache_to_kv(cache).to(torch.bfloat16),
                                         int(torch.argmax(logits)))
         kv, token = self._kv[context_tokens]
+        return lm, kv, token
+
+    def step_s(self, context_tokens: int) -> float:
+        from kvsim.calibrate.model_profile import _steps_s
+        from kvsim.kv.capture import kv_to_cache
+
+        lm, kv, token = self._prepare(context_tokens)
         dtype = next(lm.model.parameters()).dtype
         cache = kv_to_cache(kv.float(), lm.model.config, dtype)
         _first, later = _steps_s(lm, cache, token, self.steps)
@@ -86,10 +95,7 @@ class StepProbe:
 
         if not contexts or min(contexts) <= 0:
             raise ValueError(f"a step probe needs contexts > 0, got {contexts}")
-        shortest = min(contexts)
-        self.step_s(shortest)  # loads the model, prefills the shortest prompt
-        lm = self._lm
-        kv, token = self._kv[shortest]
+        lm, kv, token = self._prepare(min(contexts))
         dtype = next(lm.model.parameters()).dtype
         caches = []
         for ctx in contexts:  # kv [layers, 2, heads, tokens, head_dim]
@@ -164,7 +170,7 @@ def _probe_main() -> None:
 
 def host_record(probe: Any, contexts: list[int]) -> dict:
     """This host as a profile records it (`host`): fingerprint, memory-copy GB/s and the
-    decode-step probe at `contexts` (the profile's shortest and longest; probe: a StepProbe
+    decode-step probe at `contexts` (the calibration's: probe_contexts; probe: a StepProbe
     of the profile's model)."""
     contexts = sorted(set(int(c) for c in contexts))
     steps = probe.steps_s(contexts)
@@ -209,7 +215,8 @@ def profile_steps(doc: dict) -> tuple[list[int], list[float], str]:
     at, step = probe.get("context_tokens"), probe.get("s")
     if isinstance(at, list) and isinstance(step, list) and len(at) == len(step) >= 1 and \
             all(isinstance(c, int) and c > 0 for c in at) and all(map(_positive, step)):
-        return [int(c) for c in at], [float(v) for v in step], "its host's probe"
+        pairs = sorted({int(c): float(v) for c, v in zip(at, step, strict=True)}.items())
+        return [c for c, _ in pairs], [v for _, v in pairs], "its host's probe"
     curve = doc.get("tpot_inprocess") or doc["tpot"]
     xs = probe_contexts(curve["context_tokens"])
     steps = [float(np.interp(c, curve["context_tokens"], curve["s"])) for c in xs]
@@ -225,6 +232,7 @@ class Drift:
     """This host's decode step against a profile's, and what was done about it."""
 
     factor: float  # step here now / step in the profile, at the shortest probed context
+    # (the lines' ratio where several contexts were probed: check_drift)
     probe_s: float  # (at the shortest probed context)
     profile_s: float
     reference: str  # where the profile's steps come from (profile_steps)
@@ -233,9 +241,10 @@ class Drift:
     host: dict  # this host (fingerprint, memory-copy GB/s)
     profile_host: dict  # the profile's (empty where it records none)
     profile: str  # the profile used from here on (the rescaled copy when rescaled)
-    # every probed context (tokens, increasing), its step here and in the profile (s), and
-    # their factor; empty in a drift recorded before probes took two contexts (one factor)
-    contexts: list[int] = field(default_factory=list)
+    # every probed context (tokens, increasing), its step here (the probe's median) and in
+    # the profile (s), and its factor (from the lines through them: check_drift); empty in
+    # a drift recorded before probes took several contexts (one factor)
+    probed_context_tokens: list[int] = field(default_factory=list)
     probes_s: list[float] = field(default_factory=list)
     profiles_s: list[float] = field(default_factory=list)
     factors: list[float] = field(default_factory=list)
@@ -244,8 +253,9 @@ class Drift:
 
     def points(self) -> tuple[list[int], list[float]]:
         """(contexts, factors) of the rescale (kvsim.model.host.rescaled_profile)."""
-        if self.contexts and len(self.factors) == len(self.contexts):
-            return list(self.contexts), list(self.factors)
+        if self.probed_context_tokens and \
+                len(self.factors) == len(self.probed_context_tokens):
+            return list(self.probed_context_tokens), list(self.factors)
         return [self.context_tokens], [self.factor]
 
     def words(self) -> str:
@@ -258,17 +268,20 @@ class Drift:
             return (f"decode step here {self.probe_s * 1e3:.1f} ms at {self.context_tokens} "
                     f"tokens vs {self.profile_s * 1e3:.1f} ms in the profile "
                     f"({self.reference}): x {self.factor:.3f}, {what}"
-                    f"{self._calibrated_beside()}")
+                    f"{self._companions()}{self._calibrated_beside()}")
         what = {"within": "within tolerance, used as it is",
                 "rescaled": "step times x the factor at their context (linear in context "
                             f"between, flat beyond), prefill x {factors[0]:.3f}",
                 "refused": "refused"}[self.outcome]
-        line = " (the factors from a line through them)" if len(contexts) > 2 else ""
+        line = " (the factors from a line through them)" if len(contexts) > 1 else ""
         return (f"decode step here {self._ms(self.probes_s)} ms at "
                 f"{' / '.join(map(str, contexts))} tokens{line} vs "
                 f"{self._ms(self.profiles_s)} ms in the profile ({self.reference}): x "
                 f"{' / '.join(f'{f:.3f}' for f in factors)}, {what}"
-                f"{self._calibrated_beside()}")
+                f"{self._companions()}{self._calibrated_beside()}")
+
+    def _companions(self) -> str:
+        return f"; rescaled with it: {', '.join(self.companions)}" if self.companions else ""
 
     @staticmethod
     def _ms(steps_s: list[float]) -> str:
@@ -330,9 +343,13 @@ def check_drift(profile_path: str | Path, model: Any, cfg: DriftConfig, out_dir:
                            f"probed ({type(exc).__name__}: {exc}); drift.action=off uses the "
                            f"profile as it is") from exc
     # the probe's medians as the calibration's are taken: a line over context (step_fit),
-    # so that one noisy median does not bend the rescaled curves at its context
-    line_s = fit_step_line(contexts, probes_s)["s"] if len(contexts) > 2 else probes_s
-    factors = [float(p / r) for p, r in zip(line_s, profiles_s, strict=True)]
+    # so that one noisy median does not bend the rescaled curves at its context; the
+    # profile's own probe likewise, while its in-process curve is what its step curves were
+    # made from (a bend there is in them too, and its factor takes it out)
+    line_s = fit_step_line(contexts, probes_s)["s"] if len(contexts) > 1 else probes_s
+    reference_s = fit_step_line(contexts, profiles_s)["s"] \
+        if len(contexts) > 1 and reference == "its host's probe" else profiles_s
+    factors = [float(p / r) for p, r in zip(line_s, reference_s, strict=True)]
     within = all(abs(f - 1.0) * 100.0 <= cfg.tolerance_pct for f in factors)
     outcome = "within" if within else ("rescaled" if cfg.action == "rescale" else "refused")
     drift = Drift(factors[0], probes_s[0], profiles_s[0], reference, contexts[0], outcome,
@@ -349,49 +366,80 @@ def check_drift(profile_path: str | Path, model: Any, cfg: DriftConfig, out_dir:
     return drift
 
 
-def rescale_companions(drift: Drift, hardware_name: str, codec_timing: Path | None,
-                       links: dict[str, Path], out_dir: Path
+def _one_calibration(hardware: dict, doc: dict) -> bool:
+    """Whether `doc` (a codec timing or link profile) was written by the `kvsim calibrate`
+    run that wrote the hardware profile `hardware`: the same code (git) and measured within
+    an hour of it (a calibration takes minutes; profiles of one name from other runs exist:
+    `local-<model>` is the default name)."""
+    import datetime as dt
+
+    def when(d: dict) -> float | None:
+        try:
+            return dt.datetime.strptime(str(d.get("measured_utc")), "%Y-%m-%dT%H:%M:%SZ"
+                                        ).timestamp()
+        except ValueError:
+            return None
+
+    a, b = when(hardware), when(doc)
+    return hardware.get("git") == doc.get("git") and a is not None and b is not None and \
+        abs(a - b) <= 3600.0
+
+
+def rescale_companions(drift: Drift, hardware_doc: dict, codec_timing: Path | None,
+                       links: dict[str, Path], out_dir: Path, only: list[str] | None = None
                        ) -> tuple[Path | None, dict[str, Path]]:
     """The codec timing and link profiles calibrated together with a rescaled hardware
-    profile, rescaled with it by the shortest probed context's factor (kvsim.model.host.
-    rescaled_codec_timing, rescaled_link_profile) and written to out_dir: (codec timing,
-    {key: link}) to use, each the given path where nothing was rescaled. Together means
-    what `kvsim calibrate` writes: a measured codec timing whose `hardware` is the
-    profile's name, and link profiles named <profile name>-<emulation>; another file (a
-    preset's assumption, another host's measurement) says nothing of this host's day."""
+    profile (`hardware_doc`), rescaled with it by the shortest probed context's factor
+    (kvsim.model.host.rescaled_codec_timing, rescaled_link_profile) and written to out_dir:
+    (codec timing, {emulation: link}) to use, each the given path where nothing was
+    rescaled. Together means what one `kvsim calibrate` run writes: a measured codec timing
+    whose `hardware` is the profile's name, link profiles named <profile name>-<emulation>
+    that measured the receiver's time per byte, all of one run (_one_calibration); another
+    file (a preset's assumption, another run's measurement) says nothing of this host's
+    day. only: the names to rescale, as a saved drift lists them (a re-simulation repeats
+    what its run did). drift.companions names what was rescaled."""
     from kvsim.model.host import rescaled_codec_timing, rescaled_link_profile
 
     if drift.outcome != "rescaled":
         return codec_timing, dict(links)
+    name = str(hardware_doc.get("name", ""))
     factor = drift.points()[1][0]
-    record = {"from_hardware_profile": drift.profile, "contexts": drift.points()[0]}
+    record = {"from_hardware_profile": drift.profile, "context_tokens": drift.points()[0]}
     out_dir = Path(out_dir)
+
+    def write(kind: str, path: Path, doc: dict) -> Path:
+        out = out_dir / kind / Path(path).name
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=1) + "\n")
+        return out
+
     if codec_timing is not None:
         doc = json.loads(Path(codec_timing).read_text())
-        if doc.get("source") == "measured" and doc.get("hardware") == hardware_name:
-            out = out_dir / "codec_timing" / Path(codec_timing).name
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(rescaled_codec_timing(
-                doc, factor, {**record, "from_profile": str(codec_timing)}), indent=1) + "\n")
-            codec_timing = out
+        ours = doc.get("source") == "measured" and doc.get("hardware") == name and \
+            _one_calibration(hardware_doc, doc)
+        if ("codec_timing" in only) if only is not None else ours:
+            codec_timing = write("codec_timing", codec_timing, rescaled_codec_timing(
+                doc, factor, {**record, "from_profile": str(codec_timing)}))
             drift.companions.append("codec_timing")
     moved = {}
-    for key, path in links.items():
+    for emulation, path in links.items():
         doc = json.loads(Path(path).read_text())
-        if str(doc.get("name", "")).startswith(f"{hardware_name}-"):
-            out = out_dir / "link" / Path(path).name
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(rescaled_link_profile(
-                doc, factor, {**record, "from_profile": str(path)}), indent=1) + "\n")
-            path = out
-            drift.companions.append(f"link {key}")
-        moved[key] = Path(path)
+        step = doc.get("draft_step") if isinstance(doc.get("draft_step"), dict) else {}
+        ours = doc.get("name") == f"{name}-{emulation.replace('_', '-')}" and \
+            isinstance(step.get("ingest_s_per_byte"), (int, float)) and \
+            _one_calibration(hardware_doc, doc)
+        label = f"link {emulation}"
+        if (label in only) if only is not None else ours:
+            path = write("link", path, rescaled_link_profile(
+                doc, factor, {**record, "from_profile": str(path)}))
+            drift.companions.append(label)
+        moved[emulation] = Path(path)
     return codec_timing, moved
 
 
 # where check_host shares its checks between processes (shared_checks), else None
 _shared_dir: Path | None = None
-_SHARED_LOCK_TIMEOUT_S = 600.0  # waiting for another process's check (a probe: ~5 s)
+_SHARED_LOCK_TIMEOUT_S = 600.0  # waiting for another process's check (a probe: ~12 s)
 
 
 @contextmanager
@@ -476,9 +524,9 @@ def check_host(cfg: Any, who: str, own_process: bool = False) -> Drift | None:
     drift = check(out_root(None) / "profiles-rescaled") if _shared_dir is None else \
         _shared_check(path, cfg, check)
     if drift is not None:
-        print(f"{who}: host: {drift.words()}", file=sys.stderr)
         cfg.hardware.profile = drift.profile
         _rescale_cfg_companions(cfg, path, drift)
+        print(f"{who}: host: {drift.words()}", file=sys.stderr)
     return drift
 
 
@@ -491,16 +539,20 @@ def _rescale_cfg_companions(cfg: Any, hardware_path: Path, drift: Drift) -> None
     from kvsim.core.outputs import out_root
     from kvsim.core.profiles import profile_path
 
-    name = json.loads(hardware_path.read_text()).get("name", hardware_path.stem)
+    hardware_doc = json.loads(hardware_path.read_text())
     timing = profile_path("codec_timing", cfg.codec_timing) if cfg.codec_timing else None
     link = getattr(cfg.link, "profile", "") or ""
-    links = {"link": profile_path("link", link)} if link else {}
-    timing, links = rescale_companions(drift, str(name), timing, links,
+    emulation = getattr(getattr(cfg, "transport", None), "emulation", None)
+    if link:  # the emulation it measured (kvsim emulate's own; else the profile's)
+        emulation = emulation or json.loads(profile_path("link", link).read_text()).get(
+            "emulation", "")
+    links = {str(emulation): profile_path("link", link)} if link else {}
+    timing, links = rescale_companions(drift, hardware_doc, timing, links,
                                        out_root(None) / "profiles-rescaled")
     if timing is not None:
         cfg.codec_timing = str(timing)
     if links:
-        cfg.link.profile = str(links["link"])
+        cfg.link.profile = str(next(iter(links.values())))
 
 
 if __name__ == "__main__":

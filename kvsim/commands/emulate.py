@@ -23,7 +23,7 @@ def run(cfg: EmulateConfig) -> list[dict]:
     from kvsim.transport.emulate import emulate
     from kvsim.transport.record import aggregate_rows
 
-    cfg.validate()  # a bad config fails before the probe's ~5 s
+    cfg.validate()  # a bad config fails before the probe's ~12 s
     # a measured profile from another host: its modelled times (prefill, timing-model
     # decode) rescaled to this host's step first, both ends then reading the rescaled copy
     drift = check_host(cfg, "kvsim emulate", own_process=True)

@@ -528,24 +528,25 @@ def _drift(cfg: Config, profiles: Any, run_dir: Path) -> tuple[Any, Any]:
     drift = check_drift(profiles.hardware, cfg.model, cfg.drift,  # (this process then
                         run_dir / "profiles-rescaled", force=True, own_process=True)  # emulates)
     assert drift is not None  # force: always probed unless off
+    profiles = _with_rescaled(profiles, profiles.hardware, drift, run_dir)
     _say(f"host: {drift.words()}")
-    return _with_rescaled(profiles, drift, run_dir), drift
+    return profiles, drift
 
 
-def _with_rescaled(profiles: Any, drift: Any, run_dir: Path) -> Any:
+def _with_rescaled(profiles: Any, hardware: Path, drift: Any, run_dir: Path,
+                   only: list[str] | None = None) -> Any:
     """The profiles with a rescaled drift's hardware profile and, rescaled with it, the codec
-    timing and link profiles calibrated together with it (host_probe.rescale_companions)."""
+    timing and link profiles calibrated together with the hardware profile at `hardware`
+    (host_probe.rescale_companions; only: those a saved run rescaled)."""
     from dataclasses import replace
 
     from kvsim.calibrate.host_probe import rescale_companions
 
     if drift.outcome != "rescaled":
         return profiles
-    name = json.loads(profiles.hardware.read_text()).get("name", profiles.hardware.stem)
-    timing, links = rescale_companions(drift, str(name), profiles.codec_timing,
-                                       profiles.links, run_dir / "profiles-rescaled")
-    _say(f"host: rescaled with it by x {drift.points()[1][0]:.3f} (rates / it): "
-         f"{', '.join(drift.companions) or 'nothing else (no profile calibrated with it)'}")
+    timing, links = rescale_companions(drift, json.loads(hardware.read_text()),
+                                       profiles.codec_timing, profiles.links,
+                                       run_dir / "profiles-rescaled", only)
     return replace(profiles, hardware=Path(drift.profile), codec_timing=timing, links=links)
 
 
@@ -711,15 +712,18 @@ def _saved_drift(report: dict, profiles: Any, run_dir: Path, other: bool = False
     """The profiles of a re-simulation with the saved run's host rescale applied again (its
     factor, not a new probe: the measurements are that run's, on that host that day). Not
     to other profiles (`other`: profile_dir= given), whose level the factor says nothing of."""
-    from dataclasses import replace
+    from dataclasses import fields, replace
 
     from kvsim.calibrate.host_probe import Drift
     from kvsim.model.host import write_rescaled_profile
 
+    known = {f.name for f in fields(Drift)}  # (a key a later version adds is left out)
+
     drift = (report.get("fidelity") or {}).get("drift")
     if not isinstance(drift, dict) or drift.get("outcome") != "rescaled":
         return profiles
-    contexts, factors = Drift(**{k: v for k, v in drift.items() if k != "words"}).points()
+    saved = Drift(**{k: v for k, v in drift.items() if k in known})
+    contexts, factors = saved.points()
     said = " / ".join(f"{f:.3f}" for f in factors) + \
         ("" if len(contexts) == 1 else f" at {' / '.join(map(str, contexts))} tokens")
     if other:
@@ -733,10 +737,11 @@ def _saved_drift(report: dict, profiles: Any, run_dir: Path, other: bool = False
         contexts)
     _say(f"the measured run rescaled its hardware profile x {said} (its host probe): "
          "applied again")
-    again = Drift(**{k: v for k, v in drift.items() if k != "words"})
-    if not drift.get("companions"):  # a run that rescaled its hardware profile alone
-        return replace(profiles, hardware=path)
-    return _with_rescaled(profiles, replace(again, profile=str(path), companions=[]), run_dir)
+    # the codec timing and links it rescaled with it, again (none: a run that rescaled its
+    # hardware profile alone)
+    return _with_rescaled(profiles, profiles.hardware,
+                          replace(saved, profile=str(path), companions=[]), run_dir,
+                          list(saved.companions))
 
 
 def _saved_run(where: str) -> tuple[Path, dict, Config]:

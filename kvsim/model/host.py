@@ -5,9 +5,10 @@ A hardware profile written by `kvsim calibrate` times the real model on one mach
 time. Read elsewhere, or on a day the machine is busier, its times are off by however much
 the decode step moved, and nothing else in the simulator can tell (issue 44 found a day with
 the step ~2x the calibrated one and every error inheriting it). The calibration therefore
-records its host (`host`: CPU model, CPUs, a memory-copy bandwidth and a decode-step probe);
-`kvsim sim` and `kvsim validate` probe this host the same way and either rescale the
-profile's times by the step's factor or refuse, by `drift.action`
+records its host (`host`: CPU model, CPUs, a memory-copy bandwidth and a decode-step probe at
+its contexts); `kvsim sim` and `kvsim validate` probe this host the same way and either
+rescale the profile's times by the step's factor at each context (and the codec timing and
+links calibrated with it by the shortest context's) or refuse, by `drift.action`
 (kvsim.calibrate.host_probe runs the probe).
 """
 
@@ -43,7 +44,7 @@ class DriftConfig:
     # in the rows) | refuse (exit with the figures) | off (no probe, the profile as it is)
     action: str = "rescale"
     # when `kvsim sim` probes: other_host (the profile names another CPU model or CPU
-    # count; a profile naming none is not probed) | always (~5 s: the model loads)
+    # count; a profile naming none is not probed) | always (~12 s: the model loads)
     when: str = "other_host"
     tolerance_pct: float = 10.0  # |step now / step in the profile - 1| within: as it is
 
@@ -126,12 +127,23 @@ def rescaled_profile(doc: dict, factor: float | list[float], drift: dict,
                          f"{at}")
     if not all(f > 0 for f in factors):
         raise ValueError(f"a rescale factor must be > 0, got {factors}")
+    if any(b <= a for a, b in zip(at, at[1:], strict=False)):
+        raise ValueError(f"a rescale's contexts must increase, got {at}")
     by_context = factor_at(at, factors)
     out = dict(doc)
     for key in TIME_CURVES:
         if key in doc:
             out[key] = scaled_curve(doc[key], factors[0] if key == "prefill" or
                                     len(factors) == 1 else by_context)
+    # the receiver's other CPU work, as the codecs' (rescaled_codec_timing): its cache build
+    # and, where measured here, its time per later-stream byte taken in
+    build = doc.get("cache_build")
+    if isinstance(build, dict) and isinstance(build.get("gb_per_s"), (int, float)):
+        out["cache_build"] = {**build, "gb_per_s": build["gb_per_s"] / factors[0]}
+    step = doc.get("draft_step")
+    if isinstance(step, dict) and isinstance(step.get("ingest_s_per_byte"), (int, float)):
+        out["draft_step"] = {**step, "ingest_s_per_byte": step["ingest_s_per_byte"] *
+                             factors[0]}
     host = out.get("host")
     probe = host.get("decode_step_probe") if isinstance(host, dict) else None
     if isinstance(probe, dict):  # the profile now describes this host's level: its probe
@@ -145,6 +157,7 @@ def rescaled_profile(doc: dict, factor: float | list[float], drift: dict,
     what = f"x {factors[0]:.4g}" if len(factors) == 1 else \
         (f"x {' / '.join(f'{f:.4g}' for f in factors)} at {' / '.join(map(str, at))} tokens "
          f"(linear in context between; the prefill x {factors[0]:.4g})")
+    what += f"; cache build GB/s and receiver s per byte taken in by x {factors[0]:.4g}"
     out["drift"] = {**drift, "factor": factors[0] if len(factors) == 1 else factors,
                     **({} if contexts is None else {"contexts": at}),
                     "what": f"{', '.join(k for k in TIME_CURVES if k in doc)} {what}: "
@@ -188,8 +201,10 @@ def rescaled_codec_timing(doc: dict, factor: float, drift: dict) -> dict:
     codecs = doc.get("codecs")
     if not isinstance(codecs, dict):
         raise ValueError("a codec timing document needs `codecs` (one entry per codec)")
+    default = doc.get("default")
     return {**doc, "codecs": {name: one(e) if isinstance(e, dict) else e
                               for name, e in codecs.items()},
+            **({"default": one(default)} if isinstance(default, dict) else {}),
             "drift": {**drift, "factor": factor,
                       "what": f"rates / {factor:.4g}, fixed times x {factor:.4g}: this "
                               "host's decode step over the hardware profile's"}}
@@ -199,6 +214,8 @@ def rescaled_link_profile(doc: dict, factor: float, drift: dict) -> dict:
     """A measured link profile with its receiver time per byte taken in
     (`draft_step.ingest_s_per_byte`, the decode host's CPU) x factor; the link's own terms
     (rate, goodput, latency, per-message bytes) and the draft step's ratios to a step stay."""
+    if not factor > 0:
+        raise ValueError(f"a rescale factor must be > 0, got {factor}")
     step = doc.get("draft_step")
     if not isinstance(step, dict) or not isinstance(step.get("ingest_s_per_byte"),
                                                     (int, float)):
