@@ -109,6 +109,11 @@ def test_a_rescale_by_context_moves_the_steps_by_their_context_and_the_prefill_b
     assert "x 0.8 / 0.6 at 100 / 300 tokens" in out["drift"]["what"]
     assert profile_steps(out) == ([100, 300], pytest.approx([0.08, 0.12]),
                                   "its host's probe")
+    receiver = rescaled_profile({**doc, "cache_build": {"gb_per_s": 2.0},
+                                 "draft_step": {"ratio": 1.4, "ingest_s_per_byte": 1e-8}},
+                                [0.8, 0.6], {}, [100, 300])
+    assert receiver["cache_build"]["gb_per_s"] == pytest.approx(2.0 / 0.8)
+    assert receiver["draft_step"] == {"ratio": 1.4, "ingest_s_per_byte": pytest.approx(8e-9)}
     mid = rescaled_profile({**doc, "tpot": {"context_tokens": [50, 200, 400],
                                             "s": [1.0, 1.0, 1.0]}}, [0.8, 0.6], {}, [100, 300])
     assert mid["tpot"]["s"] == pytest.approx([0.8, 0.7, 0.6])

@@ -528,15 +528,15 @@ def _drift(cfg: Config, profiles: Any, run_dir: Path) -> tuple[Any, Any]:
     drift = check_drift(profiles.hardware, cfg.model, cfg.drift,  # (this process then
                         run_dir / "profiles-rescaled", force=True, own_process=True)  # emulates)
     assert drift is not None  # force: always probed unless off
-    profiles = _with_rescaled(profiles, profiles.hardware, drift, run_dir)
+    profiles = _with_rescaled(profiles, drift, run_dir)
     _say(f"host: {drift.words()}")
     return profiles, drift
 
 
-def _with_rescaled(profiles: Any, hardware: Path, drift: Any, run_dir: Path,
+def _with_rescaled(profiles: Any, drift: Any, run_dir: Path,
                    only: list[str] | None = None) -> Any:
     """The profiles with a rescaled drift's hardware profile and, rescaled with it, the codec
-    timing and link profiles calibrated together with the hardware profile at `hardware`
+    timing and link profiles calibrated together with their hardware profile
     (host_probe.rescale_companions; only: those a saved run rescaled)."""
     from dataclasses import replace
 
@@ -544,7 +544,7 @@ def _with_rescaled(profiles: Any, hardware: Path, drift: Any, run_dir: Path,
 
     if drift.outcome != "rescaled":
         return profiles
-    timing, links = rescale_companions(drift, json.loads(hardware.read_text()),
+    timing, links = rescale_companions(drift, json.loads(profiles.hardware.read_text()),
                                        profiles.codec_timing, profiles.links,
                                        run_dir / "profiles-rescaled", only)
     return replace(profiles, hardware=Path(drift.profile), codec_timing=timing, links=links)
@@ -739,9 +739,8 @@ def _saved_drift(report: dict, profiles: Any, run_dir: Path, other: bool = False
          "applied again")
     # the codec timing and links it rescaled with it, again (none: a run that rescaled its
     # hardware profile alone)
-    return _with_rescaled(profiles, profiles.hardware,
-                          replace(saved, profile=str(path), companions=[]), run_dir,
-                          list(saved.companions))
+    return _with_rescaled(profiles, replace(saved, profile=str(path), companions=[]),
+                          run_dir, list(saved.companions))
 
 
 def _saved_run(where: str) -> tuple[Path, dict, Config]:

@@ -140,10 +140,7 @@ def rescaled_profile(doc: dict, factor: float | list[float], drift: dict,
     build = doc.get("cache_build")
     if isinstance(build, dict) and isinstance(build.get("gb_per_s"), (int, float)):
         out["cache_build"] = {**build, "gb_per_s": build["gb_per_s"] / factors[0]}
-    step = doc.get("draft_step")
-    if isinstance(step, dict) and isinstance(step.get("ingest_s_per_byte"), (int, float)):
-        out["draft_step"] = {**step, "ingest_s_per_byte": step["ingest_s_per_byte"] *
-                             factors[0]}
+    out.update(_ingest_scaled(doc, factors[0]))
     host = out.get("host")
     probe = host.get("decode_step_probe") if isinstance(host, dict) else None
     if isinstance(probe, dict):  # the profile now describes this host's level: its probe
@@ -216,11 +213,16 @@ def rescaled_link_profile(doc: dict, factor: float, drift: dict) -> dict:
     (rate, goodput, latency, per-message bytes) and the draft step's ratios to a step stay."""
     if not factor > 0:
         raise ValueError(f"a rescale factor must be > 0, got {factor}")
+    scaled = _ingest_scaled(doc, factor)
+    return {**doc, **scaled, "drift": {**drift, "factor": factor, "what": (
+        f"draft_step.ingest_s_per_byte x {factor:.4g}" if scaled else "nothing to rescale")}}
+
+
+def _ingest_scaled(doc: dict, factor: float) -> dict:
+    """{"draft_step": ...} with the receiver's time per later-stream byte taken in x factor,
+    where doc (a hardware or link profile) measured it; else {}."""
     step = doc.get("draft_step")
     if not isinstance(step, dict) or not isinstance(step.get("ingest_s_per_byte"),
                                                     (int, float)):
-        return {**doc, "drift": {**drift, "factor": factor, "what": "nothing to rescale"}}
-    return {**doc, "draft_step": {**step, "ingest_s_per_byte": step["ingest_s_per_byte"] *
-                                  factor},
-            "drift": {**drift, "factor": factor,
-                      "what": f"draft_step.ingest_s_per_byte x {factor:.4g}"}}
+        return {}
+    return {"draft_step": {**step, "ingest_s_per_byte": step["ingest_s_per_byte"] * factor}}
