@@ -307,7 +307,9 @@ def test_drafts_slow_down_by_the_workers_projected_load_until_the_full_cache(
         u = np.where(job, 1.0, np.where((t >= a0) & (t < a1), min(1.0, ingest * rate), 0.0))
         assert float(u.mean()) > share + 0.1  # the bytes' share counts
         share = float(u.mean())
-        assert share == pytest.approx(1.0) if ingest * rate >= 1 else share < 1.0
+        # (to the grid's resolution: a job starting where the residual ends can fall
+        # between two 10-us points)
+        assert share == pytest.approx(1.0, abs=1e-4) if ingest * rate >= 1 else share < 1.0
     assert 0.0 < share <= 1.0
     tpot = sc.timing.tpot_s(1024)
     # busy_ratio 3: steps of 3 x tpot while busy, tpot while idle, weighted by steps made
