@@ -16,7 +16,9 @@ kvsim.scenario.speculative.receiver_draft_s).
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,26 +79,48 @@ def sim_overrides(common: list[str], profiles: Profiles, acceptance: str, sample
             f"speculative.acceptance={acceptance}", f"samples={samples}"]
 
 
-def run_pair(common: list[str], sim: list[str]) -> tuple[list[dict], list[dict]]:
-    """(emulated rows, simulated rows) of one scenario, one row per codec each."""
-    return emulate_rows(common), simulate(sim)
+def run_pair(common: list[str], sim: list[str], host: Any = None
+             ) -> tuple[list[dict], list[dict]]:
+    """(emulated rows, simulated rows) of one scenario, one row per codec each; `host`: a
+    decode host kept over scenarios (kept_decode_host)."""
+    return emulate_rows(common, host), simulate(sim)
 
 
-def emulate_rows(common: list[str]) -> list[dict]:
+def emulate_rows(common: list[str], host: Any = None) -> list[dict]:
     """The emulated rows of one scenario (`kvsim emulate` with these overrides), one per
-    codec (repeats aggregated); raises if a request did not finish."""
+    codec (repeats aggregated); raises if a request did not finish. `host`: the
+    kept_decode_host to send to (None: one started for this scenario alone)."""
     from kvsim.core.compose import compose
     from kvsim.transport.config import EmulateConfig
     from kvsim.transport.emulate import emulate
     from kvsim.transport.record import aggregate_rows
 
     ecfg, _ = compose("transport", common, EmulateConfig)
-    measured = aggregate_rows(emulate(ecfg))
+    measured = aggregate_rows(emulate(ecfg, host))
     failed = [r for r in measured if r.get("status") not in ("done", None)]
     if failed:
         raise RuntimeError(f"emulated run failed ({' '.join(common)}): "
                            f"{failed[0].get('status')}: {failed[0].get('error')}")
     return measured
+
+
+@contextlib.contextmanager
+def kept_decode_host(common: list[str], warm_context_tokens: int = 0) -> Iterator[Any]:
+    """One decode host (`kvsim serve`) for every scenario of these overrides' emulation
+    that follows, started once instead of once per scenario
+    (kvsim.transport.emulate.DecodeHost), warmed up for prompts up to warm_context_tokens;
+    None with tc, whose ends each run makes in namespaces of its own."""
+    from kvsim.core.compose import compose
+    from kvsim.transport.config import EmulateConfig
+    from kvsim.transport.emulate import DecodeHost
+
+    ecfg, _ = compose("transport", common, EmulateConfig)
+    if ecfg.transport.emulation == "tc":
+        yield None
+        return
+    ecfg.validate()
+    with DecodeHost(ecfg, warm_context_tokens=warm_context_tokens) as host:
+        yield host
 
 
 def simulate(sim: list[str]) -> list[dict]:

@@ -25,6 +25,7 @@ simulator's rows only (the measured ones are the saved run's).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
@@ -338,6 +339,7 @@ def validate(cfg: Config) -> dict:
         by_codec,
         emulate_rows,
         find_profiles,
+        kept_decode_host,
         run_pair,
         scenario_overrides,
         sim_overrides,
@@ -374,50 +376,57 @@ def validate(cfg: Config) -> dict:
     # after it stalled (kvsim.calibrate.host_probe.SubprocessStepProbe)
     probe = SubprocessStepProbe(cfg.model, cfg.step_probe_steps) \
         if cfg.step_probe_steps else None
-    for i, (emulation, rate, ctx) in enumerate(grid):
-        _say(f"[{i + 1}/{len(grid)}] {emulation} {rate:g} Gbps, {ctx} tokens, "
-             f"{len(cfg.codecs)} codecs ({time.time() - started:.0f} s so far)")
-        name, workload = _single_scenario(emulation, rate, ctx, cfg.output_tokens)
-        # the emulator runs each codec `repeats` times, interleaved; the simulator once
-        # one prompt per context: its live prefill runs once in this process and is reused
-        # by every later request of it (the metrics are from prefill end)
-        emulated = scenario_overrides(cfg.model.name, emulation, rate,
-                                      [c for _ in range(cfg.repeats) for c in cfg.codecs],
-                                      workload, list(cfg.ks), profiles, cfg.split_cpus) + \
-            ["transport.reuse_prefill=true"]
-        common = scenario_overrides(cfg.model.name, emulation, rate, cfg.codecs, workload,
-                                    list(cfg.ks), profiles)
-        sim = sim_overrides(common, profiles, cfg.acceptance, cfg.samples)
-        probed: dict[str, Any] = {}
-        calibrated: dict[str, dict] | None = None  # the unscaled simulation, where scaled
-        meter = HostLoadMeter()
-        if probe is not None:  # the step's speed now (kvsim.fidelity.step_probe)
-            sim, probed = _probed(sim, profiles, ctx, probe.step_s(ctx), run_dir, name)
-        if cfg.step_from_scenario:
-            measured = emulate_rows(emulated)
-            calibrated = by_codec(simulate(sim))  # the calibrated step, for its own error
-            sim, probed = _probed(sim, profiles, _mid_context(ctx, cfg.output_tokens),
-                                  _scenario_step_s(measured, name), run_dir, name,
-                                  "the scenario's own step", source="scenario")
-            simulated = simulate(sim)
-        else:
-            measured, simulated = run_pair(emulated, sim)
-        background = _background_keys(meter)
-        _keep(run_dir, name, {"measured": measured, "simulated": simulated})
-        sim_by = by_codec(simulated)
-        for codec, m in by_codec(measured).items():
-            s = sim_by[codec]
-            n = int(m.get("requests") or 1)  # repeats: drafts are summed over them
-            scenario = {"case": "single", "emulation": emulation, "bandwidth_gbps": rate,
-                        "context_tokens": ctx, "codec": codec, "repeats": n,
-                        "accepted_measured": f"{m.get('accepted_tokens', 0) / n:.3g}/"
-                                             f"{m.get('proposed_tokens', 0) / n:.3g}",
-                        "prefill_measured_s": m.get("prefill_s"),
-                        # the decode step after the first (s/token): errors.step_error_pct
-                        "tpot_measured_s": m.get("tpot_s"),
-                        **_single_keys(s, probed, calibrated, codec),
-                        **_drift_keys(cfg, drift), **background}
-            rows += errors.compare(scenario, m, s, single)
+    # one decode host for all of a loopback emulation's scenarios (tc: one per scenario)
+    with contextlib.ExitStack() as hosts:
+        host, host_emulation = None, ""
+        for i, (emulation, rate, ctx) in enumerate(grid):
+            _say(f"[{i + 1}/{len(grid)}] {emulation} {rate:g} Gbps, {ctx} tokens, "
+                 f"{len(cfg.codecs)} codecs ({time.time() - started:.0f} s so far)")
+            name, workload = _single_scenario(emulation, rate, ctx, cfg.output_tokens)
+            # the emulator runs each codec `repeats` times, interleaved; the simulator once
+            # one prompt per context: its live prefill runs once in this process and is reused
+            # by every later request of it (the metrics are from prefill end)
+            emulated = scenario_overrides(cfg.model.name, emulation, rate,
+                                          [c for _ in range(cfg.repeats) for c in cfg.codecs],
+                                          workload, list(cfg.ks), profiles, cfg.split_cpus) + \
+                ["transport.reuse_prefill=true"]
+            if emulation != host_emulation:
+                hosts.close()
+                host = hosts.enter_context(kept_decode_host(emulated, max(cfg.contexts)))
+                host_emulation = emulation
+            common = scenario_overrides(cfg.model.name, emulation, rate, cfg.codecs, workload,
+                                        list(cfg.ks), profiles)
+            sim = sim_overrides(common, profiles, cfg.acceptance, cfg.samples)
+            probed: dict[str, Any] = {}
+            calibrated: dict[str, dict] | None = None  # the unscaled simulation, where scaled
+            meter = HostLoadMeter()
+            if probe is not None:  # the step's speed now (kvsim.fidelity.step_probe)
+                sim, probed = _probed(sim, profiles, ctx, probe.step_s(ctx), run_dir, name)
+            if cfg.step_from_scenario:
+                measured = emulate_rows(emulated, host)
+                calibrated = by_codec(simulate(sim))  # the calibrated step, for its own error
+                sim, probed = _probed(sim, profiles, _mid_context(ctx, cfg.output_tokens),
+                                      _scenario_step_s(measured, name), run_dir, name,
+                                      "the scenario's own step", source="scenario")
+                simulated = simulate(sim)
+            else:
+                measured, simulated = run_pair(emulated, sim, host)
+            background = _background_keys(meter)
+            _keep(run_dir, name, {"measured": measured, "simulated": simulated})
+            sim_by = by_codec(simulated)
+            for codec, m in by_codec(measured).items():
+                s = sim_by[codec]
+                n = int(m.get("requests") or 1)  # repeats: drafts are summed over them
+                scenario = {"case": "single", "emulation": emulation, "bandwidth_gbps": rate,
+                            "context_tokens": ctx, "codec": codec, "repeats": n,
+                            "accepted_measured": f"{m.get('accepted_tokens', 0) / n:.3g}/"
+                                                 f"{m.get('proposed_tokens', 0) / n:.3g}",
+                            "prefill_measured_s": m.get("prefill_s"),
+                            # the decode step after the first (s/token): errors.step_error_pct
+                            "tpot_measured_s": m.get("tpot_s"),
+                            **_single_keys(s, probed, calibrated, codec),
+                            **_drift_keys(cfg, drift), **background}
+                rows += errors.compare(scenario, m, s, single)
     distributions: list[dict] = []
     if cfg.multi.enabled and cfg.multi.emulation in emulations:
         multi_rows, distributions = _multi(cfg, profiles, started, run_dir)
@@ -952,42 +961,53 @@ def _multi_workload(m: MultiConfig, rate_per_s: float) -> list[str]:
 def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path
            ) -> tuple[list[dict], list[dict]]:
     from kvsim.fidelity import errors
-    from kvsim.fidelity.runner import by_codec, run_pair, scenario_overrides, sim_overrides
+    from kvsim.fidelity.runner import (
+        by_codec,
+        kept_decode_host,
+        run_pair,
+        scenario_overrides,
+        sim_overrides,
+    )
 
     m = cfg.multi
     rows, distributions = [], []
-    for rate in m.rates_per_s:
-        _say(f"multi-request: {m.requests} Poisson arrivals at {rate:g}/s on "
-             f"{m.prefill_nodes} prefill instance(s) over "
-             f"{m.bandwidth_gbps:g} Gbps ({m.emulation}), "
-             f"{'timing-model' if m.decode == 'timing' else 'real batched'} decode "
-             f"({time.time() - started:.0f} s so far)")
-        name = _multi_name(m.emulation, rate)
-        common = scenario_overrides(cfg.model.name, m.emulation, m.bandwidth_gbps, m.codecs,
-                                    _multi_workload(m, rate), [], profiles, cfg.split_cpus)
-        # one sample: the emulator replays the arrivals of seed 0 and so must the simulator
-        # (percentiles of other arrival draws are not the same quantity)
-        sim, requests_path = _with_request_log(
-            sim_overrides(common, profiles, cfg.acceptance, 1), run_dir, name)
-        meter = HostLoadMeter()
-        measured, simulated = run_pair(common, sim)
-        background = _background_keys(meter)
-        _keep(run_dir, name, {"measured": measured, "simulated": simulated})
-        sim_by = by_codec(simulated)
-        for codec, row in by_codec(measured).items():
-            scenario = {"case": "multi", "emulation": m.emulation,
-                        "bandwidth_gbps": m.bandwidth_gbps, "context_tokens": m.context_tokens,
-                        "codec": codec, "rate_per_s": rate, "requests": m.requests,
-                        **({"prefill_nodes": m.prefill_nodes} if m.prefill_nodes > 1 else {}),
-                        **({"decode": m.decode} if m.decode != "timing" else {}),
-                        **background}
-            rows += errors.compare(scenario, row, sim_by[codec], errors.MULTI_METRICS)
-            requests = _measured_requests(row)
-            if requests is not None:
-                seqs = requests.pop("seq")
-                distributions += _distribution_rows(
-                    {**scenario, "seq": seqs}, requests,
-                    _simulated_requests(requests_path, codec, seqs))
+    # one decode host for the three loads (they differ in arrivals alone)
+    first = scenario_overrides(cfg.model.name, m.emulation, m.bandwidth_gbps, m.codecs,
+                               _multi_workload(m, m.rates_per_s[0]), [], profiles,
+                               cfg.split_cpus)
+    with kept_decode_host(first) as host:
+        for rate in m.rates_per_s:
+            _say(f"multi-request: {m.requests} Poisson arrivals at {rate:g}/s on "
+                 f"{m.prefill_nodes} prefill instance(s) over "
+                 f"{m.bandwidth_gbps:g} Gbps ({m.emulation}), "
+                 f"{'timing-model' if m.decode == 'timing' else 'real batched'} decode "
+                 f"({time.time() - started:.0f} s so far)")
+            name = _multi_name(m.emulation, rate)
+            common = scenario_overrides(cfg.model.name, m.emulation, m.bandwidth_gbps, m.codecs,
+                                        _multi_workload(m, rate), [], profiles, cfg.split_cpus)
+            # one sample: the emulator replays the arrivals of seed 0 and so must the simulator
+            # (percentiles of other arrival draws are not the same quantity)
+            sim, requests_path = _with_request_log(
+                sim_overrides(common, profiles, cfg.acceptance, 1), run_dir, name)
+            meter = HostLoadMeter()
+            measured, simulated = run_pair(common, sim, host)
+            background = _background_keys(meter)
+            _keep(run_dir, name, {"measured": measured, "simulated": simulated})
+            sim_by = by_codec(simulated)
+            for codec, row in by_codec(measured).items():
+                scenario = {"case": "multi", "emulation": m.emulation,
+                            "bandwidth_gbps": m.bandwidth_gbps, "context_tokens": m.context_tokens,
+                            "codec": codec, "rate_per_s": rate, "requests": m.requests,
+                            **({"prefill_nodes": m.prefill_nodes} if m.prefill_nodes > 1 else {}),
+                            **({"decode": m.decode} if m.decode != "timing" else {}),
+                            **background}
+                rows += errors.compare(scenario, row, sim_by[codec], errors.MULTI_METRICS)
+                requests = _measured_requests(row)
+                if requests is not None:
+                    seqs = requests.pop("seq")
+                    distributions += _distribution_rows(
+                        {**scenario, "seq": seqs}, requests,
+                        _simulated_requests(requests_path, codec, seqs))
     return rows, distributions
 
 

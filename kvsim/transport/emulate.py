@@ -131,55 +131,207 @@ def _rows(report: Path) -> list[dict]:
     return json.loads(report.read_text())["rows"]
 
 
-def emulate(cfg: EmulateConfig) -> list[dict]:
-    from kvsim.scenario.variants import variants
-    from kvsim.scenario.workload import requests as workload_requests
-
+def emulate(cfg: EmulateConfig, host: DecodeHost | None = None) -> list[dict]:
+    """Every request of the scenario sent to a decode host: a `kvsim serve` started for this
+    run and stopped after it, or `host`, one kept listening over several runs (loopback
+    emulations only; it must decode as this run's would: DecodeHost.admit)."""
     cfg.validate()
     t = cfg.transport
     if t.cpus:  # emulate places both ends itself: a list for one process would be dropped
         raise ValueError(f"transport.cpus={t.cpus!r} pins kvsim serve or kvsim send alone; "
                          "kvsim emulate runs both ends: use transport.split_cpus=true to "
                          "give each its half of the CPUs")
+    if host is not None:
+        host.admit(cfg)
+        return host.rows(host.send(cfg))
+    cfg = _with_device_budget(cfg)
+    t = cfg.transport
+    n_requests = _request_count(cfg)
+    if t.emulation == "tc":
+        with tempfile.TemporaryDirectory(prefix="kvsim-emulate-") as tmp_name:
+            tmp = Path(tmp_name)
+            return _emulate_tc(cfg, tmp, t.port or _free_port(), n_requests, tmp / "endpoint",
+                               tmp / "serve-report.json")
+    with DecodeHost(cfg, max_requests=n_requests) as one:
+        sent = one.send(cfg)
+        return one.finish(sent)
+
+
+def _with_device_budget(cfg: EmulateConfig) -> EmulateConfig:
+    """cfg, its decode host's device-memory budget set where both ends share a CUDA device
+    and none is configured (_shared_device_budget); a device this host lacks is refused
+    here, before either end starts."""
     from kvsim.transport import session
 
-    device = session.kv_device(cfg)  # one this host lacks is refused before either end starts
-    if device.type == "cuda" and not t.max_device_memory_bytes:
-        t = dataclasses.replace(t, max_device_memory_bytes=_shared_device_budget(cfg, device))
-        cfg = dataclasses.replace(cfg, transport=t)
+    device = session.kv_device(cfg)
+    t = cfg.transport
+    if device.type != "cuda" or t.max_device_memory_bytes:
+        return cfg
+    return dataclasses.replace(cfg, transport=dataclasses.replace(
+        t, max_device_memory_bytes=_shared_device_budget(cfg, device)))
+
+
+def _request_count(cfg: EmulateConfig) -> int:
+    """Requests the scenario sends: every variant's requests of the workload."""
     import numpy as np
 
-    n_requests = len(variants(cfg)) * len(workload_requests(cfg.workload,
-                                                            np.random.default_rng(cfg.seed)))
-    with tempfile.TemporaryDirectory(prefix="kvsim-emulate-") as tmp_name:
-        tmp = Path(tmp_name)
-        endpoint_file, rx_report = tmp / "endpoint", tmp / "serve-report.json"
-        port = t.port or _free_port()
-        if t.emulation == "tc":
-            return _emulate_tc(cfg, tmp, port, n_requests, endpoint_file, rx_report)
-        tx_cpus, rx_cpus = _split(cfg)
-        rx_cfg = dataclasses.replace(cfg, transport=dataclasses.replace(
-            t, bind=f"tcp://127.0.0.1:{port}", max_requests=n_requests,
-            endpoint_file=str(endpoint_file), cpus=rx_cpus))
-        tx_cfg = dataclasses.replace(cfg, transport=dataclasses.replace(
-            t, connect=f"tcp://127.0.0.1:{port}"))
-        serve = popen(_child("serve", rx_cfg, tmp, rx_report),
-                      stdout=subprocess.DEVNULL, env=_env(rx_cpus))
-        try:
-            _wait_listening(serve, endpoint_file, t.start_timeout_s)
-            from kvsim.transport.cpus import parse_cpus, pinned
+    from kvsim.scenario.variants import variants
+    from kvsim.scenario.workload import requests as workload_requests
 
-            with pinned(tx_cpus):  # this process sends: pinned for the transfer only
-                # the decode host's metrics on metrics_port, the sender's on the next port;
-                # its encoders' kernels as wide as its share (numba's pool is this
-                # process's, sized for every CPU)
-                sent = send_all(tx_cfg, t.metrics_port + 1 if t.metrics_port else 0,
-                                kernel_threads=len(parse_cpus(tx_cpus)))
-            _wait_or_stop(serve, t.timeout_s + 10)
-        finally:
-            stop(serve)
-        rows = _rows(rx_report) if rx_report.is_file() else []
-        return _with_send_cpus(_merge(rows, sent), tx_cpus)
+    return len(variants(cfg)) * len(workload_requests(cfg.workload,
+                                                      np.random.default_rng(cfg.seed)))
+
+
+class DecodeHost:
+    """A `kvsim serve` on loopback (token bucket or unshaped), its CPUs and its address: the
+    decode host of one `kvsim emulate` run (max_requests: it ends after them), or of several
+    (max_requests=0: until the context ends), each run's sender connecting to it in turn.
+
+    Kept over several runs it starts once (a new Python process, the model loaded and the
+    codecs and the largest request's memory warmed up: ~5-7 s here each time) and decodes
+    every run's requests as a decode node of a deployment keeps serving. Its configuration is
+    the first run's, with the workload's longest prompt (`warm_context_tokens`) warmed up;
+    a run whose decode side would differ is refused (`admit`). It starts on first use. tc
+    runs each end in a network namespace made for its run, and stays per run."""
+
+    def __init__(self, cfg: EmulateConfig, max_requests: int = 0,
+                 warm_context_tokens: int = 0) -> None:
+        t = cfg.transport
+        if t.emulation == "tc":
+            raise ValueError("a decode host kept over runs listens on loopback: "
+                             "transport.emulation=tc starts one per run in its namespace")
+        cfg = _with_device_budget(cfg)
+        if warm_context_tokens > cfg.workload.context_tokens:
+            cfg = dataclasses.replace(cfg, workload=dataclasses.replace(
+                cfg.workload, context_tokens=warm_context_tokens))
+        self.cfg = cfg
+        self.max_requests = max_requests
+        self.tx_cpus, self.rx_cpus = _split(cfg)
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self._serve: subprocess.Popen | None = None
+        self._closed = False
+        self.connect = ""
+
+    def __enter__(self) -> DecodeHost:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._closed = True
+        if self._serve is not None:
+            stop(self._serve)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def _running(self) -> None:
+        """Start `kvsim serve` on first use (a run whose requests are all stubbed out, or
+        none, starts nothing); RuntimeError once it has exited or the context has ended."""
+        if self._serve is None and not self._closed:
+            self._start()
+        if self._serve is None or self._serve.poll() is not None:
+            code = None if self._serve is None else self._serve.returncode
+            raise RuntimeError(f"the decode host is not running (exit code {code})")
+
+    def _start(self) -> None:
+        t = self.cfg.transport
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvsim-emulate-")
+        tmp = Path(self._tmp.name)
+        self._endpoint_file, self._report = tmp / "endpoint", tmp / "serve-report.json"
+        port = t.port or _free_port()
+        rx_cfg = dataclasses.replace(self.cfg, transport=dataclasses.replace(
+            t, bind=f"tcp://127.0.0.1:{port}", max_requests=self.max_requests,
+            endpoint_file=str(self._endpoint_file), cpus=self.rx_cpus))
+        self.connect = f"tcp://127.0.0.1:{port}"
+        self._serve = popen(_child("serve", rx_cfg, tmp, self._report),
+                            stdout=subprocess.DEVNULL, env=_env(self.rx_cpus))
+        _wait_listening(self._serve, self._endpoint_file, t.start_timeout_s)
+
+    def admit(self, cfg: EmulateConfig) -> None:
+        """Refuse (ValueError, naming the setting) a run this host would not decode as a
+        decode host of the run's own would: another model, device, decode mode, receiver
+        setting, decode instances or prefix store, a codec it did not warm up, a prompt
+        longer than it warmed up for; a host that has exited (RuntimeError)."""
+        mine, theirs = _decode_side(self.cfg), _decode_side(cfg)
+        for key, value in theirs.items():
+            if mine.get(key) != value:
+                raise ValueError(f"this run's decode side differs from the decode host kept "
+                                 f"over runs in {key}: {value!r} vs {mine.get(key)!r}")
+        from kvsim.scenario.variants import variants
+
+        warmed = {repr(v.spec) for v in variants(self.cfg)}
+        missing = [v.spec.label for v in variants(cfg) if repr(v.spec) not in warmed]
+        if missing:
+            raise ValueError(f"the decode host kept over runs did not warm up codec(s) "
+                             f"{missing} (it did "
+                             f"{sorted(v.spec.label for v in variants(self.cfg))})")
+        longest = _longest_prompt(cfg)
+        if longest > _longest_prompt(self.cfg):
+            raise ValueError(f"a {longest}-token prompt is longer than the decode host kept "
+                             f"over runs warmed up for ({_longest_prompt(self.cfg)})")
+        self._running()
+
+    def send(self, cfg: EmulateConfig) -> list[dict]:
+        """The run's requests sent to this host (this process pinned to the sender's CPUs
+        for the transfer): the sender's rows, each the decode host's own where it reported
+        the request (its DONE carries it)."""
+        from kvsim.transport.cpus import parse_cpus, pinned
+
+        self._running()
+        t = cfg.transport
+        tx_cfg = dataclasses.replace(cfg, transport=dataclasses.replace(t, connect=self.connect))
+        with pinned(self.tx_cpus):
+            # the decode host's metrics on metrics_port, the sender's on the next port; its
+            # encoders' kernels as wide as its share (numba's pool is this process's, sized
+            # for every CPU)
+            return send_all(tx_cfg, t.metrics_port + 1 if t.metrics_port else 0,
+                            kernel_threads=len(parse_cpus(self.tx_cpus)))
+
+    def rows(self, sent: list[dict]) -> list[dict]:
+        """A kept host's rows of one run: the sender's, each naming the CPUs of both ends
+        where they were split, as kvsim serve's report and emulate name them."""
+        if self.rx_cpus:  # rows the decode host reported (not the sender's own: sender_id)
+            sent = [r if "sender_id" in r else {**r, "decode_cpus": self.rx_cpus}
+                    for r in sent]
+        return _with_send_cpus(sent, self.tx_cpus)
+
+    def finish(self, sent: list[dict]) -> list[dict]:
+        """A host of one run (max_requests): wait for it to end by itself, then its report's
+        rows plus the sender's view of any request it never reported."""
+        if self._serve is None:
+            raise RuntimeError("the decode host was never started (nothing was sent)")
+        _wait_or_stop(self._serve, self.cfg.transport.timeout_s + 10)
+        rows = _rows(self._report) if self._report.is_file() else []
+        return _with_send_cpus(_merge(rows, sent), self.tx_cpus)
+
+
+def _longest_prompt(cfg: EmulateConfig) -> int:
+    import numpy as np
+
+    from kvsim.scenario.workload import requests as workload_requests
+
+    return max(r.context_tokens for r in
+               workload_requests(cfg.workload, np.random.default_rng(cfg.seed)))
+
+
+def _decode_side(cfg: EmulateConfig) -> dict:
+    """What a decode host's configuration decides about how it decodes (kvsim.commands.serve:
+    the receiver's settings, decode loops, instances, warm-up), beside the codecs and the
+    prompt lengths it warmed up for, which DecodeHost.admit checks apart."""
+    from kvsim.transport import session
+
+    t = cfg.transport
+    w = cfg.workload
+    receive = dataclasses.asdict(session.receiver_settings(cfg, ""))
+    # (a device-memory budget is the host's own: set when it started, where none was)
+    for key in ("bind", "max_requests", "idle_exit_s", "max_device_memory_bytes"):
+        receive.pop(key, None)
+    return {"model": dataclasses.asdict(cfg.model), "hardware": dataclasses.asdict(cfg.hardware),
+            "device": cfg.device, "decode": session.decode_mode(cfg), "threads": t.threads,
+            "split_cpus": t.split_cpus, "acceptance": cfg.speculative.acceptance,
+            "seed": cfg.seed, "receiver": receive, "prefix_cache":
+                dataclasses.asdict(cfg.prefix_cache),
+            "instances": (w.decode_nodes, w.decode_max_batch, w.routing),
+            "text_source": t.text_source}
 
 
 def _shared_device_budget(cfg: EmulateConfig, device) -> int:
