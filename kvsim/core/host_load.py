@@ -10,10 +10,12 @@ it lists): busy = user +
 nice + system (guest time is inside user); steal (time the hypervisor gave to other guests)
 apart. Interrupt and softirq time is left out of both sides: the kernel charges it to no
 process, so this tree's own packets (the loopback, a veth pair) would otherwise count as a
-neighbour. Own time (os.times): this process's threads and its children that have been
-waited for, theirs included; a child still running when the interval is read is not in it
-and shows as background, so an interval is read after the children it spans are reaped
-(kvsim.transport.children.stop, Popen.wait). background_cores = (busy - own) / wall: 1.0 is
+neighbour. Own time: this process's threads and its children that have been waited for,
+theirs included (os.times), plus what its descendants still running have used so far
+(/proc/<pid>/stat: their time and that of the children they waited for), so that a child
+kept over several intervals (a decode host serving one scenario after another) counts as
+this tree's in each; it moves from the second sum to the first when it is reaped, whole.
+background_cores = (busy - own) / wall: 1.0 is
 a neighbour keeping one CPU busy for the whole interval. Where /proc/stat is missing (not
 Linux) there is no reading (HostLoadMeter.available is False, read() returns None).
 """
@@ -86,9 +88,50 @@ def _host_ticks(stat: Path) -> tuple[int, int, int] | None:
     return values[_USER] + values[_NICE] + values[_SYSTEM], steal, max(cpus, 1)
 
 
-def _own_cpu_s() -> float:
+_PROC = Path("/proc")
+
+
+def _own_cpu_s(proc: Path = _PROC) -> float:
     t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+    return t.user + t.system + t.children_user + t.children_system + \
+        _running_descendants_cpu_s(proc)
+
+
+def _running_descendants_cpu_s(proc: Path = _PROC) -> float:
+    """CPU-s used so far by this process's descendants that have not been reaped (each one's
+    utime + stime + cutime + cstime: its own threads and the children it waited for); 0
+    where /proc cannot be read."""
+    parent_of: dict[int, int] = {}
+    ticks_of: dict[int, int] = {}
+    try:
+        entries = [e for e in proc.iterdir() if e.name.isdigit()]
+    except OSError:
+        return 0.0
+    for entry in entries:
+        try:
+            text = (entry / "stat").read_text()
+        except OSError:  # it ended meanwhile
+            continue
+        # pid (comm) state ppid ... : comm may hold spaces and parentheses; fields after the
+        # last ')' are state, ppid, ..., utime (14th field), stime, cutime, cstime
+        fields = text[text.rfind(")") + 2:].split()
+        try:
+            pid = int(entry.name)
+            parent_of[pid] = int(fields[1])
+            ticks_of[pid] = sum(int(f) for f in fields[11:15])
+        except (IndexError, ValueError):
+            continue
+    me = os.getpid()
+    children_of: dict[int, list[int]] = {}
+    for pid, parent in parent_of.items():
+        children_of.setdefault(parent, []).append(pid)
+    total, todo = 0, list(children_of.get(me, []))
+    while todo:
+        pid = todo.pop()
+        total += ticks_of[pid]
+        todo += children_of.get(pid, [])
+    tick_s = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+    return total * tick_s
 
 
 class HostLoadMeter:
