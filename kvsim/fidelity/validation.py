@@ -971,6 +971,8 @@ def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path
 
     m = cfg.multi
     rows, distributions = [], []
+    if not m.rates_per_s:
+        return rows, distributions
     # one decode host for the three loads (they differ in arrivals alone)
     first = scenario_overrides(cfg.model.name, m.emulation, m.bandwidth_gbps, m.codecs,
                                _multi_workload(m, m.rates_per_s[0]), [], profiles,
