@@ -38,19 +38,82 @@ def test_one_host_decodes_runs_of_several_rates_and_prompts_and_refuses_another_
     assert [r["status"] for r in again] == ["done"]
 
 
-def test_a_host_that_has_exited_is_refused_and_tc_is_not_kept():
+def test_a_host_that_has_exited_or_was_closed_is_refused_and_tc_is_never_kept():
+    """A kept host whose serve died is refused (RuntimeError), as is one whose context has
+    ended; a tc run is refused by a kept host and tc never makes one (its ends live in
+    namespaces of their own), nor does a configuration whose state would carry from one
+    run into the next (a prefix store, several decode instances)."""
     cfg = config("codecs=[int8]")
-    host = DecodeHost(cfg)
-    with host:
+    with DecodeHost(cfg) as host:
+        emulate(cfg, host)  # started
+        host._serve.kill()
+        host._serve.wait(timeout=30)
+        with pytest.raises(RuntimeError, match="not running"):
+            emulate(cfg, host)
+        with pytest.raises(ValueError, match="network namespaces"):
+            emulate(config("codecs=[int8]", "transport.emulation=tc"), host)
+    closed = DecodeHost(cfg)
+    with closed:
         pass
     with pytest.raises(RuntimeError, match="not running"):
-        emulate(cfg, host)
-    with pytest.raises(ValueError, match="tc starts one per run"):
+        emulate(cfg, closed)
+    with pytest.raises(ValueError, match="network namespaces"):
         DecodeHost(config("codecs=[int8]", "transport.emulation=tc"))
+    with pytest.raises(ValueError, match="decode_nodes"):
+        DecodeHost(config("codecs=[int8]", "workload.decode_nodes=2"))
 
 
-def test_a_run_of_its_own_still_reports_through_the_hosts_report():
+def test_a_run_of_its_own_still_runs_end_to_end():
     """emulate without a kept host: a decode host for the run alone, ended by its request
-    count, its report's rows."""
+    count (the refactored path of plain `kvsim emulate`)."""
     [row] = emulate(config("codecs=[int8]"))
     assert row["status"] == "done" and row["decode"] == "timing"
+
+
+def test_validate_keeps_one_host_per_loopback_emulation_and_none_for_tc(tmp_path, monkeypatch):
+    """kvsim validate's wiring, with a stand-in host and engine: the token bucket's
+    scenarios share one host (warmed up for the grid's longest prompt), closed before the
+    next emulation's scenarios; tc's get none (where this host can make namespaces); the
+    multi-request loads share another."""
+    from kvsim.cli.main import main
+    from kvsim.fidelity import runner
+    from kvsim.transport import emulate as emulate_mod
+    from kvsim.transport.netns import netns_available
+
+    made, closed = [], []
+
+    class Host:
+        def __init__(self, cfg, max_requests=0, warm_context_tokens=0):
+            self.emulation = cfg.transport.emulation
+            self.warm = warm_context_tokens
+            made.append(self)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            closed.append(self)
+
+    used = []
+
+    def pair(common, sim, host=None):
+        emulation = next(o for o in common if o.startswith("transport.emulation="))
+        used.append((emulation.split("=")[1], host, list(closed)))
+        rows = runner.simulate(sim)
+        return rows, rows
+
+    monkeypatch.setattr(emulate_mod, "DecodeHost", Host)
+    monkeypatch.setattr(runner, "run_pair", pair)
+    assert main(["validate", "emulations=[token_bucket,tc]", "rates_gbps=[0.1,0.3]",
+                 "contexts=[512,1024]", "codecs=[int8]", "multi.rates_per_s=[0.2,0.5]",
+                 "multi.requests=2", "multi.codecs=[int8]", "samples=1", "drift.action=off",
+                 "figure=false", f"hydra.run.dir={tmp_path / 'run'}"]) == 0
+    tb, multi = made
+    tc = netns_available()[0]
+    assert [(e, h) for e, h, _ in used] == [("token_bucket", tb)] * 4 + \
+        [("tc", None)] * (4 if tc else 0) + [("token_bucket", multi)] * 2
+    assert tb.warm == 1024 and multi.warm == 0
+    # the token bucket's host was closed before tc's scenarios and the multi-request loads
+    assert all(tb in before for e, h, before in used[4:]) and closed == [tb, multi]
+    with runner.kept_decode_host(["transport.emulation=tc"]) as host:
+        assert host is None

@@ -82,8 +82,6 @@ def test_a_running_descendant_is_this_trees_own_before_and_after_it_is_reaped():
     reaped = meter.read()
     # the grandchild kept one CPU busy for ~0.8 s of the first interval: this tree's own
     assert running.own_cpu_s > 0.6
-    # loose: a shared host's neighbours may add to both readings alike
-    assert running.background_cores < running.own_cores
     # ... and still once reaped: its whole ~1.2 CPU-s (plus two interpreters' start)
     assert reaped.own_cpu_s - running.own_cpu_s > 0.2
     assert reaped.own_cpu_s > 1.1

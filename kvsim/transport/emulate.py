@@ -191,15 +191,23 @@ class DecodeHost:
     codecs and the largest request's memory warmed up: ~5-7 s here each time) and decodes
     every run's requests as a decode node of a deployment keeps serving. Its configuration is
     the first run's, with the workload's longest prompt (`warm_context_tokens`) warmed up;
-    a run whose decode side would differ is refused (`admit`). It starts on first use. tc
-    runs each end in a network namespace made for its run, and stays per run."""
+    a run whose decode side would differ is refused (`admit`), and so is keeping one whose
+    state would carry from run to run (a prefix store, several decode instances routed by
+    their load). It starts on first use and keeps every run's rows in its own memory (a
+    few per request). tc runs each end in a network namespace made for its run, and stays
+    per run."""
 
     def __init__(self, cfg: EmulateConfig, max_requests: int = 0,
                  warm_context_tokens: int = 0) -> None:
-        t = cfg.transport
-        if t.emulation == "tc":
-            raise ValueError("a decode host kept over runs listens on loopback: "
-                             "transport.emulation=tc starts one per run in its namespace")
+        _keepable(cfg)
+        if max_requests == 0:  # kept over runs: nothing one run leaves may steer the next
+            if cfg.prefix_cache.enabled:
+                raise ValueError("a decode host kept over runs would hand one run's prefix "
+                                 "blocks to the next: prefix_cache.enabled needs a host per run")
+            if cfg.workload.decode_nodes > 1:
+                raise ValueError("a decode host kept over runs would route each run's requests "
+                                 "from where the last run's left its instances: "
+                                 "workload.decode_nodes > 1 needs a host per run")
         cfg = _with_device_budget(cfg)
         if warm_context_tokens > cfg.workload.context_tokens:
             cfg = dataclasses.replace(cfg, workload=dataclasses.replace(
@@ -224,8 +232,8 @@ class DecodeHost:
             self._tmp = None
 
     def _running(self) -> None:
-        """Start `kvsim serve` on first use (a run whose requests are all stubbed out, or
-        none, starts nothing); RuntimeError once it has exited or the context has ended."""
+        """Start `kvsim serve` on first use (a context in which nothing is sent starts
+        nothing); RuntimeError once it has exited or the context has ended."""
         if self._serve is None and not self._closed:
             self._start()
         if self._serve is None or self._serve.poll() is not None:
@@ -251,6 +259,12 @@ class DecodeHost:
         decode host of the run's own would: another model, device, decode mode, receiver
         setting, decode instances or prefix store, a codec it did not warm up, a prompt
         longer than it warmed up for; a host that has exited (RuntimeError)."""
+        _keepable(cfg)
+        budget = cfg.transport.max_device_memory_bytes
+        if budget and budget != self.cfg.transport.max_device_memory_bytes:
+            raise ValueError(f"transport.max_device_memory_bytes={budget} differs from the "
+                             f"decode host kept over runs "
+                             f"({self.cfg.transport.max_device_memory_bytes})")
         mine, theirs = _decode_side(self.cfg), _decode_side(cfg)
         for key, value in theirs.items():
             if mine.get(key) != value:
@@ -302,6 +316,14 @@ class DecodeHost:
         _wait_or_stop(self._serve, self.cfg.transport.timeout_s + 10)
         rows = _rows(self._report) if self._report.is_file() else []
         return _with_send_cpus(_merge(rows, sent), self.tx_cpus)
+
+
+def _keepable(cfg: EmulateConfig) -> None:
+    """A decode host this process starts on loopback serves the run (token bucket, none);
+    tc's ends live in network namespaces made for their run."""
+    if cfg.transport.emulation == "tc":
+        raise ValueError("transport.emulation=tc runs each end in network namespaces made for "
+                         "its run: not on a decode host on loopback")
 
 
 def _longest_prompt(cfg: EmulateConfig) -> int:
