@@ -212,8 +212,15 @@ class DecodeHost:
         if warm_context_tokens > cfg.workload.context_tokens:
             cfg = dataclasses.replace(cfg, workload=dataclasses.replace(
                 cfg.workload, context_tokens=warm_context_tokens))
+        from kvsim.scenario.variants import variants
+        from kvsim.transport.session import longest_prompt_tokens
+
         self.cfg = cfg
         self.max_requests = max_requests
+        # what admit() holds each run to, fixed by this configuration
+        self._side = _decode_side(cfg)
+        self._warmed = {repr(v.spec): v.spec.label for v in variants(cfg)}
+        self._longest_tokens = longest_prompt_tokens(cfg)
         self.tx_cpus, self.rx_cpus = _split(cfg)
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._serve: subprocess.Popen | None = None
@@ -265,23 +272,21 @@ class DecodeHost:
             raise ValueError(f"transport.max_device_memory_bytes={budget} differs from the "
                              f"decode host kept over runs "
                              f"({self.cfg.transport.max_device_memory_bytes})")
-        mine, theirs = _decode_side(self.cfg), _decode_side(cfg)
-        for key, value in theirs.items():
-            if mine.get(key) != value:
+        for key, value in _decode_side(cfg).items():
+            if self._side.get(key) != value:
                 raise ValueError(f"this run's decode side differs from the decode host kept "
-                                 f"over runs in {key}: {value!r} vs {mine.get(key)!r}")
+                                 f"over runs in {key}: {value!r} vs {self._side.get(key)!r}")
         from kvsim.scenario.variants import variants
+        from kvsim.transport.session import longest_prompt_tokens
 
-        warmed = {repr(v.spec) for v in variants(self.cfg)}
-        missing = [v.spec.label for v in variants(cfg) if repr(v.spec) not in warmed]
+        missing = [v.spec.label for v in variants(cfg) if repr(v.spec) not in self._warmed]
         if missing:
             raise ValueError(f"the decode host kept over runs did not warm up codec(s) "
-                             f"{missing} (it did "
-                             f"{sorted(v.spec.label for v in variants(self.cfg))})")
-        longest = _longest_prompt(cfg)
-        if longest > _longest_prompt(self.cfg):
+                             f"{missing} (it did {sorted(self._warmed.values())})")
+        longest = longest_prompt_tokens(cfg)
+        if longest > self._longest_tokens:
             raise ValueError(f"a {longest}-token prompt is longer than the decode host kept "
-                             f"over runs warmed up for ({_longest_prompt(self.cfg)})")
+                             f"over runs warmed up for ({self._longest_tokens})")
         self._running()
 
     def send(self, cfg: EmulateConfig) -> list[dict]:
@@ -326,15 +331,6 @@ def _keepable(cfg: EmulateConfig) -> None:
                          "its run: not on a decode host on loopback")
 
 
-def _longest_prompt(cfg: EmulateConfig) -> int:
-    import numpy as np
-
-    from kvsim.scenario.workload import requests as workload_requests
-
-    return max(r.context_tokens for r in
-               workload_requests(cfg.workload, np.random.default_rng(cfg.seed)))
-
-
 def _decode_side(cfg: EmulateConfig) -> dict:
     """What a decode host's configuration decides about how it decodes (kvsim.commands.serve:
     the receiver's settings, decode loops, instances, warm-up), beside the codecs and the
@@ -352,8 +348,7 @@ def _decode_side(cfg: EmulateConfig) -> dict:
             "split_cpus": t.split_cpus, "acceptance": cfg.speculative.acceptance,
             "seed": cfg.seed, "receiver": receive, "prefix_cache":
                 dataclasses.asdict(cfg.prefix_cache),
-            "instances": (w.decode_nodes, w.decode_max_batch, w.routing),
-            "text_source": t.text_source}
+            "instances": (w.decode_nodes, w.decode_max_batch, w.routing)}
 
 
 def _shared_device_budget(cfg: EmulateConfig, device) -> int:

@@ -134,6 +134,12 @@ def warm_up(cfg: EmulateConfig, lm: Any | None, decode_side: bool = False) -> No
         _reach_peak_memory(cfg, lm)
 
 
+def longest_prompt_tokens(cfg: EmulateConfig) -> int:
+    """The workload's longest prompt (tokens): what the decode side warms up for."""
+    return max(r.context_tokens for r in
+               workload_requests(cfg.workload, np.random.default_rng(cfg.seed)))
+
+
 def _reach_peak_memory(cfg: EmulateConfig, lm: Any | None) -> None:
     """Allocate, touch and free what the workload's largest request needs at its peak on
     the decode side: its dequantized fp32 layers and, with a real model, the model's caches
@@ -149,8 +155,7 @@ def _reach_peak_memory(cfg: EmulateConfig, lm: Any | None) -> None:
     Skipped, with a note, when that is more than PEAK_WARM_UP_MAX_BYTES."""
     import torch
 
-    tokens = max(r.context_tokens for r in
-                 workload_requests(cfg.workload, np.random.default_rng(cfg.seed)))
+    tokens = longest_prompt_tokens(cfg)
     shape = cfg.model.kv_shape(tokens)
     layer_shape = (2, shape.kv_heads, tokens, shape.head_dim)  # [K/V, heads, tokens, D]
     fp32_bytes = 4 * shape.layers * int(np.prod(layer_shape))
