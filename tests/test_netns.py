@@ -20,7 +20,7 @@ import pytest
 
 from kvsim.transport.netns import (
     DEFAULT_PREFIX,
-    GSO_MAX_BYTES,
+    GSO_QDISC_BYTES,
     Leftover,
     NetemSpec,
     NetnsError,
@@ -184,8 +184,13 @@ def test_bad_spec_names_the_field(kwargs, field):
 
 def test_default_burst_and_limit():
     slow = NetemSpec(rate_gbps=0.1)  # 12.5e6 B/s: 1 ms = 12.5 kB < one GSO packet
-    assert slow.tbf_burst_bytes == GSO_MAX_BYTES
-    assert slow.tbf_limit_bytes == 4 * GSO_MAX_BYTES  # 4 bursts > 20 ms at 12.5e6 B/s = 250 kB
+    assert slow.tbf_burst_bytes == GSO_QDISC_BYTES
+    assert slow.tbf_limit_bytes == 4 * GSO_QDISC_BYTES  # 4 bursts > 20 ms at 12.5e6 B/s = 250 kB
+    # a whole 64 KiB TSO packet as tbf counts it: 46 segments of at most 1448 payload bytes,
+    # each with its 66 header bytes; 0.5 Gbps x 1 ms = 62.5 kB would not hold it
+    assert GSO_QDISC_BYTES == 65536 + 46 * 66
+    assert NetemSpec(rate_gbps=0.5).tbf_burst_bytes == GSO_QDISC_BYTES
+    assert NetemSpec(rate_gbps=0.6).tbf_burst_bytes == 75_000  # 1 ms, above the floor
     fast = NetemSpec(rate_gbps=100)  # 12.5e9 B/s
     assert fast.tbf_burst_bytes == 12_500_000  # 1 ms
     assert fast.tbf_limit_bytes == 250_000_000  # 20 ms, under the 256 MiB cap
@@ -226,7 +231,7 @@ def test_tc_commands_shape_forward_and_optionally_acks():
     only_rate = tc_commands(new_link(NetemSpec(rate_gbps=0.1), "kvs000001"))
     assert only_rate == [["tc", "-netns", "kvs000001s", "qdisc", "add", "dev", "kvs000001s",
                           "root", "handle", "1:", "tbf", "rate", "100000000bit",
-                          "burst", "65536", "limit", "262144"]]
+                          "burst", "68572", "limit", "274288"]]
     spec = NetemSpec(rate_gbps=1, delay_ms=20, jitter_ms=1.5, loss_pct=0.1)
     # netem limit: 2 x 125e6 B/s x 21.5 ms / 1500 B = 3583.3 -> 3584 packets
     fwd = ["tc", "-netns", "kvs000001s", "qdisc", "add", "dev", "kvs000001s"]

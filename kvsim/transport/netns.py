@@ -45,6 +45,13 @@ ROLE_LETTERS = "srp"  # sender ns / receiver ns / capability probe ns
 CMD_TIMEOUT_S = 10.0  # one `ip` / `tc` invocation; they take ~5 ms when the box is healthy
 MTU_BYTES = 1500  # veth default MTU
 GSO_MAX_BYTES = 65536  # largest TSO/GSO skb a veth hands to its qdisc (gso_max_size)
+# tbf measures a GSO skb as the packets it will become: its bytes plus every further
+# segment's copy of the L2/IP/TCP headers (qdisc_pkt_len_init). A 64 KiB skb at a 1500-byte
+# MTU is up to 46 segments of 14 + 20 + 32 header bytes: 68,572 bytes to tbf. A bucket
+# smaller than that makes tbf cut every such skb into MTU-sized packets (tbf_segment)
+GSO_SEGMENT_HEADER_BYTES = 14 + 20 + 32  # Ethernet + IPv4 + TCP with timestamps
+GSO_QDISC_BYTES = GSO_MAX_BYTES + math.ceil(
+    GSO_MAX_BYTES / (MTU_BYTES - 20 - 32)) * GSO_SEGMENT_HEADER_BYTES
 ADDR_PREFIX_LEN = 30  # one /30 per link: network, sender, receiver, broadcast
 TBF_U32_MAX = 2**32 - 1  # tbf burst and limit are 32-bit byte counts in the kernel
 DEFAULT_LIMIT_CAP_BYTES = 256 * 2**20  # cap on the default tbf queue: 256 MiB of kernel memory
@@ -116,13 +123,16 @@ class NetemSpec:
     @property
     def tbf_burst_bytes(self) -> int:
         """Bucket depth, bytes: what may leave back to back at veth speed after an idle spell.
-        Default: 1 ms of traffic at the rate, but at least one 64 KiB GSO packet. Below one
-        GSO packet tbf has to segment every TSO skb in software (CPU cost on the sender);
+        Default: 1 ms of traffic at the rate, but at least one 64 KiB GSO packet as tbf
+        counts it (GSO_QDISC_BYTES). Below that tbf segments every TSO skb in software and
+        the receiver takes the transfer as MTU-sized packets: measured here at 0.3 Gbps, the
+        receiving process's I/O threads spent ~4x the CPU per byte of 0.6 Gbps (whose 1 ms
+        bucket held a whole skb), and a step drafted beside the transfer took 3x its time;
         above 1 ms a short burst overshoots the rate for longer than a typical switch
         buffer would let it, and a bulk transfer of B bytes gains burst/rate seconds."""
         if self.burst_bytes is not None:
             return self.burst_bytes
-        return min(TBF_U32_MAX, max(GSO_MAX_BYTES, math.ceil(self.rate_bytes_per_s * 1e-3)))
+        return min(TBF_U32_MAX, max(GSO_QDISC_BYTES, math.ceil(self.rate_bytes_per_s * 1e-3)))
 
     @property
     def tbf_limit_bytes(self) -> int:
@@ -480,7 +490,7 @@ def _probe_namespace(ns: str) -> tuple[bool, str, bool, str]:
         _run(["ip", "-n", ns, "link", "add", "name", ns, "type", "veth", "peer", "name", "b"])
         _run(["ip", "-n", ns, "link", "set", "dev", ns, "alias", _owner_mark()])
         _run(["tc", "-netns", ns, "qdisc", "add", "dev", ns, "root", "tbf", "rate", "1gbit",
-              "burst", str(GSO_MAX_BYTES), "limit", str(4 * GSO_MAX_BYTES)])
+              "burst", str(GSO_QDISC_BYTES), "limit", str(4 * GSO_QDISC_BYTES)])
     except NetnsError as exc:
         _cleanup_probe(ns)
         return False, str(exc), False, str(exc)
