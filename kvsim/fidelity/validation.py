@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from omegaconf import MISSING
 
 from kvsim.core.host_load import HostLoadMeter
 from kvsim.core.report import format_table
+from kvsim.fidelity.step_level import step_level
 from kvsim.model.host import DriftConfig
 from kvsim.model.spec import ModelSpec
 
@@ -365,6 +367,7 @@ def validate(cfg: Config) -> dict:
     profiles = find_profiles(root, name, emulations)
     if not cfg.calibrate:  # what ran beside the profile's own measurement, where it says
         host_load["profile"] = _profile_background(profiles.hardware)
+    hardware = profiles.hardware  # the profile as found (the probe after is against it)
     profiles, drift = _drift(cfg, profiles, run_dir)
     started = time.time()
     comparisons = HostLoadMeter()
@@ -436,8 +439,10 @@ def validate(cfg: Config) -> dict:
         rows += [{**r, **_drift_keys(cfg, drift)} for r in prefix_rows]
         distributions += prefix_distributions
     host_load["comparisons"] = _load_dict(comparisons)
+    after = _probe_after(cfg, hardware)
     return _conclude(cfg, rows, run_dir, profiles,
                      {"notes": notes, "drift": drift.as_dict() if drift else None,
+                      "probe_after": after.as_dict() if after else None,
                       "host_load": _host_load_summary(host_load, rows)},
                      started, distributions)
 
@@ -540,6 +545,25 @@ def _drift(cfg: Config, profiles: Any, run_dir: Path) -> tuple[Any, Any]:
     profiles = _with_rescaled(profiles, drift, run_dir)
     _say(f"host: {drift.words()}")
     return profiles, drift
+
+
+def _probe_after(cfg: Config, hardware: Path) -> Any:
+    """The host probed again after the comparisons, as before them and against the same
+    hardware profile (the Drift, nothing rescaled or written; None with drift.action=off):
+    whether the host moved during the run (kvsim.fidelity.step_level)."""
+    from kvsim.calibrate.host_probe import Drift, check_drift
+
+    if cfg.drift.action == "off":
+        return None
+    # an unbounded tolerance: the check's figures without its action (nothing written)
+    after = check_drift(hardware, cfg.model, DriftConfig(tolerance_pct=999.0), Path("."),
+                        force=True, own_process=True)
+    assert after is not None  # force: always probed unless off
+    contexts, factors = after.points()
+    _say(f"host after the comparisons: decode step {Drift._ms(after.probes_s)} ms at "
+         f"{' / '.join(map(str, contexts))} tokens, x {' / '.join(f'{f:.3f}' for f in factors)}"
+         f" the profile's ({after.reference})")
+    return after
 
 
 def _with_rescaled(profiles: Any, drift: Any, run_dir: Path,
@@ -833,9 +857,15 @@ def _conclude(cfg: Config, rows: list[dict], run_dir: Path, profiles: Any, extra
         summary["mean_abs_pct_error"] <= cfg.target_mean_abs_pct
     met_max = bool(summary["compared"]) and \
         summary["max_abs_pct_error"] <= cfg.target_max_abs_pct
+    # the decode-step level the simulation stood on, against the scenarios' own steps and
+    # the host probes before and after the comparisons (kvsim.fidelity.step_level)
+    level = step_level(float(summary.get("step_mean_abs_pct_error", math.nan)),
+                       cfg.drift.tolerance_pct, extra.get("drift"), extra.get("probe_after"),
+                       from_scenario=_level_from_scenario(rows))
     summary.update(target_mean_abs_pct=cfg.target_mean_abs_pct,
                    target_max_abs_pct=cfg.target_max_abs_pct,
-                   met_mean=met_mean, met_max=met_max, met=met_mean and met_max,
+                   met_mean=met_mean, met_max=met_max,
+                   met=met_mean and met_max and level.trusted, step_level=level.as_dict(),
                    profiles={"hardware": str(profiles.hardware),
                              "codec_timing": str(profiles.codec_timing),
                              **{f"link.{k}": str(v) for k, v in profiles.links.items()}},
@@ -861,6 +891,13 @@ def _conclude(cfg: Config, rows: list[dict], run_dir: Path, profiles: Any, extra
     return {"rows": rows, **{k: summary[k] for k in ("mean_abs_pct_error",
                                                       "max_abs_pct_error")},
             "fidelity": summary, "distributions": distributions}
+
+
+def _level_from_scenario(rows: list[dict]) -> bool:
+    """Every single-request comparison took its step level from its scenario's own
+    measured steps (step_from_scenario, or a re-simulation of a run that did)."""
+    single = [r for r in rows if r.get("case") == "single"]
+    return bool(single) and all(r.get("step_level_from") == "scenario" for r in single)
 
 
 def _keep(run_dir: Path, name: str, doc: dict) -> None:
@@ -1241,9 +1278,14 @@ def _print(rows: list[dict], summary: dict, distributions: list[dict]) -> None:
         print("by case: " + "; ".join(
             f"{case} {c['mean_abs_pct_error']:.2f}% mean, {c['max_abs_pct_error']:.2f}% worst "
             f"over {c['compared']}" for case, c in cases.items()))
+    level = summary.get("step_level") or {}
+    if level:
+        print(level["words"])
+    missed = " and ".join(w for w, ok in (("mean", summary["met_mean"]),
+                                          ("worst", summary["met_max"])) if not ok)
     print(f"mean |error| {summary['mean_abs_pct_error']:.2f}% (target "
           f"{summary['target_mean_abs_pct']}%), worst {summary['max_abs_pct_error']:.2f}% "
           f"(target {summary['target_max_abs_pct']}%) over {summary['compared']} comparisons"
-          + ("" if summary["met"] else ": " + " and ".join(
-              w for w, ok in (("mean", summary["met_mean"]), ("worst", summary["met_max"]))
-              if not ok) + " above target"))
+          + (f": {missed} above target" if missed else "")
+          + ("" if level.get("trusted", True) else
+             ("; and " if missed else ": not met, ") + "the step level was not the scenarios'"))
