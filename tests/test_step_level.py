@@ -36,7 +36,7 @@ def test_a_probe_that_missed_the_scenarios_spell_is_not_trusted_and_says_why():
     assert not level.trusted
     assert level.moved_pct == pytest.approx((1 - 0.99 / 1.16) * 100)  # at 2048 tokens
     words = level.words()
-    assert "NOT the scenarios' host" in words and "the host moved during the run" in words
+    assert "not the scenarios' host" in words and "the host moved during the run" in words
     assert "step_from_scenario=true" in words  # the way to compare the model alone
 
 

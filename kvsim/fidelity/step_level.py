@@ -85,7 +85,7 @@ class StepLevel:
                             ", and both missed the scenarios' spells")))
         if self.trusted:
             return f"step level held: {level}{probes}"
-        return (f"step level NOT the scenarios' host: {level}{probes}. These errors measure "
+        return (f"step level not the scenarios' host: {level}{probes}. These errors measure "
                 "the host's minute as much as the model; `kvsim validate measured_from=<this "
                 "run> step_from_scenario=true` compares the model with each scenario's own "
                 "step level (seconds, nothing emulated)")

@@ -15,7 +15,9 @@ fidelity.md (one line per scenario and codec, the signed error of every metric),
 fidelity.png (simulated vs measured) and scenarios/<scenario>.json (both engines' full rows)
 in the run directory; the rows are the report's too. What else ran on the host meanwhile
 (kvsim.core.host_load) is measured over the calibration, the comparisons and each scenario:
-its rows carry `background_cores`, the summary `host_load`.
+its rows carry `background_cores`, the summary `host_load`. After the comparisons the step
+level the simulations stood on is checked against the scenarios' own steps, and the host
+probed again (kvsim.fidelity.step_level: the summary's `step_level`).
 
 `measured_from=<report.json or run dir>` simulates a saved run's scenarios again against
 the measurements it saved, with no emulation (seconds): how a change to the simulator moves
