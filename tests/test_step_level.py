@@ -37,7 +37,9 @@ def test_a_probe_that_missed_the_scenarios_spell_is_not_trusted_and_says_why():
     assert level.moved_pct == pytest.approx((1 - 0.99 / 1.16) * 100)  # at 2048 tokens
     words = level.words()
     assert "not the scenarios' host" in words and "the host moved during the run" in words
-    assert "step_from_scenario=true" in words  # the way to compare the model alone
+    assert "measured_from=<this run> step_from_scenario=true" in words  # the model alone
+    named = step_level(21.2, 10.0, None, None, run="outputs/x").words()
+    assert "measured_from=outputs/x step_from_scenario=true" in named
 
 
 def test_a_steady_host_whose_probes_both_missed_is_still_not_trusted():

@@ -44,6 +44,7 @@ class StepLevel:
     # (step_from_scenario=true): the level holds by construction, and step_mean_abs_pct is
     # the calibrated step's own error, reported only
     from_scenario: bool = False
+    run: str = ""  # the run's directory (or the saved run re-simulated), named in the words
 
     @property
     def trusted(self) -> bool:
@@ -86,9 +87,9 @@ class StepLevel:
         if self.trusted:
             return f"step level held: {level}{probes}"
         return (f"step level not the scenarios' host: {level}{probes}. These errors measure "
-                "the host's minute as much as the model; `kvsim validate measured_from=<this "
-                "run> step_from_scenario=true` compares the model with each scenario's own "
-                "step level (seconds, nothing emulated)")
+                f"the host's minute as much as the model; `kvsim validate measured_from="
+                f"{self.run or '<this run>'} step_from_scenario=true` compares the model with "
+                "each scenario's own step level (seconds, nothing emulated)")
 
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self), "trusted": self.trusted,
@@ -111,7 +112,7 @@ def probe_factors(drift: dict | None) -> tuple[list[int], list[float], list[floa
 
 
 def step_level(step_mean_abs_pct: float, tolerance_pct: float, before: dict | None,
-               after: dict | None, from_scenario: bool = False) -> StepLevel:
+               after: dict | None, from_scenario: bool = False, run: str = "") -> StepLevel:
     """The check from the summary's step error and the two probes' saved drift records
     (before: None where the profiles were calibrated in the run; after: None where no
     second probe was taken). Probes of different contexts are not set side by side."""
@@ -120,7 +121,7 @@ def step_level(step_mean_abs_pct: float, tolerance_pct: float, before: dict | No
     if after_f and before_f and after_contexts != contexts:
         after_f, after_s = [], []
     return StepLevel(step_mean_abs_pct, tolerance_pct, contexts or after_contexts,
-                     before_f, after_f, after_s, from_scenario)
+                     before_f, after_f, after_s, from_scenario, run)
 
 
 __all__ = ["StepLevel", "probe_factors", "step_level"]

@@ -863,7 +863,8 @@ def _conclude(cfg: Config, rows: list[dict], run_dir: Path, profiles: Any, extra
     # the host probes before and after the comparisons (kvsim.fidelity.step_level)
     level = step_level(float(summary.get("step_mean_abs_pct_error", math.nan)),
                        cfg.drift.tolerance_pct, extra.get("drift"), extra.get("probe_after"),
-                       from_scenario=_level_from_scenario(rows))
+                       from_scenario=_level_from_scenario(rows),
+                       run=str(extra.get("measured_from") or run_dir))
     summary.update(target_mean_abs_pct=cfg.target_mean_abs_pct,
                    target_max_abs_pct=cfg.target_max_abs_pct,
                    met_mean=met_mean, met_max=met_max,
