@@ -174,6 +174,9 @@ def fidelity_summary(grid: str = "full") -> str:
     drift = fid.get("drift")
     if isinstance(drift, dict):
         lines.append(f"- **Host check**: {drift['words']}.")
+    level = fid.get("step_level")  # runs since the level was checked after the comparisons
+    if isinstance(level, dict) and level.get("words"):
+        lines.append(f"- **Step level**: {level['words']}.")
     load = _host_load(report)
     if load:
         lines.append(f"- **Other work on the host**: {_host_words(load)}.")
