@@ -399,24 +399,24 @@ def test_validate_probes_again_after_the_comparisons_and_keeps_the_figures_only(
     """The probe after the comparisons is taken as the one before (in a process of its
     own, against the profile as found) whatever the tolerance or action: its factors go to
     the summary's step-level check (kvsim.fidelity.step_level), nothing is rescaled,
-    written or refused; none with drift.action=off."""
+    written or refused (outcome "measured"); none with drift.action=off."""
     from kvsim.fidelity import validation
     from kvsim.fidelity.step_level import step_level
 
     path, _ = _profile(tmp_path, None)
     probe = FakeProbe(1.5, 1.25)  # far beyond a 10% tolerance
     monkeypatch.setattr(host_probe, "SubprocessStepProbe", lambda model, steps, threads: probe)
-    monkeypatch.chdir(tmp_path)
     before = set(tmp_path.rglob("*"))
     for action in ("rescale", "refuse"):
         cfg = validation.Config(model=MODEL, drift=DriftConfig(action=action))
-        after = validation._probe_after(cfg, path)
-        assert after.outcome == "within" and after.profile == str(path)
+        after = validation._probe_after(cfg, path, tmp_path / "run")
+        assert after.outcome == "measured" and after.profile == str(path)
         assert after.factors == [pytest.approx(1.5), pytest.approx(1.25)]
+        assert "measured only" in after.words()
     assert set(tmp_path.rglob("*")) == before  # nothing written
     assert validation._probe_after(validation.Config(model=MODEL,
                                                      drift=DriftConfig(action="off")),
-                                   path) is None
+                                   path, tmp_path / "run") is None
     # against a probe before at the profile's level, the host moved by 50%
     level = step_level(4.0, 10.0, None, after.as_dict())
     assert level.moved_pct == pytest.approx(50.0) and level.trusted

@@ -7,15 +7,18 @@ import math
 
 import pytest
 
-from kvsim.fidelity.step_level import probe_factors, step_level
+from kvsim.calibrate.host_probe import Drift
+from kvsim.fidelity.step_level import step_level
 from kvsim.fidelity.validation import _level_from_scenario
 
 
-def _drift(factors, contexts=(256, 1024, 2048, 4096), probes_ms=None):
-    probes = [p / 1e3 for p in probes_ms] if probes_ms else [0.04 * f for f in factors]
-    return {"factor": factors[0], "probe_s": probes[0], "context_tokens": contexts[0],
-            "probed_context_tokens": list(contexts), "factors": list(factors),
-            "probes_s": probes}
+def _drift(factors, contexts=(256, 1024, 2048, 4096), outcome="within"):
+    """A saved drift check (Drift.as_dict, as the summary keeps it) of a profile whose
+    step is 40 ms at every context, probed `factors` x that."""
+    probes = [0.04 * f for f in factors]
+    return Drift(factors[0], probes[0], 0.04, "its host's probe", contexts[0], outcome, {}, {},
+                 "hw.json", list(contexts), probes, [0.04] * len(factors),
+                 list(factors)).as_dict()
 
 
 def test_a_level_the_scenarios_decoded_at_is_trusted():
@@ -31,8 +34,8 @@ def test_a_level_the_scenarios_decoded_at_is_trusted():
 def test_a_probe_that_missed_the_scenarios_spell_is_not_trusted_and_says_why():
     # the 2026-11-29 23:37 case: the probe before x1.16, the scenarios at the profile's
     # speed (step 21% late), the probe after back at the profile's
-    level = step_level(21.2, 10.0, _drift([1.16, 1.16, 1.16, 1.16]),
-                       _drift([1.0, 1.01, 0.99, 1.0]))
+    level = step_level(21.2, 10.0, _drift([1.16, 1.16, 1.16, 1.16], outcome="rescaled"),
+                       _drift([1.0, 1.01, 0.99, 1.0], outcome="measured"))
     assert not level.trusted
     assert level.moved_pct == pytest.approx((1 - 0.99 / 1.16) * 100)  # at 2048 tokens
     words = level.words()
@@ -74,9 +77,11 @@ def test_probes_of_other_contexts_are_not_set_side_by_side():
 
 
 def test_an_older_drift_record_with_one_factor_is_read():
-    old = {"factor": 1.2, "probe_s": 0.05, "context_tokens": 256}
-    assert probe_factors(old) == ([256], [1.2], [0.05])
-    assert probe_factors(None) == ([], [], [])
+    old = {k: v for k, v in _drift([1.2], (256,)).items()
+           if k not in ("probed_context_tokens", "probes_s", "profiles_s", "factors")}
+    level = step_level(2.0, 10.0, old, _drift([1.26], (256,)))
+    assert (level.contexts, level.before, level.after) == ([256], [1.2], [1.26])
+    assert level.moved_pct == pytest.approx(5.0)
 
 
 def test_the_level_is_the_scenarios_only_when_every_single_row_took_it():

@@ -237,7 +237,7 @@ class Drift:
     profile_s: float
     reference: str  # where the profile's steps come from (profile_steps)
     context_tokens: int  # the shortest probed context
-    outcome: str  # within | rescaled | refused
+    outcome: str  # within | rescaled | refused | measured (act=False: nothing done)
     host: dict  # this host (fingerprint, memory-copy GB/s)
     profile_host: dict  # the profile's (empty where it records none)
     profile: str  # the profile used from here on (the rescaled copy when rescaled)
@@ -250,6 +250,12 @@ class Drift:
     factors: list[float] = field(default_factory=list)
     # the profiles calibrated with it that were rescaled with it (rescale_companions)
     companions: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> Drift:
+        """A drift saved by as_dict (a key a later version adds is left out)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in doc.items() if k in known})
 
     def points(self) -> tuple[list[int], list[float]]:
         """(contexts, factors) of the rescale (kvsim.model.host.rescaled_profile)."""
@@ -264,7 +270,7 @@ class Drift:
         if len(contexts) == 1:
             what = {"within": "within tolerance, used as it is",
                     "rescaled": f"profile times x {self.factor:.3f}",
-                    "refused": "refused"}[self.outcome]
+                    "refused": "refused", "measured": "measured only"}[self.outcome]
             return (f"decode step here {self.probe_s * 1e3:.1f} ms at {self.context_tokens} "
                     f"tokens vs {self.profile_s * 1e3:.1f} ms in the profile "
                     f"({self.reference}): x {self.factor:.3f}, {what}"
@@ -272,7 +278,7 @@ class Drift:
         what = {"within": "within tolerance, used as it is",
                 "rescaled": "step times x the factor at their context (linear in context "
                             f"between, flat beyond), prefill x {factors[0]:.3f}",
-                "refused": "refused"}[self.outcome]
+                "refused": "refused", "measured": "measured only"}[self.outcome]
         line = " (the factors from a line through them)" if len(contexts) > 1 else ""
         return (f"decode step here {self._ms(self.probes_s)} ms at "
                 f"{' / '.join(map(str, contexts))} tokens{line} vs "
@@ -310,8 +316,8 @@ class Drift:
 
 
 def check_drift(profile_path: str | Path, model: Any, cfg: DriftConfig, out_dir: Path,
-                probe: Any = None, force: bool = False, own_process: bool = False
-                ) -> Drift | None:
+                probe: Any = None, force: bool = False, own_process: bool = False,
+                act: bool = True) -> Drift | None:
     """Probe this host against the hardware profile at profile_path (of `model`, a
     ModelSpec) and act by cfg: None when not probed (action off, or `kvsim sim`'s when=
     other_host and the profile names this kind of host or none: force=True probes anyway,
@@ -319,7 +325,8 @@ def check_drift(profile_path: str | Path, model: Any, cfg: DriftConfig, out_dir:
     profile with its model times x the factors to out_dir/<name> (Drift.profile;
     kvsim.model.host.rescaled_profile) and refuse raises DriftRefused. probe: a StepProbe
     (one is made for `model`; own_process=True: a SubprocessStepProbe, for a process that
-    emulates next)."""
+    emulates next). act=False: the figures only (outcome "measured"; nothing rescaled,
+    written or refused), as validate's probe after its comparisons takes them."""
     from kvsim.calibrate.step_fit import fit_step_line
     from kvsim.model.hardware_profile import load_profile
     from kvsim.model.host import write_rescaled_profile
@@ -351,7 +358,8 @@ def check_drift(profile_path: str | Path, model: Any, cfg: DriftConfig, out_dir:
         if len(contexts) > 1 and reference == "its host's probe" else profiles_s
     factors = [float(p / r) for p, r in zip(line_s, reference_s, strict=True)]
     within = all(abs(f - 1.0) * 100.0 <= cfg.tolerance_pct for f in factors)
-    outcome = "within" if within else ("rescaled" if cfg.action == "rescale" else "refused")
+    outcome = "measured" if not act else "within" if within else \
+        ("rescaled" if cfg.action == "rescale" else "refused")
     drift = Drift(factors[0], probes_s[0], profiles_s[0], reference, contexts[0], outcome,
                   {**here, "memory_copy_gb_per_s": memory_copy_gb_per_s()}, recorded,
                   str(path), contexts, probes_s, profiles_s, factors)

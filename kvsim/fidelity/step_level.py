@@ -39,7 +39,6 @@ class StepLevel:
     before: list[float] = field(default_factory=list)
     # the probe after them, against the same profile; empty where none was taken
     after: list[float] = field(default_factory=list)
-    after_probe_s: list[float] = field(default_factory=list)
     # the compared simulations took their level from each scenario's own measured steps
     # (step_from_scenario=true): the level holds by construction, and step_mean_abs_pct is
     # the calibrated step's own error, reported only
@@ -96,32 +95,20 @@ class StepLevel:
                 "moved_pct": self.moved_pct, "words": self.words()}
 
 
-def probe_factors(drift: dict | None) -> tuple[list[int], list[float], list[float]]:
-    """(contexts, factors, probe steps s) of a saved drift check (Drift.as_dict), empty
-    where there is none."""
-    if not isinstance(drift, dict):
-        return [], [], []
-    contexts = [int(c) for c in drift.get("probed_context_tokens") or []]
-    factors = [float(f) for f in drift.get("factors") or []]
-    probes = [float(p) for p in drift.get("probes_s") or []]
-    if not contexts or len(factors) != len(contexts):  # one factor (an older record)
-        contexts = [int(drift["context_tokens"])] if "context_tokens" in drift else []
-        factors = [float(drift["factor"])] if "factor" in drift else []
-        probes = [float(drift["probe_s"])] if "probe_s" in drift else []
-    return contexts, factors, probes
-
-
 def step_level(step_mean_abs_pct: float, tolerance_pct: float, before: dict | None,
                after: dict | None, from_scenario: bool = False, run: str = "") -> StepLevel:
-    """The check from the summary's step error and the two probes' saved drift records
-    (before: None where the profiles were calibrated in the run; after: None where no
-    second probe was taken). Probes of different contexts are not set side by side."""
-    contexts, before_f, _ = probe_factors(before)
-    after_contexts, after_f, after_s = probe_factors(after)
+    """The check from the summary's step error and the two probes' saved drift checks
+    (Drift.as_dict; before: None where the profiles were calibrated in the run; after: None
+    where no second probe was taken). Probes of different contexts are not set side by
+    side."""
+    from kvsim.calibrate.host_probe import Drift
+
+    contexts, before_f = Drift.from_dict(before).points() if before else ([], [])
+    after_contexts, after_f = Drift.from_dict(after).points() if after else ([], [])
     if after_f and before_f and after_contexts != contexts:
-        after_f, after_s = [], []
+        after_f = []
     return StepLevel(step_mean_abs_pct, tolerance_pct, contexts or after_contexts,
-                     before_f, after_f, after_s, from_scenario, run)
+                     before_f, after_f, from_scenario, run)
 
 
-__all__ = ["StepLevel", "probe_factors", "step_level"]
+__all__ = ["StepLevel", "step_level"]

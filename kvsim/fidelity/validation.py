@@ -441,7 +441,7 @@ def validate(cfg: Config) -> dict:
         rows += [{**r, **_drift_keys(cfg, drift)} for r in prefix_rows]
         distributions += prefix_distributions
     host_load["comparisons"] = _load_dict(comparisons)
-    after = _probe_after(cfg, hardware)
+    after = _probe_after(cfg, hardware, run_dir)
     return _conclude(cfg, rows, run_dir, profiles,
                      {"notes": notes, "drift": drift.as_dict() if drift else None,
                       "probe_after": after.as_dict() if after else None,
@@ -549,22 +549,17 @@ def _drift(cfg: Config, profiles: Any, run_dir: Path) -> tuple[Any, Any]:
     return profiles, drift
 
 
-def _probe_after(cfg: Config, hardware: Path) -> Any:
+def _probe_after(cfg: Config, hardware: Path, run_dir: Path) -> Any:
     """The host probed again after the comparisons, as before them and against the same
-    hardware profile (the Drift, nothing rescaled or written; None with drift.action=off):
-    whether the host moved during the run (kvsim.fidelity.step_level)."""
-    from kvsim.calibrate.host_probe import Drift, check_drift
+    hardware profile (the Drift, outcome "measured": nothing rescaled, written or refused;
+    None with drift.action=off): whether the host moved during the run
+    (kvsim.fidelity.step_level)."""
+    from kvsim.calibrate.host_probe import check_drift
 
-    if cfg.drift.action == "off":
-        return None
-    # an unbounded tolerance: the check's figures without its action (nothing written)
-    after = check_drift(hardware, cfg.model, DriftConfig(tolerance_pct=999.0), Path("."),
-                        force=True, own_process=True)
-    assert after is not None  # force: always probed unless off
-    contexts, factors = after.points()
-    _say(f"host after the comparisons: decode step {Drift._ms(after.probes_s)} ms at "
-         f"{' / '.join(map(str, contexts))} tokens, x {' / '.join(f'{f:.3f}' for f in factors)}"
-         f" the profile's ({after.reference})")
+    after = check_drift(hardware, cfg.model, cfg.drift, run_dir, force=True,
+                        own_process=True, act=False)
+    if after is not None:
+        _say(f"host after the comparisons: {after.words()}")
     return after
 
 
@@ -747,17 +742,15 @@ def _saved_drift(report: dict, profiles: Any, run_dir: Path, other: bool = False
     """The profiles of a re-simulation with the saved run's host rescale applied again (its
     factor, not a new probe: the measurements are that run's, on that host that day). Not
     to other profiles (`other`: profile_dir= given), whose level the factor says nothing of."""
-    from dataclasses import fields, replace
+    from dataclasses import replace
 
     from kvsim.calibrate.host_probe import Drift
     from kvsim.model.host import write_rescaled_profile
 
-    known = {f.name for f in fields(Drift)}  # (a key a later version adds is left out)
-
     drift = (report.get("fidelity") or {}).get("drift")
     if not isinstance(drift, dict) or drift.get("outcome") != "rescaled":
         return profiles
-    saved = Drift(**{k: v for k, v in drift.items() if k in known})
+    saved = Drift.from_dict(drift)
     contexts, factors = saved.points()
     said = " / ".join(f"{f:.3f}" for f in factors) + \
         ("" if len(contexts) == 1 else f" at {' / '.join(map(str, contexts))} tokens")
