@@ -38,11 +38,13 @@ def test_one_host_decodes_runs_of_several_rates_and_prompts_and_refuses_another_
     assert [r["status"] for r in again] == ["done"]
 
 
-def test_a_host_that_has_exited_or_was_closed_is_refused_and_tc_is_never_kept():
+def test_a_host_that_has_exited_or_was_closed_is_refused_as_is_another_link(monkeypatch):
     """A kept host whose serve died is refused (RuntimeError), as is one whose context has
-    ended; a tc run is refused by a kept host and tc never makes one (its ends live in
-    namespaces of their own), nor does a configuration whose state would carry from one
+    ended; a tc run is refused by a loopback host, a tc host where this machine cannot make
+    namespaces (saying why), and so is a configuration whose state would carry from one
     run into the next (a prefix store, several decode instances)."""
+    from kvsim.transport import netns
+
     cfg = config("codecs=[int8]")
     with DecodeHost(cfg) as host:
         emulate(cfg, host)  # started
@@ -50,17 +52,46 @@ def test_a_host_that_has_exited_or_was_closed_is_refused_and_tc_is_never_kept():
         host._serve.wait(timeout=30)
         with pytest.raises(RuntimeError, match="not running"):
             emulate(cfg, host)
-        with pytest.raises(ValueError, match="network namespaces"):
+        with pytest.raises(ValueError, match="emulation=tc: the decode host kept over runs "
+                                             "listens on loopback"):
             emulate(config("codecs=[int8]", "transport.emulation=tc"), host)
     closed = DecodeHost(cfg)
     with closed:
         pass
     with pytest.raises(RuntimeError, match="not running"):
         emulate(cfg, closed)
-    with pytest.raises(ValueError, match="network namespaces"):
+    monkeypatch.setattr(netns, "netns_available", lambda: (False, "not root (a stand-in)"))
+    with pytest.raises(ValueError, match=r"needs network namespaces: not root \(a stand-in"):
         DecodeHost(config("codecs=[int8]", "transport.emulation=tc"))
     with pytest.raises(ValueError, match="decode_nodes"):
         DecodeHost(config("codecs=[int8]", "workload.decode_nodes=2"))
+
+
+@pytest.mark.net
+def test_one_tc_host_serves_runs_at_two_rates_over_one_reshaped_link():
+    """A kept tc host: one `kvsim serve` in the receiver's namespace of one link, the sender
+    on a thread of this process in the sender's; a second run at another rate reshapes the
+    link first, and each run's goodput is its own rate's (an unreshaped link would give the
+    first rate); a loopback run is refused; nothing of the link is left after the host."""
+    from kvsim.transport.netns import leftovers, netns_available
+
+    ok, why = netns_available()
+    if not ok:
+        pytest.skip(why)
+    first = config("codecs=[int8]", "transport.emulation=tc", "link.bandwidth_gbps=1.0")
+    with DecodeHost(first) as host:
+        runs = {rate: emulate(config("codecs=[int8]", "transport.emulation=tc",
+                                     f"link.bandwidth_gbps={rate}"), host)
+                for rate in (1.0, 0.2)}
+        namespaces = {host._link.sender_ns, host._link.receiver_ns}
+        assert host._link.spec.rate_gbps == 0.2
+        with pytest.raises(ValueError, match="listens in a tc-shaped namespace"):
+            emulate(config("codecs=[int8]"), host)
+    for rate, [row] in runs.items():
+        assert row["status"] == "done" and row["link_emulation"] == "tc", row
+        assert "sender_id" not in row  # the decode host's row
+        assert 0.75 * rate <= row["goodput_gbps"] <= rate, (rate, row["goodput_gbps"])
+    assert not namespaces & {item.netns for item in leftovers()}
 
 
 def test_a_run_of_its_own_still_runs_end_to_end():
@@ -70,11 +101,11 @@ def test_a_run_of_its_own_still_runs_end_to_end():
     assert row["status"] == "done" and row["decode"] == "timing"
 
 
-def test_validate_keeps_one_host_per_loopback_emulation_and_none_for_tc(tmp_path, monkeypatch):
+def test_validate_keeps_one_host_per_emulation(tmp_path, monkeypatch):
     """kvsim validate's wiring, with a stand-in host and engine: the token bucket's
     scenarios share one host (warmed up for the grid's longest prompt), closed before the
-    next emulation's scenarios; tc's get none (where this host can make namespaces); the
-    multi-request loads share another."""
+    next emulation's scenarios; tc's share another (where this host can make namespaces);
+    the multi-request loads a third."""
     from kvsim.cli.main import main
     from kvsim.fidelity import runner
     from kvsim.transport import emulate as emulate_mod
@@ -108,12 +139,16 @@ def test_validate_keeps_one_host_per_loopback_emulation_and_none_for_tc(tmp_path
                  "contexts=[512,1024]", "codecs=[int8]", "multi.rates_per_s=[0.2,0.5]",
                  "multi.requests=2", "multi.codecs=[int8]", "samples=1", "drift.action=off",
                  "figure=false", f"hydra.run.dir={tmp_path / 'run'}"]) == 0
-    tb, multi = made
-    tc = netns_available()[0]
+    if netns_available()[0]:
+        tb, tc, multi = made
+        assert tc.emulation == "tc" and tc.warm == 1024
+    else:
+        (tb, multi), tc = made, None
     assert [(e, h) for e, h, _ in used] == [("token_bucket", tb)] * 4 + \
-        [("tc", None)] * (4 if tc else 0) + [("token_bucket", multi)] * 2
+        [("tc", tc)] * (4 if tc else 0) + [("token_bucket", multi)] * 2
     assert tb.warm == 1024 and multi.warm == 0
-    # the token bucket's host was closed before tc's scenarios and the multi-request loads
-    assert all(tb in before for e, h, before in used[4:]) and closed == [tb, multi]
-    with runner.kept_decode_host(["transport.emulation=tc"]) as host:
-        assert host is None
+    # each host was closed before the next emulation's scenarios and the multi-request loads
+    assert all(tb in before for e, h, before in used[4:]) and \
+        closed == [h for h in (tb, tc, multi) if h is not None]
+    if tc:
+        assert all(tc in before for e, h, before in used[8:])

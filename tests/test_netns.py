@@ -24,12 +24,14 @@ from kvsim.transport.netns import (
     Leftover,
     NetemSpec,
     NetnsError,
+    call_in_netns,
     cleanup,
     leftovers,
     link_addresses,
     make_tag,
     netem_available,
     netns_available,
+    reshaped,
     shaped_link,
     tc_commands,
 )
@@ -299,6 +301,84 @@ def test_tbf_goodput_matches_rate(need_netns):
     assert got == size_bytes
     goodput_ratio = 8 * got / seconds / 0.1e9
     assert 0.85 <= goodput_ratio <= 0.98, f"{goodput_ratio:.3f} of 0.1 Gbps in {seconds:.3f} s"
+
+
+def _qdiscs(ns: str, dev: str) -> str:
+    return subprocess.run(["tc", "-netns", ns, "qdisc", "show", "dev", dev],
+                          capture_output=True, text=True, timeout=10, check=True).stdout
+
+
+@pytest.mark.net
+def test_reshaped_link_carries_the_new_rate(need_netns):
+    """One pair of namespaces, reshaped from 0.1 to 0.3 Gbps: same namespaces and addresses,
+    one tbf at the new rate, and a transfer takes the new rate (8 MB at 0.3 Gbps: 0.22 s;
+    at the first rate it would take 0.67 s)."""
+    with shaped_link(NetemSpec(rate_gbps=0.1)) as link:
+        faster = reshaped(link, NetemSpec(rate_gbps=0.3))
+        assert (faster.sender_ns, faster.receiver_ns, faster.receiver_addr) == \
+            (link.sender_ns, link.receiver_ns, link.receiver_addr)
+        assert link.spec.rate_gbps == 0.1  # a new link value; the old one is unchanged
+        sent = _qdiscs(link.sender_ns, link.sender_dev)
+        assert sent.count("qdisc ") == 1 and "tbf 1: root" in sent and "rate 300Mbit" in sent
+        got, seconds = bulk_transfer(faster, 8_000_000)
+    assert got == 8_000_000
+    assert 0.85 <= 8 * got / seconds / 0.3e9 <= 0.98, seconds
+    assert_removed(link.tag)
+    with pytest.raises(ValueError, match="NetemSpec"):
+        reshaped(link, 0.3)
+
+
+@pytest.mark.net
+def test_reshaped_link_gains_and_loses_its_delay(need_netem):
+    """From tbf alone to 20 ms each way (netem on both ends, tbf under the sender's) and
+    back: each shape's qdiscs are the only ones, and the round trip follows."""
+    with shaped_link(NetemSpec(rate_gbps=1.0)) as link:
+        delayed = reshaped(link, NetemSpec(rate_gbps=1.0, delay_ms=20.0))
+        sent = _qdiscs(link.sender_ns, link.sender_dev)
+        assert "netem 1: root" in sent and "delay 20ms" in sent and "rate 1Gbit" in sent
+        assert "netem 1: root" in _qdiscs(link.receiver_ns, link.receiver_dev)
+        assert 0.040 <= min(round_trips_s(delayed, 5)) <= 0.048
+        plain = reshaped(delayed, NetemSpec(rate_gbps=1.0))
+        assert "netem" not in _qdiscs(link.sender_ns, link.sender_dev)
+        assert "netem" not in _qdiscs(link.receiver_ns, link.receiver_dev)
+        assert min(round_trips_s(plain, 5)) < 0.010
+
+
+@pytest.mark.net
+def test_call_in_netns_sends_from_the_namespace_and_hands_back_result_and_errors(need_netns):
+    """A socket opened by a function called in the sender's namespace reaches the receiver's
+    address (unreachable from this thread's namespace) and its result comes back; this
+    thread stays where it was; an exception inside is raised here; a call that outlives its
+    timeout is a TimeoutError."""
+    import socket
+    import threading
+    import time
+
+    def here() -> str:
+        return os.readlink(f"/proc/self/task/{threading.get_native_id()}/ns/net")
+
+    before = here()
+    with shaped_link(NetemSpec(rate_gbps=1.0)) as link:
+        sink, port = _server(link, SINK)
+
+        def send() -> str:
+            with socket.create_connection((link.receiver_addr, port), timeout=10) as s:
+                s.sendall(b"x" * 1000)
+            return here()
+
+        inside = call_in_netns(link.sender_ns, send, timeout_s=30)
+        out, _ = sink.communicate(timeout=PROC_TIMEOUT_S)
+        assert json.loads(out)["bytes"] == 1000
+        assert inside != before and here() == before
+        with pytest.raises(ZeroDivisionError):
+            call_in_netns(link.sender_ns, lambda: 1 / 0, timeout_s=30)
+        with pytest.raises(TimeoutError, match="within 0.2 s"):
+            call_in_netns(link.sender_ns, lambda: time.sleep(2), timeout_s=0.2)
+        with pytest.raises(NetnsError, match="No such file"):
+            call_in_netns(link.tag + "x", lambda: None, timeout_s=30)
+    with socket.socket() as s:  # and the address is not reachable from here
+        s.settimeout(1)
+        assert s.connect_ex((link.receiver_addr, port)) != 0
 
 
 @pytest.mark.net

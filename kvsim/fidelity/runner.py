@@ -108,16 +108,13 @@ def emulate_rows(common: list[str], host: Any = None) -> list[dict]:
 def kept_decode_host(common: list[str], warm_context_tokens: int = 0) -> Iterator[Any]:
     """One decode host (`kvsim serve`) for every scenario of these overrides' emulation
     that follows, started once instead of once per scenario
-    (kvsim.transport.emulate.DecodeHost), warmed up for prompts up to warm_context_tokens;
-    None with tc, whose ends each run makes in namespaces of its own."""
+    (kvsim.transport.emulate.DecodeHost; with tc, one shaped link too, reshaped to each
+    scenario's rate), warmed up for prompts up to warm_context_tokens."""
     from kvsim.core.compose import compose
     from kvsim.transport.config import EmulateConfig
     from kvsim.transport.emulate import DecodeHost
 
     ecfg, _ = compose("transport", common, EmulateConfig)
-    if ecfg.transport.emulation == "tc":
-        yield None
-        return
     ecfg.validate()
     with DecodeHost(ecfg, warm_context_tokens=warm_context_tokens) as host:
         yield host

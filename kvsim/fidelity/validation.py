@@ -381,7 +381,7 @@ def validate(cfg: Config) -> dict:
     # after it stalled (kvsim.calibrate.host_probe.SubprocessStepProbe)
     probe = SubprocessStepProbe(cfg.model, cfg.step_probe_steps) \
         if cfg.step_probe_steps else None
-    # one decode host for all of a loopback emulation's scenarios (tc: one per scenario)
+    # one decode host for all of an emulation's scenarios
     with contextlib.ExitStack() as hosts:
         host, host_emulation = None, ""
         for i, (emulation, rate, ctx) in enumerate(grid):

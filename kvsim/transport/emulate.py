@@ -2,10 +2,12 @@
 process (decode host) and the sender (prefill host, `send_all`, also `kvsim send`), over
 loopback with a token-bucket link (`transport.emulation=token_bucket`, the default),
 unshaped (`none`), or over two network namespaces joined by a `tc`-shaped veth pair (`tc`;
-needs root), each process in its own namespace as two hosts."""
+needs root): `kvsim serve` in the receiver's namespace, the sender on a thread of this
+process joined to the sender's, as two hosts."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -15,9 +17,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvsim.transport.children import popen, stop
 from kvsim.transport.config import EmulateConfig
+
+if TYPE_CHECKING:
+    from kvsim.transport.netns import NetemSpec, NetnsLink
 
 
 def send_all(cfg: EmulateConfig, metrics_port: int | None = None, kernel_threads: int = 0
@@ -133,8 +139,8 @@ def _rows(report: Path) -> list[dict]:
 
 def emulate(cfg: EmulateConfig, host: DecodeHost | None = None) -> list[dict]:
     """Every request of the scenario sent to a decode host: a `kvsim serve` started for this
-    run and stopped after it, or `host`, one kept listening over several runs (loopback
-    emulations only; it must decode as this run's would: DecodeHost.admit)."""
+    run and stopped after it, or `host`, one kept listening over several runs (it must decode
+    as this run's would: DecodeHost.admit)."""
     cfg.validate()
     t = cfg.transport
     if t.cpus:  # emulate places both ends itself: a list for one process would be dropped
@@ -144,15 +150,7 @@ def emulate(cfg: EmulateConfig, host: DecodeHost | None = None) -> list[dict]:
     if host is not None:
         host.admit(cfg)
         return host.rows(host.send(cfg))
-    cfg = _with_device_budget(cfg)
-    t = cfg.transport
-    n_requests = _request_count(cfg)
-    if t.emulation == "tc":
-        with tempfile.TemporaryDirectory(prefix="kvsim-emulate-") as tmp_name:
-            tmp = Path(tmp_name)
-            return _emulate_tc(cfg, tmp, t.port or _free_port(), n_requests, tmp / "endpoint",
-                               tmp / "serve-report.json")
-    with DecodeHost(cfg, max_requests=n_requests) as one:
+    with DecodeHost(cfg, max_requests=_request_count(cfg)) as one:
         sent = one.send(cfg)
         return one.finish(sent)
 
@@ -183,9 +181,13 @@ def _request_count(cfg: EmulateConfig) -> int:
 
 
 class DecodeHost:
-    """A `kvsim serve` on loopback (token bucket or unshaped), its CPUs and its address: the
-    decode host of one `kvsim emulate` run (max_requests: it ends after them), or of several
-    (max_requests=0: until the context ends), each run's sender connecting to it in turn.
+    """A `kvsim serve`, its CPUs, its address and its link: the decode host of one `kvsim
+    emulate` run (max_requests: it ends after them), or of several (max_requests=0: until
+    the context ends), each run's sender connecting to it in turn. On loopback (token bucket,
+    unshaped) it listens on 127.0.0.1 and the sender sends from this process; with tc it
+    listens in the receiver's namespace of a shaped link made when it starts (removed when
+    it ends) and the sender sends from a thread of this process inside the sender's
+    namespace; each run reshapes the link to its own rate (netns.reshaped) first.
 
     Kept over several runs it starts once (a new Python process, the model loaded and the
     codecs and the largest request's memory warmed up: ~5-7 s here each time) and decodes
@@ -193,13 +195,17 @@ class DecodeHost:
     the first run's, with the workload's longest prompt (`warm_context_tokens`) warmed up;
     a run whose decode side would differ is refused (`admit`), and so is keeping one whose
     state would carry from run to run (a prefix store, several decode instances routed by
-    their load). It starts on first use and keeps every run's rows in its own memory (a
-    few per request). tc runs each end in a network namespace made for its run, and stays
-    per run."""
+    their load), and so is a run of the other kind of link (tc or loopback). It starts on
+    first use and keeps every run's rows in its own memory (a few per request)."""
 
     def __init__(self, cfg: EmulateConfig, max_requests: int = 0,
                  warm_context_tokens: int = 0) -> None:
-        _keepable(cfg)
+        if cfg.transport.emulation == "tc":
+            from kvsim.transport.netns import netns_available
+
+            ok, why = netns_available()
+            if not ok:
+                raise ValueError(f"transport.emulation=tc needs network namespaces: {why}")
         if max_requests == 0:  # kept over runs: nothing one run leaves may steer the next
             if cfg.prefix_cache.enabled:
                 raise ValueError("a decode host kept over runs would hand one run's prefix "
@@ -225,6 +231,8 @@ class DecodeHost:
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._serve: subprocess.Popen | None = None
         self._closed = False
+        self._links = contextlib.ExitStack()  # tc: the shaped link, removed at the end
+        self._link: NetnsLink | None = None  # tc: the link, shaped for the last run
         self.connect = ""
 
     def __enter__(self) -> DecodeHost:
@@ -234,6 +242,7 @@ class DecodeHost:
         self._closed = True
         if self._serve is not None:
             stop(self._serve)
+        self._links.close()  # after serve: nothing left inside its namespaces
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
@@ -253,20 +262,34 @@ class DecodeHost:
         tmp = Path(self._tmp.name)
         self._endpoint_file, self._report = tmp / "endpoint", tmp / "serve-report.json"
         port = t.port or _free_port()
+        addr, insecure = "127.0.0.1", t.insecure
+        if t.emulation == "tc":
+            from kvsim.transport.netns import shaped_link
+
+            self._link = self._links.enter_context(shaped_link(link_spec(self.cfg)))
+            # the veth pair joins only these two namespaces: plain TCP needs no keys there
+            addr, insecure = self._link.receiver_addr, not t.keys or t.insecure
         rx_cfg = dataclasses.replace(self.cfg, transport=dataclasses.replace(
-            t, bind=f"tcp://127.0.0.1:{port}", max_requests=self.max_requests,
-            endpoint_file=str(self._endpoint_file), cpus=self.rx_cpus))
-        self.connect = f"tcp://127.0.0.1:{port}"
-        self._serve = popen(_child("serve", rx_cfg, tmp, self._report),
-                            stdout=subprocess.DEVNULL, env=_env(self.rx_cpus))
+            t, bind=f"tcp://{addr}:{port}", max_requests=self.max_requests,
+            endpoint_file=str(self._endpoint_file), cpus=self.rx_cpus, insecure=insecure))
+        self.connect = f"tcp://{addr}:{port}"
+        argv = _child("serve", rx_cfg, tmp, self._report)
+        if self._link is not None:
+            argv = self._link.argv_in("receiver", argv)
+        self._serve = popen(argv, stdout=subprocess.DEVNULL, env=_env(self.rx_cpus))
         _wait_listening(self._serve, self._endpoint_file, t.start_timeout_s)
 
     def admit(self, cfg: EmulateConfig) -> None:
         """Refuse (ValueError, naming the setting) a run this host would not decode as a
         decode host of the run's own would: another model, device, decode mode, receiver
         setting, decode instances or prefix store, a codec it did not warm up, a prompt
-        longer than it warmed up for; a host that has exited (RuntimeError)."""
-        _keepable(cfg)
+        longer than it warmed up for, the other kind of link; a host that has exited
+        (RuntimeError)."""
+        tc, here = cfg.transport.emulation == "tc", self.cfg.transport.emulation == "tc"
+        if tc != here:
+            raise ValueError(f"transport.emulation={cfg.transport.emulation}: the decode host "
+                             f"kept over runs listens "
+                             f"{'in a tc-shaped namespace' if here else 'on loopback'}")
         budget = cfg.transport.max_device_memory_bytes
         if budget and budget != self.cfg.transport.max_device_memory_bytes:
             raise ValueError(f"transport.max_device_memory_bytes={budget} differs from the "
@@ -291,19 +314,34 @@ class DecodeHost:
 
     def send(self, cfg: EmulateConfig) -> list[dict]:
         """The run's requests sent to this host (this process pinned to the sender's CPUs
-        for the transfer): the sender's rows, each the decode host's own where it reported
-        the request (its DONE carries it)."""
+        for the transfer; tc: from the sender's namespace, over the link reshaped to this
+        run's rate): the sender's rows, each the decode host's own where it reported the
+        request (its DONE carries it)."""
         from kvsim.transport.cpus import parse_cpus, pinned
 
         self._running()
         t = cfg.transport
         tx_cfg = dataclasses.replace(cfg, transport=dataclasses.replace(t, connect=self.connect))
-        with pinned(self.tx_cpus):
-            # the decode host's metrics on metrics_port, the sender's on the next port; its
-            # encoders' kernels as wide as its share (numba's pool is this process's, sized
-            # for every CPU)
-            return send_all(tx_cfg, t.metrics_port + 1 if t.metrics_port else 0,
-                            kernel_threads=len(parse_cpus(self.tx_cpus)))
+
+        def send() -> list[dict]:
+            with pinned(self.tx_cpus):
+                # the decode host's metrics on metrics_port, the sender's on the next port;
+                # its encoders' kernels as wide as its share (numba's pool is this
+                # process's, sized for every CPU)
+                return send_all(tx_cfg, t.metrics_port + 1 if t.metrics_port else 0,
+                                kernel_threads=len(parse_cpus(self.tx_cpus)))
+
+        if self._link is None:
+            return send()
+        from kvsim.transport.netns import call_in_netns, reshaped
+
+        spec = link_spec(cfg)
+        if spec != self._link.spec:
+            self._link = reshaped(self._link, spec)
+        tx_cfg = dataclasses.replace(tx_cfg, transport=dataclasses.replace(
+            tx_cfg.transport, insecure=not t.keys or t.insecure))
+        return call_in_netns(self._link.sender_ns, send,
+                             _request_count(cfg) * (t.timeout_s + 300))
 
     def rows(self, sent: list[dict]) -> list[dict]:
         """A kept host's rows of one run: the sender's, each naming the CPUs of both ends
@@ -321,14 +359,6 @@ class DecodeHost:
         _wait_or_stop(self._serve, self.cfg.transport.timeout_s + 10)
         rows = _rows(self._report) if self._report.is_file() else []
         return _with_send_cpus(_merge(rows, sent), self.tx_cpus)
-
-
-def _keepable(cfg: EmulateConfig) -> None:
-    """A decode host this process starts on loopback serves the run (token bucket, none);
-    tc's ends live in network namespaces made for their run."""
-    if cfg.transport.emulation == "tc":
-        raise ValueError("transport.emulation=tc runs each end in network namespaces made for "
-                         "its run: not on a decode host on loopback")
 
 
 def _decode_side(cfg: EmulateConfig) -> dict:
@@ -389,46 +419,15 @@ def _with_send_cpus(rows: list[dict], cpus: str) -> list[dict]:
     return [{**r, "send_cpus": cpus} for r in rows] if cpus else rows
 
 
-def _emulate_tc(cfg: EmulateConfig, tmp: Path, port: int, n_requests: int,
-                endpoint_file: Path, rx_report: Path) -> list[dict]:
-    from kvsim.transport.netns import NetemSpec, netns_available, shaped_link
+def link_spec(cfg: EmulateConfig) -> NetemSpec:
+    """The tc link a run's transport asks for (kvsim.transport.netns.NetemSpec): its rate,
+    delay, jitter and loss, on a k-times slower link with k-times longer delays
+    (transport.time_scale; rows divide by k)."""
+    from kvsim.transport.netns import NetemSpec
 
-    ok, why = netns_available()
-    if not ok:
-        raise ValueError(f"transport.emulation=tc needs network namespaces: {why}")
     t = cfg.transport
-    k = t.time_scale  # a k-times slower link, k-times longer delays (rows divide by k)
-    spec = NetemSpec(cfg.link.bandwidth_gbps / k, t.delay_ms * k, t.jitter_ms * k, t.loss_pct)
-    # the veth pair joins only this run's two namespaces: plain TCP needs no keys there
-    private = not t.keys or t.insecure
-    tx_cpus, rx_cpus = _split(cfg)
-    with shaped_link(spec) as link:
-        rx_cfg = dataclasses.replace(cfg, transport=dataclasses.replace(
-            t, bind=f"tcp://{link.receiver_addr}:{port}", max_requests=n_requests,
-            endpoint_file=str(endpoint_file), insecure=private, cpus=rx_cpus))
-        tx_cfg = dataclasses.replace(cfg, transport=dataclasses.replace(
-            t, connect=f"tcp://{link.receiver_addr}:{port}", insecure=private,
-            metrics_port=t.metrics_port + 1 if t.metrics_port else 0, cpus=tx_cpus))
-        tx_report = tmp / "send-report.json"
-        serve = send = None
-        try:
-            serve = popen(link.argv_in("receiver", _child("serve", rx_cfg, tmp, rx_report)),
-                          stdout=subprocess.DEVNULL, env=_env(rx_cpus))
-            _wait_listening(serve, endpoint_file, t.start_timeout_s)
-            send = popen(link.argv_in("sender", _child("send", tx_cfg, tmp, tx_report)),
-                         stdout=subprocess.DEVNULL, env=_env(tx_cpus))
-            send.wait(timeout=n_requests * (t.timeout_s + 300))
-            _wait_or_stop(serve, t.timeout_s + 10)
-        finally:
-            stop(send)
-            stop(serve)
-        sent = _rows(tx_report) if tx_report.is_file() else []
-        rows = _rows(rx_report) if rx_report.is_file() else []
-        if not rows and not sent:  # never an empty result without saying why
-            raise RuntimeError(f"transport.emulation=tc: neither end reported (kvsim send "
-                               f"exited with {send.returncode}, kvsim serve with "
-                               f"{serve.returncode}); their errors are above")
-        return _with_send_cpus(_merge(rows, sent), tx_cpus)
+    k = t.time_scale
+    return NetemSpec(cfg.link.bandwidth_gbps / k, t.delay_ms * k, t.jitter_ms * k, t.loss_pct)
 
 
 def _merge(rx_rows: list[dict], tx_rows: list[dict]) -> list[dict]:

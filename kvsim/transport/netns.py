@@ -25,6 +25,7 @@ only tbf is installed, so the link works on kernels built without sch_netem. Nee
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import os
@@ -34,9 +35,12 @@ import shutil
 import signal
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TypeVar
+
+T = TypeVar("T")
 
 DEFAULT_PREFIX = "kvs"
 TAG_HEX_CHARS = 6  # random part of a tag: 24 bits
@@ -55,6 +59,8 @@ GSO_QDISC_BYTES = GSO_MAX_BYTES + math.ceil(
 ADDR_PREFIX_LEN = 30  # one /30 per link: network, sender, receiver, broadcast
 TBF_U32_MAX = 2**32 - 1  # tbf burst and limit are 32-bit byte counts in the kernel
 DEFAULT_LIMIT_CAP_BYTES = 256 * 2**20  # cap on the default tbf queue: 256 MiB of kernel memory
+CLONE_NEWNET = 0x40000000  # setns(2)'s namespace type of a network namespace (linux/sched.h)
+NETNS_RUN_DIR = "/var/run/netns"  # where `ip netns add` mounts its namespaces
 
 
 class NetnsError(RuntimeError):
@@ -413,6 +419,74 @@ def shaped_link(spec: NetemSpec, tag: str | None = None) -> Iterator[NetnsLink]:
     if errors:
         raise NetnsError(f"teardown of {link.tag} failed: {'; '.join(errors)} "
                          "(run `kvsim net cleanup`)")
+
+
+def reshaped(link: NetnsLink, spec: NetemSpec) -> NetnsLink:
+    """The same link shaped by `spec` instead (its qdiscs replaced; namespaces, addresses and
+    whatever runs there stay): one pair of namespaces serves runs at several rates. Replace
+    while nothing is sent: a packet queued in the old qdiscs is dropped with them."""
+    if not isinstance(spec, NetemSpec):
+        raise ValueError(f"spec must be a NetemSpec, got {type(spec).__name__}")
+    if spec.needs_netem:
+        ok, why = netem_available()
+        if not ok:
+            raise NetnsError(f"spec {spec} needs netem: {why}")
+    old = link.spec
+    # the root qdiscs tc_commands added (the receiver's: its ack delay, where there was one);
+    # their children go with them
+    _run(["tc", "-netns", link.sender_ns, "qdisc", "del", "dev", link.sender_dev, "root"])
+    if old.needs_netem and old.symmetric_delay and old.delay_ms > 0:
+        _run(["tc", "-netns", link.receiver_ns, "qdisc", "del", "dev", link.receiver_dev,
+              "root"])
+    new = replace(link, spec=spec)
+    for cmd in tc_commands(new):
+        _run(cmd)
+    return new
+
+
+def _join_netns(ns: str) -> None:
+    """Move the calling thread into network namespace ns (setns(2)): the sockets it opens
+    from now on, and those of the threads it starts, are ns's. The process's other threads
+    stay where they are."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        fd = os.open(os.path.join(NETNS_RUN_DIR, ns), os.O_RDONLY)
+    except OSError as exc:
+        raise NetnsError(f"network namespace {ns}: {exc.strerror}") from exc
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise NetnsError(f"setns into network namespace {ns} failed: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def call_in_netns(ns: str, fn: Callable[[], T], timeout_s: float) -> T:
+    """fn() on a thread of its own inside network namespace ns (a side of a NetnsLink), its
+    result or its exception returned here: this process sends through the link without a
+    child process of its own (no interpreter start, no model load). Threads that fn starts
+    are ns's too (ZeroMQ's I/O threads, which open the sockets); a pool thread started there
+    that outlives fn keeps the namespace itself alive after `ip netns del` until this
+    process ends. TimeoutError after timeout_s (the thread is left to end on its own)."""
+    result: list[T] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            _join_netns(ns)
+            result.append(fn())
+        except BaseException as exc:  # handed to the caller, whatever it is
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name=f"netns-{ns}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"the call in network namespace {ns} did not end within "
+                           f"{timeout_s:g} s")
+    if failure:
+        raise failure[0]
+    return result[0]
 
 
 def _leftover_pattern(prefix: str) -> re.Pattern[str]:
