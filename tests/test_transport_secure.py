@@ -189,7 +189,7 @@ def test_a_non_loopback_bind_without_keys_is_refused():
 
 @pytest.mark.net
 def test_two_namespaces_with_curve_keys_and_a_stranger_refused(tmp_path):
-    """kvsim serve and kvsim send in two network namespaces (tc), CURVE on: the allowed key's
+    """kvsim serve and the sender in two network namespaces (tc), CURVE on: the allowed key's
     requests complete; with its key removed from allowed/ (another in its place) nothing gets
     through and the sender reports the peer lost."""
     from kvsim.transport.emulate import emulate

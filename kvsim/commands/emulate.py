@@ -1,7 +1,8 @@
 """A real transfer on this machine, in one command: a `kvsim serve` process (decode host) and a
-sender (prefill host), over loopback with a token-bucket link (`transport.emulation=
-token_bucket`, the default), unshaped (`none`), or over two network namespaces joined by a
-`tc`-shaped veth pair (`tc`; needs root), each process in its own namespace as two hosts.
+sender (prefill host) in this process, over loopback with a token-bucket link
+(`transport.emulation=token_bucket`, the default), unshaped (`none`), or over two network
+namespaces joined by a `tc`-shaped veth pair (`tc`; needs root) as two hosts: kvsim serve in
+the receiver's namespace, the sender on a thread joined to the sender's.
 Several codecs in one call, as `kvsim sim`; the rows are the decode host's, with the same
 fields as `kvsim sim` rows plus committed-token times and measured goodput."""
 

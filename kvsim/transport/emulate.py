@@ -239,13 +239,22 @@ class DecodeHost:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        """Stop serve, then remove the link (nothing is left inside its namespaces) and the
+        files, each whatever the step before it raised."""
         self._closed = True
-        if self._serve is not None:
-            stop(self._serve)
-        self._links.close()  # after serve: nothing left inside its namespaces
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
+        try:
+            if self._serve is not None:
+                stop(self._serve)
+        finally:
+            try:
+                self._links.close()
+            finally:
+                if self._tmp is not None:
+                    self._tmp.cleanup()
+                    self._tmp = None
 
     def _running(self) -> None:
         """Start `kvsim serve` on first use (a context in which nothing is sent starts
@@ -335,13 +344,19 @@ class DecodeHost:
             return send()
         from kvsim.transport.netns import call_in_netns, reshaped
 
-        spec = link_spec(cfg)
-        if spec != self._link.spec:
-            self._link = reshaped(self._link, spec)
         tx_cfg = dataclasses.replace(tx_cfg, transport=dataclasses.replace(
             tx_cfg.transport, insecure=not t.keys or t.insecure))
-        return call_in_netns(self._link.sender_ns, send,
-                             _request_count(cfg) * (t.timeout_s + 300))
+        try:
+            spec = link_spec(cfg)
+            if spec != self._link.spec:
+                self._link = reshaped(self._link, spec)
+            return call_in_netns(self._link.sender_ns, send,
+                                 _request_count(cfg) * (t.timeout_s + 300))
+        except BaseException:
+            # a link left half-shaped, or a sender still running on its thread (timed out,
+            # interrupted): no later run may use either, so the host ends here
+            self._close()
+            raise
 
     def rows(self, sent: list[dict]) -> list[dict]:
         """A kept host's rows of one run: the sender's, each naming the CPUs of both ends
@@ -403,8 +418,8 @@ def _shared_device_budget(cfg: EmulateConfig, device) -> int:
 
 def _device_free_bytes_in_a_child(device) -> int:
     """kvsim.transport.receiver.device_free_bytes, read by a short-lived child: this process
-    opens no CUDA context of its own for it (with tc it runs neither end, and a context held
-    here would take device memory, or the device itself in exclusive-process mode)."""
+    opens no CUDA context of its own for it before its sender does (a context held here
+    would take device memory, or the device itself in exclusive-process mode)."""
     code = ("import sys; from kvsim.transport.receiver import device_free_bytes; "
             "print(device_free_bytes(sys.argv[1]))")
     proc = subprocess.run([sys.executable, "-c", code, str(device)], capture_output=True,

@@ -271,7 +271,7 @@ def tc_commands(link: NetnsLink) -> list[list[str]]:
     if spec.loss_pct > 0:
         netem += ["loss", "random", f"{spec.loss_pct!r}%"]
     cmds = [[*fwd, "root", "handle", "1:", *netem], [*fwd, "parent", "1:1", "handle", "10:", *tbf]]
-    if spec.symmetric_delay and spec.delay_ms > 0:
+    if _delays_acks(spec):
         cmds.append(["tc", "-netns", link.receiver_ns, "qdisc", "add", "dev", link.receiver_dev,
                      "root", "handle", "1:", "netem", "limit", str(spec.netem_limit_packets),
                      "delay", _us(spec.delay_ms)])
@@ -421,26 +421,34 @@ def shaped_link(spec: NetemSpec, tag: str | None = None) -> Iterator[NetnsLink]:
                          "(run `kvsim net cleanup`)")
 
 
+def _delays_acks(spec: NetemSpec) -> bool:
+    """Whether tc_commands gives the receiver's end a qdisc (the acks' delay)."""
+    return spec.needs_netem and spec.symmetric_delay and spec.delay_ms > 0
+
+
 def reshaped(link: NetnsLink, spec: NetemSpec) -> NetnsLink:
     """The same link shaped by `spec` instead (its qdiscs replaced; namespaces, addresses and
     whatever runs there stay): one pair of namespaces serves runs at several rates. Replace
-    while nothing is sent: a packet queued in the old qdiscs is dropped with them."""
+    while nothing is sent. A new rate, delay or loss of the same shape (tbf alone, or netem
+    over tbf) replaces the qdiscs in place, so the link is never unshaped; adding or removing
+    netem deletes the sender's root first. A NetnsError may leave the link half-shaped:
+    send nothing more on it."""
     if not isinstance(spec, NetemSpec):
         raise ValueError(f"spec must be a NetemSpec, got {type(spec).__name__}")
     if spec.needs_netem:
         ok, why = netem_available()
         if not ok:
             raise NetnsError(f"spec {spec} needs netem: {why}")
-    old = link.spec
-    # the root qdiscs tc_commands added (the receiver's: its ack delay, where there was one);
-    # their children go with them
-    _run(["tc", "-netns", link.sender_ns, "qdisc", "del", "dev", link.sender_dev, "root"])
-    if old.needs_netem and old.symmetric_delay and old.delay_ms > 0:
+    old, new = link.spec, replace(link, spec=spec)
+    in_place = old.needs_netem == spec.needs_netem
+    if not in_place:  # tbf <-> netem at the root (same handle, another kind): delete, add
+        _run(["tc", "-netns", link.sender_ns, "qdisc", "del", "dev", link.sender_dev, "root"])
+    for cmd in tc_commands(new):  # ["tc", "-netns", ns, "qdisc", "add", ...]
+        on_receiver = cmd[2] == link.receiver_ns
+        _run([*cmd[:4], "replace" if in_place or on_receiver else "add", *cmd[5:]])
+    if _delays_acks(old) and not _delays_acks(spec):
         _run(["tc", "-netns", link.receiver_ns, "qdisc", "del", "dev", link.receiver_dev,
               "root"])
-    new = replace(link, spec=spec)
-    for cmd in tc_commands(new):
-        _run(cmd)
     return new
 
 
