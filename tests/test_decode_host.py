@@ -95,6 +95,35 @@ def test_one_tc_host_serves_runs_at_two_rates_over_one_reshaped_link():
     assert not namespaces & {item.netns for item in leftovers()}
 
 
+@pytest.mark.net
+def test_a_tc_host_whose_link_cannot_be_reshaped_ends_itself(monkeypatch):
+    """A reshape that fails (here: a stand-in raising as `tc` would) ends the kept host:
+    the error reaches the run, serve is stopped, the link removed, and a later run is
+    refused rather than sent over a link left half-shaped."""
+    from kvsim.transport import netns
+
+    ok, why = netns.netns_available()
+    if not ok:
+        pytest.skip(why)
+
+    def broken(link, spec):
+        raise netns.NetnsError("`tc ... qdisc replace` failed (a stand-in)")
+
+    first = config("codecs=[int8]", "transport.emulation=tc", "link.bandwidth_gbps=1.0")
+    with DecodeHost(first) as host:
+        [row] = emulate(first, host)
+        assert row["status"] == "done"
+        names = {host._link.sender_ns, host._link.receiver_ns}
+        monkeypatch.setattr(netns, "reshaped", broken)
+        slower = config("codecs=[int8]", "transport.emulation=tc", "link.bandwidth_gbps=0.2")
+        with pytest.raises(netns.NetnsError, match="a stand-in"):
+            emulate(slower, host)
+        assert host._serve.poll() is not None
+        assert not names & {item.netns for item in netns.leftovers()}
+        with pytest.raises(RuntimeError, match="not running"):
+            emulate(first, host)
+
+
 def test_a_run_of_its_own_still_runs_end_to_end():
     """emulate without a kept host: a decode host for the run alone, ended by its request
     count (the refactored path of plain `kvsim emulate`)."""

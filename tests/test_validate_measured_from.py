@@ -371,11 +371,19 @@ def _shipped_simulated_again(name: str, compared: int, run_dir: Path) -> dict:
     return s
 
 
-@pytest.mark.parametrize("name", ["2026-11-28-full", "2026-11-29-full"])
+@pytest.mark.parametrize("name", ["2026-11-28-full", "2026-11-29-full", "2026-11-30-full-tc-host"])
 def test_the_shipped_calibrated_full_grid_runs_simulated_again(name, tmp_path, no_emulation):
     """data/fidelity/<name> (calibrate=true, the full grid): this simulator gives its figures
     again from the measurements and profiles it saved."""
     _shipped_simulated_again(name, 324, tmp_path)
+
+
+def test_the_shipped_default_run_simulated_again_with_its_probe(tmp_path, no_emulation):
+    """data/fidelity/2026-11-30-default-tc-host (`kvsim validate`: the shipped profiles,
+    copied beside it, used as they were after the probe before the comparisons): its figures
+    again, and the step level it held."""
+    s = _shipped_simulated_again("2026-11-30-default-tc-host", 324, tmp_path)
+    assert s["step_level"]["trusted"] and not s["step_level"]["from_scenario"]
 
 
 def test_the_shipped_heldout_run_beside_a_neighbour_simulated_again(tmp_path, no_emulation,
@@ -389,7 +397,8 @@ def test_the_shipped_heldout_run_beside_a_neighbour_simulated_again(tmp_path, no
     assert "a shared host" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name", ["2026-11-28-heldout", "2026-11-29-heldout"])
+@pytest.mark.parametrize("name", ["2026-11-28-heldout", "2026-11-29-heldout",
+                                  "2026-11-30-heldout-tc-host"])
 def test_the_shipped_calibrated_heldout_runs_simulated_again(name, tmp_path, no_emulation):
     """data/fidelity/<name> (grid=heldout calibrate=true; the calibrated step long on one day,
     short on the next): this simulator gives its figures again, and with each scenario's step
