@@ -397,8 +397,7 @@ def test_the_shipped_heldout_run_beside_a_neighbour_simulated_again(tmp_path, no
     assert "a shared host" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name", ["2026-11-28-heldout", "2026-11-29-heldout",
-                                  "2026-11-30-heldout-tc-host"])
+@pytest.mark.parametrize("name", ["2026-11-28-heldout", "2026-11-29-heldout"])
 def test_the_shipped_calibrated_heldout_runs_simulated_again(name, tmp_path, no_emulation):
     """data/fidelity/<name> (grid=heldout calibrate=true; the calibrated step long on one day,
     short on the next): this simulator gives its figures again, and with each scenario's step
@@ -409,3 +408,26 @@ def test_the_shipped_calibrated_heldout_runs_simulated_again(name, tmp_path, no_
     level = json.loads((tmp_path / "b" / "fidelity.json").read_text())["summary"]
     assert level["by_case"]["single"]["mean_abs_pct_error"] < \
         s["by_case"]["single"]["mean_abs_pct_error"] / 2
+
+
+def test_a_shipped_run_on_a_step_level_off_by_8pct_is_not_met(tmp_path, no_emulation, capsys):
+    """data/fidelity/2026-11-30-heldout-tc-host: its calibration measured the receiver's step
+    1.14x the in-process one and the scenarios decoded 8.1% faster than simulated. Within
+    the 5% mean target its errors were (3.52% / 9.72%), but its step level is beyond the
+    5% step-level tolerance: not met, naming the re-simulation with each scenario's step;
+    with the 10% the run itself used (then the drift tolerance), held as it said."""
+    s = _shipped_simulated_again("2026-11-30-heldout-tc-host", 108, tmp_path / "a")
+    level = s["step_level"]
+    assert level["tolerance_pct"] == 5.0
+    assert level["step_mean_abs_pct"] == pytest.approx(8.1, abs=0.1)
+    assert s["met_mean"] and s["met_max"] and not level["trusted"] and not s["met"]
+    out = capsys.readouterr().out
+    assert "step level not the scenarios' host" in out and "step_from_scenario=true" in out
+    shipped = DATA_DIR / "fidelity" / "2026-11-30-heldout-tc-host"
+    assert main(["validate", f"measured_from={shipped}", "step_level_tolerance_pct=10",
+                 f"hydra.run.dir={tmp_path / 'b'}"]) == 0
+    again = json.loads((tmp_path / "b" / "fidelity.json").read_text())["summary"]
+    assert again["step_level"]["trusted"] and again["met"]
+    with pytest.raises(ValueError, match="step_level_tolerance_pct"):
+        from kvsim.fidelity.validation import Config
+        Config(model=None, step_level_tolerance_pct=0)

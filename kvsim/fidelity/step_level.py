@@ -9,8 +9,10 @@ saying that the errors were the host's minute and not the model's.
 
 Two checks after the comparisons, both cheap:
   - the scenarios' own decode steps (each single-request row's `tpot_measured_s`) against
-    the simulated one (`tpot_simulated_s`): their mean |difference| within the drift
-    tolerance, or the level is not the scenarios' host (the verdict);
+    the simulated one (`tpot_simulated_s`): their mean |difference| within the tolerance
+    (validate's step_level_tolerance_pct, 5%: the mean-error target, as a step off by more
+    moves every decode-bound metric by about as much), or the level is not the scenarios'
+    host (the verdict);
   - a second probe, as the first was taken, against the profile: its factors beside the
     first probe's (1.0 where the profiles were calibrated in the run) say whether the host
     itself moved during the run or the first probe missed its spell (the reason given).
@@ -32,7 +34,7 @@ class StepLevel:
     """The step level's check over one validation."""
 
     step_mean_abs_pct: float  # simulated step vs the scenarios' measured steps, mean |%|
-    tolerance_pct: float  # the drift tolerance (drift.tolerance_pct)
+    tolerance_pct: float  # validate's step_level_tolerance_pct
     # the probe before the comparisons: its factor (step here / profile's) at each probed
     # context; empty where none was taken (profiles calibrated in the run: level 1.0)
     contexts: list[int] = field(default_factory=list)
