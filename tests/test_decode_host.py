@@ -52,8 +52,8 @@ def test_a_host_that_has_exited_or_was_closed_is_refused_as_is_another_link(monk
         host._serve.wait(timeout=30)
         with pytest.raises(RuntimeError, match="not running"):
             emulate(cfg, host)
-        with pytest.raises(ValueError, match="emulation=tc: the decode host kept over runs "
-                                             "listens on loopback"):
+        with pytest.raises(ValueError, match="decode side differs from the decode host kept "
+                                             "over runs in link: 'tc' vs 'loopback'"):
             emulate(config("codecs=[int8]", "transport.emulation=tc"), host)
     closed = DecodeHost(cfg)
     with closed:
@@ -85,7 +85,7 @@ def test_one_tc_host_serves_runs_at_two_rates_over_one_reshaped_link():
                 for rate in (1.0, 0.2)}
         namespaces = {host._link.sender_ns, host._link.receiver_ns}
         assert host._link.spec.rate_gbps == 0.2
-        with pytest.raises(ValueError, match="listens in a tc-shaped namespace"):
+        with pytest.raises(ValueError, match="in link: 'loopback' vs 'tc'"):
             emulate(config("codecs=[int8]"), host)
     for rate, [row] in runs.items():
         assert row["status"] == "done" and row["link_emulation"] == "tc", row

@@ -271,16 +271,16 @@ class DecodeHost:
         tmp = Path(self._tmp.name)
         self._endpoint_file, self._report = tmp / "endpoint", tmp / "serve-report.json"
         port = t.port or _free_port()
-        addr, insecure = "127.0.0.1", t.insecure
+        addr = "127.0.0.1"
         if t.emulation == "tc":
             from kvsim.transport.netns import shaped_link
 
             self._link = self._links.enter_context(shaped_link(link_spec(self.cfg)))
-            # the veth pair joins only these two namespaces: plain TCP needs no keys there
-            addr, insecure = self._link.receiver_addr, not t.keys or t.insecure
+            addr = self._link.receiver_addr
         rx_cfg = dataclasses.replace(self.cfg, transport=dataclasses.replace(
             t, bind=f"tcp://{addr}:{port}", max_requests=self.max_requests,
-            endpoint_file=str(self._endpoint_file), cpus=self.rx_cpus, insecure=insecure))
+            endpoint_file=str(self._endpoint_file), cpus=self.rx_cpus,
+            insecure=_insecure(self.cfg)))
         self.connect = f"tcp://{addr}:{port}"
         argv = _child("serve", rx_cfg, tmp, self._report)
         if self._link is not None:
@@ -292,13 +292,8 @@ class DecodeHost:
         """Refuse (ValueError, naming the setting) a run this host would not decode as a
         decode host of the run's own would: another model, device, decode mode, receiver
         setting, decode instances or prefix store, a codec it did not warm up, a prompt
-        longer than it warmed up for, the other kind of link; a host that has exited
-        (RuntimeError)."""
-        tc, here = cfg.transport.emulation == "tc", self.cfg.transport.emulation == "tc"
-        if tc != here:
-            raise ValueError(f"transport.emulation={cfg.transport.emulation}: the decode host "
-                             f"kept over runs listens "
-                             f"{'in a tc-shaped namespace' if here else 'on loopback'}")
+        longer than it warmed up for, the other kind of link (_decode_side); a host that has
+        exited (RuntimeError)."""
         budget = cfg.transport.max_device_memory_bytes
         if budget and budget != self.cfg.transport.max_device_memory_bytes:
             raise ValueError(f"transport.max_device_memory_bytes={budget} differs from the "
@@ -330,7 +325,8 @@ class DecodeHost:
 
         self._running()
         t = cfg.transport
-        tx_cfg = dataclasses.replace(cfg, transport=dataclasses.replace(t, connect=self.connect))
+        tx_cfg = dataclasses.replace(cfg, transport=dataclasses.replace(
+            t, connect=self.connect, insecure=_insecure(cfg)))
 
         def send() -> list[dict]:
             with pinned(self.tx_cpus):
@@ -344,8 +340,6 @@ class DecodeHost:
             return send()
         from kvsim.transport.netns import call_in_netns, reshaped
 
-        tx_cfg = dataclasses.replace(tx_cfg, transport=dataclasses.replace(
-            tx_cfg.transport, insecure=not t.keys or t.insecure))
         try:
             spec = link_spec(cfg)
             if spec != self._link.spec:
@@ -376,6 +370,13 @@ class DecodeHost:
         return _with_send_cpus(_merge(rows, sent), self.tx_cpus)
 
 
+def _insecure(cfg: EmulateConfig) -> bool:
+    """Whether both ends go without CURVE keys: as configured on loopback; over tc also
+    without keys, since the veth pair joins only the run's two namespaces."""
+    t = cfg.transport
+    return t.insecure or (t.emulation == "tc" and not t.keys)
+
+
 def _decode_side(cfg: EmulateConfig) -> dict:
     """What a decode host's configuration decides about how it decodes (kvsim.commands.serve:
     the receiver's settings, decode loops, instances, warm-up), beside the codecs and the
@@ -388,7 +389,10 @@ def _decode_side(cfg: EmulateConfig) -> dict:
     # (a device-memory budget is the host's own: set when it started, where none was)
     for key in ("bind", "max_requests", "idle_exit_s", "max_device_memory_bytes"):
         receive.pop(key, None)
-    return {"model": dataclasses.asdict(cfg.model), "hardware": dataclasses.asdict(cfg.hardware),
+    # the link it listens on: loopback (token bucket or unshaped: the sender shapes) or tc's
+    # namespaces
+    return {"link": "tc" if t.emulation == "tc" else "loopback",
+            "model": dataclasses.asdict(cfg.model), "hardware": dataclasses.asdict(cfg.hardware),
             "device": cfg.device, "decode": session.decode_mode(cfg), "threads": t.threads,
             "split_cpus": t.split_cpus, "acceptance": cfg.speculative.acceptance,
             "seed": cfg.seed, "receiver": receive, "prefix_cache":
