@@ -25,7 +25,7 @@ from kvsim.core.compose import compose
 from kvsim.transport import protocol as P
 from kvsim.transport import session
 from kvsim.transport.config import EmulateConfig
-from kvsim.transport.rate_limiter import TokenBucket, Unlimited
+from kvsim.transport.rate_limiter import MAX_LAG_S, TokenBucket, Unlimited
 from kvsim.transport.receiver import Receiver
 from kvsim.transport.sender import OutgoingRequest, Sender
 
@@ -153,10 +153,78 @@ def test_token_bucket_late_wakeups_lose_no_capacity():
     clock[0] = 100.0  # after an idle spell nothing was saved up: the next waits its time
     assert bucket.delay_s(100) == pytest.approx(0.1)
     bucket.consume(100)
-    clock[0] = 200.0  # a message released long ago but held back (credit): no catch-up burst
-    assert bucket.delay_s(100, ready_t=150.0) == pytest.approx(0.1 - 0.002)
+    clock[0] = 200.0  # a message held back (credit) until now: its ready time is now, so
+    assert bucket.delay_s(100, ready_t=200.0) == pytest.approx(0.1)  # no catch-up burst
+    bucket.consume(100)
+    clock[0] = 300.0  # the process stopped for 50 s with a message queued: idle beyond the
+    assert bucket.delay_s(100, ready_t=150.0) == pytest.approx(0.1 - MAX_LAG_S)  # window
     with pytest.raises(ValueError):
         TokenBucket(float("nan"))
+
+
+def test_token_bucket_catches_up_a_thread_switch_interval():
+    """A link loop kept off the interpreter for a whole switch interval (5 ms, while the
+    encoder thread runs Python) loses no link time: the link had the message queued."""
+    assert MAX_LAG_S >= 2 * 0.005
+    clock = [0.0]
+    bucket = TokenBucket(8e-3, clock=lambda: clock[0])  # 1e6 bytes/s: 100 B in 0.1 ms
+    for i in range(1000):
+        wait = bucket.delay_s(100, ready_t=0.0)
+        clock[0] += wait + (0.005 if i % 100 == 0 else 0.0)  # every 100th wake 5 ms late
+        assert bucket.delay_s(100) == 0
+        bucket.consume(100)
+    assert bucket.busy_until_t == pytest.approx(0.1)  # 1000 x 0.1 ms: never idle
+    old = TokenBucket(8e-3, clock=lambda: clock[0], max_lag_s=0.002)  # caught up to 2 ms only
+    clock[0] = 0.0
+    for i in range(1000):
+        clock[0] += old.delay_s(100, ready_t=0.0) + (0.005 if i % 100 == 0 else 0.0)
+        old.consume(100)
+    assert old.busy_until_t == pytest.approx(0.1 + 10 * 0.003)  # 3 ms lost to each
+
+
+class _RecordingLimiter:
+    """A token bucket that records each message's ready time as the link loop gives it."""
+
+    def __init__(self, rate_gbps: float) -> None:
+        self.bucket = TokenBucket(rate_gbps)
+        self.first_calls: list[tuple[float, float]] = []  # (ready_t, when asked)
+        self._asked = False
+
+    def delay_s(self, size_bytes: int, ready_t: float | None = None) -> float:
+        if not self._asked:
+            self.first_calls.append((ready_t, time.time()))
+            self._asked = True
+        return self.bucket.delay_s(size_bytes, ready_t)
+
+    def consume(self, size_bytes: int) -> None:
+        self._asked = False
+        self.bucket.consume(size_bytes)
+
+
+def test_sender_gives_a_credit_held_message_the_time_credit_came():
+    """With a credit window of two chunks (and a fast link) the link loop waits for ACKs:
+    those messages are ready when credit came (the link idled meanwhile), not at their
+    release; with the credit it needs, a message is ready at its release (a late loop is
+    caught up)."""
+    from kvsim.kernels.presets import resolve_codec
+
+    cfg = config("codecs=[int8]")
+    chunk = int(resolve_codec("int8").build().size_table(cfg.model.kv_shape(512))
+                .chunk_bytes.max()) + P.CONTROL_BYTES + P.CHUNK_HEADER_BYTES
+    at_call = {}
+    for window_chunks in (2, 0):
+        limiter = _RecordingLimiter(50.0)
+        kw = {"max_in_flight_bytes": window_chunks * chunk} if window_chunks else {}
+        with RunningReceiver(cfg) as rx:
+            [res] = send(cfg, rx.endpoint, limiter, **kw)
+        assert res.status == "done", res.error
+        chunks = sum(res.chunks)
+        assert len(limiter.first_calls) == chunks
+        assert all(ready <= asked + 1e-6 for ready, asked in limiter.first_calls)
+        # ready at the call itself (within 0.1 ms): the message waited for credit till then
+        at_call[window_chunks] = sum(1 for ready, asked in limiter.first_calls
+                                     if asked - ready < 1e-4)
+    assert at_call[2] >= chunks // 4 and at_call[0] <= chunks // 10, at_call
 
 
 # ---- end to end over loopback -------------------------------------------------------------

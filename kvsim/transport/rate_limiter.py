@@ -7,8 +7,16 @@ before send), less an optional lead of `burst_bytes` / rate. The link is then bu
 start + n / rate. So a stream of messages leaves at exactly the rate, the first one waits
 its own transfer time on an idle link (as the simulator's fluid link), and a link loop that
 wakes up late loses no capacity: the next message's start is the earlier busy-until, not the
-late wake-up (a lag of up to `max_lag_s` is caught up; a longer gap, e.g. a sender
-stalled on credit, counts as idle link time, so no burst above the rate follows it).
+late wake-up. A link with messages queued is busy whatever the thread feeding it does, so
+the lateness caught up is the sending thread's own: on CPython a thread that wants the
+interpreter lock back waits up to its switch interval (5 ms) while another thread of the
+process (the encoder) runs Python, and on a 2-core host the encoder, the link loop and the
+receiver share the cores. Caught up within 2 ms only, those waits cost a split-stream
+anchor 8-12 ms at 1 Gbps (240 chunks, CHANGELOG.md 2026-12-06); `MAX_LAG_S` covers a few
+switch intervals. A message held back for another reason (no credit: the receiver has not
+processed what is in flight) is ready when the reason goes, which the caller says
+(`ready_t`): the link idles meanwhile and no burst above the rate follows. A lag beyond
+`max_lag_s` (the process stopped) counts as idle link time too.
 """
 
 from __future__ import annotations
@@ -17,10 +25,13 @@ import math
 import time
 from collections.abc import Callable
 
+# lateness of the link loop caught up (s): four of CPython's default thread switch intervals
+MAX_LAG_S = 0.020
+
 
 class TokenBucket:
     def __init__(self, rate_gbps: float, burst_bytes: int = 0,
-                 clock: Callable[[], float] = time.time, max_lag_s: float = 0.002) -> None:
+                 clock: Callable[[], float] = time.time, max_lag_s: float = MAX_LAG_S) -> None:
         """burst_bytes: how far ahead of its last byte's crossing a message may be handed to
         the socket (0: exactly then)."""
         if not (isinstance(rate_gbps, (int, float)) and math.isfinite(rate_gbps)
@@ -37,8 +48,9 @@ class TokenBucket:
         self._start_t: float | None = None  # start of the message waiting to go
 
     def delay_s(self, size_bytes: int, ready_t: float | None = None) -> float:
-        """Seconds until a message of `size_bytes` may go (0: now). ready_t: when it was
-        released to the link (clock seconds; default: this first call for it)."""
+        """Seconds until a message of `size_bytes` may go (0: now). ready_t: when it could
+        first have gone, released to the link and with credit to go (clock seconds;
+        default: this first call for it)."""
         now = self.clock()
         if self._start_t is None:
             ready = now if ready_t is None else min(now, ready_t)

@@ -342,6 +342,9 @@ class Sender:
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         last_rx = last_tx = last_gauges = time.monotonic()
+        # the head message waited for credit: it can go from when credit came (the link
+        # idled meanwhile), not from its release (the limiter would catch that up)
+        credit_waited = False
         while not all(r.finished.is_set() for r in self._reqs.values()):
             now = time.monotonic()
             while not self._outbox.empty():
@@ -360,13 +363,17 @@ class Sender:
                         # the link has this request's bytes from now on: goodput counts
                         with self._lock:  # from here, not from the first paid send
                             owner.fin.setdefault("first_send_t", time.time())
-                    delay = self.limiter.delay_s(item.size_bytes, item.released_t)
+                    ready_t = max(item.released_t, time.time()) if credit_waited \
+                        else item.released_t
+                    credit_waited = False
+                    delay = self.limiter.delay_s(item.size_bytes, ready_t)
                     if delay <= 0:
                         self._send_chunk(sock, self.scheduler.pop())
                         last_tx = time.monotonic()
                         continue
                     wait_s = min(wait_s, delay)
                 else:
+                    credit_waited = True
                     wait_s = min(wait_s, 0.005)  # waiting for credit: ACKs wake the poll
             self._send_fins(sock)
             now = time.monotonic()
