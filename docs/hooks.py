@@ -354,14 +354,17 @@ def perf_links() -> str:
         rows.append([p["emulation"], _f(p["efficiency"]), _g(p["latency_s"]),
                      _f(p["message_overhead_bytes"], 1), _f(p.get("fit_max_abs_pct_error"), 2),
                      _f(d.get("ratio"), 2), _g(d.get("busy_ratio")),
-                     _g(d["ingest_s_per_byte"] * 1e9) if "ingest_s_per_byte" in d else None])
+                     _g(d["ingest_s_per_byte"] * 1e9) if "ingest_s_per_byte" in d else None,
+                     _f(p["handshake_s"] * 1e3, 2) if "handshake_s" in p else None])
     return ("Fitted to transfers of 1 MiB and 16 KiB messages at several rates: goodput "
             "fraction of the configured rate, first-byte latency, bytes per message beyond "
             "the payload; the receiver's draft step on that link as a ratio to a decode step "
-            "(plain, and while the receiver is fully busy), and its cost per later-stream "
-            "byte.\n\n"
+            "(plain, and while the receiver is fully busy), its cost per later-stream "
+            "byte, and a transfer's handshake (prefill end to the first chunk on the link, "
+            "less its encoding; median over the calibration transfers).\n\n"
             + _table(["emulation", "goodput fraction", "latency s", "overhead B/message",
-                      "fit max error %", "draft step ratio", "busy ratio", "ingest ns/B"], rows))
+                      "fit max error %", "draft step ratio", "busy ratio", "ingest ns/B",
+                      "handshake ms"], rows))
 
 
 def perf_codec_timing() -> str:

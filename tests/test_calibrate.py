@@ -487,9 +487,14 @@ def test_calibrate_measures_the_draft_step_on_each_link(tmp_path, monkeypatch):
     calls = []
 
     def fake_loads(model, codecs, context_tokens, seed, text_source, **kw):
-        calls.append((list(codecs), seed, kw.get("emulation", "token_bucket"),
+        emulation = kw.get("emulation", "token_bucket")
+        calls.append((list(codecs), seed, emulation,
                       kw.get("first_step_extra_s"), kw.get("bandwidth_gbps", 0.3)))
-        return _fake_medians(kw.get("emulation", "token_bucket"), 0.01)
+        if kw.get("keep_rows") is not None:  # each transfer's requests: their handshakes
+            kw["keep_rows"].extend({"status": "done", "codec": str(c), "handshake_s": (
+                0.002 if emulation == "token_bucket" else 0.005) + 1e-4 * len(calls)}
+                for c in codecs)
+        return _fake_medians(emulation, 0.01)
 
     monkeypatch.setattr(rt, "receiver_loads", fake_loads)
     monkeypatch.setattr(lp, "measure_link_profile", _fake_link)
@@ -518,6 +523,10 @@ def test_calibrate_measures_the_draft_step_on_each_link(tmp_path, monkeypatch):
     assert tc.draft_step["busy_ratio"] == pytest.approx(3.5)
     assert tc.draft_step["model"] == "tiny-random"
     assert "over tc" in tc.draft_step["measured"]
+    # the median handshake of the requests of every transfer over that link: the token
+    # bucket's (calls 1 and 2, 2 + 1 rows) and tc's (calls 3 and 4, 1 + 1 rows)
+    assert [c[2] for c in calls] == ["token_bucket", "token_bucket", "tc", "tc"]
+    assert tb.handshake_s == pytest.approx(0.0021) and tc.handshake_s == pytest.approx(0.00535)
     if Path("/proc/stat").is_file():  # each link's own measurement's neighbours
         for e in ("token-bucket", "tc"):
             doc = json.loads((tmp_path / "link" / f"local-tiny-random-{e}.json").read_text())
@@ -533,6 +542,7 @@ def test_calibrate_measures_the_draft_step_on_each_link(tmp_path, monkeypatch):
     for e in ("token-bucket", "tc"):
         path = tmp_path / "c" / "link" / f"local-tiny-random-{e}.json"
         assert load_link_profile(str(path)).draft_step is None
+        assert load_link_profile(str(path)).handshake_s == 0.0  # no transfer: not measured
 
 
 def test_receiver_loads_take_the_given_first_step_extra_when_every_request_drafted(

@@ -93,6 +93,23 @@ def test_rescale_multiplies_every_model_time_and_says_so(tmp_path):
                                      "its host's probe")
 
 
+def test_a_link_profiles_transport_times_rescale_and_its_link_terms_stay():
+    from kvsim.model.host import rescaled_link_profile
+
+    doc = {"efficiency": 0.99, "latency_s": 3e-5, "message_overhead_bytes": 0.0,
+           "handshake_s": 0.002, "draft_step": {"ratio": 1.2, "busy_ratio": 2.0,
+                                                "ingest_s_per_byte": 4e-9}}
+    out = rescaled_link_profile(doc, 1.5, {})
+    assert out["handshake_s"] == pytest.approx(0.003)
+    assert out["draft_step"]["ingest_s_per_byte"] == pytest.approx(6e-9)
+    assert out["draft_step"]["ratio"] == 1.2 and out["draft_step"]["busy_ratio"] == 2.0
+    assert (out["efficiency"], out["latency_s"]) == (0.99, 3e-5)
+    assert out["drift"]["what"] == "draft_step.ingest_s_per_byte and handshake_s x 1.5"
+    assert doc["handshake_s"] == 0.002  # the original is left alone
+    bare = rescaled_link_profile({"efficiency": 1.0}, 2.0, {})
+    assert bare["drift"]["what"] == "nothing to rescale"
+
+
 def test_a_rescale_by_context_moves_the_steps_by_their_context_and_the_prefill_by_the_first(
         tmp_path):
     """Two probed contexts: each step curve x the factor at its context (linear between the

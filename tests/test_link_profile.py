@@ -223,6 +223,74 @@ def test_sim_with_a_profile_one_flow_arrives_at_the_analytic_time(tmp_path):
     assert all_arrival_t == pytest.approx(expect, rel=1e-12)
 
 
+def test_handshake_delays_every_time_of_a_request_by_itself_exactly(tmp_path):
+    """A transfer's handshake holds its encoder back from prefill end: alone on its link,
+    the request's encode end, arrivals and tokens all move by exactly the handshake; a
+    profile's handshake adds to the link's."""
+    path = _profile_file(tmp_path, efficiency=0.5, handshake_s=0.003)
+    for codec in ("bf16", "lynx"):  # monolithic and split-stream
+        plain = _scenario(tmp_path, 10.0, codecs=(codec,), contexts=(1000,), profile=path,
+                          handshake_s=0.0)
+        shaken = _scenario(tmp_path, 10.0, codecs=(codec,), contexts=(1000,), profile=path,
+                           handshake_s=0.001)
+        [(_, [before], sc)] = plain
+        [(_, [after], _)] = shaken
+        assert sc.handshake_s == pytest.approx(0.003)
+        assert after == pytest.approx(tuple(t + 0.001 for t in before), abs=1e-12)
+        # the profile's half efficiency is a 5 Gbps link; without its 3 ms handshake the
+        # same request is 3 ms earlier
+        [(_, [bare], _)] = _scenario(tmp_path, 5.0, codecs=(codec,), contexts=(1000,))
+        assert before == pytest.approx(tuple(t + 0.003 for t in bare), abs=1e-12)
+
+
+def test_handshake_is_hidden_behind_a_prefill_the_transfer_runs_with(tmp_path):
+    """layerwise: the sender says hello as prefill starts, so a handshake shorter than the
+    first layer's prefill changes nothing, and a longer one holds the first layer back."""
+    def first_arrival(handshake_s: float) -> tuple:
+        timing = tmp_path / "timing.json"
+        entry = {"encode_gb_per_s": 50.0, "decode_gb_per_s": 25.0, "source": "assumed",
+                 "assumption": "test"}
+        timing.write_text(json.dumps({"version": 1, "hardware": "test", "default": entry}))
+        cfg = SimConfig(model=MODEL, hardware=HW, codecs=["bf16"], codec_timing=str(timing),
+                        transfer="layerwise")
+        cfg.link = replace(cfg.link, bandwidth_gbps=10.0, handshake_s=handshake_s)
+        cfg.workload = replace(cfg.workload, kind="trace", arrivals_t=[0.0],
+                               arrivals_context_tokens=[1000], output_tokens=8)
+        [v] = variants(cfg)
+        sc = Scenario(cfg, v, 1000, 10.0)
+        sc.run()
+        [rec] = sc.records
+        return rec.prefill_start_t, rec.prefill_end_t, rec.needed_arrival_t, \
+            float(rec.timeline.token_t[-1])
+    t_p0, t_pe, arrival, last = first_arrival(0.0)
+    layer_s = (t_pe - t_p0) / MODEL.layers
+    assert first_arrival(0.5 * layer_s) == (t_p0, t_pe, arrival, last)
+    later = first_arrival(2.0 * layer_s)
+    assert later[2] >= arrival and later[3] >= last and later[:2] == (t_p0, t_pe)
+
+
+def test_handshake_entry_is_the_median_of_finished_requests():
+    rows = [{"status": "done", "handshake_s": x} for x in (0.002, 0.004, 0.003)] + [
+        {"status": "error", "handshake_s": 0.5}, {"status": "done", "handshake_s": math.nan},
+        {"status": "done"}]
+    got = lp.handshake_entry(rows)
+    assert got["handshake_s"] == 0.003
+    assert got["handshake"]["requests"] == 3 and got["handshake"]["min_s"] == 0.002 and \
+        got["handshake"]["max_s"] == 0.004
+    assert lp.handshake_entry(rows[3:]) is None and lp.handshake_entry([]) is None
+
+
+def test_loader_reads_a_handshake_and_refuses_a_bad_one(tmp_path):
+    assert load_link_profile(_profile_file(tmp_path)).handshake_s == 0.0  # none: none
+    assert load_link_profile(_profile_file(tmp_path, handshake_s=0.002)).handshake_s == 0.002
+    for bad, message in ((-0.001, "handshake_s must be in"), (math.nan, "must be finite"),
+                         ("2 ms", "must be a number")):
+        with pytest.raises(ValueError, match=message):
+            load_link_profile(_profile_file(tmp_path, handshake_s=bad))
+    with pytest.raises(ValueError, match="link.handshake_s"):
+        LinkConfig(handshake_s=-1.0).validate()
+
+
 @pytest.mark.slow
 def test_real_token_bucket_profile_fits_a_goodput_near_the_rate(tmp_path):
     transfers = (lp.Transfer("big", 8, 128, 256, 0.4), lp.Transfer("big-short", 8, 128, 256, 0.1),

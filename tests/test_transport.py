@@ -252,6 +252,18 @@ def test_loopback_transfer_delivers_the_size_table_and_a_row(codec):
     assert sum(row["breakdown_s"].values()) == pytest.approx(
         row["ttkt_from_prefill_end_s"]["8"], abs=2e-3)
     assert row["transfer"] == ("split_stream" if codec == "lynx" else "monolithic")
+    # prefill end to the encoder's start plus the first chunk's hand-off: a few ms here
+    assert 0 < row["handshake_s"] < 1.0
+
+
+def test_handshake_is_the_start_before_encoding_and_the_first_hand_off():
+    from kvsim.transport.record import handshake_s
+
+    fin = {"encode_start_t": 10.004, "first_release_t": 10.010, "first_send_t": 10.011}
+    assert handshake_s(10.0, fin) == pytest.approx(0.004 + 0.001)
+    for missing in fin:  # a FIN without one of the times (an older sender): not measured
+        assert math.isnan(handshake_s(10.0, {k: v for k, v in fin.items() if k != missing}))
+    assert math.isnan(handshake_s(10.0, {**fin, "first_send_t": "soon"}))
 
 
 def test_time_scale_runs_a_slower_link_and_reports_real_time():

@@ -23,7 +23,9 @@ chunk bytes (chunk header + payload); the transport adds its control frame on th
 
 `kvsim calibrate` runs it for each of its `links` and, with its receiver timing, adds the
 receiver's draft step measured on that link (optional `draft_step`: ratio, busy_ratio,
-context_tokens, model; kvsim.model.hardware's draft_step format); alone (no draft step):
+context_tokens, model; kvsim.model.hardware's draft_step format) and what a transfer's start
+costs before its first chunk goes, beyond its encoding (optional `handshake_s`, the median of
+its calibration transfers' requests: handshake_entry); alone (neither):
     python -m kvsim.calibrate.link_profile --emulation tc --name local-tc \
         --out /tmp/local-tc.json
 """
@@ -212,6 +214,23 @@ def profile_doc(name: str, emulation: str, rates_gbps: Sequence[float],
         "host": platform.node(),
         "measured_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+
+
+def handshake_entry(rows: list[dict]) -> dict | None:
+    """{"handshake_s", "handshake": its record} from real transfers' request rows over the
+    link (kvsim.transport.record.handshake_s: prefill end to the encoder's start, the
+    receiver admitting the request, plus the first chunk's hand-off to the link loop): the
+    median over the requests that finished and measured it (one request varies by a
+    millisecond or two with the host's threads); None without any."""
+    got = sorted(float(r["handshake_s"]) for r in rows if r.get("status") == "done"
+                 and isinstance(r.get("handshake_s"), (int, float))
+                 and math.isfinite(r["handshake_s"]) and r["handshake_s"] >= 0)
+    if not got:
+        return None
+    return {"handshake_s": float(np.median(got)), "handshake": {
+        "requests": len(got), "min_s": got[0], "max_s": got[-1],
+        "measured": "median over the calibration transfers' requests on this link of "
+                    "(encoder start - prefill end) + (first send - first chunk released)"}}
 
 
 def write_link_profile(doc: dict, path: str | Path) -> Path:

@@ -291,8 +291,9 @@ def calibrate(cfg: Config) -> list[dict]:
 def _link(cfg: Config, emulation: str, path: Path, prov: dict, say, hw_doc: dict,
           main_rows: list[dict]) -> dict:
     """Measure one emulated link into its profile at `path`: the fit of real transfers,
-    and the receiver's draft step on that link (_link_draft_step)."""
-    from kvsim.calibrate.link_profile import measure_link_profile
+    the receiver's draft step on that link (_link_draft_step) and a transfer's handshake
+    (the median over the calibration transfers made on it: handshake_entry)."""
+    from kvsim.calibrate.link_profile import handshake_entry, measure_link_profile
 
     if emulation == "tc":
         from kvsim.transport.netns import netns_available
@@ -306,9 +307,18 @@ def _link(cfg: Config, emulation: str, path: Path, prov: dict, say, hw_doc: dict
     doc = measure_link_profile(emulation, list(cfg.link_rates_gbps), name=name)
     doc.update({k: v for k, v in prov.items() if k not in doc})
     _write(path, doc)  # the link's fit is kept even if its draft-step transfer fails
-    draft = _link_draft_step(cfg, emulation, say, hw_doc, main_rows)
+    # every calibration transfer's requests over this link (the handshake's median)
+    link_rows = list(main_rows) if emulation == "token_bucket" else []
+    draft = _link_draft_step(cfg, emulation, say, hw_doc, main_rows, link_rows)
     if draft is not None:
         doc["draft_step"] = draft
+    handshake = handshake_entry(link_rows)
+    if handshake is not None:
+        doc.update(handshake)
+        say(f"link {emulation}: a transfer's handshake {handshake['handshake_s'] * 1e3:.2f} ms "
+            f"(median of {handshake['handshake']['requests']} requests, "
+            f"{handshake['handshake']['min_s'] * 1e3:.2f}-"
+            f"{handshake['handshake']['max_s'] * 1e3:.2f})")
     _record_background(doc, meter, f"link {emulation} was measured", say)
     _write(path, doc)
     say(f"link {emulation}: efficiency {doc['efficiency']:.4f}, latency "
@@ -329,11 +339,12 @@ def _link(cfg: Config, emulation: str, path: Path, prov: dict, say, hw_doc: dict
             "draft_busy_ratio": draft.get("busy_ratio") if draft else None,
             "draft_ingest_ns_per_byte": 1e9 * draft["ingest_s_per_byte"]
             if draft and "ingest_s_per_byte" in draft else None,
+            "handshake_ms": 1e3 * handshake["handshake_s"] if handshake else None,
             "status": "measured"}
 
 
-def _link_draft_step(cfg: Config, emulation: str, say, hw_doc: dict, main_rows: list[dict]
-                     ) -> dict | None:
+def _link_draft_step(cfg: Config, emulation: str, say, hw_doc: dict, main_rows: list[dict],
+                     link_rows: list[dict] | None = None) -> dict | None:
     """The receiver's draft step on `emulation` (the link profile's `draft_step`, for this
     model: `model` names it). Its `ratio` (a draft step over a decode step, averaged over the
     drafting) is the token bucket's calibration transfer's (it ran there, into hw_doc) or, on
@@ -342,7 +353,8 @@ def _link_draft_step(cfg: Config, emulation: str, say, hw_doc: dict, main_rows: 
     (kvsim.calibrate.draft_ingest) on the drafts of that transfer and of one more at
     `draft_fit_rate_gbps`: the slowdown grows with the later streams' arrival rate
     (kvsim.calibrate.draft_ingest), which one rate cannot tell from the worker's jobs. None
-    without receiver timing, without a split-stream codec, or when no request drafted."""
+    without receiver timing, without a split-stream codec, or when no request drafted.
+    link_rows: the request rows of every transfer it makes over the link are appended."""
     if not cfg.receiver_loads:
         return None
     import numpy as np
@@ -377,6 +389,8 @@ def _link_draft_step(cfg: Config, emulation: str, say, hw_doc: dict, main_rows: 
                                   split_cpus=cfg.split_cpus,
                                   dequantize=cfg.dequantize, emulation=emulation,
                                   first_step_extra_s=extra_s, keep_rows=rows)
+        if link_rows is not None:
+            link_rows.extend(rows)
         draft = draft_step_doc(measured, cfg.receiver_context_tokens,
                                f"a calibration transfer over {emulation}")
     if draft is None:
@@ -394,6 +408,8 @@ def _link_draft_step(cfg: Config, emulation: str, say, hw_doc: dict, main_rows: 
                        repeats=cfg.receiver_repeats, threads=cfg.threads,
                        split_cpus=cfg.split_cpus, dequantize=cfg.dequantize,
                        emulation=emulation, first_step_extra_s=extra_s, keep_rows=got)
+        if link_rows is not None:
+            link_rows.extend(got)
         return got
 
     def fitted(of: list[dict]) -> tuple[Any, float, list[Any]] | None:
@@ -475,6 +491,7 @@ def _print(rows: list[dict], paths: dict[str, Path], root: Path, dequantize: str
                                    ("draft_step_ratio", "draft step x", ".3f"),
                                    ("draft_busy_ratio", "busy x", ".3f"),
                                    ("draft_ingest_ns_per_byte", "ns/B in", ".1f"),
+                                   ("handshake_ms", "handshake ms", ".2f"),
                                    ("status", "status", "")]))
     link_keys = [k for k in paths if k.startswith("link:") and paths[k].is_file()]
     print(f"profiles written under {root}; use them with:\n  kvsim sim hardware=local-cpu "

@@ -208,14 +208,19 @@ def rescaled_codec_timing(doc: dict, factor: float, drift: dict) -> dict:
 
 
 def rescaled_link_profile(doc: dict, factor: float, drift: dict) -> dict:
-    """A measured link profile with its receiver time per byte taken in
-    (`draft_step.ingest_s_per_byte`, the decode host's CPU) x factor; the link's own terms
-    (rate, goodput, latency, per-message bytes) and the draft step's ratios to a step stay."""
+    """A measured link profile with the transport's CPU times x factor: the receiver's time
+    per byte taken in (`draft_step.ingest_s_per_byte`) and a transfer's handshake
+    (`handshake_s`: both ends' processes at work); the link's own terms (rate, goodput,
+    latency, per-message bytes) and the draft step's ratios to a step stay."""
     if not factor > 0:
         raise ValueError(f"a rescale factor must be > 0, got {factor}")
     scaled = _ingest_scaled(doc, factor)
+    what = ["draft_step.ingest_s_per_byte"] if scaled else []
+    if isinstance(doc.get("handshake_s"), (int, float)):
+        scaled["handshake_s"] = doc["handshake_s"] * factor
+        what.append("handshake_s")
     return {**doc, **scaled, "drift": {**drift, "factor": factor, "what": (
-        f"draft_step.ingest_s_per_byte x {factor:.4g}" if scaled else "nothing to rescale")}}
+        f"{' and '.join(what)} x {factor:.4g}" if what else "nothing to rescale")}}
 
 
 def _ingest_scaled(doc: dict, factor: float) -> dict:

@@ -38,6 +38,10 @@ class LinkConfig:
     bandwidth_gbps: float = 10.0  # 1e9 bit/s
     latency_s: float = 0.0  # propagation, added to every message
     message_overhead_bytes: float = 0.0  # framing bytes per message on top of its payload
+    # a transfer's set-up before its encoder starts (s): the decode side admitting the
+    # request (a HELLO / ACCEPT round trip) and the hand-off of its first chunk to the link;
+    # from prefill end (policies that send after prefill) or prefill start (with prefill)
+    handshake_s: float = 0.0
     # [[t_s, gbps], ...] steps (typed Any: OmegaConf refuses an int in a nested float list;
     # validate() checks the numbers and makes them floats)
     trace: list[Any] = field(default_factory=list)
@@ -69,6 +73,7 @@ class LinkConfig:
             raise ValueError(f"link.residual_weight must be in (0, 1], got "
                              f"{self.residual_weight!r}")
         check_number("link.latency_s", self.latency_s, strict=False)
+        check_number("link.handshake_s", self.handshake_s, strict=False)
         check_number("link.decode_ingress_gbps", self.decode_ingress_gbps, strict=False)
         check_number("link.message_overhead_bytes", self.message_overhead_bytes, strict=False)
         check_trace("link.trace", self.trace)

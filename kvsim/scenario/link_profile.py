@@ -5,6 +5,8 @@ their transfer times match the real transport's:
     bandwidth_gbps         x efficiency              (payload goodput / configured rate)
     latency_s              + profile latency_s       (fixed start cost of a transfer)
     message_overhead_bytes + profile overhead bytes  (per-message cost beyond the payload)
+    handshake_s            + profile handshake_s     (a transfer's set-up before its
+                                                      encoder starts; absent: 0)
 
 A bandwidth trace's rates are scaled by the efficiency too: the profile describes the
 emulation, whatever rate it is set to. The file format is kvsim.calibrate.link_profile's
@@ -47,6 +49,9 @@ class LinkProfile:
     # ...}: kvsim.model.hardware's draft_step), None where the profile has none
     draft_step: dict | None = None
     emulation: str = "none"  # the link emulation it was measured on (EMULATIONS)
+    # a transfer's set-up on this link, measured by the transport (s; kvsim.transport.record
+    # handshake_s): 0 where the profile has none (fitted on plain messages only)
+    handshake_s: float = 0.0
 
 
 def _number(path: Path, doc: dict, key: str, minimum: float, maximum: float = math.inf,
@@ -91,7 +96,9 @@ def load_link_profile(name_or_path: str) -> LinkProfile:
         message_overhead_bytes=_number(path, doc, "message_overhead_bytes", 0.0),
         name=name, path=str(path),
         draft_step=check_draft_step(f"link profile {path}", doc),
-        emulation=doc.get("emulation", "none"))
+        emulation=doc.get("emulation", "none"),
+        handshake_s=_number(path, doc, "handshake_s", 0.0, 1.0) if "handshake_s" in doc
+        else 0.0)
     record_loaded(path)
     return profile
 

@@ -51,11 +51,12 @@ class RequestRecord:
         Transfer: the needed flow's last byte arrived at needed_arrival_t; walking back, its
         flow had bytes queued on the link without a break since needed_backlog_t (the
         release of the message that found the flow empty). Before that instant the flow
-        waited for the encoder (serialize), after it for the link (exposed communication:
-        its own bytes, others' ahead of it, latency). Monolithic: everything is released
-        at the end of encoding, so serialize is the whole encode after prefill; pipelined
-        with an encoder slower than the link: the last chunk found the flow empty, so
-        serialize is the encoding up to it and communication only its transfer."""
+        waited for the transfer's handshake and the encoder (serialize), after it for the
+        link (exposed communication: its own bytes, others' ahead of it, latency).
+        Monolithic: everything is released at the end of encoding, so serialize is the
+        whole encode after prefill; pipelined with an encoder slower than the link: the last
+        chunk found the flow empty, so serialize is the encoding up to it and communication
+        only its transfer."""
         out = dict.fromkeys(BREAKDOWN_KEYS, 0.0)
         t_pe, end = self.prefill_end_t, self.ttkt(k)
         exposed = max(0.0, self.needed_arrival_t - t_pe)

@@ -157,6 +157,9 @@ class Scenario:
         self.link_profile = load_link_profile(cfg.link.profile) if cfg.link.profile else None
         self.timing = TimingModel(cfg.model, cfg.hardware, draft_step_for(
             self.link_profile, cfg.model.name, cfg.hardware.profile))
+        # a transfer's set-up before its encoder starts (s): the link's, + the profile's
+        self.handshake_s = cfg.link.handshake_s + (
+            self.link_profile.handshake_s if self.link_profile is not None else 0.0)
         table = load_codec_timing(cfg.hardware.name, cfg.codec_timing or None)
         self.codec_timing: CodecTiming = table.lookup(variant.spec.label, variant.spec.name)
         self.acceptance = load_acceptance(variant.acceptance or cfg.speculative.acceptance)
@@ -598,8 +601,11 @@ class Scenario:
         the step carrying its last chunk). Returns the receivers on the decode instance and
         the time (s) its last chunk is encoded."""
         cfg = self.cfg
+        # the decode side admits the request before its encoder starts: from prefill end,
+        # or from the prefill's start where the transfer runs with it
+        hello_t = layers_start_t if plan.pipelined_with_prefill else layers_start_t + layers_s
         rel = release_times(plan, layers_start_t, layers_s, self.model.layers,
-                            pnode.encoder_free_t)
+                            max(pnode.encoder_free_t, hello_t + self.handshake_s))
         pnode.encoder_free_t = float(rel[-1])
         # on_arrival: the receiver's worker dequantizes layers as they land, whatever the policy
         deser = Deserializer(self.env, plan.flows,
@@ -665,6 +671,7 @@ class Scenario:
             "size_estimate": self.codec.size_note() or "exact",
             "acceptance": self.acceptance.name,
             "link_profile": cfg.link.profile,
+            "handshake_s": self.handshake_s,  # the link's + its profile's
             "link_utilisation": float(np.mean([lk.utilisation(end_t) for lk in self.links])),
             # busy fraction over [first byte, last byte] of each link that carried bytes
             "link_busy_utilisation": float(np.nanmean(

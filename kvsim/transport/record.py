@@ -95,6 +95,7 @@ def emulated_row(asm: Assembly, hello: dict, result: Any, error: str,
         "decode": result.mode,
         # the sender's encoder at work (s, over the layers; FIN): calibration's encode rate
         "encode_work_s": _num(fin, "encode_work_s"),
+        "handshake_s": handshake_s(prefill_end, fin),
         "stream_complete_from_prefill_end_s": {
             name: float(s.complete_t - prefill_end)
             for name, s in zip(asm.codec.stream_names(), streams, strict=True)},
@@ -107,6 +108,17 @@ def emulated_row(asm: Assembly, hello: dict, result: Any, error: str,
     })
     scale = _num(hello, "time_scale", 1.0)
     return slowed_down(row, scale, arrival) if scale != 1 else row
+
+
+def handshake_s(prefill_end_t: float, fin: dict) -> float:
+    """What a transfer's start costs beyond its encoding (s; NaN where the FIN lacks the
+    times): from prefill end to the encoder's start (the HELLO, the receiver admitting the
+    request, its ACCEPT back) plus from the first chunk's release to its send (the hand-off
+    to the link loop, a thread of the same process). The link profile's `handshake_s`
+    (kvsim.calibrate.pipeline) is its median over calibration transfers."""
+    start = _num(fin, "encode_start_t") - prefill_end_t
+    hand_off = _num(fin, "first_send_t") - _num(fin, "first_release_t")
+    return float(start + hand_off)
 
 
 def slowed_down(row: dict, k: float, arrival_t: float) -> dict:

@@ -253,10 +253,12 @@ class Sender:
         prefill_start = res.times["prefill_start_t"]
         held = req.held
         pending: list[QueuedChunk] = []
+        res.times["encode_start_t"] = time.time()  # ACCEPTed: the encoder starts
 
         def release(chunks: list[QueuedChunk]) -> None:
             for item in chunks:
                 item.released_t = time.time()
+                res.times.setdefault("first_release_t", item.released_t)
                 with self._lock:
                     req.queued_chunks += 1
                 if self.scheduler.put(item, self.timeout_s):
@@ -332,6 +334,10 @@ class Sender:
         with self._lock:
             req.fin.update({"encode_end_t": res.times["encode_end_t"],
                             "encode_work_s": encode_work_s,
+                            # the handshake's share of the start (kvsim.transport.record)
+                            "encode_start_t": res.times["encode_start_t"],
+                            **{k: res.times[k] for k in ("first_release_t",)
+                               if k in res.times},  # none: every chunk was held (resume)
                        "backlog_start_t": {str(k): v for k, v in req.backlog_start_t.items()},
                        "skipped_chunks": res.skipped_chunks})
             req.released_all = True
