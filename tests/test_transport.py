@@ -227,6 +227,38 @@ def test_sender_gives_a_credit_held_message_the_time_credit_came():
     assert at_call[2] >= chunks // 4 and at_call[0] <= chunks // 10, at_call
 
 
+def test_a_residual_waits_for_a_small_window_while_its_anchor_is_being_encoded():
+    """A later stream's chunk goes into the shaper's FIFO ahead of the anchor chunks encoded
+    after it: while its request's encoder runs it gets link rate x in_flight_ms (no 1 MiB
+    floor); the anchor, and the residual once every chunk is released, the full cap."""
+    from types import SimpleNamespace
+
+    from kvsim.transport.scheduler import QueuedChunk
+
+    cfg = config("transport.emulation=tc", "link.bandwidth_gbps=0.1")
+    assert session.max_in_flight_bytes(cfg) == 1 << 20  # 10 ms is 125 kB: the floor
+    assert session.behind_in_flight_bytes(cfg) == 125_000
+    fast = config("transport.emulation=tc", "link.bandwidth_gbps=10")
+    assert session.behind_in_flight_bytes(fast) == session.max_in_flight_bytes(fast)
+    assert session.behind_in_flight_bytes(config("transport.emulation=none")) == \
+        cfg.transport.window_bytes
+    sender = Sender("tcp://127.0.0.1:1", Unlimited(), max_in_flight_bytes=1 << 20,
+                    behind_in_flight_bytes=125_000)
+    accepted = threading.Event()
+    accepted.set()
+    owner = SimpleNamespace(accepted=accepted, window_bytes=16 << 20, released_all=False)
+    sender._reqs[7] = owner
+
+    def chunk(stream: int) -> QueuedChunk:
+        return QueuedChunk((stream,), 7, stream, 0, 0, 0, np.zeros(1, np.uint8), 100)
+
+    assert sender._window(chunk(0)) == 1 << 20
+    assert sender._window(chunk(1)) == 125_000
+    owner.released_all = True  # every anchor chunk is queued ahead of it now
+    assert sender._window(chunk(1)) == 1 << 20
+    assert sender._window() == 1 << 20
+
+
 # ---- end to end over loopback -------------------------------------------------------------
 @pytest.mark.parametrize("codec", ["int8", "lynx"])
 def test_loopback_transfer_delivers_the_size_table_and_a_row(codec):

@@ -30,9 +30,10 @@ class TransportConfig:
     timeout_s: float = 30.0  # a peer silent this long is declared lost
     heartbeat_s: float = 0.5  # idle peers say they are alive this often
     window_bytes: int = 16777216  # credit: unprocessed bytes a sender may have in flight
-    # the sender keeps at most link rate x in_flight_ms in flight (>= 1 MiB, <= window_bytes):
-    # bytes in socket buffers or a tc queue are past the scheduler, so priority holds only
-    # for what is not yet sent (0: window_bytes, e.g. an unshaped link)
+    # the sender keeps at most link rate x in_flight_ms in flight (>= 1 MiB, <= window_bytes;
+    # no floor for a later stream's chunk while its request is still being encoded): bytes
+    # in socket buffers or a tc queue are past the scheduler, so priority holds only for
+    # what is not yet sent (0: window_bytes, e.g. an unshaped link)
     in_flight_ms: float = 10.0
     max_queued_bytes: int = 268435456  # encoded chunks waiting for the link (backpressure)
     max_request_bytes: int = 8589934592  # kvsim serve refuses larger (bf16) caches

@@ -64,6 +64,7 @@ def send_all(cfg: EmulateConfig, metrics_port: int | None = None, kernel_threads
                                 t.timeout_s, t.heartbeat_s, t.max_queued_bytes,
                                 identity=resume.identities.get(variant) if resume else None,
                                 max_in_flight_bytes=session.max_in_flight_bytes(cfg),
+                                behind_in_flight_bytes=session.behind_in_flight_bytes(cfg),
                                 residual_weight=cfg.link.residual_weight,
                                 residual_age_s=cfg.link.residual_age_s, keys=t.keys,
                                 insecure=t.insecure, metrics=metrics,

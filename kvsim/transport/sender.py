@@ -110,10 +110,16 @@ class Sender:
                  max_in_flight_bytes: int = 64 << 20, residual_weight: float = 0.25,
                  residual_age_s: float = 1.0, keys: str = "", insecure: bool = False,
                  metrics: Any = None, prefill: PrefillInstances | None = None,
-                 kernel_threads: int = 0) -> None:
+                 kernel_threads: int = 0, behind_in_flight_bytes: int | None = None) -> None:
         """max_in_flight_bytes caps the receiver's credit window: bytes in socket buffers
         and a shaper's queue are beyond the scheduler's reach, so on a shaped link keep it
         near the link's rate x a few ms or the priority order is lost on the wire.
+        behind_in_flight_bytes (None: the same cap): the cap for a chunk of a later stream
+        (a residual) while its request's encoder still releases chunks. The link loop sends
+        it when no earlier stream's chunk is released yet, as the simulator's link does,
+        but on a shaped link it then sits in the shaper's FIFO queue ahead of the anchor
+        chunks released after it: a small cap keeps that wait short, where the full cap
+        (at least 1 MiB, 84 ms at 0.1 Gbps) let the anchor wait tens of ms.
         prefill: the prefill instances requests queue for (default: one). kernel_threads:
         the threads each request's parallel codec kernels use (numba's count is per
         launching thread; 0: numba's pool size), e.g. the CPUs a pinned sender has."""
@@ -121,6 +127,8 @@ class Sender:
             raise ValueError("timeout_s and heartbeat_s must be > 0")
         self.address, self.limiter, self.timeout_s = address, limiter, float(timeout_s)
         self.max_in_flight_bytes = int(max_in_flight_bytes)
+        self.behind_in_flight_bytes = self.max_in_flight_bytes \
+            if behind_in_flight_bytes is None else int(behind_in_flight_bytes)
         self.heartbeat_s = float(heartbeat_s)
         self.scheduler = ChunkScheduler(scheduling, max_queued_bytes, residual_weight,
                                         residual_age_s)
@@ -363,7 +371,7 @@ class Sender:
             item = self.scheduler.peek()
             if item is not None:
                 in_flight = self._in_flight()
-                if in_flight + item.size_bytes <= self._window() or in_flight == 0:
+                if in_flight + item.size_bytes <= self._window(item) or in_flight == 0:
                     owner = self._reqs.get(item.request_id)
                     if owner is not None and "first_send_t" not in owner.fin:
                         # the link has this request's bytes from now on: goodput counts
@@ -413,8 +421,16 @@ class Sender:
         except (BlockingIOError, OSError):
             pass
 
-    def _window(self) -> int:
-        return min(self.max_in_flight_bytes, self._granted())
+    def _window(self, item: QueuedChunk | None = None) -> int:
+        """Bytes that may be in flight before `item` goes: the credit granted, capped;
+        a later stream's chunk while its request is still being encoded gets the smaller
+        cap (behind_in_flight_bytes)."""
+        cap = self.max_in_flight_bytes
+        if item is not None and item.stream > 0:
+            owner = self._reqs.get(item.request_id)
+            if owner is not None and not owner.released_all:
+                cap = min(cap, self.behind_in_flight_bytes)
+        return min(cap, self._granted())
 
     def _granted(self) -> int:
         with self._lock:

@@ -197,6 +197,18 @@ def max_in_flight_bytes(cfg: EmulateConfig) -> int:
     return int(min(t.window_bytes, max(1 << 20, rate_bytes_per_s * t.in_flight_ms / 1e3)))
 
 
+def behind_in_flight_bytes(cfg: EmulateConfig) -> int:
+    """The sender's cap on unacknowledged bytes when the next chunk is a later stream's
+    (a residual) and its request is still being encoded (Sender's behind_in_flight_bytes):
+    link rate x transport.in_flight_ms without max_in_flight_bytes' 1 MiB floor, so a
+    residual queued below the scheduler holds the anchor back at most that long."""
+    t = cfg.transport
+    if not t.in_flight_ms or t.emulation == "none":
+        return t.window_bytes
+    rate_bytes_per_s = cfg.link.bandwidth_gbps / t.time_scale * 1e9 / 8
+    return int(min(max_in_flight_bytes(cfg), rate_bytes_per_s * t.in_flight_ms / 1e3))
+
+
 def limiter_for(cfg: EmulateConfig) -> Any:
     if cfg.transport.emulation == "token_bucket":
         return TokenBucket(cfg.link.bandwidth_gbps / cfg.transport.time_scale,
