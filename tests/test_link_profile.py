@@ -245,7 +245,8 @@ def test_handshake_delays_every_time_of_a_request_by_itself_exactly(tmp_path):
 
 def test_handshake_is_hidden_behind_a_prefill_the_transfer_runs_with(tmp_path):
     """layerwise: the sender says hello as prefill starts, so a handshake shorter than the
-    first layer's prefill changes nothing, and a longer one holds the first layer back."""
+    first layer's prefill changes nothing; one longer than the whole prefill starts the
+    encoder at prefill start + handshake, with every layer ready by then."""
     def first_arrival(handshake_s: float) -> tuple:
         timing = tmp_path / "timing.json"
         entry = {"encode_gb_per_s": 50.0, "decode_gb_per_s": 25.0, "source": "assumed",
@@ -260,13 +261,15 @@ def test_handshake_is_hidden_behind_a_prefill_the_transfer_runs_with(tmp_path):
         sc = Scenario(cfg, v, 1000, 10.0)
         sc.run()
         [rec] = sc.records
-        return rec.prefill_start_t, rec.prefill_end_t, rec.needed_arrival_t, \
-            float(rec.timeline.token_t[-1])
-    t_p0, t_pe, arrival, last = first_arrival(0.0)
+        return rec.prefill_start_t, rec.prefill_end_t, rec.encode_end_t, \
+            float(rec.timeline.token_t[-1]), float(sc.plan(1000).encode_cum_s[-1])
+    t_p0, t_pe, encode_end, last, encode_s = first_arrival(0.0)
     layer_s = (t_pe - t_p0) / MODEL.layers
-    assert first_arrival(0.5 * layer_s) == (t_p0, t_pe, arrival, last)
-    later = first_arrival(2.0 * layer_s)
-    assert later[2] >= arrival and later[3] >= last and later[:2] == (t_p0, t_pe)
+    assert first_arrival(0.5 * layer_s) == (t_p0, t_pe, encode_end, last, encode_s)
+    late = first_arrival(2.0 * (t_pe - t_p0))
+    assert late[:2] == (t_p0, t_pe)
+    assert late[2] == pytest.approx(t_p0 + 2.0 * (t_pe - t_p0) + encode_s, abs=1e-12)
+    assert late[2] > encode_end and late[3] > last
 
 
 def test_handshake_entry_is_the_median_of_finished_requests():

@@ -30,7 +30,7 @@ TIMING = "codec_timing=" + str(Path(__file__).parent / "data" / "codec_timing_h1
 REL_TOL = 1e-9
 # wall-clock and event-count fields measure the simulator's speed, not its results
 SPEED_KEYS = {"wall_s", "events", "events_per_s"}
-CONFIG_ECHO = {"codec_params"}  # what the row repeats of its config: not a result
+CONFIG_ECHO = {"codec_params", "handshake_s"}  # what the row repeats of its config
 
 # transfer=seeds: the policies the values were recorded under (monolithic / split_stream)
 SINGLE = [TIMING, "scenario=none", "transfer=seeds", "link=25g", "workload=single",

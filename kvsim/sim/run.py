@@ -391,7 +391,8 @@ class Scenario:
         """The request's flows to the link as their layers complete; decoding waits for the
         flows the policy needs."""
         ps.receivers, ps.encode_end_t = self._send(
-            ps.req, ps.plan, self.prefill[ps.p], self.decode[ps.d], layers_start_t, layers_s)
+            ps.req, ps.plan, self.prefill[ps.p], self.decode[ps.d], layers_start_t, layers_s,
+            ps.t_p0)
         ps.needed = ps.receivers[:1] if ps.plan.speculative else ps.receivers
         if ps.fetch is not None:  # decoding needs the prefix fetched from the store too
             ps.needed = [*ps.needed, ps.fetch]
@@ -595,15 +596,18 @@ class Scenario:
         return rx
 
     def _send(self, req: Request, plan: TransferPlan, pnode: PrefillNode, dnode: DecodeNode,
-              layers_start_t: float, layers_s: float) -> tuple[list[Receiver], float]:
+              layers_start_t: float, layers_s: float, prefill_start_t: float
+              ) -> tuple[list[Receiver], float]:
         """Hand the request's flows to the link(s) as the encoder releases its chunks: layer
         l's KV is complete at layers_start_t + (l + 1) / layers x layers_s (the prefill, or
         the step carrying its last chunk). Returns the receivers on the decode instance and
         the time (s) its last chunk is encoded."""
         cfg = self.cfg
         # the decode side admits the request before its encoder starts: from prefill end,
-        # or from the prefill's start where the transfer runs with it
-        hello_t = layers_start_t if plan.pipelined_with_prefill else layers_start_t + layers_s
+        # or from the prefill's start (its first chunk's, chunked) where the transfer runs
+        # with it. The first chunk's hand-off to the link, part of the handshake, is hidden
+        # behind that prefill too here, where the real sender pays it after the release
+        hello_t = prefill_start_t if plan.pipelined_with_prefill else layers_start_t + layers_s
         rel = release_times(plan, layers_start_t, layers_s, self.model.layers,
                             max(pnode.encoder_free_t, hello_t + self.handshake_s))
         pnode.encoder_free_t = float(rel[-1])

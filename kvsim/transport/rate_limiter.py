@@ -14,8 +14,9 @@ process (the encoder) runs Python, and on a 2-core host the encoder, the link lo
 receiver share the cores. Caught up within 2 ms only, those waits cost a split-stream
 anchor 8-12 ms at 1 Gbps (240 chunks, CHANGELOG.md 2026-12-06); `MAX_LAG_S` covers a few
 switch intervals. A message held back for another reason (no credit: the receiver has not
-processed what is in flight) is ready when the reason goes, which the caller says
-(`ready_t`): the link idles meanwhile and no burst above the rate follows. A lag beyond
+processed what is in flight) is ready when the caller finds the reason gone, which it says
+(`ready_t`; the link loop: when it sees credit again, up to a poll after the ACK came): the
+link idles meanwhile and no burst above the rate follows. A lag beyond
 `max_lag_s` (the process stopped) counts as idle link time too.
 """
 
@@ -55,6 +56,9 @@ class TokenBucket:
         if self._start_t is None:
             ready = now if ready_t is None else min(now, ready_t)
             self._start_t = max(ready, self.busy_until_t, now - self.max_lag_s)
+        elif ready_t is not None:  # another message took the head since the first call (a
+            # better one released, or one that waited for credit): not before it was ready
+            self._start_t = max(self._start_t, min(now, ready_t))
         leave_t = self._start_t + (size_bytes - self.burst_bytes) / self.rate_bytes_per_s
         left = leave_t - now
         return left if left > 1e-9 else 0.0  # below a nanosecond: float rounding

@@ -95,7 +95,7 @@ def emulated_row(asm: Assembly, hello: dict, result: Any, error: str,
         "decode": result.mode,
         # the sender's encoder at work (s, over the layers; FIN): calibration's encode rate
         "encode_work_s": _num(fin, "encode_work_s"),
-        "handshake_s": handshake_s(prefill_end, fin),
+        "handshake_s": handshake_s(fin),
         "stream_complete_from_prefill_end_s": {
             name: float(s.complete_t - prefill_end)
             for name, s in zip(asm.codec.stream_names(), streams, strict=True)},
@@ -110,13 +110,18 @@ def emulated_row(asm: Assembly, hello: dict, result: Any, error: str,
     return slowed_down(row, scale, arrival) if scale != 1 else row
 
 
-def handshake_s(prefill_end_t: float, fin: dict) -> float:
+REAL_TIME_KEYS = ("encode_work_s", "handshake_s")  # slowed_down leaves them as they ran
+
+
+def handshake_s(fin: dict) -> float:
     """What a transfer's start costs beyond its encoding (s; NaN where the FIN lacks the
-    times): from prefill end to the encoder's start (the HELLO, the receiver admitting the
-    request, its ACCEPT back) plus from the first chunk's release to its send (the hand-off
-    to the link loop, a thread of the same process). The link profile's `handshake_s`
-    (kvsim.calibrate.pipeline) is its median over calibration transfers."""
-    start = _num(fin, "encode_start_t") - prefill_end_t
+    times): from the sender's HELLO (made when the prefill ends, or when it starts for a
+    modelled prefill the transfer runs with) to the encoder's start (the receiver admitting
+    the request, its ACCEPT back), plus from the first chunk's release to its send (the
+    hand-off to the link loop, a thread of the same process). The link profile's
+    `handshake_s` (kvsim.calibrate.link_profile.handshake_entry) is its median over
+    calibration transfers."""
+    start = _num(fin, "encode_start_t") - _num(fin, "hello_start_t")
     hand_off = _num(fin, "first_send_t") - _num(fin, "first_release_t")
     return float(start + hand_off)
 
@@ -132,7 +137,10 @@ def slowed_down(row: dict, k: float, arrival_t: float) -> dict:
             return [scaled(x) for x in v]
         return v / k if isinstance(v, (int, float)) and not isinstance(v, bool) else v
 
-    out = {key: scaled(v) if key.endswith("_s") else v for key, v in row.items()}
+    # the encoder's work and the handshake ran at real speed (only the link and the
+    # modelled times were slowed): as measured
+    out = {key: scaled(v) if key.endswith("_s") and key not in REAL_TIME_KEYS else v
+           for key, v in row.items()}
     out["goodput_gbps"] = row["goodput_gbps"] * k
     out["trace_spans"] = [[n, p, arrival_t + (a - arrival_t) / k, arrival_t + (b - arrival_t) / k]
                           for n, p, a, b in row["trace_spans"]]

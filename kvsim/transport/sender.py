@@ -239,6 +239,9 @@ class Sender:
 
     def _hello(self, req: _Req, source: KVSource) -> None:
         out, codec = req.out, req.out.codec
+        # the handshake's origin: prefill end, or its start for a modelled prefill the
+        # transfer runs with (kvsim.transport.record.handshake_s)
+        req.result.times["hello_start_t"] = time.time()
         table = codec.size_table(source.shape)
         meta = preamble_meta(codec.name, codec.params_dict(), source.shape,
                              codec.page_tokens(source.shape), codec.stream_names())
@@ -342,12 +345,13 @@ class Sender:
         with self._lock:
             req.fin.update({"encode_end_t": res.times["encode_end_t"],
                             "encode_work_s": encode_work_s,
-                            # the handshake's share of the start (kvsim.transport.record)
-                            "encode_start_t": res.times["encode_start_t"],
-                            **{k: res.times[k] for k in ("first_release_t",)
-                               if k in res.times},  # none: every chunk was held (resume)
                        "backlog_start_t": {str(k): v for k, v in req.backlog_start_t.items()},
-                       "skipped_chunks": res.skipped_chunks})
+                       "skipped_chunks": res.skipped_chunks,
+                            # the handshake (kvsim.transport.record.handshake_s)
+                            "hello_start_t": res.times["hello_start_t"],
+                            "encode_start_t": res.times["encode_start_t"]})
+            if "first_release_t" in res.times:  # none: every chunk was held (resume)
+                req.fin["first_release_t"] = res.times["first_release_t"]
             req.released_all = True
 
     # ---- the link loop (owns the socket) ---------------------------------------------

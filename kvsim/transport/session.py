@@ -200,11 +200,12 @@ def max_in_flight_bytes(cfg: EmulateConfig) -> int:
 def behind_in_flight_bytes(cfg: EmulateConfig) -> int:
     """The sender's cap on unacknowledged bytes when the next chunk is a later stream's
     (a residual) and its request is still being encoded (Sender's behind_in_flight_bytes):
-    link rate x transport.in_flight_ms without max_in_flight_bytes' 1 MiB floor, so a
-    residual queued below the scheduler holds the anchor back at most that long."""
+    over `tc`, link rate x transport.in_flight_ms without max_in_flight_bytes' 1 MiB floor,
+    so a residual in the shaper's FIFO queue holds the anchor back at most that long. The
+    token bucket has no such queue (a chunk is sent once it has crossed): the full cap."""
     t = cfg.transport
-    if not t.in_flight_ms or t.emulation == "none":
-        return t.window_bytes
+    if not t.in_flight_ms or t.emulation != "tc":
+        return max_in_flight_bytes(cfg)
     rate_bytes_per_s = cfg.link.bandwidth_gbps / t.time_scale * 1e9 / 8
     return int(min(max_in_flight_bytes(cfg), rate_bytes_per_s * t.in_flight_ms / 1e3))
 
