@@ -378,6 +378,17 @@ def test_the_shipped_calibrated_full_grid_runs_simulated_again(name, tmp_path, n
     _shipped_simulated_again(name, 324, tmp_path)
 
 
+def test_the_shipped_slow_day_run_simulated_again_with_its_handshake(tmp_path, no_emulation):
+    """data/fidelity/2026-12-06-full-slow-host (calibrate=true on a slow day, the links'
+    profiles with the transfer's handshake, 4.28 / 3.07 ms): its figures again, the
+    handshake in its rows, and the step level it did not hold."""
+    s = _shipped_simulated_again("2026-12-06-full-slow-host", 324, tmp_path)
+    assert not s["step_level"]["trusted"] and s["step_level"]["step_mean_abs_pct"] > 5.0
+    for link, handshake_s in (("token_bucket", 0.00428), ("tc", 0.00307)):
+        doc = json.loads((tmp_path / "scenarios" / f"single-{link}-1gbps-2048.json").read_text())
+        assert {round(r["handshake_s"], 5) for r in doc["simulated"]} == {handshake_s}
+
+
 def test_the_shipped_default_run_simulated_again_with_its_probe(tmp_path, no_emulation):
     """data/fidelity/2026-11-30-default-tc-host (`kvsim validate`: the shipped profiles,
     copied beside it, used as they were after the probe before the comparisons): its figures
