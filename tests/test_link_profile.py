@@ -174,7 +174,7 @@ def test_profile_settings_one_flow_arrives_at_the_analytic_time():
 
 
 def _scenario(tmp_path, bandwidth_gbps: float, codecs=("bf16", "lynx"),
-              contexts=(1000, 3000), **link) -> list:
+              contexts=(1000, 3000), transfer: str = "seeds", **link) -> list:
     """Per codec: (the row's link_profile, per request (encode end, needed arrival, all
     arrived, last token), the scenario) of requests arriving 10 ms apart."""
     timing = tmp_path / "timing.json"
@@ -182,7 +182,7 @@ def _scenario(tmp_path, bandwidth_gbps: float, codecs=("bf16", "lynx"),
              "assumption": "test"}
     timing.write_text(json.dumps({"version": 1, "hardware": "test", "default": entry}))
     cfg = SimConfig(model=MODEL, hardware=HW, codecs=list(codecs), codec_timing=str(timing),
-                    transfer="seeds")  # one-stream codecs monolithic, as computed below
+                    transfer=transfer)  # seeds: one-stream codecs monolithic
     cfg.link = replace(cfg.link, bandwidth_gbps=bandwidth_gbps, **link)
     cfg.workload = replace(cfg.workload, kind="trace",
                            arrivals_t=[0.01 * i for i in range(len(contexts))],
@@ -248,21 +248,12 @@ def test_handshake_is_hidden_behind_a_prefill_the_transfer_runs_with(tmp_path):
     first layer's prefill changes nothing; one longer than the whole prefill starts the
     encoder at prefill start + handshake, with every layer ready by then."""
     def first_arrival(handshake_s: float) -> tuple:
-        timing = tmp_path / "timing.json"
-        entry = {"encode_gb_per_s": 50.0, "decode_gb_per_s": 25.0, "source": "assumed",
-                 "assumption": "test"}
-        timing.write_text(json.dumps({"version": 1, "hardware": "test", "default": entry}))
-        cfg = SimConfig(model=MODEL, hardware=HW, codecs=["bf16"], codec_timing=str(timing),
-                        transfer="layerwise")
-        cfg.link = replace(cfg.link, bandwidth_gbps=10.0, handshake_s=handshake_s)
-        cfg.workload = replace(cfg.workload, kind="trace", arrivals_t=[0.0],
-                               arrivals_context_tokens=[1000], output_tokens=8)
-        [v] = variants(cfg)
-        sc = Scenario(cfg, v, 1000, 10.0)
-        sc.run()
+        [(_, [(encode_end, _, _, last)], sc)] = _scenario(
+            tmp_path, 10.0, codecs=("bf16",), contexts=(1000,), transfer="layerwise",
+            handshake_s=handshake_s)
         [rec] = sc.records
-        return rec.prefill_start_t, rec.prefill_end_t, rec.encode_end_t, \
-            float(rec.timeline.token_t[-1]), float(sc.plan(1000).encode_cum_s[-1])
+        return rec.prefill_start_t, rec.prefill_end_t, encode_end, last, \
+            float(sc.plan(1000).encode_cum_s[-1])
     t_p0, t_pe, encode_end, last, encode_s = first_arrival(0.0)
     layer_s = (t_pe - t_p0) / MODEL.layers
     assert first_arrival(0.5 * layer_s) == (t_p0, t_pe, encode_end, last, encode_s)
