@@ -261,6 +261,9 @@ def test_a_residual_waits_for_a_small_window_while_its_anchor_is_being_encoded()
     assert session.behind_in_flight_bytes(fast) == session.max_in_flight_bytes(fast)
     assert session.behind_in_flight_bytes(config("transport.emulation=none")) == \
         cfg.transport.window_bytes
+    bucket = config("transport.emulation=token_bucket", "link.bandwidth_gbps=0.1")
+    assert session.behind_in_flight_bytes(bucket) == session.max_in_flight_bytes(bucket) == \
+        1 << 20  # no queue below the sender: the full cap
     sender = Sender("tcp://127.0.0.1:1", Unlimited(), max_in_flight_bytes=1 << 20,
                     behind_in_flight_bytes=125_000)
     accepted = threading.Event()
@@ -303,7 +306,7 @@ def test_loopback_transfer_delivers_the_size_table_and_a_row(codec):
     assert sum(row["breakdown_s"].values()) == pytest.approx(
         row["ttkt_from_prefill_end_s"]["8"], abs=2e-3)
     assert row["transfer"] == ("split_stream" if codec == "lynx" else "monolithic")
-    # prefill end to the encoder's start plus the first chunk's hand-off: a few ms here
+    # the HELLO to the encoder's start plus the first chunk's hand-off: a few ms here
     assert 0 < row["handshake_s"] < 1.0
 
 
@@ -316,6 +319,19 @@ def test_handshake_is_the_start_before_encoding_and_the_first_hand_off():
     for missing in fin:  # a FIN without one of the times (an older sender): not measured
         assert math.isnan(handshake_s({k: v for k, v in fin.items() if k != missing}))
     assert math.isnan(handshake_s({**fin, "first_send_t": "soon"}))
+
+
+def test_a_time_scaled_row_keeps_the_real_times_it_measured():
+    """transport.time_scale=k: the link's and the modelled durations are reported / k, the
+    encoder's work and the handshake (real CPU and round-trip time) as they ran."""
+    from kvsim.transport.record import slowed_down
+
+    row = {"ttft_s": 2.0, "encode_work_s": 0.03, "handshake_s": 0.004,
+           "ttkt_s": {"8": 4.0}, "goodput_gbps": 0.5, "trace_spans": [["x", "p", 10.0, 12.0]]}
+    out = slowed_down(row, 4.0, 10.0)
+    assert (out["ttft_s"], out["ttkt_s"], out["goodput_gbps"]) == (0.5, {"8": 1.0}, 2.0)
+    assert (out["encode_work_s"], out["handshake_s"]) == (0.03, 0.004)
+    assert out["trace_spans"] == [["x", "p", 10.0, 10.5]] and out["time_scale"] == 4.0
 
 
 def test_time_scale_runs_a_slower_link_and_reports_real_time():

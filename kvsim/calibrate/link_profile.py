@@ -218,7 +218,7 @@ def profile_doc(name: str, emulation: str, rates_gbps: Sequence[float],
 
 def handshake_entry(rows: list[dict]) -> dict | None:
     """{"handshake_s", "handshake": its record} from real transfers' request rows over the
-    link (kvsim.transport.record.handshake_s: prefill end to the encoder's start, the
+    link (kvsim.transport.record.handshake_s: the sender's HELLO to the encoder's start, the
     receiver admitting the request, plus the first chunk's hand-off to the link loop): the
     median over the requests that finished and measured it (one request varies by a
     millisecond or two with the host's threads); None without any."""
@@ -230,7 +230,7 @@ def handshake_entry(rows: list[dict]) -> dict | None:
     return {"handshake_s": float(np.median(got)), "handshake": {
         "requests": len(got), "min_s": got[0], "max_s": got[-1],
         "measured": "median over the calibration transfers' requests on this link of "
-                    "(encoder start - prefill end) + (first send - first chunk released)"}}
+                    "(encoder start - HELLO) + (first send - first chunk released)"}}
 
 
 def write_link_profile(doc: dict, path: str | Path) -> Path:

@@ -344,7 +344,7 @@ def _link(cfg: Config, emulation: str, path: Path, prov: dict, say, hw_doc: dict
 
 
 def _link_draft_step(cfg: Config, emulation: str, say, hw_doc: dict, main_rows: list[dict],
-                     link_rows: list[dict] | None = None) -> dict | None:
+                     link_rows: list[dict]) -> dict | None:
     """The receiver's draft step on `emulation` (the link profile's `draft_step`, for this
     model: `model` names it). Its `ratio` (a draft step over a decode step, averaged over the
     drafting) is the token bucket's calibration transfer's (it ran there, into hw_doc) or, on
@@ -389,8 +389,7 @@ def _link_draft_step(cfg: Config, emulation: str, say, hw_doc: dict, main_rows: 
                                   split_cpus=cfg.split_cpus,
                                   dequantize=cfg.dequantize, emulation=emulation,
                                   first_step_extra_s=extra_s, keep_rows=rows)
-        if link_rows is not None:
-            link_rows.extend(rows)
+        link_rows.extend(rows)
         draft = draft_step_doc(measured, cfg.receiver_context_tokens,
                                f"a calibration transfer over {emulation}")
     if draft is None:
@@ -408,8 +407,7 @@ def _link_draft_step(cfg: Config, emulation: str, say, hw_doc: dict, main_rows: 
                        repeats=cfg.receiver_repeats, threads=cfg.threads,
                        split_cpus=cfg.split_cpus, dequantize=cfg.dequantize,
                        emulation=emulation, first_step_extra_s=extra_s, keep_rows=got)
-        if link_rows is not None:
-            link_rows.extend(got)
+        link_rows.extend(got)
         return got
 
     def fitted(of: list[dict]) -> tuple[Any, float, list[Any]] | None:

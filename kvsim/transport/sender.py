@@ -343,13 +343,13 @@ class Sender:
         # sender runs it, beside its link loop and the receiver
         encode_work_s = sum(t1 - t0 for name, t0, t1 in res.events if name.startswith("encode"))
         with self._lock:
-            req.fin.update({"encode_end_t": res.times["encode_end_t"],
-                            "encode_work_s": encode_work_s,
-                       "backlog_start_t": {str(k): v for k, v in req.backlog_start_t.items()},
-                       "skipped_chunks": res.skipped_chunks,
-                            # the handshake (kvsim.transport.record.handshake_s)
-                            "hello_start_t": res.times["hello_start_t"],
-                            "encode_start_t": res.times["encode_start_t"]})
+            req.fin.update({
+                "encode_end_t": res.times["encode_end_t"], "encode_work_s": encode_work_s,
+                "backlog_start_t": {str(k): v for k, v in req.backlog_start_t.items()},
+                "skipped_chunks": res.skipped_chunks,
+                # the handshake (kvsim.transport.record.handshake_s)
+                "hello_start_t": res.times["hello_start_t"],
+                "encode_start_t": res.times["encode_start_t"]})
             if "first_release_t" in res.times:  # none: every chunk was held (resume)
                 req.fin["first_release_t"] = res.times["first_release_t"]
             req.released_all = True

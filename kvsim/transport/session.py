@@ -187,14 +187,19 @@ def _reach_peak_memory(cfg: EmulateConfig, lm: Any | None) -> None:
     del layers, held
 
 
+def _in_flight_ms_bytes(cfg: EmulateConfig) -> float:
+    """The bytes the link carries in transport.in_flight_ms at its rate."""
+    t = cfg.transport
+    return cfg.link.bandwidth_gbps / t.time_scale * 1e9 / 8 * t.in_flight_ms / 1e3
+
+
 def max_in_flight_bytes(cfg: EmulateConfig) -> int:
     """The sender's cap on unacknowledged bytes: link rate x transport.in_flight_ms, at least
     1 MiB (a few chunks, so ACK latency does not throttle the link), at most the window."""
     t = cfg.transport
     if not t.in_flight_ms or t.emulation == "none":
         return t.window_bytes
-    rate_bytes_per_s = cfg.link.bandwidth_gbps / t.time_scale * 1e9 / 8
-    return int(min(t.window_bytes, max(1 << 20, rate_bytes_per_s * t.in_flight_ms / 1e3)))
+    return int(min(t.window_bytes, max(1 << 20, _in_flight_ms_bytes(cfg))))
 
 
 def behind_in_flight_bytes(cfg: EmulateConfig) -> int:
@@ -203,11 +208,10 @@ def behind_in_flight_bytes(cfg: EmulateConfig) -> int:
     over `tc`, link rate x transport.in_flight_ms without max_in_flight_bytes' 1 MiB floor,
     so a residual in the shaper's FIFO queue holds the anchor back at most that long. The
     token bucket has no such queue (a chunk is sent once it has crossed): the full cap."""
-    t = cfg.transport
-    if not t.in_flight_ms or t.emulation != "tc":
-        return max_in_flight_bytes(cfg)
-    rate_bytes_per_s = cfg.link.bandwidth_gbps / t.time_scale * 1e9 / 8
-    return int(min(max_in_flight_bytes(cfg), rate_bytes_per_s * t.in_flight_ms / 1e3))
+    full = max_in_flight_bytes(cfg)
+    if not cfg.transport.in_flight_ms or cfg.transport.emulation != "tc":
+        return full
+    return int(min(full, _in_flight_ms_bytes(cfg)))
 
 
 def limiter_for(cfg: EmulateConfig) -> Any:
