@@ -527,6 +527,8 @@ def test_calibrate_measures_the_draft_step_on_each_link(tmp_path, monkeypatch):
     # bucket's (calls 1 and 2, 2 + 1 rows) and tc's (calls 3 and 4, 1 + 1 rows)
     assert [c[2] for c in calls] == ["token_bucket", "token_bucket", "tc", "tc"]
     assert tb.handshake_s == pytest.approx(0.0021) and tc.handshake_s == pytest.approx(0.00535)
+    # these rows have no worker spans: no worker pace is fitted (kvsim.calibrate.worker_pace)
+    assert tb.worker_pace is None and tc.worker_pace is None
     if Path("/proc/stat").is_file():  # each link's own measurement's neighbours
         for e in ("token-bucket", "tc"):
             doc = json.loads((tmp_path / "link" / f"local-tiny-random-{e}.json").read_text())

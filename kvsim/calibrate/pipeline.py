@@ -280,7 +280,7 @@ def calibrate(cfg: Config) -> list[dict]:
                      "layer_job_gb_per_s": e.get("layer_job_gb_per_s")})
     for emulation in cfg.links:
         rows.append(_link(cfg, emulation, paths[f"link:{emulation}"], prov, say, hw_doc,
-                          main_rows))
+                          main_rows, paths["codec_timing"]))
     if "cache_build" in hw_doc:
         rows.append({"what": "model", "item": "cache build",
                      "cache_build_gb_per_s": hw_doc["cache_build"]["gb_per_s"]})
@@ -289,10 +289,12 @@ def calibrate(cfg: Config) -> list[dict]:
 
 
 def _link(cfg: Config, emulation: str, path: Path, prov: dict, say, hw_doc: dict,
-          main_rows: list[dict]) -> dict:
+          main_rows: list[dict], timing_path: Path) -> dict:
     """Measure one emulated link into its profile at `path`: the fit of real transfers,
-    the receiver's draft step on that link (_link_draft_step) and a transfer's handshake
-    (the median over the calibration transfers made on it: handshake_entry)."""
+    the receiver's draft step on that link (_link_draft_step), a transfer's handshake
+    (the median over the calibration transfers made on it: handshake_entry) and the
+    on-arrival worker's pace there (kvsim.calibrate.worker_pace, on the same transfers'
+    layer jobs against the codec timing at `timing_path`)."""
     from kvsim.calibrate.link_profile import handshake_entry, measure_link_profile
 
     if emulation == "tc":
@@ -319,6 +321,16 @@ def _link(cfg: Config, emulation: str, path: Path, prov: dict, say, hw_doc: dict
             f"(median of {handshake['handshake']['requests']} requests, "
             f"{handshake['handshake']['min_s'] * 1e3:.2f}-"
             f"{handshake['handshake']['max_s'] * 1e3:.2f})")
+    pace = _worker_pace(cfg, link_rows, timing_path)
+    if pace is not None:
+        doc["worker_pace"] = pace
+        say(f"link {emulation}: the on-arrival worker's layer job {pace['alone']:.3f} x the "
+            f"codec timing's, x (1 + {pace['encoder']:.3f}) beside its request's encoder, "
+            f"x (1 + {pace['ingest']:.3f}) while its bytes arrive ({pace['jobs']} jobs of "
+            f"{pace['requests']} requests, rms {pace['rms_s'] * 1e3:.2f} ms)")
+    elif link_rows and cfg.dequantize == "on_arrival":
+        say(f"link {emulation}: the on-arrival worker's pace did not fit (too few jobs, or "
+            "beyond its bounds): its jobs take the codec timing's time there")
     _record_background(doc, meter, f"link {emulation} was measured", say)
     _write(path, doc)
     say(f"link {emulation}: efficiency {doc['efficiency']:.4f}, latency "
@@ -340,7 +352,24 @@ def _link(cfg: Config, emulation: str, path: Path, prov: dict, say, hw_doc: dict
             "draft_ingest_ns_per_byte": 1e9 * draft["ingest_s_per_byte"]
             if draft and "ingest_s_per_byte" in draft else None,
             "handshake_ms": 1e3 * handshake["handshake_s"] if handshake else None,
+            "worker_alone": pace["alone"] if pace else None,
+            "worker_encoder": pace["encoder"] if pace else None,
+            "worker_ingest": pace["ingest"] if pace else None,
             "status": "measured"}
+
+
+def _worker_pace(cfg: Config, rows: list[dict], timing_path: Path) -> dict | None:
+    """The link profile's `worker_pace` from its calibration transfers' rows (None without
+    on-arrival rows, or where they do not fit)."""
+    if not rows:
+        return None
+    from kvsim.calibrate.worker_pace import pace_entry
+    from kvsim.scenario.codec_timing import load_codec_timing
+
+    table = load_codec_timing(profile_name(cfg), timing_path)
+    return pace_entry(rows, lambda row: table.lookup(str(row["codec"]), str(row["codec_name"])),
+                      lambda tokens: cfg.model.kv_bytes_bf16(tokens) / cfg.model.layers,
+                      cfg.model.name)
 
 
 def _link_draft_step(cfg: Config, emulation: str, say, hw_doc: dict, main_rows: list[dict],
@@ -490,6 +519,9 @@ def _print(rows: list[dict], paths: dict[str, Path], root: Path, dequantize: str
                                    ("draft_busy_ratio", "busy x", ".3f"),
                                    ("draft_ingest_ns_per_byte", "ns/B in", ".1f"),
                                    ("handshake_ms", "handshake ms", ".2f"),
+                                   ("worker_alone", "worker x", ".3f"),
+                                   ("worker_encoder", "+ encoding", ".3f"),
+                                   ("worker_ingest", "+ ingest", ".3f"),
                                    ("status", "status", "")]))
     link_keys = [k for k in paths if k.startswith("link:") and paths[k].is_file()]
     print(f"profiles written under {root}; use them with:\n  kvsim sim hardware=local-cpu "

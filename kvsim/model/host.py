@@ -211,7 +211,8 @@ def rescaled_link_profile(doc: dict, factor: float, drift: dict) -> dict:
     """A measured link profile with the transport's CPU times x factor: the receiver's time
     per byte taken in (`draft_step.ingest_s_per_byte`) and a transfer's handshake
     (`handshake_s`: both ends' processes at work); the link's own terms (rate, goodput,
-    latency, per-message bytes) and the draft step's ratios to a step stay."""
+    latency, per-message bytes), the draft step's ratios to a step and the worker's pace
+    (`worker_pace`: ratios to the codec timing's jobs, which are rescaled with it) stay."""
     if not factor > 0:
         raise ValueError(f"a rescale factor must be > 0, got {factor}")
     scaled = _ingest_scaled(doc, factor)

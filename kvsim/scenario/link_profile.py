@@ -18,7 +18,10 @@ the hardware profile): a draft step beside the receiver's work on the later stre
 on a `tc`-shaped veth than on the token bucket: taking the bytes in costs the host more
 there (measured: kvsim.calibrate.draft_ingest). The run's timing model takes it in
 place of the hardware profile's (kvsim.scenario.timing_model.TimingModel's draft_step) where
-it describes the run (draft_step_for).
+it describes the run (draft_step_for). Such a profile also carries how fast the receiver's
+on-arrival worker dequantizes on that link (`worker_pace`: alone, encoder, ingest;
+kvsim.calibrate.worker_pace): on one host, its jobs take longer while the sender's encoder
+shares the cores and while the request's bytes are taken in (worker_pace_for).
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ class LinkProfile:
     # a transfer's set-up on this link, measured by the transport (s; kvsim.transport.record
     # handshake_s): 0 where the profile has none (fitted on plain messages only)
     handshake_s: float = 0.0
+    # the on-arrival worker's pace on this link ({"alone", "encoder", "ingest",
+    # "model", ...}: kvsim.calibrate.worker_pace), None where the profile has none
+    worker_pace: dict | None = None
 
 
 def _number(path: Path, doc: dict, key: str, minimum: float, maximum: float = math.inf,
@@ -98,9 +104,28 @@ def load_link_profile(name_or_path: str) -> LinkProfile:
         draft_step=check_draft_step(f"link profile {path}", doc),
         emulation=doc.get("emulation", "none"),
         handshake_s=_number(path, doc, "handshake_s", 0.0, 1.0) if "handshake_s" in doc
-        else 0.0)
+        else 0.0,
+        worker_pace=_worker_pace(path, doc))
     record_loaded(path)
     return profile
+
+
+# worker_pace's fields: (name, lowest, highest; = kvsim.calibrate.worker_pace.FIELDS_MAX);
+# `alone` > its lowest
+WORKER_PACE_FIELDS = (("alone", 0.0, 10.0), ("encoder", 0.0, 10.0), ("ingest", 0.0, 10.0))
+
+
+def _worker_pace(path: Path, doc: dict) -> dict | None:
+    """doc's `worker_pace` entry, checked (None without one)."""
+    pace = doc.get("worker_pace")
+    if pace is None:
+        return None
+    if not isinstance(pace, dict):
+        raise ValueError(f"link profile {path}: worker_pace must be an object")
+    for key, low, high in WORKER_PACE_FIELDS:
+        _number(path, {f"worker_pace.{key}": pace.get(key)}, f"worker_pace.{key}", low, high,
+                strict=key == "alone")
+    return pace
 
 
 def profiled_link_settings(bandwidth_gbps: float, latency_s: float,
@@ -117,20 +142,34 @@ def profiled_link_settings(bandwidth_gbps: float, latency_s: float,
             "trace": [[float(t), float(gbps) * eff] for t, gbps in trace]}
 
 
+def _for_run(entry: dict | None, model_name: str, hardware_profile: str) -> dict | None:
+    """A link profile's receiver entry (measured against a calibration's hardware profile)
+    where it describes this run: with a measured hardware profile, for the model it was
+    measured with (its `model`, where it names one); else None."""
+    if not entry or not hardware_profile or entry.get("model", model_name) != model_name:
+        return None
+    return entry
+
+
 def draft_step_for(profile: LinkProfile | None, model_name: str, hardware_profile: str
                    ) -> dict | None:
     """The link profile's draft step where it describes this run, for a timing model
     (kvsim.scenario.timing_model.TimingModel's draft_step, which then replaces the hardware
     profile's whole entry): only with a measured hardware profile (`hardware.profile`: the
-    draft step is a ratio to that machine's decode step) and for the model it was measured with (its
-    `model`, where it names one); else None, and the hardware profile's draft step applies
-    (the link's rate, latency and per-message fit apply either way)."""
-    draft = profile.draft_step if profile is not None else None
-    if not draft or not hardware_profile:
-        return None
-    if draft.get("model", model_name) != model_name:
-        return None
-    return draft
+    draft step is a ratio to that machine's decode step) and for the model it was measured
+    with; else None, and the hardware profile's draft step applies (the link's rate,
+    latency and per-message fit apply either way)."""
+    return _for_run(profile.draft_step if profile is not None else None, model_name,
+                    hardware_profile)
+
+
+def worker_pace_for(profile: LinkProfile | None, model_name: str, hardware_profile: str
+                    ) -> dict | None:
+    """The link profile's worker pace where it describes this run, as draft_step_for (its
+    `alone` is a ratio to that calibration's codec timing); else None (the worker's jobs
+    take the codec timing's time)."""
+    return _for_run(profile.worker_pace if profile is not None else None, model_name,
+                    hardware_profile)
 
 
 def link_draft_step(name_or_path: str, model_name: str, hardware_profile: str,

@@ -12,7 +12,9 @@ on arrival (a flow is ready at its last byte); the request's decoder dequantizes
 needs when it starts on it (kvsim.sim.run: the anchor, then the full cache after drafting),
 as kvsim's transport receiver does. Drafting on the anchor does not slow the
 residual's dequantization (nor the reverse): what drafting costs on a partial cache is
-`speculative.draft_overhead_s` per drafted token.
+`speculative.draft_overhead_s` per drafted token. On one host that runs both ends of a
+transfer (kvsim emulate), the on-arrival worker runs slower while the request's own encoder
+shares its cores and while its bytes are taken in (a link profile's `worker_pace`: WorkPace).
 """
 
 from __future__ import annotations
@@ -296,6 +298,63 @@ def backlog_start(release_t: np.ndarray, complete_t: np.ndarray) -> float:
     return float(release_t[len(starved) - i])
 
 
+class WorkPace:
+    """How long an on-arrival worker's jobs take as time passes, on a host that runs both
+    ends of a transfer (kvsim emulate; a link profile's `worker_pace`, fitted by
+    kvsim.calibrate.worker_pace): every job `alone` x its work (the codec timing's layer
+    job), and over each span (start s, end s, extra) 1 + extra times that (the extras of
+    overlapping spans add: the request's encoder beside it, its bytes being taken in).
+
+    Jobs are served on a work clock that runs 1/(1 + extra) as fast over the spans: a
+    non-preemptive server whose speed varies with time finishes its jobs where the same
+    server at full speed would on that clock (the work done is the clock's advance), mapped
+    back (the clock is piecewise linear: np.interp both ways)."""
+
+    __slots__ = ("alone", "edges_t", "_work_t")
+
+    def __init__(self, alone: float, spans: list[tuple[float, float, float]]) -> None:
+        if not alone > 0 or any(not x >= 0 or not b >= a for a, b, x in spans):
+            raise ValueError(f"a worker's pace needs alone > 0 and spans (start <= end, "
+                             f"extra >= 0), got {alone} and {spans}")
+        self.alone = float(alone)
+        spans = [(a, b, x) for a, b, x in spans if b > a and x > 0]
+        edges = np.unique(np.array([t for a, b, _x in spans for t in (a, b)], dtype=float))
+        self.edges_t = edges  # [k] s, increasing (k = 0: no span)
+        if len(edges) < 2:
+            self._work_t = edges
+            return
+        mid = (edges[:-1] + edges[1:]) / 2  # [k-1] s
+        ratio = 1.0 + sum(x * ((a <= mid) & (mid < b)) for a, b, x in spans)  # [k-1]
+        self._work_t = edges[0] + np.concatenate([[0.0], np.cumsum(np.diff(edges) / ratio)])
+
+    def to_work(self, t: np.ndarray) -> np.ndarray:
+        """[m] s of real time -> the work clock (s): slope 1 outside the spans."""
+        e, w = self.edges_t, self._work_t
+        if len(e) < 2:
+            return t
+        return np.interp(t, e, w) + np.minimum(t - e[0], 0.0) + np.maximum(t - e[-1], 0.0)
+
+    def from_work(self, v: np.ndarray) -> np.ndarray:
+        """[m] s of the work clock -> real time (s): the inverse of to_work."""
+        e, w = self.edges_t, self._work_t
+        if len(e) < 2:
+            return v
+        return np.interp(v, w, e) + np.minimum(v - w[0], 0.0) + np.maximum(v - w[-1], 0.0)
+
+
+def worker_server(arrival_t: list[np.ndarray], work_s: list[np.ndarray],
+                  pace: WorkPace | None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """priority_server's jobs (work_s: the codec timing's) at `pace` (None: as their work
+    says): ([m_c] start times, [m_c] finish times) per class (s)."""
+    if pace is None:
+        finish = priority_server(arrival_t, work_s)
+        return [f - w for f, w in zip(finish, work_s, strict=True)], finish
+    work = [w * pace.alone for w in work_s]
+    on_clock = priority_server([pace.to_work(a) for a in arrival_t], work)
+    return ([pace.from_work(f - w) for f, w in zip(on_clock, work, strict=True)],
+            [pace.from_work(f) for f in on_clock])
+
+
 def priority_server(arrival_t: list[np.ndarray], work_s: list[np.ndarray]) -> list[np.ndarray]:
     """Finish times of jobs on one non-preemptive server, classes in priority order.
 
@@ -435,24 +494,27 @@ class Deserializer:
 
     shared (default), on_arrival: one server for the request's streams, messages in
     priority order (stream 0, the anchor, first; FIFO within a stream; a message in progress
-    is not preempted; on_arrival: a layer's work on its last message, see build_plan).
-    Flow s's finish times depend only on messages of streams <= s and on lower streams'
-    messages that started before, which have all been reported by the time
-    flows 0..s have left the link, so flow s is evaluated then, exactly.
+    is not preempted; on_arrival: a layer's work on its last message, see build_plan;
+    `pace`: how long that server's jobs take over time, worker_server). Flow s's finish
+    times depend only on messages of streams <= s and on lower streams' messages that
+    started before, which have all been reported by the time flows 0..s have left the
+    link, so flow s is evaluated then, exactly.
     per_stream: every stream has its own server (streams deserialize in parallel).
     Monolithic transfer (not pipelined): everything is deserialized after the last arrival.
     """
 
-    __slots__ = ("pipelined", "mode", "node", "receivers", "_fired")  # one per request
+    __slots__ = ("pipelined", "mode", "node", "pace", "receivers", "_fired")  # one per request
 
     def __init__(self, env: simpy.Environment, plans: list[FlowPlan], pipelined: bool,
-                 mode: str = "shared", node: NodeDeserializer | None = None) -> None:
+                 mode: str = "shared", node: NodeDeserializer | None = None,
+                 pace: WorkPace | None = None) -> None:
         if mode not in ("shared", "per_stream", "node", "on_demand", "on_arrival"):
             raise ValueError(f"deserializer must be 'shared', 'per_stream', 'node', "
                              f"'on_demand' or 'on_arrival', got {mode!r}")
         if (mode == "node") != (node is not None):
             raise ValueError("deserializer=node needs the decode instance's NodeDeserializer")
         self.pipelined, self.mode, self.node = pipelined, mode, node
+        self.pace = pace  # the server's pace where its work is not what it takes (on_arrival)
         self.receivers = [Receiver(env, fp, self) for fp in plans]
         self._fired = 0  # flows 0.._fired-1 have their ready time
 
@@ -492,6 +554,6 @@ class Deserializer:
             s = self._fired
             arrivals = [r.known_arrivals() for r in rx]
             works = [r.plan.deserialize_s[: len(a)] for r, a in zip(rx, arrivals, strict=True)]
-            fin = priority_server(arrivals, works)
+            _start, fin = worker_server(arrivals, works, self.pace)
             rx[s].fire(float(fin[s][-1]))
             self._fired += 1

@@ -32,7 +32,12 @@ import simpy
 from kvsim.scenario.acceptance import load_acceptance
 from kvsim.scenario.codec_timing import CodecTiming, load_codec_timing
 from kvsim.scenario.config import SimConfig
-from kvsim.scenario.link_profile import draft_step_for, load_link_profile, profiled_link_settings
+from kvsim.scenario.link_profile import (
+    draft_step_for,
+    load_link_profile,
+    profiled_link_settings,
+    worker_pace_for,
+)
 from kvsim.scenario.metrics import RequestRecord, aggregate_records, record_columns, request_row
 from kvsim.scenario.policy import (
     WITH_PREFILL,
@@ -63,6 +68,7 @@ from kvsim.sim.nodes import (
     NodeDeserializer,
     PrefillNode,
     Receiver,
+    WorkPace,
     when_all_ready,
 )
 from kvsim.sim.prefill_batch import ChunkedPrefill
@@ -160,6 +166,10 @@ class Scenario:
         # a transfer's set-up before its encoder starts (s): the link's, + the profile's
         self.handshake_s = cfg.link.handshake_s + (
             self.link_profile.handshake_s if self.link_profile is not None else 0.0)
+        # the on-arrival worker's pace on this link (a profile measured on one host)
+        self.worker_pace = worker_pace_for(self.link_profile, cfg.model.name,
+                                           cfg.hardware.profile) \
+            if self.deserializer == "on_arrival" else None
         table = load_codec_timing(cfg.hardware.name, cfg.codec_timing or None)
         self.codec_timing: CodecTiming = table.lookup(variant.spec.label, variant.spec.name)
         self.acceptance = load_acceptance(variant.acceptance or cfg.speculative.acceptance)
@@ -595,6 +605,24 @@ class Scenario:
             name=f"r{req.seq}.store", tag=req.seq)]
         return rx
 
+    def _worker_pace(self, plan: TransferPlan, release_t: np.ndarray, link: Link) -> WorkPace:
+        """The request's on-arrival worker's pace (link profile `worker_pace`): its jobs
+        take `alone` x their codec timing, and more while its own encoder runs (its work
+        counted back from its last chunk: back to back after the prefill; spread over the
+        prefill where the transfer runs with it, an approximation there) and while its bytes
+        arrive: from its first release to the later of its last release and its bytes at
+        the link's rate then (its share of a busy link, and other requests' encoders and
+        bytes, are not foreseen)."""
+        p = self.worker_pace
+        assert p is not None
+        encode_end = float(release_t[-1])
+        first = float(release_t.min()) + link.latency_s
+        last = max(encode_end + link.latency_s,
+                   first + plan.total_bytes / link.capacity_at(first))
+        return WorkPace(float(p["alone"]), [
+            (encode_end - float(plan.encode_cum_s[-1]), encode_end, float(p["encoder"])),
+            (first, last, float(p["ingest"]))])
+
     def _send(self, req: Request, plan: TransferPlan, pnode: PrefillNode, dnode: DecodeNode,
               layers_start_t: float, layers_s: float, prefill_start_t: float
               ) -> tuple[list[Receiver], float]:
@@ -611,10 +639,11 @@ class Scenario:
         rel = release_times(plan, layers_start_t, layers_s, self.model.layers,
                             max(pnode.encoder_free_t, hello_t + self.handshake_s))
         pnode.encoder_free_t = float(rel[-1])
+        pace = self._worker_pace(plan, rel, pnode.link) if self.worker_pace else None
         # on_arrival: the receiver's worker dequantizes layers as they land, whatever the policy
         deser = Deserializer(self.env, plan.flows,
                              plan.pipelined or self.deserializer == "on_arrival",
-                             self.deserializer, dnode.deserializer)
+                             self.deserializer, dnode.deserializer, pace)
         receivers = deser.receivers
         if self.ingress:  # both links carry every message (kvsim.sim.ingress)
             for fp, rx in zip(plan.flows, receivers, strict=True):

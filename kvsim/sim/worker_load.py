@@ -11,7 +11,8 @@ When drafting starts, the share of the time until the worker's last job ends tha
 busy is projected from what the simulator knows then: arrivals known so far, and the
 rest as each link would carry its current flows (kvsim.sim.link_projection: a dry run of
 the link's schedule, priorities, weights and capacity trace included), served as the
-request's Deserializer serves them (kvsim.sim.nodes.priority_server). A drafting member's
+request's Deserializer serves them (kvsim.sim.nodes.worker_server: in priority order, at the
+worker's pace). A drafting member's
 overhead is the mean over that share (kvsim.scenario.speculative.busy_share_overhead_s),
 until its full cache is ready (kvsim.sim.batch: `overhead_until_full`). The projection is
 exact while no other flow joins the request's links before its last message; a flow that
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvsim.sim.link_projection import project_link
-from kvsim.sim.nodes import priority_server
+from kvsim.sim.nodes import worker_server
 
 if TYPE_CHECKING:
     from kvsim.sim.link import Flow, Link
@@ -95,8 +96,9 @@ def later_streams_busy_fraction(receivers: list[Receiver], now: float,
     projections = project_carriers(receivers)
     arrivals = [projected_arrival_t(rx, projections) for rx in receivers]
     works = [rx.plan.deserialize_s for rx in receivers]
-    finish = priority_server(arrivals, works)  # [m_c] s per stream
-    jobs_end, jobs_s = np.concatenate(finish[1:]), np.concatenate(works[1:])
+    start, finish = worker_server(arrivals, works, receivers[0].group.pace)  # [m_c] s
+    jobs_end = np.concatenate(finish[1:])
+    jobs_s = jobs_end - np.concatenate(start[1:])  # as they run (at the worker's pace)
     share = busy_fraction(now, jobs_end, jobs_s)
     if ingest_s_per_byte <= 0.0:
         return share

@@ -1,0 +1,172 @@
+"""The on-arrival worker's pace on a host that runs both ends (kvsim.calibrate.worker_pace,
+kvsim.sim.nodes.WorkPace): the work clock by hand, the paced server against the plain one,
+the fit recovering known terms exactly from synthetic jobs, the link profile's checks, and a
+simulated request whose worker is paced."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kvsim.calibrate import link_profile as lp
+from kvsim.calibrate.worker_pace import MIN_JOBS, fit, job_samples, pace_entry
+from kvsim.core.profiles import profile_path
+from kvsim.scenario.codec_timing import CodecTiming
+from kvsim.scenario.link_profile import load_link_profile, worker_pace_for
+from kvsim.sim.nodes import WorkPace, priority_server, worker_server
+from tests.sim_receiver_scenario import receiver_scenario
+
+
+def test_the_work_clock_by_hand():
+    """Over [1, 3] s a job runs at half speed (extra 1): the clock advances 1 there, slope 1
+    elsewhere; overlapping spans add their extras; from_work is to_work's inverse."""
+    pace = WorkPace(1.0, [(1.0, 3.0, 1.0)])
+    t = np.array([0.5, 1.0, 2.0, 3.0, 5.0])
+    assert pace.to_work(t) == pytest.approx([0.5, 1.0, 1.5, 2.0, 4.0], abs=1e-12)
+    assert pace.from_work(pace.to_work(t)) == pytest.approx(t, abs=1e-12)
+    both = WorkPace(1.0, [(0.0, 2.0, 1.0), (1.0, 3.0, 2.0)])  # x2, x4, x3 on [0,1,2,3]
+    assert both.to_work(np.array([1.0, 2.0, 3.0])) == pytest.approx(
+        [0.5, 0.75, 0.75 + 1 / 3], abs=1e-12)
+    plain = WorkPace(1.0, [(1.0, 1.0, 5.0), (0.0, 2.0, 0.0)])  # empty or no extra: no span
+    assert plain.to_work(t) is t and plain.from_work(t) is t
+    for alone, spans in ((0.0, []), (1.0, [(2.0, 1.0, 1.0)]), (1.0, [(0.0, 1.0, -0.5)])):
+        with pytest.raises(ValueError, match="a worker's pace needs"):
+            WorkPace(alone, spans)
+
+
+def test_a_paced_server_by_hand_and_against_the_plain_one():
+    """Two jobs of 0.5 s of work arriving at 0 and 0.1 s, half speed over [0, 1] s: the
+    first takes all of [0, 1], the second starts at 1 and ends at 1.5. Without a pace the
+    server is priority_server; `alone` alone scales every job's length."""
+    arrivals, works = [np.array([0.0, 0.1])], [np.array([0.5, 0.5])]
+    start, finish = worker_server(arrivals, works, WorkPace(1.0, [(0.0, 1.0, 1.0)]))
+    assert start[0] == pytest.approx([0.0, 1.0]) and finish[0] == pytest.approx([1.0, 1.5])
+    start, finish = worker_server(arrivals, works, None)
+    assert finish[0] == pytest.approx([0.5, 1.0]) and start[0] == pytest.approx([0.0, 0.5])
+    two = [np.array([0.0, 0.2, 0.9]), np.array([0.05, 0.3])]  # two classes, anchor first
+    jobs = [np.array([0.1, 0.3, 0.2]), np.array([0.4, 0.1])]
+    _, doubled = worker_server(two, jobs, WorkPace(2.0, []))
+    for got, want in zip(doubled, priority_server(two, [2 * w for w in jobs]), strict=True):
+        assert got == pytest.approx(want, abs=1e-12)
+
+
+def _rows(truth: tuple[float, float, float], base_s: float) -> list[dict]:
+    """Requests whose layer jobs run wholly beside the encoder while bytes arrive (over
+    [0, 0.1] s), wholly while bytes arrive (to 0.6 s), or after both, each exactly as long
+    as `truth` (alone, encoder, ingest) makes a job of `base_s` (under 10 ms)."""
+    alone, encoder, ingest = truth
+    starts = [0.0, 0.02, 0.04, 0.06, 0.15, 0.25, 0.35, 0.45, 0.65, 0.7, 0.75, 0.8]
+    rows = []
+    for r in range(4):
+        spans = [["prefill", "prefill", -1.0, 0.0], ["encode", "prefill", 0.0, 0.1],
+                 ["transfer anchor", "link", 0.0, 0.5], ["transfer residual", "link", 0.0, 0.6]]
+        for layer, t in enumerate(starts):
+            extra = encoder + ingest if t < 0.1 else ingest if t < 0.6 else 0.0
+            kind = "stream 0" if layer % 2 else "streams 0-1"
+            spans.append([f"dequantize layer {layer} {kind}", "decode", t + 1e-3 * r,
+                          t + 1e-3 * r + base_s * alone * (1 + extra)])
+        rows.append({"status": "done", "dequantize": "on_arrival", "codec": "lynx",
+                     "codec_name": "lynx", "streams": 2, "context_tokens": 1024,
+                     "total_bytes": 5e6, "bandwidth_gbps": 0.3 + 0.5 * (r % 2),
+                     "trace_spans": spans})
+    return rows
+
+
+@pytest.mark.parametrize("truth", [(0.7, 0.5, 0.4), (1.0, 0.0, 0.0), (0.8, 0.3, 0.0)])
+def test_the_fit_recovers_known_terms_exactly(truth):
+    base_s = 0.004
+    timing = CodecTiming(1.0, 1.0, "assumed", layer_job_fixed_s=base_s, layer_job_gb_per_s=1e9,
+                         anchor_layer_job_fixed_s=base_s, anchor_layer_job_gb_per_s=1e9)
+    rows = _rows(truth, base_s) + [{"status": "error", "trace_spans": []},
+                                   {"status": "done", "dequantize": "on_demand"}]
+    samples = job_samples(rows, lambda row: timing, lambda tokens: 0.0)
+    assert samples.requests == 4 and samples.rates_gbps == (0.3, 0.8)
+    assert set(np.round(samples.encoder_share, 12)) <= {0.0, 1.0}
+    got = fit(samples)
+    assert (got.alone, got.encoder, got.ingest) == pytest.approx(truth, abs=1e-9)
+    assert got.jobs == 48 and got.rms_s < 1e-12
+    entry = pace_entry(rows, lambda row: timing, lambda tokens: 0.0, "smollm2-135m")
+    assert entry["model"] == "smollm2-135m" and entry["requests"] == 4
+    assert pace_entry(rows[:1], lambda row: timing, lambda tokens: 0.0, "m") is None  # 12 jobs
+    assert MIN_JOBS > 12
+
+
+def _link(tmp_path, name: str, **fields) -> str:
+    doc = {"version": 1, "kind": "link", "name": name, "emulation": "token_bucket",
+           "efficiency": 1.0, "latency_s": 0.0, "message_overhead_bytes": 0.0, **fields}
+    return str(lp.write_link_profile(doc, tmp_path / f"{name}.json"))
+
+
+def test_the_link_profile_checks_its_worker_pace(tmp_path):
+    pace = {"alone": 0.8, "encoder": 0.5, "ingest": 0.4, "model": "smollm2-135m"}
+    prof = load_link_profile(_link(tmp_path, "ok", worker_pace=pace))
+    assert prof.worker_pace == pace
+    assert worker_pace_for(prof, "smollm2-135m", "hw.json") == pace
+    assert worker_pace_for(prof, "smollm2-135m", "") is None  # no measured hardware
+    assert worker_pace_for(prof, "llama-3.1-8b", "hw.json") is None  # another model's
+    assert load_link_profile(_link(tmp_path, "none")).worker_pace is None
+    for bad, field in (({**pace, "alone": 0.0}, "alone"), ({**pace, "encoder": -0.1}, "encoder"),
+                       ({**pace, "ingest": float("nan")}, "ingest"),
+                       ({"alone": 1.0, "encoder": 0.1}, "ingest")):
+        with pytest.raises(ValueError, match=f"worker_pace.{field} must"):
+            load_link_profile(_link(tmp_path, "bad", worker_pace=bad))
+    with pytest.raises(ValueError, match="worker_pace must be an object"):
+        load_link_profile(_link(tmp_path, "bad", worker_pace=[1.0]))
+
+
+def test_a_simulated_worker_at_its_links_pace(tmp_path):
+    """lynx on arrival over a 10 Gbps link (its worker falls behind the encoder): a pace of
+    1, 0, 0 changes no time at all; a slower worker alone, beside its encoder or while its
+    bytes arrive, makes the anchor (and the full cache) later; bf16 (monolithic) is released
+    after its encoder, so the encoder's extra alone leaves it as it was."""
+    hw = tmp_path / "hw.json"
+    hw.write_text(profile_path("hardware", "local-smollm2-135m").read_text())
+
+    def ready(codec: str, pace: dict | None) -> tuple[float, float]:
+        link = _link(tmp_path, f"l{len(list(tmp_path.iterdir()))}",
+                     **({"worker_pace": pace} if pace else {}))
+        sc = receiver_scenario(f"codecs=[{codec}]", "deserializer=on_arrival",
+                               "link.bandwidth_gbps=10.0", f"hardware.profile={hw}",
+                               f"link.profile={link}")
+        sc.run()
+        rec = sc.records[0]
+        return rec.needed_ready_t, rec.full_ready_t
+
+    plain = ready("lynx", None)
+    assert ready("lynx", {"alone": 1.0, "encoder": 0.0, "ingest": 0.0}) == \
+        pytest.approx(plain, abs=1e-12)
+    slow = ready("lynx", {"alone": 1.5, "encoder": 0.0, "ingest": 0.0})
+    beside = ready("lynx", {"alone": 1.0, "encoder": 1.0, "ingest": 0.0})
+    assert slow[0] > plain[0] and slow[1] > plain[1] and beside[0] > plain[0]
+    mono = ready("bf16", None)
+    assert ready("bf16", {"alone": 1.0, "encoder": 3.0, "ingest": 0.0}) == \
+        pytest.approx(mono, abs=1e-12)
+    taking_in = ready("lynx", {"alone": 1.0, "encoder": 0.0, "ingest": 1.0})
+    assert taking_in[0] > plain[0] and taking_in[1] > plain[1]
+
+
+def test_calibration_fits_each_links_pace_against_its_codec_timing(tmp_path):
+    """kvsim calibrate's step (pipeline._worker_pace): a link's request rows, timed against
+    the codec timing file just written (each job's base: its layer's bytes at that model's
+    shape), give the profile entry; no rows, none."""
+    from kvsim.calibrate.pipeline import Config, _worker_pace
+    from kvsim.model.spec import ModelSpec
+
+    model = ModelSpec(name="tiny", layers=4, attention_heads=4, kv_heads=2, head_dim=64,
+                      hidden_size=256, params_total=1e8, params_active=1e8)
+    layer_bytes = model.kv_bytes_bf16(1024) / model.layers
+    fixed_s = 0.004 - layer_bytes / 1e9  # + bytes at 1 GB/s: a 4 ms job at 1024 tokens
+    entry = {"encode_gb_per_s": 1.0, "decode_gb_per_s": 1.0, "source": "assumed",
+             "assumption": "test", "layer_job_fixed_s": fixed_s, "layer_job_gb_per_s": 1.0,
+             "anchor_layer_job_fixed_s": fixed_s, "anchor_layer_job_gb_per_s": 1.0}
+    timing = tmp_path / "timing.json"
+    timing.write_text(json.dumps({"version": 1, "hardware": "local-tiny",
+                                  "codecs": {"lynx": entry}}))
+    cfg = Config(model=model)
+    got = _worker_pace(cfg, _rows((0.7, 0.5, 0.4), 0.004), timing)
+    assert (got["alone"], got["encoder"], got["ingest"]) == pytest.approx((0.7, 0.5, 0.4),
+                                                                        abs=1e-9)
+    assert got["model"] == "tiny" and got["rates_gbps"] == [0.3, 0.8]
+    assert _worker_pace(cfg, [], timing) is None
