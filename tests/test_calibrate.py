@@ -18,6 +18,7 @@ from kvsim.model.load import load_lm
 from kvsim.model.presets import load_model_preset
 from kvsim.scenario.codec_timing import load_codec_timing
 from kvsim.scenario.timing_model import TimingModel
+from tests.worker_pace_rows import paced_rows
 
 TINY = load_model_preset("tiny-random")
 HW = HardwareSpec(name="cpu", hbm_gb_per_s=20, bf16_tflops=0.2, memory_gb=16)
@@ -491,9 +492,12 @@ def test_calibrate_measures_the_draft_step_on_each_link(tmp_path, monkeypatch):
         calls.append((list(codecs), seed, emulation,
                       kw.get("first_step_extra_s"), kw.get("bandwidth_gbps", 0.3)))
         if kw.get("keep_rows") is not None:  # each transfer's requests: their handshakes
-            kw["keep_rows"].extend({"status": "done", "codec": str(c), "handshake_s": (
-                0.002 if emulation == "token_bucket" else 0.005) + 1e-4 * len(calls)}
-                for c in codecs)
+            # and their worker's layer jobs (12 each)
+            kw["keep_rows"].extend({
+                **paced_rows((0.8, 0.5, 0.3), 0.004, 1, (kw.get("bandwidth_gbps", 0.3),),
+                             str(c))[0],
+                "handshake_s": (0.002 if emulation == "token_bucket" else 0.005) +
+                1e-4 * len(calls)} for c in codecs)
         return _fake_medians(emulation, 0.01)
 
     monkeypatch.setattr(rt, "receiver_loads", fake_loads)
@@ -527,8 +531,10 @@ def test_calibrate_measures_the_draft_step_on_each_link(tmp_path, monkeypatch):
     # bucket's (calls 1 and 2, 2 + 1 rows) and tc's (calls 3 and 4, 1 + 1 rows)
     assert [c[2] for c in calls] == ["token_bucket", "token_bucket", "tc", "tc"]
     assert tb.handshake_s == pytest.approx(0.0021) and tc.handshake_s == pytest.approx(0.00535)
-    # these rows have no worker spans: no worker pace is fitted (kvsim.calibrate.worker_pace)
-    assert tb.worker_pace is None and tc.worker_pace is None
+    # the worker's pace on the token bucket: its three requests' 36 jobs at two rates; tc's
+    # two requests have 24 jobs, too few to fit (kvsim.calibrate.worker_pace.MIN_JOBS)
+    assert tb.worker_pace["requests"] == 3 and tb.worker_pace["rates_gbps"] == [0.3, 0.8]
+    assert tb.worker_pace["model"] == "tiny-random" and tc.worker_pace is None
     if Path("/proc/stat").is_file():  # each link's own measurement's neighbours
         for e in ("token-bucket", "tc"):
             doc = json.loads((tmp_path / "link" / f"local-tiny-random-{e}.json").read_text())

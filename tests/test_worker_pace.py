@@ -17,6 +17,7 @@ from kvsim.scenario.codec_timing import CodecTiming
 from kvsim.scenario.link_profile import load_link_profile, worker_pace_for
 from kvsim.sim.nodes import WorkPace, priority_server, worker_server
 from tests.sim_receiver_scenario import receiver_scenario
+from tests.worker_pace_rows import paced_rows
 
 
 def test_the_work_clock_by_hand():
@@ -43,6 +44,10 @@ def test_a_paced_server_by_hand_and_against_the_plain_one():
     arrivals, works = [np.array([0.0, 0.1])], [np.array([0.5, 0.5])]
     start, finish = worker_server(arrivals, works, WorkPace(1.0, [(0.0, 1.0, 1.0)]))
     assert start[0] == pytest.approx([0.0, 1.0]) and finish[0] == pytest.approx([1.0, 1.5])
+    # straddling the span's end: 10 ms of work from 5 ms before it does 2.5 ms there
+    _, late = worker_server([np.array([0.995])], [np.array([0.01])],
+                            WorkPace(1.0, [(0.0, 1.0, 1.0)]))
+    assert late[0] == pytest.approx([0.995 + 0.005 + 0.0075], abs=1e-12)
     start, finish = worker_server(arrivals, works, None)
     assert finish[0] == pytest.approx([0.5, 1.0]) and start[0] == pytest.approx([0.0, 0.5])
     two = [np.array([0.0, 0.2, 0.9]), np.array([0.05, 0.3])]  # two classes, anchor first
@@ -52,34 +57,12 @@ def test_a_paced_server_by_hand_and_against_the_plain_one():
         assert got == pytest.approx(want, abs=1e-12)
 
 
-def _rows(truth: tuple[float, float, float], base_s: float) -> list[dict]:
-    """Requests whose layer jobs run wholly beside the encoder while bytes arrive (over
-    [0, 0.1] s), wholly while bytes arrive (to 0.6 s), or after both, each exactly as long
-    as `truth` (alone, encoder, ingest) makes a job of `base_s` (under 10 ms)."""
-    alone, encoder, ingest = truth
-    starts = [0.0, 0.02, 0.04, 0.06, 0.15, 0.25, 0.35, 0.45, 0.65, 0.7, 0.75, 0.8]
-    rows = []
-    for r in range(4):
-        spans = [["prefill", "prefill", -1.0, 0.0], ["encode", "prefill", 0.0, 0.1],
-                 ["transfer anchor", "link", 0.0, 0.5], ["transfer residual", "link", 0.0, 0.6]]
-        for layer, t in enumerate(starts):
-            extra = encoder + ingest if t < 0.1 else ingest if t < 0.6 else 0.0
-            kind = "stream 0" if layer % 2 else "streams 0-1"
-            spans.append([f"dequantize layer {layer} {kind}", "decode", t + 1e-3 * r,
-                          t + 1e-3 * r + base_s * alone * (1 + extra)])
-        rows.append({"status": "done", "dequantize": "on_arrival", "codec": "lynx",
-                     "codec_name": "lynx", "streams": 2, "context_tokens": 1024,
-                     "total_bytes": 5e6, "bandwidth_gbps": 0.3 + 0.5 * (r % 2),
-                     "trace_spans": spans})
-    return rows
-
-
 @pytest.mark.parametrize("truth", [(0.7, 0.5, 0.4), (1.0, 0.0, 0.0), (0.8, 0.3, 0.0)])
 def test_the_fit_recovers_known_terms_exactly(truth):
     base_s = 0.004
     timing = CodecTiming(1.0, 1.0, "assumed", layer_job_fixed_s=base_s, layer_job_gb_per_s=1e9,
                          anchor_layer_job_fixed_s=base_s, anchor_layer_job_gb_per_s=1e9)
-    rows = _rows(truth, base_s) + [{"status": "error", "trace_spans": []},
+    rows = paced_rows(truth, base_s) + [{"status": "error", "trace_spans": []},
                                    {"status": "done", "dequantize": "on_demand"}]
     samples = job_samples(rows, lambda row: timing, lambda tokens: 0.0)
     assert samples.requests == 4 and samples.rates_gbps == (0.3, 0.8)
@@ -89,8 +72,10 @@ def test_the_fit_recovers_known_terms_exactly(truth):
     assert got.jobs == 48 and got.rms_s < 1e-12
     entry = pace_entry(rows, lambda row: timing, lambda tokens: 0.0, "smollm2-135m")
     assert entry["model"] == "smollm2-135m" and entry["requests"] == 4
-    assert pace_entry(rows[:1], lambda row: timing, lambda tokens: 0.0, "m") is None  # 12 jobs
-    assert MIN_JOBS > 12
+    # too few jobs (12 < MIN_JOBS), or one rate only: no fit
+    assert pace_entry(rows[:1], lambda row: timing, lambda tokens: 0.0, "m") is None
+    assert pace_entry(rows[0::2], lambda row: timing, lambda tokens: 0.0, "m") is None
+    assert len(rows[0::2]) * 12 >= MIN_JOBS
 
 
 def _link(tmp_path, name: str, **fields) -> str:
@@ -165,7 +150,7 @@ def test_calibration_fits_each_links_pace_against_its_codec_timing(tmp_path):
     timing.write_text(json.dumps({"version": 1, "hardware": "local-tiny",
                                   "codecs": {"lynx": entry}}))
     cfg = Config(model=model)
-    got = _worker_pace(cfg, _rows((0.7, 0.5, 0.4), 0.004), timing)
+    got = _worker_pace(cfg, paced_rows((0.7, 0.5, 0.4), 0.004), timing)
     assert (got["alone"], got["encoder"], got["ingest"]) == pytest.approx((0.7, 0.5, 0.4),
                                                                         abs=1e-9)
     assert got["model"] == "tiny" and got["rates_gbps"] == [0.3, 0.8]

@@ -325,12 +325,13 @@ def _link(cfg: Config, emulation: str, path: Path, prov: dict, say, hw_doc: dict
     if pace is not None:
         doc["worker_pace"] = pace
         say(f"link {emulation}: the on-arrival worker's layer job {pace['alone']:.3f} x the "
-            f"codec timing's, x (1 + {pace['encoder']:.3f}) beside its request's encoder, "
-            f"x (1 + {pace['ingest']:.3f}) while its bytes arrive ({pace['jobs']} jobs of "
+            f"codec timing's, x (1 + {pace['encoder']:.3f} beside its request's encoder + "
+            f"{pace['ingest']:.3f} while its bytes arrive) ({pace['jobs']} jobs of "
             f"{pace['requests']} requests, rms {pace['rms_s'] * 1e3:.2f} ms)")
     elif link_rows and cfg.dequantize == "on_arrival":
-        say(f"link {emulation}: the on-arrival worker's pace did not fit (too few jobs, or "
-            "beyond its bounds): its jobs take the codec timing's time there")
+        say(f"link {emulation}: the on-arrival worker's pace did not fit (too few jobs, "
+            "transfers at one rate only, or beyond its bounds): its jobs take the codec "
+            "timing's time there")
     _record_background(doc, meter, f"link {emulation} was measured", say)
     _write(path, doc)
     say(f"link {emulation}: efficiency {doc['efficiency']:.4f}, latency "
@@ -520,7 +521,7 @@ def _print(rows: list[dict], paths: dict[str, Path], root: Path, dequantize: str
                                    ("draft_ingest_ns_per_byte", "ns/B in", ".1f"),
                                    ("handshake_ms", "handshake ms", ".2f"),
                                    ("worker_alone", "worker x", ".3f"),
-                                   ("worker_encoder", "+ encoding", ".3f"),
+                                   ("worker_encoder", "+ encoder", ".3f"),
                                    ("worker_ingest", "+ ingest", ".3f"),
                                    ("status", "status", "")]))
     link_keys = [k for k in paths if k.startswith("link:") and paths[k].is_file()]

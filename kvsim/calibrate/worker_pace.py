@@ -21,9 +21,12 @@ extra while bytes arrive is one share, not one per byte: over the full grid's jo
 in proportion to the arrival rate, fitted at 0.3 Gbps and on lynx at 1 Gbps, put the
 monolithic codecs' jobs at 1 Gbps 19-38% above the measured ones, and a share within 1.4%.
 `fit` finds (alone, encoder, ingest) by non-negative least squares over every on-arrival
-layer job of a link's calibration transfers (two rates: at one, alone and ingest are hardly
-told apart, since nearly every job runs while bytes arrive); the link profile keeps them as
-`worker_pace`.
+layer job of a link's calibration transfers, at two rates at least (at one, alone and ingest
+are hardly told apart, since nearly every job runs while bytes arrive); the link profile
+keeps them as `worker_pace`. The fit takes E and G as shares of a job's time, the simulator's
+work clock as shares of its work (a job runs 1 + extra times slower in a span): the two agree
+for a job wholly inside or outside each span, and differ a little for the one or two jobs of
+a request that straddle a span's edge.
 """
 
 from __future__ import annotations
@@ -35,9 +38,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvsim.scenario.codec_timing import CodecTiming
+from kvsim.scenario.link_profile import WORKER_PACE_FIELDS
 
-# the largest value of each field (= kvsim.scenario.link_profile.WORKER_PACE_FIELDS)
-FIELDS_MAX = {"alone": 10.0, "encoder": 10.0, "ingest": 10.0}
+FIELDS_MAX = {name: high for name, _low, high in WORKER_PACE_FIELDS}  # the profile's bounds
 MIN_JOBS = 30  # fewer jobs than this do not fit three terms on a noisy host
 
 
@@ -108,12 +111,12 @@ class PaceFit:
 def fit(samples: JobSamples) -> PaceFit | None:
     """Least squares of job_s = base x (alone + a x encoder_share + c x ingest_share), every
     term >= 0 (scipy's nnls), then encoder = a / alone and ingest = c / alone. None with
-    fewer than MIN_JOBS jobs, or where a term comes out beyond the profile's bounds (alone
-    must be > 0)."""
+    fewer than MIN_JOBS jobs, from transfers at one rate only, or where a term comes out
+    beyond the profile's bounds (alone must be > 0)."""
     from scipy.optimize import nnls
 
     n = len(samples.job_s)
-    if n < MIN_JOBS:
+    if n < MIN_JOBS or len(samples.rates_gbps) < 2:
         return None
     b = samples.base_s
     design = np.column_stack([b, b * samples.encoder_share, b * samples.ingest_share])
@@ -132,7 +135,7 @@ def pace_entry(rows: list[dict], timing_of: Callable[[dict], CodecTiming],
                layer_bf16_bytes: Callable[[int], float], model_name: str
                ) -> dict | None:
     """A link profile's `worker_pace` from its calibration transfers' request rows, or None
-    where they do not fit (see fit)."""
+    where they do not fit (too few jobs, one rate, out of bounds: see fit)."""
     samples = job_samples(rows, timing_of, layer_bf16_bytes)
     got = fit(samples)
     if got is None:

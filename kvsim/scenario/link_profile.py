@@ -165,9 +165,10 @@ def draft_step_for(profile: LinkProfile | None, model_name: str, hardware_profil
 
 def worker_pace_for(profile: LinkProfile | None, model_name: str, hardware_profile: str
                     ) -> dict | None:
-    """The link profile's worker pace where it describes this run, as draft_step_for (its
-    `alone` is a ratio to that calibration's codec timing); else None (the worker's jobs
-    take the codec timing's time)."""
+    """The link profile's worker pace where it describes this run, as draft_step_for; else
+    None (the worker's jobs take the codec timing's time). Its `alone` is a ratio to the
+    codec timing of the calibration that wrote it, which a run names separately
+    (`codec_timing=`): with another one, the ratio is applied to that one's jobs."""
     return _for_run(profile.worker_pace if profile is not None else None, model_name,
                     hardware_profile)
 

@@ -313,7 +313,8 @@ class WorkPace:
     __slots__ = ("alone", "edges_t", "_work_t")
 
     def __init__(self, alone: float, spans: list[tuple[float, float, float]]) -> None:
-        if not alone > 0 or any(not x >= 0 or not b >= a for a, b, x in spans):
+        if not alone > 0 or any(not (x >= 0 and math.isfinite(a) and math.isfinite(b)
+                                     and b >= a) for a, b, x in spans):
             raise ValueError(f"a worker's pace needs alone > 0 and spans (start <= end, "
                              f"extra >= 0), got {alone} and {spans}")
         self.alone = float(alone)
@@ -554,6 +555,7 @@ class Deserializer:
             s = self._fired
             arrivals = [r.known_arrivals() for r in rx]
             works = [r.plan.deserialize_s[: len(a)] for r, a in zip(rx, arrivals, strict=True)]
-            _start, fin = worker_server(arrivals, works, self.pace)
+            fin = priority_server(arrivals, works) if self.pace is None else \
+                worker_server(arrivals, works, self.pace)[1]
             rx[s].fire(float(fin[s][-1]))
             self._fired += 1

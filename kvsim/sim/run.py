@@ -605,20 +605,26 @@ class Scenario:
             name=f"r{req.seq}.store", tag=req.seq)]
         return rx
 
-    def _worker_pace(self, plan: TransferPlan, release_t: np.ndarray, link: Link) -> WorkPace:
+    def _worker_pace(self, plan: TransferPlan, release_t: np.ndarray, links: list[Link]
+                     ) -> WorkPace:
         """The request's on-arrival worker's pace (link profile `worker_pace`): its jobs
         take `alone` x their codec timing, and more while its own encoder runs (its work
         counted back from its last chunk: back to back after the prefill; spread over the
         prefill where the transfer runs with it, an approximation there) and while its bytes
-        arrive: from its first release to the later of its last release and its bytes at
-        the link's rate then (its share of a busy link, and other requests' encoders and
-        bytes, are not foreseen)."""
+        arrive: from its first message's release + latency to the later of its last
+        release + latency and its bytes (with their framing) at the slowest of `links`' rate
+        then (its egress, and the decode instance's ingress where there is one). Its share
+        of a busy link, a bandwidth trace's later steps and other requests' encoders and
+        bytes are not foreseen."""
         p = self.worker_pace
         assert p is not None
         encode_end = float(release_t[-1])
-        first = float(release_t.min()) + link.latency_s
-        last = max(encode_end + link.latency_s,
-                   first + plan.total_bytes / link.capacity_at(first))
+        latency_s = links[0].latency_s
+        first = float(release_t[0]) + latency_s
+        messages = sum(len(fp.sizes_bytes) for fp in plan.flows)
+        crossing_s = max((plan.total_bytes + messages * link.message_overhead_bytes)
+                         / link.capacity_at(first) for link in links)
+        last = max(encode_end + latency_s, first + crossing_s)
         return WorkPace(float(p["alone"]), [
             (encode_end - float(plan.encode_cum_s[-1]), encode_end, float(p["encoder"])),
             (first, last, float(p["ingest"]))])
@@ -639,7 +645,8 @@ class Scenario:
         rel = release_times(plan, layers_start_t, layers_s, self.model.layers,
                             max(pnode.encoder_free_t, hello_t + self.handshake_s))
         pnode.encoder_free_t = float(rel[-1])
-        pace = self._worker_pace(plan, rel, pnode.link) if self.worker_pace else None
+        pace = self._worker_pace(plan, rel, [pnode.link, *(
+            [self.ingress[dnode.index]] if self.ingress else [])]) if self.worker_pace else None
         # on_arrival: the receiver's worker dequantizes layers as they land, whatever the policy
         deser = Deserializer(self.env, plan.flows,
                              plan.pipelined or self.deserializer == "on_arrival",
