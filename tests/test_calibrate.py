@@ -535,6 +535,16 @@ def test_calibrate_measures_the_draft_step_on_each_link(tmp_path, monkeypatch):
     # two requests have 24 jobs, too few to fit (kvsim.calibrate.worker_pace.MIN_JOBS)
     assert tb.worker_pace["requests"] == 3 and tb.worker_pace["rates_gbps"] == [0.3, 0.8]
     assert tb.worker_pace["model"] == "tiny-random" and tc.worker_pace is None
+    # the encoder's pace: its split-stream requests' encode work per rate (the token
+    # bucket's two at 0.3 Gbps, 0.05 s each, and one at 0.8; tc's one at each), over the
+    # codec timing's encode time of a 1024-token cache
+    cache_s = {label: load_codec_timing("x", tmp_path / "codec_timing" /
+                                        "local-tiny-random.json").lookup(label, label)
+               .encode_s(TINY.kv_bytes_bf16(1024)) for label in ("int8", "lynx")}
+    assert tb.encoder_pace["rates_gbps"] == [0.3, 0.8] and tb.encoder_pace["requests"] == [2, 1]
+    assert tb.encoder_pace["ratio"] == pytest.approx(
+        [(0.05 / cache_s["int8"] + 0.05 / cache_s["lynx"]) / 2, 0.05 / cache_s["lynx"]])
+    assert tc.encoder_pace["requests"] == [1, 1]
     if Path("/proc/stat").is_file():  # each link's own measurement's neighbours
         for e in ("token-bucket", "tc"):
             doc = json.loads((tmp_path / "link" / f"local-tiny-random-{e}.json").read_text())

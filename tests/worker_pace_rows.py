@@ -9,7 +9,8 @@ def paced_rows(truth: tuple[float, float, float], base_s: float, requests: int =
                rates_gbps: tuple[float, ...] = (0.3, 0.8), codec: str = "lynx") -> list[dict]:
     """Requests (rates taken in turn) whose 12 layer jobs run wholly beside the encoder while
     bytes arrive (over [0, 0.1] s), wholly while bytes arrive (to 0.6 s), or after both, each
-    exactly as long as `truth` (alone, encoder, ingest) makes a job of `base_s` (< 10 ms)."""
+    exactly as long as `truth` (alone, encoder, ingest) makes a job of `base_s` (< 10 ms);
+    request r's encoder worked 0.05 x (1 + r) s."""
     alone, encoder, ingest = truth
     starts = [0.0, 0.02, 0.04, 0.06, 0.15, 0.25, 0.35, 0.45, 0.65, 0.7, 0.75, 0.8]
     rows = []
@@ -23,6 +24,7 @@ def paced_rows(truth: tuple[float, float, float], base_s: float, requests: int =
                           t + 1e-3 * r + base_s * alone * (1 + extra)])
         rows.append({"status": "done", "dequantize": "on_arrival", "codec": codec,
                      "codec_name": codec, "streams": 2, "context_tokens": 1024,
+                     "transfer": "split_stream", "encode_work_s": 0.05 * (1 + r),
                      "total_bytes": 5e6, "bandwidth_gbps": rates_gbps[r % len(rates_gbps)],
                      "trace_spans": spans})
     return rows

@@ -292,9 +292,10 @@ def _link(cfg: Config, emulation: str, path: Path, prov: dict, say, hw_doc: dict
           main_rows: list[dict], timing_path: Path) -> dict:
     """Measure one emulated link into its profile at `path`: the fit of real transfers,
     the receiver's draft step on that link (_link_draft_step), a transfer's handshake
-    (the median over the calibration transfers made on it: handshake_entry) and the
-    on-arrival worker's pace there (kvsim.calibrate.worker_pace, on the same transfers'
-    layer jobs against the codec timing at `timing_path`)."""
+    (the median over the calibration transfers made on it: handshake_entry), and the
+    on-arrival worker's and the encoder's pace there (kvsim.calibrate.worker_pace and
+    encoder_pace, on the same transfers' requests against the codec timing at
+    `timing_path`)."""
     from kvsim.calibrate.link_profile import handshake_entry, measure_link_profile
 
     if emulation == "tc":
@@ -321,6 +322,12 @@ def _link(cfg: Config, emulation: str, path: Path, prov: dict, say, hw_doc: dict
             f"(median of {handshake['handshake']['requests']} requests, "
             f"{handshake['handshake']['min_s'] * 1e3:.2f}-"
             f"{handshake['handshake']['max_s'] * 1e3:.2f})")
+    encoder = _encoder_pace(cfg, link_rows, timing_path)
+    if encoder is not None:
+        doc["encoder_pace"] = encoder
+        say(f"link {emulation}: a pipelined request's encoder " + ", ".join(
+            f"{x:.3f} x the codec timing's at {r:g} Gbps ({n} requests)" for r, x, n in zip(
+                encoder["rates_gbps"], encoder["ratio"], encoder["requests"], strict=True)))
     pace = _worker_pace(cfg, link_rows, timing_path)
     if pace is not None:
         doc["worker_pace"] = pace
@@ -356,7 +363,17 @@ def _link(cfg: Config, emulation: str, path: Path, prov: dict, say, hw_doc: dict
             "worker_alone": pace["alone"] if pace else None,
             "worker_encoder": pace["encoder"] if pace else None,
             "worker_ingest": pace["ingest"] if pace else None,
+            "encoder_ratios": " / ".join(f"{x:.3f}" for x in encoder["ratio"])
+            if encoder else None,
             "status": "measured"}
+
+
+def _timing_of(cfg: Config, timing_path: Path):
+    """row -> the codec timing (at `timing_path`) of its codec."""
+    from kvsim.scenario.codec_timing import load_codec_timing
+
+    table = load_codec_timing(profile_name(cfg), timing_path)
+    return lambda row: table.lookup(str(row["codec"]), str(row["codec_name"]))
 
 
 def _worker_pace(cfg: Config, rows: list[dict], timing_path: Path) -> dict | None:
@@ -365,11 +382,20 @@ def _worker_pace(cfg: Config, rows: list[dict], timing_path: Path) -> dict | Non
     if not rows:
         return None
     from kvsim.calibrate.worker_pace import pace_entry
-    from kvsim.scenario.codec_timing import load_codec_timing
 
-    table = load_codec_timing(profile_name(cfg), timing_path)
-    return pace_entry(rows, lambda row: table.lookup(str(row["codec"]), str(row["codec_name"])),
+    return pace_entry(rows, _timing_of(cfg, timing_path),
                       lambda tokens: cfg.model.kv_bytes_bf16(tokens) / cfg.model.layers,
+                      cfg.model.name)
+
+
+def _encoder_pace(cfg: Config, rows: list[dict], timing_path: Path) -> dict | None:
+    """The link profile's `encoder_pace` from its calibration transfers' rows (None without
+    pipelined requests at two rates)."""
+    if not rows:
+        return None
+    from kvsim.calibrate.encoder_pace import pace_entry
+
+    return pace_entry(rows, _timing_of(cfg, timing_path), cfg.model.kv_bytes_bf16,
                       cfg.model.name)
 
 
@@ -523,6 +549,7 @@ def _print(rows: list[dict], paths: dict[str, Path], root: Path, dequantize: str
                                    ("worker_alone", "worker x", ".3f"),
                                    ("worker_encoder", "+ encoder", ".3f"),
                                    ("worker_ingest", "+ ingest", ".3f"),
+                                   ("encoder_ratios", "encoder x", ""),
                                    ("status", "status", "")]))
     link_keys = [k for k in paths if k.startswith("link:") and paths[k].is_file()]
     print(f"profiles written under {root}; use them with:\n  kvsim sim hardware=local-cpu "

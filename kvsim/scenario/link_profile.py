@@ -21,7 +21,9 @@ place of the hardware profile's (kvsim.scenario.timing_model.TimingModel's draft
 it describes the run (draft_step_for). Such a profile also carries how fast the receiver's
 on-arrival worker dequantizes on that link (`worker_pace`: alone, encoder, ingest;
 kvsim.calibrate.worker_pace): on one host, its jobs take longer while the sender's encoder
-shares the cores and while the request's bytes are taken in (worker_pace_for).
+shares the cores and while the request's bytes are taken in (worker_pace_for), and how much
+longer a pipelined request's encoder takes beside its own transfer at the link's rate
+(`encoder_pace`: ratios at two rates; kvsim.calibrate.encoder_pace, encoder_ratio).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from kvsim.core.data_files import record_loaded
 from kvsim.core.profiles import profile_path
@@ -58,6 +62,9 @@ class LinkProfile:
     # the on-arrival worker's pace on this link ({"alone", "encoder", "ingest",
     # "model", ...}: kvsim.calibrate.worker_pace), None where the profile has none
     worker_pace: dict | None = None
+    # a pipelined request's encoder work over the codec timing's at the link's rate
+    # ({"rates_gbps", "ratio", "model", ...}: kvsim.calibrate.encoder_pace), None without
+    encoder_pace: dict | None = None
 
 
 def _number(path: Path, doc: dict, key: str, minimum: float, maximum: float = math.inf,
@@ -105,7 +112,7 @@ def load_link_profile(name_or_path: str) -> LinkProfile:
         emulation=doc.get("emulation", "none"),
         handshake_s=_number(path, doc, "handshake_s", 0.0, 1.0) if "handshake_s" in doc
         else 0.0,
-        worker_pace=_worker_pace(path, doc))
+        worker_pace=_worker_pace(path, doc), encoder_pace=_encoder_pace(path, doc))
     record_loaded(path)
     return profile
 
@@ -126,6 +133,35 @@ def _worker_pace(path: Path, doc: dict) -> dict | None:
         _number(path, {f"worker_pace.{key}": pace.get(key)}, f"worker_pace.{key}", low, high,
                 strict=key == "alone")
     return pace
+
+
+ENCODER_RATIO_MAX = 10.0  # = kvsim.calibrate.encoder_pace.RATIO_MAX
+
+
+def _encoder_pace(path: Path, doc: dict) -> dict | None:
+    """doc's `encoder_pace` entry, checked: two or more increasing rates (Gbps, > 0) and as
+    many ratios in (0, ENCODER_RATIO_MAX] (None without one)."""
+    pace = doc.get("encoder_pace")
+    if pace is None:
+        return None
+    rates = pace.get("rates_gbps") if isinstance(pace, dict) else None
+    ratios = pace.get("ratio") if isinstance(pace, dict) else None
+    numbers = isinstance(rates, list) and isinstance(ratios, list) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        for v in [*rates, *ratios])
+    if not (numbers and len(rates) >= 2 and len(ratios) == len(rates)
+            and all(0 < a < b for a, b in zip(rates[:-1], rates[1:], strict=True))
+            and all(0 < x <= ENCODER_RATIO_MAX for x in ratios)):
+        raise ValueError(f"link profile {path}: encoder_pace needs rates_gbps (two or more, "
+                         f"increasing, > 0) and as many ratios in (0, {ENCODER_RATIO_MAX:g}], "
+                         f"got {pace!r}")
+    return pace
+
+
+def encoder_ratio(pace: dict, bandwidth_gbps: float) -> float:
+    """A pipelined request's encode time over the codec timing's at `bandwidth_gbps`: the
+    profile's ratios interpolated linearly in the rate, held beyond its rates."""
+    return float(np.interp(bandwidth_gbps, pace["rates_gbps"], pace["ratio"]))
 
 
 def profiled_link_settings(bandwidth_gbps: float, latency_s: float,
@@ -170,6 +206,14 @@ def worker_pace_for(profile: LinkProfile | None, model_name: str, hardware_profi
     codec timing of the calibration that wrote it, which a run names separately
     (`codec_timing=`): with another one, the ratio is applied to that one's jobs."""
     return _for_run(profile.worker_pace if profile is not None else None, model_name,
+                    hardware_profile)
+
+
+def encoder_pace_for(profile: LinkProfile | None, model_name: str, hardware_profile: str
+                     ) -> dict | None:
+    """The link profile's encoder pace where it describes this run, as draft_step_for (its
+    ratios are to the codec timing of the calibration that wrote it); else None."""
+    return _for_run(profile.encoder_pace if profile is not None else None, model_name,
                     hardware_profile)
 
 

@@ -24,6 +24,7 @@ import heapq
 import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -34,12 +35,15 @@ from kvsim.scenario.codec_timing import CodecTiming, load_codec_timing
 from kvsim.scenario.config import SimConfig
 from kvsim.scenario.link_profile import (
     draft_step_for,
+    encoder_pace_for,
+    encoder_ratio,
     load_link_profile,
     profiled_link_settings,
     worker_pace_for,
 )
 from kvsim.scenario.metrics import RequestRecord, aggregate_records, record_columns, request_row
 from kvsim.scenario.policy import (
+    PIPELINED,
     WITH_PREFILL,
     FlowPlan,
     TransferPlan,
@@ -172,6 +176,10 @@ class Scenario:
             if self.deserializer == "on_arrival" else None
         table = load_codec_timing(cfg.hardware.name, cfg.codec_timing or None)
         self.codec_timing: CodecTiming = table.lookup(variant.spec.label, variant.spec.name)
+        encoder_pace = encoder_pace_for(self.link_profile, cfg.model.name, cfg.hardware.profile)
+        if encoder_pace and variant.policy in PIPELINED:  # its encoder beside its transfer
+            self.codec_timing = replace(self.codec_timing, encode_gb_per_s=(
+                self.codec_timing.encode_gb_per_s / encoder_ratio(encoder_pace, bandwidth_gbps)))
         self.acceptance = load_acceptance(variant.acceptance or cfg.speculative.acceptance)
         self.rng = np.random.default_rng(cfg.seed)
         self._plans: dict[int, tuple[TransferPlan, Any]] = {}

@@ -1,7 +1,7 @@
-"""The on-arrival worker's pace on a host that runs both ends (kvsim.calibrate.worker_pace,
-kvsim.sim.nodes.WorkPace): the work clock by hand, the paced server against the plain one,
-the fit recovering known terms exactly from synthetic jobs, the link profile's checks, and a
-simulated request whose worker is paced."""
+"""On a host that runs both ends: the on-arrival worker's pace (kvsim.calibrate.worker_pace,
+kvsim.sim.nodes.WorkPace: the work clock by hand, the paced server against the plain one, the
+fit recovering known terms exactly from synthetic jobs, the link profile's checks, a
+simulated request whose worker is paced) and the encoder's (kvsim.calibrate.encoder_pace)."""
 
 from __future__ import annotations
 
@@ -155,3 +155,49 @@ def test_calibration_fits_each_links_pace_against_its_codec_timing(tmp_path):
                                                                         abs=1e-9)
     assert got["model"] == "tiny" and got["rates_gbps"] == [0.3, 0.8]
     assert _worker_pace(cfg, [], timing) is None
+
+
+def test_the_encoders_pace_per_rate_and_in_the_simulator(tmp_path):
+    """A link's encoder pace: per rate, the median over pipelined requests of the encoder's
+    work over the codec timing's (monolithic, failed and untimed requests left out; one rate
+    only: none); between its rates the simulator's ratio is interpolated, beyond them held,
+    and it scales a split-stream request's encode times, not a monolithic one's."""
+    from kvsim.calibrate.encoder_pace import pace_entry as encoder_entry
+    from kvsim.scenario.link_profile import encoder_pace_for, encoder_ratio
+
+    timing = CodecTiming(0.5, 1.0, "assumed")  # 1 GB of bf16 cache: 2 s of encoding
+    rows = [{"status": "done", "transfer": "split_stream", "context_tokens": 1000,
+             "bandwidth_gbps": rate, "encode_work_s": work}
+            for rate, work in ((0.3, 2.0), (0.3, 2.4), (0.3, 2.2), (0.8, 3.0), (0.8, 3.4))]
+    rows += [{"status": "done", "transfer": "monolithic", "context_tokens": 1000,
+              "bandwidth_gbps": 1.0, "encode_work_s": 9.0},
+             {"status": "error", "transfer": "split_stream", "bandwidth_gbps": 1.0},
+             {"status": "done", "transfer": "layerwise", "context_tokens": 1000,
+              "bandwidth_gbps": 1.0, "encode_work_s": float("nan")}]
+    got = encoder_entry(rows, lambda row: timing, lambda tokens: 1e6 * tokens, "m")
+    assert got["rates_gbps"] == [0.3, 0.8] and got["requests"] == [3, 2]
+    assert got["ratio"] == pytest.approx([1.1, 1.6])
+    assert encoder_entry(rows[:3], lambda row: timing, lambda t: 1e6 * t, "m") is None
+    assert [encoder_ratio(got, r) for r in (0.1, 0.3, 0.55, 0.8, 5.0)] == \
+        pytest.approx([1.1, 1.1, 1.35, 1.6, 1.6])
+    hw = tmp_path / "hw.json"
+    hw.write_text(profile_path("hardware", "local-smollm2-135m").read_text())
+    paced = _link(tmp_path, "enc", encoder_pace={**got, "model": "smollm2-135m"})
+    assert encoder_pace_for(load_link_profile(paced), "smollm2-135m", str(hw)) is not None
+    assert encoder_pace_for(load_link_profile(paced), "smollm2-135m", "") is None
+    plain = _link(tmp_path, "plain")
+
+    def encode_s(codec: str, link: str, rate: float) -> float:
+        sc = receiver_scenario(f"codecs=[{codec}]", f"link.bandwidth_gbps={rate}",
+                               f"hardware.profile={hw}", f"link.profile={link}")
+        return float(sc.plan(1024).encode_cum_s[-1])
+
+    assert encode_s("lynx", paced, 0.55) == pytest.approx(1.35 * encode_s("lynx", plain, 0.55),
+                                                          rel=1e-12)
+    assert encode_s("int8", paced, 0.55) == encode_s("int8", plain, 0.55)  # monolithic
+    for bad in ({"rates_gbps": [0.3], "ratio": [1.0]},
+                {"rates_gbps": [0.8, 0.3], "ratio": [1.0, 1.2]},
+                {"rates_gbps": [0.3, 0.8], "ratio": [1.0, 0.0]},
+                {"rates_gbps": [0.3, 0.8], "ratio": [1.0]}, [1.0]):
+        with pytest.raises(ValueError, match="encoder_pace needs rates_gbps"):
+            load_link_profile(_link(tmp_path, "bad", encoder_pace=bad))
