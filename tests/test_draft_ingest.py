@@ -59,6 +59,13 @@ def test_the_fit_recovers_the_ratio_and_the_cost_per_byte_from_two_rates():
     assert got.busy_ratio == pytest.approx(2.53, abs=0.1)
     assert got.ingest_s_per_byte == pytest.approx(20.4e-9, abs=1.5e-9)
     assert got.rms_s < 3 * GRID_DT_S and got.requests == 6 and not got.saturated
+    # one window of six disturbed (its last draft 0.3 s late): absolute errors keep the fit
+    disturbed = made(2.53, 20.4e-9)
+    disturbed[4] = DraftWindow(**{**disturbed[4].__dict__, "end_s": disturbed[4].end_s + 0.3})
+    kept = fit(disturbed, 0.005)
+    assert kept.busy_ratio == pytest.approx(2.53, abs=0.1)
+    assert kept.ingest_s_per_byte == pytest.approx(20.4e-9, abs=1.5e-9)
+    assert kept.rms_s > 0.3 / 6 ** 0.5 - 3 * GRID_DT_S  # the disturbed window's miss
     sat = fit(made(2.5, 100e-9), 0.005)  # 100 ns x 12 MB/s = 1.2: busy while they arrive
     assert sat.saturated and 1 / 12e6 <= sat.ingest_s_per_byte <= 100e-9
     assert sat.busy_ratio == pytest.approx(2.5, abs=0.1)
