@@ -201,3 +201,54 @@ def test_the_encoders_pace_per_rate_and_in_the_simulator(tmp_path):
                 {"rates_gbps": [0.3, 0.8], "ratio": [1.0]}, [1.0]):
         with pytest.raises(ValueError, match="encoder_pace needs rates_gbps"):
             load_link_profile(_link(tmp_path, "bad", encoder_pace=bad))
+
+
+@pytest.mark.parametrize("gbps", [0.2, 1.0])
+def test_drafts_slow_down_by_the_paced_workers_load(tmp_path, gbps: float):
+    """With draft_step.busy_ratio 3 and a worker pace, drafts run at 3 x the decode step
+    while the paced worker is busy with the residual: over its busy share s of the time from
+    drafting's start to its last job, as the paced server (worker_server) ran it, a draft
+    takes step x 3 / (3 (1 - s) + s) (exact for a lone request); the paced worker is busy
+    a larger share than the unpaced one would be."""
+    from kvsim.sim.worker_load import busy_fraction
+
+    doc = json.loads(profile_path("hardware", "local-smollm2-135m").read_text())
+    doc["draft_step"] = {"ratio": 1.5, "busy_ratio": 3.0}
+    hw = tmp_path / "busy.json"
+    hw.write_text(json.dumps(doc))
+    link = _link(tmp_path, "paced", worker_pace={"alone": 2.0, "encoder": 0.5, "ingest": 0.3})
+    sc = receiver_scenario("codecs=[lynx]", "deserializer=on_arrival",
+                           f"link.bandwidth_gbps={gbps}", f"hardware.profile={hw}",
+                           f"link.profile={link}", "speculative.draft_overhead_s=null")
+    sent, paces = [], []
+    send, make_pace = sc._send, sc._worker_pace
+
+    def keep(*args, **kwargs):
+        out = send(*args, **kwargs)
+        sent.append(out[0])
+        return out
+
+    def keep_pace(*args, **kwargs):
+        paces.append(make_pace(*args, **kwargs))
+        return paces[-1]
+
+    sc._send, sc._worker_pace = keep, keep_pace
+    sc.run()
+    tl = sc.records[0].timeline
+    (receivers,), (pace,) = sent, paces
+    arrivals = [rx.arrival_t for rx in receivers]
+    works = [rx.plan.deserialize_s for rx in receivers]
+    start, finish = worker_server(arrivals, works, pace)
+    share = busy_fraction(tl.start_t, finish[1], finish[1] - start[1])
+    plain = priority_server(arrivals, works)
+    assert share > busy_fraction(tl.start_t, plain[1], works[1])
+    assert 0.0 < share <= 1.0 and tl.proposed >= 1
+    draft = sc.timing.tpot_s(1024) * 3.0 / (3.0 * (1.0 - share) + share)
+    if tl.proposed > 1:
+        assert tl.token_t[0] - tl.start_t == pytest.approx(draft, rel=1e-9)
+    else:  # one draft, the full cache ready during it: it finishes at the plain step
+        full_t = max(rx.ready_t for rx in receivers)
+        assert full_t == pytest.approx(float(finish[1][-1]), abs=1e-12)
+        left = 1.0 - (full_t - tl.start_t) / draft
+        draft_end = max(t1 for kind, _t0, t1 in tl.segments if kind.startswith("draft"))
+        assert draft_end == pytest.approx(full_t + left * sc.timing.tpot_s(1024), rel=1e-9)

@@ -389,6 +389,22 @@ def test_the_shipped_slow_day_run_simulated_again_with_its_handshake(tmp_path, n
         assert {round(r["handshake_s"], 5) for r in doc["simulated"]} == {handshake_s}
 
 
+def test_the_shipped_paced_run_simulated_again_with_its_paces(tmp_path, no_emulation):
+    """data/fidelity/2026-12-06-full-paced (calibrate=true; the links' profiles with the
+    worker's and the encoder's pace): its figures again, its paces loaded, and the step level
+    it did not hold."""
+    from kvsim.scenario.link_profile import load_link_profile
+
+    s = _shipped_simulated_again("2026-12-06-full-paced", 324, tmp_path)
+    assert not s["step_level"]["trusted"] and s["step_level"]["step_mean_abs_pct"] > 5.0
+    for name, alone, encoder in (("token-bucket", 0.670, [1.000, 1.058]),
+                                 ("tc", 0.597, [0.899, 1.910])):
+        prof = load_link_profile(str(DATA_DIR / "fidelity" / "2026-12-06-full-paced" /
+                                     "profiles" / "link" / f"local-smollm2-135m-{name}.json"))
+        assert round(prof.worker_pace["alone"], 3) == alone
+        assert [round(x, 3) for x in prof.encoder_pace["ratio"]] == encoder
+
+
 def test_the_shipped_default_run_simulated_again_with_its_probe(tmp_path, no_emulation):
     """data/fidelity/2026-11-30-default-tc-host (`kvsim validate`: the shipped profiles,
     copied beside it, used as they were after the probe before the comparisons): its figures
