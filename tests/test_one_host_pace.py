@@ -136,7 +136,7 @@ def test_calibration_fits_each_links_pace_against_its_codec_timing(tmp_path):
     """kvsim calibrate's step (pipeline._worker_pace): a link's request rows, timed against
     the codec timing file just written (each job's base: its layer's bytes at that model's
     shape), give the profile entry; no rows, none."""
-    from kvsim.calibrate.pipeline import Config, _worker_pace
+    from kvsim.calibrate.pipeline import Config, _timing_of, _worker_pace
     from kvsim.model.spec import ModelSpec
 
     model = ModelSpec(name="tiny", layers=4, attention_heads=4, kv_heads=2, head_dim=64,
@@ -150,11 +150,12 @@ def test_calibration_fits_each_links_pace_against_its_codec_timing(tmp_path):
     timing.write_text(json.dumps({"version": 1, "hardware": "local-tiny",
                                   "codecs": {"lynx": entry}}))
     cfg = Config(model=model)
-    got = _worker_pace(cfg, paced_rows((0.7, 0.5, 0.4), 0.004), timing)
+    timing_of = _timing_of(cfg, timing)
+    got = _worker_pace(cfg, paced_rows((0.7, 0.5, 0.4), 0.004), timing_of)
     assert (got["alone"], got["encoder"], got["ingest"]) == pytest.approx((0.7, 0.5, 0.4),
                                                                         abs=1e-9)
     assert got["model"] == "tiny" and got["rates_gbps"] == [0.3, 0.8]
-    assert _worker_pace(cfg, [], timing) is None
+    assert _worker_pace(cfg, [], timing_of) is None
 
 
 def test_the_encoders_pace_per_rate_and_in_the_simulator(tmp_path):

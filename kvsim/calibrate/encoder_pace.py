@@ -3,7 +3,7 @@
 `kvsim emulate` runs the sender and the decode host on the same cores. A pipelined transfer
 (layer-wise, split-stream) sends each layer as it is encoded, so its encoder runs while the
 receiver takes the bytes in and dequantizes them, and the faster the link the more of that
-work lands beside it: on the 2-core host lynx's encoder (2048 tokens) did 0.4-1.0x the
+work lands beside it: on the 2-core host lynx's encoder (1024 and 2048 tokens) did 0.4-1.0x the
 calibrated encode work at 0.1 Gbps and 1.4-2.2x at 1 Gbps over a `tc`-shaped veth, where the
 kernel's shaping adds to the receiver's work (CHANGELOG.md, 2026-12-06). A monolithic
 transfer encodes before its first byte leaves, beside nothing of its own.
@@ -22,7 +22,7 @@ import statistics
 from collections.abc import Callable
 
 from kvsim.scenario.codec_timing import CodecTiming
-from kvsim.scenario.link_profile import ENCODER_RATIO_MAX as RATIO_MAX  # the profile's bound
+from kvsim.scenario.link_profile import ENCODER_RATIO_MAX
 from kvsim.scenario.policy import PIPELINED
 
 
@@ -44,7 +44,7 @@ def pace_entry(rows: list[dict], timing_of: Callable[[dict], CodecTiming],
         return None
     rates = sorted(by_rate)
     ratios = [statistics.median(by_rate[r]) for r in rates]
-    if not all(0 < x <= RATIO_MAX for x in ratios):
+    if not all(0 < x <= ENCODER_RATIO_MAX for x in ratios):
         return None
     return {"rates_gbps": rates, "ratio": ratios, "requests": [len(by_rate[r]) for r in rates],
             "model": model_name,

@@ -24,9 +24,10 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import MISSING
 
@@ -35,6 +36,9 @@ from kvsim.core.host_load import HostLoadMeter
 from kvsim.core.report import format_table
 from kvsim.model.spec import ModelSpec
 from kvsim.transport.config import DEQUANTIZE_MODES
+
+if TYPE_CHECKING:
+    from kvsim.scenario.codec_timing import CodecTiming
 
 LINK_EMULATIONS = ("token_bucket", "tc", "none")
 # a draft-step fit whose rms miss exceeds this share of its median draft window is said to
@@ -322,13 +326,14 @@ def _link(cfg: Config, emulation: str, path: Path, prov: dict, say, hw_doc: dict
             f"(median of {handshake['handshake']['requests']} requests, "
             f"{handshake['handshake']['min_s'] * 1e3:.2f}-"
             f"{handshake['handshake']['max_s'] * 1e3:.2f})")
-    encoder = _encoder_pace(cfg, link_rows, timing_path)
+    timing_of = _timing_of(cfg, timing_path) if link_rows else None  # (none: no paces)
+    encoder = _encoder_pace(cfg, link_rows, timing_of) if timing_of else None
     if encoder is not None:
         doc["encoder_pace"] = encoder
         say(f"link {emulation}: a pipelined request's encoder " + ", ".join(
             f"{x:.3f} x the codec timing's at {r:g} Gbps ({n} requests)" for r, x, n in zip(
                 encoder["rates_gbps"], encoder["ratio"], encoder["requests"], strict=True)))
-    pace = _worker_pace(cfg, link_rows, timing_path)
+    pace = _worker_pace(cfg, link_rows, timing_of) if timing_of else None
     if pace is not None:
         doc["worker_pace"] = pace
         say(f"link {emulation}: the on-arrival worker's layer job {pace['alone']:.3f} x the "
@@ -368,7 +373,7 @@ def _link(cfg: Config, emulation: str, path: Path, prov: dict, say, hw_doc: dict
             "status": "measured"}
 
 
-def _timing_of(cfg: Config, timing_path: Path):
+def _timing_of(cfg: Config, timing_path: Path) -> Callable[[dict], CodecTiming]:
     """row -> the codec timing (at `timing_path`) of its codec."""
     from kvsim.scenario.codec_timing import load_codec_timing
 
@@ -376,27 +381,24 @@ def _timing_of(cfg: Config, timing_path: Path):
     return lambda row: table.lookup(str(row["codec"]), str(row["codec_name"]))
 
 
-def _worker_pace(cfg: Config, rows: list[dict], timing_path: Path) -> dict | None:
+def _worker_pace(cfg: Config, rows: list[dict], timing_of: Callable[[dict], CodecTiming]
+                 ) -> dict | None:
     """The link profile's `worker_pace` from its calibration transfers' rows (None without
     on-arrival rows, or where they do not fit)."""
-    if not rows:
-        return None
     from kvsim.calibrate.worker_pace import pace_entry
 
-    return pace_entry(rows, _timing_of(cfg, timing_path),
+    return pace_entry(rows, timing_of,
                       lambda tokens: cfg.model.kv_bytes_bf16(tokens) / cfg.model.layers,
                       cfg.model.name)
 
 
-def _encoder_pace(cfg: Config, rows: list[dict], timing_path: Path) -> dict | None:
+def _encoder_pace(cfg: Config, rows: list[dict], timing_of: Callable[[dict], CodecTiming]
+                  ) -> dict | None:
     """The link profile's `encoder_pace` from its calibration transfers' rows (None without
     pipelined requests at two rates)."""
-    if not rows:
-        return None
     from kvsim.calibrate.encoder_pace import pace_entry
 
-    return pace_entry(rows, _timing_of(cfg, timing_path), cfg.model.kv_bytes_bf16,
-                      cfg.model.name)
+    return pace_entry(rows, timing_of, cfg.model.kv_bytes_bf16, cfg.model.name)
 
 
 def _link_draft_step(cfg: Config, emulation: str, say, hw_doc: dict, main_rows: list[dict],

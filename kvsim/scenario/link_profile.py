@@ -117,8 +117,8 @@ def load_link_profile(name_or_path: str) -> LinkProfile:
     return profile
 
 
-# worker_pace's fields: (name, lowest, highest; = kvsim.calibrate.worker_pace.FIELDS_MAX);
-# `alone` > its lowest
+# worker_pace's fields: (name, lowest, highest), which kvsim.calibrate.worker_pace's fit
+# keeps to; `alone` > its lowest
 WORKER_PACE_FIELDS = (("alone", 0.0, 10.0), ("encoder", 0.0, 10.0), ("ingest", 0.0, 10.0))
 
 
@@ -135,7 +135,7 @@ def _worker_pace(path: Path, doc: dict) -> dict | None:
     return pace
 
 
-ENCODER_RATIO_MAX = 10.0  # = kvsim.calibrate.encoder_pace.RATIO_MAX
+ENCODER_RATIO_MAX = 10.0  # encoder_pace's largest ratio (kvsim.calibrate.encoder_pace too)
 
 
 def _encoder_pace(path: Path, doc: dict) -> dict | None:
