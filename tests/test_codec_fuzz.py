@@ -10,7 +10,8 @@ receiver expects and with `codec_for` (the codec the preamble names), for a draw
 prefix and output dtype.
 
 A case passes when parsing and decoding either raise CodecError / WireError or return a
-finite tensor of the announced shape, within TIME_BOUND_S. Anything else fails the test.
+finite tensor of the announced shape, within TIME_BOUND_S (a case over it is timed once
+more, so a pause of the host is not taken for a slow decoder). Anything else fails the test.
 The fast part runs FAST_CASES cases per codec configuration; the slow part SLOW_CASES
 (>= 100,000 in all).
 """
@@ -234,16 +235,25 @@ def decode_untrusted(index: int, blob: bytes, which: str, streams: int,
                      dtype: torch.dtype | None) -> None:
     """Parse and decode `blob` as a receiver would; assert the outcome is allowed."""
     name, params, _ = CONFIGS[index]
-    t = time.perf_counter()
-    try:
-        enc = Encoded.from_bytes(blob)
-        codec = make_codec(name, params) if which == "expected" else codec_for(enc)
-        n = min(streams, codec.num_streams)
-        out = codec.decode(enc, n, dtype=dtype)
-    except ALLOWED:
-        out = None
-    elapsed = time.perf_counter() - t
-    assert elapsed < TIME_BOUND_S, f"case took {elapsed:.2f} s"
+
+    def attempt():
+        t = time.perf_counter()
+        try:
+            enc = Encoded.from_bytes(blob)
+            codec = make_codec(name, params) if which == "expected" else codec_for(enc)
+            n = min(streams, codec.num_streams)
+            out = codec.decode(enc, n, dtype=dtype)
+        except ALLOWED:
+            enc, out = None, None
+        return enc, out, time.perf_counter() - t
+
+    enc, out, elapsed = attempt()
+    if elapsed >= TIME_BOUND_S:
+        # A case slow by its bytes is slow every time; a pause of the shared host is not.
+        # The same case is timed once more and the faster of the two is held to the bound.
+        enc, out, again = attempt()
+        elapsed = min(elapsed, again)
+    assert elapsed < TIME_BOUND_S, f"case took {elapsed:.2f} s (twice)"
     if out is not None:
         assert out.shape == enc.shape.dims
         assert out.dtype == (dtype or getattr(torch, enc.shape.dtype))
