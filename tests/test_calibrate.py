@@ -187,6 +187,58 @@ def test_receiver_timing_replaces_loads_and_scales_the_step_curves():
     assert hw["first_step_extra_inprocess"]["s"] == [0.0, 0.001]
 
 
+def test_first_step_extra_pools_both_transfers_codecs():
+    """The first step's extra is the median over the codecs of both calibration transfers
+    of each one's `first_step_extra_s`: at 200 tokens one codec's requests caught a slow
+    spell in their later steps (-0.01) and one none (0.0), so that transfer alone says 0;
+    with the 100-token transfer's three (0.013, 0.014, 0.015) the median is 0.0135."""
+    from kvsim.calibrate.receiver_timing import apply_receiver_timing
+
+    def hw():
+        return {"tpot": {"context_tokens": [100, 300], "s": [0.1, 0.2]},
+                "first_step_extra": {"context_tokens": [100, 300], "s": [0.0, 0.0]},
+                "tpot_batch": {"context_tokens": 200, "batch": [1], "s": [0.15]},
+                "verify": {"context_tokens": [100, 300], "drafted_tokens": [1],
+                           "s": [[0.3], [0.4]]}}
+
+    def codecs(extras):
+        return {c: {"tpot_s": 0.15, "first_step_s": 0.15 + x, "first_step_extra_s": x}
+                for c, x in zip(("a", "b", "c"), extras, strict=True)}
+
+    timing = {"codecs": {c: {"decode_gb_per_s": 1.0, "what": "w"} for c in ("a", "b", "c")}}
+    at_200, at_100 = codecs([-0.01, 0.0, 0.016]), codecs([0.013, 0.014, 0.015])
+    one = hw()
+    apply_receiver_timing(at_200, one, timing, 200)
+    assert one["first_step_extra"]["s"] == [0.0, 0.0]
+    both = hw()
+    apply_receiver_timing(at_200, both, timing, 200, "on_arrival", at_100, 100)
+    assert both["first_step_extra"]["s"] == pytest.approx([0.0135, 0.0135])
+    assert "100 and 200 tokens" in both["first_step_extra"]["measured"]
+
+
+def test_receiver_loads_measure_each_first_step_against_its_own_later_steps(monkeypatch):
+    """A plain request's first step less its own later steps, the median over requests:
+    (0.100 - 0.080, 0.095 - 0.085, 0.200 - 0.170) -> 0.02, where the medians' difference
+    (0.100 - 0.085) would be 0.015."""
+    import kvsim.transport.emulate as emulate_mod
+    from kvsim.calibrate.receiver_timing import receiver_loads
+
+    def fake_emulate(cfg):
+        bf16 = float(cfg.model.kv_bytes_bf16(64))
+        spans = [["dequantize stream 0", "decode", 0.0, 1e-3],
+                 ["dequantize layer 0 stream 0", "decode", 0.0, bf16 / 1e9]]
+        return [{"status": "done", "codec": "int8", "context_tokens": 64, "streams": 1,
+                 "dequantize": "on_arrival", "tpot_s": tpot, "proposed_tokens": 0,
+                 "ttft_from_prefill_end_s": 0.25 + first, "full_ready_from_prefill_end_s": 0.25,
+                 "trace_spans": spans}
+                for first, tpot in ((0.100, 0.080), (0.095, 0.085), (0.200, 0.170))]
+
+    monkeypatch.setattr(emulate_mod, "emulate", fake_emulate)
+    got = receiver_loads("smollm2-135m", ["int8"], 64, 1, "stdlib-docs", repeats=3)
+    assert got["int8"]["first_step_extra_s"] == pytest.approx(0.02)
+    assert got["int8"]["first_step_s"] - got["int8"]["tpot_s"] == pytest.approx(0.015)
+
+
 def test_receiver_step_level_is_the_mean_of_its_requests_steps():
     """The receiver's step ratio takes each codec's mean step over its requests
     (`tpot_mean_s`), averaged over the codecs, not the median: a run's decode time sums its
