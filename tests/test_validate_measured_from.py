@@ -405,6 +405,42 @@ def test_the_shipped_paced_run_simulated_again_with_its_paces(tmp_path, no_emula
         assert [round(x, 3) for x in prof.encoder_pace["ratio"]] == encoder
 
 
+def test_the_shipped_paced_heldout_run_simulated_again_on_each_scenarios_step(tmp_path,
+                                                                            no_emulation):
+    """data/fidelity/2026-12-06-heldout (calibrate=true, the held-out grid; the host sped up
+    during it): its figures again with the step level it did not hold, within the fidelity
+    targets (3% / 8%) with each scenario's own step, and its first step's extra pooled over
+    both calibration transfers."""
+    name = "2026-12-06-heldout"
+    s = _shipped_simulated_again(name, 108, tmp_path / "as-run")
+    assert not s["step_level"]["trusted"] and s["step_level"]["step_mean_abs_pct"] > 5.0
+    shipped = DATA_DIR / "fidelity" / name
+    assert main(["validate", f"measured_from={shipped}", "step_from_scenario=true",
+                 f"hydra.run.dir={tmp_path / 'own-step'}"]) == 0
+    own = json.loads((tmp_path / "own-step" / "fidelity.json").read_text())["summary"]
+    assert own["compared"] == 108 and own["step_level"]["from_scenario"]
+    assert own["mean_abs_pct_error"] == pytest.approx(1.56, abs=0.05)
+    assert own["max_abs_pct_error"] == pytest.approx(5.85, abs=0.5)
+    hw = json.loads((shipped / "profiles" / "hardware" / "local-smollm2-135m.json").read_text())
+    assert {round(x, 4) for x in hw["first_step_extra"]["s"]} == {0.0084}
+    assert "1024 and 2048 tokens" in hw["first_step_extra"]["measured"]
+
+
+def test_the_second_paced_full_grid_run_simulated_again(tmp_path, no_emulation):
+    """data/fidelity/2026-12-06-full-2 (calibrate=true; the host slowed down during it): its
+    figures again with the step level it did not hold, its `tc` draft fit and its first
+    step's extra from six codecs of both calibration transfers."""
+    from kvsim.scenario.link_profile import load_link_profile
+
+    s = _shipped_simulated_again("2026-12-06-full-2", 324, tmp_path)
+    assert not s["step_level"]["trusted"] and s["step_level"]["step_mean_abs_pct"] > 5.0
+    profiles = DATA_DIR / "fidelity" / "2026-12-06-full-2" / "profiles"
+    tc = load_link_profile(str(profiles / "link" / "local-smollm2-135m-tc.json"))
+    assert tc.draft_step["busy_ratio"] == pytest.approx(4.9)
+    hw = json.loads((profiles / "hardware" / "local-smollm2-135m.json").read_text())
+    assert "median over 6 codecs' medians" in hw["first_step_extra"]["measured"]
+
+
 def test_the_shipped_default_run_simulated_again_with_its_probe(tmp_path, no_emulation):
     """data/fidelity/2026-11-30-default-tc-host (`kvsim validate`: the shipped profiles,
     copied beside it, used as they were after the probe before the comparisons): its figures
