@@ -428,13 +428,21 @@ def test_the_shipped_paced_heldout_run_simulated_again_on_each_scenarios_step(tm
 
 def test_the_second_paced_full_grid_run_simulated_again(tmp_path, no_emulation):
     """data/fidelity/2026-12-06-full-2 (calibrate=true; the host slowed down during it): its
-    figures again with the step level it did not hold, its `tc` draft fit and its first
-    step's extra from six codecs of both calibration transfers."""
+    figures again with the step level it did not hold and with each scenario's own step
+    (as its README gives them), its `tc` draft fit and its first step's extra from six
+    codec medians of both calibration transfers."""
     from kvsim.scenario.link_profile import load_link_profile
 
-    s = _shipped_simulated_again("2026-12-06-full-2", 324, tmp_path)
+    name = "2026-12-06-full-2"
+    s = _shipped_simulated_again(name, 324, tmp_path / "as-run")
     assert not s["step_level"]["trusted"] and s["step_level"]["step_mean_abs_pct"] > 5.0
-    profiles = DATA_DIR / "fidelity" / "2026-12-06-full-2" / "profiles"
+    shipped = DATA_DIR / "fidelity" / name
+    assert main(["validate", f"measured_from={shipped}", "step_from_scenario=true",
+                 f"hydra.run.dir={tmp_path / 'own-step'}"]) == 0
+    own = json.loads((tmp_path / "own-step" / "fidelity.json").read_text())["summary"]
+    assert own["mean_abs_pct_error"] == pytest.approx(2.42, abs=0.05)
+    assert own["max_abs_pct_error"] == pytest.approx(32.05, abs=0.5)
+    profiles = shipped / "profiles"
     tc = load_link_profile(str(profiles / "link" / "local-smollm2-135m-tc.json"))
     assert tc.draft_step["busy_ratio"] == pytest.approx(4.9)
     hw = json.loads((profiles / "hardware" / "local-smollm2-135m.json").read_text())

@@ -428,7 +428,8 @@ def _link_draft_step(cfg: Config, emulation: str, say, hw_doc: dict, main_rows: 
     split = [c for c in cfg.codecs if resolve_codec(c).build().num_streams > 1]
     if not split:
         return None
-    # these requests all draft: the first step's extra is the first transfer's (hw_doc)
+    # these requests all draft: the first step's extra is the token bucket's transfers'
+    # (pooled into hw_doc by apply_receiver_timing)
     extra = hw_doc.get("first_step_extra")
     extra_s = float(np.interp(cfg.receiver_context_tokens, extra["context_tokens"],
                               extra["s"])) if extra else None

@@ -32,9 +32,9 @@ rates instead: kvsim.calibrate.draft_ingest). `apply_receiver_timing` puts these
 profiles. The draft step depends on the link as well: over a `tc`-shaped veth it measured
 slower than on the token bucket (likely cause, not measured: the kernel's shaping and
 packet processing on the decoder's cores), so `kvsim calibrate` repeats the transfer there
-for the split-stream codecs (`emulation=`, draft_step_doc), taking the first step's extra
-the token bucket's transfers measured (`first_step_extra_s`), and writes its draft step
-into that link's profile.
+for the split-stream codecs (`emulation=`, draft_step_doc), taking for the first step's
+extra the value the token bucket's transfers measured (`first_step_extra_s`), and writes its
+draft step into that link's profile.
 
 A worker's layer job has a fixed part as well as a part in proportion to the layer's
 bytes (its Python, kernel calls and cache update): one context cannot tell them apart, and
@@ -189,7 +189,9 @@ def receiver_loads(model: str, codecs: list[Any], context_tokens: int, seed: int
     # a draft step beside the receiver's dequantization of the later streams: its length
     # over the same request's later decode steps. The drafting window [anchor cache ready,
     # last draft's end] holds the first step's extra on a fresh cache (the plain requests'
-    # first step - step here), which the simulator adds on its own
+    # first step - step here), which the simulator adds on its own. This transfer's own
+    # extra, not the profile's (apply_receiver_timing pools both transfers' later): the two
+    # differ by a few ms, and on arrival draft_ingest refits busy_ratio with the profile's
     if first_extra:
         extra = max(0.0, statistics.median(first_extra))
     else:
@@ -331,8 +333,8 @@ def apply_receiver_timing(measured: dict[str, dict[str, float]], hw_doc: dict, t
             "context_tokens": hw_doc["first_step_extra"]["context_tokens"],
             "s": [extra] * len(hw_doc["first_step_extra"]["s"]),
             "measured": "receiver of the calibration transfers at "
-                        f"{' and '.join(str(c) for c in contexts)} tokens (median over "
-                        f"{len(firsts)} codecs' medians)"}
+                        f"{' and '.join(str(c) for c in contexts)} tokens (median of "
+                        f"{len(firsts)} codec medians, one per codec and transfer)"}
     draft = draft_step_doc(measured, context_tokens, "the calibration transfer")
     if draft is not None:
         hw_doc["draft_step"] = draft
