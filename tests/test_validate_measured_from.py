@@ -371,6 +371,16 @@ def _shipped_simulated_again(name: str, compared: int, run_dir: Path) -> dict:
     return s
 
 
+def _shipped_on_own_step(name: str, compared: int, run_dir: Path) -> dict:
+    """The summary of `kvsim validate measured_from=data/fidelity/<name>
+    step_from_scenario=true` in run_dir: every comparison, each scenario's own step level."""
+    assert main(["validate", f"measured_from={DATA_DIR / 'fidelity' / name}",
+                 "step_from_scenario=true", f"hydra.run.dir={run_dir}"]) == 0
+    own = json.loads((run_dir / "fidelity.json").read_text())["summary"]
+    assert own["compared"] == compared and own["step_level"]["from_scenario"]
+    return own
+
+
 @pytest.mark.parametrize("name", ["2026-11-28-full", "2026-11-29-full", "2026-11-30-full-tc-host"])
 def test_the_shipped_calibrated_full_grid_runs_simulated_again(name, tmp_path, no_emulation):
     """data/fidelity/<name> (calibrate=true, the full grid): this simulator gives its figures
@@ -405,48 +415,27 @@ def test_the_shipped_paced_run_simulated_again_with_its_paces(tmp_path, no_emula
         assert [round(x, 3) for x in prof.encoder_pace["ratio"]] == encoder
 
 
-def test_the_shipped_paced_heldout_run_simulated_again_on_each_scenarios_step(tmp_path,
-                                                                            no_emulation):
-    """data/fidelity/2026-12-06-heldout (calibrate=true, the held-out grid; the host sped up
-    during it): its figures again with the step level it did not hold, within the fidelity
-    targets (3% / 8%) with each scenario's own step, and its first step's extra pooled over
-    both calibration transfers."""
-    name = "2026-12-06-heldout"
-    s = _shipped_simulated_again(name, 108, tmp_path / "as-run")
-    assert not s["step_level"]["trusted"] and s["step_level"]["step_mean_abs_pct"] > 5.0
-    shipped = DATA_DIR / "fidelity" / name
-    assert main(["validate", f"measured_from={shipped}", "step_from_scenario=true",
-                 f"hydra.run.dir={tmp_path / 'own-step'}"]) == 0
-    own = json.loads((tmp_path / "own-step" / "fidelity.json").read_text())["summary"]
-    assert own["compared"] == 108 and own["step_level"]["from_scenario"]
-    assert own["mean_abs_pct_error"] == pytest.approx(1.56, abs=0.05)
-    assert own["max_abs_pct_error"] == pytest.approx(5.85, abs=0.5)
-    hw = json.loads((shipped / "profiles" / "hardware" / "local-smollm2-135m.json").read_text())
-    assert {round(x, 4) for x in hw["first_step_extra"]["s"]} == {0.0084}
-    assert "1024 and 2048 tokens" in hw["first_step_extra"]["measured"]
-
-
-def test_the_second_paced_full_grid_run_simulated_again(tmp_path, no_emulation):
-    """data/fidelity/2026-12-06-full-2 (calibrate=true; the host slowed down during it): its
-    figures again with the step level it did not hold and with each scenario's own step
-    (as its README gives them), its `tc` draft fit and its first step's extra from six
-    codec medians of both calibration transfers."""
+@pytest.mark.parametrize(("name", "compared", "mean_pct", "worst_pct", "extra_s", "tc_busy"), [
+    ("2026-12-06-heldout", 108, 1.56, 5.85, 0.0084, 4.6),
+    ("2026-12-06-full-2", 324, 2.42, 32.05, 0.0033, 4.9)])
+def test_the_later_paced_runs_simulated_again_on_each_scenarios_step(
+        name, compared, mean_pct, worst_pct, extra_s, tc_busy, tmp_path, no_emulation):
+    """data/fidelity/<name> (calibrate=true at 5a26a23; the host sped up during the held-out
+    run and slowed down during the full grid's): its figures again with the step level it did
+    not hold and with each scenario's own step, as its README gives them, with its first
+    step's extra (pooled over both calibration transfers) and its `tc` draft fit."""
     from kvsim.scenario.link_profile import load_link_profile
 
-    name = "2026-12-06-full-2"
-    s = _shipped_simulated_again(name, 324, tmp_path / "as-run")
+    s = _shipped_simulated_again(name, compared, tmp_path / "as-run")
     assert not s["step_level"]["trusted"] and s["step_level"]["step_mean_abs_pct"] > 5.0
-    shipped = DATA_DIR / "fidelity" / name
-    assert main(["validate", f"measured_from={shipped}", "step_from_scenario=true",
-                 f"hydra.run.dir={tmp_path / 'own-step'}"]) == 0
-    own = json.loads((tmp_path / "own-step" / "fidelity.json").read_text())["summary"]
-    assert own["mean_abs_pct_error"] == pytest.approx(2.42, abs=0.05)
-    assert own["max_abs_pct_error"] == pytest.approx(32.05, abs=0.5)
-    profiles = shipped / "profiles"
-    tc = load_link_profile(str(profiles / "link" / "local-smollm2-135m-tc.json"))
-    assert tc.draft_step["busy_ratio"] == pytest.approx(4.9)
+    own = _shipped_on_own_step(name, compared, tmp_path / "own-step")
+    assert own["mean_abs_pct_error"] == pytest.approx(mean_pct, abs=0.05)
+    assert own["max_abs_pct_error"] == pytest.approx(worst_pct, abs=0.5)
+    profiles = DATA_DIR / "fidelity" / name / "profiles"
     hw = json.loads((profiles / "hardware" / "local-smollm2-135m.json").read_text())
-    assert "median over 6 codecs' medians" in hw["first_step_extra"]["measured"]
+    assert {round(x, 4) for x in hw["first_step_extra"]["s"]} == {extra_s}
+    tc = load_link_profile(str(profiles / "link" / "local-smollm2-135m-tc.json"))
+    assert tc.draft_step["busy_ratio"] == pytest.approx(tc_busy)
 
 
 def test_the_shipped_default_run_simulated_again_with_its_probe(tmp_path, no_emulation):
