@@ -613,6 +613,9 @@ def test_emulate_command_tree_untouched(tmp_path):
     names = {e["name"] for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"]}
     assert {"prefill", "encode", "transfer anchor", "transfer residual", "transfer full",
             "verify" if rows[1]["proposed_tokens"] else "decode"} <= names
+    # each draft step's end, rejected or not (none for the monolithic int4)
+    assert rows[0]["draft_steps_from_arrival_s"] == []
+    assert len(rows[1]["draft_steps_from_arrival_s"]) == rows[1]["proposed_tokens"]
     after = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True,
                            cwd=Path(__file__).parent.parent).stdout
     assert before == after

@@ -183,6 +183,11 @@ def test_speculative_commits_plain_greedy_tokens(tiny, levels_kind, delay_s, cap
     # accepted drafts were valid before the full cache was usable; every draft step but the
     # last began, so the one before it ended, while the residual was still on its way
     assert all(t < res.full_t for t in res.drafted_t[:res.accepted])
+    # every draft step's end is kept, the rejected ones' too: the accepted ones are drafted_t's
+    assert len(res.draft_step_t) == res.proposed
+    assert res.draft_step_t[:res.accepted] == res.drafted_t[:res.accepted]
+    assert np.all(np.diff(res.draft_step_t) > 0) and res.draft_step_t[0] > res.start_t
+    assert res.draft_step_t[-1] <= res.verify_start_t
     assert all(t < t_residual for t in res.drafted_t[:min(res.accepted, res.proposed - 1)])
     a = min(res.accepted, tokens)
     assert all(t == res.verify_end_t for t in res.committed_t[:a + 1])
@@ -366,6 +371,8 @@ def test_timing_loop_matches_the_closed_form(tiny, accept, gap_steps, cap):
         lambda n: timing.verify_s(n, TIMING_CONTEXT) * scale, cap, lambda n: res.accepted,
         tokens)
     assert (closed.proposed, closed.accepted) == (res.proposed, res.accepted)
+    # the draft steps, rejected or not, end one modelled draft step apart
+    assert np.diff([res.start_t, *res.draft_step_t]) == pytest.approx(draft_step, abs=TOL_S)
     lag = np.asarray(res.drafted_t) - closed.token_t
     assert lag.min() >= -1e-6 and lag.max() <= TOL_S, lag
     assert res.verify_start_t - closed.verify_start_t <= TOL_S
@@ -553,6 +560,11 @@ def test_smollm2_speculative_decoding_is_lossless():
     assert res.token_ids == plain.token_ids
     assert res.proposed >= 1 and res.accepted <= res.proposed
     assert all(t < res.full_t for t in res.drafted_t[:res.accepted])
+    # every draft step's end is kept, the rejected ones' too: the accepted ones are drafted_t's
+    assert len(res.draft_step_t) == res.proposed
+    assert res.draft_step_t[:res.accepted] == res.drafted_t[:res.accepted]
+    assert np.all(np.diff(res.draft_step_t) > 0) and res.draft_step_t[0] > res.start_t
+    assert res.draft_step_t[-1] <= res.verify_start_t
 
 
 def test_a_real_loop_that_waited_for_its_slot_reports_its_steps_alone(tiny):

@@ -96,6 +96,9 @@ class DecodeResult:
     verify_s: float = math.nan  # verification pass: measured (real), modelled (timing)
     streams: int = 0  # streams of the view
     context_tokens: int = 0  # cache entries before decoding (the prompt)
+    # [proposed] end of every draft step, accepted or rejected (s, clock); drafted_t keeps
+    # the accepted ones only (a rejected draft's token is not a valid token)
+    draft_step_t: list[float] = field(default_factory=list)
 
 
 def _streams_name(n: int) -> str:
@@ -332,7 +335,7 @@ class _DecodeLoop(ABC):
             accepted, start_t, full_t, full_t, v_end, self._tpot_report(tpot), segments,
             events, self._draft_tpot_report(
                 (draft_end - self._steps_from(start_t, drafting=True)) / len(drafts)),
-            self._verify_report(v_end - full_t, len(drafts)), n, context)
+            self._verify_report(v_end - full_t, len(drafts)), n, context, list(draft_t))
 
     def _check_cancelled(self) -> None:
         why = getattr(self, "_cancelled", str)()
