@@ -583,6 +583,14 @@ def test_calibrate_measures_the_draft_step_on_each_link(tmp_path, monkeypatch):
     # bucket's (calls 1 and 2, 2 + 1 rows) and tc's (calls 3 and 4, 1 + 1 rows)
     assert [c[2] for c in calls] == ["token_bucket", "token_bucket", "tc", "tc"]
     assert tb.handshake_s == pytest.approx(0.0021) and tc.handshake_s == pytest.approx(0.00535)
+    # every calibration transfer's rows, each once, in the order they were made
+    kept = [json.loads(line) for line in
+            (tmp_path / "transfers" / "local-tiny-random.jsonl").read_text().splitlines()]
+    assert [(r["codec"], r["handshake_s"]) for r in kept] == [
+        ("int8", pytest.approx(0.0021)), ("lynx", pytest.approx(0.0021)),
+        ("lynx", pytest.approx(0.0022)), ("lynx", pytest.approx(0.0053)),
+        ("lynx", pytest.approx(0.0054))]
+    assert all(r["trace_spans"] for r in kept)
     # the worker's pace on the token bucket: its three requests' 36 jobs at two rates; tc's
     # two requests have 24 jobs, too few to fit (kvsim.calibrate.worker_pace.MIN_JOBS)
     assert tb.worker_pace["requests"] == 3 and tb.worker_pace["rates_gbps"] == [0.3, 0.8]
@@ -613,6 +621,7 @@ def test_calibrate_measures_the_draft_step_on_each_link(tmp_path, monkeypatch):
         path = tmp_path / "c" / "link" / f"local-tiny-random-{e}.json"
         assert load_link_profile(str(path)).draft_step is None
         assert load_link_profile(str(path)).handshake_s == 0.0  # no transfer: not measured
+    assert not (tmp_path / "c" / "transfers").exists()
 
 
 def test_receiver_loads_take_the_given_first_step_extra_when_every_request_drafted(

@@ -11,6 +11,10 @@ Writes, under out_dir (default: the run directory):
                               per-message cost, fitted to real transfers (`link.profile=`),
                               and the receiver's draft step measured on that link (a
                               calibration transfer of the split-stream codecs over it)
+  transfers/<name>.jsonl      with receiver_loads, every calibration transfer's request rows
+                              (kvsim emulate's, trace spans included), one JSON object per
+                              line: what the receiver's timing, the draft step and the
+                              paces were fitted on, to be inspected or fitted again
 and prints the overrides that make `kvsim sim` use them. With out_dir=data/profiles they
 ship with the repository and load by name.
 """
@@ -145,6 +149,8 @@ def output_paths(cfg: Config, root: Path) -> dict[str, Path]:
            "codec_timing": root / "codec_timing" / f"{name}.json"}
     for e in cfg.links:
         out[f"link:{e}"] = root / "link" / f"{name}-{e.replace('_', '-')}.json"
+    if cfg.receiver_loads:
+        out["transfers"] = root / "transfers" / f"{name}.jsonl"
     return out
 
 
@@ -159,6 +165,14 @@ def _provenance(cfg: Config) -> dict:
 def _write(path: Path, doc: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def _write_rows(path: Path, rows: list[dict]) -> None:
+    """The calibration transfers' request rows, one JSON object per line (rewritten whole)."""
+    from kvsim.core.report import json_safe
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(json_safe(r)) + "\n" for r in rows))
 
 
 def _record_background(doc: dict, meter: HostLoadMeter, what: str, say) -> None:
@@ -214,6 +228,7 @@ def calibrate(cfg: Config) -> list[dict]:
                                                       if k != "command"})
     del lm, kvs
     main_rows: list[dict] = []  # the calibration transfer's rows (the token bucket's draft fit)
+    kept: list[dict] = []  # every calibration transfer's rows (paths["transfers"])
     if cfg.receiver_loads:  # load rates and decode step timed in a real transfer's receiver
         from kvsim.calibrate.receiver_timing import apply_receiver_timing, receiver_loads
 
@@ -224,6 +239,7 @@ def calibrate(cfg: Config) -> list[dict]:
                                   repeats=cfg.receiver_repeats, threads=cfg.threads,
                                   split_cpus=cfg.split_cpus,
                                   dequantize=cfg.dequantize, keep_rows=main_rows)
+        kept += main_rows
         fit_ctx = cfg.fit_context_tokens if cfg.dequantize == "on_arrival" else 0
         fit = None
         if fit_ctx:
@@ -234,7 +250,7 @@ def calibrate(cfg: Config) -> list[dict]:
             fit = receiver_loads(cfg.model.name, list(cfg.codecs), fit_ctx, cfg.seed + 10_000,
                                  cfg.text_source, repeats=cfg.receiver_repeats,
                                  threads=cfg.threads, dequantize=cfg.dequantize,
-                                 split_cpus=cfg.split_cpus)
+                                 split_cpus=cfg.split_cpus, keep_rows=kept)
         apply_receiver_timing(measured, hw_doc, timing_doc, cfg.receiver_context_tokens,
                               cfg.dequantize, fit, fit_ctx)
         steps = hw_doc["receiver_step_ratio"]
@@ -271,6 +287,8 @@ def calibrate(cfg: Config) -> list[dict]:
     _record_background(hw_doc["host"], meter, "the model, codecs and receiver were timed", say)
     _write(paths["hardware"], hw_doc)
     _write(paths["codec_timing"], timing_doc)
+    if kept:
+        _write_rows(paths["transfers"], kept)
     for ctx, p, t, x in zip(hw_doc["prefill"]["tokens"], hw_doc["prefill"]["s"],
                             hw_doc["tpot"]["s"], hw_doc["first_step_extra"]["s"], strict=True):
         rows.append({"what": "model", "item": f"context {ctx}", "prefill_s": p,
@@ -284,7 +302,9 @@ def calibrate(cfg: Config) -> list[dict]:
                      "layer_job_gb_per_s": e.get("layer_job_gb_per_s")})
     for emulation in cfg.links:
         rows.append(_link(cfg, emulation, paths[f"link:{emulation}"], prov, say, hw_doc,
-                          main_rows, paths["codec_timing"]))
+                          main_rows, paths["codec_timing"], kept))
+        if kept:  # after each link: a later link's failure keeps the earlier transfers
+            _write_rows(paths["transfers"], kept)
     if "cache_build" in hw_doc:
         rows.append({"what": "model", "item": "cache build",
                      "cache_build_gb_per_s": hw_doc["cache_build"]["gb_per_s"]})
@@ -293,13 +313,13 @@ def calibrate(cfg: Config) -> list[dict]:
 
 
 def _link(cfg: Config, emulation: str, path: Path, prov: dict, say, hw_doc: dict,
-          main_rows: list[dict], timing_path: Path) -> dict:
+          main_rows: list[dict], timing_path: Path, kept: list[dict]) -> dict:
     """Measure one emulated link into its profile at `path`: the fit of real transfers,
     the receiver's draft step on that link (_link_draft_step), a transfer's handshake
     (the median over the calibration transfers made on it: handshake_entry), and the
     on-arrival worker's and the encoder's pace there (kvsim.calibrate.worker_pace and
     encoder_pace, on the same transfers' requests against the codec timing at
-    `timing_path`)."""
+    `timing_path`). The rows of the transfers it makes are appended to `kept`."""
     from kvsim.calibrate.link_profile import handshake_entry, measure_link_profile
 
     if emulation == "tc":
@@ -316,7 +336,10 @@ def _link(cfg: Config, emulation: str, path: Path, prov: dict, say, hw_doc: dict
     _write(path, doc)  # the link's fit is kept even if its draft-step transfer fails
     # every calibration transfer's requests over this link (the handshake's median)
     link_rows = list(main_rows) if emulation == "token_bucket" else []
-    draft = _link_draft_step(cfg, emulation, say, hw_doc, main_rows, link_rows)
+    try:
+        draft = _link_draft_step(cfg, emulation, say, hw_doc, main_rows, link_rows)
+    finally:  # this link's own transfers (the token bucket's main one is kept already)
+        kept += [r for r in link_rows if not any(r is m for m in main_rows)]
     if draft is not None:
         doc["draft_step"] = draft
     handshake = handshake_entry(link_rows)
