@@ -159,11 +159,11 @@ def test_both_engines_run_the_receiver_mode_the_codec_timing_was_measured_in(tmp
         assert not any(o.startswith("transport.") for o in sim)
 
 
-def test_step_probe_scales_the_step_curves_to_the_probe(tmp_path):
+def test_step_probe_scales_the_step_curves_and_the_hosts_other_work_to_the_probe(tmp_path):
     import json
 
     from kvsim.calibrate.host_probe import StepProbe
-    from kvsim.fidelity.step_probe import probed_profile
+    from kvsim.fidelity.step_probe import probed_companions, probed_profile
     from kvsim.model.hardware_profile import load_profile
     from kvsim.model.presets import load_model_preset
 
@@ -171,7 +171,8 @@ def test_step_probe_scales_the_step_curves_to_the_probe(tmp_path):
            "tpot": {"context_tokens": [100, 300], "s": [0.1, 0.2]},
            "tpot_batch": {"context_tokens": 300, "batch": [1, 2], "s": [0.2, 0.3]},
            "verify": {"context_tokens": 300, "drafted_tokens": [1], "s": [0.4]},
-           "first_step_extra": {"context_tokens": [100, 300], "s": [0.01, 0.01]}}
+           "first_step_extra": {"context_tokens": [100, 300], "s": [0.01, 0.01]},
+           "cache_build": {"gb_per_s": 3.0}}
     src, out = tmp_path / "hw.json", tmp_path / "probed" / "hw.json"
     src.write_text(json.dumps(doc))
     scale = probed_profile(src, 200, 0.3, out)  # calibrated 0.15 s at 200: twice as slow now
@@ -183,8 +184,33 @@ def test_step_probe_scales_the_step_curves_to_the_probe(tmp_path):
     assert got["prefill"]["s"] == [1.0, 3.0]  # not a decode step: as calibrated
     assert got["first_step_extra"]["s"] == [0.01, 0.01]
     assert got["step_probe"]["probe_s"] == 0.3 and got["step_probe"]["from_profile"] == str(src)
+    assert got["cache_build"]["gb_per_s"] == pytest.approx(1.5)  # the receiver's work too
     with pytest.raises(ValueError, match="probe"):
         probed_profile(src, 200, float("nan"), out)
+    # the codecs' and the link's CPU work scaled with the step; the link's own terms, the
+    # ratios to a step and a drift rescale's record as they were
+    timing = {"source": "measured", "codecs": {"int8": {
+        "encode_gb_per_s": 2.0, "decode_gb_per_s": 4.0, "layer_job_fixed_s": 0.001,
+        "layer_job_gb_per_s": 1.0, "name": "int8"}}, "drift": {"factor": 1.1}}
+    link = {"name": "l-tc", "efficiency": 0.95, "latency_s": 0.001, "handshake_s": 0.004,
+            "draft_step": {"ratio": 1.3, "busy_ratio": 2.5, "ingest_s_per_byte": 2e-9}}
+    (tmp_path / "ct.json").write_text(json.dumps(timing))
+    (tmp_path / "link.json").write_text(json.dumps(link))
+    ct_path, link_path = probed_companions(tmp_path / "ct.json", tmp_path / "link.json", scale,
+                                           tmp_path / "probed", "s1", {"step_s": 0.3})
+    assert ct_path.name == "s1-codec-timing.json" and link_path.name == "s1-link.json"
+    ct, lk = (json.loads(p.read_text()) for p in (ct_path, link_path))
+    assert ct["codecs"]["int8"].pop("name") == "int8"
+    assert ct["codecs"]["int8"] == pytest.approx({
+        "encode_gb_per_s": 1.0, "decode_gb_per_s": 2.0, "layer_job_fixed_s": 0.002,
+        "layer_job_gb_per_s": 0.5})
+    assert ct["drift"] == {"factor": 1.1} and "drift" not in lk
+    assert ct["step_level"] == {"step_s": 0.3, "from_profile": str(tmp_path / "ct.json"),
+                                "scale": pytest.approx(2.0)}
+    assert lk["handshake_s"] == pytest.approx(0.008)
+    assert lk["draft_step"] == {"ratio": 1.3, "busy_ratio": 2.5,
+                                "ingest_s_per_byte": pytest.approx(4e-9)}
+    assert (lk["efficiency"], lk["latency_s"]) == (0.95, 0.001)
     # the probe times the real model's steps (tiny random model here)
     probe = StepProbe(load_model_preset("tiny-random"), steps=3)
     first = probe.step_s(32)

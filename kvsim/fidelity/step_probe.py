@@ -8,7 +8,17 @@ the real model at the scenario's context, in this process, on a cache built as t
 builds it (from the calibration prompts, never from a validation run), and the simulator's
 step curves for that scenario are the calibrated ones scaled to the probe: the calibration
 keeps the curves' shape (context, batch, verification and draft steps relative to a step),
-the probe sets their level.
+the probe sets their level. `kvsim validate step_from_scenario=true` sets the level the same
+way from the scenario's own measured steps.
+
+The host's other CPU work moves with its step: the codecs' encode and dequantization, the
+receiver's cache build and time per byte taken in, a transfer's handshake are scaled by the
+same factor (probed_companions), as a drift rescale scales them (kvsim.model.host). On
+2026-12-06 the on-arrival worker's layer jobs of each scenario of a full grid followed that
+scenario's step scale (r = 0.80 over its 12 scenarios), and five saved runs re-simulated on
+each scenario's step with the codecs, cache build, ingest and handshake scaled too went from
+mean / worst 1.98 / 25.73, 2.42 / 32.05, 2.17 / 15.22, 2.57 / 11.41 and 1.56 / 5.85 (%) to
+1.91 / 15.57, 2.24 / 27.26, 2.26 / 14.94, 2.49 / 10.96 and 1.51 / 5.98 (CHANGELOG.md).
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from kvsim.model.hardware_profile import STEP_CURVES, scaled_profile
+from kvsim.model.host import receiver_work_scaled
 
 
 def probed_profile(hw_path: Path, context_tokens: int, probe_s: float, out_path: Path
@@ -31,11 +42,39 @@ def probed_profile(hw_path: Path, context_tokens: int, probe_s: float, out_path:
     doc = json.loads(Path(hw_path).read_text())
     tpot = doc["tpot"]
     scale = probe_s / float(np.interp(context_tokens, tpot["context_tokens"], tpot["s"]))
-    doc = scaled_profile(doc, STEP_CURVES, scale)
+    doc = {**scaled_profile(doc, STEP_CURVES, scale), **receiver_work_scaled(doc, scale)}
     doc["step_probe"] = {"from_profile": str(hw_path), "context_tokens": context_tokens,
                          "probe_s": probe_s, "scale": scale,
-                         "what": "step curves scaled to a decode-step probe taken just "
-                                 "before this scenario (kvsim.fidelity.step_probe)"}
+                         "what": "step curves, cache build and receiver s per byte taken "
+                                 "in scaled to a decode-step level taken for this scenario "
+                                 "(kvsim.fidelity.step_probe)"}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(doc, indent=1) + "\n")
     return scale
+
+
+def probed_companions(codec_timing: Path, link: Path, scale: float, out_dir: Path,
+                      name: str, record: dict) -> tuple[Path, Path]:
+    """(codec timing, link profile) of one scenario on a host `scale` x as slow as the
+    calibration's, written to out_dir as <name>-codec-timing.json and <name>-link.json: the
+    codecs' rates / scale and fixed times x scale (kvsim.model.host.rescaled_codec_timing),
+    the link's handshake and receiver s per byte x scale (rescaled_link_profile; its own
+    terms and the ratios to a step or to the codecs' jobs stay). `record` names where the
+    level came from; each file keeps it under `step_level` (their `drift` key is left for a
+    drift rescale)."""
+    from kvsim.model.host import rescaled_codec_timing, rescaled_link_profile
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = []
+    for path, rescale, suffix in ((codec_timing, rescaled_codec_timing, "codec-timing"),
+                                  (link, rescaled_link_profile, "link")):
+        doc = json.loads(Path(path).read_text())
+        scaled = rescale(doc, scale, {})
+        scaled.pop("drift")
+        if "drift" in doc:
+            scaled["drift"] = doc["drift"]
+        scaled["step_level"] = {**record, "from_profile": str(path), "scale": scale}
+        target = out_dir / f"{name}-{suffix}.json"
+        target.write_text(json.dumps(scaled, indent=1) + "\n")
+        out.append(target)
+    return out[0], out[1]

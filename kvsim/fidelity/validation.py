@@ -937,18 +937,28 @@ def _probed(sim: list[str], profiles: Any, ctx: int, probe_s: float, run_dir: Pa
             name: str, what: str = "step probe", source: str = "probe"
             ) -> tuple[list[str], dict[str, Any]]:
     """The simulator's overrides with the hardware profile scaled to a decode step of
-    probe_s seconds at ctx tokens (written under run_dir/profiles-probed), and the
-    scenario's probe keys: step_probe_s, step_probe_context_tokens, step_scale and
-    step_level_from (probe: a step probe; scenario: the scenario's own measured step)."""
-    from kvsim.fidelity.step_probe import probed_profile
+    probe_s seconds at ctx tokens, and the codec timing and link profile it names scaled with
+    it (the host's other CPU work: kvsim.fidelity.step_probe), written under
+    run_dir/profiles-probed; and the scenario's probe keys: step_probe_s,
+    step_probe_context_tokens, step_scale and step_level_from (probe: a step probe;
+    scenario: the scenario's own measured step)."""
+    from kvsim.fidelity.step_probe import probed_companions, probed_profile
 
-    path = run_dir / "profiles-probed" / f"{name}.json"
+    out_dir = run_dir / "profiles-probed"
+    path = out_dir / f"{name}.json"
     scale = probed_profile(profiles.hardware, ctx, probe_s, path)
+    given = dict(o.split("=", 1) for o in sim if o.startswith(("codec_timing=",
+                                                                 "link.profile=")))
+    timing, link = probed_companions(
+        Path(given["codec_timing"]), Path(given["link.profile"]), scale, out_dir, name,
+        {"step_level_from": source, "context_tokens": ctx, "step_s": probe_s})
     _say(f"{what} at {ctx} tokens: {probe_s * 1e3:.1f} ms ({scale:.3f} x the "
-         "calibrated step)")
-    return ([f"hardware.profile={path}" if o.startswith("hardware.profile=") else o
-             for o in sim], {"step_probe_s": probe_s, "step_probe_context_tokens": ctx,
-                             "step_scale": scale, "step_level_from": source})
+         "calibrated step; the codecs, cache build, ingest and handshake with it)")
+    swap = {"hardware.profile": path, "codec_timing": timing, "link.profile": link}
+    return ([f"{o.split('=', 1)[0]}={swap[o.split('=', 1)[0]]}"
+             if o.split("=", 1)[0] in swap else o for o in sim],
+            {"step_probe_s": probe_s, "step_probe_context_tokens": ctx,
+             "step_scale": scale, "step_level_from": source})
 
 
 def _mid_context(context_tokens: int, output_tokens: int) -> int:

@@ -135,12 +135,7 @@ def rescaled_profile(doc: dict, factor: float | list[float], drift: dict,
         if key in doc:
             out[key] = scaled_curve(doc[key], factors[0] if key == "prefill" or
                                     len(factors) == 1 else by_context)
-    # the receiver's other CPU work, as the codecs' (rescaled_codec_timing): its cache build
-    # and, where measured here, its time per later-stream byte taken in
-    build = doc.get("cache_build")
-    if isinstance(build, dict) and isinstance(build.get("gb_per_s"), (int, float)):
-        out["cache_build"] = {**build, "gb_per_s": build["gb_per_s"] / factors[0]}
-    out.update(_ingest_scaled(doc, factors[0]))
+    out.update(receiver_work_scaled(doc, factors[0]))
     host = out.get("host")
     probe = host.get("decode_step_probe") if isinstance(host, dict) else None
     if isinstance(probe, dict):  # the profile now describes this host's level: its probe
@@ -222,6 +217,18 @@ def rescaled_link_profile(doc: dict, factor: float, drift: dict) -> dict:
         what.append("handshake_s")
     return {**doc, **scaled, "drift": {**drift, "factor": factor, "what": (
         f"{' and '.join(what)} x {factor:.4g}" if what else "nothing to rescale")}}
+
+
+def receiver_work_scaled(doc: dict, factor: float) -> dict:
+    """The hardware profile's keys for the receiver's CPU work outside the model's step, on a
+    host `factor` x as slow, as the codecs' (rescaled_codec_timing): its cache build
+    (`cache_build.gb_per_s` / factor) and, where measured there, its time per later-stream
+    byte taken in (x factor); {} where doc has neither."""
+    out = _ingest_scaled(doc, factor)
+    build = doc.get("cache_build")
+    if isinstance(build, dict) and isinstance(build.get("gb_per_s"), (int, float)):
+        out["cache_build"] = {**build, "gb_per_s": build["gb_per_s"] / factor}
+    return out
 
 
 def _ingest_scaled(doc: dict, factor: float) -> dict:
