@@ -427,11 +427,12 @@ def test_the_shipped_paced_run_simulated_again_with_its_paces(tmp_path, no_emula
 
 @pytest.mark.parametrize(("name", "compared", "mean_pct", "worst_pct", "extra_s", "tc_busy"), [
     ("2026-12-06-heldout", 108, 1.51, 5.98, 0.0084, 4.6),
-    ("2026-12-06-full-2", 324, 2.24, 27.26, 0.0033, 4.9)])
+    ("2026-12-06-full-2", 324, 2.24, 27.26, 0.0033, 4.9),
+    ("2026-12-06-full-3", 324, 1.91, 15.57, 0.0023, 3.15)])
 def test_the_later_paced_runs_simulated_again_on_each_scenarios_step(
         name, compared, mean_pct, worst_pct, extra_s, tc_busy, tmp_path, no_emulation):
-    """data/fidelity/<name> (calibrate=true at 5a26a23; the host sped up during the held-out
-    run and slowed down during full-2's): its figures again
+    """data/fidelity/<name> (calibrate=true at 5a26a23, full-3 at 1955ad2; the host sped up
+    during the held-out run and full-3's, and slowed down during full-2's): its figures again
     with the step level it did not hold and with each scenario's own step (the host's other
     work scaled with it), as its README gives them, with its first step's extra (pooled over
     both calibration transfers) and its `tc` draft fit."""
@@ -447,6 +448,36 @@ def test_the_later_paced_runs_simulated_again_on_each_scenarios_step(
     assert {round(x, 4) for x in hw["first_step_extra"]["s"]} == {extra_s}
     tc = load_link_profile(str(profiles / "link" / "local-smollm2-135m-tc.json"))
     assert tc.draft_step["busy_ratio"] == pytest.approx(tc_busy)
+
+
+def test_the_shipped_run_keeps_its_calibration_transfers():
+    """data/fidelity/2026-12-06-full-3 ships its calibration transfers' rows: the worker pace
+    of its `tc` profile is fitted on them again to the value it holds, and its `tc` lynx jobs
+    at 0.3 Gbps took 1.18x the codec timing's (its README)."""
+    from kvsim.calibrate import worker_pace
+    from kvsim.model.presets import load_model_preset
+    from kvsim.scenario.codec_timing import load_codec_timing
+
+    profiles = DATA_DIR / "fidelity" / "2026-12-06-full-3" / "profiles"
+    rows = [json.loads(line) for line in
+            (profiles / "transfers" / "local-smollm2-135m.jsonl").read_text().splitlines()]
+    assert len(rows) == 33 and {r["status"] for r in rows} == {"done"}
+    assert {r["link_emulation"] for r in rows} == {"token_bucket", "tc"}
+    table = load_codec_timing("x", str(profiles / "codec_timing" / "local-smollm2-135m.json"))
+    model = load_model_preset("smollm2-135m")
+    samples = worker_pace.job_samples(
+        [r for r in rows if r["link_emulation"] == "tc"],
+        lambda r: table.lookup(str(r["codec"]), str(r["codec_name"])),
+        lambda tokens: model.kv_bytes_bf16(tokens) / model.layers)
+    fit = worker_pace.fit(samples)
+    tc = json.loads((profiles / "link" / "local-smollm2-135m-tc.json").read_text())
+    assert fit is not None and fit.alone == pytest.approx(tc["worker_pace"]["alone"])
+    assert fit.ingest == pytest.approx(tc["worker_pace"]["ingest"])
+    slow = [r for r in rows if r["link_emulation"] == "tc" and r["bandwidth_gbps"] == 0.3]
+    at = worker_pace.job_samples(
+        slow, lambda r: table.lookup(str(r["codec"]), str(r["codec_name"])),
+        lambda tokens: model.kv_bytes_bf16(tokens) / model.layers)
+    assert at.job_s.sum() / at.base_s.sum() == pytest.approx(1.18, abs=0.005)
 
 
 def test_the_shipped_default_run_simulated_again_with_its_probe(tmp_path, no_emulation):
