@@ -428,11 +428,15 @@ def test_the_shipped_paced_run_simulated_again_with_its_paces(tmp_path, no_emula
 @pytest.mark.parametrize(("name", "compared", "mean_pct", "worst_pct", "extra_s", "tc_busy"), [
     ("2026-12-06-heldout", 108, 1.51, 5.98, 0.0084, 4.6),
     ("2026-12-06-full-2", 324, 2.24, 27.26, 0.0033, 4.9),
-    ("2026-12-06-full-3", 324, 1.91, 15.57, 0.0023, 3.15)])
+    ("2026-12-06-full-3", 324, 1.91, 15.57, 0.0023, 3.15),
+    ("2026-12-06-heldout-2", 108, 1.92, 7.78, 0.0013, 2.7),
+    ("2026-12-06-heldout-busy", 108, 4.08, 20.27, 0.0122, 3.05)])
 def test_the_later_paced_runs_simulated_again_on_each_scenarios_step(
         name, compared, mean_pct, worst_pct, extra_s, tc_busy, tmp_path, no_emulation):
-    """data/fidelity/<name> (calibrate=true at 5a26a23, full-3 at 1955ad2; the host sped up
-    during the held-out run and full-3's, and slowed down during full-2's): its figures again
+    """data/fidelity/<name> (calibrate=true at 5a26a23, full-3 at 1955ad2, heldout-2 at
+    b5d7a5b; the host sped up during the held-out run and full-3's, slowed down during
+    full-2's, and its steps moved 5.5% during heldout-2's; heldout-busy beside a neighbour
+    keeping one CPU busy): its figures again
     with the step level it did not hold and with each scenario's own step (the host's other
     work scaled with it), as its README gives them, with its first step's extra (pooled over
     both calibration transfers) and its `tc` draft fit."""
