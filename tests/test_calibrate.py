@@ -622,6 +622,12 @@ def test_calibrate_measures_the_draft_step_on_each_link(tmp_path, monkeypatch):
         assert load_link_profile(str(path)).draft_step is None
         assert load_link_profile(str(path)).handshake_s == 0.0  # no transfer: not measured
     assert not (tmp_path / "c" / "transfers").exists()
+    # calibrated again over the first run's files without transfers: its rows are removed,
+    # not left beside profiles they do not describe
+    assert (tmp_path / "transfers" / "local-tiny-random.jsonl").is_file()
+    assert main([*args[:-1], "receiver_loads=false", "overwrite=true",
+                 f"out_dir={tmp_path}"]) == 0
+    assert not (tmp_path / "transfers" / "local-tiny-random.jsonl").exists()
 
 
 def test_receiver_loads_take_the_given_first_step_extra_when_every_request_drafted(

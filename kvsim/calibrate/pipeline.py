@@ -149,8 +149,9 @@ def output_paths(cfg: Config, root: Path) -> dict[str, Path]:
            "codec_timing": root / "codec_timing" / f"{name}.json"}
     for e in cfg.links:
         out[f"link:{e}"] = root / "link" / f"{name}-{e.replace('_', '-')}.json"
-    if cfg.receiver_loads:
-        out["transfers"] = root / "transfers" / f"{name}.jsonl"
+    # with receiver_loads=false none are made: an older file there is removed (it would
+    # describe another calibration than the profiles beside it)
+    out["transfers"] = root / "transfers" / f"{name}.jsonl"
     return out
 
 
@@ -289,6 +290,8 @@ def calibrate(cfg: Config) -> list[dict]:
     _write(paths["codec_timing"], timing_doc)
     if kept:
         _write_rows(paths["transfers"], kept)
+    else:
+        paths["transfers"].unlink(missing_ok=True)
     for ctx, p, t, x in zip(hw_doc["prefill"]["tokens"], hw_doc["prefill"]["s"],
                             hw_doc["tpot"]["s"], hw_doc["first_step_extra"]["s"], strict=True):
         rows.append({"what": "model", "item": f"context {ctx}", "prefill_s": p,
@@ -336,10 +339,9 @@ def _link(cfg: Config, emulation: str, path: Path, prov: dict, say, hw_doc: dict
     _write(path, doc)  # the link's fit is kept even if its draft-step transfer fails
     # every calibration transfer's requests over this link (the handshake's median)
     link_rows = list(main_rows) if emulation == "token_bucket" else []
-    try:
-        draft = _link_draft_step(cfg, emulation, say, hw_doc, main_rows, link_rows)
-    finally:  # this link's own transfers (the token bucket's main one is kept already)
-        kept += [r for r in link_rows if not any(r is m for m in main_rows)]
+    draft = _link_draft_step(cfg, emulation, say, hw_doc, main_rows, link_rows)
+    # this link's own transfers (the token bucket's main one is kept already)
+    kept += [r for r in link_rows if not any(r is m for m in main_rows)]
     if draft is not None:
         doc["draft_step"] = draft
     handshake = handshake_entry(link_rows)

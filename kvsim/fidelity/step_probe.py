@@ -13,12 +13,9 @@ way from the scenario's own measured steps.
 
 The host's other CPU work moves with its step: the codecs' encode and dequantization, the
 receiver's cache build and time per byte taken in, a transfer's handshake are scaled by the
-same factor (probed_companions), as a drift rescale scales them (kvsim.model.host). On
-2026-12-06 the on-arrival worker's layer jobs of each scenario of a full grid followed that
-scenario's step scale (r = 0.80 over its 12 scenarios), and five saved runs re-simulated on
-each scenario's step with the codecs, cache build, ingest and handshake scaled too went from
-mean / worst 1.98 / 25.73, 2.42 / 32.05, 2.17 / 15.22, 2.57 / 11.41 and 1.56 / 5.85 (%) to
-1.91 / 15.57, 2.24 / 27.26, 2.26 / 14.94, 2.49 / 10.96 and 1.51 / 5.98 (CHANGELOG.md).
+same factor (probed_companions), as a drift rescale scales them (kvsim.model.host): the
+on-arrival worker's layer jobs of a full grid's scenarios followed each scenario's step scale
+(CHANGELOG.md, 2026-12-06, with what it did to five saved runs).
 """
 
 from __future__ import annotations
@@ -35,7 +32,8 @@ from kvsim.model.host import receiver_work_scaled
 def probed_profile(hw_path: Path, context_tokens: int, probe_s: float, out_path: Path
                    ) -> float:
     """Write the hardware profile at `hw_path` with its step curves scaled so that its step at
-    `context_tokens` is `probe_s` (s) to `out_path`; returns the scale (probe over the
+    `context_tokens` is `probe_s` (s), and its receiver's work outside the step (cache build,
+    s per byte taken in) with them, to `out_path`; returns the scale (probe over the
     calibrated step there). The scaled profile names its origin and the probe."""
     if not probe_s > 0:
         raise ValueError(f"step probe must be > 0 s, got {probe_s}")

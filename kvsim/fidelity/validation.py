@@ -184,14 +184,16 @@ class Config:
     # (the host's decode step moves by ~10% between 5-second windows)
     repeats: int = 2
     # decode steps of the probe taken before each single-request scenario (0: none): the
-    # simulator's step curves are scaled to it there (kvsim.fidelity.step_probe: the
+    # simulator's step curves, and the host's other work, are scaled to it there
+    # (kvsim.fidelity.step_probe: the
     # host's step drifts by tens of percent over a full validation's ~50 minutes). Off by
     # default: a 24-step probe (~2 s) lands as far from its scenario's steps as the
     # calibrated step does (CHANGELOG.md, "The step probe")
     step_probe_steps: int = 0
     # true: each single-request scenario's simulator takes its step level from the decode
     # steps that scenario's emulated run measured (the median over its codecs), after the
-    # emulation; the calibration keeps the curves' shape. What is compared is then the
+    # emulation, the host's other work with it (kvsim.fidelity.step_probe); the
+    # calibration keeps the curves' shape. What is compared is then the
     # model (transfer, dequantization, first step, drafting, verification) and not the
     # host's speed that minute; the calibrated step's own error is still reported (the
     # "decode step" line). CI's gate uses it (a step calibrated three minutes earlier

@@ -96,8 +96,8 @@ class DecodeResult:
     verify_s: float = math.nan  # verification pass: measured (real), modelled (timing)
     streams: int = 0  # streams of the view
     context_tokens: int = 0  # cache entries before decoding (the prompt)
-    # [proposed] end of every draft step, accepted or rejected (s, clock); drafted_t keeps
-    # the accepted ones only (a rejected draft's token is not a valid token)
+    # [proposed] end of every draft step, accepted or rejected (s, clock); drafted_t holds
+    # only the accepted drafts' (a rejected draft's token never stands)
     draft_step_t: list[float] = field(default_factory=list)
 
 

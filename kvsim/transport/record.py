@@ -103,8 +103,9 @@ def emulated_row(asm: Assembly, hello: dict, result: Any, error: str,
         if wire_s > 0 else math.nan,
         "token_ids": list(result.token_ids),
         "drafted_from_arrival_s": [float(t - arrival) for t in result.drafted_t],
-        # every draft step's end, the rejected ones' too (the draft step's slowdown is
-        # fitted on these: kvsim.calibrate.draft_ingest)
+        # every draft step's end, the rejected ones' too (each draft step's length beside
+        # the worker's jobs; the draft fit, kvsim.calibrate.draft_ingest, replays the
+        # drafting window's spans)
         "draft_steps_from_arrival_s": [float(t - arrival) for t in result.draft_step_t],
         "committed_from_arrival_s": [float(t - arrival) for t in result.committed_t],
         "trace_spans": trace_spans(asm, hello, result, fin),
