@@ -205,8 +205,11 @@ def test_step_probe_scales_the_step_curves_and_the_hosts_other_work_to_the_probe
         "encode_gb_per_s": 1.0, "decode_gb_per_s": 2.0, "layer_job_fixed_s": 0.002,
         "layer_job_gb_per_s": 0.5})
     assert ct["drift"] == {"factor": 1.1} and "drift" not in lk
-    assert ct["step_level"] == {"step_s": 0.3, "from_profile": str(tmp_path / "ct.json"),
-                                "scale": pytest.approx(2.0)}
+    for doc, path in ((ct, "ct.json"), (lk, "link.json")):
+        what = doc["step_level"].pop("what")
+        assert doc["step_level"] == {"step_s": 0.3, "from_profile": str(tmp_path / path),
+                                     "factor": pytest.approx(2.0)}
+        assert " x 2" in what
     assert lk["handshake_s"] == pytest.approx(0.008)
     assert lk["draft_step"] == {"ratio": 1.3, "busy_ratio": 2.5,
                                 "ingest_s_per_byte": pytest.approx(4e-9)}

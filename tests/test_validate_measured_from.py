@@ -462,8 +462,9 @@ def test_the_later_paced_runs_simulated_again_on_each_scenarios_step(
 
 def test_the_shipped_run_keeps_its_calibration_transfers():
     """data/fidelity/2026-12-06-full-3 ships its calibration transfers' rows: the worker pace
-    of its `tc` profile is fitted on them again to the value it holds, and its `tc` lynx jobs
-    at 0.3 Gbps took 1.18x the codec timing's (its README)."""
+    of its `tc` profile is fitted on them again (as the calibration fits it,
+    worker_pace.pace_entry) to the entry it holds, and its `tc` lynx jobs at 0.3 Gbps took
+    1.18x the codec timing's (its README)."""
     from kvsim.calibrate import worker_pace
     from kvsim.model.presets import load_model_preset
     from kvsim.scenario.codec_timing import load_codec_timing
@@ -475,18 +476,23 @@ def test_the_shipped_run_keeps_its_calibration_transfers():
     assert {r["link_emulation"] for r in rows} == {"token_bucket", "tc"}
     table = load_codec_timing("x", str(profiles / "codec_timing" / "local-smollm2-135m.json"))
     model = load_model_preset("smollm2-135m")
-    samples = worker_pace.job_samples(
-        [r for r in rows if r["link_emulation"] == "tc"],
-        lambda r: table.lookup(str(r["codec"]), str(r["codec_name"])),
-        lambda tokens: model.kv_bytes_bf16(tokens) / model.layers)
-    fit = worker_pace.fit(samples)
+
+    def timing_of(row: dict):
+        return table.lookup(str(row["codec"]), str(row["codec_name"]))
+
+    def layer_bytes(tokens: int) -> float:
+        return model.kv_bytes_bf16(tokens) / model.layers
+
+    tc_rows = [r for r in rows if r["link_emulation"] == "tc"]
     tc = json.loads((profiles / "link" / "local-smollm2-135m-tc.json").read_text())
-    assert fit is not None and fit.alone == pytest.approx(tc["worker_pace"]["alone"])
-    assert fit.ingest == pytest.approx(tc["worker_pace"]["ingest"])
-    slow = [r for r in rows if r["link_emulation"] == "tc" and r["bandwidth_gbps"] == 0.3]
-    at = worker_pace.job_samples(
-        slow, lambda r: table.lookup(str(r["codec"]), str(r["codec_name"])),
-        lambda tokens: model.kv_bytes_bf16(tokens) / model.layers)
+    again = worker_pace.pace_entry(tc_rows, timing_of, layer_bytes, model.name)
+    assert again is not None
+    assert {k: again[k] for k in ("jobs", "requests", "rates_gbps")} == \
+        {k: tc["worker_pace"][k] for k in ("jobs", "requests", "rates_gbps")}
+    for k in ("alone", "encoder", "ingest", "rms_s"):
+        assert again[k] == pytest.approx(tc["worker_pace"][k]), k
+    at = worker_pace.job_samples([r for r in tc_rows if r["bandwidth_gbps"] == 0.3],
+                                 timing_of, layer_bytes)
     assert at.job_s.sum() / at.base_s.sum() == pytest.approx(1.18, abs=0.005)
 
 

@@ -58,20 +58,16 @@ def probed_companions(codec_timing: Path, link: Path, scale: float, out_dir: Pat
     codecs' rates / scale and fixed times x scale (kvsim.model.host.rescaled_codec_timing),
     the link's handshake and receiver s per byte x scale (rescaled_link_profile; its own
     terms and the ratios to a step or to the codecs' jobs stay). `record` names where the
-    level came from; each file keeps it under `step_level` (their `drift` key is left for a
-    drift rescale)."""
+    level came from; each file keeps it under `step_level` (a drift rescale's `drift` record,
+    where the file has one, stays)."""
     from kvsim.model.host import rescaled_codec_timing, rescaled_link_profile
 
     out_dir.mkdir(parents=True, exist_ok=True)
     out = []
     for path, rescale, suffix in ((codec_timing, rescaled_codec_timing, "codec-timing"),
                                   (link, rescaled_link_profile, "link")):
-        doc = json.loads(Path(path).read_text())
-        scaled = rescale(doc, scale, {})
-        scaled.pop("drift")
-        if "drift" in doc:
-            scaled["drift"] = doc["drift"]
-        scaled["step_level"] = {**record, "from_profile": str(path), "scale": scale}
+        scaled = rescale(json.loads(Path(path).read_text()), scale,
+                         {**record, "from_profile": str(path)}, key="step_level")
         target = out_dir / f"{name}-{suffix}.json"
         target.write_text(json.dumps(scaled, indent=1) + "\n")
         out.append(target)

@@ -185,19 +185,18 @@ class Config:
     repeats: int = 2
     # decode steps of the probe taken before each single-request scenario (0: none): the
     # simulator's step curves, and the host's other work, are scaled to it there
-    # (kvsim.fidelity.step_probe: the
-    # host's step drifts by tens of percent over a full validation's ~50 minutes). Off by
-    # default: a 24-step probe (~2 s) lands as far from its scenario's steps as the
-    # calibrated step does (CHANGELOG.md, "The step probe")
+    # (kvsim.fidelity.step_probe: the host's step drifts by tens of percent over a full
+    # validation's ~50 minutes). Off by default: a 24-step probe (~2 s) lands as far from
+    # its scenario's steps as the calibrated step does (CHANGELOG.md, "The step probe")
     step_probe_steps: int = 0
     # true: each single-request scenario's simulator takes its step level from the decode
     # steps that scenario's emulated run measured (the median over its codecs), after the
     # emulation, the host's other work with it (kvsim.fidelity.step_probe); the
-    # calibration keeps the curves' shape. What is compared is then the
-    # model (transfer, dequantization, first step, drafting, verification) and not the
-    # host's speed that minute; the calibrated step's own error is still reported (the
-    # "decode step" line). CI's gate uses it (a step calibrated three minutes earlier
-    # landed 4-27% from the scenario's on this host)
+    # calibration keeps the curves' shape. What is compared is then the model (transfer,
+    # dequantization, first step, drafting, verification) and not the host's speed that
+    # minute; the calibrated step's own error is still reported (the "decode step" line).
+    # CI's gate uses it (a step calibrated three minutes earlier landed 4-27% from the
+    # scenario's on this host)
     step_from_scenario: bool = False
     # the emulated transfers' sender and decode host on CPUs of their own, calibration's too
     # (transport.split_cpus, kvsim.transport.cpus); a saved run's setting is in its config
@@ -949,16 +948,19 @@ def _probed(sim: list[str], profiles: Any, ctx: int, probe_s: float, run_dir: Pa
     out_dir = run_dir / "profiles-probed"
     path = out_dir / f"{name}.json"
     scale = probed_profile(profiles.hardware, ctx, probe_s, path)
-    given = dict(o.split("=", 1) for o in sim if o.startswith(("codec_timing=",
-                                                                 "link.profile=")))
+
+    def key(override: str) -> str:
+        return override.split("=", 1)[0]
+
+    given = {key(o): o.split("=", 1)[1] for o in sim if key(o) in ("codec_timing",
+                                                                    "link.profile")}
     timing, link = probed_companions(
         Path(given["codec_timing"]), Path(given["link.profile"]), scale, out_dir, name,
         {"step_level_from": source, "context_tokens": ctx, "step_s": probe_s})
     _say(f"{what} at {ctx} tokens: {probe_s * 1e3:.1f} ms ({scale:.3f} x the "
          "calibrated step; the codecs, cache build, ingest and handshake with it)")
     swap = {"hardware.profile": path, "codec_timing": timing, "link.profile": link}
-    return ([f"{o.split('=', 1)[0]}={swap[o.split('=', 1)[0]]}"
-             if o.split("=", 1)[0] in swap else o for o in sim],
+    return ([f"{key(o)}={swap[key(o)]}" if key(o) in swap else o for o in sim],
             {"step_probe_s": probe_s, "step_probe_context_tokens": ctx,
              "step_scale": scale, "step_level_from": source})
 

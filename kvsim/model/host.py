@@ -168,14 +168,15 @@ def write_rescaled_profile(doc: dict, out_path: Path, factor: float | list[float
     return out_path
 
 
-def rescaled_codec_timing(doc: dict, factor: float, drift: dict) -> dict:
+def rescaled_codec_timing(doc: dict, factor: float, drift: dict, key: str = "drift") -> dict:
     """A measured codec timing document (kvsim.scenario.codec_timing) of a host `factor` x
     as slow: every rate (`*gb_per_s`) / factor and every fixed time (`*fixed_s`) x factor,
-    for each codec; the drift recorded under `drift`. The codecs' kernels are the host's
-    memory-bound work outside the model's step, the kind of work a short-context step's
-    fixed part is (its weights read once): on 2026-11-29 a full grid against a profile
-    calibrated that morning (factor 0.62) gave mean 5.19% / worst 31.75% with the codec
-    timings as measured and 4.00% / 14.54% with them rescaled too."""
+    for each codec; the record `drift` (why it moved) kept under `key` (a drift rescale's
+    `drift`; a scenario's step level's `step_level`, kvsim.fidelity.step_probe). The codecs'
+    kernels are the host's memory-bound work outside the model's step, the kind of work a
+    short-context step's fixed part is (its weights read once): on 2026-11-29 a full grid
+    against a profile calibrated that morning (factor 0.62) gave mean 5.19% / worst 31.75%
+    with the codec timings as measured and 4.00% / 14.54% with them rescaled too."""
     if not factor > 0:
         raise ValueError(f"a rescale factor must be > 0, got {factor}")
 
@@ -197,17 +198,18 @@ def rescaled_codec_timing(doc: dict, factor: float, drift: dict) -> dict:
     return {**doc, "codecs": {name: one(e) if isinstance(e, dict) else e
                               for name, e in codecs.items()},
             **({"default": one(default)} if isinstance(default, dict) else {}),
-            "drift": {**drift, "factor": factor,
-                      "what": f"rates / {factor:.4g}, fixed times x {factor:.4g}: this "
-                              "host's decode step over the hardware profile's"}}
+            key: {**drift, "factor": factor,
+                  "what": f"rates / {factor:.4g}, fixed times x {factor:.4g}: the host's "
+                          "decode step over the hardware profile's"}}
 
 
-def rescaled_link_profile(doc: dict, factor: float, drift: dict) -> dict:
+def rescaled_link_profile(doc: dict, factor: float, drift: dict, key: str = "drift") -> dict:
     """A measured link profile with the transport's CPU times x factor: the receiver's time
     per byte taken in (`draft_step.ingest_s_per_byte`) and a transfer's handshake
     (`handshake_s`: both ends' processes at work); the link's own terms (rate, goodput,
     latency, per-message bytes), the draft step's ratios to a step and the worker's pace
-    (`worker_pace`: ratios to the codec timing's jobs, which are rescaled with it) stay."""
+    (`worker_pace`: ratios to the codec timing's jobs, which are rescaled with it) stay; the
+    record `drift` kept under `key`, as rescaled_codec_timing."""
     if not factor > 0:
         raise ValueError(f"a rescale factor must be > 0, got {factor}")
     scaled = _ingest_scaled(doc, factor)
@@ -215,7 +217,7 @@ def rescaled_link_profile(doc: dict, factor: float, drift: dict) -> dict:
     if isinstance(doc.get("handshake_s"), (int, float)):
         scaled["handshake_s"] = doc["handshake_s"] * factor
         what.append("handshake_s")
-    return {**doc, **scaled, "drift": {**drift, "factor": factor, "what": (
+    return {**doc, **scaled, key: {**drift, "factor": factor, "what": (
         f"{' and '.join(what)} x {factor:.4g}" if what else "nothing to rescale")}}
 
 
