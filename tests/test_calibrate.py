@@ -730,8 +730,10 @@ def _drafted_rows(ratio: float, ingest_s_per_byte: float, rate_gbps: float, extr
     """Request rows of a calibration transfer whose drafts (2, 4 and 6 steps of 0.05 s) the
     draft-slowdown model replays exactly at (ratio, ingest_s_per_byte): at the calibration
     rate (0.3 Gbps: the later 12 MB over 1 s, short worker jobs) or another (over 0.375 s,
-    the worker busy for 0.2 s). stretch: the drafting windows of the first two requests
-    made that share longer (a disturbed transfer)."""
+    the worker busy for 0.2 s); each draft step's end recorded. stretch: the drafting
+    windows of the first two requests made that share longer (a disturbed transfer)."""
+    import dataclasses
+
     from kvsim.calibrate.draft_ingest import DraftWindow, replay_end_s
 
     later_bytes = 1.2e7
@@ -743,10 +745,13 @@ def _drafted_rows(ratio: float, ingest_s_per_byte: float, rate_gbps: float, extr
         shape = DraftWindow(start_s=2.0, end_s=0.0, drafts=drafts, tpot_s=0.05,
                             worker_spans=tuple((2.0 + a, 2.0 + b) for a, b in jobs),
                             later_arrival=(2.0, 2.0 + arrival_s), later_bytes=later_bytes)
-        end = replay_end_s(shape, ratio, ingest_s_per_byte, extra_s)
+        steps = [replay_end_s(dataclasses.replace(shape, drafts=k), ratio, ingest_s_per_byte,
+                              extra_s) for k in range(1, drafts + 1)]
         if i < 2:
-            end = 2.0 + (end - 2.0) * (1.0 + stretch)
+            steps = [2.0 + (t - 2.0) * (1.0 + stretch) for t in steps]
+        end = steps[-1]
         out.append({
+            "draft_steps_from_arrival_s": [t - 0.5 for t in steps],  # (arrival at 0.5 s)
             "codec": codec, "status": "done", "proposed_tokens": drafts, "tpot_s": 0.05,
             "stream_complete_from_prefill_end_s": {"anchor": 0.5, "residual": 0.5 + arrival_s},
             "stream_bytes": {"anchor": 4e6, "residual": later_bytes},
@@ -823,13 +828,15 @@ def test_calibrate_fits_each_links_draft_slowdown_on_its_drafted_rows(tmp_path, 
         assert draft["ingest_s_per_byte"] == pytest.approx(ingest, abs=1.5e-9), emulation
         fit = draft["fit"]
         assert fit["requests"] == 6 and fit["rms_s"] < 0.003 and not fit["saturated"]
+        assert fit["steps_matched"] == 2 * (2 + 4 + 6)  # every draft step of both rates
         assert fit["rates_gbps"] == [0.3, 0.8]
         assert fit["median_busy_ratio"] == pytest.approx(median)
         assert not fit["poor"] and fit["median_window_s"] > 0
         assert fit["first_fit"] is None  # a good fit: no transfer more
         # the windows it replayed are kept: fitted again, they give the same values
         windows = [DraftWindow(**{**w, "worker_spans": tuple(map(tuple, w["worker_spans"])),
-                                  "later_arrival": tuple(w["later_arrival"])})
+                                  "later_arrival": tuple(w["later_arrival"]),
+                                  "step_ends_s": tuple(w["step_ends_s"])})
                    for w in fit["windows"]]
         again = draft_fit(windows, extra_s)
         assert (again.busy_ratio, again.ingest_s_per_byte) == \

@@ -73,6 +73,35 @@ def test_the_fit_recovers_the_ratio_and_the_cost_per_byte_from_two_rates():
         fit([], 0.0)
 
 
+def test_the_fit_matches_every_recorded_draft_step():
+    """Windows of four drafts whose last draft ends where busy ratio 2 puts it but whose
+    first three steps end where ratio 4 puts them: matched on the last draft alone the fit
+    finds 2; matched on every step (absolute misses: the most steps win) it finds 4, missing
+    the last draft's end, and counts every step it matched. Every step made by ratio 3:
+    found, and nothing missed."""
+    shapes = [window(4, arrival=(0.0, 1.0), later_bytes=1.2e7,
+                     spans=tuple((0.05 * k, 0.05 * k + 0.02) for k in range(20)))
+              for _ in range(3)]
+
+    def ends(w: DraftWindow, ratio: float) -> tuple[float, ...]:
+        return tuple(replay_end_s(DraftWindow(**{**w.__dict__, "drafts": k}), ratio, 0.0, 0.0)
+                     for k in range(1, w.drafts + 1))
+
+    last_only = [DraftWindow(**{**w.__dict__, "end_s": ends(w, 2.0)[-1]}) for w in shapes]
+    assert fit(last_only, 0.0).busy_ratio == pytest.approx(2.0, abs=0.05)
+    assert fit(last_only, 0.0).steps_matched == 3
+    mixed = [DraftWindow(**{**w.__dict__, "step_ends_s": ends(w, 4.0)[:-1] + (w.end_s,)})
+             for w in last_only]
+    got = fit(mixed, 0.0)
+    assert got.busy_ratio == pytest.approx(4.0, abs=0.05) and got.steps_matched == 12
+    assert got.rms_s > 0.02  # the last draft's end is missed now
+    # every step made by ratio 3: recovered, the last end matched
+    exact = [DraftWindow(**{**w.__dict__, "end_s": ends(w, 3.0)[-1],
+                            "step_ends_s": ends(w, 3.0)}) for w in shapes]
+    three = fit(exact, 0.0)
+    assert three.busy_ratio == pytest.approx(3.0, abs=0.05) and three.rms_s < 2 * GRID_DT_S
+
+
 def test_windows_are_read_from_emulated_rows():
     """A drafted on-arrival row: drafting from the first draft span's start to the last's
     end, the worker's layer jobs, and the later streams arriving from the anchor's
@@ -94,6 +123,15 @@ def test_windows_are_read_from_emulated_rows():
     assert w.worker_spans == ((2.3, 2.31), (2.1, 2.11))
     assert w.later_arrival == pytest.approx((2.2, 2.5)) and w.later_bytes == 3000
     # three streams, the middle one completing last: the later bytes end with it
+    assert w.step_ends_s == () and w.targets()[0].tolist() == [2]  # no steps recorded
+    # each draft step's end (from arrival), placed on the spans' clock by the last
+    (ws,) = windows_from_rows([{**row, "draft_steps_from_arrival_s": [1.31, 1.45]}])
+    assert ws.step_ends_s == pytest.approx((2.26, 2.4))
+    steps, ends = ws.targets()
+    assert steps.tolist() == [1, 2] and ends == pytest.approx([2.26, 2.4])
+    # as many step times as drafts, or none are used
+    (wn,) = windows_from_rows([{**row, "draft_steps_from_arrival_s": [1.45]}])
+    assert wn.step_ends_s == ()
     (w3,) = windows_from_rows([{**row, "stream_complete_from_prefill_end_s":
                                 {"anchor": 0.2, "mid": 0.7, "last": 0.5},
                                 "stream_bytes": {"anchor": 1000, "mid": 500, "last": 3000}}])

@@ -15,7 +15,10 @@ arrival rate (bytes/s) while they arrive; a draft step advances at
 (1 - u (1 - 1/busy_ratio)) / tpot steps per second. `fit` finds (busy_ratio,
 ingest_s_per_byte) for one link from calibration transfers' requests that drafted, by
 replaying each one's draft window on its own measured worker spans and arrivals and
-matching the end of its last draft (least absolute errors over a grid: the fit rests on a
+matching the end of each of its draft steps where the row recorded them (the mean of its
+steps' absolute misses, so that each request weighs the same: a few more constraints from
+the same transfers, CHANGELOG.md, 2026-12-06), or else of its last
+(least absolute errors over a grid: the fit rests on a
 few windows, and least squares followed one disturbed window of six, to a busy_ratio of 6.45
 over `tc` where absolute errors give 2.65 and the token bucket's were 3.0 and 2.5, and lynx's
 TTFT over `tc` at 1 Gbps came out 20-21% late in the simulator: CHANGELOG.md, 2026-12-06).
@@ -49,13 +52,25 @@ class DraftWindow:
     worker_spans: tuple[tuple[float, float], ...]  # on-arrival worker's layer jobs
     later_arrival: tuple[float, float]  # the later streams' bytes arrived over [a, b]
     later_bytes: float  # their wire bytes
+    # [drafts] every draft step's end (s, the same clock; the last is end_s); () where the
+    # row did not record them: then only end_s is matched
+    step_ends_s: tuple[float, ...] = ()
+
+    def targets(self) -> tuple[np.ndarray, np.ndarray]:
+        """(steps [n] int, their measured ends [n] s) that a replay is matched on: every
+        draft step where recorded, else the last."""
+        if len(self.step_ends_s) == self.drafts:
+            return np.arange(1, self.drafts + 1), np.asarray(self.step_ends_s, dtype=float)
+        return np.array([self.drafts]), np.array([self.end_s])
 
 
 def windows_from_rows(rows: list[dict]) -> list[DraftWindow]:
     """The DraftWindows of a `kvsim emulate` run's request rows that drafted on arrival
     (trace spans with the draft steps and the worker's "dequantize layer" jobs, per-stream
-    completion times and bytes). The later streams follow the anchor on one link, so they
-    arrive from the anchor's completion to the last stream's."""
+    completion times and bytes; each draft step's end from `draft_steps_from_arrival_s`
+    where present, placed on the spans' clock by the last one, the last draft span's end).
+    The later streams follow the anchor on one link, so they arrive from the anchor's
+    completion to the last stream's."""
     out = []
     for row in rows:
         proposed = int(row.get("proposed_tokens") or 0)
@@ -73,14 +88,19 @@ def windows_from_rows(rows: list[dict]) -> list[DraftWindow]:
             continue
         names = list(complete)
         t_pe = prefill_end[0]
+        end_s = max(b for _a, b in drafts)
+        steps = [float(t) for t in row.get("draft_steps_from_arrival_s") or []]
+        step_ends = tuple(end_s - (steps[-1] - t) for t in steps) \
+            if len(steps) == proposed else ()
         out.append(DraftWindow(
-            start_s=min(a for a, _b in drafts), end_s=max(b for _a, b in drafts),
+            start_s=min(a for a, _b in drafts), end_s=end_s,
             drafts=proposed, tpot_s=tpot_s,
             worker_spans=tuple((float(a), float(b)) for name, process, a, b in spans
                                if process == "decode" and name.startswith("dequantize layer ")),
             later_arrival=(t_pe + float(complete[names[0]]),
                            t_pe + max(float(complete[n]) for n in names[1:])),
-            later_bytes=float(sum(float(sizes[n]) for n in names[1:]))))
+            later_bytes=float(sum(float(sizes[n]) for n in names[1:])),
+            step_ends_s=step_ends))
     return out
 
 
@@ -103,7 +123,7 @@ def replay_end_s(w: DraftWindow, busy_ratio: float, ingest_s_per_byte: float,
     w.start_s + extra_s, each advancing at (1 - u (1 - 1/busy_ratio)) / tpot_s."""
     busy, rate = _grid(w, extra_s, _horizon(w, extra_s))
     return float(_end_times(w, busy, rate, np.array([busy_ratio]), ingest_s_per_byte,
-                            extra_s)[0])
+                            extra_s, np.array([w.drafts]))[0, 0])
 
 
 def _horizon(w: DraftWindow, extra_s: float) -> float:
@@ -112,12 +132,13 @@ def _horizon(w: DraftWindow, extra_s: float) -> float:
 
 
 def _end_times(w: DraftWindow, busy: np.ndarray, rate: np.ndarray, ratios: np.ndarray,
-               ingest_s_per_byte: float, extra_s: float) -> np.ndarray:
-    """[len(ratios)] replayed end of w's last draft (s), one per busy ratio."""
+               ingest_s_per_byte: float, extra_s: float, steps: np.ndarray) -> np.ndarray:
+    """[len(ratios), len(steps)] replayed end of w's draft steps `steps` (1-based) (s),
+    one row per busy ratio."""
     u = np.minimum(1.0, busy + ingest_s_per_byte * rate)  # [g]
     slow = 1.0 - 1.0 / ratios  # [r]
     progress = np.cumsum(1.0 - np.outer(slow, u), axis=1) * (GRID_DT_S / w.tpot_s)  # [r, g]
-    idx = np.array([np.searchsorted(p, w.drafts - 1e-9) for p in progress])
+    idx = np.array([np.searchsorted(p, steps - 1e-9) for p in progress])  # [r, n]
     return w.start_s + extra_s + GRID_DT_S * (idx + 1.0)
 
 
@@ -126,26 +147,29 @@ class DraftFit:
     busy_ratio: float  # a draft step over a decode step while the receiver is fully busy
     ingest_s_per_byte: float  # receiver busy time per later-stream byte taken in (s/B)
     rms_s: float  # root mean square of (replayed - measured) last-draft end (s)
+    steps_matched: int  # draft step ends matched, over every request
     requests: int
     saturated: bool  # the cost x every window's arrival rate >= 1: a lower bound
 
 
 def fit(windows: list[DraftWindow], extra_s: float) -> DraftFit:
     """(busy_ratio, ingest_s_per_byte) minimising the summed absolute error of the replayed
-    last draft ends over `windows` (BUSY_RATIOS x INGEST_NS_PER_BYTE grid; ties: the smaller
-    ingest cost, then ratio); rms_s is the chosen pair's root mean square error. extra_s:
-    the first step's extra on a fresh cache (s)."""
+    draft step ends over `windows` (each window's mean over its matched steps,
+    DraftWindow.targets; BUSY_RATIOS x INGEST_NS_PER_BYTE grid; ties: the smaller ingest
+    cost, then ratio); rms_s is the chosen pair's root mean square error on the last draft's
+    end. extra_s: the first step's extra on a fresh cache (s)."""
     if not windows:
         raise ValueError("no request drafted: nothing to fit the draft step on")
     grids = [_grid(w, extra_s, _horizon(w, extra_s)) for w in windows]
+    targets = [w.targets() for w in windows]
     best: tuple[float, float, float, float] | None = None  # (|error|, squares, ratio, cost)
     for ns in INGEST_NS_PER_BYTE:
         err = np.zeros(len(BUSY_RATIOS))
         sq_err = np.zeros(len(BUSY_RATIOS))
-        for w, (busy, rate) in zip(windows, grids, strict=True):
-            miss = _end_times(w, busy, rate, BUSY_RATIOS, ns * 1e-9, extra_s) - w.end_s
-            err += np.abs(miss)
-            sq_err += miss ** 2
+        for w, (busy, rate), (steps, ends) in zip(windows, grids, targets, strict=True):
+            miss = _end_times(w, busy, rate, BUSY_RATIOS, ns * 1e-9, extra_s, steps) - ends
+            err += np.abs(miss).mean(axis=1)
+            sq_err += miss[:, -1] ** 2
         i = int(np.argmin(err))
         if best is None or err[i] < best[0] - 1e-12:
             best = (float(err[i]), float(sq_err[i]), float(BUSY_RATIOS[i]), float(ns) * 1e-9)
@@ -154,4 +178,5 @@ def fit(windows: list[DraftWindow], extra_s: float) -> DraftFit:
     rates = [w.later_bytes / (w.later_arrival[1] - w.later_arrival[0]) for w in windows
              if w.later_arrival[1] > w.later_arrival[0]]
     saturated = ingest > 0 and bool(rates) and ingest * min(rates) >= 1.0
-    return DraftFit(ratio, ingest, float(np.sqrt(sq / len(windows))), len(windows), saturated)
+    return DraftFit(ratio, ingest, float(np.sqrt(sq / len(windows))),
+                    sum(len(steps) for steps, _ends in targets), len(windows), saturated)

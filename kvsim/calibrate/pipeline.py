@@ -532,14 +532,16 @@ def _link_draft_step(cfg: Config, emulation: str, say, hw_doc: dict, main_rows: 
             f"transfer?); its windows are in the profile (draft_step.fit.windows); "
             f"calibrating again may give another")
     return {**draft, "busy_ratio": fit.busy_ratio, "ingest_s_per_byte": fit.ingest_s_per_byte,
-            "fit": {"requests": fit.requests, "rms_s": fit.rms_s, "saturated": fit.saturated,
+            "fit": {"requests": fit.requests, "steps_matched": fit.steps_matched,
+                    "rms_s": fit.rms_s, "saturated": fit.saturated,
                     "median_window_s": window_s, "poor": poor,
                     # the poor first fit that one more transfer replaced (None: none was)
                     "first_fit": first_fit,
                     "rates_gbps": [CALIBRATION_RATE_GBPS, cfg.draft_fit_rate_gbps],
                     "measured": "busy_ratio and ingest_s_per_byte replay these requests' "
-                                "drafts on their worker spans and arrivals "
-                                "(kvsim.calibrate.draft_ingest); `busy_ratio` before the "
+                                "drafts on their worker spans and arrivals, matched on each "
+                                "draft step's end (kvsim.calibrate.draft_ingest); "
+                                "`busy_ratio` before the "
                                 "fit: the median of per-request ratios",
                     "median_busy_ratio": draft.get("busy_ratio"),
                     # what was fitted, to be inspected or fitted again (Unix s)
