@@ -460,6 +460,38 @@ def test_the_later_paced_runs_simulated_again_on_each_scenarios_step(
     assert tc.draft_step["busy_ratio"] == pytest.approx(tc_busy)
 
 
+def test_the_shipped_run_with_the_draft_fit_on_every_step(tmp_path, no_emulation):
+    """data/fidelity/2026-12-06-heldout-3 (calibrate=true at 00f9ca0, its step level held):
+    its figures again, as run and with each scenario's own step, as its README gives them;
+    each link's draft fit matched every calibration request's draft steps (more step ends
+    than requests), and fitted again on the windows it kept, gives the profile's values."""
+    from kvsim.calibrate.draft_ingest import DraftWindow
+    from kvsim.calibrate.draft_ingest import fit as draft_fit
+    from kvsim.scenario.link_profile import load_link_profile
+
+    name = "2026-12-06-heldout-3"
+    s = _shipped_simulated_again(name, 108, tmp_path / "as-run")
+    assert s["step_level"]["trusted"] and s["step_level"]["step_mean_abs_pct"] < 5.0
+    own = _shipped_on_own_step(name, 108, tmp_path / "own-step")
+    assert own["mean_abs_pct_error"] == pytest.approx(2.09, abs=0.05)
+    assert own["max_abs_pct_error"] == pytest.approx(9.89, abs=0.5)
+    profiles = DATA_DIR / "fidelity" / name / "profiles"
+    hw = json.loads((profiles / "hardware" / "local-smollm2-135m.json").read_text())
+    extra_s = float(hw["first_step_extra"]["s"][0])
+    for stem, ratio, steps in (("token-bucket", 2.95, 9), ("tc", 2.65, 11)):
+        draft = load_link_profile(str(profiles / "link" / f"local-smollm2-135m-{stem}.json")
+                                  ).draft_step
+        assert draft["busy_ratio"] == pytest.approx(ratio)
+        assert draft["fit"]["requests"] == 6 and draft["fit"]["steps_matched"] == steps
+        windows = [DraftWindow(**{**w, "worker_spans": tuple(map(tuple, w["worker_spans"])),
+                                  "later_arrival": tuple(w["later_arrival"]),
+                                  "step_ends_s": tuple(w["step_ends_s"])})
+                   for w in draft["fit"]["windows"]]
+        again = draft_fit(windows, extra_s)
+        assert (again.busy_ratio, again.ingest_s_per_byte, again.steps_matched) == \
+            (draft["busy_ratio"], draft["ingest_s_per_byte"], steps)
+
+
 def test_the_shipped_run_keeps_its_calibration_transfers():
     """data/fidelity/2026-12-06-full-3 ships its calibration transfers' rows: the worker pace
     of its `tc` profile is fitted on them again (as the calibration fits it,
