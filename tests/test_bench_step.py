@@ -32,8 +32,8 @@ def test_the_spread_by_hand():
     assert got.consecutive_max == pytest.approx(0.10)
     assert got.consecutive_mean == pytest.approx((0.10 + 0.10 + 1 / 99) / 3)
     assert got.slowest_over_fastest == pytest.approx(0.11 / 0.099)
-    assert got.pair_max == pytest.approx(0.05)
-    assert got.pair_mean == pytest.approx((0.05 + 0.045 + 0.005) / 3)
+    assert got.two_runs_off_max == pytest.approx(0.05)
+    assert got.two_runs_off_mean == pytest.approx((0.05 + 0.045 + 0.005) / 3)
     mean = (0.10 + 0.11 + 0.099 + 0.10) / 4
     sd = (sum((m - mean) ** 2 for m in (0.10, 0.11, 0.099, 0.10)) / 4) ** 0.5
     assert got.cv == pytest.approx(sd / mean)
@@ -70,7 +70,9 @@ def test_command_reports_every_run_and_the_spread(tmp_path, capsys):
             "progress=false", f"hydra.run.dir={tmp_path}"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "/ median run" in out and "back-to-back runs" in out and "mean" in out
+    assert "x median run" in out and "back-to-back runs differ by" in out
+    assert "the average of two back-to-back runs is off the median run by" in out
+    assert out.index("context 32: 2 runs") < out.index("ctx", out.index("context 32: 2 runs"))
     report = json.loads((tmp_path / "report.json").read_text())
     assert [(r["context_tokens"], r["run"]) for r in report["rows"]] == [
         (32, 0), (32, 1), (48, 0), (48, 1)]

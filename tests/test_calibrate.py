@@ -751,7 +751,7 @@ def _drafted_rows(ratio: float, ingest_s_per_byte: float, rate_gbps: float, extr
             steps = [2.0 + (t - 2.0) * (1.0 + stretch) for t in steps]
         end = steps[-1]
         out.append({
-            "draft_steps_from_arrival_s": [t - 0.5 for t in steps],  # (arrival at 0.5 s)
+            "draft_steps_from_arrival_s": [t - 0.5 for t in steps],  # (from any arrival time)
             "codec": codec, "status": "done", "proposed_tokens": drafts, "tpot_s": 0.05,
             "stream_complete_from_prefill_end_s": {"anchor": 0.5, "residual": 0.5 + arrival_s},
             "stream_bytes": {"anchor": 4e6, "residual": later_bytes},
@@ -834,10 +834,7 @@ def test_calibrate_fits_each_links_draft_slowdown_on_its_drafted_rows(tmp_path, 
         assert not fit["poor"] and fit["median_window_s"] > 0
         assert fit["first_fit"] is None  # a good fit: no transfer more
         # the windows it replayed are kept: fitted again, they give the same values
-        windows = [DraftWindow(**{**w, "worker_spans": tuple(map(tuple, w["worker_spans"])),
-                                  "later_arrival": tuple(w["later_arrival"]),
-                                  "step_ends_s": tuple(w["step_ends_s"])})
-                   for w in fit["windows"]]
+        windows = [DraftWindow.from_doc(w) for w in fit["windows"]]
         again = draft_fit(windows, extra_s)
         assert (again.busy_ratio, again.ingest_s_per_byte) == \
             (draft["busy_ratio"], draft["ingest_s_per_byte"])

@@ -84,8 +84,8 @@ def test_the_fit_matches_every_recorded_draft_step():
               for _ in range(3)]
 
     def ends(w: DraftWindow, ratio: float) -> tuple[float, ...]:
-        return tuple(replay_end_s(DraftWindow(**{**w.__dict__, "drafts": k}), ratio, 0.0, 0.0)
-                     for k in range(1, w.drafts + 1))
+        return tuple(replay_end_s(DraftWindow(**{**w.__dict__, "drafts": k, "step_ends_s": ()}),
+                                  ratio, 0.0, 0.0) for k in range(1, w.drafts + 1))
 
     last_only = [DraftWindow(**{**w.__dict__, "end_s": ends(w, 2.0)[-1]}) for w in shapes]
     assert fit(last_only, 0.0).busy_ratio == pytest.approx(2.0, abs=0.05)
@@ -95,6 +95,18 @@ def test_the_fit_matches_every_recorded_draft_step():
     got = fit(mixed, 0.0)
     assert got.busy_ratio == pytest.approx(4.0, abs=0.05) and got.steps_matched == 12
     assert got.rms_s > 0.02  # the last draft's end is missed now
+    # each window weighs as one: two 1-draft windows (the worker busy throughout) made by
+    # ratio 2 and a 6-draft one (busy 60% of the time) whose steps ratio 4 made. Summed over
+    # steps, the 6-draft window's misses would outvote the two others' and give 4 (worked
+    # out on this grid); averaged per window, two of three windows say 2
+    one = window(1, arrival=(0.0, 1.0), later_bytes=1.2e7, spans=((0.0, 1.0),))
+    six = window(6, arrival=(0.0, 1.0), later_bytes=1.2e7,
+                 spans=tuple((0.05 * k, 0.05 * k + 0.03) for k in range(40)))
+    ones = [DraftWindow(**{**one.__dict__, "end_s": ends(one, 2.0)[-1],
+                           "step_ends_s": ends(one, 2.0)}) for _ in range(2)]
+    sixes = DraftWindow(**{**six.__dict__, "end_s": ends(six, 4.0)[-1],
+                           "step_ends_s": ends(six, 4.0)})
+    assert fit([*ones, sixes], 0.0).busy_ratio == pytest.approx(2.0, abs=0.05)
     # every step made by ratio 3: recovered, the last end matched
     exact = [DraftWindow(**{**w.__dict__, "end_s": ends(w, 3.0)[-1],
                             "step_ends_s": ends(w, 3.0)}) for w in shapes]
@@ -136,3 +148,15 @@ def test_windows_are_read_from_emulated_rows():
                                 {"anchor": 0.2, "mid": 0.7, "last": 0.5},
                                 "stream_bytes": {"anchor": 1000, "mid": 500, "last": 3000}}])
     assert w3.later_arrival == pytest.approx((2.2, 2.7)) and w3.later_bytes == 3500
+
+
+@pytest.mark.parametrize("step_ends_s", [(0.1,), (0.2, 0.1), (0.1, 0.25)])
+def test_a_windows_step_ends_must_fit_its_drafts(step_ends_s):
+    """Step ends are as many as the drafts, in order, the last the window's end (0.2 s)."""
+    with pytest.raises(ValueError, match="2 times in order"):
+        DraftWindow(start_s=0.0, end_s=0.2, drafts=2, tpot_s=0.06, worker_spans=(),
+                    later_arrival=(0.0, 1.0), later_bytes=1e7, step_ends_s=step_ends_s)
+    ok = DraftWindow(start_s=0.0, end_s=0.2, drafts=2, tpot_s=0.06, worker_spans=(),
+                     later_arrival=(0.0, 1.0), later_bytes=1e7, step_ends_s=(0.1, 0.2))
+    assert DraftWindow.from_doc({**ok.__dict__, "worker_spans": [],
+                                 "later_arrival": [0.0, 1.0], "step_ends_s": [0.1, 0.2]}) == ok

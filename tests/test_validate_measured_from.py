@@ -483,10 +483,7 @@ def test_the_shipped_run_with_the_draft_fit_on_every_step(tmp_path, no_emulation
                                   ).draft_step
         assert draft["busy_ratio"] == pytest.approx(ratio)
         assert draft["fit"]["requests"] == 6 and draft["fit"]["steps_matched"] == steps
-        windows = [DraftWindow(**{**w, "worker_spans": tuple(map(tuple, w["worker_spans"])),
-                                  "later_arrival": tuple(w["later_arrival"]),
-                                  "step_ends_s": tuple(w["step_ends_s"])})
-                   for w in draft["fit"]["windows"]]
+        windows = [DraftWindow.from_doc(w) for w in draft["fit"]["windows"]]
         again = draft_fit(windows, extra_s)
         assert (again.busy_ratio, again.ingest_s_per_byte, again.steps_matched) == \
             (draft["busy_ratio"], draft["ingest_s_per_byte"], steps)

@@ -56,10 +56,26 @@ class DraftWindow:
     # row did not record them: then only end_s is matched
     step_ends_s: tuple[float, ...] = ()
 
+    def __post_init__(self) -> None:
+        ends = self.step_ends_s
+        in_order = all(b >= a for a, b in zip(ends[:-1], ends[1:], strict=True))
+        if ends and (len(ends) != self.drafts or not in_order
+                     or abs(ends[-1] - self.end_s) > 1e-6):
+            raise ValueError(f"a draft window's step ends must be {self.drafts} times in "
+                             f"order, the last its end ({self.end_s} s); got {ends}")
+
+    @classmethod
+    def from_doc(cls, doc: dict) -> DraftWindow:
+        """A window as a profile keeps it (`draft_step.fit.windows`: dataclasses.asdict,
+        its tuples as JSON lists)."""
+        return cls(**{**doc, "worker_spans": tuple(map(tuple, doc["worker_spans"])),
+                      "later_arrival": tuple(doc["later_arrival"]),
+                      "step_ends_s": tuple(doc.get("step_ends_s") or ())})
+
     def targets(self) -> tuple[np.ndarray, np.ndarray]:
         """(steps [n] int, their measured ends [n] s) that a replay is matched on: every
         draft step where recorded, else the last."""
-        if len(self.step_ends_s) == self.drafts:
+        if self.step_ends_s:
             return np.arange(1, self.drafts + 1), np.asarray(self.step_ends_s, dtype=float)
         return np.array([self.drafts]), np.array([self.end_s])
 
@@ -146,7 +162,9 @@ def _end_times(w: DraftWindow, busy: np.ndarray, rate: np.ndarray, ratios: np.nd
 class DraftFit:
     busy_ratio: float  # a draft step over a decode step while the receiver is fully busy
     ingest_s_per_byte: float  # receiver busy time per later-stream byte taken in (s/B)
-    rms_s: float  # root mean square of (replayed - measured) last-draft end (s)
+    # root mean square of (replayed - measured) last-draft end (s): what a TTKT sees, and
+    # what the calibration's poor-fit check has used since before the fit matched every step
+    rms_s: float
     steps_matched: int  # draft step ends matched, over every request
     requests: int
     saturated: bool  # the cost x every window's arrival rate >= 1: a lower bound

@@ -1,19 +1,23 @@
 """The host's decode step, run after run: how much it moves between back-to-back requests
-with nothing else of kvsim running (kvsim.fidelity.step_stability). The noise floor under
-`kvsim validate`'s per-request comparisons on this host."""
+with nothing else of kvsim running (kvsim.fidelity.step_stability). What the host alone puts
+into `kvsim validate`'s per-request comparisons."""
 
 from __future__ import annotations
 
 import sys
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from omegaconf import MISSING
 
 from kvsim.core.report import format_table
 from kvsim.model.spec import ModelSpec
 
+if TYPE_CHECKING:
+    from kvsim.fidelity.step_stability import Stability
+
 COMMAND = ("bench", "step")
-HELP = "the decode step's spread from run to run on this host (a validation's noise floor)"
+HELP = "the decode step's spread from run to run on this host (its part in a validation's errors)"
 CONFIG_NAME = "bench_step"
 
 
@@ -26,7 +30,7 @@ class Config:
     threads: int = 1  # the decoder's torch threads (transport.threads)
     text_source: str = "stdlib-docs"
     seed: int = 1009  # the prompts' text seed (calibration's)
-    timeout_s: float = 600.0  # per run
+    timeout_s: float = 600.0  # per run (its cache build and every step)
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -61,19 +65,28 @@ def run(cfg: Config) -> dict:
         runs = measure(lm, kv, int(torch.argmax(logits)), cfg.runs, cfg.steps, cfg.threads,
                        cfg.timeout_s, say)
         spread = stability(runs)
-        rows += [{**asdict(r), "ratio": r.mean_step_s / spread.median_step_s, "model": lm.name}
-                 for r in runs]
+        mine = [{**asdict(r), "ratio": r.mean_step_s / spread.median_step_s, "model": lm.name}
+                for r in runs]
+        rows += mine
         summary.append(asdict(spread))
+        # printed as each context ends: a later context's failure keeps this one's figures
+        _print(mine, spread, cfg.steps)
+    return {"rows": rows, "stability": summary}
+
+
+def _print(rows: list[dict], spread: Stability, steps: int) -> None:
+    """One context's runs (each run's mean step and its ratio to the median run's) and their
+    spread."""
     print(format_table(rows, [("context_tokens", "ctx", "d"), ("run", "run", "d"),
                               ("mean_step_s", "mean step s", ".4f"),
-                              ("ratio", "/ median run", ".3f"),
+                              ("ratio", "x median run", ".3f"),
                               ("background_cores", "other CPUs", ".2f")]))
-    for s in summary:
-        print(f"context {s['context_tokens']}: {s['runs']} runs of {cfg.steps} steps, median "
-              f"{s['median_step_s'] * 1e3:.1f} ms; back-to-back runs "
-              f"{s['consecutive_mean'] * 100:.1f}% apart on average "
-              f"({s['consecutive_max'] * 100:.1f}% at most), cv {s['cv'] * 100:.1f}%, "
-              f"slowest / fastest {s['slowest_over_fastest']:.3f}; two back-to-back runs' "
-              f"mean {s['pair_mean'] * 100:.1f}% from the median run on average "
-              f"({s['pair_max'] * 100:.1f}% at most)")
-    return {"rows": rows, "stability": summary}
+    print(f"context {spread.context_tokens}: {spread.runs} runs of {steps} steps each, the "
+          f"median run's mean step {spread.median_step_s * 1e3:.1f} ms\n"
+          f"  back-to-back runs differ by {spread.consecutive_mean * 100:.1f}% on average, "
+          f"{spread.consecutive_max * 100:.1f}% at most\n"
+          f"  the average of two back-to-back runs is off the median run by "
+          f"{spread.two_runs_off_mean * 100:.1f}% on average, "
+          f"{spread.two_runs_off_max * 100:.1f}% at most\n"
+          f"  coefficient of variation {spread.cv * 100:.1f}%, slowest / fastest run "
+          f"{spread.slowest_over_fastest:.3f}", flush=True)

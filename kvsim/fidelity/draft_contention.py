@@ -118,37 +118,11 @@ def _load_op(load: str, codec: Any, shape: Any, layer_chunks: list) -> Callable[
 
 def _timed_steps(lm: Any, kv: torch.Tensor, token: int, steps: int, threads: int,
                  timeout_s: float) -> float:
-    """Median of `steps` decode steps (after the first) on a fresh cache (timed_steps)."""
+    """Median of `steps` decode steps (after the first) on a fresh cache
+    (kvsim.fidelity.decode_steps.timed_steps)."""
+    from kvsim.fidelity.decode_steps import timed_steps
+
     return float(statistics.median(timed_steps(lm, kv, token, steps, threads, timeout_s)))
-
-
-def timed_steps(lm: Any, kv: torch.Tensor, token: int, steps: int, threads: int,
-                timeout_s: float) -> list[float]:
-    """[steps] s: greedy decode steps (after the first) on a fresh cache built from kv
-    [layers, 2, kv_heads, tokens, head_dim], in a new thread with `threads` torch threads,
-    as the receiver's decode loop runs. On a timeout that thread is left running (a daemon:
-    it cannot be stopped from outside)."""
-    from kvsim.calibrate.model_profile import _dtype, _steps_s
-    from kvsim.kv.capture import kv_to_cache
-
-    out: dict[str, Any] = {}
-
-    def go() -> None:
-        try:
-            torch.set_num_threads(threads)
-            cache = kv_to_cache(kv.float(), lm.model.config, _dtype(lm))
-            out["steps"] = _steps_s(lm, cache, token, steps)[1]
-        except BaseException as exc:  # noqa: BLE001 (re-raised in the caller)
-            out["error"] = exc
-
-    t = threading.Thread(target=go, name="kvsim-timed-steps", daemon=True)
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        raise TimeoutError(f"{steps} decode steps took more than {timeout_s} s")
-    if "error" in out:
-        raise out["error"]
-    return [float(x) for x in out["steps"]]
 
 
 def measure(lm: Any, codec: Any, kv: torch.Tensor, token: int, loads: list[str],

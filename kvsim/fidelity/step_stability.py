@@ -1,20 +1,22 @@
-"""How steady this host's decode step is: the noise floor of a per-request comparison.
+"""How steady the host's decode step is: what the host alone adds to a per-request comparison.
 
 A validation compares each scenario's few emulated requests (two repeats by default) with
 the simulator's prediction at one step level, so a host whose decode step moves from one
 request to the next puts that movement into every row's error. This module measures it with
 nothing else of kvsim running: `runs` runs of `steps` greedy decode steps each, every run on a
 fresh cache built from the same KV (as the receiver builds one per request), in a thread as
-the receiver's decode loop runs (kvsim.fidelity.draft_contention.timed_steps), the host's
+the receiver's decode loop runs (kvsim.fidelity.decode_steps.timed_steps), the host's
 other work measured over each run (kvsim.core.host_load). What it reports:
 
     ratio           a run's mean step over the median run's
     consecutive     |a run's mean step / the run before's - 1|: what two back-to-back
                     repeats of one request would differ by in their steps alone
     cv              the runs' standard deviation over their mean
-    pair            |the mean of two back-to-back runs / the median run - 1|: how far a row
-                    that averages two repeats (as a validation's do) can lie from the host's
-                    typical step with a model that made no error at all
+    two_runs_off    |the mean of two back-to-back runs / the median run - 1|: how far the
+                    average of two requests' steps lies from the host's typical step, with
+                    nothing but the host moving it (a validation's rows average two
+                    repeats, though not back to back: its repeats of one codec are
+                    interleaved with the other codecs')
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ class Stability:
     cv: float
     consecutive_mean: float  # mean |run / run before - 1|
     consecutive_max: float
-    pair_mean: float  # mean |(run + run before) / 2 / median run - 1|
-    pair_max: float
+    two_runs_off_mean: float  # mean over back-to-back pairs of |their mean / median run - 1|
+    two_runs_off_max: float
     slowest_over_fastest: float
 
 
@@ -62,11 +64,11 @@ def stability(runs: list[StepRun]) -> Stability:
     back_to_back = list(zip(means[:-1], means[1:], strict=True))
     changes = [abs(b / a - 1.0) for a, b in back_to_back]
     median = statistics.median(means)
-    pairs = [abs((a + b) / 2.0 / median - 1.0) for a, b in back_to_back]
+    two_runs_off = [abs((a + b) / 2.0 / median - 1.0) for a, b in back_to_back]
     mean = statistics.fmean(means)
     return Stability(runs[0].context_tokens, len(runs), median,
                      statistics.pstdev(means) / mean, statistics.fmean(changes), max(changes),
-                     statistics.fmean(pairs), max(pairs), max(means) / min(means))
+                     statistics.fmean(two_runs_off), max(two_runs_off), max(means) / min(means))
 
 
 def measure(lm: Any, kv: torch.Tensor, token: int, runs: int, steps: int, threads: int,
@@ -74,7 +76,7 @@ def measure(lm: Any, kv: torch.Tensor, token: int, runs: int, steps: int, thread
     """`runs` StepRuns of `steps` decode steps (after the first) on fresh caches built from
     kv [layers, 2, kv_heads, tokens, head_dim], greedy from `token`; timeout_s per run."""
     from kvsim.core.host_load import HostLoadMeter
-    from kvsim.fidelity.draft_contention import timed_steps
+    from kvsim.fidelity.decode_steps import timed_steps
 
     if runs < 2 or steps < 1:
         raise ValueError(f"need runs >= 2 and steps >= 1, got {runs}, {steps}")
