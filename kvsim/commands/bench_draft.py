@@ -48,9 +48,9 @@ class Config:
         if self.switch_interval_s is not None and not self.switch_interval_s > 0:
             raise ValueError(f"switch_interval_s must be null or > 0, got "
                              f"{self.switch_interval_s}")
-        if not self.contexts or any(int(c) < 16 for c in self.contexts):
-            raise ValueError(f"contexts must be a non-empty list of >= 16 tokens, got "
-                             f"{self.contexts}")
+        from kvsim.fidelity.decode_steps import check_contexts
+
+        check_contexts(list(self.contexts))
         if self.steps < 2 or self.rounds < 1 or self.threads < 1:
             raise ValueError(f"need steps >= 2, rounds >= 1, threads >= 1; got {self.steps}, "
                              f"{self.rounds}, {self.threads}")
@@ -59,12 +59,9 @@ class Config:
 
 
 def run(cfg: Config) -> list[dict]:
-    import torch
-
-    from kvsim.calibrate.model_profile import ModelCalibration, _prompt
+    from kvsim.fidelity.decode_steps import prompt_kv
     from kvsim.fidelity.draft_contention import check_loads, measure, switch_interval
     from kvsim.kernels.presets import resolve_codec
-    from kvsim.kv.capture import cache_to_kv, prefill
     from kvsim.model.load import load_lm
 
     say = (lambda msg: print(f"bench draft: {msg}", file=sys.stderr, flush=True)) \
@@ -77,13 +74,9 @@ def run(cfg: Config) -> list[dict]:
     results = []
     try:
         for ctx in cfg.contexts:
-            ids = _prompt(lm, int(ctx), ModelCalibration([int(ctx)], text_source=cfg.text_source,
-                                                         seed=cfg.seed))
-            with torch.no_grad():
-                cache, logits = prefill(lm.model, ids)
-            kv = cache_to_kv(cache).to(torch.bfloat16)
-            results += measure(lm, codec, kv, int(torch.argmax(logits)), list(cfg.loads),
-                               cfg.steps, cfg.rounds, cfg.threads, cfg.timeout_s, say)
+            kv, token = prompt_kv(lm, int(ctx), cfg.text_source, cfg.seed)
+            results += measure(lm, codec, kv, token, list(cfg.loads), cfg.steps, cfg.rounds,
+                               cfg.threads, cfg.timeout_s, say)
     finally:
         undo()
     rows = [{**r.row(), "codec": spec.label, "model": lm.name,

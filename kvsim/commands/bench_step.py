@@ -34,9 +34,9 @@ class Config:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if not self.contexts or any(int(c) < 16 for c in self.contexts):
-            raise ValueError(f"contexts must be a non-empty list of >= 16 tokens, got "
-                             f"{self.contexts}")
+        from kvsim.fidelity.decode_steps import check_contexts
+
+        check_contexts(list(self.contexts))
         if self.runs < 2 or self.steps < 1 or self.threads < 1:
             raise ValueError(f"need runs >= 2, steps >= 1, threads >= 1; got {self.runs}, "
                              f"{self.steps}, {self.threads}")
@@ -45,11 +45,8 @@ class Config:
 
 
 def run(cfg: Config) -> dict:
-    import torch
-
-    from kvsim.calibrate.model_profile import ModelCalibration, _prompt
+    from kvsim.fidelity.decode_steps import prompt_kv
     from kvsim.fidelity.step_stability import measure, stability
-    from kvsim.kv.capture import cache_to_kv, prefill
     from kvsim.model.load import load_lm
 
     say = (lambda msg: print(f"bench step: {msg}", file=sys.stderr, flush=True)) \
@@ -57,13 +54,8 @@ def run(cfg: Config) -> dict:
     lm = load_lm(cfg.model, threads=cfg.threads, seed=0)  # sets torch's threads
     rows, summary = [], []
     for ctx in cfg.contexts:
-        ids = _prompt(lm, int(ctx), ModelCalibration([int(ctx)], text_source=cfg.text_source,
-                                                     seed=cfg.seed))
-        with torch.no_grad():
-            cache, logits = prefill(lm.model, ids)
-        kv = cache_to_kv(cache).to(torch.bfloat16)
-        runs = measure(lm, kv, int(torch.argmax(logits)), cfg.runs, cfg.steps, cfg.threads,
-                       cfg.timeout_s, say)
+        kv, token = prompt_kv(lm, int(ctx), cfg.text_source, cfg.seed)
+        runs = measure(lm, kv, token, cfg.runs, cfg.steps, cfg.threads, cfg.timeout_s, say)
         spread = stability(runs)
         mine = [{**asdict(r), "ratio": r.mean_step_s / spread.median_step_s, "model": lm.name}
                 for r in runs]

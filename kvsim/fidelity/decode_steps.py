@@ -1,7 +1,7 @@
 """The real model's decode steps timed as the receiver's decode loop runs them: greedy, on
 a fresh cache built from the KV as the receiver builds one, in a thread of its own with the
-decoder's torch threads. Used where a step is measured against something (kvsim bench draft:
-beside a load; kvsim bench step: run after run)."""
+decoder's torch threads; and the prompt's KV they decode on. Used where a step is measured
+against something (kvsim bench draft: beside a load; kvsim bench step: run after run)."""
 
 from __future__ import annotations
 
@@ -39,3 +39,23 @@ def timed_steps(lm: Any, kv: torch.Tensor, token: int, steps: int, threads: int,
     if "error" in out:
         raise out["error"]
     return [float(x) for x in out["steps"]]
+
+
+def check_contexts(contexts: list[int]) -> None:
+    """A bench's contexts: a non-empty list of prompts of >= 16 tokens (ValueError)."""
+    if not contexts or any(int(c) < 16 for c in contexts):
+        raise ValueError(f"contexts must be a non-empty list of >= 16 tokens, got {contexts}")
+
+
+def prompt_kv(lm: Any, context_tokens: int, text_source: str, seed: int
+              ) -> tuple[torch.Tensor, int]:
+    """(kv [layers, 2, kv_heads, context_tokens, head_dim] bf16, the first generated token) of
+    the calibration's prompt of that length (kvsim.calibrate.model_profile), prefilled."""
+    from kvsim.calibrate.model_profile import ModelCalibration, _prompt
+    from kvsim.kv.capture import cache_to_kv, prefill
+
+    ids = _prompt(lm, int(context_tokens),
+                  ModelCalibration([int(context_tokens)], text_source=text_source, seed=seed))
+    with torch.no_grad():
+        cache, logits = prefill(lm.model, ids)
+    return cache_to_kv(cache).to(torch.bfloat16), int(torch.argmax(logits))
