@@ -12,7 +12,7 @@ import torch
 
 import kvsim.fidelity.step_stability as ss
 from kvsim.cli.main import main
-from kvsim.kv.capture import cache_to_kv, prefill
+from kvsim.fidelity.decode_steps import prompt_kv
 from kvsim.model.load import load_lm
 from kvsim.model.presets import load_model_preset
 
@@ -48,12 +48,11 @@ def test_each_run_times_its_steps_on_a_fresh_cache():
     context, every step positive; no timing thread left behind; a run over its timeout
     stops the measurement with the figure."""
     lm = load_lm(load_model_preset("tiny-random"), threads=1, seed=0)
-    with torch.no_grad():
-        cache, logits = prefill(lm.model, list(range(1, 41)))
-    kv = cache_to_kv(cache).to(torch.bfloat16)
+    kv, token = prompt_kv(lm, 40, "stdlib-docs", 1009)  # as the command builds it
+    assert kv.dtype == torch.bfloat16 and kv.shape[3] == 40
     said: list[str] = []
-    runs = ss.measure(lm, kv, int(torch.argmax(logits)), runs=3, steps=2, threads=1,
-                      timeout_s=60, say=said.append)
+    runs = ss.measure(lm, kv, token, runs=3, steps=2, threads=1, timeout_s=60,
+                      say=said.append)
     assert [(r.context_tokens, r.run) for r in runs] == [(40, 0), (40, 1), (40, 2)]
     assert all(r.mean_step_s > 0 and r.median_step_s > 0 for r in runs)
     assert all(r.background_cores is None or r.background_cores >= 0 for r in runs)
