@@ -24,7 +24,7 @@ run: setup
 test: setup
 	KVSIM_OUTPUT_ROOT=.cache/runs $(VENV)/bin/kvsim model fetch
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --quiet --strict --site-dir .cache/site
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=40
 
 # the documentation site, served with live reload (http://127.0.0.1:8000)
 docs: setup
