@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from kvsim.fidelity.statistics import beyond_spread_pct, tost
+from kvsim.fidelity.statistics import beyond_spread_pct, noise_floor, tost
 
 
 @dataclass(frozen=True)
@@ -188,6 +188,8 @@ def summary(rows: list[dict]) -> dict:
                                "max_abs_pct_error": max(es)} for case, es in by_case.items()},
             "mean_abs_pct_beyond_spread": sum(beyond) / len(beyond) if beyond else math.nan,
             "max_abs_pct_beyond_spread": max(beyond) if beyond else math.nan,
+            # what an exact model would score from the repeated runs' spread alone
+            "noise_floor": noise_floor(finite),
             "tost": {metric: tost(es) for metric, es in by_metric.items()},
             "step_mean_abs_pct_error": sum(steps) / len(steps) if steps else math.nan,
             "step_max_abs_pct_error": max(steps) if steps else math.nan,

@@ -41,6 +41,7 @@ from omegaconf import MISSING
 
 from kvsim.core.host_load import HostLoadMeter
 from kvsim.core.report import format_table
+from kvsim.fidelity.statistics import noise_floor_line
 from kvsim.fidelity.step_level import step_level
 from kvsim.model.host import DriftConfig
 from kvsim.model.spec import ModelSpec
@@ -1262,6 +1263,9 @@ def _print(rows: list[dict], summary: dict, distributions: list[dict]) -> None:
               f"with repeated runs lie inside their range; beyond it: mean "
               f"{summary['mean_abs_pct_beyond_spread']:.2f}%, worst "
               f"{summary['max_abs_pct_beyond_spread']:.2f}%")
+    floor = summary.get("noise_floor")
+    if floor:
+        print(noise_floor_line(floor))
     tests = summary.get("tost") or {}
     if tests:
         margin = next(iter(tests.values()))["margin_pct"]
