@@ -14,7 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from kvsim.fidelity.statistics import beyond_spread_pct, noise_floor, tost
+from kvsim.fidelity.noise_floor import noise_floor
+from kvsim.fidelity.statistics import beyond_spread_pct, tost
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ def compare(scenario: dict, measured: dict, simulated: dict, metrics: list[Metri
         spread = spread_pct(runs)
         if math.isfinite(spread):  # (percentiles over requests have no per-request value)
             row.update(measured_spread_pct=spread, measured_min_s=min(runs),
-                       measured_max_s=max(runs))
+                       measured_max_s=max(runs), measured_runs=len(runs))
             row["beyond_spread_pct"] = beyond_spread_pct(a, min(runs), max(runs), b)
         out.append(row)
     return out
@@ -178,7 +179,7 @@ def summary(rows: list[dict]) -> dict:
         by_metric.setdefault(str(r.get("metric")), []).append(float(r["error_pct"]))
     return {"mean_abs_pct_error": sum(errs) / len(errs), "max_abs_pct_error": max(errs),
             "compared": len(errs), "missing": len(rows) - len(errs),
-            # the noise floor: how far repeated runs of one scenario land apart, on average
+            # how far repeated runs of one scenario land apart, on average
             "mean_measured_spread_pct": sum(spreads) / len(spreads) if spreads else math.nan,
             "with_spread": len(beyond),
             "inside_spread": sum(1 for x in beyond if x == 0.0),

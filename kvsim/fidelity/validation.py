@@ -41,7 +41,7 @@ from omegaconf import MISSING
 
 from kvsim.core.host_load import HostLoadMeter
 from kvsim.core.report import format_table
-from kvsim.fidelity.statistics import noise_floor_line
+from kvsim.fidelity.noise_floor import noise_floor_line
 from kvsim.fidelity.step_level import step_level
 from kvsim.model.host import DriftConfig
 from kvsim.model.spec import ModelSpec
@@ -1257,7 +1257,7 @@ def _print(rows: list[dict], summary: dict, distributions: list[dict]) -> None:
         ("simulated_s", "simulated s", ".3f"), ("error_pct", "error %", "+.1f"),
         ("measured_spread_pct", "runs apart %", ".1f")]))
     spread = summary.get("mean_measured_spread_pct", float("nan"))
-    if spread == spread:  # repeated runs: the noise floor the errors sit on
+    if spread == spread:  # repeated runs: how far apart the emulator's own runs land
         print(f"repeated emulated runs of one scenario land {spread:.1f}% apart on average; "
               f"{summary['inside_spread']} of the {summary['with_spread']} simulated values "
               f"with repeated runs lie inside their range; beyond it: mean "
