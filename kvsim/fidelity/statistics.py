@@ -98,4 +98,3 @@ def per_request(measured_s: Sequence[float], simulated_s: Sequence[float]) -> di
     ks = stats.ks_2samp(a, b)
     out["ks_statistic"], out["ks_p"] = float(ks.statistic), float(ks.pvalue)
     return out
-
