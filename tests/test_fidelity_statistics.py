@@ -100,4 +100,3 @@ def test_recompare_measures_the_new_value_against_the_saved_range():
     row, = errors.recompare(saved, {"ttft_from_prefill_end_s": 2.4}, [m], {})
     assert row["error_pct"] == pytest.approx(20.0)
     assert row["beyond_spread_pct"] == pytest.approx(10.0)  # (2.4 - 2.2) / 2.0
-

@@ -135,7 +135,7 @@ def noise_floor(rows: Sequence[dict], draws: int = DRAWS, seed: int = SEED) -> d
     with np.errstate(divide="ignore", invalid="ignore"):
         studentized = np.where(own == 0.0, 0.0, own / scale)
     run_max_sd = float(studentized.max())
-    exact_max_sd = _exact_models_max_sd(set_runs, c_n, pool, cls, draws, rng)
+    exact_max_sd = _exact_models_max_sd(n, c_n, pool, cls, draws, rng)
     p = float((1 + np.sum(exact_max_sd >= run_max_sd)) / (1 + draws))
     return {"compared": len(used), "run_sets": len(sets), "draws": int(draws),
             "mean_abs_pct": float(np.median(np.concatenate(means))),
@@ -145,18 +145,18 @@ def noise_floor(rows: Sequence[dict], draws: int = DRAWS, seed: int = SEED) -> d
             "run_max_sd": run_max_sd, "p": p, "beyond": p < BEYOND_P}
 
 
-def _exact_models_max_sd(set_runs: list[int], c_n: np.ndarray, pool: np.ndarray,
+def _exact_models_max_sd(n: np.ndarray, c_n: np.ndarray, pool: np.ndarray,
                          cls: np.ndarray, draws: int, rng: np.random.Generator) -> np.ndarray:
     """[draws] the largest studentized miss of exact models: each set's n runs drawn N(0, 1),
-    its mean's miss over its class's sd pooled from the drawn ranges, / sqrt(n)."""
-    widest = max(set_runs)
-    n = np.array(set_runs)
+    its mean's miss over its class's sd pooled from the drawn ranges, / sqrt(n). n: [sets]
+    runs per set."""
+    widest = int(n.max())
     absent = np.arange(widest)[None, :] >= n[:, None]  # [sets, widest] runs a set lacks
-    block = max(1, _DRAW_BLOCK_VALUES // (len(set_runs) * widest))
+    block = max(1, _DRAW_BLOCK_VALUES // (len(n) * widest))
     out = []
     for start in range(0, draws, block):
         k = min(block, draws - start)
-        x = rng.standard_normal((k, len(set_runs), widest))
+        x = rng.standard_normal((k, len(n), widest))
         mean = np.where(absent, 0.0, x).sum(axis=2) / n
         rng_ = np.where(absent, -np.inf, x).max(axis=2) - np.where(absent, np.inf, x).min(axis=2)
         sd_class = np.sqrt((np.square(rng_) / c_n) @ pool)  # [k, classes]
