@@ -21,6 +21,16 @@ Config = EmulateConfig
 
 
 def run(cfg: EmulateConfig) -> list[dict]:
+    from kvsim.core.wakeup_latency import held_wakeup_latency, report_unheld
+
+    cfg.validate()
+    # the host's CPUs held awake while it serves (kvsim.core.wakeup_latency)
+    with held_wakeup_latency(cfg.transport.cpu_wakeup_us) as hold:
+        report_unheld("kvsim serve", hold, cfg.transport.cpu_wakeup_us)
+        return _serve(cfg, hold.held_us)
+
+
+def _serve(cfg: EmulateConfig, wakeup_held_us: int | None) -> list[dict]:
     import torch
 
     from kvsim.transport import session
@@ -28,7 +38,6 @@ def run(cfg: EmulateConfig) -> list[dict]:
     from kvsim.transport.memory import retain_freed_memory
     from kvsim.transport.receiver import Receiver
 
-    cfg.validate()
     pin_listed(cfg.transport.cpus)  # before any thread starts: every later one inherits it
     retain_freed_memory("serve")  # before threads start: one arena, memory kept
     torch.set_num_threads(cfg.transport.threads)
@@ -41,7 +50,7 @@ def run(cfg: EmulateConfig) -> list[dict]:
     metrics = TransportMetrics("serve")
     rx = Receiver(session.receiver_settings(cfg, cfg.transport.bind),
                   session.decoder_factory(cfg, mode, lm),
-                  session.row_builder(mode, device),
+                  session.row_builder(mode, device, wakeup_held_us),
                   check_hello=session.hello_checker(
                       cfg, mode, None if lm is None else int(lm.model.config.vocab_size)),
                   metrics=metrics)

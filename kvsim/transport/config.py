@@ -76,6 +76,10 @@ class TransportConfig:
     # the rest, as a disaggregated deployment gives each side its own (kvsim.transport.cpus)
     split_cpus: bool = False
     cpus: str = ""  # kvsim serve / send: pin this process to these CPUs ("1", "0-3,6"; "": all)
+    # kvsim serve / send: hold every CPU of the host to wake within this many us while they
+    # run (Linux PM QoS, root; kvsim.core.wakeup_latency): a decode step after an idle wait
+    # otherwise runs slower. -1: leave the host's idle states as they are
+    cpu_wakeup_us: int = 0
     max_requests: int = 0  # kvsim serve: exit after this many requests (0: until Ctrl-C)
     idle_exit_s: float = 0.0  # kvsim serve: exit after this long with nothing to do (0: never)
     endpoint_file: str = ""  # kvsim serve: write the bound endpoint here (for scripts)
@@ -109,6 +113,9 @@ class TransportConfig:
         for key in ("port", "metrics_port"):
             if not 0 <= getattr(self, key) < 65536:
                 raise ValueError(f"transport.{key} must be in 0..65535, got {getattr(self, key)}")
+        if self.cpu_wakeup_us < -1:
+            raise ValueError(f"transport.cpu_wakeup_us must be >= 0 (us), or -1 to leave the "
+                             f"host's idle states, got {self.cpu_wakeup_us}")
         from kvsim.transport.cpus import parse_cpus
 
         parse_cpus(self.cpus)  # a malformed list fails here, before anything starts

@@ -35,6 +35,7 @@ def send_all(cfg: EmulateConfig, metrics_port: int | None = None, kernel_threads
     import torch
 
     from kvsim.core.gc_freeze import frozen_heap
+    from kvsim.core.wakeup_latency import held_wakeup_latency, report_unheld
     from kvsim.transport import protocol as P
     from kvsim.transport import session
     from kvsim.transport.memory import retain_freed_memory
@@ -57,8 +58,9 @@ def send_all(cfg: EmulateConfig, metrics_port: int | None = None, kernel_threads
               file=sys.stderr)
     try:
         # this process's objects out of the collector's passes while it sends
-        # (kvsim.core.gc_freeze)
-        with frozen_heap():
+        # (kvsim.core.gc_freeze), the host's CPUs held awake (kvsim.core.wakeup_latency)
+        with frozen_heap(), held_wakeup_latency(t.cpu_wakeup_us) as hold:
+            report_unheld("kvsim send", hold, t.cpu_wakeup_us)
             for variant, batch in enumerate(session.outgoing_requests(cfg, lm, resume)):
                 sender = Sender(t.connect, session.limiter_for(cfg), cfg.link.scheduling,
                                 t.timeout_s, t.heartbeat_s, t.max_queued_bytes,

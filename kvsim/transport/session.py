@@ -564,16 +564,18 @@ def hello_checker(cfg: EmulateConfig, mode: str, vocab_size: int | None = None):
     return check
 
 
-def row_builder(mode: str, device: Any = None):
-    """Each request's row, naming this decode node's host and the device its caches were
-    dequantized to and decoded on (a torch.device; None: the CPU)."""
+def row_builder(mode: str, device: Any = None, wakeup_held_us: int | None = None):
+    """Each request's row, naming this decode node's host, the device its caches were
+    dequantized to and decoded on (a torch.device; None: the CPU) and the wake-up latency
+    its CPUs were held to (us; None: not held, kvsim.core.wakeup_latency)."""
     from kvsim.core.device import device_label
 
     where = device_label(device) if device is not None else "cpu"
 
     def build(asm: Assembly, hello: dict, result: Any, error: str) -> dict:
-        return emulated_row(asm, hello, result, error, {"decode": mode, "host": os.uname()[1],
-                                                        "decode_device": where})
+        return emulated_row(asm, hello, result, error, {
+            "decode": mode, "host": os.uname()[1], "decode_device": where,
+            "cpu_wakeup_held_us": wakeup_held_us})
     return build
 
 
