@@ -464,15 +464,17 @@ def test_the_later_paced_runs_simulated_again_on_each_scenarios_step(
     ("2026-12-06-heldout-3", 108, 40, 2.09, 9.89,
      {"token-bucket": (2.95, 9), "tc": (2.65, 11)}),
     ("2026-12-06-full-4", 324, 156, 1.28, 10.69,
-     {"token-bucket": (2.25, 14), "tc": (2.30, 15)})])
+     {"token-bucket": (2.25, 14), "tc": (2.30, 15)}),
+    ("2026-12-06-heldout-4", 108, 40, 1.61, 7.39,
+     {"token-bucket": (2.75, 15), "tc": (2.80, 15)})])
 def test_the_shipped_runs_with_the_draft_fit_on_every_step(name, compared, run_sets, mean_pct,
                                                            worst_pct, fits, tmp_path,
                                                            no_emulation):
-    """data/fidelity/<name> (calibrate=true, heldout-3 at 00f9ca0, full-4 at f966652; the
-    step level held in both): its figures again, as run and with each scenario's own step,
-    as its README gives them; each link's draft fit matched every calibration request's
-    draft steps (more step ends than requests), and fitted again on the windows it kept,
-    gives the profile's values."""
+    """data/fidelity/<name> (calibrate=true, heldout-3 at 00f9ca0, full-4 at f966652,
+    heldout-4 at b082159 with the CPUs held awake; the step level held in each): its figures
+    again, as run and with each scenario's own step, as its README gives them; each link's
+    draft fit matched every calibration request's draft steps (more step ends than
+    requests), and fitted again on the windows it kept, gives the profile's values."""
     from kvsim.calibrate.draft_ingest import DraftWindow
     from kvsim.calibrate.draft_ingest import fit as draft_fit
     from kvsim.scenario.link_profile import load_link_profile
