@@ -99,3 +99,34 @@ def test_the_decode_hosts_rows_say_what_was_held(tmp_path, latency_us):
     held = latency_us == 0 and _can_hold()
     assert row["cpu_wakeup_held_us"] == (0 if held else None)
     assert ("CPUs not held awake" in proc.stderr) == (latency_us == 0 and not held)
+
+
+def _scenario(run_dir, name, measured):
+    path = run_dir / "scenarios" / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"measured": measured, "simulated": []}))
+
+
+def test_a_validation_says_whether_its_requests_ran_with_the_cpus_held(tmp_path):
+    """The validation's summary counts the emulated requests whose decode host held the
+    CPUs (a row of repeats counts its requests), and its line says so, or how many ran
+    without; rows from before the field say nothing."""
+    from kvsim.fidelity.validation import _cpu_wakeup, _cpu_wakeup_line
+
+    _scenario(tmp_path, "single-a", [{"requests": 2, "cpu_wakeup_held_us": 0},
+                                     {"requests": 2, "cpu_wakeup_held_us": 0}])
+    _scenario(tmp_path, "multi-b", [{"requests": 8, "cpu_wakeup_held_us": 0}])
+    held = _cpu_wakeup(tmp_path)
+    assert held == {"requests": 12, "held": 12, "held_us": [0], "not_recorded": 0}
+    assert _cpu_wakeup_line(held) == \
+        "CPUs held awake (wake-up latency 0 us) under all 12 emulated requests"
+    _scenario(tmp_path, "single-c", [{"requests": 2, "cpu_wakeup_held_us": None},
+                                     {"status": "refused"}])  # a sender's own row
+    some = _cpu_wakeup(tmp_path)
+    assert some == {"requests": 15, "held": 12, "held_us": [0], "not_recorded": 1}
+    assert _cpu_wakeup_line(some).startswith(
+        "CPUs not held awake under 2 of 14 emulated requests")
+    old = tmp_path / "old"
+    _scenario(old, "single-a", [{"requests": 2}])
+    assert _cpu_wakeup_line(_cpu_wakeup(old)) is None
+    assert _cpu_wakeup_line(None) is None

@@ -454,7 +454,8 @@ def validate(cfg: Config) -> dict:
     return _conclude(cfg, rows, run_dir, profiles,
                      {"notes": notes, "drift": drift.as_dict() if drift else None,
                       "probe_after": after.as_dict() if after else None,
-                      "host_load": _host_load_summary(host_load, rows)},
+                      "host_load": _host_load_summary(host_load, rows),
+                      "cpu_wakeup": _cpu_wakeup(run_dir)},
                      started, distributions)
 
 
@@ -744,7 +745,8 @@ def _resimulate(cfg: Config) -> dict:
     return _conclude(cfg, rows, run_dir, profiles, {
         "notes": notes, "measured_from": str(report_path),
         "measured_provenance": provenance,
-        "measured_host_load": saved_summary.get("host_load")}, started, distributions)
+        "measured_host_load": saved_summary.get("host_load"),
+        "cpu_wakeup": saved_summary.get("cpu_wakeup")}, started, distributions)
 
 
 def _saved_drift(report: dict, profiles: Any, run_dir: Path, other: bool = False) -> Any:
@@ -897,6 +899,37 @@ def _conclude(cfg: Config, rows: list[dict], run_dir: Path, profiles: Any, extra
     return {"rows": rows, **{k: summary[k] for k in ("mean_abs_pct_error",
                                                       "max_abs_pct_error")},
             "fidelity": summary, "distributions": distributions}
+
+
+def _cpu_wakeup(run_dir: Path) -> dict:
+    """Whether the decode hosts held the CPUs awake (kvsim.core.wakeup_latency), over every
+    emulated request of the scenarios kept under run_dir (a re-simulation takes the saved
+    run's summary instead): {"requests", "held": how many, "held_us": the latencies held,
+    "not_recorded": rows without the field (a sender's own row, or a run from before it)}."""
+    held_us: set[int] = set()
+    held = requests = not_recorded = 0
+    for path in sorted((run_dir / "scenarios").glob("*.json")):
+        for row in json.loads(path.read_text()).get("measured") or []:
+            requests += int(row.get("requests") or 1)
+            if "cpu_wakeup_held_us" not in row:
+                not_recorded += int(row.get("requests") or 1)
+            elif row["cpu_wakeup_held_us"] is not None:
+                held += int(row.get("requests") or 1)
+                held_us.add(int(row["cpu_wakeup_held_us"]))
+    return {"requests": requests, "held": held, "held_us": sorted(held_us),
+            "not_recorded": not_recorded}
+
+
+def _cpu_wakeup_line(wakeup: Any) -> str | None:
+    """One line on the CPUs' idle states under the emulated requests (None: not recorded)."""
+    if not isinstance(wakeup, dict) or wakeup.get("requests", 0) == wakeup.get("not_recorded"):
+        return None
+    n, held = wakeup["requests"] - wakeup["not_recorded"], wakeup["held"]
+    if held == n:
+        return (f"CPUs held awake (wake-up latency {'/'.join(map(str, wakeup['held_us']))} us) "
+                f"under all {n} emulated requests")
+    return (f"CPUs not held awake under {n - held} of {n} emulated requests (the decode host "
+            "said why): a decode step after an idle wait may have run slower")
 
 
 def _level_from_scenario(rows: list[dict]) -> bool:
@@ -1295,6 +1328,9 @@ def _print(rows: list[dict], summary: dict, distributions: list[dict]) -> None:
         print(_host_load_line(summary["host_load"]))
     elif "measured_host_load" in summary:
         print(_host_load_line(summary["measured_host_load"], "the measured run"))
+    wakeup = _cpu_wakeup_line(summary.get("cpu_wakeup"))
+    if wakeup:
+        print(wakeup)
     cases = summary.get("by_case") or {}
     if len(cases) > 1:
         print("by case: " + "; ".join(
