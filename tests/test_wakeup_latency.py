@@ -9,6 +9,7 @@ import os
 import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from test_transport import BASE
@@ -48,17 +49,42 @@ def test_a_hold_that_cannot_be_taken_runs_the_block_and_says_why(tmp_path):
     assert str(missing) in hold.why and "No such file" in hold.why
 
 
+def test_the_blocks_own_error_passes_through_with_its_own_context(tmp_path):
+    """An error inside the block leaves it as raised, the file closed; where the hold could
+    not be taken, the error does not carry the failed open as its context."""
+    qos = tmp_path / "cpu_dma_latency"
+    qos.touch()
+    for path in (qos, tmp_path / "no-such-device"):
+        with pytest.raises(RuntimeError, match="mid-run") as raised, \
+                W.held_wakeup_latency(0, path):
+            raise RuntimeError("mid-run")
+        assert raised.value.__context__ is None
+    assert _fds_on(qos) == 0
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_write_the_device_refuses_is_not_a_hold():
+    with W.held_wakeup_latency(0, Path("/dev/full")) as hold:  # every write: ENOSPC
+        assert hold.held_us is None and "/dev/full" in hold.why
+    assert _fds_on("/dev/full") == 0
+
+
 def test_leave_requests_nothing_and_bad_latencies_are_refused(tmp_path):
     qos = tmp_path / "cpu_dma_latency"
     qos.touch()
     with W.held_wakeup_latency(W.LEAVE, qos) as hold:
         assert hold.held_us is None and "not requested" in hold.why
     assert qos.read_bytes() == b""
-    with pytest.raises(ValueError, match=">= 0 us"), W.held_wakeup_latency(-5, qos):
+    with pytest.raises(ValueError, match=r"0\.\.2147483647 us"), W.held_wakeup_latency(-5, qos):
         pass
-    with pytest.raises(ValueError, match="cpu_wakeup_us must be >= 0"):
-        TransportConfig(cpu_wakeup_us=-2).validate()
+    with pytest.raises(ValueError, match=r"0\.\.2147483647 us"), \
+            W.held_wakeup_latency(2**31, qos):
+        pass
+    for bad in (-2, 2**31):
+        with pytest.raises(ValueError, match="cpu_wakeup_us must be 0..2147483647"):
+            TransportConfig(cpu_wakeup_us=bad).validate()
     TransportConfig(cpu_wakeup_us=-1).validate()
+    TransportConfig(cpu_wakeup_us=2**31 - 1).validate()
 
 
 def test_an_unheld_request_is_reported_once_per_process_and_side(monkeypatch, capsys):
@@ -125,7 +151,7 @@ def test_a_validation_says_whether_its_requests_ran_with_the_cpus_held(tmp_path)
     some = _cpu_wakeup(tmp_path)
     assert some == {"requests": 15, "held": 12, "held_us": [0], "not_recorded": 1}
     assert _cpu_wakeup_line(some).startswith(
-        "CPUs not held awake under 2 of 14 emulated requests")
+        "CPUs not held awake under 2 of 14 emulated requests (transport.cpu_wakeup_us=-1, or")
     old = tmp_path / "old"
     _scenario(old, "single-a", [{"requests": 2}])
     assert _cpu_wakeup_line(_cpu_wakeup(old)) is None

@@ -5,11 +5,12 @@ or let it sleep deeper; a decode step that starts after the receiver waited abou
 for its last bytes runs slower for its first tens of ms. Measured here (a 2-vCPU KVM guest,
 haltpoll idle driver, SmolLM2-135M at 1,536 tokens, one torch thread): a step on a fresh
 cache after 1 s asleep took 20-25 ms more than the later steps (median of 5), after 1 s of
-busy-waiting 5 ms, after 0.3 s asleep 4 ms; a receiver at 0.3 Gbps (token bucket, int8 and
-int4, 32 requests each way, interleaved) had first steps 6.8 ms (median) over its later
-ones, and -0.2 ms while the CPUs were held to wake at once. A disaggregated decode node in
-service does not sit idle between its requests' bytes, so the emulator holds the CPUs awake
-while it times them, as latency benchmarks do (`transport.cpu_wakeup_us`, -1: leave them).
+busy-waiting 5 ms, after 0.3 s asleep 4 ms; `kvsim emulate` at 0.3 Gbps (token bucket, int8
+and int4, 1,536 tokens, 8 requests each way, interleaved) had its first steps 14.0 ms
+(median) over their later ones left alone, and 2.1 ms with the CPUs held to wake at once.
+A disaggregated decode node in service does not sit idle between its requests' bytes, so the
+emulator holds the CPUs awake while it times them, as latency benchmarks do
+(`transport.cpu_wakeup_us`, -1: leave them).
 
 Linux PM QoS: a process that keeps /dev/cpu_dma_latency open with a 32-bit latency (us)
 written to it keeps every CPU out of idle states that take longer to leave; the request
@@ -29,6 +30,7 @@ from pathlib import Path
 
 PM_QOS_PATH = Path("/dev/cpu_dma_latency")
 LEAVE = -1  # cpu_wakeup_us: do not request anything
+MAX_US = 2**31 - 1  # the kernel reads a signed 32-bit int
 
 
 @dataclass(frozen=True)
@@ -48,12 +50,17 @@ def held_wakeup_latency(latency_us: int, path: Path = PM_QOS_PATH) -> Iterator[W
     if latency_us == LEAVE:
         yield WakeupHold(None, "not requested (cpu_wakeup_us=-1)")
         return
-    if latency_us < 0:
-        raise ValueError(f"a wake-up latency is >= 0 us (or -1: leave it), got {latency_us}")
+    if not 0 <= latency_us <= MAX_US:
+        raise ValueError(f"a wake-up latency is 0..{MAX_US} us (or -1: leave it), got "
+                         f"{latency_us}")
+    why = ""
     try:
         fd = os.open(path, os.O_WRONLY)
     except OSError as exc:
-        yield WakeupHold(None, f"{path}: {exc.strerror or exc}")
+        fd, why = -1, f"{path}: {exc.strerror or exc}"
+    if fd < 0:
+        # yielded outside the handler, so that the block's own errors do not carry this one
+        yield WakeupHold(None, why)
         return
     try:
         try:

@@ -746,7 +746,8 @@ def _resimulate(cfg: Config) -> dict:
         "notes": notes, "measured_from": str(report_path),
         "measured_provenance": provenance,
         "measured_host_load": saved_summary.get("host_load"),
-        "cpu_wakeup": saved_summary.get("cpu_wakeup")}, started, distributions)
+        "measured_cpu_wakeup": saved_summary.get(
+            "cpu_wakeup", saved_summary.get("measured_cpu_wakeup"))}, started, distributions)
 
 
 def _saved_drift(report: dict, profiles: Any, run_dir: Path, other: bool = False) -> Any:
@@ -928,8 +929,9 @@ def _cpu_wakeup_line(wakeup: Any) -> str | None:
     if held == n:
         return (f"CPUs held awake (wake-up latency {'/'.join(map(str, wakeup['held_us']))} us) "
                 f"under all {n} emulated requests")
-    return (f"CPUs not held awake under {n - held} of {n} emulated requests (the decode host "
-            "said why): a decode step after an idle wait may have run slower")
+    return (f"CPUs not held awake under {n - held} of {n} emulated requests "
+            "(transport.cpu_wakeup_us=-1, or the decode host could not take the hold and said "
+            "why): a decode step after an idle wait may have run slower")
 
 
 def _level_from_scenario(rows: list[dict]) -> bool:
@@ -1328,7 +1330,7 @@ def _print(rows: list[dict], summary: dict, distributions: list[dict]) -> None:
         print(_host_load_line(summary["host_load"]))
     elif "measured_host_load" in summary:
         print(_host_load_line(summary["measured_host_load"], "the measured run"))
-    wakeup = _cpu_wakeup_line(summary.get("cpu_wakeup"))
+    wakeup = _cpu_wakeup_line(summary.get("cpu_wakeup", summary.get("measured_cpu_wakeup")))
     if wakeup:
         print(wakeup)
     cases = summary.get("by_case") or {}

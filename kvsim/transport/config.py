@@ -113,9 +113,9 @@ class TransportConfig:
         for key in ("port", "metrics_port"):
             if not 0 <= getattr(self, key) < 65536:
                 raise ValueError(f"transport.{key} must be in 0..65535, got {getattr(self, key)}")
-        if self.cpu_wakeup_us < -1:
-            raise ValueError(f"transport.cpu_wakeup_us must be >= 0 (us), or -1 to leave the "
-                             f"host's idle states, got {self.cpu_wakeup_us}")
+        if not -1 <= self.cpu_wakeup_us < 2**31:  # the kernel reads a signed 32-bit int
+            raise ValueError(f"transport.cpu_wakeup_us must be 0..{2**31 - 1} (us), or -1 to "
+                             f"leave the host's idle states, got {self.cpu_wakeup_us}")
         from kvsim.transport.cpus import parse_cpus
 
         parse_cpus(self.cpus)  # a malformed list fails here, before anything starts

@@ -397,7 +397,8 @@ def _decode_side(cfg: EmulateConfig) -> dict:
     return {"link": "tc" if t.emulation == "tc" else "loopback",
             "model": dataclasses.asdict(cfg.model), "hardware": dataclasses.asdict(cfg.hardware),
             "device": cfg.device, "decode": session.decode_mode(cfg), "threads": t.threads,
-            "split_cpus": t.split_cpus, "acceptance": cfg.speculative.acceptance,
+            "split_cpus": t.split_cpus, "cpu_wakeup_us": t.cpu_wakeup_us,
+            "acceptance": cfg.speculative.acceptance,
             "seed": cfg.seed, "receiver": receive, "prefix_cache":
                 dataclasses.asdict(cfg.prefix_cache),
             "instances": (w.decode_nodes, w.decode_max_batch, w.routing)}
