@@ -34,7 +34,7 @@ def test_the_request_is_written_and_held_while_the_block_runs(tmp_path):
     qos = tmp_path / "cpu_dma_latency"  # a file stands in for the device: it takes writes
     qos.touch()
     with W.held_wakeup_latency(50, qos) as hold:
-        assert hold == W.WakeupHold(50)
+        assert hold == W.WakeupHold(50, 50)
         assert qos.read_bytes() == struct.pack("=i", 50)
         assert _fds_on(qos) == 1  # held open: the kernel drops the request on close
     assert _fds_on(qos) == 0
@@ -45,7 +45,7 @@ def test_a_hold_that_cannot_be_taken_runs_the_block_and_says_why(tmp_path):
     ran = []
     with W.held_wakeup_latency(0, missing) as hold:
         ran.append(1)
-    assert ran and hold.held_us is None
+    assert ran and (hold.requested_us, hold.held_us) == (0, None)
     assert str(missing) in hold.why and "No such file" in hold.why
 
 
@@ -73,7 +73,7 @@ def test_leave_requests_nothing_and_bad_latencies_are_refused(tmp_path):
     qos = tmp_path / "cpu_dma_latency"
     qos.touch()
     with W.held_wakeup_latency(W.LEAVE, qos) as hold:
-        assert hold.held_us is None and "not requested" in hold.why
+        assert hold == W.WakeupHold(W.LEAVE, None, "not requested (cpu_wakeup_us=-1)")
     assert qos.read_bytes() == b""
     with pytest.raises(ValueError, match=r"0\.\.2147483647 us"), W.held_wakeup_latency(-5, qos):
         pass
@@ -89,12 +89,12 @@ def test_leave_requests_nothing_and_bad_latencies_are_refused(tmp_path):
 
 def test_an_unheld_request_is_reported_once_per_process_and_side(monkeypatch, capsys):
     monkeypatch.setattr(W, "_reported", set())
-    unheld = W.WakeupHold(None, "/dev/cpu_dma_latency: Permission denied")
+    unheld = W.WakeupHold(0, None, "/dev/cpu_dma_latency: Permission denied")
     for _ in range(3):  # a validation's sender: once per scenario
-        W.report_unheld("kvsim send", unheld, 0)
-    W.report_unheld("kvsim serve", unheld, 0)
-    W.report_unheld("kvsim serve", W.WakeupHold(0), 0)
-    W.report_unheld("kvsim other", W.WakeupHold(None, "not requested"), W.LEAVE)
+        W.report_unheld("kvsim send", unheld)
+    W.report_unheld("kvsim serve", unheld)
+    W.report_unheld("kvsim serve", W.WakeupHold(0, 0))
+    W.report_unheld("kvsim other", W.WakeupHold(W.LEAVE, None, "not requested"))
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 2
     assert lines[0].startswith("kvsim send: CPUs not held awake (/dev/cpu_dma_latency: "

@@ -26,7 +26,7 @@ def run(cfg: EmulateConfig) -> list[dict]:
     cfg.validate()
     # the host's CPUs held awake while it serves (kvsim.core.wakeup_latency)
     with held_wakeup_latency(cfg.transport.cpu_wakeup_us) as hold:
-        report_unheld("kvsim serve", hold, cfg.transport.cpu_wakeup_us)
+        report_unheld("kvsim serve", hold)
         return _serve(cfg, hold.held_us)
 
 

@@ -35,9 +35,11 @@ MAX_US = 2**31 - 1  # the kernel reads a signed 32-bit int
 
 @dataclass(frozen=True)
 class WakeupHold:
-    """What `held_wakeup_latency` got: held_us, the latency (us) every CPU is held to while
-    it lasts, or None with `why` it is not held."""
+    """What `held_wakeup_latency` got for the latency it was asked (requested_us; LEAVE:
+    nothing): held_us, the latency (us) every CPU is held to while it lasts, or None with
+    `why` it is not held."""
 
+    requested_us: int
     held_us: int | None
     why: str = ""
 
@@ -48,7 +50,7 @@ def held_wakeup_latency(latency_us: int, path: Path = PM_QOS_PATH) -> Iterator[W
     runs; LEAVE (-1) requests nothing. Never raises for a hold it cannot take: the block
     runs anyway, told why (the caller reports it)."""
     if latency_us == LEAVE:
-        yield WakeupHold(None, "not requested (cpu_wakeup_us=-1)")
+        yield WakeupHold(LEAVE, None, "not requested (cpu_wakeup_us=-1)")
         return
     if not 0 <= latency_us <= MAX_US:
         raise ValueError(f"a wake-up latency is 0..{MAX_US} us (or -1: leave it), got "
@@ -60,15 +62,15 @@ def held_wakeup_latency(latency_us: int, path: Path = PM_QOS_PATH) -> Iterator[W
         fd, why = -1, f"{path}: {exc.strerror or exc}"
     if fd < 0:
         # yielded outside the handler, so that the block's own errors do not carry this one
-        yield WakeupHold(None, why)
+        yield WakeupHold(latency_us, None, why)
         return
     try:
         try:
             os.write(fd, struct.pack("=i", latency_us))  # native 32-bit int, as the kernel reads
         except OSError as exc:
-            hold = WakeupHold(None, f"{path}: {exc.strerror or exc}")
+            hold = WakeupHold(latency_us, None, f"{path}: {exc.strerror or exc}")
         else:
-            hold = WakeupHold(latency_us)
+            hold = WakeupHold(latency_us, latency_us)
         yield hold
     finally:
         os.close(fd)  # the request ends with the file
@@ -77,10 +79,10 @@ def held_wakeup_latency(latency_us: int, path: Path = PM_QOS_PATH) -> Iterator[W
 _reported: set[str] = set()
 
 
-def report_unheld(who: str, hold: WakeupHold, latency_us: int) -> None:
+def report_unheld(who: str, hold: WakeupHold) -> None:
     """One line on stderr, once per process and `who`, where a requested hold was not taken
     (a validation's sender runs once per scenario)."""
-    if hold.held_us is not None or latency_us == LEAVE or who in _reported:
+    if hold.held_us is not None or hold.requested_us == LEAVE or who in _reported:
         return
     _reported.add(who)
     print(f"{who}: CPUs not held awake ({hold.why}; transport.cpu_wakeup_us=-1 leaves "

@@ -60,7 +60,7 @@ def send_all(cfg: EmulateConfig, metrics_port: int | None = None, kernel_threads
         # this process's objects out of the collector's passes while it sends
         # (kvsim.core.gc_freeze), the host's CPUs held awake (kvsim.core.wakeup_latency)
         with frozen_heap(), held_wakeup_latency(t.cpu_wakeup_us) as hold:
-            report_unheld("kvsim send", hold, t.cpu_wakeup_us)
+            report_unheld("kvsim send", hold)
             for variant, batch in enumerate(session.outgoing_requests(cfg, lm, resume)):
                 sender = Sender(t.connect, session.limiter_for(cfg), cfg.link.scheduling,
                                 t.timeout_s, t.heartbeat_s, t.max_queued_bytes,
