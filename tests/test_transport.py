@@ -249,7 +249,8 @@ def test_sender_gives_a_credit_held_message_the_time_it_found_credit():
 def test_a_residual_waits_for_a_small_window_while_its_anchor_is_being_encoded():
     """A later stream's chunk goes into the shaper's FIFO ahead of the anchor chunks encoded
     after it: while its request's encoder runs it gets link rate x in_flight_ms (no 1 MiB
-    floor); the anchor, and the residual once every chunk is released, the full cap."""
+    floor); the anchor, and the residual once every chunk is released, the full cap. The
+    token bucket has no queue below the sender: the receiver's whole window."""
     from types import SimpleNamespace
 
     from kvsim.transport.scheduler import QueuedChunk
@@ -263,7 +264,9 @@ def test_a_residual_waits_for_a_small_window_while_its_anchor_is_being_encoded()
         cfg.transport.window_bytes
     bucket = config("transport.emulation=token_bucket", "link.bandwidth_gbps=0.1")
     assert session.behind_in_flight_bytes(bucket) == session.max_in_flight_bytes(bucket) == \
-        1 << 20  # no queue below the sender: the full cap
+        bucket.transport.window_bytes  # no queue below the sender: the receiver's window
+    fast_bucket = config("transport.emulation=token_bucket", "link.bandwidth_gbps=10")
+    assert session.max_in_flight_bytes(fast_bucket) == fast_bucket.transport.window_bytes
     sender = Sender("tcp://127.0.0.1:1", Unlimited(), max_in_flight_bytes=1 << 20,
                     behind_in_flight_bytes=125_000)
     accepted = threading.Event()

@@ -194,10 +194,18 @@ def _in_flight_ms_bytes(cfg: EmulateConfig) -> float:
 
 
 def max_in_flight_bytes(cfg: EmulateConfig) -> int:
-    """The sender's cap on unacknowledged bytes: link rate x transport.in_flight_ms, at least
-    1 MiB (a few chunks, so ACK latency does not throttle the link), at most the window."""
+    """The sender's cap on unacknowledged bytes. Over `tc`: link rate x
+    transport.in_flight_ms, at least 1 MiB (a few chunks, so ACK latency does not throttle
+    the link), at most the window: what is in flight sits in the shaper's FIFO queue ahead
+    of any chunk sent later, a better one included. The token bucket hands a chunk to the
+    socket only once it has crossed the emulated link, so what it has in flight is ahead of
+    nothing: the receiver's whole window. (A 10 ms cap there idled the link whenever the
+    receiver, sharing the host's two cores with the sender and the decoder, acknowledged
+    late: lynx at 1 Gbps and 2048 tokens had its last byte in 228 ms after prefill end,
+    median of 8, against 222 ms with the window, where the link allows 221; CHANGELOG.md.)
+    """
     t = cfg.transport
-    if not t.in_flight_ms or t.emulation == "none":
+    if not t.in_flight_ms or t.emulation != "tc":
         return t.window_bytes
     return int(min(t.window_bytes, max(1 << 20, _in_flight_ms_bytes(cfg))))
 
@@ -206,8 +214,8 @@ def behind_in_flight_bytes(cfg: EmulateConfig) -> int:
     """The sender's cap on unacknowledged bytes when the next chunk is a later stream's
     (a residual) and its request is still being encoded (Sender's behind_in_flight_bytes):
     over `tc`, link rate x transport.in_flight_ms without max_in_flight_bytes' 1 MiB floor,
-    so a residual in the shaper's FIFO queue holds the anchor back at most that long. The
-    token bucket has no such queue (a chunk is sent once it has crossed): the full cap."""
+    so a residual in the shaper's FIFO queue holds the anchor back at most that long.
+    Elsewhere (no queue below the sender): the full cap."""
     full = max_in_flight_bytes(cfg)
     if not cfg.transport.in_flight_ms or cfg.transport.emulation != "tc":
         return full
