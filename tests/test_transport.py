@@ -246,11 +246,24 @@ def test_sender_gives_a_credit_held_message_the_time_it_found_credit():
     assert later[2] >= sum(res.chunks) // 5, later
 
 
+def test_the_token_bucket_sender_may_use_the_receivers_whole_window():
+    """The token bucket sends a chunk once it has crossed: nothing it has in flight is ahead
+    of a later chunk, so its cap is the receiver's window (not rate x in_flight_ms), for
+    every chunk and at every rate; over tc at the same rate the cap stays rate-bound."""
+    for gbps in ("0.1", "1", "10"):
+        bucket = config("transport.emulation=token_bucket", f"link.bandwidth_gbps={gbps}",
+                        "transport.window_bytes=5000000")
+        assert session.max_in_flight_bytes(bucket) == 5_000_000
+        assert session.behind_in_flight_bytes(bucket) == 5_000_000
+    shaped = config("transport.emulation=tc", "link.bandwidth_gbps=1",
+                    "transport.window_bytes=5000000")
+    assert session.max_in_flight_bytes(shaped) == 1_250_000  # 1 Gbps x 10 ms
+
+
 def test_a_residual_waits_for_a_small_window_while_its_anchor_is_being_encoded():
     """A later stream's chunk goes into the shaper's FIFO ahead of the anchor chunks encoded
     after it: while its request's encoder runs it gets link rate x in_flight_ms (no 1 MiB
-    floor); the anchor, and the residual once every chunk is released, the full cap. The
-    token bucket has no queue below the sender: the receiver's whole window."""
+    floor); the anchor, and the residual once every chunk is released, the full cap."""
     from types import SimpleNamespace
 
     from kvsim.transport.scheduler import QueuedChunk
@@ -262,11 +275,6 @@ def test_a_residual_waits_for_a_small_window_while_its_anchor_is_being_encoded()
     assert session.behind_in_flight_bytes(fast) == session.max_in_flight_bytes(fast)
     assert session.behind_in_flight_bytes(config("transport.emulation=none")) == \
         cfg.transport.window_bytes
-    bucket = config("transport.emulation=token_bucket", "link.bandwidth_gbps=0.1")
-    assert session.behind_in_flight_bytes(bucket) == session.max_in_flight_bytes(bucket) == \
-        bucket.transport.window_bytes  # no queue below the sender: the receiver's window
-    fast_bucket = config("transport.emulation=token_bucket", "link.bandwidth_gbps=10")
-    assert session.max_in_flight_bytes(fast_bucket) == fast_bucket.transport.window_bytes
     sender = Sender("tcp://127.0.0.1:1", Unlimited(), max_in_flight_bytes=1 << 20,
                     behind_in_flight_bytes=125_000)
     accepted = threading.Event()

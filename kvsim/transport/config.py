@@ -30,11 +30,9 @@ class TransportConfig:
     timeout_s: float = 30.0  # a peer silent this long is declared lost
     heartbeat_s: float = 0.5  # idle peers say they are alive this often
     window_bytes: int = 16777216  # credit: unprocessed bytes a sender may have in flight
-    # over tc the sender keeps at most link rate x in_flight_ms in flight (>= 1 MiB,
-    # <= window_bytes; no floor for a later stream's chunk while its request is still being
-    # encoded): bytes in the shaper's queue are past the scheduler, so priority holds only
-    # for what is not yet sent (0: window_bytes). The token bucket sends a chunk once it has
-    # crossed, so nothing in flight is ahead of a later chunk: it keeps window_bytes
+    # over tc the sender keeps at most link rate x in_flight_ms unacknowledged: what is in
+    # the shaper's queue is past the scheduler (0: window_bytes; the token bucket keeps
+    # window_bytes: kvsim.transport.session.max_in_flight_bytes)
     in_flight_ms: float = 10.0
     max_queued_bytes: int = 268435456  # encoded chunks waiting for the link (backpressure)
     max_request_bytes: int = 8589934592  # kvsim serve refuses larger (bf16) caches

@@ -111,9 +111,9 @@ class Sender:
                  residual_age_s: float = 1.0, keys: str = "", insecure: bool = False,
                  metrics: Any = None, prefill: PrefillInstances | None = None,
                  kernel_threads: int = 0, behind_in_flight_bytes: int | None = None) -> None:
-        """max_in_flight_bytes caps the receiver's credit window: bytes in socket buffers
-        and a shaper's queue are beyond the scheduler's reach, so on a shaped link keep it
-        near the link's rate x a few ms or the priority order is lost on the wire.
+        """max_in_flight_bytes caps the receiver's credit window: bytes in a shaper's queue
+        (`tc`) are beyond the scheduler's reach, so over one keep it near the link's rate x
+        a few ms or the priority order is lost on the wire (kvsim.transport.session).
         behind_in_flight_bytes (None: the same cap): the cap for a chunk of a later stream
         (a residual) while its request's encoder still releases chunks. The link loop sends
         it when no earlier stream's chunk is released yet, as the simulator's link does,

@@ -193,19 +193,24 @@ def _in_flight_ms_bytes(cfg: EmulateConfig) -> float:
     return cfg.link.bandwidth_gbps / t.time_scale * 1e9 / 8 * t.in_flight_ms / 1e3
 
 
+def _queued_below(cfg: EmulateConfig) -> bool:
+    """Whether what the sender has in flight waits in a queue ahead of the chunks it sends
+    later: over `tc`, the shaper's FIFO. The token bucket hands a chunk to the socket once
+    it has crossed the emulated link (less `burst_bytes`' lead), so, on a path faster than
+    its rate (loopback; a `kvsim send` to a remote host over a slower network queues there
+    too), what it has in flight is ahead of nothing; an unshaped link has no rate to keep."""
+    return bool(cfg.transport.in_flight_ms) and cfg.transport.emulation == "tc"
+
+
 def max_in_flight_bytes(cfg: EmulateConfig) -> int:
-    """The sender's cap on unacknowledged bytes. Over `tc`: link rate x
-    transport.in_flight_ms, at least 1 MiB (a few chunks, so ACK latency does not throttle
-    the link), at most the window: what is in flight sits in the shaper's FIFO queue ahead
-    of any chunk sent later, a better one included. The token bucket hands a chunk to the
-    socket only once it has crossed the emulated link, so what it has in flight is ahead of
-    nothing: the receiver's whole window. (A 10 ms cap there idled the link whenever the
-    receiver, sharing the host's two cores with the sender and the decoder, acknowledged
-    late: lynx at 1 Gbps and 2048 tokens had its last byte in 228 ms after prefill end,
-    median of 8, against 222 ms with the window, where the link allows 221; CHANGELOG.md.)
-    """
+    """The sender's cap on unacknowledged bytes. With a queue below the sender
+    (_queued_below): link rate x transport.in_flight_ms, at least 1 MiB (a few chunks, so
+    ACK latency does not throttle the link), at most the window, so that a better chunk
+    waits behind little. Without one, a shorter cap than the receiver's window would only
+    idle the link whenever the receiver, sharing the host's cores with the sender and the
+    decoder, acknowledges late (CHANGELOG.md, 2026-12-07)."""
     t = cfg.transport
-    if not t.in_flight_ms or t.emulation != "tc":
+    if not _queued_below(cfg):
         return t.window_bytes
     return int(min(t.window_bytes, max(1 << 20, _in_flight_ms_bytes(cfg))))
 
@@ -215,9 +220,9 @@ def behind_in_flight_bytes(cfg: EmulateConfig) -> int:
     (a residual) and its request is still being encoded (Sender's behind_in_flight_bytes):
     over `tc`, link rate x transport.in_flight_ms without max_in_flight_bytes' 1 MiB floor,
     so a residual in the shaper's FIFO queue holds the anchor back at most that long.
-    Elsewhere (no queue below the sender): the full cap."""
+    Without a queue below the sender: the full cap."""
     full = max_in_flight_bytes(cfg)
-    if not cfg.transport.in_flight_ms or cfg.transport.emulation != "tc":
+    if not _queued_below(cfg):
         return full
     return int(min(full, _in_flight_ms_bytes(cfg)))
 
