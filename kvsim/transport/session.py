@@ -196,9 +196,10 @@ def _in_flight_ms_bytes(cfg: EmulateConfig) -> float:
 def _queued_below(cfg: EmulateConfig) -> bool:
     """Whether what the sender has in flight waits in a queue ahead of the chunks it sends
     later: over `tc`, the shaper's FIFO. The token bucket hands a chunk to the socket once
-    it has crossed the emulated link (less `burst_bytes`' lead), so, on a path faster than
-    its rate (loopback; a `kvsim send` to a remote host over a slower network queues there
-    too), what it has in flight is ahead of nothing; an unshaped link has no rate to keep."""
+    it has crossed the emulated link (less `burst_bytes`' lead), so what it has in flight is
+    ahead of nothing where the path below it is faster than its rate (loopback; a `kvsim
+    send` over a slower network queues there: lower transport.window_bytes for it). An
+    unshaped link has no rate to keep."""
     return bool(cfg.transport.in_flight_ms) and cfg.transport.emulation == "tc"
 
 
