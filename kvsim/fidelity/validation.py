@@ -746,8 +746,7 @@ def _resimulate(cfg: Config) -> dict:
         "notes": notes, "measured_from": str(report_path),
         "measured_provenance": provenance,
         "measured_host_load": saved_summary.get("host_load"),
-        "measured_cpu_wakeup": saved_summary.get(
-            "cpu_wakeup", saved_summary.get("measured_cpu_wakeup"))}, started, distributions)
+        "measured_cpu_wakeup": _summary_cpu_wakeup(saved_summary)}, started, distributions)
 
 
 def _saved_drift(report: dict, profiles: Any, run_dir: Path, other: bool = False) -> Any:
@@ -919,6 +918,12 @@ def _cpu_wakeup(run_dir: Path) -> dict:
                 held_us.add(int(row["cpu_wakeup_held_us"]))
     return {"requests": requests, "held": held, "held_us": sorted(held_us),
             "not_recorded": not_recorded}
+
+
+def _summary_cpu_wakeup(summary: dict) -> Any:
+    """A summary's wake-up count (_cpu_wakeup): its own run's, or, for a re-simulation, the
+    measured run's (None where neither is recorded)."""
+    return summary.get("cpu_wakeup", summary.get("measured_cpu_wakeup"))
 
 
 def _cpu_wakeup_line(wakeup: Any) -> str | None:
@@ -1330,7 +1335,7 @@ def _print(rows: list[dict], summary: dict, distributions: list[dict]) -> None:
         print(_host_load_line(summary["host_load"]))
     elif "measured_host_load" in summary:
         print(_host_load_line(summary["measured_host_load"], "the measured run"))
-    wakeup = _cpu_wakeup_line(summary.get("cpu_wakeup", summary.get("measured_cpu_wakeup")))
+    wakeup = _cpu_wakeup_line(_summary_cpu_wakeup(summary))
     if wakeup:
         print(wakeup)
     cases = summary.get("by_case") or {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvsim.core.checks import check_choice, check_number
+from kvsim.core.wakeup_latency import LEAVE, MAX_US
 from kvsim.scenario.config import SimConfig
 
 EMULATIONS = ("token_bucket", "tc", "none")
@@ -112,8 +113,8 @@ class TransportConfig:
         for key in ("port", "metrics_port"):
             if not 0 <= getattr(self, key) < 65536:
                 raise ValueError(f"transport.{key} must be in 0..65535, got {getattr(self, key)}")
-        if not -1 <= self.cpu_wakeup_us < 2**31:  # the kernel reads a signed 32-bit int
-            raise ValueError(f"transport.cpu_wakeup_us must be 0..{2**31 - 1} (us), or -1 to "
+        if not LEAVE <= self.cpu_wakeup_us <= MAX_US:
+            raise ValueError(f"transport.cpu_wakeup_us must be 0..{MAX_US} (us), or {LEAVE} to "
                              f"leave the host's idle states, got {self.cpu_wakeup_us}")
         from kvsim.transport.cpus import parse_cpus
 

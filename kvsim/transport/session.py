@@ -193,9 +193,10 @@ def _in_flight_ms_bytes(cfg: EmulateConfig) -> float:
     return cfg.link.bandwidth_gbps / t.time_scale * 1e9 / 8 * t.in_flight_ms / 1e3
 
 
-def _queued_below(cfg: EmulateConfig) -> bool:
-    """Whether what the sender has in flight waits in a queue ahead of the chunks it sends
-    later: over `tc`, the shaper's FIFO. The token bucket hands a chunk to the socket once
+def _rate_capped(cfg: EmulateConfig) -> bool:
+    """Whether the sender keeps link rate x transport.in_flight_ms unacknowledged (a setting
+    of 0 turns it off): over `tc`, where what it has in flight waits in the shaper's FIFO
+    ahead of the chunks it sends later. The token bucket hands a chunk to the socket once
     it has crossed the emulated link (less `burst_bytes`' lead), so what it has in flight is
     ahead of nothing where the path below it is faster than its rate (loopback; a `kvsim
     send` over a slower network queues there: lower transport.window_bytes for it). An
@@ -204,14 +205,14 @@ def _queued_below(cfg: EmulateConfig) -> bool:
 
 
 def max_in_flight_bytes(cfg: EmulateConfig) -> int:
-    """The sender's cap on unacknowledged bytes. With a queue below the sender
-    (_queued_below): link rate x transport.in_flight_ms, at least 1 MiB (a few chunks, so
-    ACK latency does not throttle the link), at most the window, so that a better chunk
-    waits behind little. Without one, a shorter cap than the receiver's window would only
-    idle the link whenever the receiver, sharing the host's cores with the sender and the
-    decoder, acknowledges late (CHANGELOG.md, 2026-12-07)."""
+    """The sender's cap on unacknowledged bytes. Where rate-capped (_rate_capped): link rate
+    x transport.in_flight_ms, at least 1 MiB (a few chunks, so ACK latency does not throttle
+    the link), at most the window, so that a better chunk waits behind little. Elsewhere
+    nothing in flight is ahead of a later chunk, and a shorter cap than the receiver's window
+    would only idle the link whenever the receiver, sharing the host's cores with the sender
+    and the decoder, acknowledges late (CHANGELOG.md, 2026-12-07)."""
     t = cfg.transport
-    if not _queued_below(cfg):
+    if not _rate_capped(cfg):
         return t.window_bytes
     return int(min(t.window_bytes, max(1 << 20, _in_flight_ms_bytes(cfg))))
 
@@ -221,9 +222,9 @@ def behind_in_flight_bytes(cfg: EmulateConfig) -> int:
     (a residual) and its request is still being encoded (Sender's behind_in_flight_bytes):
     over `tc`, link rate x transport.in_flight_ms without max_in_flight_bytes' 1 MiB floor,
     so a residual in the shaper's FIFO queue holds the anchor back at most that long.
-    Without a queue below the sender: the full cap."""
+    Elsewhere: the full cap."""
     full = max_in_flight_bytes(cfg)
-    if not _queued_below(cfg):
+    if not _rate_capped(cfg):
         return full
     return int(min(full, _in_flight_ms_bytes(cfg)))
 
