@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvsim.calibrate import link_profile as lp
-from kvsim.calibrate.worker_pace import MIN_JOBS, fit, job_samples, pace_entry
+from kvsim.calibrate.worker_pace import MIN_ALONE_JOBS, MIN_JOBS, fit, job_samples, pace_entry
 from kvsim.core.profiles import profile_path
 from kvsim.scenario.codec_timing import CodecTiming
 from kvsim.scenario.link_profile import load_link_profile, worker_pace_for
@@ -69,13 +69,40 @@ def test_the_fit_recovers_known_terms_exactly(truth):
     assert set(np.round(samples.encoder_share, 12)) <= {0.0, 1.0}
     got = fit(samples)
     assert (got.alone, got.encoder, got.ingest) == pytest.approx(truth, abs=1e-9)
-    assert got.jobs == 48 and got.rms_s < 1e-12
+    assert got.jobs == 48 and got.rms_s < 1e-12 and got.alone_jobs == 16
+    # with fewer jobs after both spans than MIN_ALONE_JOBS, one joint fit: as exact here
+    three = fit(job_samples(paced_rows(truth, base_s, requests=3), lambda row: timing,
+                            lambda tokens: 0.0))
+    assert 3 * 4 < MIN_ALONE_JOBS and three.alone_jobs == 0
+    assert (three.alone, three.encoder, three.ingest) == pytest.approx(truth, abs=1e-9)
     entry = pace_entry(rows, lambda row: timing, lambda tokens: 0.0, "smollm2-135m")
     assert entry["model"] == "smollm2-135m" and entry["requests"] == 4
     # too few jobs (12 < MIN_JOBS), or one rate only: no fit
     assert pace_entry(rows[:1], lambda row: timing, lambda tokens: 0.0, "m") is None
     assert pace_entry(rows[0::2], lambda row: timing, lambda tokens: 0.0, "m") is None
     assert len(rows[0::2]) * 12 >= MIN_JOBS
+
+
+def test_alone_is_the_median_of_the_jobs_after_both_spans(monkeypatch):
+    """Two disturbed jobs after both spans (5x as long): `alone` from their median stays
+    exact, and so do the other two terms (those jobs add nothing to their least squares);
+    the joint fit of all three follows the disturbed jobs."""
+    import kvsim.calibrate.worker_pace as wp
+
+    truth, base_s = (0.7, 0.5, 0.4), 0.004
+    timing = CodecTiming(1.0, 1.0, "assumed", layer_job_fixed_s=base_s, layer_job_gb_per_s=1e9,
+                         anchor_layer_job_fixed_s=base_s, anchor_layer_job_gb_per_s=1e9)
+    rows = paced_rows(truth, base_s)
+    for row in rows[:2]:  # each request's last job (after both spans, at 0.8 s)
+        name, process, start, end = row["trace_spans"][-1]
+        row["trace_spans"][-1] = [name, process, start, start + 5 * (end - start)]
+    samples = job_samples(rows, lambda row: timing, lambda tokens: 0.0)
+    got = fit(samples)
+    assert got.alone_jobs == 16
+    assert (got.alone, got.encoder, got.ingest) == pytest.approx(truth, abs=1e-9)
+    monkeypatch.setattr(wp, "MIN_ALONE_JOBS", 10**6)
+    joint = fit(samples)
+    assert joint.alone_jobs == 0 and joint.alone > truth[0] + 0.1
 
 
 def _link(tmp_path, name: str, **fields) -> str:

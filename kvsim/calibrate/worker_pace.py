@@ -20,10 +20,16 @@ during which its request's bytes arrive (from the first send to the last arrival
 extra while bytes arrive is one share, not one per byte: over the full grid's jobs, a term
 in proportion to the arrival rate, fitted at 0.3 Gbps and on lynx at 1 Gbps, put the
 monolithic codecs' jobs at 1 Gbps 19-38% above the measured ones, and a share within 1.4%.
-`fit` finds (alone, encoder, ingest) by non-negative least squares over every on-arrival
-layer job of a link's calibration transfers, at two rates at least (at one, alone and ingest
-are hardly told apart, since nearly every job runs while bytes arrive); the link profile
-keeps them as `worker_pace`. The fit takes E and G as shares of a job's time, the simulator's
+`fit` finds (alone, encoder, ingest) from every on-arrival layer job of a link's calibration
+transfers, at two rates at least (at one, nearly every job runs while bytes arrive); the link
+profile keeps them as `worker_pace`. `alone` is the median of job / codec timing over the
+jobs that run after both spans, where there are MIN_ALONE_JOBS of them, and encoder and
+ingest are then fitted by non-negative least squares with it held. A joint least squares
+of all three lets `alone` take the ingest term's share: nine in ten jobs run while bytes
+arrive, so the sum of squares hardly sees the few jobs that measure `alone`. On the
+calibrations of 2026-12-06/07 it put `alone` at 1.05 with ingest 0.00 where the jobs after
+both spans took 0.77-0.89 of the codec timing (CHANGELOG.md, 2026-12-07). With fewer such
+jobs the joint fit stands. The fit takes E and G as shares of a job's time, the simulator's
 work clock as shares of its work (a job runs 1 + extra times slower in a span): the two agree
 for a job wholly inside or outside each span, and differ a little for the one or two jobs of
 a request that straddle a span's edge.
@@ -42,6 +48,7 @@ from kvsim.scenario.link_profile import WORKER_PACE_FIELDS
 
 FIELDS_MAX = {name: high for name, _low, high in WORKER_PACE_FIELDS}  # the profile's bounds
 MIN_JOBS = 30  # fewer jobs than this do not fit three terms on a noisy host
+MIN_ALONE_JOBS = 15  # jobs after both spans for `alone` from them alone (else a joint fit)
 
 
 @dataclass(frozen=True)
@@ -106,29 +113,44 @@ class PaceFit:
     ingest: float  # its extra share while the request's bytes arrive
     jobs: int
     rms_s: float  # the fit's root-mean-square error per job (s)
+    alone_jobs: int  # jobs after both spans that `alone` is the median of (0: a joint fit)
 
 
 def fit(samples: JobSamples) -> PaceFit | None:
-    """Least squares of job_s = base x (alone + a x encoder_share + c x ingest_share), every
-    term >= 0 (scipy's nnls), then encoder = a / alone and ingest = c / alone. None with
-    fewer than MIN_JOBS jobs, from transfers at one rate only, or where a term comes out
-    beyond the profile's bounds (alone must be > 0)."""
+    """job_s = base x alone x (1 + encoder x encoder_share + ingest x ingest_share), every
+    term >= 0 (scipy's nnls). With MIN_ALONE_JOBS jobs after both spans, alone = their
+    median of job_s / base and (encoder, ingest) least squares of job_s / alone - base on
+    (base x encoder_share, base x ingest_share); else one least squares of job_s on (base,
+    base x encoder_share, base x ingest_share) = (alone, a, c), encoder = a / alone, ingest
+    = c / alone. None with fewer than MIN_JOBS jobs, from transfers at one rate only, or
+    where a term comes out beyond the profile's bounds (alone must be > 0)."""
     from scipy.optimize import nnls
 
     n = len(samples.job_s)
     if n < MIN_JOBS or len(samples.rates_gbps) < 2:
         return None
     b = samples.base_s
-    design = np.column_stack([b, b * samples.encoder_share, b * samples.ingest_share])
-    coef, _ = nnls(design, samples.job_s)
-    alone = float(coef[0])
-    if not 0 < alone <= FIELDS_MAX["alone"]:
-        return None
-    encoder, ingest = float(coef[1]) / alone, float(coef[2]) / alone
+    after = (samples.encoder_share == 0) & (samples.ingest_share == 0)
+    alone_jobs = int(after.sum()) if after.sum() >= MIN_ALONE_JOBS else 0
+    if alone_jobs:
+        alone = float(np.median(samples.job_s[after] / b[after]))
+        if not 0 < alone <= FIELDS_MAX["alone"]:
+            return None
+        coef, _ = nnls(np.column_stack([b * samples.encoder_share, b * samples.ingest_share]),
+                       samples.job_s / alone - b)
+        encoder, ingest = float(coef[0]), float(coef[1])
+    else:
+        design = np.column_stack([b, b * samples.encoder_share, b * samples.ingest_share])
+        coef, _ = nnls(design, samples.job_s)
+        alone = float(coef[0])
+        if not 0 < alone <= FIELDS_MAX["alone"]:
+            return None
+        encoder, ingest = float(coef[1]) / alone, float(coef[2]) / alone
     if encoder > FIELDS_MAX["encoder"] or ingest > FIELDS_MAX["ingest"]:
         return None
-    rms = math.sqrt(float(np.mean((design @ coef - samples.job_s) ** 2)))
-    return PaceFit(alone, encoder, ingest, n, rms)
+    predicted = b * alone * (1 + encoder * samples.encoder_share + ingest * samples.ingest_share)
+    rms = math.sqrt(float(np.mean((predicted - samples.job_s) ** 2)))
+    return PaceFit(alone, encoder, ingest, n, rms, alone_jobs)
 
 
 def pace_entry(rows: list[dict], timing_of: Callable[[dict], CodecTiming],
@@ -143,9 +165,12 @@ def pace_entry(rows: list[dict], timing_of: Callable[[dict], CodecTiming],
     return {"alone": got.alone, "encoder": got.encoder, "ingest": got.ingest,
             "model": model_name,
             "jobs": got.jobs, "requests": samples.requests, "rms_s": got.rms_s,
+            # how many jobs after both spans `alone` is the median of (0: a joint fit)
+            "alone_jobs": got.alone_jobs,
             "rates_gbps": list(samples.rates_gbps),
             "measured": "the on-arrival worker's layer jobs in the calibration transfers "
                         "over this link: a job = the codec timing's x alone x (1 + encoder "
                         "while its request's encoder runs + ingest while its bytes arrive); "
-                        "non-negative least squares "
+                        "alone: the median over the jobs after both (alone_jobs; 0: fitted "
+                        "with the rest), encoder and ingest: non-negative least squares "
                         "(kvsim.calibrate.worker_pace)"}
