@@ -59,6 +59,34 @@ def test_model_profile_has_every_curve_and_loads(measured):
     assert load_profile(str(path), TINY.name)["model"] == TINY.name
 
 
+def test_the_verification_pass_is_timed_against_a_step_beside_it(measured, monkeypatch):
+    """_verify_ratio on a clock where a pass of n tokens takes n units and the host's speed
+    changes between pairs (1x, 3x, 1.5x: spells): the ratio is the pass's token count
+    whatever the spell; the profile's pass is that ratio x the fitted step + its extra."""
+    import kvsim.calibrate.model_profile as mp
+    import kvsim.kv.capture as capture
+
+    lm, doc, kvs, _path = measured
+    clock = {"t": 0.0, "calls": 0}
+    spells = [1.0, 1.0, 3.0, 3.0, 1.5, 1.5]
+
+    def forward(model, ids, cache):
+        clock["t"] += 0.01 * ids.shape[1] * spells[clock["calls"] % len(spells)]
+        clock["calls"] += 1
+
+    monkeypatch.setattr(mp, "lm_forward", forward)
+    monkeypatch.setattr(mp.time, "perf_counter", lambda: clock["t"])
+    monkeypatch.setattr(capture, "kv_to_cache", lambda kv, config, dtype: None)
+    assert mp._verify_ratio(lm, kvs[64].float(), 4, repeats=3) == pytest.approx(5.0)
+    assert clock["calls"] == 6  # a pass and a step, three times
+    ratios = doc["verify"]["ratio_to_first_step"]
+    assert [len(row) for row in ratios] == [3, 3] and all(r > 0 for row in ratios for r in row)
+    tpot = doc["tpot"]["s"]  # the fitted step (no receiver scaling here)
+    extra = doc["first_step_extra"]["s"]
+    for i, row in enumerate(doc["verify"]["measured"]):
+        assert row == pytest.approx([(tpot[i] + extra[i]) * r for r in ratios[i]])
+
+
 def test_timing_model_applies_the_measured_curves(measured):
     _lm, doc, _kvs, path = measured
     tm = TimingModel(TINY, replace(HW, profile=str(path)))
