@@ -559,8 +559,7 @@ def test_calibrate_measures_the_draft_step_on_each_link(tmp_path, monkeypatch):
     transfer (which ran on it); tc's gets that of a transfer of the split-stream codecs
     over tc (faked here: ratio 2.8, busy 3.5), with prompts of their own; both load. Each
     link also gets a transfer at draft_fit_rate_gbps (prompts of their own again) for the
-    draft-slowdown fit, which these fakes leave without drafted rows: no fit, and one at
-    pace_fit_rate_gbps (prompts of their own) for the worker's pace alone."""
+    draft-slowdown fit, which these fakes leave without drafted rows: no fit."""
     import kvsim.calibrate.link_profile as lp
     import kvsim.calibrate.receiver_timing as rt
     import kvsim.transport.netns as netns
@@ -583,16 +582,6 @@ def test_calibrate_measures_the_draft_step_on_each_link(tmp_path, monkeypatch):
 
     monkeypatch.setattr(rt, "receiver_loads", fake_loads)
     monkeypatch.setattr(lp, "measure_link_profile", _fake_link)
-    # the worker's pace against the 4 ms layer job the fake rows were paced on (the tiny
-    # model's codec timing is not theirs)
-    import kvsim.calibrate.pipeline as pipeline
-    from kvsim.scenario.codec_timing import CodecTiming
-
-    paced_on = CodecTiming(1.0, 1.0, "assumed", layer_job_fixed_s=0.004, layer_job_gb_per_s=1e9,
-                           anchor_layer_job_fixed_s=0.004, anchor_layer_job_gb_per_s=1e9)
-    real_pace = pipeline._worker_pace
-    monkeypatch.setattr(pipeline, "_worker_pace",
-                        lambda cfg, rows, timing_of: real_pace(cfg, rows, lambda r: paced_on))
     available = [(True, "")]
     monkeypatch.setattr(netns, "netns_available", lambda: available[0])
     args = ["calibrate", "model=tiny-random", "contexts=[32,64]", "codec_context_tokens=64",
@@ -606,10 +595,6 @@ def test_calibrate_measures_the_draft_step_on_each_link(tmp_path, monkeypatch):
     fit_calls = [c for c in calls if c[4] == 0.8]
     assert [c[2] for c in fit_calls] == ["token_bucket", "tc"]
     assert all(c[0] == ["lynx"] and c[1] not in (calls[0][1], tc_call[1]) for c in fit_calls)
-    pace_calls = [c for c in calls if c[4] == 2.0]
-    assert [c[2] for c in pace_calls] == ["token_bucket", "tc"]
-    assert all(c[0] == ["lynx"] and c[1] not in (calls[0][1], tc_call[1], fit_calls[0][1])
-               for c in pace_calls)
     hw = json.loads((tmp_path / "hardware" / "local-tiny-random.json").read_text())
     assert hw["draft_step"]["ratio"] == pytest.approx(1.4)
     # its requests all draft: the first step's extra is the first transfer's
@@ -622,29 +607,22 @@ def test_calibrate_measures_the_draft_step_on_each_link(tmp_path, monkeypatch):
     assert tc.draft_step["busy_ratio"] == pytest.approx(3.5)
     assert tc.draft_step["model"] == "tiny-random"
     assert "over tc" in tc.draft_step["measured"]
-    # the median handshake of the requests of the transfers for the draft step over that
-    # link: the token bucket's (calls 1 and 2, 2 + 1 rows) and tc's (calls 4 and 5, 1 + 1
-    # rows); the pace transfers (calls 3 and 6) are not among them
-    assert [c[2] for c in calls] == ["token_bucket"] * 3 + ["tc"] * 3
-    assert tb.handshake_s == pytest.approx(0.0021) and tc.handshake_s == pytest.approx(0.00545)
+    # the median handshake of the requests of every transfer over that link: the token
+    # bucket's (calls 1 and 2, 2 + 1 rows) and tc's (calls 3 and 4, 1 + 1 rows)
+    assert [c[2] for c in calls] == ["token_bucket", "token_bucket", "tc", "tc"]
+    assert tb.handshake_s == pytest.approx(0.0021) and tc.handshake_s == pytest.approx(0.00535)
     # every calibration transfer's rows, each once, in the order they were made
     kept = [json.loads(line) for line in
             (tmp_path / "transfers" / "local-tiny-random.jsonl").read_text().splitlines()]
     assert [(r["codec"], r["handshake_s"]) for r in kept] == [
         ("int8", pytest.approx(0.0021)), ("lynx", pytest.approx(0.0021)),
-        ("lynx", pytest.approx(0.0022)), ("lynx", pytest.approx(0.0023)),
-        ("lynx", pytest.approx(0.0054)), ("lynx", pytest.approx(0.0055)),
-        ("lynx", pytest.approx(0.0056))]
+        ("lynx", pytest.approx(0.0022)), ("lynx", pytest.approx(0.0053)),
+        ("lynx", pytest.approx(0.0054))]
     assert all(r["trace_spans"] for r in kept)
-    # the worker's pace on each link: the token bucket's four requests' 48 jobs at three
-    # rates, 16 of them after both spans (alone: their median); tc's three requests' 36
-    # jobs, 12 after both spans (too few: alone fitted with the rest)
-    assert tb.worker_pace["requests"] == 4 and tb.worker_pace["rates_gbps"] == [0.3, 0.8, 2.0]
-    assert tb.worker_pace["model"] == "tiny-random" and tb.worker_pace["alone_jobs"] == 16
-    assert tc.worker_pace["requests"] == 3 and tc.worker_pace["alone_jobs"] == 0
-    for pace in (tb.worker_pace, tc.worker_pace):  # the pace the rows were made with
-        assert (pace["alone"], pace["encoder"], pace["ingest"]) == pytest.approx(
-            (0.8, 0.5, 0.3), abs=1e-9)
+    # the worker's pace on the token bucket: its three requests' 36 jobs at two rates; tc's
+    # two requests have 24 jobs, too few to fit (kvsim.calibrate.worker_pace.MIN_JOBS)
+    assert tb.worker_pace["requests"] == 3 and tb.worker_pace["rates_gbps"] == [0.3, 0.8]
+    assert tb.worker_pace["model"] == "tiny-random" and tc.worker_pace is None
     # the encoder's pace: its split-stream requests' encode work per rate (the token
     # bucket's two at 0.3 Gbps, 0.05 s each, and one at 0.8; tc's one at each), over the
     # codec timing's encode time of a 1024-token cache
@@ -663,7 +641,7 @@ def test_calibrate_measures_the_draft_step_on_each_link(tmp_path, monkeypatch):
     calls.clear()
     available[0] = (False, "no root")
     assert main([*args[:-1], f"out_dir={tmp_path / 'b'}"]) == 0
-    assert [c[2] for c in calls] == ["token_bucket"] * 3
+    assert [c[2] for c in calls] == ["token_bucket", "token_bucket"]
     assert not (tmp_path / "b" / "link" / "local-tiny-random-tc.json").exists()
     available[0] = (True, "")
     assert main([*args[:-1], "receiver_loads=false", f"out_dir={tmp_path / 'c'}"]) == 0
@@ -867,7 +845,6 @@ def test_calibrate_fits_each_links_draft_slowdown_on_its_drafted_rows(tmp_path, 
                  "codec_context_tokens=64", "steps=2", "repeats=1", "batches=[1,2]",
                  "drafted=[1,2]", "codecs=[int8,lynx]", "links=[token_bucket,tc]",
                  "receiver_context_tokens=64", "receiver_fit_context_tokens=0",
-                 "pace_fit_rate_gbps=0",  # (no pace transfer: the drafting ones alone)
                  "progress=false", f"out_dir={tmp_path}"]) == 0
     # every drafting transfer was given the first step's extra (the main one measures it)
     assert extras[0] is None and extras[1:] == [pytest.approx(extra_s)] * 3
@@ -932,7 +909,6 @@ def test_a_poor_draft_fit_is_made_again_on_one_more_transfer(tmp_path, monkeypat
                  "codec_context_tokens=64", "steps=2", "repeats=1", "batches=[1,2]",
                  "drafted=[1,2]", "codecs=[int8,lynx]", "links=[token_bucket]",
                  "receiver_context_tokens=64", "receiver_fit_context_tokens=0",
-                 "pace_fit_rate_gbps=0",  # (no pace transfer: the drafting ones alone)
                  "progress=false", f"out_dir={tmp_path}"]) == 0
     assert len(seeds) == 3 and len(set(seeds)) == 3  # main, fit rate, fit rate once more
     draft = load_link_profile(str(tmp_path / "link" / "local-tiny-random-token-bucket.json")

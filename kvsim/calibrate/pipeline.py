@@ -79,11 +79,6 @@ class Config:
     # transfers of the split-stream codecs at two rates: 0.3 Gbps (the calibration
     # transfer's) and this one, fast enough that the worker's jobs dominate
     draft_fit_rate_gbps: float = 0.8
-    # on arrival, one more transfer of the split-stream codecs per link at this rate, where
-    # the link outruns the encoder and the worker does most of its layer jobs after the
-    # last byte: the worker pace's `alone` is their median (kvsim.calibrate.worker_pace);
-    # 0: none (`alone` then rests on the few such jobs of the other transfers)
-    pace_fit_rate_gbps: float = 2.0
     # on arrival, a second calibration transfer at this shorter context splits each codec's
     # layer job into a fixed part and a part in proportion to its bytes
     # (receiver_timing.fit_layer_jobs), and measures the receiver's step there too (its
@@ -129,9 +124,6 @@ class Config:
             raise ValueError(f"link_rates_gbps must be > 0, got {self.link_rates_gbps}")
         from kvsim.calibrate.receiver_timing import CALIBRATION_RATE_GBPS
 
-        if not 0 <= self.pace_fit_rate_gbps < math.inf:
-            raise ValueError(f"pace_fit_rate_gbps must be a rate >= 0 (0: no pace transfer), "
-                             f"got {self.pace_fit_rate_gbps}")
         if not 0 < self.draft_fit_rate_gbps < math.inf or \
                 self.draft_fit_rate_gbps == CALIBRATION_RATE_GBPS:
             raise ValueError(f"draft_fit_rate_gbps must be a rate > 0 other than the "
@@ -360,23 +352,19 @@ def _link(cfg: Config, emulation: str, path: Path, prov: dict, say, hw_doc: dict
             f"{handshake['handshake']['min_s'] * 1e3:.2f}-"
             f"{handshake['handshake']['max_s'] * 1e3:.2f})")
     timing_of = _timing_of(cfg, timing_path) if link_rows else None  # (none: no paces)
-    pace_rows = _pace_transfer(cfg, emulation, say) if timing_of else []
-    kept += pace_rows
     encoder = _encoder_pace(cfg, link_rows, timing_of) if timing_of else None
     if encoder is not None:
         doc["encoder_pace"] = encoder
         say(f"link {emulation}: a pipelined request's encoder " + ", ".join(
             f"{x:.3f} x the codec timing's at {r:g} Gbps ({n} requests)" for r, x, n in zip(
                 encoder["rates_gbps"], encoder["ratio"], encoder["requests"], strict=True)))
-    pace = _worker_pace(cfg, link_rows + pace_rows, timing_of) if timing_of else None
+    pace = _worker_pace(cfg, link_rows, timing_of) if timing_of else None
     if pace is not None:
         doc["worker_pace"] = pace
         say(f"link {emulation}: the on-arrival worker's layer job {pace['alone']:.3f} x the "
             f"codec timing's, x (1 + {pace['encoder']:.3f} beside its request's encoder + "
             f"{pace['ingest']:.3f} while its bytes arrive) ({pace['jobs']} jobs of "
-            f"{pace['requests']} requests, rms {pace['rms_s'] * 1e3:.2f} ms; alone: " +
-            (f"the median of {pace['alone_jobs']} jobs after both)" if pace["alone_jobs"]
-             else "fitted with the rest, too few jobs after both)"))
+            f"{pace['requests']} requests, rms {pace['rms_s'] * 1e3:.2f} ms)")
     elif link_rows and cfg.dequantize == "on_arrival":
         say(f"link {emulation}: the on-arrival worker's pace did not fit (too few jobs, "
             "transfers at one rate only, or beyond its bounds): its jobs take the codec "
@@ -427,33 +415,6 @@ def _worker_pace(cfg: Config, rows: list[dict], timing_of: Callable[[dict], Code
     return pace_entry(rows, timing_of,
                       lambda tokens: cfg.model.kv_bytes_bf16(tokens) / cfg.model.layers,
                       cfg.model.name)
-
-
-def _pace_transfer(cfg: Config, emulation: str, say) -> list[dict]:
-    """On arrival, the request rows of a transfer of the split-stream codecs over
-    `emulation` at `pace_fit_rate_gbps` (prompts of their own), for the worker pace's
-    `alone`: at 0.8 Gbps the worker kept up with the link in some calibrations (2 of 60
-    jobs after the last byte per request at 2,048 tokens) and not in others (12-17), and
-    `alone` rested on 7-55 jobs of 6-15 requests. [] without such codecs, without receiver
-    timing, on demand, or with pace_fit_rate_gbps 0."""
-    if not (cfg.receiver_loads and cfg.dequantize == "on_arrival" and cfg.pace_fit_rate_gbps):
-        return []
-    from kvsim.calibrate.receiver_timing import receiver_loads
-    from kvsim.kernels.presets import resolve_codec
-
-    split = [c for c in cfg.codecs if resolve_codec(c).build().num_streams > 1]
-    if not split:
-        return []
-    say(f"calibration transfer over {emulation} at {cfg.pace_fit_rate_gbps:g} Gbps "
-        f"({cfg.receiver_repeats} x {len(split)} split-stream codecs) for the worker's pace "
-        "after the last byte")
-    rows: list[dict] = []
-    receiver_loads(cfg.model.name, split, cfg.receiver_context_tokens, cfg.seed + 50_000,
-                   cfg.text_source, bandwidth_gbps=cfg.pace_fit_rate_gbps,
-                   repeats=cfg.receiver_repeats, threads=cfg.threads,
-                   split_cpus=cfg.split_cpus, dequantize=cfg.dequantize, emulation=emulation,
-                   keep_rows=rows)
-    return rows
 
 
 def _encoder_pace(cfg: Config, rows: list[dict], timing_of: Callable[[dict], CodecTiming]
