@@ -364,7 +364,9 @@ def _link(cfg: Config, emulation: str, path: Path, prov: dict, say, hw_doc: dict
         say(f"link {emulation}: the on-arrival worker's layer job {pace['alone']:.3f} x the "
             f"codec timing's, x (1 + {pace['encoder']:.3f} beside its request's encoder + "
             f"{pace['ingest']:.3f} while its bytes arrive) ({pace['jobs']} jobs of "
-            f"{pace['requests']} requests, rms {pace['rms_s'] * 1e3:.2f} ms)")
+            f"{pace['requests']} requests, rms {pace['rms_s'] * 1e3:.2f} ms; alone: " +
+            (f"the median of {pace['alone_jobs']} jobs after both)" if pace["alone_jobs"]
+             else "fitted with the rest, too few jobs after both)"))
     elif link_rows and cfg.dequantize == "on_arrival":
         say(f"link {emulation}: the on-arrival worker's pace did not fit (too few jobs, "
             "transfers at one rate only, or beyond its bounds): its jobs take the codec "

@@ -26,8 +26,8 @@ profile keeps them as `worker_pace`. `alone` is the median of job / codec timing
 jobs that run after both spans, where there are MIN_ALONE_JOBS of them, and encoder and
 ingest are then fitted by non-negative least squares with it held. A joint least squares
 of all three lets `alone` take the ingest term's share: nine in ten jobs run while bytes
-arrive, so the sum of squares hardly sees the few jobs that measure `alone`. On the
-calibrations of 2026-12-06/07 it put `alone` at 1.05 with ingest 0.00 where the jobs after
+arrive, so the sum of squares hardly sees the few jobs that measure `alone`. In one
+calibration of 2026-12-07 it put `alone` at 1.08 with ingest 0.00 where the jobs after
 both spans took 0.77-0.89 of the codec timing (CHANGELOG.md, 2026-12-07). With fewer such
 jobs the joint fit stands. The fit takes E and G as shares of a job's time, the simulator's
 work clock as shares of its work (a job runs 1 + extra times slower in a span): the two agree
