@@ -460,6 +460,38 @@ def test_the_later_paced_runs_simulated_again_on_each_scenarios_step(
     assert tc.draft_step["busy_ratio"] == pytest.approx(tc_busy)
 
 
+@pytest.mark.parametrize(("name", "compared", "mean_pct", "worst_pct", "alone_jobs"), [
+    ("2026-12-07-full", 324, 1.03, 6.57, {"token-bucket": 24, "tc": 16}),
+    ("2026-12-07-heldout", 108, 1.05, 14.16, {"token-bucket": 17, "tc": 0})])
+def test_the_shipped_runs_with_the_verification_pass_timed_beside_a_step(
+        name, compared, mean_pct, worst_pct, alone_jobs, tmp_path, no_emulation):
+    """data/fidelity/<name> (calibrate=true at 13eee8a; the step level held in each): its
+    figures again, as run and with each scenario's own step, as its README gives them; its
+    verification pass as measured (before the receiver's step ratio scaled it) is its ratio
+    to a first step beside it times the in-process fitted step + first-step extra, and each
+    link's worker pace says how many jobs after both spans its `alone` is the median of (0:
+    fitted with the rest)."""
+    from kvsim.scenario.link_profile import load_link_profile
+
+    s = _shipped_simulated_again(name, compared, tmp_path / "as-run")
+    assert s["step_level"]["trusted"] and s["step_level"]["step_mean_abs_pct"] < 5.0
+    own = _shipped_on_own_step(name, compared, tmp_path / "own-step")
+    assert own["mean_abs_pct_error"] == pytest.approx(mean_pct, abs=0.05)
+    assert own["max_abs_pct_error"] == pytest.approx(worst_pct, abs=0.5)
+    profiles = DATA_DIR / "fidelity" / name / "profiles"
+    hw = json.loads((profiles / "hardware" / "local-smollm2-135m.json").read_text())
+    verify, tpot = hw["verify"], hw["tpot_inprocess"]
+    extra = hw["first_step_extra_inprocess"]["s"]
+    for i, ratios in enumerate(verify["ratio_to_first_step"]):
+        assert len(ratios) == len(verify["drafted_tokens"]) and min(ratios) > 1.0
+        assert verify["measured"][i] == pytest.approx([(tpot["s"][i] + extra[i]) * r
+                                                       for r in ratios], rel=1e-9)
+    for stem, jobs in alone_jobs.items():
+        pace = load_link_profile(str(profiles / "link" / f"local-smollm2-135m-{stem}.json")
+                                 ).worker_pace
+        assert pace["alone_jobs"] == jobs
+
+
 @pytest.mark.parametrize(("name", "compared", "run_sets", "mean_pct", "worst_pct", "fits"), [
     ("2026-12-06-heldout-3", 108, 40, 2.09, 9.89,
      {"token-bucket": (2.95, 9), "tc": (2.65, 11)}),
@@ -503,11 +535,13 @@ def test_the_shipped_runs_with_the_draft_fit_on_every_step(name, compared, run_s
             (draft["busy_ratio"], draft["ingest_s_per_byte"], steps)
 
 
-def test_the_shipped_run_keeps_its_calibration_transfers():
+def test_the_shipped_run_keeps_its_calibration_transfers(monkeypatch):
     """data/fidelity/2026-12-06-full-3 ships its calibration transfers' rows: the worker pace
-    of its `tc` profile is fitted on them again (as the calibration fits it,
-    worker_pace.pace_entry) to the entry it holds, and its `tc` lynx jobs at 0.3 Gbps took
-    1.18x the codec timing's (its README)."""
+    of its `tc` profile is fitted on them again (as the calibration fitted it then,
+    worker_pace.pace_entry with one joint least squares: its profile predates `alone` from
+    the jobs after both spans) to the entry it holds; today's fit takes `alone` from its 23
+    jobs after both spans (0.714 against the joint 0.809); and its `tc` lynx jobs at 0.3 Gbps
+    took 1.18x the codec timing's (its README)."""
     from kvsim.calibrate import worker_pace
     from kvsim.model.presets import load_model_preset
     from kvsim.scenario.codec_timing import load_codec_timing
@@ -528,8 +562,11 @@ def test_the_shipped_run_keeps_its_calibration_transfers():
 
     tc_rows = [r for r in rows if r["link_emulation"] == "tc"]
     tc = json.loads((profiles / "link" / "local-smollm2-135m-tc.json").read_text())
+    today = worker_pace.pace_entry(tc_rows, timing_of, layer_bytes, model.name)
+    assert today["alone_jobs"] == 23 and today["alone"] == pytest.approx(0.714, abs=5e-4)
+    monkeypatch.setattr(worker_pace, "MIN_ALONE_JOBS", 10**6)  # the joint fit, as then
     again = worker_pace.pace_entry(tc_rows, timing_of, layer_bytes, model.name)
-    assert again is not None
+    assert again is not None and again["alone_jobs"] == 0
     assert {k: again[k] for k in ("jobs", "requests", "rates_gbps")} == \
         {k: tc["worker_pace"][k] for k in ("jobs", "requests", "rates_gbps")}
     for k in ("alone", "encoder", "ingest", "rms_s"):

@@ -105,10 +105,9 @@ def _verify_ratio(lm: Any, kv: torch.Tensor, drafted: int, repeats: int) -> floa
     verifies) over one token's step on another freshly built cache timed right after it,
     median over `repeats` pairs. The host's speed moves in spells of seconds (a step at
     one context ~80 ms in one, ~105 in the next): a pass and the step beside it fall in the
-    same spell, so their ratio holds where the pass alone does not (the passes of three
-    calibrations on 2026-12-07 were 142, 172 and 141 ms at 1,024 tokens and 1, 2 and 4
-    drafts, non-monotone, and 239 ms at 2,048 with one draft against 138 in a quiet
-    minute)."""
+    same spell, so their ratio holds where the pass alone does not (three calibrations on
+    2026-12-07 timed one draft alone at 141-172 ms at 1,024 tokens and 145-239 ms at 2,048,
+    against 138 in a quiet minute; one had 142, 172 and 141 ms for 1, 2 and 4 drafts)."""
     from kvsim.kv.capture import kv_to_cache
 
     dtype = _dtype(lm)
