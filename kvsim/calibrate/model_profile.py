@@ -104,10 +104,11 @@ def _verify_ratio(lm: Any, kv: torch.Tensor, drafted: int, repeats: int) -> floa
     """One pass over [first token, d_1..d_n] on a freshly built full cache (as the receiver
     verifies) over one token's step on another freshly built cache timed right after it,
     median over `repeats` pairs. The host's speed moves in spells of seconds (a step at
-    one context ~80 ms in one, ~105 in the next): a pass and the step beside it fall in the
-    same spell, so their ratio holds where the pass alone does not (three calibrations on
-    2026-12-07 timed one draft alone at 141-172 ms at 1,024 tokens and 145-239 ms at 2,048,
-    against 138 in a quiet minute; one had 142, 172 and 141 ms for 1, 2 and 4 drafts)."""
+    1,536 tokens ~80 ms in one, ~105 in the next: CHANGELOG.md, 2026-11-29): a pass and
+    the step beside it fall in the same spell, so their ratio holds where the pass alone
+    does not (three calibrations on 2026-12-07 timed one draft alone at 141-172 ms at
+    1,024 tokens and 145-239 ms at 2,048, against 138 in a quiet minute; one had 142, 172
+    and 141 ms for 1, 2 and 4 drafts)."""
     from kvsim.kv.capture import kv_to_cache
 
     dtype = _dtype(lm)
@@ -168,12 +169,12 @@ def measure_model(lm: Any, model_name: str, cal: ModelCalibration,
     # the verification pass at every context, as its ratio to a first step on a fresh cache
     # timed beside it (_verify_ratio; the ratio changes with the context) times that step
     # here: the fitted decode step + the first step's extra
-    tpot_fit = fitted_curve({"context_tokens": contexts, "s": tpot_s})["s"]
+    tpot = fitted_curve({"context_tokens": contexts, "s": tpot_s})
     verify_s, verify_ratio = [], []
     for i, ctx in enumerate(contexts):
         verify_ratio.append([_verify_ratio(lm, kvs[ctx].float(), n, cal.codec_repeats)
                              for n in cal.drafted])
-        fresh_s = tpot_fit[i] + first_extra_s[i]
+        fresh_s = tpot["s"][i] + first_extra_s[i]
         verify_s.append([fresh_s * r for r in verify_ratio[-1]])
         progress(f"verify {list(cal.drafted)} drafts at {ctx}: " +
                  ", ".join(f"{s * 1e3:.1f}" for s in verify_s[-1]) + " ms (" +
@@ -184,7 +185,7 @@ def measure_model(lm: Any, model_name: str, cal: ModelCalibration,
         "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."),
         "prefill": {"tokens": contexts, "s": prefill_s},
         # fitted over context (kvsim.calibrate.step_fit), the medians under "measured"
-        "tpot": fitted_curve({"context_tokens": contexts, "s": tpot_s}),
+        "tpot": tpot,
         "first_step_extra": {"context_tokens": contexts, "s": first_extra_s},
         "tpot_batch": {"context_tokens": contexts, "batch": list(cal.batches), "s": batch_s},
         "verify": {**fitted_curve({"context_tokens": contexts,
