@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from kvsim.fidelity.drafting import drafting_summary
 from kvsim.fidelity.noise_floor import noise_floor
 from kvsim.fidelity.statistics import beyond_spread_pct, tost
 
@@ -191,6 +192,8 @@ def summary(rows: list[dict]) -> dict:
             "max_abs_pct_beyond_spread": max(beyond) if beyond else math.nan,
             # what an exact model would score from the repeated runs' spread alone
             "noise_floor": noise_floor(finite),
+            # split-stream scenarios whose engines drafted a different number of steps
+            "drafting": drafting_summary(rows),
             "tost": {metric: tost(es) for metric, es in by_metric.items()},
             "step_mean_abs_pct_error": sum(steps) / len(steps) if steps else math.nan,
             "step_max_abs_pct_error": max(steps) if steps else math.nan,

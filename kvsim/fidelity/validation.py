@@ -41,6 +41,7 @@ from omegaconf import MISSING
 
 from kvsim.core.host_load import HostLoadMeter
 from kvsim.core.report import format_table
+from kvsim.fidelity.drafting import drafting_line
 from kvsim.fidelity.noise_floor import noise_floor_line
 from kvsim.fidelity.step_level import step_level
 from kvsim.model.host import DriftConfig
@@ -1306,6 +1307,9 @@ def _print(rows: list[dict], summary: dict, distributions: list[dict]) -> None:
     floor = summary.get("noise_floor")
     if floor:
         print(noise_floor_line(floor))
+    drafting = drafting_line(summary.get("drafting") or {})
+    if drafting:
+        print(drafting)
     tests = summary.get("tost") or {}
     if tests:
         margin = next(iter(tests.values()))["margin_pct"]
