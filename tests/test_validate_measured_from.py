@@ -462,10 +462,12 @@ def test_the_later_paced_runs_simulated_again_on_each_scenarios_step(
 
 @pytest.mark.parametrize(("name", "compared", "mean_pct", "worst_pct", "alone_jobs"), [
     ("2026-12-07-full", 324, 1.03, 6.57, {"token-bucket": 24, "tc": 16}),
-    ("2026-12-07-heldout", 108, 1.05, 14.16, {"token-bucket": 17, "tc": 0})])
+    ("2026-12-07-heldout", 108, 1.05, 14.16, {"token-bucket": 17, "tc": 0}),
+    ("2026-12-07-full-busy", 324, 1.39, 23.73, {"token-bucket": 39, "tc": 33})])
 def test_the_shipped_runs_with_the_verification_pass_timed_beside_a_step(
         name, compared, mean_pct, worst_pct, alone_jobs, tmp_path, no_emulation):
-    """data/fidelity/<name> (calibrate=true at 13eee8a; the step level held in each): its
+    """data/fidelity/<name> (calibrate=true at 13eee8a, full-busy at 5cb5b71 beside a
+    neighbour spinning on one CPU; the step level held in each): its
     figures again, as run and with each scenario's own step, as its README gives them; its
     verification pass as measured (before the receiver's step ratio scaled it) is its ratio
     to a first step beside it times the in-process fitted step + first-step extra, and each
