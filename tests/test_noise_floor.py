@@ -135,7 +135,8 @@ def test_a_model_error_beyond_the_noise_is_found():
     ("2026-12-06-heldout-4", 1.26, (3.6, 4.8, 6.8), (2.76, 7.53), 0.0585),
     ("2026-12-07-full", 1.09, (3.84, 4.73, 6.13), (1.91, 6.61), 0.0207),
     ("2026-12-07-heldout", 1.08, (3.65, 6.09, 9.66), (2.19, 15.05), 0.012),
-    ("2026-12-07-full-busy", 1.23, (7.04, 10.11, 14.09), (2.18, 22.97), 0.0305)])
+    ("2026-12-07-full-busy", 1.23, (7.04, 10.11, 14.09), (2.18, 22.97), 0.0305),
+    ("2026-12-07-default", 1.43, (5.54, 6.85, 8.85), (2.55, 13.80), 0.00475)])
 def test_the_shipped_runs_noise_floors(name, floor_mean_pct, floor_worst_pct, run_pct, p):
     """data/fidelity/<name>: the noise floor of its comparisons with repeated runs as the
     Fidelity page gives it (its rounding; p depends on the draws' exact layout, which is

@@ -586,6 +586,25 @@ def test_the_shipped_default_run_simulated_again_with_its_probe(tmp_path, no_emu
     assert s["step_level"]["trusted"] and not s["step_level"]["from_scenario"]
 
 
+def test_the_shipped_default_run_with_todays_profiles(tmp_path, no_emulation):
+    """data/fidelity/2026-12-07-default (`kvsim validate` four hours after the shipped
+    profiles' calibration, which it copies beside it: those of 2026-12-07-full): its figures
+    again, as run and with each scenario's own step, as its README gives them, on profiles
+    that carry the worker's pace, and the same as data/profiles."""
+    from kvsim.core.profiles import PROFILE_DIR
+
+    shipped = DATA_DIR / "fidelity" / "2026-12-07-default" / "profiles"
+    for path in sorted(shipped.rglob("*.json")):
+        assert path.read_text() == (PROFILE_DIR / path.relative_to(shipped)).read_text()
+    tc = json.loads((shipped / "link" / "local-smollm2-135m-tc.json").read_text())
+    assert tc["worker_pace"]["alone_jobs"] == 16
+    s = _shipped_simulated_again("2026-12-07-default", 324, tmp_path / "as-run")
+    assert s["step_level"]["trusted"] and not s["step_level"]["from_scenario"]
+    own = _shipped_on_own_step("2026-12-07-default", 324, tmp_path / "own-step")
+    assert own["mean_abs_pct_error"] == pytest.approx(1.39, abs=0.05)
+    assert own["max_abs_pct_error"] == pytest.approx(8.62, abs=0.5)
+
+
 def test_the_shipped_heldout_run_beside_a_neighbour_simulated_again(tmp_path, no_emulation,
                                                                    capsys):
     """data/fidelity/2026-11-29-heldout-busy (a memory-copy loop on one of the 2 CPUs
