@@ -586,16 +586,21 @@ def test_the_shipped_default_run_simulated_again_with_its_probe(tmp_path, no_emu
     assert s["step_level"]["trusted"] and not s["step_level"]["from_scenario"]
 
 
-def test_the_shipped_default_run_with_todays_profiles(tmp_path, no_emulation):
+def test_the_shipped_default_run_with_the_profiles_of_2026_12_07(tmp_path, no_emulation):
     """data/fidelity/2026-12-07-default (`kvsim validate` four hours after the shipped
     profiles' calibration, which it copies beside it: those of 2026-12-07-full): its figures
     again, as run and with each scenario's own step, as its README gives them, on profiles
-    that carry the worker's pace, and the same as data/profiles."""
+    that carry the worker's pace, the same files as data/profiles; and the same
+    measurements on the profiles shipped before them (2026-11-29-night's), as the README
+    gives them."""
     from kvsim.core.profiles import PROFILE_DIR
 
     shipped = DATA_DIR / "fidelity" / "2026-12-07-default" / "profiles"
-    for path in sorted(shipped.rglob("*.json")):
-        assert path.read_text() == (PROFILE_DIR / path.relative_to(shipped)).read_text()
+    files = sorted(p.relative_to(shipped) for p in shipped.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(PROFILE_DIR) for p in PROFILE_DIR.rglob("*")
+                           if p.is_file())
+    for path in files:
+        assert (shipped / path).read_bytes() == (PROFILE_DIR / path).read_bytes()
     tc = json.loads((shipped / "link" / "local-smollm2-135m-tc.json").read_text())
     assert tc["worker_pace"]["alone_jobs"] == 16
     s = _shipped_simulated_again("2026-12-07-default", 324, tmp_path / "as-run")
@@ -603,6 +608,17 @@ def test_the_shipped_default_run_with_todays_profiles(tmp_path, no_emulation):
     own = _shipped_on_own_step("2026-12-07-default", 324, tmp_path / "own-step")
     assert own["mean_abs_pct_error"] == pytest.approx(1.39, abs=0.05)
     assert own["max_abs_pct_error"] == pytest.approx(8.62, abs=0.5)
+    assert own["noise_floor"]["p"] == pytest.approx(0.159, abs=0.005)
+    old = tmp_path / "old-profiles"
+    assert main(["validate", f"measured_from={DATA_DIR / 'fidelity' / '2026-12-07-default'}",
+                 f"profile_dir={DATA_DIR / 'fidelity' / '2026-11-29-night' / 'profiles'}",
+                 "step_from_scenario=true", f"hydra.run.dir={old}"]) == 0
+    before = json.loads((old / "fidelity.json").read_text())["summary"]
+    assert "worker_pace" not in json.loads(
+        (DATA_DIR / "fidelity" / "2026-11-29-night" / "profiles" / "link" /
+         "local-smollm2-135m-tc.json").read_text())
+    assert before["mean_abs_pct_error"] == pytest.approx(4.00, abs=0.05)
+    assert before["max_abs_pct_error"] == pytest.approx(51.01, abs=0.5)
 
 
 def test_the_shipped_heldout_run_beside_a_neighbour_simulated_again(tmp_path, no_emulation,
