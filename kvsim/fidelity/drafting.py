@@ -23,8 +23,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["MIN_DRAFTS_APART", "MIN_SHARE_APART", "drafting_line", "drafting_summary",
-           "drafts_apart_per_request", "proposed_per_request"]
+__all__ = ["MIN_DRAFTS_APART", "MIN_SHARE_APART", "decision_differs", "drafting_line",
+           "drafting_summary", "drafts_apart_per_request", "proposed_per_request"]
 
 MIN_DRAFTS_APART = 0.5  # draft steps per request (a mean difference over runs or samples)
 MIN_SHARE_APART = 0.25  # of the larger count: 1 against 2, 1.5 against 2, 3 against 4

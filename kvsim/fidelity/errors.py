@@ -192,7 +192,7 @@ def summary(rows: list[dict]) -> dict:
             "max_abs_pct_beyond_spread": max(beyond) if beyond else math.nan,
             # what an exact model would score from the repeated runs' spread alone
             "noise_floor": noise_floor(finite),
-            # split-stream scenarios whose engines drafted a different number of steps
+            # split-stream scenarios whose engines made different drafting decisions
             "drafting": drafting_summary(rows),
             "tost": {metric: tost(es) for metric, es in by_metric.items()},
             "step_mean_abs_pct_error": sum(steps) / len(steps) if steps else math.nan,
