@@ -77,7 +77,7 @@ def test_scenarios_that_decided_apart_are_named_and_the_rest_scored_without_them
         # a row without an error is counted nowhere (errors.summary's `missing`)
         _row("lynx", 0.6, "tt32t", None, "1/1", "1.88/2"),
     ]
-    s = drafting_summary(rows)
+    s = errors.summary(rows)["drafting"]  # over the compared rows: the null error is not
     assert s["scenarios_drafted"] == 2
     assert s["rows_differing"] == 2
     assert [(d["case"], d["codec"], d["bandwidth_gbps"], d["drafts_per_request_measured"],
@@ -128,7 +128,7 @@ def test_the_shipped_runs_drafting_decisions(name, drafted, differing, others):
     """data/fidelity/<name>: the drafting decisions as its README and the Fidelity page give
     them; the others counted here from the rows themselves."""
     rows = json.loads((ROOT / "data" / "fidelity" / name / "report.json").read_text())["rows"]
-    s = drafting_summary(rows)
+    s = errors.summary(rows)["drafting"]
     assert s["scenarios_drafted"] == drafted
     assert [(d["emulation"], d["bandwidth_gbps"], d["drafts_per_request_measured"],
              d["drafts_per_request_simulated"], round(d["max_abs_pct_error"], 2))
@@ -147,7 +147,8 @@ def test_the_shipped_runs_drafting_decisions(name, drafted, differing, others):
 def test_the_shipped_heldout_runs_worst_row_is_a_drafting_decision():
     rows = json.loads((ROOT / "data/fidelity/2026-12-07-heldout/report.json").read_text())[
         "rows"]
-    worst = max(drafting_summary(rows)["differing"], key=lambda d: d["max_abs_pct_error"])
+    worst = max(errors.summary(rows)["drafting"]["differing"],
+                key=lambda d: d["max_abs_pct_error"])
     assert (worst["emulation"], worst["bandwidth_gbps"], worst["codec"]) == ("tc", 0.6, "lynx")
     assert worst["max_abs_pct_error"] == pytest.approx(
         max(abs(r["error_pct"]) for r in rows if r["error_pct"] is not None))

@@ -193,7 +193,7 @@ def summary(rows: list[dict]) -> dict:
             # what an exact model would score from the repeated runs' spread alone
             "noise_floor": noise_floor(finite),
             # split-stream scenarios whose engines made different drafting decisions
-            "drafting": drafting_summary(rows),
+            "drafting": drafting_summary(finite),
             "tost": {metric: tost(es) for metric, es in by_metric.items()},
             "step_mean_abs_pct_error": sum(steps) / len(steps) if steps else math.nan,
             "step_max_abs_pct_error": max(steps) if steps else math.nan,
