@@ -724,6 +724,40 @@ def test_a_reused_prefill_is_the_first_ones_kv_and_time_booked_not_waited():
         config("transport.reuse_prefill=true", "workload=poisson")
 
 
+def test_held_prefills_outlive_a_sender_run_and_go_with_the_last_scope():
+    """A sender run forgets its prefills when it ends (forget_prefills), unless prefills_held
+    spans several runs (a validation's scenarios): then the same prompt is prefilled once,
+    a different prompt is not taken for it, and the kept KV goes when the outermost scope
+    ends."""
+    import torch
+
+    from kvsim.transport import source as src
+
+    lm = session.load_model(config("model=tiny-random", "transport.kv_source=live"))
+    prompt, other = list(range(3, 35)), list(range(4, 36))
+    src._PREFILLS.clear()
+    try:
+        src.reused_live_source(lm, prompt)
+        src.forget_prefills()  # a run ends outside any scope: nothing kept
+        assert not src.reused_live_source(lm, prompt).reused
+        src.forget_prefills()
+        with src.prefills_held():
+            first = src.reused_live_source(lm, prompt)
+            src.forget_prefills()  # one scenario's run ends
+            with src.prefills_held():  # nested: the outer scope still holds them
+                pass
+            again = src.reused_live_source(lm, prompt)  # the next scenario's
+            fresh = src.reused_live_source(lm, other)
+            assert not first.reused and again.reused and not fresh.reused
+            assert again.prefill_s == first.prefill_s and again.first_token == first.first_token
+            assert torch.equal(again.layer(0), first.layer(0))
+            assert len(src._PREFILLS) == 2
+        assert not src._PREFILLS  # the scope's end drops them
+        assert not src.reused_live_source(lm, prompt).reused
+    finally:
+        src._PREFILLS.clear()
+
+
 def test_the_simulators_contention_knob_is_refused_by_the_emulator():
     """The receiver dequantizes beside its drafts for real: the simulator's model of that
     (speculative.dequant_contention) has no meaning here and is refused, not ignored."""

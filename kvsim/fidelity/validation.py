@@ -391,8 +391,11 @@ def validate(cfg: Config) -> dict:
     # after it stalled (kvsim.calibrate.host_probe.SubprocessStepProbe)
     probe = SubprocessStepProbe(cfg.model, cfg.step_probe_steps) \
         if cfg.step_probe_steps else None
-    # one decode host for all of an emulation's scenarios
-    with contextlib.ExitStack() as hosts:
+    # one decode host for all of an emulation's scenarios; each context's prompt prefilled
+    # once for all of them (the sender runs in this process: prefills_held)
+    from kvsim.transport.source import prefills_held
+
+    with prefills_held(), contextlib.ExitStack() as hosts:
         host, host_emulation = None, ""
         for i, (emulation, rate, ctx) in enumerate(grid):
             _say(f"[{i + 1}/{len(grid)}] {emulation} {rate:g} Gbps, {ctx} tokens, "
@@ -400,7 +403,8 @@ def validate(cfg: Config) -> dict:
             name, workload = _single_scenario(emulation, rate, ctx, cfg.output_tokens)
             # the emulator runs each codec `repeats` times, interleaved; the simulator once
             # one prompt per context: its live prefill runs once in this process and is reused
-            # by every later request of it (the metrics are from prefill end)
+            # by every later request of it, in this scenario and the later ones (the metrics
+            # are from prefill end)
             emulated = scenario_overrides(cfg.model.name, emulation, rate,
                                           [c for _ in range(cfg.repeats) for c in cfg.codecs],
                                           workload, list(cfg.ks), profiles, cfg.split_cpus) + \

@@ -13,7 +13,9 @@ there (in `prepare`, while a modelled prefill runs, where the cache is held whol
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,13 +89,33 @@ def live_source(lm: Any, context_ids: list[int], describe: dict | None = None) -
 
 
 # (model name, prompt sha256) -> the first live prefill of that prompt in this sender run
-# (send_all clears it when it ends: reuse spans one run's requests, not a process's life)
+# (send_all clears it when it ends: reuse spans one run's requests, not a process's life,
+# unless a prefills_held scope spans several runs)
 _PREFILLS: dict[tuple[str, str], KVSource] = {}
+_held_scopes = 0  # prefills_held scopes open now
 
 
 def forget_prefills() -> None:
-    """Drop the prefills kept for reuse (reused_live_source)."""
-    _PREFILLS.clear()
+    """Drop the prefills kept for reuse (reused_live_source), unless a prefills_held scope
+    holds them."""
+    if not _held_scopes:
+        _PREFILLS.clear()
+
+
+@contextlib.contextmanager
+def prefills_held() -> Iterator[None]:
+    """Inside it the prefills kept for reuse outlive each sender run, so that consecutive
+    runs in this process (a validation's scenarios: one prompt per context) prefill each
+    prompt once; they are dropped when the outermost scope ends. The KV kept is one
+    context's cache per prompt (its shape's bytes), held until then."""
+    global _held_scopes
+    _held_scopes += 1
+    try:
+        yield
+    finally:
+        _held_scopes -= 1
+        if not _held_scopes:
+            _PREFILLS.clear()
 
 
 def reused_live_source(lm: Any, context_ids: list[int], describe: dict | None = None
