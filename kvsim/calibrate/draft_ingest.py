@@ -133,13 +133,19 @@ def _grid(w: DraftWindow, extra_s: float, horizon_s: float) -> tuple[np.ndarray,
     return busy, rate
 
 
+def replay_step_ends_s(w: DraftWindow, busy_ratio: float, ingest_s_per_byte: float,
+                       extra_s: float) -> np.ndarray:
+    """[w.drafts] when the model says each of w's draft steps ends (s, w's clock): steps
+    from w.start_s + extra_s, each advancing at (1 - u (1 - 1/busy_ratio)) / tpot_s."""
+    busy, rate = _grid(w, extra_s, _horizon(w, extra_s))
+    return _end_times(w, busy, rate, np.array([busy_ratio]), ingest_s_per_byte, extra_s,
+                      np.arange(1, w.drafts + 1))[0]
+
+
 def replay_end_s(w: DraftWindow, busy_ratio: float, ingest_s_per_byte: float,
                  extra_s: float) -> float:
-    """When the model says w's last draft step ends (s): w.drafts steps from
-    w.start_s + extra_s, each advancing at (1 - u (1 - 1/busy_ratio)) / tpot_s."""
-    busy, rate = _grid(w, extra_s, _horizon(w, extra_s))
-    return float(_end_times(w, busy, rate, np.array([busy_ratio]), ingest_s_per_byte,
-                            extra_s, np.array([w.drafts]))[0, 0])
+    """When the model says w's last draft step ends (s; replay_step_ends_s's last)."""
+    return float(replay_step_ends_s(w, busy_ratio, ingest_s_per_byte, extra_s)[-1])
 
 
 def _horizon(w: DraftWindow, extra_s: float) -> float:

@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from kvsim.fidelity.first_draft import KEYS as FIRST_DRAFT_KEYS
+
 __all__ = ["MIN_DRAFTS_APART", "MIN_SHARE_APART", "decision_differs", "drafting_line",
            "drafting_summary", "drafts_apart_per_request", "proposed_per_request"]
 
@@ -93,7 +95,9 @@ def drafting_summary(compared: list[dict]) -> dict:
                               "drafts_per_request_measured": measured,
                               "drafts_per_request_simulated": simulated,
                               "max_abs_pct_error": max(abs(float(r["error_pct"]))
-                                                       for r in group)})
+                                                       for r in group),
+                              # (kvsim.fidelity.first_draft; None where the row has none)
+                              **{k: _seconds(group[0].get(k)) for k in FIRST_DRAFT_KEYS}})
     apart = {tuple(d[k] for k in SCENARIO_KEYS) for d in differing}
     others = [abs(float(r["error_pct"])) for r in compared if _scenario(r) not in apart]
     return {"min_drafts_apart_per_request": MIN_DRAFTS_APART,
@@ -125,7 +129,24 @@ def drafting_line(summary: dict) -> str | None:
             f"{worst['bandwidth_gbps']} Gbps, {worst['context_tokens']} tokens: "
             f"{worst['drafts_per_request_simulated']:.3g} draft steps per request simulated "
             f"against {worst['drafts_per_request_measured']:.3g} measured, its worst metric "
-            f"{worst['max_abs_pct_error']:.2f}% off); {others}")
+            f"{worst['max_abs_pct_error']:.2f}% off{_first_draft(worst)}); {others}")
+
+
+def _first_draft(d: dict) -> str:
+    """', anchor ready to first drafted token X ms measured, ...' of a differing scenario
+    (kvsim.fidelity.first_draft), or '' where it has none measured and simulated."""
+    measured, replayed, simulated = (d.get(k) for k in FIRST_DRAFT_KEYS)
+    if measured is None or simulated is None:
+        return ""
+    again = "" if replayed is None else \
+        f", {replayed * 1e3:.0f} replayed on the emulator's own worker"
+    return (f"; anchor ready to first drafted token {measured * 1e3:.0f} ms measured{again}, "
+            f"{simulated * 1e3:.0f} simulated")
+
+
+def _seconds(x: Any) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and \
+        math.isfinite(x) else None
 
 
 def _scenario(row: dict) -> tuple:

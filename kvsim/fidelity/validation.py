@@ -42,6 +42,9 @@ from omegaconf import MISSING
 from kvsim.core.host_load import HostLoadMeter
 from kvsim.core.report import format_table
 from kvsim.fidelity.drafting import drafting_line
+from kvsim.fidelity.first_draft import KEYS as FIRST_DRAFT_KEYS
+from kvsim.fidelity.first_draft import DraftModel, draft_model, first_draft_keys
+from kvsim.fidelity.first_draft import simulated_s as first_draft_simulated_s
 from kvsim.fidelity.noise_floor import noise_floor_line
 from kvsim.fidelity.step_level import step_level
 from kvsim.model.host import DriftConfig
@@ -433,6 +436,8 @@ def validate(cfg: Config) -> dict:
             background = _background_keys(meter)
             _keep(run_dir, name, {"measured": measured, "simulated": simulated})
             sim_by = by_codec(simulated)
+            drafts = draft_model(profiles.hardware, profiles.links.get(emulation),
+                                 cfg.model.name, ctx)
             for codec, m in by_codec(measured).items():
                 s = sim_by[codec]
                 n = int(m.get("requests") or 1)  # repeats: drafts are summed over them
@@ -444,6 +449,7 @@ def validate(cfg: Config) -> dict:
                             # the decode step after the first (s/token): errors.step_error_pct
                             "tpot_measured_s": m.get("tpot_s"),
                             **_single_keys(s, probed, calibrated, codec),
+                            **first_draft_keys(m, s, drafts),
                             **_drift_keys(cfg, drift), **background}
                 rows += errors.compare(scenario, m, s, single)
     distributions: list[dict] = []
@@ -738,14 +744,22 @@ def _resimulate(cfg: Config) -> dict:
         by_codec: dict[str, list[dict]] = {}
         for r in saved_rows:
             by_codec.setdefault(str(r["codec"]), []).append(r)
+        if case == "single":
+            # the emulated requests' rows, where the run's scenario files are beside its report
+            measured_by = _saved_measured(report_path.parent, scenario)
+            drafts = draft_model(profiles.hardware, profiles.links.get(emulation),
+                                 saved.model.name, ctx)
         for codec, codec_rows in by_codec.items():
             s = simulated.get(codec)
             if s is None:
                 raise ValueError(f"{report_path}: its {scenario} rows name codec {codec!r}, "
                                  f"which its config's codecs do not ({', '.join(simulated)})")
-            rows += errors.recompare(codec_rows, s, metrics,
-                                     _single_keys(s, probed, calibrated, codec)
-                                     if case == "single" else {})
+            update = {}
+            if case == "single":
+                update = {**_single_keys(s, probed, calibrated, codec),
+                          **_first_draft_again(codec_rows[0], s, measured_by.get(codec), drafts,
+                                               other_profiles=bool(cfg.profile_dir))}
+            rows += errors.recompare(codec_rows, s, metrics, update)
     saved_summary = report.get("fidelity") if isinstance(report.get("fidelity"), dict) else {}
     return _conclude(cfg, rows, run_dir, profiles, {
         "notes": notes, "measured_from": str(report_path),
@@ -949,6 +963,36 @@ def _level_from_scenario(rows: list[dict]) -> bool:
     measured steps (step_from_scenario, or a re-simulation of a run that did)."""
     single = [r for r in rows if r.get("case") == "single"]
     return bool(single) and all(r.get("step_level_from") == "scenario" for r in single)
+
+
+def _saved_measured(run_dir: Path, name: str) -> dict[str, dict]:
+    """A saved run's emulated rows of scenario `name` by codec, from the scenario file it
+    kept (_keep); {} where there is none (a shipped run keeps its report only)."""
+    path = run_dir / "scenarios" / f"{name}.json"
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    measured = doc.get("measured") if isinstance(doc, dict) else None
+    return {str(r["codec"]): r for r in measured or []
+            if isinstance(r, dict) and "codec" in r}
+
+
+def _first_draft_again(saved_row: dict, s: dict, measured: dict | None,
+                       drafts: DraftModel | None, other_profiles: bool) -> dict:
+    """A re-simulated row's first-draft keys (kvsim.fidelity.first_draft): all three again
+    where the emulated requests are at hand; else the saved measured and replayed times are
+    carried, the replay dropped where the profiles are others than the run's (it was the
+    run's model's), and the simulated time is this simulation's."""
+    if measured is not None:
+        return first_draft_keys(measured, s, drafts)
+    simulated = first_draft_simulated_s(s)
+    if simulated is None and not any(k in saved_row for k in FIRST_DRAFT_KEYS):
+        return {}
+    keys: dict[str, Any] = {"first_draft_simulated_s": simulated}
+    if other_profiles and "first_draft_replayed_s" in saved_row:
+        keys["first_draft_replayed_s"] = None
+    return keys
 
 
 def _keep(run_dir: Path, name: str, doc: dict) -> None:
