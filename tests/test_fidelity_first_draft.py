@@ -14,6 +14,7 @@ from kvsim.fidelity.first_draft import (
     KEYS,
     DraftModel,
     draft_model,
+    draft_model_of,
     first_draft_keys,
     measured_keys,
     simulated_s,
@@ -26,32 +27,38 @@ HARDWARE = PROFILES / "hardware" / "local-smollm2-135m.json"
 TC = PROFILES / "link" / "local-smollm2-135m-tc.json"
 
 T_PE = 1000.0  # prefill end on the spans' clock (s)
+PREFILL_S = 1.0  # arrival -> prefill end (s)
 
 
 def _request(anchor_s=0.10, first_end_s=0.25, drafts=1, worker=True, steps_recorded=True,
-             tpot_s=0.05, status="done"):
+             tpot_s=0.05, status="done", accepted=None, with_key=True):
     """An emulated request that drafted on its anchor (kvsim.transport row fields): its
     anchor's cache ready `anchor_s` after prefill end, drafting from then, its first draft
     step ending `first_end_s` after prefill end and each later one a tpot_s after; its
-    worker dequantizing the residual the whole time (worker) or not at all."""
+    worker dequantizing the residual the whole time (worker) or not at all. accepted=0:
+    its first valid token comes after verification, 0.2 s after its last draft."""
+    accepted = drafts if accepted is None else accepted
     start = T_PE + anchor_s
     ends = [T_PE + first_end_s + i * tpot_s for i in range(drafts)]
-    spans = [["prefill", "prefill", T_PE - 1.0, T_PE],
+    spans = [["prefill", "prefill", T_PE - PREFILL_S, T_PE],
              ["draft_accepted", "decode", start, ends[-1]]]
     if worker:  # back-to-back layer jobs over the whole window and beyond
         t = start - 0.01
         while t < ends[-1] + 0.05:
             spans.append([f"dequantize layer {len(spans)} stream 1", "decode", t, t + 0.002])
             t += 0.002
-    row = {"status": status, "proposed_tokens": drafts, "accepted_tokens": drafts,
+    ttft_pe = first_end_s if accepted else ends[-1] - T_PE + 0.2
+    row = {"status": status, "proposed_tokens": drafts, "accepted_tokens": accepted,
            "tpot_s": tpot_s, "trace_spans": spans,
            "stream_complete_from_prefill_end_s": {"anchor": anchor_s - 0.01,
                                                   "residual": first_end_s + 0.2},
            "stream_bytes": {"anchor": 1e6, "residual": 3e6},
            "anchor_ready_from_prefill_end_s": anchor_s,
-           "ttft_from_prefill_end_s": first_end_s}
-    if steps_recorded:  # from arrival: any clock, placed by the last one
-        row["draft_steps_from_arrival_s"] = [5.0 + (e - ends[0]) for e in ends]
+           "ttft_from_prefill_end_s": ttft_pe, "ttft_s": PREFILL_S + ttft_pe}
+    if with_key:
+        row["first_draft_from_prefill_end_s"] = first_end_s
+    if steps_recorded:
+        row["draft_steps_from_arrival_s"] = [PREFILL_S + e - T_PE for e in ends]
     return row
 
 
@@ -128,7 +135,7 @@ def test_what_cannot_be_replayed_is_measured_alone():
 
 
 def test_the_simulated_time_and_the_three_keys():
-    sim = {"proposed_tokens": 2, "ttft_from_prefill_end_s": 0.27,
+    sim = {"proposed_tokens": 2, "first_draft_from_prefill_end_s": 0.27,
            "anchor_ready_from_prefill_end_s": 0.16}
     assert simulated_s(sim) == pytest.approx(0.11)
     assert simulated_s({**sim, "proposed_tokens": 0}) is None
@@ -148,7 +155,7 @@ def test_a_resimulation_recomputes_carries_or_drops_the_replay():
     """With the run's scenario file: all three again. Without: the saved measured and
     replayed times are carried (recompare keeps them), the replay dropped on other
     profiles; a run that saved none and a simulation that did not draft add nothing."""
-    sim = {"proposed_tokens": 1, "ttft_from_prefill_end_s": 0.27,
+    sim = {"proposed_tokens": 1, "first_draft_from_prefill_end_s": 0.27,
            "anchor_ready_from_prefill_end_s": 0.16}
     model = DraftModel(2.0, 0.0, 0.0)
     saved = {"first_draft_measured_s": 0.15, "first_draft_replayed_s": 0.10,
@@ -176,7 +183,7 @@ def test_the_drafting_line_gives_a_differing_scenarios_first_draft():
              "first_draft_simulated_s": 0.1054}
     line = drafting_line(drafting_summary([_drafted("ttft_c", 15.05, **first),
                                            _drafted("ttft", -10.5, **first)]))
-    assert line is not None and ("15.05% off; anchor ready to first drafted token 131 ms "
+    assert line is not None and ("15.05% off; anchor ready to the first draft step's end 131 ms "
                                  "measured, 125 replayed on the emulator's own worker, 105 "
                                  "simulated)") in line
     no_replay = drafting_line(drafting_summary(
@@ -187,3 +194,110 @@ def test_the_drafting_line_gives_a_differing_scenarios_first_draft():
     assert "15.05% off); " in bare and "anchor ready" not in bare
     summary = drafting_summary([_drafted("ttft_c", 15.05, **first)])
     assert {k: summary["differing"][0][k] for k in KEYS} == first
+
+
+def test_a_rejected_first_draft_is_timed_at_its_step_not_at_the_first_valid_token():
+    """accepted 0: TTFT is the end of verification; the first draft step's end is what the
+    decision turns on, in the row's key and, for a row measured before it, from its draft
+    steps' ends."""
+    model = DraftModel(2.0, 0.0, 0.004)
+    accepted = measured_keys({"per_request": [_request()]}, model)
+    rejected = measured_keys({"per_request": [_request(accepted=0)]}, model)
+    older = measured_keys({"per_request": [_request(accepted=0, with_key=False)]}, model)
+    assert rejected == pytest.approx(accepted) and older == pytest.approx(accepted)
+    assert accepted["first_draft_measured_s"] == pytest.approx(0.15)
+    # neither the key nor the draft steps: not timed
+    assert measured_keys({"per_request": [_request(with_key=False, steps_recorded=False)]},
+                         model) == {}
+
+
+def test_one_request_is_its_own_row():
+    """repeats=1: the emulated codec's row is its one request's (no per_request list)."""
+    model = DraftModel(2.0, 0.0, 0.004)
+    assert measured_keys(_request(), model) == \
+        measured_keys({"per_request": [_request()]}, model)
+
+
+def test_the_replay_shifts_every_drafted_requests_mean():
+    """A request the replay cannot use (its first step's end unrecorded) still counts in
+    the measured mean, and the replayed time is that mean plus the mean miss of the others."""
+    model = DraftModel(2.0, 0.0, 0.0)
+    one = measured_keys({"per_request": [_request()]}, model)
+    miss = one["first_draft_replayed_s"] - one["first_draft_measured_s"]
+    other = _request(anchor_s=0.12, drafts=2, steps_recorded=False)
+    both = measured_keys({"per_request": [_request(), other]}, model)
+    assert both["first_draft_measured_s"] == pytest.approx((0.15 + 0.13) / 2)
+    assert both["first_draft_replayed_s"] == pytest.approx(both["first_draft_measured_s"] + miss)
+
+
+def test_a_malformed_request_loses_its_replay_not_the_validation():
+    model = DraftModel(2.0, 0.0, 0.0)
+    bad = {**_request(), "stream_bytes": {"anchor": 1e6}}  # the residual's bytes missing
+    assert measured_keys({"per_request": [bad]}, model) == \
+        {"first_draft_measured_s": pytest.approx(0.15), "first_draft_replayed_s": None}
+    nulls = {**_request(), "stream_complete_from_prefill_end_s": {"anchor": None,
+                                                                   "residual": None}}
+    assert measured_keys({"per_request": [nulls]}, model)["first_draft_replayed_s"] is None
+
+
+def test_the_model_is_read_from_the_profiles_the_simulation_ran_on(tmp_path):
+    """draft_model_of: the last hardware.profile / link.profile overrides (a step probe's
+    rescaled copies come after the calibrated ones); none named, or no file: None."""
+    link = json.loads(TC.read_text())
+    link["draft_step"]["ingest_s_per_byte"] = 3e-9  # as a rescale would scale it
+    scaled = tmp_path / "tc.json"
+    scaled.write_text(json.dumps(link))
+    sim = [f"hardware.profile={HARDWARE}", f"link.profile={TC}", "codecs=[lynx]",
+           f"link.profile={scaled}"]
+    model = draft_model_of(sim, "smollm2-135m", 1536)
+    assert model.ingest_s_per_byte == 3e-9 and model.busy_ratio == link["draft_step"]["busy_ratio"]
+    assert draft_model_of(["codecs=[lynx]"], "smollm2-135m", 1536) is None
+    assert draft_model_of([f"hardware.profile={tmp_path / 'none.json'}"], "smollm2-135m",
+                          1536) is None
+
+
+def test_a_resimulation_that_no_longer_drafts_clears_the_saved_keys():
+    """With the run's scenario file and neither engine drafting now, the saved keys (which
+    recompare would otherwise carry) are cleared."""
+    plain = {"proposed_tokens": 0, "ttft_from_prefill_end_s": 0.2,
+             "anchor_ready_from_prefill_end_s": 0.1}
+    saved = {"first_draft_measured_s": 0.15, "first_draft_replayed_s": 0.10,
+             "first_draft_simulated_s": 0.09}
+    measured = {"per_request": [{**_request(), "proposed_tokens": 0}]}
+    assert _first_draft_again(saved, plain, measured, DraftModel(2.0, 0.0, 0.0), False) == \
+        dict.fromkeys(KEYS)
+    assert _first_draft_again({}, plain, measured, DraftModel(2.0, 0.0, 0.0), False) == {}
+
+
+def test_both_engines_timelines_give_the_first_draft_steps_end(tmp_path):
+    """The simulator's decode timeline records its first draft step's end (the analytic
+    one: the anchor plus one draft step), and the row gives it from prefill end; a request
+    that does not draft has none."""
+    from sim_receiver_scenario import receiver_scenario
+
+    from kvsim.core.profiles import profile_path
+    from kvsim.scenario.metrics import request_row
+    from kvsim.scenario.speculative import speculative_decode
+
+    tl = speculative_decode(1.0, 1.5, 0.1, 0.12, lambda n: 0.2, 8, lambda n: n, 4)
+    assert tl.first_draft_t == pytest.approx(1.12)
+    doc = json.loads(profile_path("hardware", "local-smollm2-135m").read_text())
+    doc["draft_step"] = {"ratio": 2.0}
+    measured = tmp_path / "measured.json"
+    measured.write_text(json.dumps(doc))
+
+    def record(codec):
+        sc = receiver_scenario(f"codecs=[{codec}]", "deserializer=on_arrival",
+                               "link.bandwidth_gbps=0.05", f"hardware.profile={measured}",
+                               "speculative.draft_overhead_s=null")
+        sc.run()
+        return sc.records[0]
+
+    lynx, int8 = record("lynx"), record("int8")
+    assert lynx.timeline.proposed >= 1 and int8.timeline.proposed == 0
+    assert lynx.timeline.first_draft_t == pytest.approx(
+        lynx.timeline.start_t + lynx.timeline.draft_tpot_s, rel=1e-9)
+    row = request_row(lynx, [1], 1)
+    assert row["first_draft_from_prefill_end_s"] == pytest.approx(
+        lynx.timeline.first_draft_t - lynx.prefill_end_t)
+    assert math.isnan(request_row(int8, [1], 1)["first_draft_from_prefill_end_s"])

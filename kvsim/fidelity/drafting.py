@@ -133,15 +133,15 @@ def drafting_line(summary: dict) -> str | None:
 
 
 def _first_draft(d: dict) -> str:
-    """', anchor ready to first drafted token X ms measured, ...' of a differing scenario
+    """'; anchor ready to the first draft step's end X ms measured, ...' of a differing scenario
     (kvsim.fidelity.first_draft), or '' where it has none measured and simulated."""
     measured, replayed, simulated = (d.get(k) for k in FIRST_DRAFT_KEYS)
     if measured is None or simulated is None:
         return ""
     again = "" if replayed is None else \
         f", {replayed * 1e3:.0f} replayed on the emulator's own worker"
-    return (f"; anchor ready to first drafted token {measured * 1e3:.0f} ms measured{again}, "
-            f"{simulated * 1e3:.0f} simulated")
+    return (f"; anchor ready to the first draft step's end {measured * 1e3:.0f} ms "
+            f"measured{again}, {simulated * 1e3:.0f} simulated")
 
 
 def _seconds(x: Any) -> float | None:

@@ -43,7 +43,7 @@ from kvsim.core.host_load import HostLoadMeter
 from kvsim.core.report import format_table
 from kvsim.fidelity.drafting import drafting_line
 from kvsim.fidelity.first_draft import KEYS as FIRST_DRAFT_KEYS
-from kvsim.fidelity.first_draft import DraftModel, draft_model, first_draft_keys
+from kvsim.fidelity.first_draft import DraftModel, draft_model_of, first_draft_keys
 from kvsim.fidelity.first_draft import simulated_s as first_draft_simulated_s
 from kvsim.fidelity.noise_floor import noise_floor_line
 from kvsim.fidelity.step_level import step_level
@@ -436,8 +436,7 @@ def validate(cfg: Config) -> dict:
             background = _background_keys(meter)
             _keep(run_dir, name, {"measured": measured, "simulated": simulated})
             sim_by = by_codec(simulated)
-            drafts = draft_model(profiles.hardware, profiles.links.get(emulation),
-                                 cfg.model.name, ctx)
+            drafts = draft_model_of(sim, cfg.model.name, ctx)  # the profiles it ran on
             for codec, m in by_codec(measured).items():
                 s = sim_by[codec]
                 n = int(m.get("requests") or 1)  # repeats: drafts are summed over them
@@ -744,11 +743,12 @@ def _resimulate(cfg: Config) -> dict:
         by_codec: dict[str, list[dict]] = {}
         for r in saved_rows:
             by_codec.setdefault(str(r["codec"]), []).append(r)
+        measured_by: dict[str, dict] = {}
+        drafts: DraftModel | None = None
         if case == "single":
             # the emulated requests' rows, where the run's scenario files are beside its report
             measured_by = _saved_measured(report_path.parent, scenario)
-            drafts = draft_model(profiles.hardware, profiles.links.get(emulation),
-                                 saved.model.name, ctx)
+            drafts = draft_model_of(sim, saved.model.name, ctx)
         for codec, codec_rows in by_codec.items():
             s = simulated.get(codec)
             if s is None:
@@ -758,7 +758,7 @@ def _resimulate(cfg: Config) -> dict:
             if case == "single":
                 update = {**_single_keys(s, probed, calibrated, codec),
                           **_first_draft_again(codec_rows[0], s, measured_by.get(codec), drafts,
-                                               other_profiles=bool(cfg.profile_dir))}
+                                               other_profiles=root != beside)}
             rows += errors.recompare(codec_rows, s, metrics, update)
     saved_summary = report.get("fidelity") if isinstance(report.get("fidelity"), dict) else {}
     return _conclude(cfg, rows, run_dir, profiles, {
@@ -981,11 +981,16 @@ def _saved_measured(run_dir: Path, name: str) -> dict[str, dict]:
 def _first_draft_again(saved_row: dict, s: dict, measured: dict | None,
                        drafts: DraftModel | None, other_profiles: bool) -> dict:
     """A re-simulated row's first-draft keys (kvsim.fidelity.first_draft): all three again
-    where the emulated requests are at hand; else the saved measured and replayed times are
-    carried, the replay dropped where the profiles are others than the run's (it was the
-    run's model's), and the simulated time is this simulation's."""
+    where the emulated requests are at hand (None over saved ones where neither engine
+    drafts now); else the saved measured and replayed times are carried, the replay dropped
+    where the profiles are others than those beside the run's report (it was the run's
+    model's: `profile_dir=`, or data/profiles, recalibrated since), and the simulated time
+    is this simulation's."""
     if measured is not None:
-        return first_draft_keys(measured, s, drafts)
+        keys = first_draft_keys(measured, s, drafts)
+        if not keys and any(k in saved_row for k in FIRST_DRAFT_KEYS):
+            return dict.fromkeys(FIRST_DRAFT_KEYS)
+        return keys
     simulated = first_draft_simulated_s(s)
     if simulated is None and not any(k in saved_row for k in FIRST_DRAFT_KEYS):
         return {}

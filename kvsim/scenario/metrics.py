@@ -115,6 +115,8 @@ def request_row(rec: RequestRecord, ks: list[int], breakdown_k: int) -> dict:
         "tpot_s": tl.tpot_s,
         "anchor_ready_from_prefill_end_s": rec.needed_ready_t - rec.prefill_end_t,
         "full_ready_from_prefill_end_s": rec.full_ready_t - rec.prefill_end_t,
+        # the first draft step's end (nan where the request did not draft)
+        "first_draft_from_prefill_end_s": tl.first_draft_t - prefill_end_t,
     }
 
 

@@ -54,6 +54,9 @@ class DecodeTimeline:
     # memory in a 100,000-request run)
     commit_count: int = 0
     commit_t: float = math.nan
+    # the first draft step's end (s; its drafted token's time, accepted or not), nan where
+    # nothing was drafted: kvsim.fidelity.first_draft compares it between the engines
+    first_draft_t: float = math.nan
 
     @property
     def committed_t(self) -> np.ndarray:
@@ -187,4 +190,5 @@ def speculative_decode(t_anchor: float, t_full: float, tpot_s: float, draft_tpot
         seg.append(("decode", v_end, float(times[-1])))
     # committed: drafts count once verification accepts them
     return DecodeTimeline(times, t_anchor, t_full, proposed, accepted, v_start, v_s,
-                          draft_tpot_s, tpot_s, seg, min(accepted + 1, tokens), v_end)
+                          draft_tpot_s, tpot_s, seg, min(accepted + 1, tokens), v_end,
+                          t_anchor + draft_tpot_s)

@@ -407,7 +407,7 @@ class DecodeBatch:
         return DecodeTimeline(
             times, m.start_t, m.full_t, m.proposed, a, m.verify_start_t, v_end - m.verify_start_t,
             (m.draft_end_t - m.start_t) / m.proposed, (now - v_end) / rest if rest > 0 else 0.0,
-            seg, min(a + 1, k), v_end)
+            seg, min(a + 1, k), v_end, float(drafted[0]))
 
     # ---- the fluid clock ---------------------------------------------------------------
     def _advance(self) -> None:

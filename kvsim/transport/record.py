@@ -77,7 +77,8 @@ def emulated_row(asm: Assembly, hello: dict, result: Any, error: str,
         drafted, result.start_t, result.full_t,
         result.proposed, result.accepted, result.verify_start_t,
         (result.verify_end_t - result.verify_start_t) if result.proposed else 0.0,
-        getattr(result, "draft_tpot_s", 0.0), result.tpot_s, segments, commit_count, commit_t)
+        getattr(result, "draft_tpot_s", 0.0), result.tpot_s, segments, commit_count, commit_t,
+        float(result.draft_step_t[0]) if result.proposed and result.draft_step_t else math.nan)
     rec = RequestRecord(
         int(hello.get("seq") or 0), asm.shape.tokens, arrival,
         _num(hello, "prefill_start_t"), prefill_end, _num(fin, "encode_end_t", prefill_end),

@@ -88,10 +88,11 @@ def live_source(lm: Any, context_ids: list[int], describe: dict | None = None) -
                     device=device)
 
 
-# (model name, prompt sha256) -> the first live prefill of that prompt in this sender run
+# (model name, its weights' device and dtype, prompt sha256) -> the first live prefill of
+# that prompt in this sender run
 # (send_all clears it when it ends: reuse spans one run's requests, not a process's life,
 # unless a prefills_held scope spans several runs)
-_PREFILLS: dict[tuple[str, str], KVSource] = {}
+_PREFILLS: dict[tuple[str, str, str, str], KVSource] = {}
 _held_scopes = 0  # prefills_held scopes open now
 
 
@@ -120,15 +121,17 @@ def prefills_held() -> Iterator[None]:
 
 def reused_live_source(lm: Any, context_ids: list[int], describe: dict | None = None
                        ) -> KVSource:
-    """live_source, but a prompt this process prefilled before (the same model and token
-    ids) reuses that prefill's KV, first token and measured time (`reused`: the sender books
-    the time without waiting it). The KV is the same tensor; nothing writes to it."""
+    """live_source, but a prompt this process prefilled before (the same model, on the same
+    device in the same dtype, and the same token ids) reuses that prefill's KV, first token
+    and measured time (`reused`: the sender books the time without waiting it). The KV is
+    the same tensor; nothing writes to it."""
     import hashlib
 
     import numpy as np
 
-    key = (lm.name, hashlib.sha256(np.asarray(context_ids, dtype=np.int64).tobytes())
-           .hexdigest())
+    weights = next(lm.model.parameters())
+    key = (lm.name, device_label(weights.device), str(weights.dtype),
+           hashlib.sha256(np.asarray(context_ids, dtype=np.int64).tobytes()).hexdigest())
     first = _PREFILLS.get(key)
     if first is None:
         first = _PREFILLS[key] = live_source(lm, context_ids, describe)
