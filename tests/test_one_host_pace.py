@@ -17,7 +17,7 @@ from kvsim.scenario.codec_timing import CodecTiming
 from kvsim.scenario.link_profile import load_link_profile, worker_pace_for
 from kvsim.sim.nodes import WorkPace, priority_server, worker_server
 from tests.sim_receiver_scenario import receiver_scenario
-from tests.worker_pace_rows import paced_rows
+from tests.worker_pace_rows import flat_lynx_timing, paced_rows
 
 
 def test_the_work_clock_by_hand():
@@ -168,14 +168,7 @@ def test_calibration_fits_each_links_pace_against_its_codec_timing(tmp_path):
 
     model = ModelSpec(name="tiny", layers=4, attention_heads=4, kv_heads=2, head_dim=64,
                       hidden_size=256, params_total=1e8, params_active=1e8)
-    layer_bytes = model.kv_bytes_bf16(1024) / model.layers
-    fixed_s = 0.004 - layer_bytes / 1e9  # + bytes at 1 GB/s: a 4 ms job at 1024 tokens
-    entry = {"encode_gb_per_s": 1.0, "decode_gb_per_s": 1.0, "source": "assumed",
-             "assumption": "test", "layer_job_fixed_s": fixed_s, "layer_job_gb_per_s": 1.0,
-             "anchor_layer_job_fixed_s": fixed_s, "anchor_layer_job_gb_per_s": 1.0}
-    timing = tmp_path / "timing.json"
-    timing.write_text(json.dumps({"version": 1, "hardware": "local-tiny",
-                                  "codecs": {"lynx": entry}}))
+    timing = flat_lynx_timing(tmp_path / "timing.json", model)  # 4 ms jobs at 1024 tokens
     cfg = Config(model=model)
     timing_of = _timing_of(cfg, timing)
     got = _worker_pace(cfg, paced_rows((0.7, 0.5, 0.4), 0.004), timing_of)

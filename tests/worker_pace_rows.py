@@ -4,6 +4,10 @@ transfer returns."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 
 def paced_rows(truth: tuple[float, float, float], base_s: float, requests: int = 4,
                rates_gbps: tuple[float, ...] = (0.3, 0.8), codec: str = "lynx") -> list[dict]:
@@ -28,3 +32,16 @@ def paced_rows(truth: tuple[float, float, float], base_s: float, requests: int =
                      "total_bytes": 5e6, "bandwidth_gbps": rates_gbps[r % len(rates_gbps)],
                      "trace_spans": spans})
     return rows
+
+
+def flat_lynx_timing(path: Path, model: Any, tokens: int = 1024, job_s: float = 0.004) -> Path:
+    """A codec timing file at `path` whose every lynx layer job (anchor or not) of `model`
+    at `tokens` takes job_s (a fixed part + the layer's bytes at 1 GB/s)."""
+    layer_bytes = model.kv_bytes_bf16(tokens) / model.layers
+    fixed_s = job_s - layer_bytes / 1e9
+    entry = {"encode_gb_per_s": 1.0, "decode_gb_per_s": 1.0, "source": "assumed",
+             "assumption": "test", "layer_job_fixed_s": fixed_s, "layer_job_gb_per_s": 1.0,
+             "anchor_layer_job_fixed_s": fixed_s, "anchor_layer_job_gb_per_s": 1.0}
+    path.write_text(json.dumps({"version": 1, "hardware": f"local-{model.name}",
+                                "codecs": {"lynx": entry}}))
+    return path

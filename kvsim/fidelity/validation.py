@@ -47,6 +47,12 @@ from kvsim.fidelity.first_draft import DraftModel, draft_model_of, first_draft_k
 from kvsim.fidelity.first_draft import simulated_s as first_draft_simulated_s
 from kvsim.fidelity.noise_floor import noise_floor_line
 from kvsim.fidelity.step_level import step_level
+from kvsim.fidelity.worker_level import (
+    level_keys,
+    paced_link_profile,
+    scenario_worker_level,
+    worker_level,
+)
 from kvsim.model.host import DriftConfig
 from kvsim.model.spec import ModelSpec
 
@@ -203,6 +209,15 @@ class Config:
     # CI's gate uses it (a step calibrated three minutes earlier landed 4-27% from the
     # scenario's on this host)
     step_from_scenario: bool = False
+    # true: each single-request scenario's simulator runs its on-arrival worker at the pace
+    # that scenario's emulated requests measured (kvsim.fidelity.worker_level: the link
+    # profile's worker_pace.alone x their jobs / the calibrated pace's), after the
+    # emulation. The worker's pace moved 0.90-1.66 x between a calibration and its
+    # scenarios on this host, and it moves the drafting
+    worker_from_scenario: bool = False
+    # % a scenario's worker level may lie from 1 (the calibrated pace) before the summary
+    # says the worker was not the calibration's (reported; the verdict is the errors')
+    worker_level_tolerance_pct: float = 10.0
     # the emulated transfers' sender and decode host on CPUs of their own, calibration's too
     # (transport.split_cpus, kvsim.transport.cpus); a saved run's setting is in its config
     split_cpus: bool = False
@@ -244,6 +259,9 @@ class Config:
         if not 0 < self.step_level_tolerance_pct < 1000:
             raise ValueError(f"step_level_tolerance_pct must be in (0, 1000) %, got "
                              f"{self.step_level_tolerance_pct}")
+        if not 0 < self.worker_level_tolerance_pct < 1000:
+            raise ValueError(f"worker_level_tolerance_pct must be in (0, 1000) %, got "
+                             f"{self.worker_level_tolerance_pct}")
         if self.samples < 1:
             raise ValueError(f"samples must be >= 1, got {self.samples}")
         if self.repeats < 1:
@@ -424,15 +442,20 @@ def validate(cfg: Config) -> dict:
             meter = HostLoadMeter()
             if probe is not None:  # the step's speed now (kvsim.fidelity.step_probe)
                 sim, probed = _probed(sim, profiles, ctx, probe.step_s(ctx), run_dir, name)
-            if cfg.step_from_scenario:
+            if cfg.step_from_scenario or cfg.worker_from_scenario:  # the emulation first
                 measured = emulate_rows(emulated, host)
-                calibrated = by_codec(simulate(sim))  # the calibrated step, for its own error
-                sim, probed = _probed(sim, profiles, _mid_context(ctx, cfg.output_tokens),
-                                      _scenario_step_s(measured, name), run_dir, name,
-                                      "the scenario's own step", source="scenario")
+                if cfg.step_from_scenario:
+                    calibrated = by_codec(simulate(sim))  # the calibrated step's own error
+                    sim, probed = _probed(sim, profiles, _mid_context(ctx, cfg.output_tokens),
+                                          _scenario_step_s(measured, name), run_dir, name,
+                                          "the scenario's own step", source="scenario")
+                worker = scenario_worker_level(measured, *_sim_profiles(sim), cfg.model)
+                if cfg.worker_from_scenario:
+                    sim = _worker_paced(sim, worker, run_dir, name)
                 simulated = simulate(sim)
             else:
                 measured, simulated = run_pair(emulated, sim, host)
+                worker = scenario_worker_level(measured, *_sim_profiles(sim), cfg.model)
             background = _background_keys(meter)
             _keep(run_dir, name, {"measured": measured, "simulated": simulated})
             sim_by = by_codec(simulated)
@@ -448,6 +471,7 @@ def validate(cfg: Config) -> dict:
                             # the decode step after the first (s/token): errors.step_error_pct
                             "tpot_measured_s": m.get("tpot_s"),
                             **_single_keys(s, probed, calibrated, codec),
+                            **level_keys(worker, cfg.worker_from_scenario),
                             **first_draft_keys(m, s, drafts),
                             **_drift_keys(cfg, drift), **background}
                 rows += errors.compare(scenario, m, s, single)
@@ -677,6 +701,8 @@ def _resimulate(cfg: Config) -> dict:
     distributions: list[dict] = []
     for (case, emulation, rate, ctx, per_s), saved_rows in groups.items():
         calibrated: dict[str, dict] | None = None  # the unscaled simulation, where needed
+        measured_by: dict[str, dict] = {}
+        worker: float | None = None
         if case == "single":
             scenario, workload = _single_scenario(emulation, rate, ctx, saved.output_tokens)
             common = scenario_overrides(saved.model.name, emulation, rate, saved.codecs,
@@ -698,6 +724,19 @@ def _resimulate(cfg: Config) -> dict:
                                       probe_ctx if isinstance(probe_ctx, int) else ctx,
                                       probe_s, run_dir, scenario,
                                       f"the saved step ({source})", source=source)
+            # the emulated requests' rows, where the run's scenario files are beside its
+            # report: the worker level again, on this simulation's profiles
+            measured_by = _saved_measured(report_path.parent, scenario)
+            worker = scenario_worker_level(list(measured_by.values()), *_sim_profiles(sim),
+                                           saved.model) if measured_by else \
+                _saved_worker_level(saved_rows, probed, other_profiles=root != beside)
+            if cfg.worker_from_scenario:
+                if not measured_by:
+                    raise RuntimeError(
+                        f"{report_path}: worker_from_scenario=true needs the emulated "
+                        f"requests' rows (scenarios/{scenario}.json beside the report), "
+                        "which this run did not keep")
+                sim = _worker_paced(sim, worker, run_dir, scenario)
             metrics = single
         elif case == "prefix":
             scenario, codecs, workload = _prefix_scenario(saved.prefix)
@@ -743,11 +782,8 @@ def _resimulate(cfg: Config) -> dict:
         by_codec: dict[str, list[dict]] = {}
         for r in saved_rows:
             by_codec.setdefault(str(r["codec"]), []).append(r)
-        measured_by: dict[str, dict] = {}
         drafts: DraftModel | None = None
         if case == "single":
-            # the emulated requests' rows, where the run's scenario files are beside its report
-            measured_by = _saved_measured(report_path.parent, scenario)
             drafts = draft_model_of(sim, saved.model.name, ctx)
         for codec, codec_rows in by_codec.items():
             s = simulated.get(codec)
@@ -757,6 +793,7 @@ def _resimulate(cfg: Config) -> dict:
             update = {}
             if case == "single":
                 update = {**_single_keys(s, probed, calibrated, codec),
+                          **level_keys(worker, cfg.worker_from_scenario),
                           **_first_draft_again(codec_rows[0], s, measured_by.get(codec), drafts,
                                                other_profiles=root != beside)}
             rows += errors.recompare(codec_rows, s, metrics, update)
@@ -893,6 +930,10 @@ def _conclude(cfg: Config, rows: list[dict], run_dir: Path, profiles: Any, extra
                    target_max_abs_pct=cfg.target_max_abs_pct,
                    met_mean=met_mean, met_max=met_max,
                    met=met_mean and met_max and level.trusted, step_level=level.as_dict(),
+                   # the on-arrival worker's pace in the scenarios (kvsim.fidelity.worker_level)
+                   worker_level=worker_level(rows, cfg.worker_level_tolerance_pct,
+                                             str(extra.get("measured_from") or run_dir)
+                                             ).as_dict(),
                    profiles={"hardware": str(profiles.hardware),
                              "codec_timing": str(profiles.codec_timing),
                              **{f"link.{k}": str(v) for k, v in profiles.links.items()}},
@@ -978,6 +1019,23 @@ def _saved_measured(run_dir: Path, name: str) -> dict[str, dict]:
             if isinstance(r, dict) and "codec" in r}
 
 
+def _saved_worker_level(saved_rows: list[dict], probed: dict, other_profiles: bool
+                        ) -> float | None:
+    """A saved scenario's worker level where its emulated rows are not at hand: the saved
+    one where this simulation's worker pace and codec timing are those it was measured
+    against (the same profiles, at the same step scale), else None (a level is a ratio to
+    one profile's pace on one codec timing)."""
+    saved = saved_rows[0].get("worker_level")
+    scale, saved_scale = probed.get("step_scale"), saved_rows[0].get("step_scale")
+    same_scale = (scale is None and saved_scale is None) or (
+        isinstance(scale, (int, float)) and isinstance(saved_scale, (int, float))
+        and math.isclose(scale, saved_scale, rel_tol=1e-9))
+    if other_profiles or not same_scale or not isinstance(saved, (int, float)) \
+            or not math.isfinite(saved):
+        return None
+    return float(saved)
+
+
 def _first_draft_again(saved_row: dict, s: dict, measured: dict | None,
                        drafts: DraftModel | None, other_profiles: bool) -> dict:
     """A re-simulated row's first-draft keys (kvsim.fidelity.first_draft): all three again
@@ -1044,20 +1102,46 @@ def _probed(sim: list[str], profiles: Any, ctx: int, probe_s: float, run_dir: Pa
     path = out_dir / f"{name}.json"
     scale = probed_profile(profiles.hardware, ctx, probe_s, path)
 
-    def key(override: str) -> str:
-        return override.split("=", 1)[0]
-
-    given = {key(o): o.split("=", 1)[1] for o in sim if key(o) in ("codec_timing",
-                                                                    "link.profile")}
     timing, link = probed_companions(
-        Path(given["codec_timing"]), Path(given["link.profile"]), scale, out_dir, name,
+        *_sim_profiles(sim), scale, out_dir, name,
         {"step_level_from": source, "context_tokens": ctx, "step_s": probe_s})
     _say(f"{what} at {ctx} tokens: {probe_s * 1e3:.1f} ms ({scale:.3f} x the "
          "calibrated step; the codecs, cache build, ingest and handshake with it)")
-    swap = {"hardware.profile": path, "codec_timing": timing, "link.profile": link}
-    return ([f"{key(o)}={swap[key(o)]}" if key(o) in swap else o for o in sim],
+    return (_swapped(sim, {"hardware.profile": path, "codec_timing": timing,
+                           "link.profile": link}),
             {"step_probe_s": probe_s, "step_probe_context_tokens": ctx,
              "step_scale": scale, "step_level_from": source})
+
+
+def _override_key(override: str) -> str:
+    return override.split("=", 1)[0]
+
+
+def _sim_profiles(sim: list[str]) -> tuple[Path, Path]:
+    """(codec timing, link profile) the simulator's overrides name."""
+    given = {_override_key(o): o.split("=", 1)[1] for o in sim}
+    return Path(given["codec_timing"]), Path(given["link.profile"])
+
+
+def _swapped(sim: list[str], swap: dict[str, Any]) -> list[str]:
+    """The overrides with those of swap's keys set to its values."""
+    return [f"{_override_key(o)}={swap[_override_key(o)]}" if _override_key(o) in swap
+            else o for o in sim]
+
+
+def _worker_paced(sim: list[str], level: float | None, run_dir: Path, name: str
+                  ) -> list[str]:
+    """The simulator's overrides with its link profile's worker at `level` x the
+    calibrated pace (kvsim.fidelity.worker_level), written to run_dir/profiles-worker."""
+    if level is None:
+        raise RuntimeError(f"{name}: the emulated run's requests have no on-arrival layer "
+                           "jobs measured against a worker pace (or the link profile has "
+                           "none), so worker_from_scenario=true has no level to take")
+    link = paced_link_profile(_sim_profiles(sim)[1], level,
+                              run_dir / "profiles-worker" / f"{name}-link.json",
+                              {"worker_level_from": "scenario"})
+    _say(f"the scenario's own worker: {level:.3f} x the calibrated pace")
+    return _swapped(sim, {"link.profile": link})
 
 
 def _mid_context(context_tokens: int, output_tokens: int) -> int:
@@ -1403,6 +1487,9 @@ def _print(rows: list[dict], summary: dict, distributions: list[dict]) -> None:
     level = summary.get("step_level") or {}
     if level:
         print(level["words"])
+    worker = (summary.get("worker_level") or {}).get("words")
+    if worker:
+        print(worker)
     missed = " and ".join(w for w, ok in (("mean", summary["met_mean"]),
                                           ("worst", summary["met_max"])) if not ok)
     print(f"mean |error| {summary['mean_abs_pct_error']:.2f}% (target "
