@@ -108,6 +108,9 @@ def test_the_check_and_its_words():
     off = worker_level(rows, 10.0, run="/runs/a")
     assert not off.held and "worker level not the calibration's" in off.words()
     assert "measured_from=/runs/a worker_from_scenario=true" in off.words()
+    kept_alone = worker_level(rows, 10.0, run="/runs/a", resimulable=False)
+    assert "worker_from_scenario=true`" not in kept_alone.words()
+    assert "scenario files, not kept with it" in kept_alone.words()
     mine = worker_level([{**r, "worker_level_from": "scenario"} for r in rows[:3]], 10.0)
     assert mine.from_scenario and "taken from each scenario's own jobs" in mine.words()
     none = worker_level([_row("tc", 0.6, None)], 10.0)
@@ -166,9 +169,17 @@ def test_worker_from_scenario_live_and_again(tmp_path, monkeypatch):
     paced = json.loads((runs["own"] / "profiles-worker" / f"{scenario}-link.json").read_text())
     assert paced["worker_pace"]["alone"] == pytest.approx(pace["alone"] * level)
     assert not (runs["plain"] / "profiles-worker").exists()
-    ttft = {k: next(r["simulated_s"] for r in rows if r["codec"] == "lynx"
-                    and r["metric"] == "ttft") for k, rows in single.items()}
-    assert ttft["own"] >= ttft["plain"]
+    # the simulator ran on the paced copy: a slower worker (every codec's: the level is
+    # the scenario's) made no time earlier and lynx's later
+    kept = json.loads((runs["own"] / "scenarios" / f"{scenario}.json").read_text())
+    assert {r["link_profile"] for r in kept["simulated"]} == \
+        {str(runs["own"] / "profiles-worker" / f"{scenario}-link.json")}
+    times = {k: [(r["codec"], r["metric"], r["simulated_s"]) for r in rows]
+             for k, rows in single.items()}
+    assert all(own[:2] == plain[:2] and own[2] >= plain[2] - 1e-9
+               for own, plain in zip(times["own"], times["plain"], strict=True))
+    assert any(own[0] == "lynx" and own[2] > plain[2]
+               for own, plain in zip(times["own"], times["plain"], strict=True))
     assert docs["own"]["summary"]["worker_level"]["from_scenario"] is True
     assert docs["plain"]["summary"]["worker_level"]["levels"] == {
         "token_bucket 0.1 Gbps 1024": level}
@@ -197,3 +208,45 @@ def test_worker_from_scenario_live_and_again(tmp_path, monkeypatch):
     assert carried("carried") == {level}
     assert main(["validate", f"measured_from={alone}", "worker_from_scenario=true",
                  "samples=2", f"hydra.run.dir={tmp_path / 'refused'}"]) != 0
+
+
+def test_worker_from_scenario_with_the_scenarios_step_and_without_jobs(tmp_path, monkeypatch):
+    """With step_from_scenario=true too, the level is taken against the step-scaled copies
+    and the paced link is made from the step-scaled one; a scenario whose requests measured
+    no on-arrival jobs is simulated on the calibrated worker and says so, and the run goes
+    on."""
+    from kvsim.fidelity import runner
+
+    def emulated(common, host=None):
+        sim = ["scenario=none", *[o for o in common if not o.startswith("transport.")],
+               "deserializer=on_arrival", "samples=2"]
+        rows = runner.simulate(sim)
+        if not jobs:
+            return [{**r, "tpot_s": 0.05} for r in rows]
+        return [{**r, "tpot_s": 0.05, **({"per_request": jobs} if r["codec"] == "lynx"
+                                         else {})} for r in rows]
+
+    jobs = [{**r, "context_tokens": 1024} for r in paced_rows((1.0, 0.5, 0.4), 0.004)]
+    monkeypatch.setattr(runner, "emulate_rows", emulated)
+    both = tmp_path / "both"
+    assert main(["validate", "grid=quick", "worker_from_scenario=true",
+                 "step_from_scenario=true", "samples=2", "multi.enabled=false",
+                 "drift.action=off", f"hydra.run.dir={both}"]) == 0
+    scenario = "single-token_bucket-0.1gbps-1024"
+    paced = json.loads((both / "profiles-worker" / f"{scenario}-link.json").read_text())
+    assert paced["worker_level"]["from_profile"] == \
+        str(both / "profiles-probed" / f"{scenario}-link.json")
+    rows = [r for r in json.loads((both / "fidelity.json").read_text())["rows"]
+            if r["case"] == "single"]
+    assert {r["worker_level_from"] for r in rows} == {"scenario"}
+    assert {r["step_level_from"] for r in rows} == {"scenario"}
+    jobs = []
+    none = tmp_path / "none"
+    assert main(["validate", "grid=quick", "worker_from_scenario=true", "samples=2",
+                 "multi.enabled=false", "drift.action=off", f"hydra.run.dir={none}"]) == 0
+    doc = json.loads((none / "fidelity.json").read_text())
+    rows = [r for r in doc["rows"] if r["case"] == "single"]
+    assert {r["worker_level"] for r in rows} == {None}
+    assert {r["worker_level_from"] for r in rows} == {"calibration"}
+    assert not (none / "profiles-worker").exists()
+    assert doc["summary"]["worker_level"]["levels"] == {}

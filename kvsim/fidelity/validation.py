@@ -212,7 +212,7 @@ class Config:
     # true: each single-request scenario's simulator runs its on-arrival worker at the pace
     # that scenario's emulated requests measured (kvsim.fidelity.worker_level: the link
     # profile's worker_pace.alone x their jobs / the calibrated pace's), after the
-    # emulation. The worker's pace moved 0.90-1.66 x between a calibration and its
+    # emulation. The worker's pace moved 0.87-1.46 x between a calibration and its
     # scenarios on this host, and it moves the drafting
     worker_from_scenario: bool = False
     # % a scenario's worker level may lie from 1 (the calibrated pace) before the summary
@@ -449,13 +449,13 @@ def validate(cfg: Config) -> dict:
                     sim, probed = _probed(sim, profiles, _mid_context(ctx, cfg.output_tokens),
                                           _scenario_step_s(measured, name), run_dir, name,
                                           "the scenario's own step", source="scenario")
-                worker = scenario_worker_level(measured, *_sim_profiles(sim), cfg.model)
+                worker = _worker_level(measured, sim, cfg.model, name)
                 if cfg.worker_from_scenario:
                     sim = _worker_paced(sim, worker, run_dir, name)
                 simulated = simulate(sim)
             else:
                 measured, simulated = run_pair(emulated, sim, host)
-                worker = scenario_worker_level(measured, *_sim_profiles(sim), cfg.model)
+                worker = _worker_level(measured, sim, cfg.model, name)
             background = _background_keys(meter)
             _keep(run_dir, name, {"measured": measured, "simulated": simulated})
             sim_by = by_codec(simulated)
@@ -471,7 +471,8 @@ def validate(cfg: Config) -> dict:
                             # the decode step after the first (s/token): errors.step_error_pct
                             "tpot_measured_s": m.get("tpot_s"),
                             **_single_keys(s, probed, calibrated, codec),
-                            **level_keys(worker, cfg.worker_from_scenario),
+                            **level_keys(worker, cfg.worker_from_scenario
+                                         and worker is not None),
                             **first_draft_keys(m, s, drafts),
                             **_drift_keys(cfg, drift), **background}
                 rows += errors.compare(scenario, m, s, single)
@@ -727,8 +728,8 @@ def _resimulate(cfg: Config) -> dict:
             # the emulated requests' rows, where the run's scenario files are beside its
             # report: the worker level again, on this simulation's profiles
             measured_by = _saved_measured(report_path.parent, scenario)
-            worker = scenario_worker_level(list(measured_by.values()), *_sim_profiles(sim),
-                                           saved.model) if measured_by else \
+            worker = _worker_level(list(measured_by.values()), sim, saved.model, scenario) \
+                if measured_by else \
                 _saved_worker_level(saved_rows, probed, other_profiles=root != beside)
             if cfg.worker_from_scenario:
                 if not measured_by:
@@ -793,7 +794,8 @@ def _resimulate(cfg: Config) -> dict:
             update = {}
             if case == "single":
                 update = {**_single_keys(s, probed, calibrated, codec),
-                          **level_keys(worker, cfg.worker_from_scenario),
+                          **level_keys(worker, cfg.worker_from_scenario
+                                       and worker is not None),
                           **_first_draft_again(codec_rows[0], s, measured_by.get(codec), drafts,
                                                other_profiles=root != beside)}
             rows += errors.recompare(codec_rows, s, metrics, update)
@@ -931,9 +933,7 @@ def _conclude(cfg: Config, rows: list[dict], run_dir: Path, profiles: Any, extra
                    met_mean=met_mean, met_max=met_max,
                    met=met_mean and met_max and level.trusted, step_level=level.as_dict(),
                    # the on-arrival worker's pace in the scenarios (kvsim.fidelity.worker_level)
-                   worker_level=worker_level(rows, cfg.worker_level_tolerance_pct,
-                                             str(extra.get("measured_from") or run_dir)
-                                             ).as_dict(),
+                   worker_level=_worker_check(cfg, rows, run_dir, extra).as_dict(),
                    profiles={"hardware": str(profiles.hardware),
                              "codec_timing": str(profiles.codec_timing),
                              **{f"link.{k}": str(v) for k, v in profiles.links.items()}},
@@ -959,6 +959,14 @@ def _conclude(cfg: Config, rows: list[dict], run_dir: Path, profiles: Any, extra
     return {"rows": rows, **{k: summary[k] for k in ("mean_abs_pct_error",
                                                       "max_abs_pct_error")},
             "fidelity": summary, "distributions": distributions}
+
+
+def _worker_check(cfg: Config, rows: list[dict], run_dir: Path, extra: dict) -> Any:
+    """The worker level's check (kvsim.fidelity.worker_level) of this run, or of the saved
+    run a re-simulation compared against (whose scenario files may not have been kept)."""
+    saved = extra.get("measured_from")
+    return worker_level(rows, cfg.worker_level_tolerance_pct, str(saved or run_dir),
+                        resimulable=not saved or (Path(saved).parent / "scenarios").is_dir())
 
 
 def _cpu_wakeup(run_dir: Path) -> dict:
@@ -1129,14 +1137,29 @@ def _swapped(sim: list[str], swap: dict[str, Any]) -> list[str]:
             else o for o in sim]
 
 
+def _worker_level(measured: list[dict], sim: list[str], model: ModelSpec, name: str
+                  ) -> float | None:
+    """The scenario's worker level (kvsim.fidelity.worker_level) against the profiles its
+    simulation runs on; None, said, where its rows cannot be read for one (a malformed row
+    loses the level, not the validation)."""
+    try:
+        return scenario_worker_level(measured, *_sim_profiles(sim), model)
+    except (KeyError, TypeError, ValueError, OSError, json.JSONDecodeError) as exc:
+        _say(f"{name}: no worker level ({type(exc).__name__}: {exc})")
+        return None
+
+
 def _worker_paced(sim: list[str], level: float | None, run_dir: Path, name: str
                   ) -> list[str]:
-    """The simulator's overrides with its link profile's worker at `level` x the
-    calibrated pace (kvsim.fidelity.worker_level), written to run_dir/profiles-worker."""
+    """The simulator's overrides with its link profile's worker at `level` x the pace it
+    had (kvsim.fidelity.worker_level), written to run_dir/profiles-worker; as they were,
+    said, where the scenario has no level (no on-arrival jobs measured, or no worker pace
+    for this model in its link profile): its rows then say worker_level_from
+    "calibration"."""
     if level is None:
-        raise RuntimeError(f"{name}: the emulated run's requests have no on-arrival layer "
-                           "jobs measured against a worker pace (or the link profile has "
-                           "none), so worker_from_scenario=true has no level to take")
+        _say(f"{name}: no on-arrival layer jobs measured against a worker pace (or its link "
+             "profile has none for this model): simulated on the calibrated worker")
+        return sim
     link = paced_link_profile(_sim_profiles(sim)[1], level,
                               run_dir / "profiles-worker" / f"{name}-link.json",
                               {"worker_level_from": "scenario"})

@@ -4,10 +4,11 @@ scenarios.
 The simulator's worker jobs take the codec timing's time x the link profile's `worker_pace`
 (alone x (1 + encoder share x E + ingest share x G): kvsim.calibrate.worker_pace), fitted on
 the calibration's transfers. On the 2-core host that pace moves between a calibration and
-the scenarios minutes later by far more than the decode step does: over three held-out
-runs of 2026-12-07, a scenario's layer jobs took 0.90-1.66 x what the calibrated pace gives
-for the same jobs (the codecs of one scenario within ~0.1 of each other; CHANGELOG.md,
-2026-12-07), where their decode steps stayed within 2-5% of the calibrated one. The worker's
+the scenarios minutes later by far more than the decode step does: over four held-out
+runs of 2026-12-07, a scenario's layer jobs took 0.87-1.46 x what the calibrated pace gives
+for the same jobs (the scenarios of one run up to 0.5 apart, the codecs of one scenario
+mostly within 0.1-0.3; CHANGELOG.md, 2026-12-07), where their decode steps stayed within
+2-5% of the calibrated one on average. The worker's
 pace sets how busy the receiver is while a split-stream request drafts, so it moves the
 drafting decisions and the first draft's step.
 
@@ -92,6 +93,8 @@ class WorkerLevel:
     # the compared simulations ran on each scenario's own level (worker_from_scenario)
     from_scenario: bool = False
     run: str = ""  # the run's directory (or the saved run re-simulated), named in the words
+    # the run's scenario files are at hand, so a re-simulation can take each one's level
+    resimulable: bool = True
 
     @property
     def mean_abs_pct(self) -> float:
@@ -119,17 +122,21 @@ class WorkerLevel:
         low, high = min(self.levels.values()), max(self.levels.values())
         worst = max(self.levels, key=lambda k: abs(self.levels[k] - 1.0))
         took = f"{low:.2f}" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}-{high:.2f}"
-        level = (f"the scenarios' on-arrival layer jobs took {took} x the "
-                 f"calibrated worker pace's (mean |difference| {self.mean_abs_pct:.1f}%, "
-                 f"worst {self.max_abs_pct:.1f}% at {worst}; tolerance {self.tolerance_pct:g}%)")
+        level = (f"the scenarios' on-arrival layer jobs took {took} x what the simulated "
+                 "worker's pace gives them (the calibrated pace, at the step level each "
+                 f"simulation ran on; mean |difference| {self.mean_abs_pct:.1f}%, worst "
+                 f"{self.max_abs_pct:.1f}% at {worst}; tolerance {self.tolerance_pct:g}%)")
         if self.from_scenario:
             return ("worker level taken from each scenario's own jobs "
                     f"(worker_from_scenario): {level}")
         if self.held:
             return f"worker level held: {level}"
-        return (f"worker level not the calibration's: {level}; the drafting and the "
-                f"split-stream rows measure the worker's minute as much as the model. "
-                f"`kvsim validate measured_from={self.run or '<this run>'} "
+        off = (f"worker level not the calibration's: {level}; the drafting and the "
+               "split-stream rows measure the worker's minute as much as the model")
+        if not self.resimulable:
+            return (f"{off} (the run's scenario files, not kept with it, would let a "
+                    "re-simulation take each scenario's own level)")
+        return (f"{off}. `kvsim validate measured_from={self.run or '<this run>'} "
                 "worker_from_scenario=true` runs each scenario's simulator on its own "
                 "worker level (seconds, nothing emulated)")
 
@@ -138,10 +145,12 @@ class WorkerLevel:
                 "max_abs_pct": self.max_abs_pct, "held": self.held, "words": self.words()}
 
 
-def worker_level(rows: list[dict], tolerance_pct: float, run: str = "") -> WorkerLevel:
+def worker_level(rows: list[dict], tolerance_pct: float, run: str = "",
+                 resimulable: bool = True) -> WorkerLevel:
     """The check from a validation's comparison rows: each single-request scenario's
     `worker_level` (the first of its rows that has one) and whether every one of them was
-    simulated on it (`worker_level_from` "scenario")."""
+    simulated on it (`worker_level_from` "scenario"). resimulable: the run's scenario files
+    are at hand (a re-simulation can take each one's level)."""
     levels: dict[str, float] = {}
     single = [r for r in rows if r.get("case") == "single"]
     for r in single:
@@ -151,7 +160,7 @@ def worker_level(rows: list[dict], tolerance_pct: float, run: str = "") -> Worke
                               f"{r['context_tokens']}", float(v))
     from_scenario = bool(single) and all(r.get("worker_level_from") == "scenario"
                                          for r in single)
-    return WorkerLevel(levels, tolerance_pct, from_scenario, run)
+    return WorkerLevel(levels, tolerance_pct, from_scenario, run, resimulable)
 
 
 def level_keys(level: float | None, applied: bool) -> dict[str, Any]:
