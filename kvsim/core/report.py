@@ -75,6 +75,13 @@ def provenance() -> dict[str, Any]:
     }
 
 
+def finite_number(v: Any) -> float | None:
+    """A report value as a float where it is a finite number (not a bool), else None (a
+    NaN comes back from JSON as null)."""
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and \
+        math.isfinite(v) else None
+
+
 def json_safe(obj: Any) -> Any:
     """Make rows JSON-safe: numpy scalars/arrays to Python, NaN/Inf to None."""
     if isinstance(obj, dict):

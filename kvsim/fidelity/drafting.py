@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from kvsim.core.report import finite_number
 from kvsim.fidelity.first_draft import KEYS as FIRST_DRAFT_KEYS
 
 __all__ = ["MIN_DRAFTS_APART", "MIN_SHARE_APART", "decision_differs", "drafting_line",
@@ -97,7 +98,7 @@ def drafting_summary(compared: list[dict]) -> dict:
                               "max_abs_pct_error": max(abs(float(r["error_pct"]))
                                                        for r in group),
                               # (kvsim.fidelity.first_draft; None where the row has none)
-                              **{k: _seconds(group[0].get(k)) for k in FIRST_DRAFT_KEYS}})
+                              **{k: finite_number(group[0].get(k)) for k in FIRST_DRAFT_KEYS}})
     apart = {tuple(d[k] for k in SCENARIO_KEYS) for d in differing}
     others = [abs(float(r["error_pct"])) for r in compared if _scenario(r) not in apart]
     return {"min_drafts_apart_per_request": MIN_DRAFTS_APART,
@@ -142,11 +143,6 @@ def _first_draft(d: dict) -> str:
         f", {replayed * 1e3:.0f} replayed on the emulator's own worker"
     return (f"; anchor ready to the first draft step's end {measured * 1e3:.0f} ms "
             f"measured{again}, {simulated * 1e3:.0f} simulated")
-
-
-def _seconds(x: Any) -> float | None:
-    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and \
-        math.isfinite(x) else None
 
 
 def _scenario(row: dict) -> tuple:

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvsim.core.report import finite_number
+
 __all__ = ["KEYS", "DraftModel", "draft_model", "draft_model_of", "first_draft_keys",
            "measured_keys", "simulated_s"]
 
@@ -86,12 +88,11 @@ def draft_model_of(sim_overrides: list[str], model_name: str,
 
 
 def _positive(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) \
-        and x > 0
+    return (finite_number(x) or 0.0) > 0
 
 
 def _finite(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    return finite_number(x) is not None
 
 
 def _anchor_to_first_draft_s(row: dict) -> float:

@@ -40,7 +40,7 @@ from typing import Any
 from omegaconf import MISSING
 
 from kvsim.core.host_load import HostLoadMeter
-from kvsim.core.report import format_table
+from kvsim.core.report import finite_number, format_table
 from kvsim.fidelity.drafting import drafting_line
 from kvsim.fidelity.first_draft import KEYS as FIRST_DRAFT_KEYS
 from kvsim.fidelity.first_draft import DraftModel, draft_model_of, first_draft_keys
@@ -1033,15 +1033,13 @@ def _saved_worker_level(saved_rows: list[dict], probed: dict, other_profiles: bo
     one where this simulation's worker pace and codec timing are those it was measured
     against (the same profiles, at the same step scale), else None (a level is a ratio to
     one profile's pace on one codec timing)."""
-    saved = saved_rows[0].get("worker_level")
-    scale, saved_scale = probed.get("step_scale"), saved_rows[0].get("step_scale")
+    saved = finite_number(saved_rows[0].get("worker_level"))
+    scale, saved_scale = (finite_number(probed.get("step_scale")),
+                          finite_number(saved_rows[0].get("step_scale")))
     same_scale = (scale is None and saved_scale is None) or (
-        isinstance(scale, (int, float)) and isinstance(saved_scale, (int, float))
+        scale is not None and saved_scale is not None
         and math.isclose(scale, saved_scale, rel_tol=1e-9))
-    if other_profiles or not same_scale or not isinstance(saved, (int, float)) \
-            or not math.isfinite(saved):
-        return None
-    return float(saved)
+    return None if other_profiles or not same_scale else saved
 
 
 def _first_draft_again(saved_row: dict, s: dict, measured: dict | None,

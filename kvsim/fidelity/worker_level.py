@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from kvsim.calibrate.worker_pace import FIELDS_MAX, job_samples
+from kvsim.core.report import finite_number
 from kvsim.model.spec import ModelSpec
 
 
@@ -154,10 +155,10 @@ def worker_level(rows: list[dict], tolerance_pct: float, run: str = "",
     levels: dict[str, float] = {}
     single = [r for r in rows if r.get("case") == "single"]
     for r in single:
-        v = r.get("worker_level")
-        if isinstance(v, (int, float)) and math.isfinite(v):
+        v = finite_number(r.get("worker_level"))
+        if v is not None:
             levels.setdefault(f"{r['emulation']} {r['bandwidth_gbps']:g} Gbps "
-                              f"{r['context_tokens']}", float(v))
+                              f"{r['context_tokens']}", v)
     from_scenario = bool(single) and all(r.get("worker_level_from") == "scenario"
                                          for r in single)
     return WorkerLevel(levels, tolerance_pct, from_scenario, run, resimulable)
