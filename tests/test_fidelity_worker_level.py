@@ -250,3 +250,23 @@ def test_worker_from_scenario_with_the_scenarios_step_and_without_jobs(tmp_path,
     assert {r["worker_level_from"] for r in rows} == {"calibration"}
     assert not (none / "profiles-worker").exists()
     assert doc["summary"]["worker_level"]["levels"] == {}
+
+
+def test_the_drafting_line_gives_a_differing_scenarios_worker_level():
+    from kvsim.fidelity.drafting import drafting_line, drafting_summary
+
+    def drafted(**keys):
+        return {"case": "single", "emulation": "tc", "bandwidth_gbps": 0.6,
+                "context_tokens": 1536, "codec": "lynx", "metric": "ttft", "measured_s": 1.0,
+                "simulated_s": 1.12, "error_pct": 12.0, "accepted_measured": "1/1",
+                "accepted_simulated": "1.88/2", "first_draft_measured_s": 0.122,
+                "first_draft_simulated_s": 0.153, **keys}
+
+    line = drafting_line(drafting_summary([drafted(worker_level=0.684,
+                                                   worker_level_from="calibration")]))
+    assert line.endswith("; its on-arrival worker at 0.68 x the simulated pace); "
+                         "no other comparison")
+    ran = drafting_line(drafting_summary([drafted(worker_level=1.33,
+                                                  worker_level_from="scenario")]))
+    assert "worker at 1.33 x the simulated pace (simulated on it))" in ran
+    assert "on-arrival worker" not in drafting_line(drafting_summary([drafted()]))

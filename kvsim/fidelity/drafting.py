@@ -98,7 +98,11 @@ def drafting_summary(compared: list[dict]) -> dict:
                               "max_abs_pct_error": max(abs(float(r["error_pct"]))
                                                        for r in group),
                               # (kvsim.fidelity.first_draft; None where the row has none)
-                              **{k: finite_number(group[0].get(k)) for k in FIRST_DRAFT_KEYS}})
+                              **{k: finite_number(group[0].get(k)) for k in FIRST_DRAFT_KEYS},
+                              # its worker's pace against the simulated one, and whether the
+                              # simulation ran on it (kvsim.fidelity.worker_level)
+                              "worker_level": finite_number(group[0].get("worker_level")),
+                              "worker_level_from": group[0].get("worker_level_from")})
     apart = {tuple(d[k] for k in SCENARIO_KEYS) for d in differing}
     others = [abs(float(r["error_pct"])) for r in compared if _scenario(r) not in apart]
     return {"min_drafts_apart_per_request": MIN_DRAFTS_APART,
@@ -130,7 +134,18 @@ def drafting_line(summary: dict) -> str | None:
             f"{worst['bandwidth_gbps']} Gbps, {worst['context_tokens']} tokens: "
             f"{worst['drafts_per_request_simulated']:.3g} draft steps per request simulated "
             f"against {worst['drafts_per_request_measured']:.3g} measured, its worst metric "
-            f"{worst['max_abs_pct_error']:.2f}% off{_first_draft(worst)}); {others}")
+            f"{worst['max_abs_pct_error']:.2f}% off{_first_draft(worst)}"
+            f"{_worker(worst)}); {others}")
+
+
+def _worker(d: dict) -> str:
+    """'; its on-arrival worker at X x the simulated pace' of a differing scenario
+    (kvsim.fidelity.worker_level), or '' where it has no level."""
+    level = d.get("worker_level")
+    if level is None:
+        return ""
+    ran = " (simulated on it)" if d.get("worker_level_from") == "scenario" else ""
+    return f"; its on-arrival worker at {level:.2f} x the simulated pace{ran}"
 
 
 def _first_draft(d: dict) -> str:
