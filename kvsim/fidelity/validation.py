@@ -1161,7 +1161,7 @@ def _worker_paced(sim: list[str], level: float | None, run_dir: Path, name: str
     link = paced_link_profile(_sim_profiles(sim)[1], level,
                               run_dir / "profiles-worker" / f"{name}-link.json",
                               {"worker_level_from": "scenario"})
-    _say(f"the scenario's own worker: {level:.3f} x the calibrated pace")
+    _say(f"the scenario's own worker: {level:.3f} x the simulated pace")
     return _swapped(sim, {"link.profile": link})
 
 

@@ -8,9 +8,9 @@ the scenarios minutes later by far more than the decode step does: over four hel
 runs of 2026-12-07, a scenario's layer jobs took 0.87-1.46 x what the calibrated pace gives
 for the same jobs (the scenarios of one run up to 0.5 apart, the codecs of one scenario
 mostly within 0.1-0.3; CHANGELOG.md, 2026-12-07), where their decode steps stayed within
-2-5% of the calibrated one on average. The worker's
-pace sets how busy the receiver is while a split-stream request drafts, so it moves the
-drafting decisions and the first draft's step.
+2-5% of the calibrated one on average. The worker's pace sets how busy the receiver is while
+a split-stream request drafts, so it moves the drafting decisions and the first draft's
+step.
 
 A scenario's **worker level** is the sum of its emulated requests' on-arrival layer jobs
 over the sum of what the simulator's pace gives for those same jobs (each job's own codec,
