@@ -121,6 +121,8 @@ def test_the_check_and_its_words():
     assert level_keys(1.2, True) == {"worker_level": 1.2, "worker_level_from": "scenario"}
     assert level_keys(None, False) == {"worker_level": None,
                                        "worker_level_from": "calibration"}
+    assert level_keys(None, True) == {"worker_level": None,
+                                      "worker_level_from": "calibration"}  # nothing to run on
     assert WorkerLevel().words() is None
 
 
@@ -270,3 +272,19 @@ def test_the_drafting_line_gives_a_differing_scenarios_worker_level():
                                                   worker_level_from="scenario")]))
     assert "worker at 1.33 x the simulated pace (simulated on it))" in ran
     assert "on-arrival worker" not in drafting_line(drafting_summary([drafted()]))
+
+
+def test_a_saved_level_is_carried_only_onto_the_pace_it_was_measured_against():
+    """Without the run's scenario files: the saved level where the profiles are the run's
+    own and the step scale the same (none, or equal), else None."""
+    from kvsim.fidelity.validation import _saved_worker_level
+
+    saved = [{"worker_level": 1.2, "step_scale": 0.9}]
+    assert _saved_worker_level(saved, {"step_scale": 0.9}, other_profiles=False) == 1.2
+    assert _saved_worker_level(saved, {"step_scale": 1.1}, other_profiles=False) is None
+    assert _saved_worker_level(saved, {}, other_profiles=False) is None
+    assert _saved_worker_level(saved, {"step_scale": 0.9}, other_profiles=True) is None
+    unscaled = [{"worker_level": 0.8}]
+    assert _saved_worker_level(unscaled, {}, other_profiles=False) == 0.8
+    assert _saved_worker_level(unscaled, {"step_scale": 1.0}, other_profiles=False) is None
+    assert _saved_worker_level([{"worker_level": None}], {}, other_profiles=False) is None

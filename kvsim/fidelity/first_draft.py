@@ -65,7 +65,7 @@ def draft_model(hardware: Path | str, link: Path | str | None, model_name: str,
         if link else None
     if draft is None:
         draft = doc.get("draft_step")
-    if not isinstance(draft, dict) or not _positive(draft.get("busy_ratio")):
+    if not isinstance(draft, dict) or (finite_number(draft.get("busy_ratio")) or 0.0) <= 0:
         return None
     curve = doc.get("first_step_extra")
     extra_s = float(np.interp(context_tokens, curve["context_tokens"], curve["s"])) \
@@ -87,30 +87,22 @@ def draft_model_of(sim_overrides: list[str], model_name: str,
                        context_tokens)
 
 
-def _positive(x: object) -> bool:
-    return (finite_number(x) or 0.0) > 0
-
-
-def _finite(x: object) -> bool:
-    return finite_number(x) is not None
-
-
 def _anchor_to_first_draft_s(row: dict) -> float:
     """Anchor cache ready -> the first draft step's end (s) of a row that drafted; nan
     otherwise. An emulated row measured before rows gave first_draft_from_prefill_end_s:
     its first draft step's end from arrival, less its prefill end from arrival."""
-    if not _positive(row.get("proposed_tokens")):
+    if (finite_number(row.get("proposed_tokens")) or 0.0) <= 0:
         return math.nan
     anchor = row.get("anchor_ready_from_prefill_end_s")
     first = row.get("first_draft_from_prefill_end_s")
-    if not _finite(first):
+    if finite_number(first) is None:
         steps = row.get("draft_steps_from_arrival_s")
         ttft, ttft_pe = row.get("ttft_s"), row.get("ttft_from_prefill_end_s")
-        if not (isinstance(steps, list) and steps and _finite(steps[0]) and _finite(ttft)
-                and _finite(ttft_pe)):
+        if not (isinstance(steps, list) and steps and None not in
+                (finite_number(steps[0]), finite_number(ttft), finite_number(ttft_pe))):
             return math.nan
         first = float(steps[0]) - (float(ttft) - float(ttft_pe))
-    if not _finite(anchor):
+    if finite_number(anchor) is None:
         return math.nan
     return float(first) - float(anchor)
 

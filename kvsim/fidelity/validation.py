@@ -471,8 +471,7 @@ def validate(cfg: Config) -> dict:
                             # the decode step after the first (s/token): errors.step_error_pct
                             "tpot_measured_s": m.get("tpot_s"),
                             **_single_keys(s, probed, calibrated, codec),
-                            **level_keys(worker, cfg.worker_from_scenario
-                                         and worker is not None),
+                            **level_keys(worker, cfg.worker_from_scenario),
                             **first_draft_keys(m, s, drafts),
                             **_drift_keys(cfg, drift), **background}
                 rows += errors.compare(scenario, m, s, single)
@@ -794,8 +793,7 @@ def _resimulate(cfg: Config) -> dict:
             update = {}
             if case == "single":
                 update = {**_single_keys(s, probed, calibrated, codec),
-                          **level_keys(worker, cfg.worker_from_scenario
-                                       and worker is not None),
+                          **level_keys(worker, cfg.worker_from_scenario),
                           **_first_draft_again(codec_rows[0], s, measured_by.get(codec), drafts,
                                                other_profiles=root != beside)}
             rows += errors.recompare(codec_rows, s, metrics, update)

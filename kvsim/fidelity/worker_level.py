@@ -164,11 +164,13 @@ def worker_level(rows: list[dict], tolerance_pct: float, run: str = "",
     return WorkerLevel(levels, tolerance_pct, from_scenario, run, resimulable)
 
 
-def level_keys(level: float | None, applied: bool) -> dict[str, Any]:
+def level_keys(level: float | None, from_scenario: bool) -> dict[str, Any]:
     """A single-request row's worker-level keys: `worker_level` (None: not measured) and
-    `worker_level_from` ("scenario" where its simulation ran on it, else "calibration")."""
+    `worker_level_from`: "scenario" where its simulation ran on it (from_scenario asked and a
+    level measured), else "calibration"."""
     return {"worker_level": level,
-            "worker_level_from": "scenario" if applied else "calibration"}
+            "worker_level_from": "scenario" if from_scenario and level is not None
+            else "calibration"}
 
 
 __all__ = ["WorkerLevel", "level_keys", "paced_link_profile", "scenario_worker_level",
