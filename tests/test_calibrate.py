@@ -87,6 +87,35 @@ def test_the_verification_pass_is_timed_against_a_step_beside_it(measured, monke
         assert row == pytest.approx([(tpot[i] + extra[i]) * r for r in ratios[i]])
 
 
+def test_every_batch_size_is_timed_beside_a_lone_step(measured, monkeypatch):
+    """_batch_steps_s on a clock where a step of B rows costs cost[B] units and the host's
+    speed changes from one pair of steps to the next (spells of 1x, 3x, 1.5x): each size's
+    ratio to the lone step is exact whatever the spell, a batch of 3 dearer than one of 4
+    included (as this host's BLAS has it), and each entry is the lone step's median x it."""
+    import kvsim.calibrate.model_profile as mp
+
+    _lm, _doc, kvs, _path = measured
+    cost = {1: 1.0, 2: 1.6, 3: 2.0, 4: 1.7}
+    clock = {"t": 0.0, "calls": 0}
+    spells = [1.0, 1.0, 3.0, 3.0, 1.5, 1.5]
+
+    def forward(model, ids, cache):  # the spell moves on at each lone step
+        if ids.shape[0] == 1:
+            clock["calls"] += 1
+        clock["t"] += 0.01 * cost[ids.shape[0]] * spells[clock["calls"] % len(spells)]
+
+    class Lm:
+        model = _lm.model
+
+    monkeypatch.setattr(mp, "lm_forward", forward)
+    monkeypatch.setattr(mp.time, "perf_counter", lambda: clock["t"])
+    got = mp._batch_steps_s(Lm(), kvs[32], (1, 2, 3, 4), steps=4)
+    lone = got[0]
+    # a median of the lone steps, each in its own spell
+    assert any(lone == pytest.approx(0.01 * f) for f in spells)
+    assert [g / lone for g in got] == pytest.approx([cost[b] for b in (1, 2, 3, 4)])
+
+
 def test_timing_model_applies_the_measured_curves(measured):
     _lm, doc, _kvs, path = measured
     tm = TimingModel(TINY, replace(HW, profile=str(path)))

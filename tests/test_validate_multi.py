@@ -74,3 +74,26 @@ def test_real_decode_batches_the_models_forwards_on_a_live_prefill():
         [k for k in timing if not k.startswith("transport.")]
     with pytest.raises(ValueError, match="multi.decode must be one of"):
         Config(model=None, multi=MultiConfig(decode="batched"))
+
+
+def test_the_calibration_times_what_the_multi_request_case_runs(monkeypatch, tmp_path):
+    """validate calibrate=true times every batch size the case's decode instance can step,
+    and with the real model's decode the case's own prompt length (its emulator prefills
+    it live); with the timing-model decode a context between measured ones is left to the
+    fitted curves, and grid=heldout keeps it out."""
+    import kvsim.calibrate.pipeline as pipeline
+    from kvsim.fidelity.validation import Config, _calibrate
+
+    got = []
+    monkeypatch.setattr(pipeline, "calibrate", got.append)
+    for multi in (MultiConfig(), MultiConfig(decode="real", max_batch=5)):
+        cfg = Config(model=None, multi=multi)
+        cfg.apply_grid()
+        _calibrate(cfg, tmp_path, "p", ["token_bucket"])
+    held = Config(model=None, grid="heldout", multi=MultiConfig(decode="real"))
+    held.apply_grid()
+    _calibrate(held, tmp_path, "p", ["token_bucket"])
+    timing, real, heldout = got
+    assert timing.batches == list(range(1, 9)) and 512 not in timing.contexts
+    assert real.batches == [1, 2, 3, 4, 5] and 512 in real.contexts
+    assert held.multi.context_tokens == 768 and 768 not in heldout.contexts

@@ -33,7 +33,7 @@ class ModelCalibration:
     contexts: list[int]  # prompt lengths (tokens) for prefill, decode steps and codecs
     steps: int = 12  # decode steps timed per context (after the first)
     repeats: int = 3  # prefill repeats at the shortest context (1 at the longest)
-    batches: tuple[int, ...] = (1, 2, 4)  # decode batch sizes, at every context
+    batches: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)  # decode batch sizes, at every context
     drafted: tuple[int, ...] = (1, 2, 4, 8, 16)  # drafted tokens per verification pass
     codec_repeats: int = 3
     text_source: str = "stdlib-docs"
@@ -76,27 +76,51 @@ def _steps_s(lm: Any, cache: Any, token: int, steps: int) -> tuple[float, list[f
 def _batch_steps_s(lm: Any, kv: torch.Tensor, batches: tuple[int, ...], steps: int
                    ) -> list[float]:
     """Median decode step (s) of each batch size B in `batches`, B copies of the cache kv
-    [layers, 2, h, t, d]; the sizes' steps interleaved (one step of each in turn), so that
-    the host's speed drifting during the measurement moves them alike and their ratios,
-    which the simulator uses, hold."""
+    [layers, 2, h, t, d]. Each size B > 1 is timed beside a lone step (one of each in turn,
+    `steps` rounds), so that the host's speed drifting during the measurement moves both
+    alike; its entry is the median of its steps over the lone steps beside them, times the
+    lone step's median over every round. The ratios are what the simulator uses. Only the
+    lone cache and one batched one are held at a time (a batch of 8 at 4,096 tokens of
+    SmolLM2-135M is 1.5 GB in float32).
+
+    Every size, not a few to interpolate between: on this 2-core host's BLAS a batch of 3
+    costs more than one of 4 (135 / 114 ms at 512 tokens, 196 / 180 at 2,048; 1 to 8 at
+    512: 67, 108, 135, 114, 125, 129, 141, 141 ms), so sizes 1, 2 and 4 put a batch of 3
+    18% low and held every batch beyond 4 at the cost of 4."""
     from transformers import DynamicCache
 
     dtype = _dtype(lm)
-    caches, ids = [], []
-    for b in batches:
+
+    def stepper(b: int) -> Callable[[], Any]:
         data = [(kv[layer, 0][None].expand(b, -1, -1, -1).to(dtype).contiguous(),
                  kv[layer, 1][None].expand(b, -1, -1, -1).to(dtype).contiguous())
                 for layer in range(kv.shape[0])]
-        caches.append(DynamicCache(data, config=lm.model.config))
-        ids.append(torch.ones((b, 1), dtype=torch.long))
-        lm_forward(lm.model, ids[-1], caches[-1])  # first: slower
-    times: list[list[float]] = [[] for _ in batches]
-    for _ in range(steps):
-        for i in range(len(batches)):
-            t0 = time.perf_counter()
-            lm_forward(lm.model, ids[i], caches[i])
-            times[i].append(time.perf_counter() - t0)
-    return [float(statistics.median(t)) for t in times]
+        cache = DynamicCache(data, config=lm.model.config)
+        ids = torch.ones((b, 1), dtype=torch.long)
+        lm_forward(lm.model, ids, cache)  # first: slower
+        return lambda: lm_forward(lm.model, ids, cache)
+
+    def timed(step: Callable[[], Any]) -> float:
+        t0 = time.perf_counter()
+        step()
+        return time.perf_counter() - t0
+
+    lone = stepper(1)
+    lone_s: list[float] = []
+    ratio: dict[int, float] = {}
+    for b in sorted(set(batches) - {1}):
+        batch = stepper(b)
+        ratios = []
+        for _ in range(steps):
+            one = timed(lone)
+            lone_s.append(one)
+            ratios.append(timed(batch) / one)
+        ratio[b] = float(statistics.median(ratios))
+        del batch
+    if not lone_s:  # batch 1 alone
+        lone_s = [timed(lone) for _ in range(steps)]
+    one_s = float(statistics.median(lone_s))
+    return [one_s if b == 1 else one_s * ratio[b] for b in batches]
 
 
 @torch.no_grad()
@@ -163,7 +187,9 @@ def measure_model(lm: Any, model_name: str, cal: ModelCalibration,
     # weights, read once per step, weigh less against the members' KV and attention)
     batch_s = []
     for ctx in contexts:
-        batch_s.append(_batch_steps_s(lm, kvs[ctx], tuple(cal.batches), max(4, cal.steps)))
+        # (each size's ratio a median of paired steps: half the rounds of a lone step's)
+        batch_s.append(_batch_steps_s(lm, kvs[ctx], tuple(cal.batches),
+                                      max(4, cal.steps // 2)))
         progress(f"batch {list(cal.batches)} at {ctx}: " +
                  ", ".join(f"{s * 1e3:.1f}" for s in batch_s[-1]) + " ms per step")
     # the verification pass at every context, as its ratio to a first step on a fresh cache

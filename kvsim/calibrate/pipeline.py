@@ -59,7 +59,9 @@ class Config:
     contexts: list[int] = field(default_factory=lambda: [256, 1024, 2048, 4096])
     steps: int = 12  # decode steps timed per context (median)
     repeats: int = 3  # prefill / codec / verification repeats (median)
-    batches: list[int] = field(default_factory=lambda: [1, 2, 4])  # at every context
+    # decode batch sizes, every one timed at every context (a BLAS's cost is not smooth in
+    # the batch: kvsim.calibrate.model_profile._batch_steps_s)
+    batches: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 7, 8])
     # drafted tokens per verification pass, timed at every context
     drafted: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
     codecs: list[Any] = field(default_factory=lambda: ["bf16", "int8", "int4", "lynx"])
@@ -113,8 +115,9 @@ class Config:
         if self.codec_context_tokens not in self.contexts:
             raise ValueError(f"codec_context_tokens={self.codec_context_tokens} must be one of "
                              f"contexts {list(self.contexts)}")
-        if not self.batches or min(self.batches) < 1 or 1 not in self.batches:
-            raise ValueError(f"batches must include 1 and be >= 1, got {self.batches}")
+        if not self.batches or min(self.batches) < 1 or 1 not in self.batches or \
+                any(b <= a for a, b in zip(self.batches, self.batches[1:], strict=False)):
+            raise ValueError(f"batches must include 1 and increase, got {self.batches}")
         if not self.drafted or min(self.drafted) < 1:
             raise ValueError(f"drafted must be >= 1, got {self.drafted}")
         for e in self.links:

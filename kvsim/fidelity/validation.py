@@ -326,16 +326,22 @@ def _calibrate(cfg: Config, root: Path, name: str, emulations: list[str]) -> Non
     quick = cfg.grid == "quick"
     grid = cfg.calibration_contexts
     contexts = {256, *grid} if quick else {256, 1024, 2048, 4096, *grid}
-    # the multi-request case's prompt where the curves would extrapolate to it (it sleeps
-    # the modelled prefill and steps in both engines: between measured contexts the fitted
-    # curves serve it); grid=heldout leaves it out of the calibration on purpose
+    # the multi-request case's prompt where the curves would extrapolate to it, or where
+    # its emulator prefills and decodes with the real model (multi.decode=real: a live
+    # prefill of 512 tokens took 1.68 s here where the line between 256 and 1,024 gives
+    # 1.80); with the timing-model decode both engines sleep the modelled prefill and
+    # steps, and between measured contexts the fitted curves serve it. grid=heldout leaves
+    # it out of the calibration on purpose
     multi_ctx = cfg.multi.context_tokens
-    if cfg.grid != "heldout" and not min(contexts) <= multi_ctx <= max(contexts):
+    if cfg.grid != "heldout" and (cfg.multi.decode == "real" or
+                                  not min(contexts) <= multi_ctx <= max(contexts)):
         contexts.add(multi_ctx)
     contexts = sorted(contexts)
     cal = CalConfig(model=cfg.model, name=name, contexts=contexts,
                     drafted=[1, 2, 4, 8, 16] if quick else [1, 2, 4, 8, 16, 32, 64],
                     codecs=sorted({str(c) for c in [*cfg.codecs, *cfg.multi.codecs]}),
+                    # every batch the multi-request case's decode instance can step
+                    batches=list(range(1, max(1, cfg.multi.max_batch) + 1)),
                     codec_context_tokens=max(grid), links=emulations,
                     # the receiver's calibration transfers at the validated contexts (the
                     # longest; the shortest for the layer-job fit and the step there), so
