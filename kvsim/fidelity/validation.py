@@ -41,6 +41,7 @@ from omegaconf import MISSING
 
 from kvsim.core.host_load import HostLoadMeter
 from kvsim.core.report import finite_number, format_table
+from kvsim.fidelity.batch_level import batch_level, member_intervals
 from kvsim.fidelity.drafting import drafting_line
 from kvsim.fidelity.first_draft import KEYS as FIRST_DRAFT_KEYS
 from kvsim.fidelity.first_draft import DraftModel, draft_model_of, first_draft_keys
@@ -482,8 +483,9 @@ def validate(cfg: Config) -> dict:
                             **_drift_keys(cfg, drift), **background}
                 rows += errors.compare(scenario, m, s, single)
     distributions: list[dict] = []
+    batched = None  # the multi-request case's batch level (real decode)
     if cfg.multi.enabled and cfg.multi.emulation in emulations:
-        multi_rows, distributions = _multi(cfg, profiles, started, run_dir)
+        multi_rows, distributions, batched = _multi(cfg, profiles, started, run_dir)
         rows += [{**r, **_drift_keys(cfg, drift)} for r in multi_rows]
     if cfg.prefix.enabled and cfg.prefix.emulation in emulations:
         prefix_rows, prefix_distributions = _prefix(cfg, profiles, started, run_dir)
@@ -495,7 +497,7 @@ def validate(cfg: Config) -> dict:
                      {"notes": notes, "drift": drift.as_dict() if drift else None,
                       "probe_after": after.as_dict() if after else None,
                       "host_load": _host_load_summary(host_load, rows),
-                      "cpu_wakeup": _cpu_wakeup(run_dir)},
+                      "cpu_wakeup": _cpu_wakeup(run_dir), "batch_level": batched},
                      started, distributions)
 
 
@@ -705,6 +707,7 @@ def _resimulate(cfg: Config) -> dict:
                 (d.get("emulation"), d.get("bandwidth_gbps"), d.get("context_tokens"),
                  d.get("rate_per_s")), []).append(d)
     distributions: list[dict] = []
+    batched = _BatchSteps(saved.multi)  # from the run's scenario files, where it kept them
     for (case, emulation, rate, ctx, per_s), saved_rows in groups.items():
         calibrated: dict[str, dict] | None = None  # the unscaled simulation, where needed
         measured_by: dict[str, dict] = {}
@@ -764,6 +767,7 @@ def _resimulate(cfg: Config) -> dict:
                                         _multi_workload(m, per_s), [], profiles)
             sim, requests_path = _with_request_log(  # seed 0's arrivals
                 sim_overrides(common, profiles, cfg.acceptance, 1), run_dir, scenario)
+            batched.add(list(_saved_measured(report_path.parent, scenario).values()), sim)
             # (a run measured before the multi case compared TPOT percentiles has none)
             compared = {r["metric"] for r in saved_rows}
             metrics = [m for m in errors.MULTI_METRICS if m.name in compared]
@@ -808,7 +812,8 @@ def _resimulate(cfg: Config) -> dict:
         "notes": notes, "measured_from": str(report_path),
         "measured_provenance": provenance,
         "measured_host_load": saved_summary.get("host_load"),
-        "measured_cpu_wakeup": _summary_cpu_wakeup(saved_summary)}, started, distributions)
+        "measured_cpu_wakeup": _summary_cpu_wakeup(saved_summary),
+        "batch_level": batched.level()}, started, distributions)
 
 
 def _saved_drift(report: dict, profiles: Any, run_dir: Path, other: bool = False) -> Any:
@@ -1231,7 +1236,8 @@ def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path
     m = cfg.multi
     rows, distributions = [], []
     if not m.rates_per_s:
-        return rows, distributions
+        return rows, distributions, None
+    batched = _BatchSteps(m)
     # one decode host for the three loads (they differ in arrivals alone)
     first = scenario_overrides(cfg.model.name, m.emulation, m.bandwidth_gbps, m.codecs,
                                _multi_workload(m, m.rates_per_s[0]), [], profiles,
@@ -1254,6 +1260,7 @@ def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path
             measured, simulated = run_pair(common, sim, host)
             background = _background_keys(meter)
             _keep(run_dir, name, {"measured": measured, "simulated": simulated})
+            batched.add(measured, sim)
             sim_by = by_codec(simulated)
             for codec, row in by_codec(measured).items():
                 scenario = {"case": "multi", "emulation": m.emulation,
@@ -1269,7 +1276,50 @@ def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path
                     distributions += _distribution_rows(
                         {**scenario, "seq": seqs}, requests,
                         _simulated_requests(requests_path, codec, seqs))
-    return rows, distributions
+    return rows, distributions, batched.level()
+
+
+class _BatchSteps:
+    """The multi-request case's batch level (kvsim.fidelity.batch_level) over its loads:
+    with the real model's decode only (the timing-model decode sleeps the profile's steps)."""
+
+    def __init__(self, m: MultiConfig) -> None:
+        self.real = m.decode == "real"
+        self.context_tokens = _mid_context(m.context_tokens, m.output_tokens)
+        self.intervals: dict[int, list[float]] = {}
+        self.sim: list[str] = []
+
+    def add(self, measured: list[dict], sim: list[str]) -> None:
+        """One load's emulated rows (one per codec) and its simulation's overrides."""
+        if not self.real:
+            return
+        requests = [r for row in measured for r in row.get("per_request") or []
+                    if isinstance(r, dict)]
+        for members, steps in member_intervals(requests).items():
+            self.intervals.setdefault(members, []).extend(steps)
+        self.sim = sim
+
+    def level(self) -> dict | None:
+        """The level's record, its words said; None without the real decode or steps; a
+        profile that cannot be read is said, and the validation goes on."""
+        if not self.real or not self.sim:
+            return None
+        from kvsim.core.compose import compose
+        from kvsim.scenario.config import SimConfig
+        from kvsim.scenario.timing_model import TimingModel
+
+        try:
+            scfg, _ = compose("sim", self.sim, SimConfig)
+            timing = TimingModel(scfg.model, scfg.hardware)
+            level = batch_level(self.intervals,
+                                lambda b: timing.tpot_s(self.context_tokens, b))
+        except (ValueError, OSError) as exc:
+            _say(f"multi-request batch level not measured: {exc}")
+            return None
+        if level is None:
+            return None
+        return {**level.as_dict(), "context_tokens": self.context_tokens,
+                "words": level.words()}
 
 
 PREFIX_CASE = "prefix-reuse"  # the prefix-reuse case's scenario name
@@ -1515,6 +1565,9 @@ def _print(rows: list[dict], summary: dict, distributions: list[dict]) -> None:
     worker = (summary.get("worker_level") or {}).get("words")
     if worker:
         print(worker)
+    batched = (summary.get("batch_level") or {}).get("words")
+    if batched:
+        print(batched)
     missed = " and ".join(w for w, ok in (("mean", summary["met_mean"]),
                                           ("worst", summary["met_max"])) if not ok)
     print(f"mean |error| {summary['mean_abs_pct_error']:.2f}% (target "
