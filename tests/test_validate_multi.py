@@ -77,10 +77,10 @@ def test_real_decode_batches_the_models_forwards_on_a_live_prefill():
 
 
 def test_the_calibration_times_what_the_multi_request_case_runs(monkeypatch, tmp_path):
-    """validate calibrate=true times every batch size the case's decode instance can step,
-    and with the real model's decode the case's own prompt length (its emulator prefills
-    it live); with the timing-model decode a context between measured ones is left to the
-    fitted curves, and grid=heldout keeps it out."""
+    """validate calibrate=true times every batch size the case's decode instance can step
+    (a lone step only without the case), and with the real model's decode the case's own
+    prompt length (its emulator prefills it live); with the timing-model decode a context
+    between measured ones is left to the fitted curves, and grid=heldout keeps it out."""
     import kvsim.calibrate.pipeline as pipeline
     from kvsim.fidelity.validation import Config, _calibrate
 
@@ -93,7 +93,11 @@ def test_the_calibration_times_what_the_multi_request_case_runs(monkeypatch, tmp
     held = Config(model=None, grid="heldout", multi=MultiConfig(decode="real"))
     held.apply_grid()
     _calibrate(held, tmp_path, "p", ["token_bucket"])
-    timing, real, heldout = got
+    alone = Config(model=None, multi=MultiConfig(enabled=False))
+    alone.apply_grid()
+    _calibrate(alone, tmp_path, "p", ["token_bucket"])
+    timing, real, heldout, single = got
+    assert single.batches == [1]  # no multi-request case: every scenario decodes alone
     assert timing.batches == list(range(1, 9)) and 512 not in timing.contexts
     assert real.batches == [1, 2, 3, 4, 5] and 512 in real.contexts
     assert held.multi.context_tokens == 768 and 768 not in heldout.contexts

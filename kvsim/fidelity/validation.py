@@ -341,8 +341,10 @@ def _calibrate(cfg: Config, root: Path, name: str, emulations: list[str]) -> Non
     cal = CalConfig(model=cfg.model, name=name, contexts=contexts,
                     drafted=[1, 2, 4, 8, 16] if quick else [1, 2, 4, 8, 16, 32, 64],
                     codecs=sorted({str(c) for c in [*cfg.codecs, *cfg.multi.codecs]}),
-                    # every batch the multi-request case's decode instance can step
-                    batches=list(range(1, max(1, cfg.multi.max_batch) + 1)),
+                    # every batch the multi-request case's decode instance can step (the
+                    # single-request scenarios decode alone)
+                    batches=list(range(1, max(1, cfg.multi.max_batch) + 1))
+                    if cfg.multi.enabled else [1],
                     codec_context_tokens=max(grid), links=emulations,
                     # the receiver's calibration transfers at the validated contexts (the
                     # longest; the shortest for the layer-job fit and the step there), so
