@@ -111,9 +111,26 @@ def test_every_batch_size_is_timed_beside_a_lone_step(measured, monkeypatch):
     monkeypatch.setattr(mp.time, "perf_counter", lambda: clock["t"])
     got = mp._batch_steps_s(Lm(), kvs[32], (1, 2, 3, 4), steps=4)
     lone = got[0]
-    # a median of the lone steps, each in its own spell
-    assert any(lone == pytest.approx(0.01 * f) for f in spells)
+    # the median of the 12 lone steps (their spells 3, 3, 1.5, 1.5, 1, 1, 3, 3, 1.5, 1.5,
+    # 1, 1: the first lone step, untimed, took the second spell)
+    assert lone == pytest.approx(0.015)
     assert [g / lone for g in got] == pytest.approx([cost[b] for b in (1, 2, 3, 4)])
+
+
+def test_a_lone_steps_batch_curve_gives_the_rooflines_ratio(measured, tmp_path):
+    """A profile that timed batch 1 only (`batches=[1]`) has no batch ratio to give: a
+    batch of 2 takes the roofline's ratio, as without the curve, not the lone step's."""
+    _lm, doc, _kvs, _path = measured
+    lone = {**doc, "tpot_batch": {**doc["tpot_batch"], "batch": [1],
+                                  "s": [row[:1] for row in doc["tpot_batch"]["s"]]}}
+    none = {k: v for k, v in doc.items() if k != "tpot_batch"}
+    got = []
+    for i, d in enumerate((lone, none)):
+        path = tmp_path / f"hw{i}.json"
+        path.write_text(json.dumps(d))
+        got.append(TimingModel(TINY, replace(HW, profile=str(path))).tpot_s(64, 2))
+    assert got[0] == pytest.approx(got[1])
+    assert got[0] > TimingModel(TINY, replace(HW, profile=str(tmp_path / "hw0.json"))).tpot_s(64)
 
 
 def test_timing_model_applies_the_measured_curves(measured):

@@ -77,8 +77,8 @@ def test_real_decode_batches_the_models_forwards_on_a_live_prefill():
 
 
 def test_the_calibration_times_what_the_multi_request_case_runs(monkeypatch, tmp_path):
-    """validate calibrate=true times every batch size the case's decode instance can step
-    (a lone step only without the case), and with the real model's decode the case's own
+    """validate calibrate=true times every batch size its cases' decode instances can step
+    (1 and 2 where none batches), and with the real model's decode the case's own
     prompt length (its emulator prefills it live); with the timing-model decode a context
     between measured ones is left to the fitted curves, and grid=heldout keeps it out."""
     import kvsim.calibrate.pipeline as pipeline
@@ -96,8 +96,14 @@ def test_the_calibration_times_what_the_multi_request_case_runs(monkeypatch, tmp
     alone = Config(model=None, multi=MultiConfig(enabled=False))
     alone.apply_grid()
     _calibrate(alone, tmp_path, "p", ["token_bucket"])
-    timing, real, heldout, single = got
-    assert single.batches == [1]  # no multi-request case: every scenario decodes alone
+    prefix = Config(model=None, multi=MultiConfig(enabled=False, max_batch=2))
+    prefix.prefix.enabled, prefix.prefix.max_batch = True, 6
+    prefix.apply_grid()
+    _calibrate(prefix, tmp_path, "p", ["token_bucket"])
+    timing, real, heldout, single, with_prefix = got
+    # no batching case: the smallest curve that gives a ratio (every scenario decodes alone)
+    assert single.batches == [1, 2]
+    assert with_prefix.batches == [1, 2, 3, 4, 5, 6]  # the prefix case's instance batches
     assert timing.batches == list(range(1, 9)) and 512 not in timing.contexts
     assert real.batches == [1, 2, 3, 4, 5] and 512 in real.contexts
     assert held.multi.context_tokens == 768 and 768 not in heldout.contexts

@@ -80,8 +80,9 @@ def _batch_steps_s(lm: Any, kv: torch.Tensor, batches: tuple[int, ...], steps: i
     `steps` rounds), so that the host's speed drifting during the measurement moves both
     alike; its entry is the median of its steps over the lone steps beside them, times the
     lone step's median over every round. The ratios are what the simulator uses. Only the
-    lone cache and one batched one are held at a time (a batch of 8 at 4,096 tokens of
-    SmolLM2-135M is 1.5 GB in float32).
+    lone cache and one batched one are held at a time: 1 + B copies of the cache at most,
+    where timing every size in one round would hold 1 + 2 + ... + 8 = 36 (a copy at 4,096
+    tokens of SmolLM2-135M is 189 MB in float32).
 
     Every size, not a few to interpolate between: on this 2-core host's BLAS a batch of 3
     costs more than one of 4 (135 / 114 ms at 512 tokens, 196 / 180 at 2,048; 1 to 8 at

@@ -6,11 +6,11 @@ member per step (kvsim.transport.model_batch), and the simulator takes that step
 hardware profile (`tpot_batch`, its ratio to a lone step at each batch size). Each request's
 row keeps its tokens' times and its decode spans, so the interval between two consecutive
 tokens of a request is one step of the batch it was in (with whatever came between two
-steps: a rebuild of the batched cache when a member joins or leaves), and the requests
-decoding at the interval's middle are that batch's members. The level at B members is the
-mean of those intervals (a TPOT is a mean) over the profile's step of B members at the
-case's mid-decode context: 1.0 is the profile's pace. It names where the case's TPOT error
-comes from; the verdict does not use it.
+steps: a rebuild of the batched cache when a member joins or leaves), and the requests in one
+of their batch spans (drafting, verifying, decoding) at the interval's middle are that
+batch's members. The level at B members is the mean of those intervals (a TPOT is a mean)
+over the profile's step of B members at the case's mid-decode context: 1.0 is the profile's
+pace. It names where the case's TPOT error comes from; the verdict does not use it.
 """
 
 from __future__ import annotations
@@ -22,25 +22,22 @@ from dataclasses import dataclass
 
 from kvsim.core.report import finite_number
 
-MIN_STEPS = 10  # intervals a batch size needs for its median to be reported
+MIN_INTERVALS = 10  # intervals a batch size needs to be reported
 # spans in which a request is a member of its decode instance's batch (drafting on the
-# anchor, verifying, decoding)
-MEMBER_SPANS = ("draft_accepted", "verify", "decode")
+# anchor, its rejected drafts, verifying, decoding)
+MEMBER_SPANS = ("draft_accepted", "draft_rejected", "verify", "decode")
 
 
-def _member_span(row: dict) -> tuple[float, float] | None:
-    """(first batch step's start, decode end) of a request row (epoch s), from its trace."""
-    spans = [s for s in row.get("trace_spans") or []
-             if isinstance(s, list) and len(s) == 4 and s[0] in MEMBER_SPANS]
-    ends = [float(s[3]) for s in spans if s[0] == "decode"]
-    if not spans or not ends:
-        return None
-    return min(float(s[2]) for s in spans), max(ends)
+def _member_spans(row: dict) -> list[tuple[float, float]]:
+    """[(start, end)] (epoch s) of a request row's batch spans, from its trace."""
+    return [(float(s[2]), float(s[3])) for s in row.get("trace_spans") or []
+            if isinstance(s, list) and len(s) == 4 and s[0] in MEMBER_SPANS]
 
 
 def _token_times(row: dict) -> list[float]:
-    """A request row's committed tokens' times (epoch s): its arrival (its prefill's start
-    less its wait for the prefill instance) + committed_from_arrival_s."""
+    """A request row's committed tokens' times (epoch s), tokens committed together once:
+    its arrival (its prefill's start less its wait for the prefill instance) +
+    committed_from_arrival_s."""
     prefill = [s for s in row.get("trace_spans") or [] if isinstance(s, list) and
                len(s) == 4 and s[0] == "prefill"]
     wait = finite_number(row.get("prefill_wait_s"))
@@ -48,26 +45,26 @@ def _token_times(row: dict) -> list[float]:
     if not prefill or wait is None or not isinstance(times, list):
         return []
     arrival = float(prefill[0][2]) - wait
-    return [arrival + float(t) for t in times if finite_number(t) is not None]
+    return sorted({arrival + float(t) for t in times if finite_number(t) is not None})
 
 
 def member_intervals(requests: list[dict]) -> dict[int, list[float]]:
-    """{members decoding: [s between two consecutive tokens of one request]} over one
-    scenario's emulated request rows (a row's `per_request`). A request's first interval
-    (the first step on a fresh cache) and the tokens a verification commits together are
-    left out."""
-    spans = [_member_span(r) for r in requests]
-    live = [s for s in spans if s is not None]
+    """{members: [s between two consecutive tokens of one request]} over one scenario's
+    emulated request rows (a row's `per_request`): every interval between two of a
+    request's distinct token times from its first batch span on, counted at the number of
+    requests in a batch span at its middle. Raises (KeyError, TypeError, ValueError) on a
+    malformed trace span."""
+    spans = [_member_spans(r) for r in requests]
     out: dict[int, list[float]] = {}
-    for row, span in zip(requests, spans, strict=True):
-        if span is None:
+    for row, own in zip(requests, spans, strict=True):
+        if not own:
             continue
-        times = [t for t in _token_times(row) if t >= span[0]]
-        for a, b in zip(times[1:], times[2:], strict=False):
-            if b <= a:
-                continue
+        start = min(lo for lo, _ in own)
+        times = [t for t in _token_times(row) if t >= start]
+        for a, b in zip(times, times[1:], strict=False):
             middle = (a + b) / 2
-            members = sum(1 for lo, hi in live if lo <= middle <= hi)
+            members = sum(1 for theirs in spans
+                          if any(lo <= middle <= hi for lo, hi in theirs))
             if members:
                 out.setdefault(members, []).append(b - a)
     return out
@@ -76,10 +73,10 @@ def member_intervals(requests: list[dict]) -> dict[int, list[float]]:
 @dataclass
 class BatchLevel:
     """The emulator's batched steps by members against the profile's (sizes with at least
-    MIN_STEPS intervals)."""
+    MIN_INTERVALS intervals)."""
 
     members: list[int]
-    steps: list[int]  # intervals measured at each
+    intervals: list[int]  # intervals measured at each
     measured_s: list[float]  # their mean
     median_s: list[float]  # their median
     simulated_s: list[float]  # the profile's step of that many members
@@ -90,24 +87,24 @@ class BatchLevel:
 
     def words(self) -> str:
         parts = [f"{b}: {m * 1e3:.0f} ms vs {s * 1e3:.0f} (x {m / s:.2f}, {n} steps)"
-                 for b, n, m, s in zip(self.members, self.steps, self.measured_s,
+                 for b, n, m, s in zip(self.members, self.intervals, self.measured_s,
                                        self.simulated_s, strict=True)]
         return ("multi-request real decode: the emulator's batched steps (the mean interval "
                 "between a request's tokens, by members decoding) against the profile's "
                 "step of as many members: " + "; ".join(parts))
 
     def as_dict(self) -> dict:
-        return {"members": self.members, "steps": self.steps, "measured_s": self.measured_s,
-                "median_s": self.median_s, "simulated_s": self.simulated_s,
-                "level": self.levels}
+        return {"members": self.members, "intervals": self.intervals,
+                "measured_s": self.measured_s, "median_s": self.median_s,
+                "simulated_s": self.simulated_s, "level": self.levels}
 
 
 def batch_level(intervals: dict[int, list[float]], simulated_step_s: Callable[[int], float]
                 ) -> BatchLevel | None:
     """The level of pooled member_intervals (every load's and codec's) against
-    simulated_step_s(members) (the profile's step, s); None where no size has MIN_STEPS
-    intervals."""
-    sizes = sorted(b for b, v in intervals.items() if len(v) >= MIN_STEPS)
+    simulated_step_s(members) (the profile's step, s); None where no size has
+    MIN_INTERVALS intervals."""
+    sizes = sorted(b for b, v in intervals.items() if len(v) >= MIN_INTERVALS)
     if not sizes:
         return None
     simulated = [float(simulated_step_s(b)) for b in sizes]
@@ -116,3 +113,57 @@ def batch_level(intervals: dict[int, list[float]], simulated_step_s: Callable[[i
     return BatchLevel(sizes, [len(intervals[b]) for b in sizes],
                       [float(statistics.fmean(intervals[b])) for b in sizes],
                       [float(statistics.median(intervals[b])) for b in sizes], simulated)
+
+
+class BatchSteps:
+    """A multi-request case's batch level over its loads, where its decode instance batches
+    the real model's forwards (real): one instance, every request with a slot (more requests
+    than slots would count a waiting request as a member; one slot per instance makes
+    concurrent lone forwards look like a batch)."""
+
+    def __init__(self, real: bool, context_tokens: int) -> None:
+        self.real = real
+        self.context_tokens = context_tokens  # where the profile's steps are taken
+        self.intervals: dict[int, list[float]] = {}
+        self.sim: list[str] = []  # the last load's simulation overrides
+        self.skipped = ""  # why the level is not measured, where a row could not be read
+
+    def add(self, measured: list[dict], sim: list[str]) -> None:
+        """One load's emulated rows (one per codec) and its simulation's overrides."""
+        if not self.real or self.skipped:
+            return
+        requests = [r for row in measured for r in row.get("per_request") or []
+                    if isinstance(r, dict)]
+        try:
+            found = member_intervals(requests)
+        except (KeyError, TypeError, ValueError) as exc:
+            self.skipped = f"a request row could not be read ({type(exc).__name__}: {exc})"
+            return
+        for members, steps in found.items():
+            self.intervals.setdefault(members, []).extend(steps)
+        self.sim = sim
+
+    def level(self) -> tuple[dict | None, str]:
+        """(the level's record with its words, or None; a note where it was not measured
+        though it should have been: a row or the profile could not be read)."""
+        if not self.real:
+            return None, ""
+        if self.skipped:
+            return None, f"multi-request batch level not measured: {self.skipped}"
+        if not self.intervals:
+            return None, ""
+        from kvsim.core.compose import compose
+        from kvsim.scenario.config import SimConfig
+        from kvsim.scenario.timing_model import TimingModel
+
+        try:
+            scfg, _ = compose("sim", self.sim, SimConfig)
+            timing = TimingModel(scfg.model, scfg.hardware)
+            level = batch_level(self.intervals,
+                                lambda b: timing.tpot_s(self.context_tokens, b))
+        except (ValueError, OSError) as exc:
+            return None, f"multi-request batch level not measured: {exc}"
+        if level is None:
+            return None, ""
+        return {**level.as_dict(), "context_tokens": self.context_tokens,
+                "words": level.words()}, ""

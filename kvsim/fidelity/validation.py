@@ -41,7 +41,7 @@ from omegaconf import MISSING
 
 from kvsim.core.host_load import HostLoadMeter
 from kvsim.core.report import finite_number, format_table
-from kvsim.fidelity.batch_level import batch_level, member_intervals
+from kvsim.fidelity.batch_level import BatchSteps
 from kvsim.fidelity.drafting import drafting_line
 from kvsim.fidelity.first_draft import KEYS as FIRST_DRAFT_KEYS
 from kvsim.fidelity.first_draft import DraftModel, draft_model_of, first_draft_keys
@@ -341,10 +341,9 @@ def _calibrate(cfg: Config, root: Path, name: str, emulations: list[str]) -> Non
     cal = CalConfig(model=cfg.model, name=name, contexts=contexts,
                     drafted=[1, 2, 4, 8, 16] if quick else [1, 2, 4, 8, 16, 32, 64],
                     codecs=sorted({str(c) for c in [*cfg.codecs, *cfg.multi.codecs]}),
-                    # every batch the multi-request case's decode instance can step (the
-                    # single-request scenarios decode alone)
-                    batches=list(range(1, max(1, cfg.multi.max_batch) + 1))
-                    if cfg.multi.enabled else [1],
+                    # every batch the multi-request and prefix cases' decode instances can
+                    # step (at least 2: a profile's one-size curve gives no ratio)
+                    batches=list(range(1, _largest_batch(cfg) + 1)),
                     codec_context_tokens=max(grid), links=emulations,
                     # the receiver's calibration transfers at the validated contexts (the
                     # longest; the shortest for the layer-job fit and the step there), so
@@ -356,6 +355,12 @@ def _calibrate(cfg: Config, root: Path, name: str, emulations: list[str]) -> Non
                     out_dir=str(root), overwrite=True, split_cpus=cfg.split_cpus)
     _say(f"calibrating into {root} (prompts, decode steps, codecs, links)")
     calibrate(cal)
+
+
+def _largest_batch(cfg: Config) -> int:
+    """The largest batch a decode instance of the validation's enabled cases can step
+    (at least 2)."""
+    return max([2] + [c.max_batch for c in (cfg.multi, cfg.prefix) if c.enabled])
 
 
 def _emulations(cfg: Config) -> tuple[list[str], list[str]]:
@@ -487,7 +492,9 @@ def validate(cfg: Config) -> dict:
     distributions: list[dict] = []
     batched = None  # the multi-request case's batch level (real decode)
     if cfg.multi.enabled and cfg.multi.emulation in emulations:
-        multi_rows, distributions, batched = _multi(cfg, profiles, started, run_dir)
+        multi_rows, distributions, (batched, note) = _multi(cfg, profiles, started, run_dir)
+        if note:
+            _say(note)
         rows += [{**r, **_drift_keys(cfg, drift)} for r in multi_rows]
     if cfg.prefix.enabled and cfg.prefix.emulation in emulations:
         prefix_rows, prefix_distributions = _prefix(cfg, profiles, started, run_dir)
@@ -709,7 +716,7 @@ def _resimulate(cfg: Config) -> dict:
                 (d.get("emulation"), d.get("bandwidth_gbps"), d.get("context_tokens"),
                  d.get("rate_per_s")), []).append(d)
     distributions: list[dict] = []
-    batched = _BatchSteps(saved.multi)  # from the run's scenario files, where it kept them
+    batched = _batch_steps(saved.multi)  # from the run's scenario files, where it kept them
     for (case, emulation, rate, ctx, per_s), saved_rows in groups.items():
         calibrated: dict[str, dict] | None = None  # the unscaled simulation, where needed
         measured_by: dict[str, dict] = {}
@@ -769,7 +776,8 @@ def _resimulate(cfg: Config) -> dict:
                                         _multi_workload(m, per_s), [], profiles)
             sim, requests_path = _with_request_log(  # seed 0's arrivals
                 sim_overrides(common, profiles, cfg.acceptance, 1), run_dir, scenario)
-            batched.add(list(_saved_measured(report_path.parent, scenario).values()), sim)
+            if batched.real:
+                batched.add(list(_saved_measured(report_path.parent, scenario).values()), sim)
             # (a run measured before the multi case compared TPOT percentiles has none)
             compared = {r["metric"] for r in saved_rows}
             metrics = [m for m in errors.MULTI_METRICS if m.name in compared]
@@ -810,12 +818,15 @@ def _resimulate(cfg: Config) -> dict:
                                                other_profiles=root != beside)}
             rows += errors.recompare(codec_rows, s, metrics, update)
     saved_summary = report.get("fidelity") if isinstance(report.get("fidelity"), dict) else {}
+    batch, note = batched.level()
+    if note:
+        _say(note)
     return _conclude(cfg, rows, run_dir, profiles, {
         "notes": notes, "measured_from": str(report_path),
         "measured_provenance": provenance,
         "measured_host_load": saved_summary.get("host_load"),
         "measured_cpu_wakeup": _summary_cpu_wakeup(saved_summary),
-        "batch_level": batched.level()}, started, distributions)
+        "batch_level": batch}, started, distributions)
 
 
 def _saved_drift(report: dict, profiles: Any, run_dir: Path, other: bool = False) -> Any:
@@ -1225,7 +1236,10 @@ def _multi_workload(m: MultiConfig, rate_per_s: float) -> list[str]:
 
 
 def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path
-           ) -> tuple[list[dict], list[dict]]:
+           ) -> tuple[list[dict], list[dict], tuple[dict | None, str]]:
+    """The multi-request case's comparisons, its per-request distributions, and its batch
+    level (kvsim.fidelity.batch_level: the record or None, and a note where it could not be
+    measured)."""
     from kvsim.fidelity import errors
     from kvsim.fidelity.runner import (
         by_codec,
@@ -1238,8 +1252,8 @@ def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path
     m = cfg.multi
     rows, distributions = [], []
     if not m.rates_per_s:
-        return rows, distributions, None
-    batched = _BatchSteps(m)
+        return rows, distributions, (None, "")
+    batched = _batch_steps(m)
     # one decode host for the three loads (they differ in arrivals alone)
     first = scenario_overrides(cfg.model.name, m.emulation, m.bandwidth_gbps, m.codecs,
                                _multi_workload(m, m.rates_per_s[0]), [], profiles,
@@ -1281,47 +1295,13 @@ def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path
     return rows, distributions, batched.level()
 
 
-class _BatchSteps:
-    """The multi-request case's batch level (kvsim.fidelity.batch_level) over its loads:
-    with the real model's decode only (the timing-model decode sleeps the profile's steps)."""
-
-    def __init__(self, m: MultiConfig) -> None:
-        self.real = m.decode == "real"
-        self.context_tokens = _mid_context(m.context_tokens, m.output_tokens)
-        self.intervals: dict[int, list[float]] = {}
-        self.sim: list[str] = []
-
-    def add(self, measured: list[dict], sim: list[str]) -> None:
-        """One load's emulated rows (one per codec) and its simulation's overrides."""
-        if not self.real:
-            return
-        requests = [r for row in measured for r in row.get("per_request") or []
-                    if isinstance(r, dict)]
-        for members, steps in member_intervals(requests).items():
-            self.intervals.setdefault(members, []).extend(steps)
-        self.sim = sim
-
-    def level(self) -> dict | None:
-        """The level's record, its words said; None without the real decode or steps; a
-        profile that cannot be read is said, and the validation goes on."""
-        if not self.real or not self.sim:
-            return None
-        from kvsim.core.compose import compose
-        from kvsim.scenario.config import SimConfig
-        from kvsim.scenario.timing_model import TimingModel
-
-        try:
-            scfg, _ = compose("sim", self.sim, SimConfig)
-            timing = TimingModel(scfg.model, scfg.hardware)
-            level = batch_level(self.intervals,
-                                lambda b: timing.tpot_s(self.context_tokens, b))
-        except (ValueError, OSError) as exc:
-            _say(f"multi-request batch level not measured: {exc}")
-            return None
-        if level is None:
-            return None
-        return {**level.as_dict(), "context_tokens": self.context_tokens,
-                "words": level.words()}
+def _batch_steps(m: MultiConfig) -> BatchSteps:
+    """The multi-request case's batch level (kvsim.fidelity.batch_level), measured where
+    its one decode instance batches the real model's forwards with a slot for every request
+    (the timing-model decode sleeps the profile's steps; one slot per request runs lone
+    forwards side by side; more requests than slots would count a waiting one)."""
+    return BatchSteps(m.decode == "real" and 1 < m.max_batch and m.requests <= m.max_batch,
+                      _mid_context(m.context_tokens, m.output_tokens))
 
 
 PREFIX_CASE = "prefix-reuse"  # the prefix-reuse case's scenario name

@@ -118,10 +118,11 @@ class TimingModel:
 
     def _batch_ratio(self, batch: int, roof: float, context_tokens: int) -> float:
         """A batch-B step over a batch-1 step: the profile's measured curve when it has
-        one (measured at several contexts: the ratio interpolated between them, held
-        beyond), else the roofline's ratio (roof: the batch-B roofline at this context)."""
+        one of two sizes or more (measured at several contexts: the ratio interpolated
+        between them, held beyond), else the roofline's ratio (roof: the batch-B roofline
+        at this context)."""
         curve = self._profile.get("tpot_batch") if self._profile else None
-        if curve:
+        if curve and len(curve["batch"]) > 1:  # (a lone step's curve gives no ratio)
             at, sizes = curve["context_tokens"], curve["batch"]
             if isinstance(at, list):
                 ratios = [_measured_batch_ratio(batch, sizes, s_c) for s_c in curve["s"]]
