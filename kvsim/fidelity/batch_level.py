@@ -28,23 +28,22 @@ MIN_INTERVALS = 10  # intervals a batch size needs to be reported
 MEMBER_SPANS = ("draft_accepted", "draft_rejected", "verify", "decode")
 
 
-def _member_spans(row: dict) -> list[tuple[float, float]]:
-    """[(start, end)] (epoch s) of a request row's batch spans, from its trace."""
+def _spans(row: dict, names: tuple[str, ...]) -> list[tuple[float, float]]:
+    """[(start, end)] (epoch s) of a request row's trace spans named one of `names`."""
     return [(float(s[2]), float(s[3])) for s in row.get("trace_spans") or []
-            if isinstance(s, list) and len(s) == 4 and s[0] in MEMBER_SPANS]
+            if isinstance(s, list) and len(s) == 4 and s[0] in names]
 
 
 def _token_times(row: dict) -> list[float]:
     """A request row's committed tokens' times (epoch s), tokens committed together once:
     its arrival (its prefill's start less its wait for the prefill instance) +
     committed_from_arrival_s."""
-    prefill = [s for s in row.get("trace_spans") or [] if isinstance(s, list) and
-               len(s) == 4 and s[0] == "prefill"]
+    prefill = _spans(row, ("prefill",))
     wait = finite_number(row.get("prefill_wait_s"))
     times = row.get("committed_from_arrival_s")
     if not prefill or wait is None or not isinstance(times, list):
         return []
-    arrival = float(prefill[0][2]) - wait
+    arrival = prefill[0][0] - wait
     return sorted({arrival + float(t) for t in times if finite_number(t) is not None})
 
 
@@ -54,7 +53,7 @@ def member_intervals(requests: list[dict]) -> dict[int, list[float]]:
     request's distinct token times from its first batch span on, counted at the number of
     requests in a batch span at its middle. Raises (KeyError, TypeError, ValueError) on a
     malformed trace span."""
-    spans = [_member_spans(r) for r in requests]
+    spans = [_spans(r, MEMBER_SPANS) for r in requests]
     out: dict[int, list[float]] = {}
     for row, own in zip(requests, spans, strict=True):
         if not own:
