@@ -215,11 +215,16 @@ def test_codec_timing_as_the_transport_runs_it(measured, tmp_path):
 def test_calibrate_command_writes_profiles_and_keeps_them(tmp_path, capsys):
     args = ["calibrate", "model=tiny-random", "contexts=[32,64]", "codec_context_tokens=64",
             "steps=2", "repeats=1", "batches=[1,2]", "drafted=[1,2]", "codecs=[int8]",
-            "links=[]", "receiver_loads=false", "progress=false", f"out_dir={tmp_path}"]
+            "links=[]", "receiver_loads=false", "progress=false", f"out_dir={tmp_path}",
+            "beside_prefill_tokens=40"]
     assert main(args) == 0
     hw = tmp_path / "hardware" / "local-tiny-random.json"
     ct = tmp_path / "codec_timing" / "local-tiny-random.json"
     assert hw.is_file() and ct.is_file()
+    # the steps beside a 40-token prefill, on the cache of the nearest context (32)
+    beside = json.loads(hw.read_text())["tpot_beside_prefill"]
+    assert (beside["context_tokens"], beside["prefill_tokens"], beside["batch"]) == \
+        (32, 40, [1, 2])
     # the profile says what else ran on the host while it was measured (Linux: /proc/stat)
     if Path("/proc/stat").is_file():
         load = json.loads(hw.read_text())["host"]["background"]
@@ -232,7 +237,7 @@ def test_calibrate_command_writes_profiles_and_keeps_them(tmp_path, capsys):
     rc = main(["sim", "scenario=none", "model=tiny-random", "hardware=local-cpu",
                f"hardware.profile={hw}", f"codec_timing={ct}", "codecs=[int8]",
                "deserializer=on_demand", "workload=emulated", "workload.context_tokens=64",
-               "workload.output_tokens=4"])
+               "workload.output_tokens=4", "workload.colocated_prefill=true"])
     assert rc == 0
 
 

@@ -7,7 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvsim.fidelity.batch_level import MIN_INTERVALS, BatchSteps, batch_level, member_intervals
+from kvsim.fidelity.batch_level import (
+    MIN_INTERVALS,
+    BatchSteps,
+    batch_level,
+    classified_intervals,
+    member_intervals,
+)
 
 
 def _row(arrival: float, wait: float, member_from: float, tokens: list[float]) -> dict:
@@ -109,3 +115,40 @@ def test_no_level_without_the_real_decode_and_a_note_where_a_row_is_malformed():
     broken.add(rows, sim)  # the rest is not pooled: a level over part of the rows misleads
     level, note = broken.level()
     assert level is None and "a request row could not be read (TypeError" in note
+
+
+def test_each_interval_is_told_by_what_else_ran_on_the_host():
+    # a decodes every 0.1 s from t=10 to 13; b's prefill runs 10.5-11.5, its transfer
+    # 11.5-11.75 and a dequantization of it 11.8-11.81; b itself never joins the batch
+    a = _row(0.0, 0.0, 9.95, [10.0 + i / 10 for i in range(31)])
+    b = {"prefill_wait_s": 0.0, "committed_from_arrival_s": [],
+         "trace_spans": [["prefill", "prefill", 10.5, 11.5],
+                         ["transfer full", "link", 11.5, 11.75],
+                         ["dequantize layer 0 stream 0", "decode", 11.8, 11.81]]}
+    got = classified_intervals([a, b])
+    where = [w for _b, w, _s in got]
+    assert all(members == 1 for members, _w, _s in got) and len(got) == 30
+    # 10.0-10.5 quiet (5), 10.5-11.5 beside the prefill (10: the last ends as the transfer
+    # starts), 11.5-11.9 receiving (the transfer to 11.75, the dequantization in 11.8-11.9:
+    # 4), then quiet (11)
+    assert where == ["quiet"] * 5 + ["prefill"] * 10 + ["receiving"] * 4 + ["quiet"] * 11
+    assert member_intervals([a, b]) == {1: pytest.approx([0.1] * 30)}
+
+
+def test_the_level_by_surroundings_against_the_profiles_ratio_beside_a_prefill():
+    intervals = {1: [0.1] * 12 + [0.11] * 10 + [0.15] * 3}
+    classified = [(1, "quiet", 0.1)] * 12 + [(1, "prefill", 0.11)] * 10 + \
+        [(1, "receiving", 0.15)] * 3
+    level = batch_level(intervals, lambda b: 0.1, classified, lambda b: 1.05)
+    assert level.by_surroundings["quiet"] == ([12], [pytest.approx(0.1)])
+    assert level.by_surroundings["prefill"] == ([10], [pytest.approx(0.11)])
+    assert level.by_surroundings["receiving"] == ([3], [None])  # too few for a mean
+    words = level.words()
+    assert "1: quiet 100 ms (12 steps), prefill 110 ms (10 steps, x 1.10 of quiet; the " \
+        "profile's x 1.05), receiving (3 steps)" in words
+    record = level.as_dict()
+    assert record["profile_beside_prefill_ratio"] == [1.05]
+    assert record["by_surroundings"]["prefill"] == {"intervals": [10],
+                                                    "measured_s": [pytest.approx(0.11)]}
+    plain = batch_level(intervals, lambda b: 0.1)
+    assert "by what else" not in plain.words() and plain.as_dict()["by_surroundings"] == {}

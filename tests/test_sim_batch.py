@@ -328,3 +328,128 @@ def test_a_full_cache_ready_while_joining_makes_the_one_pending_draft_then_verif
     draft_t = s1 + s2 + o
     verify_end = draft_t + step_s(1000, 1000, new_tokens=(1, 1))
     np.testing.assert_allclose(tl.token_t[:2], [draft_t, verify_end], rtol=1e-12)
+
+
+class _BesidePrefill(TimingModel):
+    """The tiny model's roofline, with a step beside a colocated prefill costing 1.5x (one
+    member) and 1.25x (two or more)."""
+
+    def beside_prefill_ratio(self, batch: int) -> float:
+        return 1.5 if batch == 1 else 1.25
+
+
+def test_a_colocated_prefill_slows_the_steps_while_it_runs():
+    # A (1000 tokens, 10 tokens) decodes alone at s1; a prefill on its host runs from 2.5
+    # steps to 2.5 + 3 x 1.5 steps: the steps meanwhile take 1.5 s1 (3 of them: its 3rd to
+    # its 5.5th token's time), then s1 again. A second prefill, after A left, changes
+    # nothing.
+    env = simpy.Environment()
+    batch = DecodeBatch(env, _BesidePrefill(MODEL, HW))
+    s1 = step_s(1000)
+    out = {}
+
+    def request():
+        m = batch.join(0, 1000, 10)
+        out[0] = (yield m.done).token_t
+
+    def prefill(t0, length_s):
+        yield env.timeout(t0)
+        batch.prefills_running(+1)
+        yield env.timeout(length_s)
+        batch.prefills_running(-1)
+
+    env.process(request())
+    env.process(prefill(2.5 * s1, 4.5 * s1))
+    env.process(prefill(100 * s1, s1))  # after A left: no member to slow
+    env.run()
+    p0, p1 = 2.5 * s1, 7.0 * s1  # the prefill: 4.5 s1 = 3 steps at 1.5 s1
+    want = [s1, 2 * s1,
+            p0 + 0.5 * 1.5 * s1, p0 + 1.5 * 1.5 * s1, p0 + 2.5 * 1.5 * s1,  # beside it
+            p1 + 0.5 * s1, p1 + 1.5 * s1, p1 + 2.5 * s1, p1 + 3.5 * s1, p1 + 4.5 * s1]
+    np.testing.assert_allclose(out[0], want, rtol=1e-12)
+    assert batch.changes == 4  # A joins, the prefill starts, ends, A leaves
+
+
+def test_overlapping_colocated_prefills_slow_the_steps_once():
+    env = simpy.Environment()
+    batch = DecodeBatch(env, _BesidePrefill(MODEL, HW))
+    s2 = step_s(1000, 1000)
+    out = {}
+
+    def request(i):
+        m = batch.join(i, 1000, 6)
+        out[i] = (yield m.done).token_t
+
+    def prefill(t0, length_s):
+        yield env.timeout(t0)
+        batch.prefills_running(+1)
+        yield env.timeout(length_s)
+        batch.prefills_running(-1)
+
+    for i in (0, 1):
+        env.process(request(i))
+    env.process(prefill(s2, 1.25 * s2))  # the 2nd step, at 1.25 s2
+    env.process(prefill(1.5 * s2, 0.5 * s2))  # inside the first: no change of its own
+    env.run()
+    want = [s2, 2.25 * s2, 3.25 * s2, 4.25 * s2, 5.25 * s2, 6.25 * s2]
+    for i in (0, 1):
+        np.testing.assert_allclose(out[i], want, rtol=1e-12)
+    with pytest.raises(RuntimeError, match="never started"):
+        batch.prefills_running(-1)
+
+
+def _colocated_cfg(tmp_path, colocated: bool, beside: dict | None) -> SimConfig:
+    prof = tmp_path / "profile.json"
+    doc = {"model": "tiny", "prefill": {"tokens": [1, 4096], "s": [0.01, 0.4]},
+           "tpot": {"context_tokens": [1, 4096], "s": [0.02, 0.03]}}
+    if beside:
+        doc["tpot_beside_prefill"] = beside
+    prof.write_text(json.dumps(doc))
+    cfg = _two_request_cfg(tmp_path, 0.5)
+    cfg.hardware = replace(HW, profile=str(prof))
+    cfg.workload = replace(cfg.workload, colocated_prefill=colocated)
+    return cfg
+
+
+def test_a_colocated_prefill_slows_a_decoding_request_while_it_runs(tmp_path):
+    # A (1000 tokens) decodes alone when B arrives at 0.5 s: B's prefill (another prefill
+    # instance) runs 0.5 s .. 0.5 + prefill_s(3000); A's steps meanwhile take 1.5x
+    beside = {"context_tokens": 1000, "prefill_tokens": 3000, "batch": [1, 2],
+              "ratio": [1.5, 1.2]}
+    runs = {}
+    for colocated in (False, True):
+        cfg = _colocated_cfg(tmp_path, colocated, beside)
+        sc = Scenario(cfg, variants(cfg)[0], 1000, 100.0)
+        row = sc.run()
+        runs[colocated] = sorted(sc.records, key=lambda r: r.seq)
+        assert row.get("colocated_prefill", False) is colocated
+    (a0, b0), (a1, b1) = runs[False], runs[True]
+    p0, p1 = b1.prefill_start_t, b1.prefill_end_t
+    assert (p0, p1) == (b0.prefill_start_t, b0.prefill_end_t) == pytest.approx(
+        (0.5, 0.5 + TimingModel(MODEL, cfg.hardware).prefill_s(3000)), rel=1e-12)
+    assert a1.decode_start_t < p0 and a1.timeline.token_t[-1] > p1  # A decodes throughout
+    t0, t1 = a0.timeline.token_t, a1.timeline.token_t
+    step = float(np.diff(t0[:2])[0])
+    before = t1 < p0
+    np.testing.assert_allclose(t1[before], t0[before], rtol=1e-12)  # the same until then
+    inside = np.flatnonzero((t1 > p0 + 1.5 * step) & (t1 < p1))
+    assert len(inside) > 5
+    np.testing.assert_allclose(np.diff(t1[inside]), 1.5 * step, rtol=1e-9)
+    assert t1[-1] > t0[-1]
+    # B's decode is unchanged by its own prefill (it decodes after it ends)
+    assert b1.decode_start_t >= p1
+
+
+def test_colocated_prefill_needs_the_step_measured_beside_a_prefill(tmp_path):
+    from kvsim.transport.config import EmulateConfig
+
+    cfg = _colocated_cfg(tmp_path, True, None)
+    with pytest.raises(ValueError, match="beside_prefill_tokens"):
+        Scenario(cfg, variants(cfg)[0], 1000, 100.0).run()
+    cfg.workload = replace(cfg.workload, prefill_chunk_tokens=512)
+    with pytest.raises(ValueError, match="chunked prefill"):
+        cfg.workload.validate()
+    ecfg = EmulateConfig(model=MODEL, hardware=HW)
+    ecfg.workload = replace(ecfg.workload, colocated_prefill=True)
+    with pytest.raises(ValueError, match="colocated_prefill tells the simulator"):
+        ecfg._check_instances()

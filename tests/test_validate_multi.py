@@ -4,6 +4,8 @@ shipped runs were measured with."""
 
 from __future__ import annotations
 
+import json
+
 from kvsim.core.compose import compose
 from kvsim.fidelity.validation import MultiConfig, _multi_workload
 from kvsim.scenario.config import SimConfig
@@ -107,3 +109,20 @@ def test_the_calibration_times_what_the_multi_request_case_runs(monkeypatch, tmp
     assert timing.batches == list(range(1, 9)) and 512 not in timing.contexts
     assert real.batches == [1, 2, 3, 4, 5] and 512 in real.contexts
     assert held.multi.context_tokens == 768 and 768 not in heldout.contexts
+    # the real decode's steps also beside a live prefill of the case's prompt (held out too:
+    # the ratio is timed at the nearest calibrated context)
+    assert (real.beside_prefill_tokens, heldout.beside_prefill_tokens) == (512, 768)
+    assert timing.beside_prefill_tokens == single.beside_prefill_tokens == 0
+
+
+def test_the_simulator_mirrors_one_host_where_the_profile_measured_it(tmp_path):
+    """multi.decode=real with a profile that timed steps beside a prefill: the simulator
+    slows its steps while a prefill runs (workload.colocated_prefill); not otherwise."""
+    from kvsim.fidelity.validation import _colocated
+
+    plain, beside = tmp_path / "plain.json", tmp_path / "beside.json"
+    plain.write_text(json.dumps({"model": "m"}))
+    beside.write_text(json.dumps({"model": "m", "tpot_beside_prefill": {"batch": [1]}}))
+    real, timing = MultiConfig(decode="real"), MultiConfig()
+    assert _colocated(real, beside) == ["workload.colocated_prefill=true"]
+    assert _colocated(real, plain) == [] and _colocated(timing, beside) == []

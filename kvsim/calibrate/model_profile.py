@@ -72,6 +72,25 @@ def _steps_s(lm: Any, cache: Any, token: int, steps: int) -> tuple[float, list[f
     return times[0], times[1:]
 
 
+def batch_stepper(lm: Any, kv: torch.Tensor, batch: int) -> Callable[[], Any]:
+    """One decode step (a call; no gradients kept) of `batch` copies of the cache kv
+    [layers, 2, kv_heads, tokens, head_dim], in the model's dtype; each call appends a
+    token to every copy."""
+    from transformers import DynamicCache
+
+    dtype = _dtype(lm)
+    data = [(kv[layer, 0][None].expand(batch, -1, -1, -1).to(dtype).contiguous(),
+             kv[layer, 1][None].expand(batch, -1, -1, -1).to(dtype).contiguous())
+            for layer in range(kv.shape[0])]
+    cache = DynamicCache(data, config=lm.model.config)
+    ids = torch.ones((batch, 1), dtype=torch.long)
+
+    @torch.no_grad()
+    def step() -> Any:
+        return lm_forward(lm.model, ids, cache)
+    return step
+
+
 @torch.no_grad()
 def _batch_steps_s(lm: Any, kv: torch.Tensor, batches: tuple[int, ...], steps: int
                    ) -> list[float]:
@@ -88,18 +107,10 @@ def _batch_steps_s(lm: Any, kv: torch.Tensor, batches: tuple[int, ...], steps: i
     costs more than one of 4 (135 / 114 ms at 512 tokens, 196 / 180 at 2,048; 1 to 8 at
     512: 67, 108, 135, 114, 125, 129, 141, 141 ms), so sizes 1, 2 and 4 put a batch of 3
     18% low and held every batch beyond 4 at the cost of 4."""
-    from transformers import DynamicCache
-
-    dtype = _dtype(lm)
-
     def stepper(b: int) -> Callable[[], Any]:
-        data = [(kv[layer, 0][None].expand(b, -1, -1, -1).to(dtype).contiguous(),
-                 kv[layer, 1][None].expand(b, -1, -1, -1).to(dtype).contiguous())
-                for layer in range(kv.shape[0])]
-        cache = DynamicCache(data, config=lm.model.config)
-        ids = torch.ones((b, 1), dtype=torch.long)
-        lm_forward(lm.model, ids, cache)  # first: slower
-        return lambda: lm_forward(lm.model, ids, cache)
+        step = batch_stepper(lm, kv, b)
+        step()  # first: slower
+        return step
 
     def timed(step: Callable[[], Any]) -> float:
         t0 = time.perf_counter()

@@ -62,6 +62,10 @@ class Config:
     # decode batch sizes, every one timed at every context (a BLAS's cost is not smooth in
     # the batch: kvsim.calibrate.model_profile._batch_steps_s)
     batches: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 7, 8])
+    # > 0: decode steps of every batch size also timed beside a live prefill of this many
+    # prompt tokens in another process (kvsim.calibrate.beside_prefill; the simulator's
+    # workload.colocated_prefill), at the calibration context nearest to it; 0: not timed
+    beside_prefill_tokens: int = 0
     # drafted tokens per verification pass, timed at every context
     drafted: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
     codecs: list[Any] = field(default_factory=lambda: ["bf16", "int8", "int4", "lynx"])
@@ -102,6 +106,11 @@ class Config:
         for key in ("steps", "repeats", "threads"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if isinstance(self.beside_prefill_tokens, bool) or \
+                not isinstance(self.beside_prefill_tokens, int) or \
+                not (self.beside_prefill_tokens == 0 or self.beside_prefill_tokens >= 16):
+            raise ValueError(f"beside_prefill_tokens must be 0 (not timed) or a prompt of >= 16 "
+                             f"tokens, got {self.beside_prefill_tokens!r}")
         if not self.contexts or min(self.contexts) < 16:
             raise ValueError(f"contexts must be prompt lengths >= 16 tokens, got {self.contexts}")
         if self.receiver_repeats < 1 or self.receiver_context_tokens < 16:
@@ -215,6 +224,16 @@ def calibrate(cfg: Config) -> list[dict]:
     cal = ModelCalibration(list(cfg.contexts), cfg.steps, cfg.repeats, tuple(cfg.batches),
                            tuple(cfg.drafted), cfg.repeats, cfg.text_source, cfg.seed)
     hw_doc, kvs = measure_model(lm, cfg.model.name, cal, say)
+    if cfg.beside_prefill_tokens:  # the step beside a live prefill in another process
+        from kvsim.calibrate.beside_prefill import measure_beside_prefill
+        from kvsim.kv.text import assemble
+
+        near = min(kvs, key=lambda c: (abs(c - cfg.beside_prefill_tokens), c))
+        prompt = assemble(lm.tokenizer, cfg.beside_prefill_tokens, cfg.text_source,
+                          cfg.seed + cfg.beside_prefill_tokens + 1).ids
+        hw_doc["tpot_beside_prefill"] = measure_beside_prefill(
+            lm, cfg.model, cfg.threads, kvs[near], list(prompt), list(cfg.batches),
+            max(4, cfg.steps // 2), say)
     hw_doc.update(name=profile_name(cfg), **prov)
     # the host, probed as `kvsim sim` / `kvsim validate` probe theirs (kvsim.model.host)
     from kvsim.calibrate.host_probe import PROBE_STEPS, StepProbe, host_record, probe_contexts

@@ -11,6 +11,15 @@ of their batch spans (drafting, verifying, decoding) at the interval's middle ar
 batch's members. The level at B members is the mean of those intervals (a TPOT is a mean)
 over the profile's step of B members at the case's mid-decode context: 1.0 is the profile's
 pace. It names where the case's TPOT error comes from; the verdict does not use it.
+
+The emulator runs both sides on one host, so each interval is also told by what else ran
+there (from every request's trace spans, `surroundings`): `receiving` where a transfer or a
+dequantization of any request overlaps it (the decode host taking in and dequantizing
+another request's cache beside the step), else `prefill` where a prefill runs at its middle
+(the sender prefilling the next request), else `quiet`. Each size's mean per class is kept
+beside the pooled one, and a class's ratio to the quiet steps of as many members sets the
+simulator's slowdown beside a prefill (`tpot_beside_prefill`, where the profile has it:
+workload.colocated_prefill) against what the emulator's steps did.
 """
 
 from __future__ import annotations
@@ -18,11 +27,15 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvsim.core.report import finite_number
 
 MIN_INTERVALS = 10  # intervals a batch size needs to be reported
+# what else ran on the host during an interval (see the module docstring), in report order
+SURROUNDINGS = ("quiet", "prefill", "receiving")
+# spans of any request that are the host's work beside a decode step: taking a cache in ...
+RECEIVING_SPANS = ("transfer", "dequantize")  # (name prefixes: "transfer full", ...)
 # spans in which a request is a member of its decode instance's batch (drafting on the
 # anchor, its rejected drafts, verifying, decoding)
 MEMBER_SPANS = ("draft_accepted", "draft_rejected", "verify", "decode")
@@ -47,14 +60,25 @@ def _token_times(row: dict) -> list[float]:
     return sorted({arrival + float(t) for t in times if finite_number(t) is not None})
 
 
-def member_intervals(requests: list[dict]) -> dict[int, list[float]]:
-    """{members: [s between two consecutive tokens of one request]} over one scenario's
-    emulated request rows (a row's `per_request`): every interval between two of a
-    request's distinct token times from its first batch span on, counted at the number of
-    requests in a batch span at its middle. Raises (KeyError, TypeError, ValueError) on a
-    malformed trace span."""
+def _prefixed_spans(row: dict, prefixes: tuple[str, ...]) -> list[tuple[float, float]]:
+    """[(start, end)] (epoch s) of a request row's trace spans whose name starts with one
+    of `prefixes`."""
+    return [(float(s[2]), float(s[3])) for s in row.get("trace_spans") or []
+            if isinstance(s, list) and len(s) == 4 and isinstance(s[0], str)
+            and s[0].startswith(prefixes)]
+
+
+def classified_intervals(requests: list[dict]) -> list[tuple[int, str, float]]:
+    """[(members, surroundings, s between two consecutive tokens of one request)] over one
+    scenario's emulated request rows (a row's `per_request`): every interval between two
+    of a request's distinct token times from its first batch span on, counted at the
+    number of requests in a batch span at its middle, and told by what else ran on the
+    host (one of SURROUNDINGS, see the module docstring). Raises (KeyError, TypeError,
+    ValueError) on a malformed trace span."""
     spans = [_spans(r, MEMBER_SPANS) for r in requests]
-    out: dict[int, list[float]] = {}
+    prefills = [s for r in requests for s in _spans(r, ("prefill",))]
+    receiving = [s for r in requests for s in _prefixed_spans(r, RECEIVING_SPANS)]
+    out: list[tuple[int, str, float]] = []
     for row, own in zip(requests, spans, strict=True):
         if not own:
             continue
@@ -64,8 +88,24 @@ def member_intervals(requests: list[dict]) -> dict[int, list[float]]:
             middle = (a + b) / 2
             members = sum(1 for theirs in spans
                           if any(lo <= middle <= hi for lo, hi in theirs))
-            if members:
-                out.setdefault(members, []).append(b - a)
+            if not members:
+                continue
+            if any(lo < b and a < hi for lo, hi in receiving):
+                where = "receiving"
+            elif any(lo <= middle <= hi for lo, hi in prefills):
+                where = "prefill"
+            else:
+                where = "quiet"
+            out.append((members, where, b - a))
+    return out
+
+
+def member_intervals(requests: list[dict]) -> dict[int, list[float]]:
+    """{members: [s between two consecutive tokens of one request]}: classified_intervals
+    by members alone."""
+    out: dict[int, list[float]] = {}
+    for members, _where, step_s in classified_intervals(requests):
+        out.setdefault(members, []).append(step_s)
     return out
 
 
@@ -79,6 +119,12 @@ class BatchLevel:
     measured_s: list[float]  # their mean
     median_s: list[float]  # their median
     simulated_s: list[float]  # the profile's step of that many members
+    # {surroundings: ([intervals at each size], [their mean s, None under MIN_INTERVALS])}
+    by_surroundings: dict[str, tuple[list[int], list[float | None]]] = \
+        field(default_factory=dict)
+    # the profile's step beside a prefill over its step alone at each size (None: the
+    # profile did not measure it)
+    beside_prefill_ratio: list[float] | None = None
 
     @property
     def levels(self) -> list[float]:
@@ -88,30 +134,68 @@ class BatchLevel:
         parts = [f"{b}: {m * 1e3:.0f} ms vs {s * 1e3:.0f} (x {m / s:.2f}, {n} steps)"
                  for b, n, m, s in zip(self.members, self.intervals, self.measured_s,
                                        self.simulated_s, strict=True)]
-        return ("multi-request real decode: the emulator's batched steps (the mean interval "
-                "between a request's tokens, by members decoding) against the profile's "
-                "step of as many members: " + "; ".join(parts))
+        out = ("multi-request real decode: the emulator's batched steps (the mean interval "
+               "between a request's tokens, by members decoding) against the profile's "
+               "step of as many members: " + "; ".join(parts))
+        if self.by_surroundings:
+            out += "; by what else ran on the host: " + "; ".join(
+                f"{b}: " + self._surroundings_words(i) for i, b in enumerate(self.members))
+        return out
+
+    def _surroundings_words(self, i: int) -> str:
+        counts = {w: self.by_surroundings[w][0][i] for w in self.by_surroundings}
+        means = {w: self.by_surroundings[w][1][i] for w in self.by_surroundings}
+        quiet = means.get("quiet")
+        parts = []
+        for where in SURROUNDINGS:
+            mean = means.get(where)
+            if mean is None:
+                parts.append(f"{where} ({counts.get(where, 0)} steps)")
+                continue
+            text = f"{where} {mean * 1e3:.0f} ms ({counts[where]} steps"
+            if where != "quiet" and quiet:
+                text += f", x {mean / quiet:.2f} of quiet"
+                if where == "prefill" and self.beside_prefill_ratio is not None:
+                    text += f"; the profile's x {self.beside_prefill_ratio[i]:.2f}"
+            parts.append(text + ")")
+        return ", ".join(parts)
 
     def as_dict(self) -> dict:
         return {"members": self.members, "intervals": self.intervals,
                 "measured_s": self.measured_s, "median_s": self.median_s,
-                "simulated_s": self.simulated_s, "level": self.levels}
+                "simulated_s": self.simulated_s, "level": self.levels,
+                "by_surroundings": {w: {"intervals": n, "measured_s": m}
+                                    for w, (n, m) in self.by_surroundings.items()},
+                "profile_beside_prefill_ratio": self.beside_prefill_ratio}
 
 
-def batch_level(intervals: dict[int, list[float]], simulated_step_s: Callable[[int], float]
+def batch_level(intervals: dict[int, list[float]], simulated_step_s: Callable[[int], float],
+                classified: list[tuple[int, str, float]] | None = None,
+                beside_prefill_ratio: Callable[[int], float] | None = None
                 ) -> BatchLevel | None:
     """The level of pooled member_intervals (every load's and codec's) against
     simulated_step_s(members) (the profile's step, s); None where no size has
-    MIN_INTERVALS intervals."""
+    MIN_INTERVALS intervals. classified (classified_intervals, pooled): the same intervals
+    by what else ran on the host; beside_prefill_ratio(members): the profile's step beside
+    a prefill over its step alone, where measured."""
     sizes = sorted(b for b, v in intervals.items() if len(v) >= MIN_INTERVALS)
     if not sizes:
         return None
     simulated = [float(simulated_step_s(b)) for b in sizes]
     if not all(math.isfinite(s) and s > 0 for s in simulated):
         raise ValueError(f"the profile's batched steps must be > 0 s, got {simulated}")
+    by: dict[str, tuple[list[int], list[float | None]]] = {}
+    if classified is not None:
+        for where in SURROUNDINGS:
+            steps = [[s for b, w, s in classified if b == size and w == where] for size in sizes]
+            by[where] = ([len(v) for v in steps],
+                         [float(statistics.fmean(v)) if len(v) >= MIN_INTERVALS else None
+                          for v in steps])
     return BatchLevel(sizes, [len(intervals[b]) for b in sizes],
                       [float(statistics.fmean(intervals[b])) for b in sizes],
-                      [float(statistics.median(intervals[b])) for b in sizes], simulated)
+                      [float(statistics.median(intervals[b])) for b in sizes], simulated, by,
+                      [float(beside_prefill_ratio(b)) for b in sizes]
+                      if beside_prefill_ratio is not None else None)
 
 
 class BatchSteps:
@@ -124,6 +208,7 @@ class BatchSteps:
         self.real = real
         self.context_tokens = context_tokens  # where the profile's steps are taken
         self.intervals: dict[int, list[float]] = {}
+        self.classified: list[tuple[int, str, float]] = []  # the same, told by surroundings
         self.sim: list[str] = []  # the last load's simulation overrides
         self.skipped = ""  # why the level is not measured, where a row could not be read
 
@@ -134,12 +219,13 @@ class BatchSteps:
         requests = [r for row in measured for r in row.get("per_request") or []
                     if isinstance(r, dict)]
         try:
-            found = member_intervals(requests)
+            found = classified_intervals(requests)
         except (KeyError, TypeError, ValueError) as exc:
             self.skipped = f"a request row could not be read ({type(exc).__name__}: {exc})"
             return
-        for members, steps in found.items():
-            self.intervals.setdefault(members, []).extend(steps)
+        for members, _where, step_s in found:
+            self.intervals.setdefault(members, []).append(step_s)
+        self.classified += found
         self.sim = sim
 
     def level(self) -> tuple[dict | None, str]:
@@ -159,7 +245,10 @@ class BatchSteps:
             scfg, _ = compose("sim", self.sim, SimConfig)
             timing = TimingModel(scfg.model, scfg.hardware)
             level = batch_level(self.intervals,
-                                lambda b: timing.tpot_s(self.context_tokens, b))
+                                lambda b: timing.tpot_s(self.context_tokens, b),
+                                self.classified,
+                                timing.beside_prefill_ratio if timing.beside_prefill_measured
+                                else None)
         except (ValueError, OSError) as exc:
             return None, f"multi-request batch level not measured: {exc}"
         if level is None:

@@ -352,6 +352,10 @@ def _calibrate(cfg: Config, root: Path, name: str, emulations: list[str]) -> Non
                     # no fit and the one step ratio applies flat)
                     receiver_context_tokens=max(grid),
                     receiver_fit_context_tokens=min(grid) if min(grid) < max(grid) else -1,
+                    # the multi case's real decode steps beside its live prefills (the
+                    # simulator mirrors them there: workload.colocated_prefill)
+                    beside_prefill_tokens=multi_ctx
+                    if cfg.multi.enabled and cfg.multi.decode == "real" else 0,
                     out_dir=str(root), overwrite=True, split_cpus=cfg.split_cpus)
     _say(f"calibrating into {root} (prompts, decode steps, codecs, links)")
     calibrate(cal)
@@ -775,7 +779,8 @@ def _resimulate(cfg: Config) -> dict:
             common = scenario_overrides(saved.model.name, emulation, rate, m.codecs,
                                         _multi_workload(m, per_s), [], profiles)
             sim, requests_path = _with_request_log(  # seed 0's arrivals
-                sim_overrides(common, profiles, cfg.acceptance, 1), run_dir, scenario)
+                sim_overrides(common, profiles, cfg.acceptance, 1) +
+                _colocated(m, profiles.hardware), run_dir, scenario)
             if batched.real:
                 batched.add(list(_saved_measured(report_path.parent, scenario).values()), sim)
             # (a run measured before the multi case compared TPOT percentiles has none)
@@ -1254,6 +1259,13 @@ def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path
     if not m.rates_per_s:
         return rows, distributions, (None, "")
     batched = _batch_steps(m)
+    colocated = _colocated(m, profiles.hardware)
+    if m.decode == "real":
+        _say("multi-request: the simulator's decode steps " +
+             ("slowed while a prefill runs, as the profile measured them beside one "
+              "(workload.colocated_prefill)" if colocated else
+              "as alone: the profile did not time them beside a prefill "
+              "(calibrate=true does)"))
     # one decode host for the three loads (they differ in arrivals alone)
     first = scenario_overrides(cfg.model.name, m.emulation, m.bandwidth_gbps, m.codecs,
                                _multi_workload(m, m.rates_per_s[0]), [], profiles,
@@ -1271,7 +1283,7 @@ def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path
             # one sample: the emulator replays the arrivals of seed 0 and so must the simulator
             # (percentiles of other arrival draws are not the same quantity)
             sim, requests_path = _with_request_log(
-                sim_overrides(common, profiles, cfg.acceptance, 1), run_dir, name)
+                sim_overrides(common, profiles, cfg.acceptance, 1) + colocated, run_dir, name)
             meter = HostLoadMeter()
             measured, simulated = run_pair(common, sim, host)
             background = _background_keys(meter)
@@ -1293,6 +1305,18 @@ def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path
                         {**scenario, "seq": seqs}, requests,
                         _simulated_requests(requests_path, codec, seqs))
     return rows, distributions, batched.level()
+
+
+def _colocated(m: MultiConfig, hardware: Path) -> list[str]:
+    """The simulator's override that mirrors the emulator's one host in the multi-request
+    case (workload.colocated_prefill: its decode steps slowed while a prefill runs), where
+    the emulator decodes with the real model and the hardware profile timed a step beside a
+    prefill (kvsim.calibrate.beside_prefill); none otherwise (the timing-model decode
+    sleeps the profile's steps, which no prefill slows)."""
+    if m.decode != "real":
+        return []
+    return ["workload.colocated_prefill=true"] \
+        if json.loads(hardware.read_text()).get("tpot_beside_prefill") else []
 
 
 def _batch_steps(m: MultiConfig) -> BatchSteps:

@@ -12,6 +12,11 @@ and optionally (written by `kvsim calibrate`)
       (or "context_tokens": [c1, ...] and "s": [[...], ...]: measured at several contexts,
       its ratio to the TPOT there interpolated between them)
   "first_step_extra": {"context_tokens": [...], "s": [...]}   first step on a fresh cache
+  "tpot_beside_prefill": {"context_tokens": c, "prefill_tokens": p, "batch": [...],
+                          "ratio": [...]}   a decode step of each batch size beside a live
+                                    p-token prefill in another process of the same host,
+                                    over the step alone (> 0; kvsim.calibrate.beside_prefill:
+                                    workload.colocated_prefill)
   "cache_build": {"gb_per_s": x}    building the model's cache from dequantized layers (GB/s
                                     of bf16 cache; deserializer=on_arrival, where it is the
                                     only load left once the last layer is dequantized)
@@ -127,6 +132,22 @@ def _check_curve(path: Path, doc: dict, key: str, xs: str, scalar_x: str = "") -
         raise ValueError(f"hardware profile {path}: {key}.s must be > 0 s (extra: >= 0)")
 
 
+def _check_beside_prefill(path: Path, entry: object) -> None:
+    """tpot_beside_prefill: ratios > 0 over increasing batch sizes, measured at a positive
+    context beside a prefill of a positive number of tokens."""
+    key = "tpot_beside_prefill"
+    if not isinstance(entry, dict):
+        raise ValueError(f"hardware profile {path}: {key} must be a mapping")
+    _check_curve(path, {key: {"batch": entry.get("batch"), "s": entry.get("ratio"),
+                              "context_tokens": entry.get("context_tokens")}},
+                 key, "batch", "context_tokens")
+    tokens = entry.get("prefill_tokens")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1 or \
+            not entry["context_tokens"] > 0 or min(entry["batch"]) < 1:
+        raise ValueError(f"hardware profile {path}: {key} needs context_tokens > 0, "
+                         f"prefill_tokens an integer >= 1 and batch sizes >= 1")
+
+
 def load_profile(name_or_path: str, model_name: str) -> dict:
     """A measured hardware profile (a path, or a shipped profile's name), checked."""
     from kvsim.core.profiles import profile_path
@@ -147,6 +168,8 @@ def load_profile(name_or_path: str, model_name: str) -> dict:
     for key, xs in (("tpot_batch", "batch"), ("verify", "drafted_tokens")):
         if key in doc:
             _check_at_contexts(p, doc, key, xs)
+    if "tpot_beside_prefill" in doc:
+        _check_beside_prefill(p, doc["tpot_beside_prefill"])
     # (key, field, required in key, bound, test): a rate > 0; a ratio to a decode step >= 1
     for key, field, required, bound, ok in (
             ("cache_build", "gb_per_s", True, "> 0", lambda v: v > 0),

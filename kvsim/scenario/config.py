@@ -137,6 +137,12 @@ class WorkloadConfig:
     # tokens per chunked prefill step, prompts batched first come first served
     # (kvsim.sim.prefill_batch); 0 (default): one whole prompt at a time
     prefill_chunk_tokens: int = 0
+    # every prefill instance on the decode instances' host, as `kvsim emulate` runs them on
+    # one machine (the simulator only; kvsim validate sets it to mirror such a host): a
+    # decode step taken while a prefill runs costs the hardware profile's measured
+    # tpot_beside_prefill ratio (kvsim.calibrate.beside_prefill), a prefill's start and end
+    # re-timing the steps in progress (kvsim.sim.batch)
+    colocated_prefill: bool = False
     # which instances a request goes to (kvsim.sim.routing): least_loaded (fewest requests
     # in flight there) | round_robin | kv_aware (the longest prefix held, within
     # routing_load_slack requests of the least loaded; needs prefix_cache.enabled)
@@ -166,6 +172,13 @@ class WorkloadConfig:
                 not isinstance(self.prefill_chunk_tokens, int) or self.prefill_chunk_tokens < 0:
             raise ValueError(f"workload.prefill_chunk_tokens must be an integer >= 0 (0: off), "
                              f"got {self.prefill_chunk_tokens!r}")
+        if not isinstance(self.colocated_prefill, bool):
+            raise ValueError(f"workload.colocated_prefill must be true or false, got "
+                             f"{self.colocated_prefill!r}")
+        if self.colocated_prefill and self.prefill_chunk_tokens:
+            raise ValueError("workload.colocated_prefill times whole prompts' prefills beside "
+                             "the decode steps; chunked prefill (workload.prefill_chunk_tokens"
+                             f"={self.prefill_chunk_tokens}) is not modelled with it: set it 0")
         check_number("workload.rate_per_s", self.rate_per_s)
         check_number("workload.context_sigma", self.context_sigma)
         for key in ("context_min_tokens", "context_max_tokens"):

@@ -131,6 +131,25 @@ class TimingModel:
         return roof / self._forward_s(1, context_tokens, 1, self.hw.prefill_mfu,
                                       self.hw.decode_mbu)
 
+    @property
+    def beside_prefill_measured(self) -> bool:
+        """The profile measured a decode step beside a live prefill (`tpot_beside_prefill`)."""
+        return bool(self._profile and self._profile.get("tpot_beside_prefill"))
+
+    def beside_prefill_ratio(self, batch: int) -> float:
+        """A decode step of `batch` members while a prefill runs on the same host, over the
+        same step alone: the profile's `tpot_beside_prefill` (kvsim.calibrate.beside_prefill),
+        interpolated between its batch sizes and held beyond them. For
+        workload.colocated_prefill, which needs it measured."""
+        curve = self._profile.get("tpot_beside_prefill") if self._profile else None
+        if not curve:
+            raise ValueError(
+                f"a decode step beside a prefill on the same host was not measured for "
+                f"{self.model.name} on {self.hw.name} (the hardware profile has no "
+                f"tpot_beside_prefill: `kvsim calibrate beside_prefill_tokens=<prompt "
+                f"tokens>`)")
+        return float(np.interp(batch, curve["batch"], curve["ratio"]))
+
     def first_step_extra_s(self, context_tokens: int) -> float:
         """What the first decode step on a freshly built cache costs beyond a later step
         (s; measured profiles only: the roofline has no such term)."""

@@ -37,6 +37,11 @@ Phases of a member (speculative: split-stream decoding that starts on the anchor
   decode  one token per step until the request's tokens are out;
   join    ready for one of the above, waiting for the step in progress to end.
 Drafted and committed token times follow kvsim.scenario.speculative's definitions.
+
+workload.colocated_prefill (a prefill instance on the decode instance's host, as `kvsim
+emulate` runs both sides on one machine): while a prefill runs there, every step costs
+TimingModel.beside_prefill_ratio(computing members) of itself; a prefill's start and end
+change the rate as a batch change does.
 """
 
 from __future__ import annotations
@@ -155,12 +160,25 @@ class DecodeBatch:
         self._timer_v = math.inf  # the armed timer's clock target (steps) ...
         self._timer_t = math.inf  # ... and time (s)
         self.changes = 0  # batch changes (rate recomputations)
+        # prefills running on this instance's host now (workload.colocated_prefill): while
+        # one runs, every step costs TimingModel.beside_prefill_ratio(members) of itself
+        self._prefills = 0
         self._left: list[Member] = []  # left during the batch's update, told after it
 
     @property
     def members(self) -> int:
         """Requests in the batch now."""
         return len(self._live)
+
+    def prefills_running(self, delta: int) -> None:
+        """A prefill on this instance's host started (+1) or ended (-1) now
+        (workload.colocated_prefill): the step in progress goes on at the new rate."""
+        self._advance()
+        before, self._prefills = self._prefills, self._prefills + delta
+        if self._prefills < 0:
+            raise RuntimeError("a colocated prefill ended that never started")
+        if self._seqs and (before == 0) != (self._prefills == 0):
+            self._changed()  # from none running to some, or back
 
     # ---- members in and out ------------------------------------------------------------
     def join(self, seq: int, context_tokens: int, tokens: int, cap: int = 0,
@@ -425,6 +443,8 @@ class DecodeBatch:
             self.step_s = self.timing.batch_pass_s(
                 self._tokens, self._flops, self._kv, self._seqs, self._ctx,
                 self._verifying) + self._overhead
+            if self._prefills:
+                self.step_s *= self.timing.beside_prefill_ratio(self._seqs)
         self._mark()
         self._arm()
 

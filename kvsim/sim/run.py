@@ -230,6 +230,8 @@ class Scenario:
         reqs = requests(_with_context(w, self.context_tokens), self.rng)
         for ctx in sorted({r.context_tokens for r in reqs}):
             self.timing.check_fits(ctx)
+        if w.colocated_prefill:
+            self.timing.beside_prefill_ratio(1)  # refused here where it was not measured
         env = self.env = CountingEnvironment()
         class_weight: Callable[[Any], float] | None = None
         if cfg.link.scheduling == "weighted":  # GPS between streams, weight r^stream
@@ -380,6 +382,8 @@ class Scenario:
         ps.t_p0 = t_p0
         ps.t_pe = layers_start_t + layers_s
         heapq.heappush(self._prefill_ends, (ps.t_pe, ps.req.seq, ps.p))
+        if self.cfg.workload.colocated_prefill:  # whole prompts: it runs from now to t_pe
+            self._colocated_prefill(ps.t_pe - self.env.now)
         if ps.reuse is not None:
             if self.variant.policy not in WITH_PREFILL:  # set up once the prefill ends
                 self.prefill[ps.p].link.expect(self.env.now)
@@ -391,6 +395,17 @@ class Scenario:
                 self._reused_send(ps, layers_start_t, layers_s)
             return
         self._release(ps, layers_start_t, layers_s)
+
+    def _colocated_prefill(self, prefill_s: float) -> None:
+        """A prefill runs for prefill_s from now on the decode instances' host
+        (workload.colocated_prefill): their steps meanwhile cost the profile's ratio."""
+        for node in self.decode:
+            node.batch.prefills_running(+1)
+
+        def ended(_timer: Timer) -> None:
+            for node in self.decode:
+                node.batch.prefills_running(-1)
+        call_later(self.env, prefill_s, ended)
 
     def _reused_send(self, ps: Passage, layers_start_t: float, layers_s: float) -> None:
         """Prefix reuse: the transfer is set up now (kvsim.sim.prefix_reuse): its decode
@@ -733,6 +748,8 @@ class Scenario:
             "messages": self.messages,
             "events_per_s": self.env.scheduled / wall_s if wall_s > 0 else math.nan,
         }
+        if cfg.workload.colocated_prefill:  # the decode steps beside prefills, as measured
+            row["colocated_prefill"] = True
         if self.prefix is not None:  # prefix reuse: hit rates, bytes not sent
             row.update(self.prefix.row())
             row["routing"] = cfg.workload.routing

@@ -170,6 +170,11 @@ class EmulateConfig(SimConfig):
                 f"workload.prefill_chunk_tokens={w.prefill_chunk_tokens}: the transport's "
                 f"prefill instances prefill one whole prompt at a time (chunked prefill "
                 f"batching is the simulator's, kvsim.sim.prefill_batch): set it to 0")
+        if w.colocated_prefill:
+            raise ValueError(
+                "workload.colocated_prefill tells the simulator that prefill and decode share "
+                "a host; the emulator's hosts are what they are (on one machine they share "
+                "it): set it false here")
 
     def validate(self) -> None:
         super().validate()
