@@ -9,7 +9,12 @@ from dataclasses import replace
 
 import pytest
 
-from kvsim.calibrate.beside_prefill import PrefillNeighbour, measure_beside_prefill, paired_ratios
+from kvsim.calibrate.beside_prefill import (
+    PrefillNeighbour,
+    measure_beside_prefill,
+    paired_ratios,
+    slowdown_line,
+)
 from kvsim.model.hardware import HardwareSpec
 from kvsim.model.hardware_profile import load_profile
 from kvsim.model.presets import load_model_preset
@@ -21,38 +26,57 @@ HW = HardwareSpec(name="cpu", hbm_gb_per_s=20, bf16_tflops=0.2, memory_gb=16)
 
 class _Host:
     """A fake clock whose steps take base(B) s alone and x slow(B) while the neighbour's
-    prefills run, the host 5% slower after every pair of blocks."""
+    prefills run; the host 5% slower for every new batch size, and the first step after a
+    switch 10x as long (the other kind's caches)."""
 
     def __init__(self) -> None:
         self.t, self.on, self.drift, self.switches = 0.0, False, 1.0, []
+        self.cold = False
 
     def clock(self) -> float:
         return self.t
 
     def step_for(self, b: int):
+        self.drift *= 1.05
+
         def step() -> None:
-            self.t += 0.01 * (1 + b) * self.drift * ({1: 1.5, 3: 1.1}.get(b, 1.2)
-                                                      if self.on else 1.0)
+            dt = 0.01 * (1 + b) * self.drift * ({1: 1.5, 3: 1.1}.get(b, 1.2)
+                                                if self.on else 1.0)
+            self.t += 10 * dt if self.cold else dt
+            self.cold = False
         return step
 
     def beside(self, on: bool) -> None:
-        self.on = on
-        if not on:
-            self.drift *= 1.05
+        self.on, self.cold = on, True
         self.switches.append(on)
 
 
 def test_each_size_is_timed_beside_and_alone_in_turn():
     host = _Host()
-    ratios = paired_ratios(host.step_for, [1, 2, 3], 3, host.beside, rounds=2,
+    ratios = paired_ratios(host.step_for, [1, 2, 3], 3, host.beside, rounds=3,
                            clock=host.clock)
-    # each round's ratio is of a pair of blocks at one speed: exactly the slowdown, though
-    # the host's speed moved between rounds and sizes
+    # exactly the slowdown: the host's speed moved between sizes, and the first step after
+    # each switch is not timed
     assert ratios == pytest.approx([1.5, 1.2, 1.1], rel=1e-12)
-    assert host.switches == [True, False] * 6  # on and off twice per size, ending off
+    assert host.switches == [True, False] * 9  # on and off in every round, ending off
     assert not host.on
     with pytest.raises(ValueError, match="steps and rounds"):
         paired_ratios(host.step_for, [1], 0, host.beside)
+
+
+def test_rounds_alternate_which_block_comes_first():
+    host, kinds = _Host(), []
+
+    def step_for(b):
+        inner = host.step_for(b)
+
+        def step():
+            kinds.append(host.on)
+            inner()
+        return step
+    paired_ratios(step_for, [1], 2, host.beside, rounds=3, clock=host.clock)
+    blocks = [k for i, k in enumerate(kinds[1:]) if i % 3 == 0]  # each block's first step
+    assert blocks == [False, True, True, False, False, True]  # AB, BA, AB
 
 
 def test_the_neighbour_is_switched_off_when_a_block_fails():
@@ -67,6 +91,13 @@ def test_the_neighbour_is_switched_off_when_a_block_fails():
         paired_ratios(step_for, [1], 2, host.beside, clock=host.clock)
     assert host.switches == [True, False] and not host.on
 
+    def failing_off(on: bool) -> None:  # stopping fails too: the step's error is raised
+        host.beside(on)
+        if not on:
+            raise TimeoutError("did not stop")
+    with pytest.raises(RuntimeError, match="a step failed"):
+        paired_ratios(step_for, [1], 2, failing_off, clock=host.clock)
+
 
 def test_measured_beside_a_real_prefilling_process_and_loaded_back(tmp_path):
     from kvsim.kv.capture import cache_to_kv, prefill
@@ -80,10 +111,8 @@ def test_measured_beside_a_real_prefilling_process_and_loaded_back(tmp_path):
     assert entry["context_tokens"] == 48 and entry["prefill_tokens"] == 64
     assert entry["batch"] == [1, 2] and len(entry["ratio"]) == len(entry["measured"]) == 2
     assert all(r > 0 for r in entry["measured"])
-    # the simulator's ratios: the non-decreasing least-squares line through the medians
-    assert entry["ratio"][0] <= entry["ratio"][1]
-    assert sum(entry["ratio"]) == pytest.approx(sum(entry["measured"]), rel=1e-9)
-    assert entry["fit"]["per_member"] >= 0 and entry["fit"]["residual_rms_pct"] >= 0
+    assert entry["ratio"] == slowdown_line([1, 2], entry["measured"])["ratio"]
+    assert entry["split_cpus"] is False
     assert "beside a prefill, batch [1, 2] at 48 tokens" in said[-1]
     prof = tmp_path / "hw.json"
     prof.write_text(json.dumps({
@@ -97,6 +126,17 @@ def test_a_neighbour_that_cannot_load_fails_fast():
     with pytest.raises(RuntimeError, match="prefill neighbour process failed to load"), \
             PrefillNeighbour(broken, 1, list(range(1, 17)), timeout_s=120):
         pass
+
+
+def test_the_simulators_ratios_are_a_non_decreasing_line_at_least_1():
+    rising = slowdown_line([1, 2, 3, 4], [1.02, 1.05, 1.04, 1.09])
+    assert rising["ratio"] == pytest.approx([1.02, 1.04, 1.06, 1.08])  # slope 0.1 / 5
+    assert rising["fit"]["per_member"] == pytest.approx(0.02)
+    # falling: flat at the mean; below 1 (the rounds' scatter): 1, no speed-up
+    assert slowdown_line([1, 2, 3], [1.145, 1.029, 0.963])["ratio"] == \
+        pytest.approx([1.0457] * 3, rel=1e-4)
+    assert slowdown_line([1, 2, 3], [0.99, 0.97, 0.96])["ratio"] == [1.0, 1.0, 1.0]
+    assert slowdown_line([1, 2], [0.97, 1.05])["ratio"] == pytest.approx([1.0, 1.05])
 
 
 def _profile(tmp_path, beside) -> str:
@@ -121,12 +161,13 @@ def test_the_timing_model_interpolates_the_ratio_and_holds_it_beyond(tmp_path):
 
 
 @pytest.mark.parametrize("change, match", [
-    ({"ratio": [1.1, 0.0]}, "must be > 0"),
-    ({"batch": [2, 1]}, "batch must increase"),
-    ({"ratio": [1.1]}, "differ in length"),
-    ({"prefill_tokens": 0}, "prefill_tokens an integer >= 1"),
-    ({"batch": [0, 1]}, "batch sizes >= 1"),
-    ({"context_tokens": float("nan")}, "non-finite"),
+    ({"ratio": [1.1, 0.99]}, "ratio must be >= 1"),
+    ({"batch": [2, 1]}, "batch must be sizes >= 1 that increase"),
+    ({"batch": [0, 1]}, "batch must be sizes >= 1 that increase"),
+    ({"ratio": [1.1]}, "lists of finite numbers of one length"),
+    ({"ratio": [1.1, float("nan")]}, "lists of finite numbers of one length"),
+    ({"prefill_tokens": 0}, "prefill_tokens must be an integer >= 1"),
+    ({"context_tokens": 64.5}, "context_tokens must be an integer >= 1"),
 ])
 def test_a_bad_entry_is_refused_by_name(tmp_path, change, match):
     beside = {"context_tokens": 64, "prefill_tokens": 64, "batch": [1, 2], "ratio": [1.1, 1.2],

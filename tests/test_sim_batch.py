@@ -338,6 +338,14 @@ class _BesidePrefill(TimingModel):
         return 1.5 if batch == 1 else 1.25
 
 
+def _prefill(env, batch, t0, length_s):
+    """A colocated prefill on the batch's host from t0 for length_s (a simpy process)."""
+    yield env.timeout(t0)
+    batch.prefills_running(+1)
+    yield env.timeout(length_s)
+    batch.prefills_running(-1)
+
+
 def test_a_colocated_prefill_slows_the_steps_while_it_runs():
     # A (1000 tokens, 10 tokens) decodes alone at s1; a prefill on its host runs from 2.5
     # steps to 2.5 + 3 x 1.5 steps: the steps meanwhile take 1.5 s1 (3 of them: its 3rd to
@@ -352,15 +360,9 @@ def test_a_colocated_prefill_slows_the_steps_while_it_runs():
         m = batch.join(0, 1000, 10)
         out[0] = (yield m.done).token_t
 
-    def prefill(t0, length_s):
-        yield env.timeout(t0)
-        batch.prefills_running(+1)
-        yield env.timeout(length_s)
-        batch.prefills_running(-1)
-
     env.process(request())
-    env.process(prefill(2.5 * s1, 4.5 * s1))
-    env.process(prefill(100 * s1, s1))  # after A left: no member to slow
+    env.process(_prefill(env, batch, 2.5 * s1, 4.5 * s1))
+    env.process(_prefill(env, batch, 100 * s1, s1))  # after A left: no member to slow
     env.run()
     p0, p1 = 2.5 * s1, 7.0 * s1  # the prefill: 4.5 s1 = 3 steps at 1.5 s1
     want = [s1, 2 * s1,
@@ -380,16 +382,10 @@ def test_overlapping_colocated_prefills_slow_the_steps_once():
         m = batch.join(i, 1000, 6)
         out[i] = (yield m.done).token_t
 
-    def prefill(t0, length_s):
-        yield env.timeout(t0)
-        batch.prefills_running(+1)
-        yield env.timeout(length_s)
-        batch.prefills_running(-1)
-
     for i in (0, 1):
         env.process(request(i))
-    env.process(prefill(s2, 1.25 * s2))  # the 2nd step, at 1.25 s2
-    env.process(prefill(1.5 * s2, 0.5 * s2))  # inside the first: no change of its own
+    env.process(_prefill(env, batch, s2, 1.25 * s2))  # the 2nd step, at 1.25 s2
+    env.process(_prefill(env, batch, 1.5 * s2, 0.5 * s2))  # inside the first: no change
     env.run()
     want = [s2, 2.25 * s2, 3.25 * s2, 4.25 * s2, 5.25 * s2, 6.25 * s2]
     for i in (0, 1):
@@ -453,3 +449,50 @@ def test_colocated_prefill_needs_the_step_measured_beside_a_prefill(tmp_path):
     ecfg.workload = replace(ecfg.workload, colocated_prefill=True)
     with pytest.raises(ValueError, match="colocated_prefill tells the simulator"):
         ecfg._check_instances()
+
+
+def test_a_colocated_prefill_is_counted_from_its_real_start_when_it_queued(tmp_path,
+                                                                           monkeypatch):
+    # three requests at once on one prefill instance: the second and third prefill start
+    # when the one before ends (PrefillNode.start_at); each start and end is told to the
+    # batch at the record's own prefill times
+    beside = {"context_tokens": 1000, "prefill_tokens": 1000, "batch": [1, 2],
+              "ratio": [1.5, 1.2]}
+    cfg = _colocated_cfg(tmp_path, True, beside)
+    cfg.workload = replace(cfg.workload, arrivals_t=[0.0, 0.0, 0.0],
+                           arrivals_context_tokens=[1000, 1000, 1000], prefill_nodes=1)
+    told = []
+    real = DecodeBatch.prefills_running
+
+    def spy(self, delta):
+        told.append((self.env.now, delta))
+        real(self, delta)
+    monkeypatch.setattr(DecodeBatch, "prefills_running", spy)
+    sc = Scenario(cfg, variants(cfg)[0], 1000, 100.0)
+    sc.run()
+    want = sorted([(r.prefill_start_t, +1) for r in sc.records] +
+                  [(r.prefill_end_t, -1) for r in sc.records])
+    assert sorted(told) == [pytest.approx(w) for w in want]
+    starts = sorted(r.prefill_start_t for r in sc.records)
+    assert starts[1] > starts[0] and starts[2] > starts[1]  # queued behind each other
+
+
+def test_a_member_that_joins_during_a_colocated_prefill_steps_at_its_ratio():
+    # the prefill starts while the batch is idle; A joins mid-prefill: its steps take 1.5 s1
+    # until the prefill ends, then s1
+    env = simpy.Environment()
+    batch = DecodeBatch(env, _BesidePrefill(MODEL, HW))
+    s1 = step_s(1000)
+    out = {}
+
+    def request():
+        yield env.timeout(2.0 * s1)
+        m = batch.join(0, 1000, 5)
+        out[0] = (yield m.done).token_t
+
+    env.process(_prefill(env, batch, 0.0, 2.0 * s1 + 3.0 * 1.5 * s1))
+    env.process(request())
+    env.run()
+    t0, p1 = 2.0 * s1, 2.0 * s1 + 4.5 * s1
+    np.testing.assert_allclose(out[0], [t0 + 1.5 * s1, t0 + 3.0 * s1, t0 + 4.5 * s1,
+                                        p1 + s1, p1 + 2 * s1], rtol=1e-12)

@@ -126,3 +126,39 @@ def test_the_simulator_mirrors_one_host_where_the_profile_measured_it(tmp_path):
     real, timing = MultiConfig(decode="real"), MultiConfig()
     assert _colocated(real, beside) == ["workload.colocated_prefill=true"]
     assert _colocated(real, plain) == [] and _colocated(timing, beside) == []
+
+
+def test_the_multi_case_gives_the_override_to_the_simulator_alone(monkeypatch, tmp_path):
+    """_multi appends workload.colocated_prefill to the simulator's overrides (the
+    emulator's config refuses it)."""
+    import contextlib
+    from pathlib import Path
+
+    import kvsim.fidelity.runner as runner
+    from kvsim.fidelity.runner import Profiles
+    from kvsim.fidelity.validation import Config, _multi
+    from kvsim.model.presets import load_model_preset
+
+    class Ran(Exception):
+        pass
+
+    calls = []
+
+    def run_pair(common, sim, host=None):
+        calls.append((common, sim))
+        raise Ran
+
+    monkeypatch.setattr(runner, "run_pair", run_pair)
+    monkeypatch.setattr(runner, "kept_decode_host", lambda *a, **k: contextlib.nullcontext())
+    hw = tmp_path / "hw.json"
+    hw.write_text(json.dumps({"model": "smollm2-135m", "tpot_beside_prefill": {"batch": [1]}}))
+    profiles = Profiles(hw, Path("ct.json"), {"token_bucket": Path("link.json")})
+    for decode, want in (("real", True), ("timing", False)):
+        cfg = Config(model=load_model_preset("smollm2-135m"), multi=MultiConfig(decode=decode))
+        try:
+            _multi(cfg, profiles, 0.0, tmp_path)
+        except Ran:
+            pass
+        common, sim = calls[-1]
+        assert ("workload.colocated_prefill=true" in sim) is want
+        assert not any("colocated" in o for o in common)

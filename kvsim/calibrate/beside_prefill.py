@@ -18,12 +18,13 @@ the same minute, so the host's speed drifting between sizes moves both alike. Th
 a few percent, about the spread of one size's rounds (one calibration of 2026-12-07 gave x
 1.145, 1.029, 0.963, 1.048, 1.010, 1.124, 1.044 and 1.014 for 1 to 8 members from two
 rounds each), so the profile keeps those medians (`measured`) and gives the simulator the
-least-squares line through them over the batch size, non-decreasing (kvsim.calibrate.
-step_fit: a larger batch reads more beside the prefill, not less), with its residual.
+least-squares line through them over the batch size (`ratio`: slowdown_line), with its
+residual.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import statistics
 import time
@@ -39,48 +40,63 @@ _READY_TIMEOUT_S = 300.0  # the child's model load and first prefill
 _POLL_S = 0.01
 
 
-def _prefill_loop(model: Any, threads: int, ids: list[int], go: Any, stop: Any,
+def _prefill_loop(model: Any, threads: int, ids: list[int], cpus: str, go: Any, stop: Any,
                   busy: Any, failed: Any) -> None:
-    """The child: load the model, then prefill `ids` back to back while `go` is set (busy
-    = 1 from the start of one prefill to the end of the last), until `stop`."""
+    """The child: load the model (on the CPU list `cpus`, "": anywhere), then prefill `ids`
+    back to back while `go` is set (busy = 1 from the start of one prefill to the end of
+    the last), until `stop` or its parent is gone (a parent killed outright never sets
+    stop: the child must not prefill on, unseen, beside every later measurement)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the parent's to handle
+    parent = mp.parent_process()
+
+    def wanted() -> bool:
+        return not stop.is_set() and (parent is None or parent.is_alive())
     try:
         from kvsim.kv.capture import prefill
         from kvsim.model.load import load_lm
+        from kvsim.transport.cpus import pin_listed
 
+        pin_listed(cpus)
         lm = load_lm(model, threads=threads, seed=0)
         torch.set_num_threads(threads)
         with torch.no_grad():
             prefill(lm.model, ids[:64])  # warm: allocator and kernels
             busy.value = 0  # ready
-            while not stop.is_set():
+            while wanted():
                 if not go.wait(timeout=0.05):
                     continue
                 busy.value = 1
-                while go.is_set() and not stop.is_set():
+                while go.is_set() and wanted():
                     prefill(lm.model, ids)
                 busy.value = 0
-    except BaseException as exc:  # the parent reads it; its waits time out otherwise
+    except BaseException:  # the parent reads it; its waits would time out otherwise
         failed.value = 1
-        raise exc
+        raise
 
 
 class PrefillNeighbour:
     """A child process that prefills a real prompt back to back while `running` (a context
-    manager: started on entry, stopped on exit)."""
+    manager: started on entry, stopped on exit; cpus: a CPU list it runs on, "" anywhere)."""
 
     def __init__(self, model: Any, threads: int, ids: list[int],
-                 timeout_s: float = _READY_TIMEOUT_S) -> None:
+                 timeout_s: float = _READY_TIMEOUT_S, cpus: str = "") -> None:
         ctx = mp.get_context("spawn")  # a clean interpreter: no torch state forked
         self._go, self._stop = ctx.Event(), ctx.Event()
         self._busy, self._failed = ctx.Value("i", -1), ctx.Value("i", 0)
         self._proc = ctx.Process(target=_prefill_loop, daemon=True, name="prefill-neighbour",
-                                 args=(model, threads, list(ids), self._go, self._stop,
-                                       self._busy, self._failed))
+                                 args=(model, threads, list(ids), cpus, self._go,
+                                       self._stop, self._busy, self._failed))
         self.timeout_s = float(timeout_s)
 
     def __enter__(self) -> PrefillNeighbour:
         self._proc.start()
-        self._wait(lambda: self._busy.value == 0, self.timeout_s, "load its model")
+        try:
+            self._wait(lambda: self._busy.value == 0, self.timeout_s, "load its model")
+        except BaseException:
+            self.__exit__()  # (not called by `with` when entering fails)
+            raise
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -95,6 +111,7 @@ class PrefillNeighbour:
         deadline = time.monotonic() + timeout_s
         while not done():
             if self._failed.value or not self._proc.is_alive():
+                self._proc.join(timeout=5)  # (its exit code, once it has one)
                 raise RuntimeError(f"the prefill neighbour process failed to {what} (exit code "
                                    f"{self._proc.exitcode})")
             if time.monotonic() > deadline:
@@ -118,11 +135,15 @@ def paired_ratios(step_for: Callable[[int], Callable[[], Any]], batches: list[in
                   clock: Callable[[], float] = time.perf_counter) -> list[float]:
     """[len(batches)] each size's step beside over alone (see the module docstring).
     step_for(B) -> one decode step of batch B (made once per size); beside(on) switches the
-    neighbour's prefills on (returning once one runs) or off (once none does)."""
+    neighbour's prefills on (returning once one runs) or off (once none does). Rounds
+    alternate their order (alone then beside, beside then alone: the block after a switch
+    is not always the same kind), and each block's first step after a switch is not timed
+    (its caches were the other kind's)."""
     if steps < 1 or rounds < 1:
         raise ValueError(f"steps and rounds must be >= 1, got {steps}, {rounds}")
 
     def block(step: Callable[[], Any]) -> float:
+        step()  # after a switch: not timed
         times = []
         for _ in range(steps):
             t0 = clock()
@@ -130,45 +151,72 @@ def paired_ratios(step_for: Callable[[int], Callable[[], Any]], batches: list[in
             times.append(clock() - t0)
         return float(statistics.median(times))
 
+    def timed_beside(step: Callable[[], Any]) -> float:
+        beside(True)
+        try:
+            out = block(step)
+        except BaseException:
+            with contextlib.suppress(Exception):  # what went wrong first is what is raised
+                beside(False)
+            raise
+        beside(False)
+        return out
+
     ratios = []
     for b in batches:
         step = step_for(b)
         step()  # its first step is slower: not timed
         per_round = []
-        for _ in range(rounds):
-            alone_s = block(step)
-            beside(True)
-            try:
-                per_round.append(block(step) / alone_s)
-            finally:
-                beside(False)
+        for r in range(rounds):
+            if r % 2 == 0:
+                alone_s = block(step)
+                per_round.append(timed_beside(step) / alone_s)
+            else:
+                beside_s = timed_beside(step)
+                per_round.append(beside_s / block(step))
         ratios.append(float(statistics.median(per_round)))
         del step
     return ratios
 
 
-@torch.no_grad()
-def measure_beside_prefill(lm: Any, model: Any, threads: int, kv: torch.Tensor,
-                           prompt_ids: list[int], batches: list[int], steps: int,
-                           progress: Callable[[str], None] = lambda msg: None) -> dict:
-    """The hardware profile's `tpot_beside_prefill` entry: decode steps on B copies of kv
-    [layers, 2, kv_heads, tokens, head_dim] (lm, this process) beside a child prefilling
-    prompt_ids (`model`, loaded there with `threads` torch threads)."""
-    from kvsim.calibrate.model_profile import batch_stepper
-
-    progress(f"decode steps beside a {len(prompt_ids)}-token prefill in another process: "
-             "starting it")
-    with PrefillNeighbour(model, threads, prompt_ids) as neighbour:
-        # stopping waits for the prefill in progress: a few times one, at most
-        ratios = paired_ratios(lambda b: batch_stepper(lm, kv, b), list(batches), steps,
-                               lambda on: neighbour.running(on, _READY_TIMEOUT_S))
-    line = fit_step_line(batches, ratios)  # (a line over the batch size, not the context)
-    progress(f"beside a prefill, batch {list(batches)} at {kv.shape[3]} tokens: x " +
-             ", ".join(f"{r:.3f}" for r in ratios) + " (the line: x " +
-             ", ".join(f"{r:.3f}" for r in line["s"]) +
-             f"; residual rms {line['residual_rms_pct']:.1f}%)")
-    return {"context_tokens": int(kv.shape[3]), "prefill_tokens": len(prompt_ids),
-            "batch": [int(b) for b in batches], "ratio": line["s"], "measured": ratios,
+def slowdown_line(batches: list[int], ratios: list[float]) -> dict:
+    """The simulator's ratios from each size's median: the least-squares line over the batch
+    size, non-decreasing (kvsim.calibrate.step_fit), then at least 1 at every size (a
+    prefill beside the steps does not make them faster: a line below 1 is the rounds'
+    scatter). Returns the fitted ratios (`ratio`) and the fit."""
+    line = fit_step_line(batches, ratios)
+    return {"ratio": [max(1.0, r) for r in line["s"]],
             "fit": {"fixed": line["fixed_s"], "per_member": line["s_per_token"],
                     "residual_rms_pct": line["residual_rms_pct"],
                     "residual_max_pct": line["residual_max_pct"]}}
+
+
+@torch.no_grad()
+def measure_beside_prefill(lm: Any, model: Any, threads: int, kv: torch.Tensor,
+                           prompt_ids: list[int], batches: list[int], steps: int,
+                           progress: Callable[[str], None] = lambda msg: None,
+                           split_cpus: bool = False) -> dict:
+    """The hardware profile's `tpot_beside_prefill` entry: decode steps on B copies of kv
+    [layers, 2, kv_heads, tokens, head_dim] (lm, this process) beside a child prefilling
+    prompt_ids (`model`, loaded there with `threads` torch threads). split_cpus: the child
+    on the sender's half of this process's CPUs and the steps on the decode host's, as
+    transport.split_cpus runs them (kvsim.transport.cpus)."""
+    from kvsim.calibrate.model_profile import batch_stepper
+    from kvsim.transport.cpus import format_cpus, halves, pinned
+
+    sender_cpus, decode_cpus = (format_cpus(c) for c in halves()) if split_cpus else ("", "")
+    progress(f"decode steps beside a {len(prompt_ids)}-token prefill in another process: "
+             "starting it")
+    with pinned(decode_cpus), \
+            PrefillNeighbour(model, threads, prompt_ids, cpus=sender_cpus) as neighbour:
+        # stopping waits for the prefill in progress: a few times one, at most
+        ratios = paired_ratios(lambda b: batch_stepper(lm, kv, b), list(batches), steps,
+                               lambda on: neighbour.running(on, _READY_TIMEOUT_S))
+    fitted = slowdown_line(list(batches), ratios)
+    progress(f"beside a prefill, batch {list(batches)} at {kv.shape[3]} tokens: x " +
+             ", ".join(f"{r:.3f}" for r in ratios) + " (the simulator's line: x " +
+             ", ".join(f"{r:.3f}" for r in fitted["ratio"]) +
+             f"; residual rms {fitted['fit']['residual_rms_pct']:.1f}%)")
+    return {"context_tokens": int(kv.shape[3]), "prefill_tokens": len(prompt_ids),
+            "batch": [int(b) for b in batches], "ratio": fitted["ratio"], "measured": ratios,
+            "fit": fitted["fit"], "split_cpus": bool(split_cpus)}

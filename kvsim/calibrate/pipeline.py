@@ -231,9 +231,13 @@ def calibrate(cfg: Config) -> list[dict]:
         near = min(kvs, key=lambda c: (abs(c - cfg.beside_prefill_tokens), c))
         prompt = assemble(lm.tokenizer, cfg.beside_prefill_tokens, cfg.text_source,
                           cfg.seed + cfg.beside_prefill_tokens + 1).ids
-        hw_doc["tpot_beside_prefill"] = measure_beside_prefill(
-            lm, cfg.model, cfg.threads, kvs[near], list(prompt), list(cfg.batches),
-            max(4, cfg.steps // 2), say)
+        try:
+            hw_doc["tpot_beside_prefill"] = measure_beside_prefill(
+                lm, cfg.model, cfg.threads, kvs[near], list(prompt), list(cfg.batches),
+                max(4, cfg.steps // 2), say, cfg.split_cpus)
+        except (RuntimeError, TimeoutError, OSError) as exc:  # the rest still stands
+            print(f"calibrate: warning: the decode steps beside a prefill were not timed "
+                  f"({exc}); the profile has no tpot_beside_prefill", file=sys.stderr)
     hw_doc.update(name=profile_name(cfg), **prov)
     # the host, probed as `kvsim sim` / `kvsim validate` probe theirs (kvsim.model.host)
     from kvsim.calibrate.host_probe import PROBE_STEPS, StepProbe, host_record, probe_contexts

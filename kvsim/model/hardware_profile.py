@@ -15,8 +15,10 @@ and optionally (written by `kvsim calibrate`)
   "tpot_beside_prefill": {"context_tokens": c, "prefill_tokens": p, "batch": [...],
                           "ratio": [...]}   a decode step of each batch size beside a live
                                     p-token prefill in another process of the same host,
-                                    over the step alone (> 0; kvsim.calibrate.beside_prefill:
-                                    workload.colocated_prefill)
+                                    over the step alone (>= 1; workload.colocated_prefill);
+                                    kvsim.calibrate.beside_prefill also writes each size's
+                                    median ("measured", which ratio is fitted to), the
+                                    fit and whether it ran on split CPUs
   "cache_build": {"gb_per_s": x}    building the model's cache from dequantized layers (GB/s
                                     of bf16 cache; deserializer=on_arrival, where it is the
                                     only load left once the last layer is dequantized)
@@ -133,19 +135,29 @@ def _check_curve(path: Path, doc: dict, key: str, xs: str, scalar_x: str = "") -
 
 
 def _check_beside_prefill(path: Path, entry: object) -> None:
-    """tpot_beside_prefill: ratios > 0 over increasing batch sizes, measured at a positive
-    context beside a prefill of a positive number of tokens."""
-    key = "tpot_beside_prefill"
+    """tpot_beside_prefill: `ratio` numbers >= 1 over `batch` sizes >= 1, increasing, of one
+    length, measured at context_tokens > 0 beside a prefill of prefill_tokens >= 1."""
+    where = f"hardware profile {path}: tpot_beside_prefill"
     if not isinstance(entry, dict):
-        raise ValueError(f"hardware profile {path}: {key} must be a mapping")
-    _check_curve(path, {key: {"batch": entry.get("batch"), "s": entry.get("ratio"),
-                              "context_tokens": entry.get("context_tokens")}},
-                 key, "batch", "context_tokens")
-    tokens = entry.get("prefill_tokens")
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1 or \
-            not entry["context_tokens"] > 0 or min(entry["batch"]) < 1:
-        raise ValueError(f"hardware profile {path}: {key} needs context_tokens > 0, "
-                         f"prefill_tokens an integer >= 1 and batch sizes >= 1")
+        raise ValueError(f"{where} must be a mapping")
+    batch, ratio = entry.get("batch"), entry.get("ratio")
+
+    def numbers(v: object) -> bool:
+        return isinstance(v, list) and bool(v) and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+            for x in v)
+    if not numbers(batch) or not numbers(ratio) or len(batch) != len(ratio):
+        raise ValueError(f"{where}: batch and ratio must be lists of finite numbers of one "
+                         f"length, got {batch!r} and {ratio!r}")
+    if min(batch) < 1 or any(b <= a for a, b in zip(batch, batch[1:], strict=False)):
+        raise ValueError(f"{where}: batch must be sizes >= 1 that increase, got {batch}")
+    if min(ratio) < 1:
+        raise ValueError(f"{where}: ratio must be >= 1 (a step beside a prefill over the step "
+                         f"alone), got {ratio}")
+    ctx, tokens = entry.get("context_tokens"), entry.get("prefill_tokens")
+    for name, v in (("context_tokens", ctx), ("prefill_tokens", tokens)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{where}: {name} must be an integer >= 1, got {v!r}")
 
 
 def load_profile(name_or_path: str, model_name: str) -> dict:
