@@ -4,15 +4,17 @@
 serve`: real decode steps) as two processes of one machine. A disaggregated deployment gives
 each its own, but on the emulating host a prefill running in the sender slows the decode
 host's steps (each process has a core of its own at transport.threads=1 on this 2-core
-host, and they share the memory bus and the last-level cache): a standalone step at 512
-tokens was 5% slower beside a 512-token prefill in another process, a batch of 2 5-10%, of 3
-10% and of 4 15% (2026-12-07). The simulator charges it where asked to mirror such a host
+host, and they share the memory bus and the last-level cache): on 2026-12-07 a standalone
+step at 512 tokens was 5% slower beside a 512-token prefill in another process, a batch of 2
+5-10%, of 3 10% and of 4 15%, and the emulator's own steps beside its prefills 0-7% slower
+over three validation runs. The simulator charges it where asked to mirror such a host
 (`workload.colocated_prefill`, kvsim.sim.batch), with these ratios.
 
 measure_beside_prefill times each decode batch size B on B copies of a real cache in this
 process, in blocks of `steps` steps alone and `steps` steps while a child process prefills
 a real prompt back to back (the same model, threads and prefill code as the sender's),
-ROUNDS rounds of each per size. A size's ratio is the median over rounds of (median step
+ROUNDS rounds of each per size (paired_ratios: in alternating order, the first step after
+a switch not timed). A size's ratio is the median over rounds of (median step
 beside) / (median step alone) of the round: a block alone and the block beside it fall in
 the same minute, so the host's speed drifting between sizes moves both alike. The effect is
 a few percent, about the spread of one size's rounds (one calibration of 2026-12-07 gave x

@@ -13,13 +13,13 @@ over the profile's step of B members at the case's mid-decode context: 1.0 is th
 pace. It names where the case's TPOT error comes from; the verdict does not use it.
 
 The emulator runs both sides on one host, so each interval is also told by what else ran
-there (from every request's trace spans, `surroundings`): `receiving` where a transfer or a
-dequantization of any request overlaps it (the decode host taking in and dequantizing
-another request's cache beside the step), else `prefill` where a prefill runs at its middle
-(the sender prefilling the next request), else `quiet`. Each size's mean per class is kept
-beside the pooled one, and a class's ratio to the quiet steps of as many members sets the
-simulator's slowdown beside a prefill (`tpot_beside_prefill`, where the profile has it:
-workload.colocated_prefill) against what the emulator's steps did.
+there, from every request's trace spans (classified_intervals): `receiving` where a
+transfer or a dequantization of any request overlaps it (the decode host taking in and
+dequantizing another request's cache beside the step), else `prefill` where a prefill runs
+at its middle (the sender prefilling the next request), else `quiet`. Each size's mean per
+class is kept beside the pooled one with its ratio to the quiet steps of as many members;
+the prefill class's ratio is what the profile's slowdown beside a prefill
+(`tpot_beside_prefill`, workload.colocated_prefill) is set against.
 """
 
 from __future__ import annotations

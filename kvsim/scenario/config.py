@@ -139,9 +139,9 @@ class WorkloadConfig:
     prefill_chunk_tokens: int = 0
     # every prefill instance on the decode instances' host, as `kvsim emulate` runs them on
     # one machine (the simulator only; kvsim validate sets it to mirror such a host): a
-    # decode step taken while a prefill runs costs the hardware profile's measured
-    # tpot_beside_prefill ratio (kvsim.calibrate.beside_prefill), a prefill's start and end
-    # re-timing the steps in progress (kvsim.sim.batch)
+    # decode step taken while a prefill runs costs the hardware profile's
+    # tpot_beside_prefill ratio (timed by kvsim calibrate beside_prefill_tokens=...), a
+    # prefill's start and end re-timing the steps in progress (kvsim.sim.batch)
     colocated_prefill: bool = False
     # which instances a request goes to (kvsim.sim.routing): least_loaded (fewest requests
     # in flight there) | round_robin | kv_aware (the longest prefix held, within
