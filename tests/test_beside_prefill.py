@@ -75,7 +75,8 @@ def test_rounds_alternate_which_block_comes_first():
             inner()
         return step
     paired_ratios(step_for, [1], 2, host.beside, rounds=3, clock=host.clock)
-    blocks = [k for i, k in enumerate(kinds[1:]) if i % 3 == 0]  # each block's first step
+    assert len(kinds) == 6 * 3  # 6 blocks of an untimed step and 2 timed ones
+    blocks = [k for i, k in enumerate(kinds) if i % 3 == 0]  # each block's first step
     assert blocks == [False, True, True, False, False, True]  # AB, BA, AB
 
 

@@ -338,6 +338,12 @@ class _BesidePrefill(TimingModel):
         return 1.5 if batch == 1 else 1.25
 
 
+def _beside_batch() -> tuple[simpy.Environment, DecodeBatch]:
+    """A decode batch of the tiny model whose steps beside a prefill cost _BesidePrefill's."""
+    env = simpy.Environment()
+    return env, DecodeBatch(env, _BesidePrefill(MODEL, HW))
+
+
 def _prefill(env, batch, t0, length_s):
     """A colocated prefill on the batch's host from t0 for length_s (a simpy process)."""
     yield env.timeout(t0)
@@ -351,8 +357,7 @@ def test_a_colocated_prefill_slows_the_steps_while_it_runs():
     # steps to 2.5 + 3 x 1.5 steps: the steps meanwhile take 1.5 s1 (3 of them: its 3rd to
     # its 5.5th token's time), then s1 again. A second prefill, after A left, changes
     # nothing.
-    env = simpy.Environment()
-    batch = DecodeBatch(env, _BesidePrefill(MODEL, HW))
+    env, batch = _beside_batch()
     s1 = step_s(1000)
     out = {}
 
@@ -373,8 +378,7 @@ def test_a_colocated_prefill_slows_the_steps_while_it_runs():
 
 
 def test_overlapping_colocated_prefills_slow_the_steps_once():
-    env = simpy.Environment()
-    batch = DecodeBatch(env, _BesidePrefill(MODEL, HW))
+    env, batch = _beside_batch()
     s2 = step_s(1000, 1000)
     out = {}
 
@@ -480,8 +484,7 @@ def test_a_colocated_prefill_is_counted_from_its_real_start_when_it_queued(tmp_p
 def test_a_member_that_joins_during_a_colocated_prefill_steps_at_its_ratio():
     # the prefill starts while the batch is idle; A joins mid-prefill: its steps take 1.5 s1
     # until the prefill ends, then s1
-    env = simpy.Environment()
-    batch = DecodeBatch(env, _BesidePrefill(MODEL, HW))
+    env, batch = _beside_batch()
     s1 = step_s(1000)
     out = {}
 

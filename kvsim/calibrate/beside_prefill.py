@@ -6,7 +6,7 @@ each its own, but on the emulating host a prefill running in the sender slows th
 host's steps (each process has a core of its own at transport.threads=1 on this 2-core
 host, and they share the memory bus and the last-level cache): on 2026-12-07 a standalone
 step at 512 tokens was 5% slower beside a 512-token prefill in another process, a batch of 2
-5-10%, of 3 10% and of 4 15%, and the emulator's own steps beside its prefills 0-7% slower
+5-10%, of 3 10% and of 4 15%, and the emulator's own steps beside its prefills x 0.93-1.07
 over three validation runs. The simulator charges it where asked to mirror such a host
 (`workload.colocated_prefill`, kvsim.sim.batch), with these ratios.
 
@@ -166,8 +166,7 @@ def paired_ratios(step_for: Callable[[int], Callable[[], Any]], batches: list[in
 
     ratios = []
     for b in batches:
-        step = step_for(b)
-        step()  # its first step is slower: not timed
+        step = step_for(b)  # (its first, slower step is the first block's untimed one)
         per_round = []
         for r in range(rounds):
             if r % 2 == 0:
@@ -177,7 +176,7 @@ def paired_ratios(step_for: Callable[[int], Callable[[], Any]], batches: list[in
                 beside_s = timed_beside(step)
                 per_round.append(beside_s / block(step))
         ratios.append(float(statistics.median(per_round)))
-        del step
+        del step  # its batched cache goes before the next size's is made
     return ratios
 
 

@@ -41,10 +41,13 @@ RECEIVING_SPANS = ("transfer", "dequantize")  # (name prefixes: "transfer full",
 MEMBER_SPANS = ("draft_accepted", "draft_rejected", "verify", "decode")
 
 
-def _spans(row: dict, names: tuple[str, ...]) -> list[tuple[float, float]]:
-    """[(start, end)] (epoch s) of a request row's trace spans named one of `names`."""
+def _spans(row: dict, names: tuple[str, ...], prefix: bool = False
+           ) -> list[tuple[float, float]]:
+    """[(start, end)] (epoch s) of a request row's trace spans named one of `names` (with
+    prefix: whose name starts with one of them, as "transfer" names "transfer full")."""
     return [(float(s[2]), float(s[3])) for s in row.get("trace_spans") or []
-            if isinstance(s, list) and len(s) == 4 and s[0] in names]
+            if isinstance(s, list) and len(s) == 4 and isinstance(s[0], str)
+            and (s[0].startswith(names) if prefix else s[0] in names)]
 
 
 def _token_times(row: dict) -> list[float]:
@@ -60,14 +63,6 @@ def _token_times(row: dict) -> list[float]:
     return sorted({arrival + float(t) for t in times if finite_number(t) is not None})
 
 
-def _prefixed_spans(row: dict, prefixes: tuple[str, ...]) -> list[tuple[float, float]]:
-    """[(start, end)] (epoch s) of a request row's trace spans whose name starts with one
-    of `prefixes`."""
-    return [(float(s[2]), float(s[3])) for s in row.get("trace_spans") or []
-            if isinstance(s, list) and len(s) == 4 and isinstance(s[0], str)
-            and s[0].startswith(prefixes)]
-
-
 def classified_intervals(requests: list[dict]) -> list[tuple[int, str, float]]:
     """[(members, surroundings, s between two consecutive tokens of one request)] over one
     scenario's emulated request rows (a row's `per_request`): every interval between two
@@ -77,7 +72,7 @@ def classified_intervals(requests: list[dict]) -> list[tuple[int, str, float]]:
     ValueError) on a malformed trace span."""
     spans = [_spans(r, MEMBER_SPANS) for r in requests]
     prefills = [s for r in requests for s in _spans(r, ("prefill",))]
-    receiving = [s for r in requests for s in _prefixed_spans(r, RECEIVING_SPANS)]
+    receiving = [s for r in requests for s in _spans(r, RECEIVING_SPANS, prefix=True)]
     out: list[tuple[int, str, float]] = []
     for row, own in zip(requests, spans, strict=True):
         if not own:

@@ -721,6 +721,7 @@ def _resimulate(cfg: Config) -> dict:
                  d.get("rate_per_s")), []).append(d)
     distributions: list[dict] = []
     batched = _batch_steps(saved.multi)  # from the run's scenario files, where it kept them
+    colocated = _colocated(saved.multi, profiles.hardware)  # (its simulator's, as in _multi)
     for (case, emulation, rate, ctx, per_s), saved_rows in groups.items():
         calibrated: dict[str, dict] | None = None  # the unscaled simulation, where needed
         measured_by: dict[str, dict] = {}
@@ -779,8 +780,8 @@ def _resimulate(cfg: Config) -> dict:
             common = scenario_overrides(saved.model.name, emulation, rate, m.codecs,
                                         _multi_workload(m, per_s), [], profiles)
             sim, requests_path = _with_request_log(  # seed 0's arrivals
-                sim_overrides(common, profiles, cfg.acceptance, 1) +
-                _colocated(m, profiles.hardware), run_dir, scenario)
+                sim_overrides(common, profiles, cfg.acceptance, 1) + colocated, run_dir,
+                scenario)
             if batched.real:
                 batched.add(list(_saved_measured(report_path.parent, scenario).values()), sim)
             # (a run measured before the multi case compared TPOT percentiles has none)

@@ -50,6 +50,7 @@ class TimingModel:
         self._draft_step = draft_step if draft_step is not None else \
             (self._profile.get("draft_step") if self._profile else None)
         self._tpot_cache: dict[tuple[int, int], float] = {}
+        self._beside_cache: dict[int, float] = {}  # members -> beside_prefill_ratio
         self._step_rates: tuple[float, float] | None = None
         self._weight_read_bytes: dict[int, float] = {}  # new tokens -> weights a step reads
         # (new tokens, context) -> member_work, shared by every decode batch of a run
@@ -140,7 +141,11 @@ class TimingModel:
         """A decode step of `batch` members while a prefill runs on the same host, over the
         same step alone: the profile's `tpot_beside_prefill` (kvsim.calibrate.beside_prefill),
         interpolated between its batch sizes and held beyond them. For
-        workload.colocated_prefill, which needs it measured."""
+        workload.colocated_prefill, which needs it measured. Memoized: a decode batch asks
+        at every change while a prefill runs."""
+        hit = self._beside_cache.get(batch)
+        if hit is not None:
+            return hit
         curve = self._profile.get("tpot_beside_prefill") if self._profile else None
         if not curve:
             raise ValueError(
@@ -148,7 +153,9 @@ class TimingModel:
                 f"{self.model.name} on {self.hw.name} (the hardware profile has no "
                 f"tpot_beside_prefill: `kvsim calibrate beside_prefill_tokens=<prompt "
                 f"tokens>`)")
-        return float(np.interp(batch, curve["batch"], curve["ratio"]))
+        value = self._beside_cache[batch] = float(np.interp(batch, curve["batch"],
+                                                            curve["ratio"]))
+        return value
 
     def first_step_extra_s(self, context_tokens: int) -> float:
         """What the first decode step on a freshly built cache costs beyond a later step
