@@ -9,12 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from kvsim.calibrate.beside_prefill import (
-    PrefillNeighbour,
-    measure_beside_prefill,
-    paired_ratios,
-    slowdown_line,
-)
+from kvsim.calibrate.beside_prefill import PrefillNeighbour, measure_beside_prefill
+from kvsim.calibrate.paired_steps import paired_ratios, slowdown_line
 from kvsim.model.hardware import HardwareSpec
 from kvsim.model.hardware_profile import load_profile
 from kvsim.model.presets import load_model_preset

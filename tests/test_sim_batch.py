@@ -499,3 +499,127 @@ def test_a_member_that_joins_during_a_colocated_prefill_steps_at_its_ratio():
     t0, p1 = 2.0 * s1, 2.0 * s1 + 4.5 * s1
     np.testing.assert_allclose(out[0], [t0 + 1.5 * s1, t0 + 3.0 * s1, t0 + 4.5 * s1,
                                         p1 + s1, p1 + 2 * s1], rtol=1e-12)
+
+
+class _BesideWorker(TimingModel):
+    """The tiny model's roofline, with a step beside a busy on-arrival worker costing 2x."""
+
+    def beside_worker_ratio(self, batch: int) -> float:
+        return 2.0
+
+
+def test_a_received_request_slows_the_steps_by_its_workers_busy_share():
+    # A decodes alone at s1; B is received from 2 s1 to 2 s1 + 4.8 s1 with its worker busy
+    # half the time: steps advance at 1 - 0.5 (1 - 1/2) = 0.75 of their rate, so they take
+    # s1 / 0.75; C's reception (busy 0.9) overlaps B's last 2.4 s1: the shares add up to at
+    # most 1 (steps at 1/2 the rate). A reception that ends without having begun, or one
+    # that begins while the batch is idle, changes nothing.
+    env = simpy.Environment()
+    batch = DecodeBatch(env, _BesideWorker(MODEL, HW))
+    s1 = step_s(1000)
+    out = {}
+
+    def request():
+        m = batch.join(0, 1000, 12)
+        out[0] = (yield m.done).token_t
+
+    def reception(seq, t0, length_s, share):
+        yield env.timeout(t0)
+        batch.receiving(seq, share)
+        yield env.timeout(length_s)
+        batch.receiving(seq, None)
+
+    env.process(request())
+    env.process(reception(1, 2 * s1, 4.8 * s1, 0.5))
+    env.process(reception(2, 4.4 * s1, 2.4 * s1 + 2 * s1, 0.9))
+    env.run()
+    # clock: 2 steps by 2 s1; 2.4 s1 at 0.75 -> 1.8 steps (3.8 by 4.4 s1); 2.4 s1 at 0.5
+    # (shares 1.4 -> 1) -> 1.2 steps (5.0 by 6.8 s1); C alone, 2 s1 at 1 - 0.9/2 = 0.55 ->
+    # 1.1 steps (6.1 by 8.8 s1); then at 1
+    def t_of(v):
+        if v <= 2:
+            return v * s1
+        if v <= 3.8:
+            return 2 * s1 + (v - 2) * s1 / 0.75
+        if v <= 5.0:
+            return 4.4 * s1 + (v - 3.8) * s1 / 0.5
+        if v <= 6.1:
+            return 6.8 * s1 + (v - 5.0) * s1 / 0.55
+        return 8.8 * s1 + (v - 6.1) * s1
+    np.testing.assert_allclose(out[0], [t_of(v) for v in range(1, 13)], rtol=1e-12)
+    batch.receiving(7, None)  # never began: nothing to undo
+    with pytest.raises(ValueError, match="busy share must be in"):
+        batch.receiving(8, 1.5)
+
+
+def _worker_cfg(tmp_path, slows: bool, beside: dict | None,
+                deserializer: str = "on_arrival") -> SimConfig:
+    prof = tmp_path / "profile.json"
+    doc = {"model": "tiny", "prefill": {"tokens": [1, 4096], "s": [0.01, 0.4]},
+           "tpot": {"context_tokens": [1, 4096], "s": [0.02, 0.03]}}
+    if beside:
+        doc["tpot_beside_worker"] = beside
+    prof.write_text(json.dumps(doc))
+    cfg = _two_request_cfg(tmp_path, 0.5)
+    cfg.hardware = replace(HW, profile=str(prof))
+    cfg.link = replace(cfg.link, bandwidth_gbps=0.1)  # B's reception overlaps A's decode
+    cfg.workload = replace(cfg.workload, worker_slows_decode=slows)
+    cfg.deserializer = deserializer
+    return cfg
+
+
+def test_a_received_request_slows_a_decoding_request_while_its_worker_works(tmp_path,
+                                                                            monkeypatch):
+    # A (1000 tokens) decodes when B's cache arrives over 0.1 Gbps and is dequantized on
+    # arrival: from B's first message to its last layer, A's steps cost 1 / (1 - u / 2), u
+    # the share of that time B's worker is projected busy (told to the batch)
+    beside = {"context_tokens": 1000, "codec": "bf16", "batch": [1, 2], "ratio": [2.0, 2.0]}
+    told = []
+    real = DecodeBatch.receiving
+
+    def spy(self, seq, share):
+        told.append((self.env.now, seq, share))
+        real(self, seq, share)
+    monkeypatch.setattr(DecodeBatch, "receiving", spy)
+    runs = {}
+    for slows in (False, True):
+        cfg = _worker_cfg(tmp_path, slows, beside)
+        sc = Scenario(cfg, variants(cfg)[0], 1000, 100.0)
+        row = sc.run()
+        runs[slows] = sorted(sc.records, key=lambda r: r.seq)
+        assert row.get("worker_slows_decode", False) is slows
+    (a0, b0), (a1, b1) = runs[False], runs[True]
+    begins = {seq: (t, share) for t, seq, share in told if share is not None}
+    ends = {seq: t for t, seq, share in told if share is None}
+    assert set(begins) == set(ends) == {0, 1}
+    t_on, share = begins[1]
+    t_off = ends[1]
+    assert t_off == pytest.approx(b1.full_ready_t, rel=1e-12)  # B's last layer dequantized
+    assert b1.full_ready_t == b0.full_ready_t  # (the transfers themselves are unchanged)
+    assert b1.prefill_start_t < t_on < b1.all_arrival_t  # its first message, not its last
+    assert 0.0 < share < 1.0
+    assert begins[0][0] < a1.decode_start_t  # A's own reception came before it decoded
+    t0, t1 = a0.timeline.token_t, a1.timeline.token_t
+    step = float(np.diff(t0[:2])[0])
+    before = t1 < t_on
+    np.testing.assert_allclose(t1[before], t0[before], rtol=1e-12)
+    inside = np.flatnonzero((t1 > t_on + 2 * step) & (t1 < t_off))
+    assert len(inside) > 5
+    np.testing.assert_allclose(np.diff(t1[inside]), step / (1 - share / 2), rtol=1e-9)
+    assert t1[-1] > t0[-1]
+
+
+def test_worker_slows_decode_needs_the_measurement_and_a_worker(tmp_path):
+    from kvsim.transport.config import EmulateConfig
+
+    cfg = _worker_cfg(tmp_path, True, None)
+    with pytest.raises(ValueError, match="beside_worker_tokens"):
+        Scenario(cfg, variants(cfg)[0], 1000, 100.0).run()
+    beside = {"context_tokens": 1000, "codec": "bf16", "batch": [1], "ratio": [2.0]}
+    cfg = _worker_cfg(tmp_path, True, beside, deserializer="shared")
+    with pytest.raises(ValueError, match="deserializer=shared has no such worker"):
+        Scenario(cfg, variants(cfg)[0], 1000, 100.0).run()
+    ecfg = EmulateConfig(model=MODEL, hardware=HW)
+    ecfg.workload = replace(ecfg.workload, worker_slows_decode=True)
+    with pytest.raises(ValueError, match="worker_slows_decode tells the simulator"):
+        ecfg._check_instances()

@@ -113,6 +113,10 @@ def test_the_calibration_times_what_the_multi_request_case_runs(monkeypatch, tmp
     # the ratio is timed at the nearest calibrated context)
     assert (real.beside_prefill_tokens, heldout.beside_prefill_tokens) == (512, 768)
     assert timing.beside_prefill_tokens == single.beside_prefill_tokens == 0
+    # ... and beside the on-arrival worker's jobs of its first codec whose layers decode alone
+    assert (real.beside_worker_tokens, heldout.beside_worker_tokens) == (512, 768)
+    assert real.beside_worker_codec == "int8"
+    assert timing.beside_worker_tokens == single.beside_worker_tokens == 0
 
 
 def test_the_simulator_mirrors_one_host_where_the_profile_measured_it(tmp_path):
@@ -126,11 +130,17 @@ def test_the_simulator_mirrors_one_host_where_the_profile_measured_it(tmp_path):
     real, timing = MultiConfig(decode="real"), MultiConfig()
     assert _colocated(real, beside) == ["workload.colocated_prefill=true"]
     assert _colocated(real, plain) == [] and _colocated(timing, beside) == []
+    both = tmp_path / "both.json"
+    both.write_text(json.dumps({"model": "m", "tpot_beside_prefill": {"batch": [1]},
+                                "tpot_beside_worker": {"batch": [1]}}))
+    assert _colocated(real, both) == ["workload.colocated_prefill=true",
+                                      "workload.worker_slows_decode=true"]
+    assert _colocated(timing, both) == []
 
 
 def test_the_multi_case_gives_the_override_to_the_simulator_alone(monkeypatch, tmp_path):
-    """_multi appends workload.colocated_prefill to the simulator's overrides (the
-    emulator's config refuses it)."""
+    """_multi appends workload.colocated_prefill and worker_slows_decode to the simulator's
+    overrides (the emulator's config refuses them)."""
     import contextlib
     from pathlib import Path
 
@@ -151,7 +161,8 @@ def test_the_multi_case_gives_the_override_to_the_simulator_alone(monkeypatch, t
     monkeypatch.setattr(runner, "run_pair", run_pair)
     monkeypatch.setattr(runner, "kept_decode_host", lambda *a, **k: contextlib.nullcontext())
     hw = tmp_path / "hw.json"
-    hw.write_text(json.dumps({"model": "smollm2-135m", "tpot_beside_prefill": {"batch": [1]}}))
+    hw.write_text(json.dumps({"model": "smollm2-135m", "tpot_beside_prefill": {"batch": [1]},
+                              "tpot_beside_worker": {"batch": [1]}}))
     profiles = Profiles(hw, Path("ct.json"), {"token_bucket": Path("link.json")})
     for decode, want in (("real", True), ("timing", False)):
         cfg = Config(model=load_model_preset("smollm2-135m"), multi=MultiConfig(decode=decode))
@@ -161,4 +172,5 @@ def test_the_multi_case_gives_the_override_to_the_simulator_alone(monkeypatch, t
             pass
         common, sim = calls[-1]
         assert ("workload.colocated_prefill=true" in sim) is want
-        assert not any("colocated" in o for o in common)
+        assert ("workload.worker_slows_decode=true" in sim) is want
+        assert not any("colocated" in o or "worker_slows" in o for o in common)

@@ -66,6 +66,12 @@ class Config:
     # prompt tokens in another process (kvsim.calibrate.beside_prefill; the simulator's
     # workload.colocated_prefill), at the calibration context nearest to it; 0: not timed
     beside_prefill_tokens: int = 0
+    # > 0: decode steps of every batch size also timed beside a thread running the
+    # on-arrival worker's layer jobs of `beside_worker_codec` back to back
+    # (kvsim.calibrate.beside_worker; the simulator's workload.worker_slows_decode), at the
+    # calibration context nearest to this many tokens; 0: not timed
+    beside_worker_tokens: int = 0
+    beside_worker_codec: Any = "int8"  # a codec whose layers decode alone
     # drafted tokens per verification pass, timed at every context
     drafted: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
     codecs: list[Any] = field(default_factory=lambda: ["bf16", "int8", "int4", "lynx"])
@@ -106,11 +112,19 @@ class Config:
         for key in ("steps", "repeats", "threads"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
-        if isinstance(self.beside_prefill_tokens, bool) or \
-                not isinstance(self.beside_prefill_tokens, int) or \
-                not (self.beside_prefill_tokens == 0 or self.beside_prefill_tokens >= 16):
-            raise ValueError(f"beside_prefill_tokens must be 0 (not timed) or a prompt of >= 16 "
-                             f"tokens, got {self.beside_prefill_tokens!r}")
+        for key in ("beside_prefill_tokens", "beside_worker_tokens"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or \
+                    not (value == 0 or value >= 16):
+                raise ValueError(f"{key} must be 0 (not timed) or a prompt of >= 16 tokens, "
+                                 f"got {value!r}")
+        if self.beside_worker_tokens:  # refused before anything is measured
+            from kvsim.kernels.presets import resolve_codec
+
+            if not resolve_codec(self.beside_worker_codec).build().layer_independent:
+                raise ValueError(f"beside_worker_codec {self.beside_worker_codec!r}: its layers "
+                                 "do not decode alone, so the receiver has no layer jobs for "
+                                 "it; pick a codec that has (int8, int4, lynx)")
         if not self.contexts or min(self.contexts) < 16:
             raise ValueError(f"contexts must be prompt lengths >= 16 tokens, got {self.contexts}")
         if self.receiver_repeats < 1 or self.receiver_context_tokens < 16:
@@ -238,6 +252,13 @@ def calibrate(cfg: Config) -> list[dict]:
         except (RuntimeError, TimeoutError, OSError) as exc:  # the rest still stands
             print(f"calibrate: warning: the decode steps beside a prefill were not timed "
                   f"({exc}); the profile has no tpot_beside_prefill", file=sys.stderr)
+    if cfg.beside_worker_tokens:  # the step beside the on-arrival worker's jobs
+        from kvsim.calibrate.beside_worker import measure_beside_worker
+
+        near = min(kvs, key=lambda c: (abs(c - cfg.beside_worker_tokens), c))
+        hw_doc["tpot_beside_worker"] = measure_beside_worker(
+            lm, resolve_codec(cfg.beside_worker_codec).build(), kvs[near], list(cfg.batches),
+            max(4, cfg.steps // 2), say, cfg.split_cpus)
     hw_doc.update(name=profile_name(cfg), **prov)
     # the host, probed as `kvsim sim` / `kvsim validate` probe theirs (kvsim.model.host)
     from kvsim.calibrate.host_probe import PROBE_STEPS, StepProbe, host_record, probe_contexts

@@ -323,6 +323,7 @@ def _say(msg: str) -> None:
 def _calibrate(cfg: Config, root: Path, name: str, emulations: list[str]) -> None:
     from kvsim.calibrate.pipeline import Config as CalConfig
     from kvsim.calibrate.pipeline import calibrate
+    from kvsim.kernels.presets import resolve_codec
 
     quick = cfg.grid == "quick"
     grid = cfg.calibration_contexts
@@ -338,6 +339,9 @@ def _calibrate(cfg: Config, root: Path, name: str, emulations: list[str]) -> Non
                                   not min(contexts) <= multi_ctx <= max(contexts)):
         contexts.add(multi_ctx)
     contexts = sorted(contexts)
+    real_multi = cfg.multi.enabled and cfg.multi.decode == "real"
+    worker_codec = next((c for c in cfg.multi.codecs
+                         if resolve_codec(c).build().layer_independent), None)
     cal = CalConfig(model=cfg.model, name=name, contexts=contexts,
                     drafted=[1, 2, 4, 8, 16] if quick else [1, 2, 4, 8, 16, 32, 64],
                     codecs=sorted({str(c) for c in [*cfg.codecs, *cfg.multi.codecs]}),
@@ -354,8 +358,11 @@ def _calibrate(cfg: Config, root: Path, name: str, emulations: list[str]) -> Non
                     receiver_fit_context_tokens=min(grid) if min(grid) < max(grid) else -1,
                     # the multi case's real decode steps beside its live prefills (the
                     # simulator mirrors them there: workload.colocated_prefill)
-                    beside_prefill_tokens=multi_ctx
-                    if cfg.multi.enabled and cfg.multi.decode == "real" else 0,
+                    beside_prefill_tokens=multi_ctx if real_multi else 0,
+                    # ... and beside the on-arrival worker's jobs (workload.worker_slows_decode),
+                    # of the first of its codecs whose layers decode alone
+                    beside_worker_tokens=multi_ctx if real_multi and worker_codec else 0,
+                    beside_worker_codec=worker_codec or "int8",
                     out_dir=str(root), overwrite=True, split_cpus=cfg.split_cpus)
     _say(f"calibrating into {root} (prompts, decode steps, codecs, links)")
     calibrate(cal)
@@ -1262,11 +1269,7 @@ def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path
     batched = _batch_steps(m)
     colocated = _colocated(m, profiles.hardware)
     if m.decode == "real":
-        _say("multi-request: the simulator's decode steps " +
-             ("slowed while a prefill runs, as the profile measured them beside one "
-              "(workload.colocated_prefill)" if colocated else
-              "as alone: the profile did not time them beside a prefill "
-              "(calibrate=true does)"))
+        _say_colocated(colocated)
     # one decode host for the three loads (they differ in arrivals alone)
     first = scenario_overrides(cfg.model.name, m.emulation, m.bandwidth_gbps, m.codecs,
                                _multi_workload(m, m.rates_per_s[0]), [], profiles,
@@ -1308,16 +1311,37 @@ def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path
     return rows, distributions, batched.level()
 
 
+# the simulator's overrides that mirror the emulator's one host in the real-decode multi
+# case, each where the hardware profile has the measurement it needs: (profile entry,
+# override, what it slows the decode steps beside)
+_HOST_OVERRIDES = (
+    ("tpot_beside_prefill", "workload.colocated_prefill=true", "a prefill"),
+    ("tpot_beside_worker", "workload.worker_slows_decode=true", "the on-arrival workers"))
+
+
 def _colocated(m: MultiConfig, hardware: Path) -> list[str]:
-    """The simulator's override that mirrors the emulator's one host in the multi-request
-    case (workload.colocated_prefill: its decode steps slowed while a prefill runs), where
-    the emulator decodes with the real model and the hardware profile timed a step beside a
-    prefill (kvsim.calibrate.beside_prefill); none otherwise (the timing-model decode
-    sleeps the profile's steps, which no prefill slows)."""
+    """The simulator's overrides that mirror the emulator's one host in the multi-request
+    case, where the emulator decodes with the real model: workload.colocated_prefill (its
+    decode steps slowed while a prefill runs) where the hardware profile timed a step
+    beside a prefill (kvsim.calibrate.beside_prefill), workload.worker_slows_decode (slowed
+    while a request's on-arrival worker dequantizes) where it timed one beside the worker
+    (kvsim.calibrate.beside_worker); none otherwise (the timing-model decode sleeps the
+    profile's steps, which neither slows)."""
     if m.decode != "real":
         return []
-    return ["workload.colocated_prefill=true"] \
-        if json.loads(hardware.read_text()).get("tpot_beside_prefill") else []
+    doc = json.loads(hardware.read_text())
+    return [override for entry, override, _ in _HOST_OVERRIDES if doc.get(entry)]
+
+
+def _say_colocated(overrides: list[str]) -> None:
+    """One line on what the simulator's decode steps are slowed beside (real decode)."""
+    beside = [what for _, override, what in _HOST_OVERRIDES if override in overrides]
+    missing = [entry for entry, override, _ in _HOST_OVERRIDES if override not in overrides]
+    _say("multi-request: the simulator's decode steps " +
+         (f"slowed beside {' and '.join(beside)}, as the profile measured them "
+          f"({', '.join(o.split('=')[0] for o in overrides)})" if beside else "as alone") +
+         (f"; the profile has no {' or '.join(missing)} (calibrate=true measures them)"
+          if missing else ""))
 
 
 def _batch_steps(m: MultiConfig) -> BatchSteps:

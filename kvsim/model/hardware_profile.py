@@ -19,6 +19,11 @@ and optionally (written by `kvsim calibrate`)
                                     kvsim.calibrate.beside_prefill also writes each size's
                                     median ("measured", which ratio is fitted to), the
                                     fit and whether it ran on split CPUs
+  "tpot_beside_worker": {"context_tokens": c, "codec": name, "batch": [...],
+                         "ratio": [...]}   the same beside a thread running the receiver's
+                                    on-arrival worker's layer jobs of `codec` back to
+                                    back (>= 1; workload.worker_slows_decode;
+                                    kvsim.calibrate.beside_worker)
   "cache_build": {"gb_per_s": x}    building the model's cache from dequantized layers (GB/s
                                     of bf16 cache; deserializer=on_arrival, where it is the
                                     only load left once the last layer is dequantized)
@@ -134,12 +139,20 @@ def _check_curve(path: Path, doc: dict, key: str, xs: str, scalar_x: str = "") -
         raise ValueError(f"hardware profile {path}: {key}.s must be > 0 s (extra: >= 0)")
 
 
-def _check_beside_prefill(path: Path, entry: object) -> None:
-    """tpot_beside_prefill: `ratio` numbers >= 1 over `batch` sizes >= 1, increasing, of one
-    length, measured at context_tokens > 0 beside a prefill of prefill_tokens >= 1."""
-    where = f"hardware profile {path}: tpot_beside_prefill"
+# entries of a decode step beside other work, over the step alone: key -> (what it is
+# beside, its integer fields besides context_tokens)
+BESIDE_ENTRIES = {"tpot_beside_prefill": ("a prefill", ("prefill_tokens",)),
+                  "tpot_beside_worker": ("the on-arrival worker", ())}
+
+
+def _check_beside(path: Path, key: str, entry: object) -> None:
+    """tpot_beside_prefill / tpot_beside_worker: `ratio` numbers >= 1 over `batch` sizes >= 1,
+    increasing, of one length, measured at context_tokens > 0 (beside a prefill of
+    prefill_tokens >= 1; beside the worker's jobs of a named `codec`)."""
+    where = f"hardware profile {path}: {key}"
     if not isinstance(entry, dict):
         raise ValueError(f"{where} must be a mapping")
+    beside, ints = BESIDE_ENTRIES[key]
     batch, ratio = entry.get("batch"), entry.get("ratio")
 
     def numbers(v: object) -> bool:
@@ -152,12 +165,16 @@ def _check_beside_prefill(path: Path, entry: object) -> None:
     if min(batch) < 1 or any(b <= a for a, b in zip(batch, batch[1:], strict=False)):
         raise ValueError(f"{where}: batch must be sizes >= 1 that increase, got {batch}")
     if min(ratio) < 1:
-        raise ValueError(f"{where}: ratio must be >= 1 (a step beside a prefill over the step "
+        raise ValueError(f"{where}: ratio must be >= 1 (a step beside {beside} over the step "
                          f"alone), got {ratio}")
-    ctx, tokens = entry.get("context_tokens"), entry.get("prefill_tokens")
-    for name, v in (("context_tokens", ctx), ("prefill_tokens", tokens)):
+    for name in ("context_tokens", *ints):
+        v = entry.get(name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{where}: {name} must be an integer >= 1, got {v!r}")
+    if key == "tpot_beside_worker" and not (isinstance(entry.get("codec"), str)
+                                            and entry["codec"]):
+        raise ValueError(f"{where}: codec must name the codec whose layers the worker "
+                         f"dequantized, got {entry.get('codec')!r}")
 
 
 def load_profile(name_or_path: str, model_name: str) -> dict:
@@ -180,8 +197,9 @@ def load_profile(name_or_path: str, model_name: str) -> dict:
     for key, xs in (("tpot_batch", "batch"), ("verify", "drafted_tokens")):
         if key in doc:
             _check_at_contexts(p, doc, key, xs)
-    if "tpot_beside_prefill" in doc:
-        _check_beside_prefill(p, doc["tpot_beside_prefill"])
+    for key in BESIDE_ENTRIES:
+        if key in doc:
+            _check_beside(p, key, doc[key])
     # (key, field, required in key, bound, test): a rate > 0; a ratio to a decode step >= 1
     for key, field, required, bound, ok in (
             ("cache_build", "gb_per_s", True, "> 0", lambda v: v > 0),

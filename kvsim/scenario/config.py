@@ -143,6 +143,13 @@ class WorkloadConfig:
     # tpot_beside_prefill ratio (timed by kvsim calibrate beside_prefill_tokens=...), a
     # prefill's start and end re-timing the steps in progress (kvsim.sim.batch)
     colocated_prefill: bool = False
+    # the decode instances' on-arrival workers (deserializer=on_arrival) dequantize on the
+    # processor that steps the batch, as `kvsim serve` runs them in its process (the
+    # simulator only; kvsim validate sets it to mirror such a host): while a request is
+    # received, every step advances at the rate of the hardware profile's
+    # tpot_beside_worker ratio for the share of the time its worker is busy (timed by
+    # kvsim calibrate beside_worker_tokens=...; kvsim.sim.batch)
+    worker_slows_decode: bool = False
     # which instances a request goes to (kvsim.sim.routing): least_loaded (fewest requests
     # in flight there) | round_robin | kv_aware (the longest prefix held, within
     # routing_load_slack requests of the least loaded; needs prefix_cache.enabled)
@@ -172,9 +179,10 @@ class WorkloadConfig:
                 not isinstance(self.prefill_chunk_tokens, int) or self.prefill_chunk_tokens < 0:
             raise ValueError(f"workload.prefill_chunk_tokens must be an integer >= 0 (0: off), "
                              f"got {self.prefill_chunk_tokens!r}")
-        if not isinstance(self.colocated_prefill, bool):
-            raise ValueError(f"workload.colocated_prefill must be true or false, got "
-                             f"{self.colocated_prefill!r}")
+        for key in ("colocated_prefill", "worker_slows_decode"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"workload.{key} must be true or false, got "
+                                 f"{getattr(self, key)!r}")
         if self.colocated_prefill and self.prefill_chunk_tokens:
             raise ValueError("workload.colocated_prefill times whole prompts' prefills beside "
                              "the decode steps; chunked prefill (workload.prefill_chunk_tokens"

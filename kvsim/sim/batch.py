@@ -42,6 +42,15 @@ workload.colocated_prefill (a prefill instance on the decode instance's host, as
 emulate` runs both sides on one machine): while a prefill runs there, every step costs
 TimingModel.beside_prefill_ratio(computing members) of itself; a prefill's start and end
 change the rate as a batch change does.
+
+workload.worker_slows_decode (the decode instance's on-arrival workers dequantize on the
+processor that steps the batch, as `kvsim serve` runs them): while a request is received
+(kvsim.sim.run: from its first message's arrival until its cache is dequantized, or until
+it joins to draft, when its own draft overhead takes over), its worker is busy a projected
+share u of that time (kvsim.sim.worker_load.receiver_busy_fraction), and a step advances
+at 1 / r of its rate while the worker works (r: TimingModel.beside_worker_ratio(computing
+members)), so at (1 - u (1 - 1/r)) on average: every step costs 1 / (1 - U (1 - 1/r)) of
+itself, U the shares of the requests received now, summed (at most 1).
 """
 
 from __future__ import annotations
@@ -163,6 +172,9 @@ class DecodeBatch:
         # prefills running on this instance's host now (workload.colocated_prefill): while
         # one runs, every step costs TimingModel.beside_prefill_ratio(members) of itself
         self._prefills = 0
+        # requests received on this instance now -> their worker's busy share of the
+        # reception (workload.worker_slows_decode)
+        self._received: dict[int, float] = {}
         self._left: list[Member] = []  # left during the batch's update, told after it
 
     @property
@@ -179,6 +191,21 @@ class DecodeBatch:
             raise RuntimeError("a colocated prefill ended that never started")
         if self._seqs and (before == 0) != (self._prefills == 0):
             self._changed()  # from none running to some, or back
+
+    def receiving(self, seq: int, busy_share: float | None) -> None:
+        """Request seq's reception on this instance's host began now, its worker busy
+        `busy_share` (0..1) of it, or ended (None) (workload.worker_slows_decode): the step in
+        progress goes on at the new rate."""
+        self._advance()
+        before = self._received.get(seq, 0.0)
+        if busy_share is None:
+            self._received.pop(seq, None)
+        else:
+            if not 0.0 <= busy_share <= 1.0:
+                raise ValueError(f"a worker's busy share must be in [0, 1], got {busy_share}")
+            self._received[seq] = busy_share
+        if self._seqs and self._received.get(seq, 0.0) != before:
+            self._changed()
 
     # ---- members in and out ------------------------------------------------------------
     def join(self, seq: int, context_tokens: int, tokens: int, cap: int = 0,
@@ -445,6 +472,11 @@ class DecodeBatch:
                 self._verifying) + self._overhead
             if self._prefills:
                 self.step_s *= self.timing.beside_prefill_ratio(self._seqs)
+            if self._received:
+                busy = min(1.0, sum(self._received.values()))
+                if busy > 0.0:
+                    ratio = self.timing.beside_worker_ratio(self._seqs)
+                    self.step_s /= 1.0 - busy * (1.0 - 1.0 / ratio)
         self._mark()
         self._arm()
 

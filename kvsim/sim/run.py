@@ -80,7 +80,7 @@ from kvsim.sim.prefix_reuse import PrefixReuse, Reuse
 from kvsim.sim.request_log import request_rows, write_request_log
 from kvsim.sim.spread import spread_of
 from kvsim.sim.timer import Timer, call_later
-from kvsim.sim.worker_load import later_streams_busy_fraction
+from kvsim.sim.worker_load import receiver_busy_fraction
 
 
 class CountingEnvironment(simpy.Environment):
@@ -95,6 +95,9 @@ class CountingEnvironment(simpy.Environment):
         return next(copy.copy(self._eid))
 
 
+RECEPTION_WAITING, RECEPTION_ON, RECEPTION_OVER = 0, 1, 2
+
+
 class Passage:
     """One request's way through the cluster, filled in as it goes (times in s): routed to
     prefill instance `p` and decode instance `d`, prefilled, transferred, deserialized,
@@ -102,7 +105,8 @@ class Passage:
 
     __slots__ = ("sim", "req", "plan", "p", "d", "t_p0", "t_pe", "receivers", "needed",
                  "encode_end_t", "t_need", "drafting", "load_all_s", "kv_bytes", "t_slot",
-                 "t_start", "prefill_s", "member", "reuse", "sent_tokens", "fetch")
+                 "t_start", "prefill_s", "member", "reuse", "sent_tokens", "fetch",
+                 "reception")
 
     def __init__(self, sim: Scenario, req: Request, plan: TransferPlan, p: int, d: int) -> None:
         self.sim = sim
@@ -119,6 +123,9 @@ class Passage:
         self.reuse: Reuse | None = None  # prefix_cache.enabled: what it reuses
         self.sent_tokens = req.context_tokens  # tokens whose KV crosses the link
         self.fetch: Receiver | None = None  # blocks fetched from the shared store, if any
+        # workload.worker_slows_decode: its reception slows its decode instance's batch
+        # (RECEPTION_*: not begun, begun, over)
+        self.reception = RECEPTION_WAITING
 
     # The callbacks of its steps: bound methods, not a closure (and its cells) per step and
     # request, which would live from the step's start to its end and be freed cold. (Nothing
@@ -143,6 +150,16 @@ class Passage:
 
     def left(self, member: Member) -> None:
         self.sim._finish(self, member)
+
+    def reception_begins(self, _timer: Timer) -> None:
+        self.sim._reception_begins(self)
+
+    def reception_ends(self) -> None:
+        """Its cache is dequantized, or it joins to draft (now): its decode instance's
+        batch no longer steps beside its worker (workload.worker_slows_decode)."""
+        if self.reception == RECEPTION_ON:
+            self.sim.decode[self.d].batch.receiving(self.req.seq, None)
+        self.reception = RECEPTION_OVER
 
 
 class Scenario:
@@ -232,6 +249,13 @@ class Scenario:
             self.timing.check_fits(ctx)
         if w.colocated_prefill:
             self.timing.beside_prefill_ratio(1)  # refused here where it was not measured
+        if w.worker_slows_decode:
+            if cfg.deserializer != "on_arrival":
+                raise ValueError(
+                    f"workload.worker_slows_decode slows the decode steps while a request's "
+                    f"on-arrival worker dequantizes its layers; deserializer="
+                    f"{cfg.deserializer} has no such worker: use deserializer=on_arrival")
+            self.timing.beside_worker_ratio(1)  # refused here where it was not measured
         env = self.env = CountingEnvironment()
         class_weight: Callable[[Any], float] | None = None
         if cfg.link.scheduling == "weighted":  # GPS between streams, weight r^stream
@@ -427,9 +451,29 @@ class Scenario:
             ps.req, ps.plan, self.prefill[ps.p], self.decode[ps.d], layers_start_t, layers_s,
             ps.t_p0)
         ps.needed = ps.receivers[:1] if ps.plan.speculative else ps.receivers
+        # (a codec whose layers do not decode alone is dequantized on demand: no worker)
+        if self.cfg.workload.worker_slows_decode and self.deserializer == "on_arrival":
+            self._reception(ps)
         if ps.fetch is not None:  # decoding needs the prefix fetched from the store too
             ps.needed = [*ps.needed, ps.fetch]
         when_all_ready(ps.needed, ps.needed_in)
+
+    def _reception(self, ps: Passage) -> None:
+        """workload.worker_slows_decode: the request's reception on its decode instance
+        begins when its first message arrives (its release + the link's latency; the
+        message's own crossing left out) and ends when every stream is dequantized, or
+        when it joins its batch to draft (its draft overhead then covers its worker)."""
+        first = min(float(rx.carriers[0].release[0]) for rx in ps.receivers)
+        latency_s = ps.receivers[0].carriers[0].link.latency_s
+        call_later(self.env, max(0.0, first + latency_s - self.env.now), ps.reception_begins)
+        when_all_ready(ps.receivers, ps.reception_ends)
+
+    def _reception_begins(self, ps: Passage) -> None:
+        if ps.reception != RECEPTION_WAITING:
+            return
+        ps.reception = RECEPTION_ON
+        self.decode[ps.d].batch.receiving(ps.req.seq, receiver_busy_fraction(
+            ps.receivers, self.env.now, self.timing.draft_ingest_s_per_byte(), first_stream=0))
 
     def _needed_in(self, ps: Passage) -> None:
         """The flows decoding needs are deserialized (now)."""
@@ -539,7 +583,7 @@ class Scenario:
         if busy_s is not None:
             overhead_s = busy_share_overhead_s(
                 busy_s, self.timing.tpot_s(req.context_tokens),
-                later_streams_busy_fraction(receivers, self.env.now,
+                receiver_busy_fraction(receivers, self.env.now,
                                             self.timing.draft_ingest_s_per_byte()))
         # shared / per_stream: the deserializer dequantizes the later streams on this
         # instance while the request drafts; with dequant_contention > 0 the drafts lose
@@ -550,13 +594,15 @@ class Scenario:
             # (the whole draft step, its own overhead included, is what makes no progress)
             overhead_s += contention_overhead_s(
                 self.timing.tpot_s(req.context_tokens) + overhead_s,
-                later_streams_busy_fraction(receivers, self.env.now), spec.dequant_contention)
+                receiver_busy_fraction(receivers, self.env.now), spec.dequant_contention)
         member = dnode.batch.join(
             req.seq, req.context_tokens, req.output_tokens, spec.cap_tokens, overhead_s,
             self._sample_accepted if drafting else None,
             on_leave=ps.left, overhead_until_full=busy_s is not None or contended)
         if drafting:
             ps.member = member
+            if cfg.workload.worker_slows_decode:
+                ps.reception_ends()
             when_all_ready(receivers, ps.full_in)
         elif ps.reuse is not None:
             self._keep_prefix(ps)
@@ -750,6 +796,8 @@ class Scenario:
         }
         if cfg.workload.colocated_prefill:  # the decode steps beside prefills, as measured
             row["colocated_prefill"] = True
+        if cfg.workload.worker_slows_decode:  # ... and beside the on-arrival workers
+            row["worker_slows_decode"] = True
         if self.prefix is not None:  # prefix reuse: hit rates, bytes not sent
             row.update(self.prefix.row())
             row["routing"] = cfg.workload.routing

@@ -1,4 +1,4 @@
-"""How busy a request's on-arrival worker will be while its decoder drafts.
+"""How busy a request's on-arrival worker will be while its decoder drafts, or while it is received.
 
 With `deserializer=on_arrival` (the transport receiver's default) one worker per request
 dequantizes each layer once its last message is in, the anchor's layers first. A decoder
@@ -23,6 +23,11 @@ Taking the later streams' bytes in costs the receiver too (its sockets and copie
 (draft_step.ingest_s_per_byte, kvsim.calibrate.draft_ingest) the receiver is also busy
 that cost x their arrival rate (at most 1) while they arrive and the worker waits, so the
 slowdown grows with the arrival rate.
+
+With workload.worker_slows_decode the same projection, over every stream, is made when the
+request's first message reaches its decode instance: the share of its reception the worker
+(or the receiver taking bytes in) is busy, during which the instance's whole batch steps
+slower (kvsim.sim.batch).
 """
 
 from __future__ import annotations
@@ -82,33 +87,39 @@ def project_carriers(receivers: list[Receiver]) -> dict[Link, dict[Flow, np.ndar
     return {link: project_link(link, flows) for link, flows in wanted.items()}
 
 
-def later_streams_busy_fraction(receivers: list[Receiver], now: float,
-                                ingest_s_per_byte: float = 0.0) -> float:
-    """Projected share of [now, the worker's last job end] the request's receiver is busy
-    beside its drafts, as kvsim.calibrate.draft_ingest replays it: fully busy while its
-    worker runs a job on the later streams (receivers[1:]; every stream's jobs served in
-    priority order, the anchor's first, from their known and projected arrivals), and
-    otherwise, while the later streams arrive (from the anchor's last message to theirs),
-    busy min(1, ingest_s_per_byte x their mean arrival rate) (s/B: the link's measured cost
-    of taking bytes in)."""
-    if len(receivers) < 2:
+def receiver_busy_fraction(receivers: list[Receiver], now: float,
+                           ingest_s_per_byte: float = 0.0, first_stream: int = 1) -> float:
+    """Projected share of [now, the end of the worker's last job on streams >= first_stream]
+    the request's receiver is busy, as kvsim.calibrate.draft_ingest replays it: fully busy
+    while its worker runs a job of those streams (every stream's jobs served in priority
+    order, the anchor's first, from their known and projected arrivals), and otherwise,
+    while those streams arrive (from the last message of the streams before them, or from
+    the first message, to their last), busy min(1, ingest_s_per_byte x their mean arrival
+    rate) (s/B: the link's measured cost of taking bytes in). first_stream=1: the later
+    streams, beside drafts on the anchor; 0: the whole reception
+    (workload.worker_slows_decode)."""
+    if len(receivers) <= first_stream:
         return 0.0
     projections = project_carriers(receivers)
     arrivals = [projected_arrival_t(rx, projections) for rx in receivers]
     works = [rx.plan.deserialize_s for rx in receivers]
     start, finish = worker_server(arrivals, works, receivers[0].group.pace)  # [m_c] s
-    jobs_end = np.concatenate(finish[1:])
-    jobs_s = jobs_end - np.concatenate(start[1:])  # as they run (at the worker's pace)
+    jobs_end = np.concatenate(finish[first_stream:])
+    jobs_s = jobs_end - np.concatenate(start[first_stream:])  # as they run (at the worker's pace)
     share = busy_fraction(now, jobs_end, jobs_s)
     if ingest_s_per_byte <= 0.0:
         return share
     end = float(jobs_end.max())  # the worker's last job ends after the last arrival
-    a0 = float(arrivals[0].max()) if len(arrivals[0]) else now
-    a1 = max(float(a.max()) for a in arrivals[1:])
+    before = [a for a in arrivals[:first_stream] if len(a)]
+    a0 = max(float(a.max()) for a in before) if first_stream else \
+        min(float(a.min()) for a in arrivals if len(a))
+    if first_stream and not before:
+        a0 = now
+    a1 = max(float(a.max()) for a in arrivals[first_stream:])
     lo, hi = max(now, a0), min(end, a1)
     if hi <= lo:
         return share
-    later_bytes = sum(float(rx.plan.sizes_bytes.sum()) for rx in receivers[1:])
+    later_bytes = sum(float(rx.plan.sizes_bytes.sum()) for rx in receivers[first_stream:])
     u = min(1.0, ingest_s_per_byte * later_bytes / (a1 - a0))
     # the worker's job time inside [lo, hi] is busy already
     jobs_in = float(np.maximum(np.minimum(jobs_end, hi) - np.maximum(jobs_end - jobs_s, lo),

@@ -175,6 +175,11 @@ class EmulateConfig(SimConfig):
                 "workload.colocated_prefill tells the simulator that prefill and decode share "
                 "a host; the emulator's hosts are what they are (on one machine they share "
                 "it): set it false here")
+        if w.worker_slows_decode:
+            raise ValueError(
+                "workload.worker_slows_decode tells the simulator that the decode instance's "
+                "on-arrival workers share its processor; the emulator's receiver runs them "
+                "where it runs them (in its own process): set it false here")
 
     def validate(self) -> None:
         super().validate()
