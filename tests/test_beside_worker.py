@@ -10,8 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from kvsim.calibrate.beside_worker import WorkerNeighbour, measure_beside_worker
-from kvsim.calibrate.paired_steps import slowdown_line
+from kvsim.calibrate.beside_worker import WorkerNeighbour, measure_beside_worker, step_extra
 from kvsim.kernels.presets import resolve_codec
 from kvsim.model.hardware import HardwareSpec
 from kvsim.model.hardware_profile import load_profile
@@ -66,18 +65,34 @@ def test_a_codec_without_layer_jobs_is_refused():
 def test_a_real_measurement_on_the_tiny_model(tmp_path):
     lm, kv = _kv()
     said = []
-    entry = measure_beside_worker(lm, resolve_codec("lynx").build(), kv, [1, 2], 2,
-                                  said.append)
+    spec = resolve_codec("lynx")
+    entry = measure_beside_worker(lm, spec.build(), kv, [1, 2], 2, said.append,
+                                  label=spec.label)
     assert entry["context_tokens"] == 48 and entry["codec"] == "lynx"
     assert entry["batch"] == [1, 2] and len(entry["ratio"]) == len(entry["measured"]) == 2
-    assert all(r > 0 for r in entry["measured"])
-    assert entry["ratio"] == slowdown_line([1, 2], entry["measured"])["ratio"]
+    assert all(r > 0 for r in entry["measured"]) and all(s > 0 for s in entry["alone_s"])
+    fitted = step_extra(entry["measured"], entry["alone_s"])
+    assert entry["extra_s"] == fitted["extra_s"] and entry["ratio"] == fitted["ratio"]
     assert "beside the worker, batch [1, 2] at 48 tokens" in said[-1]
     prof = tmp_path / "hw.json"
     prof.write_text(json.dumps({
         "model": TINY.name, "prefill": {"tokens": [64], "s": [0.01]},
         "tpot": {"context_tokens": [64], "s": [0.01]}, "tpot_beside_worker": entry}))
     assert load_profile(str(prof), TINY.name)["tpot_beside_worker"] == entry
+
+
+def test_the_simulators_extra_is_the_median_of_the_sizes_extras():
+    # 2.0 x 80 ms, 1.5 x 150 ms, 1.25 x 280 ms: extras 80, 75, 70 ms -> 75 ms
+    fitted = step_extra([2.0, 1.5, 1.25], [0.08, 0.15, 0.28])
+    assert fitted["extra_s"] == pytest.approx(0.075)
+    assert fitted["fit"]["per_size_extra_s"] == pytest.approx([0.08, 0.075, 0.07])
+    assert fitted["ratio"] == pytest.approx([1 + 0.075 / 0.08, 1.5, 1 + 0.075 / 0.28])
+    assert fitted["fit"]["residual_max_pct"] == pytest.approx(
+        100 * (1 - (1 + 0.075 / 0.08) / 2.0))
+    # a worker that made the steps faster (the rounds' scatter) adds nothing
+    assert step_extra([0.98, 0.99], [0.1, 0.2])["extra_s"] == 0.0
+    with pytest.raises(ValueError, match="one positive step alone per ratio"):
+        step_extra([1.1], [0.1, 0.2])
 
 
 def _profile(tmp_path, beside) -> str:
@@ -88,19 +103,18 @@ def _profile(tmp_path, beside) -> str:
     return str(p)
 
 
-def test_the_timing_model_interpolates_the_ratio_and_holds_it_beyond(tmp_path):
+def test_the_timing_model_gives_the_profiles_extra(tmp_path):
     beside = {"context_tokens": 64, "codec": "int8", "batch": [1, 2, 4],
-              "ratio": [1.8, 1.6, 1.4]}
+              "ratio": [1.8, 1.6, 1.4], "extra_s": 0.075}
     tm = TimingModel(TINY, replace(HW, profile=_profile(tmp_path, beside)))
     assert tm.beside_worker_measured and not tm.beside_prefill_measured
-    assert [tm.beside_worker_ratio(b) for b in (1, 2, 3, 4, 8)] == \
-        pytest.approx([1.8, 1.6, 1.5, 1.4, 1.4], rel=1e-12)
+    assert tm.beside_worker_extra_s() == 0.075
     with pytest.raises(ValueError, match="no tpot_beside_prefill.*beside_prefill_tokens"):
         tm.beside_prefill_ratio(1)
     roofline = TimingModel(TINY, HW)
     assert not roofline.beside_worker_measured
     with pytest.raises(ValueError, match="kvsim calibrate beside_worker_tokens"):
-        roofline.beside_worker_ratio(1)
+        roofline.beside_worker_extra_s()
 
 
 @pytest.mark.parametrize("change, match", [
@@ -109,10 +123,13 @@ def test_the_timing_model_interpolates_the_ratio_and_holds_it_beyond(tmp_path):
     ({"context_tokens": 0}, "context_tokens must be an integer >= 1"),
     ({"codec": ""}, "codec must name the codec"),
     ({"codec": None}, "codec must name the codec"),
+    ({"extra_s": -0.01}, "extra_s must be a number >= 0"),
+    ({"extra_s": float("inf")}, "extra_s must be a number >= 0"),
+    ({"extra_s": None}, "extra_s must be a number >= 0"),
 ])
 def test_a_bad_entry_is_refused_by_name(tmp_path, change, match):
     beside = {"context_tokens": 64, "codec": "int8", "batch": [1, 2], "ratio": [1.1, 1.2],
-              **change}
+              "extra_s": 0.01, **change}
     with pytest.raises(ValueError, match=match):
         load_profile(_profile(tmp_path, beside), TINY.name)
 

@@ -502,10 +502,11 @@ def test_a_member_that_joins_during_a_colocated_prefill_steps_at_its_ratio():
 
 
 class _BesideWorker(TimingModel):
-    """The tiny model's roofline, with a step beside a busy on-arrival worker costing 2x."""
+    """The tiny model's roofline, a busy on-arrival worker adding step_s(1000) to a step
+    (twice a lone step at 1,000 tokens)."""
 
-    def beside_worker_ratio(self, batch: int) -> float:
-        return 2.0
+    def beside_worker_extra_s(self) -> float:
+        return step_s(1000)
 
 
 def test_a_received_request_slows_the_steps_by_its_workers_busy_share():
@@ -571,9 +572,11 @@ def _worker_cfg(tmp_path, slows: bool, beside: dict | None,
 def test_a_received_request_slows_a_decoding_request_while_its_worker_works(tmp_path,
                                                                             monkeypatch):
     # A (1000 tokens) decodes when B's cache arrives over 0.1 Gbps and is dequantized on
-    # arrival: from B's first message to its last layer, A's steps cost 1 / (1 - u / 2), u
-    # the share of that time B's worker is projected busy (told to the batch)
-    beside = {"context_tokens": 1000, "codec": "bf16", "batch": [1, 2], "ratio": [2.0, 2.0]}
+    # arrival: from B's first message to its last layer, A's steps cost
+    # 1 / (1 - u e / (step + e)), e = 20 ms a busy worker adds to a step and u the share of
+    # that time B's worker is projected busy (told to the batch)
+    beside = {"context_tokens": 1000, "codec": "bf16", "batch": [1, 2], "ratio": [2.0, 1.5],
+              "extra_s": 0.02}
     told = []
     real = DecodeBatch.receiving
 
@@ -605,7 +608,8 @@ def test_a_received_request_slows_a_decoding_request_while_its_worker_works(tmp_
     np.testing.assert_allclose(t1[before], t0[before], rtol=1e-12)
     inside = np.flatnonzero((t1 > t_on + 2 * step) & (t1 < t_off))
     assert len(inside) > 5
-    np.testing.assert_allclose(np.diff(t1[inside]), step / (1 - share / 2), rtol=1e-9)
+    np.testing.assert_allclose(np.diff(t1[inside]), step / (1 - share * 0.02 / (step + 0.02)),
+                               rtol=1e-9)
     assert t1[-1] > t0[-1]
 
 
@@ -615,7 +619,8 @@ def test_worker_slows_decode_needs_the_measurement_and_a_worker(tmp_path):
     cfg = _worker_cfg(tmp_path, True, None)
     with pytest.raises(ValueError, match="beside_worker_tokens"):
         Scenario(cfg, variants(cfg)[0], 1000, 100.0).run()
-    beside = {"context_tokens": 1000, "codec": "bf16", "batch": [1], "ratio": [2.0]}
+    beside = {"context_tokens": 1000, "codec": "bf16", "batch": [1], "ratio": [2.0],
+              "extra_s": 0.02}
     cfg = _worker_cfg(tmp_path, True, beside, deserializer="shared")
     with pytest.raises(ValueError, match="deserializer=shared has no such worker"):
         Scenario(cfg, variants(cfg)[0], 1000, 100.0).run()

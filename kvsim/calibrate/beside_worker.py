@@ -15,20 +15,28 @@ measure_beside_worker times each decode batch size B on B copies of a real cache
 of `steps` steps alone and `steps` steps while a thread of this process runs the worker's
 job back to back: Codec.decode_layer of each layer of a real encoded cache in turn, fp32
 out, with the finite check the worker makes (kvsim.calibrate.paired_steps: ROUNDS rounds per
-size in alternating order; a size's ratio is the median over its rounds). The simulator
-gets the least-squares line through the sizes' ratios over the batch size, at least 1.
+size in alternating order; a size's ratio is the median over its rounds). The ratio falls
+as the batch grows, and what it adds to a step does not: on 2026-12-07 at 512 tokens, x
+2.00, 1.46, 1.41, 1.37, 1.43, 1.13, 1.26 and 1.27 for 1 to 8 members, about 75 ms each on
+steps of 80 to 320 ms (the decoder waits for the interpreter lock at each of its operations,
+a count that does not grow with the batch). So the simulator gets that extra, in s: the
+median over the sizes of (ratio - 1) x the size's step alone (`extra_s`), and a step of
+step_s beside a busy worker costs step_s + extra_s (`ratio`: 1 + extra_s / the step alone,
+at each size measured), with the residual of those ratios against the measured ones.
 """
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
-from kvsim.calibrate.paired_steps import paired_ratios, slowdown_line
+from kvsim.calibrate.paired_steps import paired_ratios
 from kvsim.core.layout import all_finite
 
 _SWITCH_TIMEOUT_S = 60.0  # a layer job in progress ends well within this
@@ -117,28 +125,47 @@ class WorkerNeighbour:
 @torch.no_grad()
 def measure_beside_worker(lm: Any, codec: Any, kv: torch.Tensor, batches: list[int],
                           steps: int, progress: Callable[[str], None] = lambda msg: None,
-                          split_cpus: bool = False) -> dict:
+                          split_cpus: bool = False, label: str = "") -> dict:
     """The hardware profile's `tpot_beside_worker` entry: decode steps on B copies of kv
     [layers, 2, kv_heads, tokens, head_dim] (lm, this thread) beside a thread running the
     on-arrival worker's jobs of `codec` on kv's encoding. split_cpus: both on the decode
-    host's half of this process's CPUs, as transport.split_cpus runs the receiver."""
+    host's half of this process's CPUs, as transport.split_cpus runs the receiver. label:
+    the codec's name in the entry (its preset's label; "": codec.name)."""
     from kvsim.calibrate.model_profile import batch_stepper
     from kvsim.transport.cpus import format_cpus, halves, pinned
 
     decode_cpus = format_cpus(halves()[1]) if split_cpus else ""
     progress(f"decode steps beside the on-arrival worker dequantizing {codec.name} layers "
              f"of {kv.shape[3]} tokens")
+    alone_s: list[float] = []
     with pinned(decode_cpus), WorkerNeighbour(codec, kv) as neighbour:
         ratios = paired_ratios(lambda b: batch_stepper(lm, kv, b), list(batches), steps,
-                               neighbour.running)
+                               neighbour.running, alone_s=alone_s)
         if neighbour.error is not None:  # (a failure after the last switch)
             raise RuntimeError(f"the worker neighbour failed: {neighbour.error!r}") \
                 from neighbour.error
-    fitted = slowdown_line(list(batches), ratios)
+    fitted = step_extra(ratios, alone_s)
     progress(f"beside the worker, batch {list(batches)} at {kv.shape[3]} tokens: x " +
-             ", ".join(f"{r:.3f}" for r in ratios) + " (the simulator's line: x " +
+             ", ".join(f"{r:.3f}" for r in ratios) + f" (the simulator's: +"
+             f"{fitted['extra_s'] * 1e3:.1f} ms a step, x " +
              ", ".join(f"{r:.3f}" for r in fitted["ratio"]) +
              f"; residual rms {fitted['fit']['residual_rms_pct']:.1f}%)")
-    return {"context_tokens": int(kv.shape[3]), "codec": str(codec.name),
-            "batch": [int(b) for b in batches], "ratio": fitted["ratio"], "measured": ratios,
-            "fit": fitted["fit"], "split_cpus": bool(split_cpus)}
+    return {"context_tokens": int(kv.shape[3]), "codec": label or str(codec.name),
+            "batch": [int(b) for b in batches], "measured": ratios,
+            "alone_s": alone_s, **fitted, "split_cpus": bool(split_cpus)}
+
+
+def step_extra(ratios: list[float], alone_s: list[float]) -> dict:
+    """What a busy worker adds to a step (s, at least 0): the median over the sizes of
+    (ratio - 1) x step alone; the ratios it gives at those steps (`ratio`, 1 + extra_s / step
+    alone) and their residual against `ratios` (%)."""
+    if len(ratios) != len(alone_s) or not ratios or min(alone_s) <= 0:
+        raise ValueError(f"need one positive step alone per ratio, got {ratios} and {alone_s}")
+    extras = [(r - 1.0) * s for r, s in zip(ratios, alone_s, strict=True)]
+    extra_s = max(0.0, float(statistics.median(extras)))
+    model = [1.0 + extra_s / s for s in alone_s]
+    off = [100.0 * (m / r - 1.0) for m, r in zip(model, ratios, strict=True)]
+    return {"extra_s": extra_s, "ratio": model,
+            "fit": {"per_size_extra_s": extras,
+                    "residual_rms_pct": float(np.sqrt(np.mean(np.square(off)))),
+                    "residual_max_pct": float(np.max(np.abs(off)))}}

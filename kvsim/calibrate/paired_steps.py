@@ -25,10 +25,12 @@ ROUNDS = 3  # blocks alone and beside per batch size
 
 def paired_ratios(step_for: Callable[[int], Callable[[], Any]], batches: list[int],
                   steps: int, beside: Callable[[bool], None], rounds: int = ROUNDS,
-                  clock: Callable[[], float] = time.perf_counter) -> list[float]:
-    """[len(batches)] each size's step beside over alone (see the module docstring).
+                  clock: Callable[[], float] = time.perf_counter,
+                  alone_s: list[float] | None = None) -> list[float]:
+    """[len(batches)] each size's step beside over alone (see the module docstring); given
+    `alone_s`, each size's step alone (s, the median over its rounds) is appended to it.
     step_for(B) -> one decode step of batch B (made once per size); beside(on) switches the
-    neighbour's prefills on (returning once one runs) or off (once none does). Rounds
+    neighbour's work on (returning once it runs) or off (once it has stopped). Rounds
     alternate their order (alone then beside, beside then alone: the block after a switch
     is not always the same kind), and each block's first step after a switch is not timed
     (its caches were the other kind's)."""
@@ -58,15 +60,18 @@ def paired_ratios(step_for: Callable[[int], Callable[[], Any]], batches: list[in
     ratios = []
     for b in batches:
         step = step_for(b)  # (its first, slower step is the first block's untimed one)
-        per_round = []
+        per_round, alone = [], []
         for r in range(rounds):
             if r % 2 == 0:
-                alone_s = block(step)
-                per_round.append(timed_beside(step) / alone_s)
+                alone.append(block(step))
+                per_round.append(timed_beside(step) / alone[-1])
             else:
                 beside_s = timed_beside(step)
-                per_round.append(beside_s / block(step))
+                alone.append(block(step))
+                per_round.append(beside_s / alone[-1])
         ratios.append(float(statistics.median(per_round)))
+        if alone_s is not None:
+            alone_s.append(float(statistics.median(alone)))
         del step  # its batched cache goes before the next size's is made
     return ratios
 

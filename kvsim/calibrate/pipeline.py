@@ -256,9 +256,10 @@ def calibrate(cfg: Config) -> list[dict]:
         from kvsim.calibrate.beside_worker import measure_beside_worker
 
         near = min(kvs, key=lambda c: (abs(c - cfg.beside_worker_tokens), c))
+        spec = resolve_codec(cfg.beside_worker_codec)
         hw_doc["tpot_beside_worker"] = measure_beside_worker(
-            lm, resolve_codec(cfg.beside_worker_codec).build(), kvs[near], list(cfg.batches),
-            max(4, cfg.steps // 2), say, cfg.split_cpus)
+            lm, spec.build(), kvs[near], list(cfg.batches), max(4, cfg.steps // 2), say,
+            cfg.split_cpus, spec.label)
     hw_doc.update(name=profile_name(cfg), **prov)
     # the host, probed as `kvsim sim` / `kvsim validate` probe theirs (kvsim.model.host)
     from kvsim.calibrate.host_probe import PROBE_STEPS, StepProbe, host_record, probe_contexts

@@ -20,9 +20,11 @@ and optionally (written by `kvsim calibrate`)
                                     median ("measured", which ratio is fitted to), the
                                     fit and whether it ran on split CPUs
   "tpot_beside_worker": {"context_tokens": c, "codec": name, "batch": [...],
-                         "ratio": [...]}   the same beside a thread running the receiver's
-                                    on-arrival worker's layer jobs of `codec` back to
-                                    back (>= 1; workload.worker_slows_decode;
+                         "ratio": [...], "extra_s": e}   the same beside a thread running
+                                    the receiver's on-arrival worker's layer jobs of
+                                    `codec` back to back; what the simulator uses is
+                                    extra_s, the s such a worker adds to a step (>= 0;
+                                    workload.worker_slows_decode;
                                     kvsim.calibrate.beside_worker)
   "cache_build": {"gb_per_s": x}    building the model's cache from dequantized layers (GB/s
                                     of bf16 cache; deserializer=on_arrival, where it is the
@@ -171,10 +173,16 @@ def _check_beside(path: Path, key: str, entry: object) -> None:
         v = entry.get(name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{where}: {name} must be an integer >= 1, got {v!r}")
-    if key == "tpot_beside_worker" and not (isinstance(entry.get("codec"), str)
-                                            and entry["codec"]):
+    if key != "tpot_beside_worker":
+        return
+    if not (isinstance(entry.get("codec"), str) and entry["codec"]):
         raise ValueError(f"{where}: codec must name the codec whose layers the worker "
                          f"dequantized, got {entry.get('codec')!r}")
+    extra = entry.get("extra_s")
+    if isinstance(extra, bool) or not isinstance(extra, (int, float)) or \
+            not math.isfinite(extra) or extra < 0:
+        raise ValueError(f"{where}: extra_s must be a number >= 0 (s a busy worker adds to a "
+                         f"step), got {extra!r}")
 
 
 def load_profile(name_or_path: str, model_name: str) -> dict:

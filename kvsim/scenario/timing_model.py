@@ -150,17 +150,29 @@ class TimingModel:
         workload.colocated_prefill, which needs it measured."""
         return self._beside_ratio("tpot_beside_prefill", batch)
 
-    def beside_worker_ratio(self, batch: int) -> float:
-        """A decode step of `batch` members while an on-arrival worker dequantizes on the
-        same host, over the same step alone: the profile's `tpot_beside_worker`
-        (kvsim.calibrate.beside_worker), interpolated between its batch sizes and held
-        beyond them. For workload.worker_slows_decode, which needs it measured."""
-        return self._beside_ratio("tpot_beside_worker", batch)
+    def beside_worker_extra_s(self) -> float:
+        """What a decode step costs beyond itself while an on-arrival worker dequantizes on
+        the same host (s, whatever the batch: kvsim.calibrate.beside_worker): the profile's
+        `tpot_beside_worker.extra_s`. For workload.worker_slows_decode, which needs it
+        measured."""
+        return float(self._beside_entry("tpot_beside_worker")["extra_s"])
 
     _BESIDE_CALIBRATION = {"tpot_beside_prefill": ("a prefill on the same host",
                                                    "beside_prefill_tokens=<prompt tokens>"),
                            "tpot_beside_worker": ("the receiver's on-arrival worker",
                                                   "beside_worker_tokens=<prompt tokens>")}
+
+    def _beside_entry(self, key: str) -> dict:
+        """The profile's `key` entry; refused, with the calibration that measures it, where
+        the profile has none."""
+        entry = self._profile.get(key) if self._profile else None
+        if not entry:
+            beside, setting = self._BESIDE_CALIBRATION[key]
+            raise ValueError(
+                f"a decode step beside {beside} was not measured for {self.model.name} on "
+                f"{self.hw.name} (the hardware profile has no {key}: `kvsim calibrate "
+                f"{setting}`)")
+        return entry
 
     def _beside_ratio(self, key: str, batch: int) -> float:
         """The profile's `key` ratio at `batch` members. Memoized: a decode batch asks at
@@ -168,13 +180,7 @@ class TimingModel:
         hit = self._beside_cache.get((key, batch))
         if hit is not None:
             return hit
-        curve = self._profile.get(key) if self._profile else None
-        if not curve:
-            beside, setting = self._BESIDE_CALIBRATION[key]
-            raise ValueError(
-                f"a decode step beside {beside} was not measured for {self.model.name} on "
-                f"{self.hw.name} (the hardware profile has no {key}: `kvsim calibrate "
-                f"{setting}`)")
+        curve = self._beside_entry(key)
         value = self._beside_cache[(key, batch)] = float(np.interp(batch, curve["batch"],
                                                                    curve["ratio"]))
         return value

@@ -47,10 +47,11 @@ workload.worker_slows_decode (the decode instance's on-arrival workers dequantiz
 processor that steps the batch, as `kvsim serve` runs them): while a request is received
 (kvsim.sim.run: from its first message's arrival until its cache is dequantized, or until
 it joins to draft, when its own draft overhead takes over), its worker is busy a projected
-share u of that time (kvsim.sim.worker_load.receiver_busy_fraction), and a step advances
-at 1 / r of its rate while the worker works (r: TimingModel.beside_worker_ratio(computing
-members)), so at (1 - u (1 - 1/r)) on average: every step costs 1 / (1 - U (1 - 1/r)) of
-itself, U the shares of the requests received now, summed (at most 1).
+share u of that time (kvsim.sim.worker_load.receiver_busy_fraction), and a step of step_s
+takes step_s + e while the worker works (e: TimingModel.beside_worker_extra_s, whatever the
+batch), r = 1 + e / step_s times as long, so the clock runs at (1 - u (1 - 1/r)) of its
+rate on average: every step costs 1 / (1 - U (1 - 1/r)) of itself, U the shares of the
+requests received now, summed (at most 1).
 """
 
 from __future__ import annotations
@@ -474,9 +475,9 @@ class DecodeBatch:
                 self.step_s *= self.timing.beside_prefill_ratio(self._seqs)
             if self._received:
                 busy = min(1.0, sum(self._received.values()))
-                if busy > 0.0:
-                    ratio = self.timing.beside_worker_ratio(self._seqs)
-                    self.step_s /= 1.0 - busy * (1.0 - 1.0 / ratio)
+                if busy > 0.0:  # (extra / (step + extra) = 1 - 1/r)
+                    extra_s = self.timing.beside_worker_extra_s()
+                    self.step_s /= 1.0 - busy * extra_s / (self.step_s + extra_s)
         self._mark()
         self._arm()
 

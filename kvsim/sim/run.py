@@ -255,7 +255,7 @@ class Scenario:
                     f"workload.worker_slows_decode slows the decode steps while a request's "
                     f"on-arrival worker dequantizes its layers; deserializer="
                     f"{cfg.deserializer} has no such worker: use deserializer=on_arrival")
-            self.timing.beside_worker_ratio(1)  # refused here where it was not measured
+            self.timing.beside_worker_extra_s()  # refused here where it was not measured
         env = self.env = CountingEnvironment()
         class_weight: Callable[[Any], float] | None = None
         if cfg.link.scheduling == "weighted":  # GPS between streams, weight r^stream
