@@ -584,7 +584,7 @@ class Scenario:
             overhead_s = busy_share_overhead_s(
                 busy_s, self.timing.tpot_s(req.context_tokens),
                 receiver_busy_fraction(receivers, self.env.now,
-                                            self.timing.draft_ingest_s_per_byte()))
+                                       self.timing.draft_ingest_s_per_byte()))
         # shared / per_stream: the deserializer dequantizes the later streams on this
         # instance while the request drafts; with dequant_contention > 0 the drafts lose
         # that share of its work (its projected busy share of the window, until full ready)
