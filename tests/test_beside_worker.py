@@ -47,13 +47,19 @@ def test_the_neighbour_runs_the_workers_jobs_only_while_on():
 def test_a_failing_job_is_raised_by_the_switch():
     _, kv = _kv()
     neighbour = WorkerNeighbour(resolve_codec("int8").build(), kv)
-    with neighbour:
-        def broken(i: int) -> None:
-            raise OSError("disk gone")
+
+    def broken(i: int) -> None:
+        raise OSError("disk gone")
+    with pytest.raises(RuntimeError, match="worker neighbour failed.*disk gone"), neighbour:
         neighbour.job = broken  # type: ignore[method-assign]
-        with pytest.raises(RuntimeError, match="worker neighbour failed.*disk gone"):
-            neighbour.running(True)
-            neighbour.running(False)
+        neighbour.running(True)
+
+
+def test_a_job_that_fails_after_the_last_switch_is_raised_on_exit():
+    _, kv = _kv()
+    neighbour = WorkerNeighbour(resolve_codec("int8").build(), kv)
+    with pytest.raises(RuntimeError, match="worker neighbour failed.*late"), neighbour:
+        neighbour.error = OSError("late")  # as the thread leaves it
 
 
 def test_a_codec_without_layer_jobs_is_refused():

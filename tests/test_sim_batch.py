@@ -398,17 +398,34 @@ def test_overlapping_colocated_prefills_slow_the_steps_once():
         batch.prefills_running(-1)
 
 
-def _colocated_cfg(tmp_path, colocated: bool, beside: dict | None) -> SimConfig:
+def _measured_cfg(tmp_path, entries: dict, **workload) -> SimConfig:
+    """_two_request_cfg (B at 0.5 s) on a measured profile with `entries` added, and these
+    workload settings."""
     prof = tmp_path / "profile.json"
-    doc = {"model": "tiny", "prefill": {"tokens": [1, 4096], "s": [0.01, 0.4]},
-           "tpot": {"context_tokens": [1, 4096], "s": [0.02, 0.03]}}
-    if beside:
-        doc["tpot_beside_prefill"] = beside
-    prof.write_text(json.dumps(doc))
+    prof.write_text(json.dumps({
+        "model": "tiny", "prefill": {"tokens": [1, 4096], "s": [0.01, 0.4]},
+        "tpot": {"context_tokens": [1, 4096], "s": [0.02, 0.03]}, **entries}))
     cfg = _two_request_cfg(tmp_path, 0.5)
     cfg.hardware = replace(HW, profile=str(prof))
-    cfg.workload = replace(cfg.workload, colocated_prefill=colocated)
+    cfg.workload = replace(cfg.workload, **workload)
     return cfg
+
+
+def _off_and_on(cfg_for, row_key: str) -> list[list]:
+    """The records (by seq) of the scenario cfg_for(False), then cfg_for(True), whose row says
+    `row_key` only when on."""
+    runs = []
+    for on in (False, True):
+        cfg = cfg_for(on)
+        sc = Scenario(cfg, variants(cfg)[0], 1000, 100.0)
+        assert sc.run().get(row_key, False) is on
+        runs.append(sorted(sc.records, key=lambda r: r.seq))
+    return runs
+
+
+def _colocated_cfg(tmp_path, colocated: bool, beside: dict | None) -> SimConfig:
+    return _measured_cfg(tmp_path, {"tpot_beside_prefill": beside} if beside else {},
+                         colocated_prefill=colocated)
 
 
 def test_a_colocated_prefill_slows_a_decoding_request_while_it_runs(tmp_path):
@@ -416,17 +433,12 @@ def test_a_colocated_prefill_slows_a_decoding_request_while_it_runs(tmp_path):
     # instance) runs 0.5 s .. 0.5 + prefill_s(3000); A's steps meanwhile take 1.5x
     beside = {"context_tokens": 1000, "prefill_tokens": 3000, "batch": [1, 2],
               "ratio": [1.5, 1.2]}
-    runs = {}
-    for colocated in (False, True):
-        cfg = _colocated_cfg(tmp_path, colocated, beside)
-        sc = Scenario(cfg, variants(cfg)[0], 1000, 100.0)
-        row = sc.run()
-        runs[colocated] = sorted(sc.records, key=lambda r: r.seq)
-        assert row.get("colocated_prefill", False) is colocated
-    (a0, b0), (a1, b1) = runs[False], runs[True]
+    (a0, b0), (a1, b1) = _off_and_on(
+        lambda on: _colocated_cfg(tmp_path, on, beside), "colocated_prefill")
     p0, p1 = b1.prefill_start_t, b1.prefill_end_t
+    timing = TimingModel(MODEL, _colocated_cfg(tmp_path, True, beside).hardware)
     assert (p0, p1) == (b0.prefill_start_t, b0.prefill_end_t) == pytest.approx(
-        (0.5, 0.5 + TimingModel(MODEL, cfg.hardware).prefill_s(3000)), rel=1e-12)
+        (0.5, 0.5 + timing.prefill_s(3000)), rel=1e-12)
     assert a1.decode_start_t < p0 and a1.timeline.token_t[-1] > p1  # A decodes throughout
     t0, t1 = a0.timeline.token_t, a1.timeline.token_t
     step = float(np.diff(t0[:2])[0])
@@ -555,16 +567,9 @@ def test_a_received_request_slows_the_steps_by_its_workers_busy_share():
 
 def _worker_cfg(tmp_path, slows: bool, beside: dict | None,
                 deserializer: str = "on_arrival") -> SimConfig:
-    prof = tmp_path / "profile.json"
-    doc = {"model": "tiny", "prefill": {"tokens": [1, 4096], "s": [0.01, 0.4]},
-           "tpot": {"context_tokens": [1, 4096], "s": [0.02, 0.03]}}
-    if beside:
-        doc["tpot_beside_worker"] = beside
-    prof.write_text(json.dumps(doc))
-    cfg = _two_request_cfg(tmp_path, 0.5)
-    cfg.hardware = replace(HW, profile=str(prof))
+    cfg = _measured_cfg(tmp_path, {"tpot_beside_worker": beside} if beside else {},
+                        worker_slows_decode=slows)
     cfg.link = replace(cfg.link, bandwidth_gbps=0.1)  # B's reception overlaps A's decode
-    cfg.workload = replace(cfg.workload, worker_slows_decode=slows)
     cfg.deserializer = deserializer
     return cfg
 
@@ -584,14 +589,8 @@ def test_a_received_request_slows_a_decoding_request_while_its_worker_works(tmp_
         told.append((self.env.now, seq, share))
         real(self, seq, share)
     monkeypatch.setattr(DecodeBatch, "receiving", spy)
-    runs = {}
-    for slows in (False, True):
-        cfg = _worker_cfg(tmp_path, slows, beside)
-        sc = Scenario(cfg, variants(cfg)[0], 1000, 100.0)
-        row = sc.run()
-        runs[slows] = sorted(sc.records, key=lambda r: r.seq)
-        assert row.get("worker_slows_decode", False) is slows
-    (a0, b0), (a1, b1) = runs[False], runs[True]
+    (a0, b0), (a1, b1) = _off_and_on(
+        lambda on: _worker_cfg(tmp_path, on, beside), "worker_slows_decode")
     begins = {seq: (t, share) for t, seq, share in told if share is not None}
     ends = {seq: t for t, seq, share in told if share is None}
     assert set(begins) == set(ends) == {0, 1}
@@ -623,7 +622,7 @@ def test_worker_slows_decode_needs_the_measurement_and_a_worker(tmp_path):
               "extra_s": 0.02}
     cfg = _worker_cfg(tmp_path, True, beside, deserializer="shared")
     with pytest.raises(ValueError, match="deserializer=shared has no such worker"):
-        Scenario(cfg, variants(cfg)[0], 1000, 100.0).run()
+        cfg.validate()
     ecfg = EmulateConfig(model=MODEL, hardware=HW)
     ecfg.workload = replace(ecfg.workload, worker_slows_decode=True)
     with pytest.raises(ValueError, match="worker_slows_decode tells the simulator"):

@@ -122,20 +122,27 @@ def test_the_calibration_times_what_the_multi_request_case_runs(monkeypatch, tmp
 def test_the_simulator_mirrors_one_host_where_the_profile_measured_it(tmp_path):
     """multi.decode=real with a profile that timed steps beside a prefill: the simulator
     slows its steps while a prefill runs (workload.colocated_prefill); not otherwise."""
+    from pathlib import Path
+
+    from kvsim.fidelity.runner import Profiles
     from kvsim.fidelity.validation import _colocated
 
-    plain, beside = tmp_path / "plain.json", tmp_path / "beside.json"
-    plain.write_text(json.dumps({"model": "m"}))
-    beside.write_text(json.dumps({"model": "m", "tpot_beside_prefill": {"batch": [1]}}))
+    def profiles(doc: dict, dequantize: str = "on_arrival") -> Profiles:
+        hw = tmp_path / f"hw{len(list(tmp_path.iterdir()))}.json"
+        hw.write_text(json.dumps({"model": "m", **doc}))
+        return Profiles(hw, Path("ct.json"), {}, dequantize)
+
+    plain = profiles({})
+    beside = profiles({"tpot_beside_prefill": {"batch": [1]}})
     real, timing = MultiConfig(decode="real"), MultiConfig()
     assert _colocated(real, beside) == ["workload.colocated_prefill=true"]
     assert _colocated(real, plain) == [] and _colocated(timing, beside) == []
-    both = tmp_path / "both.json"
-    both.write_text(json.dumps({"model": "m", "tpot_beside_prefill": {"batch": [1]},
-                                "tpot_beside_worker": {"batch": [1]}}))
-    assert _colocated(real, both) == ["workload.colocated_prefill=true",
-                                      "workload.worker_slows_decode=true"]
-    assert _colocated(timing, both) == []
+    both = {"tpot_beside_prefill": {"batch": [1]}, "tpot_beside_worker": {"batch": [1]}}
+    assert _colocated(real, profiles(both)) == ["workload.colocated_prefill=true",
+                                                "workload.worker_slows_decode=true"]
+    assert _colocated(timing, profiles(both)) == []
+    # a receiver that dequantizes on demand has no worker to slow the steps
+    assert _colocated(real, profiles(both, "on_demand")) == ["workload.colocated_prefill=true"]
 
 
 def test_the_multi_case_gives_the_override_to_the_simulator_alone(monkeypatch, tmp_path):
@@ -163,7 +170,8 @@ def test_the_multi_case_gives_the_override_to_the_simulator_alone(monkeypatch, t
     hw = tmp_path / "hw.json"
     hw.write_text(json.dumps({"model": "smollm2-135m", "tpot_beside_prefill": {"batch": [1]},
                               "tpot_beside_worker": {"batch": [1]}}))
-    profiles = Profiles(hw, Path("ct.json"), {"token_bucket": Path("link.json")})
+    profiles = Profiles(hw, Path("ct.json"), {"token_bucket": Path("link.json")},
+                        "on_arrival")
     for decode, want in (("real", True), ("timing", False)):
         cfg = Config(model=load_model_preset("smollm2-135m"), multi=MultiConfig(decode=decode))
         try:

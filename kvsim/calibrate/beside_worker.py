@@ -15,14 +15,14 @@ measure_beside_worker times each decode batch size B on B copies of a real cache
 of `steps` steps alone and `steps` steps while a thread of this process runs the worker's
 job back to back: Codec.decode_layer of each layer of a real encoded cache in turn, fp32
 out, with the finite check the worker makes (kvsim.calibrate.paired_steps: ROUNDS rounds per
-size in alternating order; a size's ratio is the median over its rounds). The ratio falls
-as the batch grows, and what it adds to a step does not: on 2026-12-07 at 512 tokens, x
-2.00, 1.46, 1.41, 1.37, 1.43, 1.13, 1.26 and 1.27 for 1 to 8 members, about 75 ms each on
-steps of 80 to 320 ms (the decoder waits for the interpreter lock at each of its operations,
-a count that does not grow with the batch). So the simulator gets that extra, in s: the
-median over the sizes of (ratio - 1) x the size's step alone (`extra_s`), and a step of
-step_s beside a busy worker costs step_s + extra_s (`ratio`: 1 + extra_s / the step alone,
-at each size measured), with the residual of those ratios against the measured ones.
+size in alternating order; a size's ratio is the median over its rounds). The ratio falls as
+the batch grows, and what it adds to a step does not: on 2026-12-08 at 512 tokens, x 2.00,
+1.46, 1.41, 1.37, 1.43, 1.13, 1.26 and 1.27 for 1 to 8 members, 28 to 98 ms each (median 76)
+on steps of 89 to 223 ms (the decoder waits for the interpreter lock at each of its
+operations, a count that does not grow with the batch). So the simulator gets that extra, in
+s: the median over the sizes of (ratio - 1) x the size's step alone (`extra_s`), and a step
+of step_s beside a busy worker costs step_s + extra_s (`ratio`: 1 + extra_s / the step
+alone, at each size measured), with the residual of those ratios against the measured ones.
 """
 
 from __future__ import annotations
@@ -95,10 +95,21 @@ class WorkerNeighbour:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
         self._stop.set()
         self._go.set()  # (wakes its wait)
         self._thread.join(timeout=_SWITCH_TIMEOUT_S)
+        if exc_type is not None:  # what went wrong first is what is raised
+            return
+        if self._thread.is_alive():  # it would run on beside what is measured next
+            raise TimeoutError(f"the worker neighbour's job did not end within "
+                               f"{_SWITCH_TIMEOUT_S:.0f} s of its stop")
+        self.raise_failure()
+
+    def raise_failure(self) -> None:
+        """Raise what stopped the thread, if anything did."""
+        if self.error is not None:
+            raise RuntimeError(f"the worker neighbour failed: {self.error!r}") from self.error
 
     def running(self, on: bool, timeout_s: float = _SWITCH_TIMEOUT_S) -> None:
         """Start the jobs (returns once one runs) or stop them (returns once the job in
@@ -109,17 +120,14 @@ class WorkerNeighbour:
             self._go.clear()
         deadline = time.monotonic() + timeout_s
         while self._busy != on:
-            if self.error is not None:
-                raise RuntimeError(f"the worker neighbour failed: {self.error!r}") \
-                    from self.error
+            self.raise_failure()
             if not self._thread.is_alive():
                 raise RuntimeError("the worker neighbour's thread is not running")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the worker neighbour did not {'start' if on else 'stop'} "
                                    f"its jobs within {timeout_s:.0f} s")
             time.sleep(_POLL_S)
-        if self.error is not None:  # failed in a job after the switch was seen
-            raise RuntimeError(f"the worker neighbour failed: {self.error!r}") from self.error
+        self.raise_failure()  # failed in a job after the switch was seen
 
 
 @torch.no_grad()
@@ -141,9 +149,6 @@ def measure_beside_worker(lm: Any, codec: Any, kv: torch.Tensor, batches: list[i
     with pinned(decode_cpus), WorkerNeighbour(codec, kv) as neighbour:
         ratios = paired_ratios(lambda b: batch_stepper(lm, kv, b), list(batches), steps,
                                neighbour.running, alone_s=alone_s)
-        if neighbour.error is not None:  # (a failure after the last switch)
-            raise RuntimeError(f"the worker neighbour failed: {neighbour.error!r}") \
-                from neighbour.error
     fitted = step_extra(ratios, alone_s)
     progress(f"beside the worker, batch {list(batches)} at {kv.shape[3]} tokens: x " +
              ", ".join(f"{r:.3f}" for r in ratios) + f" (the simulator's: +"

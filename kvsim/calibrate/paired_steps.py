@@ -5,9 +5,10 @@ worker's dequantization in a thread of this one: kvsim.calibrate.beside_worker) 
 decode step by a few percent to a few tens, about what the host's own speed drifts over a
 minute. So each batch size is timed in rounds of a block of steps alone and a block beside
 the neighbour, the two in the same minute, and a size's ratio is the median over its
-rounds of (median step beside) / (median step alone). The simulator gets the
-least-squares line through the sizes' ratios over the batch size, with its residual: one
-size's rounds scatter by about the effect itself.
+rounds of (median step beside) / (median step alone). Beside a prefill the simulator gets
+the least-squares line through the sizes' ratios over the batch size, with its residual
+(slowdown_line: one size's rounds scatter by about the effect itself); beside the worker,
+what it adds to a step (kvsim.calibrate.beside_worker).
 """
 
 from __future__ import annotations

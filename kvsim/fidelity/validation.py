@@ -341,7 +341,8 @@ def _calibrate(cfg: Config, root: Path, name: str, emulations: list[str]) -> Non
     contexts = sorted(contexts)
     real_multi = cfg.multi.enabled and cfg.multi.decode == "real"
     worker_codec = next((c for c in cfg.multi.codecs
-                         if resolve_codec(c).build().layer_independent), None)
+                         if resolve_codec(c).build().layer_independent), None) \
+        if real_multi else None
     cal = CalConfig(model=cfg.model, name=name, contexts=contexts,
                     drafted=[1, 2, 4, 8, 16] if quick else [1, 2, 4, 8, 16, 32, 64],
                     codecs=sorted({str(c) for c in [*cfg.codecs, *cfg.multi.codecs]}),
@@ -728,7 +729,7 @@ def _resimulate(cfg: Config) -> dict:
                  d.get("rate_per_s")), []).append(d)
     distributions: list[dict] = []
     batched = _batch_steps(saved.multi)  # from the run's scenario files, where it kept them
-    colocated = _colocated(saved.multi, profiles.hardware)  # (its simulator's, as in _multi)
+    colocated = _colocated(saved.multi, profiles)  # (its simulator's, as in _multi)
     for (case, emulation, rate, ctx, per_s), saved_rows in groups.items():
         calibrated: dict[str, dict] | None = None  # the unscaled simulation, where needed
         measured_by: dict[str, dict] = {}
@@ -1267,7 +1268,7 @@ def _multi(cfg: Config, profiles: Any, started: float, run_dir: Path
     if not m.rates_per_s:
         return rows, distributions, (None, "")
     batched = _batch_steps(m)
-    colocated = _colocated(m, profiles.hardware)
+    colocated = _colocated(m, profiles)
     if m.decode == "real":
         _say_colocated(colocated)
     # one decode host for the three loads (they differ in arrivals alone)
@@ -1319,24 +1320,28 @@ _HOST_OVERRIDES = (
     ("tpot_beside_worker", "workload.worker_slows_decode=true", "the on-arrival workers"))
 
 
-def _colocated(m: MultiConfig, hardware: Path) -> list[str]:
+def _colocated(m: MultiConfig, profiles: Any) -> list[str]:
     """The simulator's overrides that mirror the emulator's one host in the multi-request
     case, where the emulator decodes with the real model: workload.colocated_prefill (its
     decode steps slowed while a prefill runs) where the hardware profile timed a step
     beside a prefill (kvsim.calibrate.beside_prefill), workload.worker_slows_decode (slowed
     while a request's on-arrival worker dequantizes) where it timed one beside the worker
-    (kvsim.calibrate.beside_worker); none otherwise (the timing-model decode sleeps the
-    profile's steps, which neither slows)."""
+    (kvsim.calibrate.beside_worker) and the receiver dequantizes on arrival (its codec
+    timing's mode: on demand there is no worker); none otherwise (the timing-model decode
+    sleeps the profile's steps, which neither slows)."""
     if m.decode != "real":
         return []
-    doc = json.loads(hardware.read_text())
-    return [override for entry, override, _ in _HOST_OVERRIDES if doc.get(entry)]
+    doc = json.loads(profiles.hardware.read_text())
+    return [override for entry, override, _ in _HOST_OVERRIDES if doc.get(entry) and
+            (entry != "tpot_beside_worker" or profiles.dequantize == "on_arrival")]
 
 
 def _say_colocated(overrides: list[str]) -> None:
     """One line on what the simulator's decode steps are slowed beside (real decode)."""
     beside = [what for _, override, what in _HOST_OVERRIDES if override in overrides]
     missing = [entry for entry, override, _ in _HOST_OVERRIDES if override not in overrides]
+    # (a worker measurement left out because the receiver dequantizes on demand is said
+    # as missing: calibrate=true measures both with dequantize=on_arrival)
     _say("multi-request: the simulator's decode steps " +
          (f"slowed beside {' and '.join(beside)}, as the profile measured them "
           f"({', '.join(o.split('=')[0] for o in overrides)})" if beside else "as alone") +

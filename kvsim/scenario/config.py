@@ -146,9 +146,9 @@ class WorkloadConfig:
     # the decode instances' on-arrival workers (deserializer=on_arrival) dequantize on the
     # processor that steps the batch, as `kvsim serve` runs them in its process (the
     # simulator only; kvsim validate sets it to mirror such a host): while a request is
-    # received, every step advances at the rate of the hardware profile's
-    # tpot_beside_worker ratio for the share of the time its worker is busy (timed by
-    # kvsim calibrate beside_worker_tokens=...; kvsim.sim.batch)
+    # received, a step costs the hardware profile's tpot_beside_worker.extra_s more for
+    # the share of the time its worker is busy (timed by kvsim calibrate
+    # beside_worker_tokens=...; kvsim.sim.batch); deserializer=on_arrival only
     worker_slows_decode: bool = False
     # which instances a request goes to (kvsim.sim.routing): least_loaded (fewest requests
     # in flight there) | round_robin | kv_aware (the longest prefix held, within
@@ -394,6 +394,11 @@ class SimConfig:
         self.model.validate()
         check_choice("granularity", self.granularity, GRANULARITIES)
         check_choice("deserializer", self.deserializer, DESERIALIZERS)
+        if self.workload.worker_slows_decode and self.deserializer != "on_arrival":
+            raise ValueError(
+                f"workload.worker_slows_decode slows the decode steps while a request's "
+                f"on-arrival worker dequantizes its layers; deserializer={self.deserializer} "
+                f"has no such worker: use deserializer=on_arrival")
         if isinstance(self.samples, bool) or not isinstance(self.samples, int) or \
                 self.samples < 1:
             raise ValueError(f"samples must be an integer >= 1, got {self.samples!r}")

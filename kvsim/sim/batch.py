@@ -45,13 +45,14 @@ change the rate as a batch change does.
 
 workload.worker_slows_decode (the decode instance's on-arrival workers dequantize on the
 processor that steps the batch, as `kvsim serve` runs them): while a request is received
-(kvsim.sim.run: from its first message's arrival until its cache is dequantized, or until
-it joins to draft, when its own draft overhead takes over), its worker is busy a projected
-share u of that time (kvsim.sim.worker_load.receiver_busy_fraction), and a step of step_s
-takes step_s + e while the worker works (e: TimingModel.beside_worker_extra_s, whatever the
-batch), r = 1 + e / step_s times as long, so the clock runs at (1 - u (1 - 1/r)) of its
-rate on average: every step costs 1 / (1 - U (1 - 1/r)) of itself, U the shares of the
-requests received now, summed (at most 1).
+(kvsim.sim.run: from its first message's release + the link's latency until its cache is
+dequantized, or until it joins to draft with an overhead that stands for its worker), its
+worker is busy a projected share u of that time
+(kvsim.sim.worker_load.receiver_busy_fraction), and a step of step_s takes step_s + e while
+the worker works (e: TimingModel.beside_worker_extra_s, whatever the batch), r = 1 + e /
+step_s times as long, so the clock runs at (1 - u (1 - 1/r)) of its rate on average: every
+step costs 1 / (1 - U (1 - 1/r)) of itself, U the shares of the requests received now,
+summed (at most 1).
 """
 
 from __future__ import annotations

@@ -250,11 +250,6 @@ class Scenario:
         if w.colocated_prefill:
             self.timing.beside_prefill_ratio(1)  # refused here where it was not measured
         if w.worker_slows_decode:
-            if cfg.deserializer != "on_arrival":
-                raise ValueError(
-                    f"workload.worker_slows_decode slows the decode steps while a request's "
-                    f"on-arrival worker dequantizes its layers; deserializer="
-                    f"{cfg.deserializer} has no such worker: use deserializer=on_arrival")
             self.timing.beside_worker_extra_s()  # refused here where it was not measured
         env = self.env = CountingEnvironment()
         class_weight: Callable[[Any], float] | None = None
@@ -462,7 +457,8 @@ class Scenario:
         """workload.worker_slows_decode: the request's reception on its decode instance
         begins when its first message arrives (its release + the link's latency; the
         message's own crossing left out) and ends when every stream is dequantized, or
-        when it joins its batch to draft (its draft overhead then covers its worker)."""
+        when it joins its batch to draft with an overhead that stands for its worker (the
+        draft step measured beside a busy worker: receiver_busy_draft_s)."""
         first = min(float(rx.carriers[0].release[0]) for rx in ps.receivers)
         latency_s = ps.receivers[0].carriers[0].link.latency_s
         call_later(self.env, max(0.0, first + latency_s - self.env.now), ps.reception_begins)
@@ -601,8 +597,8 @@ class Scenario:
             on_leave=ps.left, overhead_until_full=busy_s is not None or contended)
         if drafting:
             ps.member = member
-            if cfg.workload.worker_slows_decode:
-                ps.reception_ends()
+            if cfg.workload.worker_slows_decode and busy_s is not None:
+                ps.reception_ends()  # its draft overhead stands for its worker from now
             when_all_ready(receivers, ps.full_in)
         elif ps.reuse is not None:
             self._keep_prefix(ps)

@@ -110,11 +110,10 @@ def receiver_busy_fraction(receivers: list[Receiver], now: float,
     if ingest_s_per_byte <= 0.0:
         return share
     end = float(jobs_end.max())  # the worker's last job ends after the last arrival
-    before = [a for a in arrivals[:first_stream] if len(a)]
-    a0 = max(float(a.max()) for a in before) if first_stream else \
-        min(float(a.min()) for a in arrivals if len(a))
-    if first_stream and not before:
-        a0 = now
+    # from the last message of the streams before (none reported or projected: now), or
+    # from the first message of all
+    a0 = max((float(a.max()) for a in arrivals[:first_stream] if len(a)), default=now) \
+        if first_stream else min(float(a.min()) for a in arrivals if len(a))
     a1 = max(float(a.max()) for a in arrivals[first_stream:])
     lo, hi = max(now, a0), min(end, a1)
     if hi <= lo:
