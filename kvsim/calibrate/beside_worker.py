@@ -18,11 +18,12 @@ out, with the finite check the worker makes (kvsim.calibrate.paired_steps: ROUND
 size in alternating order; a size's ratio is the median over its rounds). The ratio falls as
 the batch grows, and what it adds to a step does not: on 2026-12-08 at 512 tokens, x 2.00,
 1.46, 1.41, 1.37, 1.43, 1.13, 1.26 and 1.27 for 1 to 8 members, 28 to 98 ms each (median 76)
-on steps of 89 to 223 ms (the decoder waits for the interpreter lock at each of its
-operations, a count that does not grow with the batch). So the simulator gets that extra, in
-s: the median over the sizes of (ratio - 1) x the size's step alone (`extra_s`), and a step
-of step_s beside a busy worker costs step_s + extra_s (`ratio`: 1 + extra_s / the step
-alone, at each size measured), with the residual of those ratios against the measured ones.
+on steps of 98 to 236 ms (as if the decoder waited for the interpreter lock at each of its
+operations, a count that does not grow with the batch: not measured). So the simulator gets
+that extra, in s: the median over the sizes of (ratio - 1) x the size's step alone
+(`extra_s`), and a step of step_s beside a busy worker costs step_s + extra_s (`ratio`: 1 +
+extra_s / the step alone, at each size measured), with the residual of those ratios against
+the measured ones.
 """
 
 from __future__ import annotations
