@@ -142,9 +142,13 @@ def _check_curve(path: Path, doc: dict, key: str, xs: str, scalar_x: str = "") -
 
 
 # entries of a decode step beside other work, over the step alone: key -> (what it is
-# beside, its integer fields besides context_tokens)
-BESIDE_ENTRIES = {"tpot_beside_prefill": ("a prefill", ("prefill_tokens",)),
-                  "tpot_beside_worker": ("the on-arrival worker", ())}
+# beside, its integer fields besides context_tokens, the `kvsim calibrate` setting that
+# measures it)
+BESIDE_ENTRIES = {
+    "tpot_beside_prefill": ("a prefill on the same host", ("prefill_tokens",),
+                            "beside_prefill_tokens=<prompt tokens>"),
+    "tpot_beside_worker": ("the receiver's on-arrival worker", (),
+                           "beside_worker_tokens=<prompt tokens>")}
 
 
 def _check_beside(path: Path, key: str, entry: object) -> None:
@@ -154,7 +158,7 @@ def _check_beside(path: Path, key: str, entry: object) -> None:
     where = f"hardware profile {path}: {key}"
     if not isinstance(entry, dict):
         raise ValueError(f"{where} must be a mapping")
-    beside, ints = BESIDE_ENTRIES[key]
+    beside, ints, _ = BESIDE_ENTRIES[key]
     batch, ratio = entry.get("batch"), entry.get("ratio")
 
     def numbers(v: object) -> bool:

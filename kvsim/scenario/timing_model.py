@@ -24,7 +24,7 @@ import math
 import numpy as np
 
 from kvsim.model.hardware import HardwareSpec
-from kvsim.model.hardware_profile import load_profile
+from kvsim.model.hardware_profile import BESIDE_ENTRIES, load_profile
 from kvsim.model.spec import ModelSpec
 
 
@@ -50,7 +50,7 @@ class TimingModel:
         self._draft_step = draft_step if draft_step is not None else \
             (self._profile.get("draft_step") if self._profile else None)
         self._tpot_cache: dict[tuple[int, int], float] = {}
-        self._beside_cache: dict[tuple[str, int], float] = {}  # (entry, members) -> ratio
+        self._beside_cache: dict[int, float] = {}  # members -> beside_prefill_ratio
         self._step_rates: tuple[float, float] | None = None
         self._weight_read_bytes: dict[int, float] = {}  # new tokens -> weights a step reads
         # (new tokens, context) -> member_work, shared by every decode batch of a run
@@ -137,18 +137,18 @@ class TimingModel:
         """The profile measured a decode step beside a live prefill (`tpot_beside_prefill`)."""
         return bool(self._profile and self._profile.get("tpot_beside_prefill"))
 
-    @property
-    def beside_worker_measured(self) -> bool:
-        """The profile measured a decode step beside the on-arrival worker's jobs
-        (`tpot_beside_worker`)."""
-        return bool(self._profile and self._profile.get("tpot_beside_worker"))
-
     def beside_prefill_ratio(self, batch: int) -> float:
         """A decode step of `batch` members while a prefill runs on the same host, over the
         same step alone: the profile's `tpot_beside_prefill` (kvsim.calibrate.beside_prefill),
         interpolated between its batch sizes and held beyond them. For
-        workload.colocated_prefill, which needs it measured."""
-        return self._beside_ratio("tpot_beside_prefill", batch)
+        workload.colocated_prefill, which needs it measured. Memoized: a decode batch asks
+        at every change while a prefill runs."""
+        hit = self._beside_cache.get(batch)
+        if hit is None:
+            curve = self._beside_entry("tpot_beside_prefill")
+            hit = self._beside_cache[batch] = float(np.interp(batch, curve["batch"],
+                                                              curve["ratio"]))
+        return hit
 
     def beside_worker_extra_s(self) -> float:
         """What a decode step costs beyond itself while an on-arrival worker dequantizes on
@@ -157,33 +157,17 @@ class TimingModel:
         measured."""
         return float(self._beside_entry("tpot_beside_worker")["extra_s"])
 
-    _BESIDE_CALIBRATION = {"tpot_beside_prefill": ("a prefill on the same host",
-                                                   "beside_prefill_tokens=<prompt tokens>"),
-                           "tpot_beside_worker": ("the receiver's on-arrival worker",
-                                                  "beside_worker_tokens=<prompt tokens>")}
-
     def _beside_entry(self, key: str) -> dict:
         """The profile's `key` entry; refused, with the calibration that measures it, where
         the profile has none."""
         entry = self._profile.get(key) if self._profile else None
         if not entry:
-            beside, setting = self._BESIDE_CALIBRATION[key]
+            beside, _, setting = BESIDE_ENTRIES[key]
             raise ValueError(
                 f"a decode step beside {beside} was not measured for {self.model.name} on "
                 f"{self.hw.name} (the hardware profile has no {key}: `kvsim calibrate "
                 f"{setting}`)")
         return entry
-
-    def _beside_ratio(self, key: str, batch: int) -> float:
-        """The profile's `key` ratio at `batch` members. Memoized: a decode batch asks at
-        every change while what it is beside runs."""
-        hit = self._beside_cache.get((key, batch))
-        if hit is not None:
-            return hit
-        curve = self._beside_entry(key)
-        value = self._beside_cache[(key, batch)] = float(np.interp(batch, curve["batch"],
-                                                                   curve["ratio"]))
-        return value
 
     def first_step_extra_s(self, context_tokens: int) -> float:
         """What the first decode step on a freshly built cache costs beyond a later step
